@@ -1,0 +1,10 @@
+"""nanokv: a small LLM inference engine built around paged KV-cache memory management."""
+
+from nanokv.config import EngineConfig
+from nanokv.engine.llm import LLM
+from nanokv.engine.llm_engine import LLMEngine
+from nanokv.outputs import CompletionOutput, RequestOutput
+from nanokv.sampling_params import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput",
+           "CompletionOutput"]

@@ -1,0 +1,250 @@
+"""Block manager: allocation, ref counting, prefix caching and freeing of KV blocks.
+
+Vocabulary follows vLLM: `get_computed_blocks` finds prefix-cache hits, `allocate_slots` makes a
+request's block table cover the tokens it is about to compute, `free` returns its blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from nanokv.cache.block import FreeBlockQueue, KVCacheBlock
+from nanokv.cache.hashing import ROOT_HASH, hash_block
+from nanokv.request import Request
+
+
+@dataclass
+class BlockManagerStats:
+    """Counters the metrics exporter reads; lifetimes are drained by it."""
+
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # of those, tokens served from cache
+    evicted_blocks: Counter = field(default_factory=Counter)  # reason -> blocks
+    evicted_block_lifetimes: list[float] = field(default_factory=list)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 extra_keys: tuple = ()) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.extra_keys = tuple(extra_keys)  # engine-wide (KV dtype, policy ...)
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[int, KVCacheBlock] = {}  # block hash -> block
+        self.birth = [0.0] * num_blocks  # allocation time of each block
+        self.stats = BlockManagerStats()
+
+    # ---- accounting ----------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.free_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def blocks_for(self, num_slots: int) -> int:
+        return -(-num_slots // self.block_size)
+
+    def request_extra_keys(self, request: Request) -> tuple:
+        if request.cache_salt is None:
+            return self.extra_keys
+        return self.extra_keys + (("salt", request.cache_salt),)
+
+    # ---- prefix cache --------------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest chain of cached full blocks matching the request's tokens.
+
+        Capped so the last token is always computed (its logits are needed). Returns the blocks
+        and the number of tokens they hold. Nothing is touched; `allocate_slots` takes them.
+        """
+        if not self.enable_prefix_caching or request.num_computed_tokens > 0:
+            return [], 0
+        bs = self.block_size
+        extra = self.request_extra_keys(request)
+        hits: list[KVCacheBlock] = []
+        parent = ROOT_HASH
+        for i in range((request.num_tokens - 1) // bs):
+            tokens = tuple(request.token_ids_range(i * bs, (i + 1) * bs))
+            h = hash_block(parent, tokens, extra)
+            block = self.cached.get(h)
+            # compare content on every hit: a hash collision must never serve wrong K/V
+            if block is None or block.token_ids != tokens or block.extra_keys != (parent, extra):
+                break
+            hits.append(block)
+            parent = h
+        return hits, len(hits) * bs
+
+    # ---- allocation ----------------------------------------------------------------------------
+    def num_new_blocks_needed(self, request: Request, num_new_tokens: int,
+                              num_hit_blocks: int = 0) -> int:
+        slots = request.num_cached_slots + num_hit_blocks * self.block_size + num_new_tokens
+        return max(0, self.blocks_for(slots) - len(request.block_table) - num_hit_blocks)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[KVCacheBlock] | None = None) -> bool:
+        """Grow the block table to hold `num_new_tokens` more slots (after any prefix hits).
+
+        Returns False, changing nothing, when the pool cannot supply the blocks.
+        """
+        computed_blocks = computed_blocks or []
+        if computed_blocks and request.block_table:
+            raise RuntimeError("prefix hits can only be taken by a request without blocks")
+        need = self.num_new_blocks_needed(request, num_new_tokens, len(computed_blocks))
+        # hits that sit in the free queue stop being free once taken
+        hits_in_queue = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if need > self.num_free_blocks - hits_in_queue:
+            return False
+
+        now = time.monotonic()
+        for block in computed_blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+            request.block_table.append(block.block_id)
+            request.block_hashes.append(block.block_hash)
+        for _ in range(need):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:  # reusing a cached block evicts its content
+                self._uncache(block, now, reason="prefix_lru")
+            block.ref_cnt = 1
+            self.birth[block.block_id] = now
+            request.block_table.append(block.block_id)
+        request.peak_blocks = max(request.peak_blocks, len(request.block_table))
+
+        hit_tokens = len(computed_blocks) * self.block_size
+        self._cache_full_blocks(request, request.num_computed_tokens + hit_tokens + num_new_tokens)
+        return True
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks that are full once `num_tokens` tokens are computed."""
+        if not self.enable_prefix_caching or not request.prefix_cacheable:
+            return
+        bs = self.block_size
+        extra = self.request_extra_keys(request)
+        for i in range(len(request.block_hashes), num_tokens // bs):
+            parent = request.block_hashes[i - 1] if i > 0 else ROOT_HASH
+            tokens = tuple(request.token_ids_range(i * bs, (i + 1) * bs))
+            h = hash_block(parent, tokens, extra)
+            request.block_hashes.append(h)
+            if h in self.cached:  # the same content is already cached in another block
+                continue
+            block = self.blocks[request.block_table[i]]
+            block.block_hash, block.token_ids, block.extra_keys = h, tokens, (parent, extra)
+            self.cached[h] = block
+
+    def _uncache(self, block: KVCacheBlock, now: float, reason: str | None) -> None:
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.reset_hash()
+        if reason is not None:
+            self.stats.evicted_blocks[reason] += 1
+            self.stats.evicted_block_lifetimes.append(now - self.birth[block.block_id])
+
+    # ---- freeing -------------------------------------------------------------------------------
+    def free(self, request: Request, reason: str | None = None, drop_cache: bool = False) -> None:
+        """Release all of a request's blocks, tail first.
+
+        Unhashed blocks go to the front of the free queue (reused first), cached ones to the back
+        (least recently used first). `reason` counts the released blocks as evicted (e.g.
+        "preemption"); `drop_cache` unregisters their hashes (their content may be garbage, e.g.
+        after a failed step).
+        """
+        now = time.monotonic()
+        for block_id in reversed(request.block_table):
+            self._release(self.blocks[block_id], now, drop_cache)
+        if reason is not None and request.block_table:
+            self.stats.evicted_blocks[reason] += len(request.block_table)
+        request.block_table = []
+        request.block_hashes = []
+
+    def free_blocks_at(self, request: Request, indices: list[int], reason: str = "policy") -> None:
+        """Remove the blocks at `indices` of the request's block table (a KV policy's eviction).
+
+        The caller updates the request's token accounting; the request's cached content no longer
+        matches its token blocks, so it stops registering prefix-cache blocks.
+        """
+        drop = set(indices)
+        if not drop or max(drop) >= len(request.block_table) or min(drop) < 0:
+            raise ValueError(f"block indices {sorted(drop)} outside the request's table "
+                             f"of {len(request.block_table)} blocks")
+        now = time.monotonic()
+        for i in sorted(drop, reverse=True):
+            block = self.blocks[request.block_table[i]]
+            self._release(block, now, drop_cache=False)
+            self.stats.evicted_blocks[reason] += 1
+            self.stats.evicted_block_lifetimes.append(now - self.birth[block.block_id])
+        request.block_table = [b for i, b in enumerate(request.block_table) if i not in drop]
+        request.prefix_cacheable = False
+        request.block_hashes = request.block_hashes[:min(drop)]
+
+    def mark_content_changed(self, request: Request, from_block: int = 0) -> None:
+        """A policy rewrote the request's blocks from `from_block` on: never serve them as a
+        plain prefix again."""
+        now = time.monotonic()
+        for block_id in request.block_table[from_block:]:
+            block = self.blocks[block_id]
+            if block.block_hash is not None and block.ref_cnt == 1:
+                self._uncache(block, now, reason=None)
+        request.prefix_cacheable = False
+        request.block_hashes = request.block_hashes[:from_block]
+
+    def _release(self, block: KVCacheBlock, now: float, drop_cache: bool) -> None:
+        if block.ref_cnt <= 0:
+            raise RuntimeError(f"double free of {block}")
+        block.ref_cnt -= 1
+        if block.ref_cnt > 0:
+            return
+        block.last_freed = now
+        if drop_cache and block.block_hash is not None:
+            self._uncache(block, now, reason=None)
+        if block.block_hash is None:
+            self.free_queue.appendleft(block)
+        else:
+            self.free_queue.append(block)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block that no request holds. Returns how many were dropped."""
+        dropped = [b for b in self.cached.values() if b.ref_cnt == 0]
+        for block in dropped:
+            self._uncache(block, time.monotonic(), reason=None)
+        return len(dropped)
+
+    # ---- invariants ----------------------------------------------------------------------------
+    def check_invariants(self, live_requests: list[Request]) -> None:
+        """Raise RuntimeError if the block accounting is inconsistent with the live requests."""
+        refs = Counter()
+        for request in live_requests:
+            if len(set(request.block_table)) != len(request.block_table):
+                raise RuntimeError(f"{request} holds a block twice: {request.block_table}")
+            refs.update(request.block_table)
+        queued = list(self.free_queue)
+        if len(queued) != self.free_queue.num_free_blocks:
+            raise RuntimeError("free queue length disagrees with its counter")
+        if len(set(id(b) for b in queued)) != len(queued):
+            raise RuntimeError("a block appears twice in the free queue")
+        for block in self.blocks:
+            if block.ref_cnt != refs.get(block.block_id, 0):
+                raise RuntimeError(f"{block} has ref_cnt {block.ref_cnt} but "
+                                   f"{refs.get(block.block_id, 0)} live references")
+            if (block.ref_cnt == 0) != self.free_queue.contains(block):
+                raise RuntimeError(f"{block} free-queue membership disagrees with its ref count")
+            if block.block_hash is not None and self.cached.get(block.block_hash) is not block:
+                raise RuntimeError(f"{block} has a hash but is not the cached block for it")
+        for h, block in self.cached.items():
+            if block.block_hash != h:
+                raise RuntimeError(f"cache entry {h} points at {block}")
+        if self.num_free_blocks + sum(1 for b in self.blocks if b.ref_cnt > 0) != self.num_blocks:
+            raise RuntimeError("free + used blocks != total blocks")

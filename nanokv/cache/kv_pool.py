@@ -1,0 +1,52 @@
+"""The KV pool: ONE contiguous tensor for all layers, with per-layer views.
+
+    kv[0 = key | 1 = value, layer, block, slot in block, kv head, head dim]
+
+Next to it, `slot_positions[block, slot]` records the RoPE position of the token in each slot
+(-1 when empty): after eviction a slot index no longer equals its token's position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def bytes_per_block(self) -> int:
+        # + 4 bytes per slot for its recorded position
+        return self.block_size * (self.bytes_per_token + 4)
+
+
+class KVPool:
+    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device) -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        # zeros, not empty: padded slots are masked out, but 0 * NaN would still poison a sum
+        self.kv = torch.zeros(2, layout.num_layers, num_blocks, layout.block_size,
+                              layout.num_kv_heads, layout.head_dim,
+                              dtype=layout.dtype, device=device)
+        self.slot_positions = torch.full((num_blocks, layout.block_size), -1,
+                                         dtype=torch.int32, device=device)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of one layer: k_cache, v_cache, each [num_blocks, block_size, Hkv, D]."""
+        return self.kv[0, index], self.kv[1, index]
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes + self.slot_positions.nbytes

@@ -1,0 +1,30 @@
+"""Incremental output text and stop-string matching."""
+
+from __future__ import annotations
+
+from nanokv.request import Request
+
+
+def update_text(request: Request, tokenizer) -> str | None:
+    """Refresh `request.text` from its output tokens; return the stop string that matched, if
+    any (the text is then cut before it, or after it with include_stop_str_in_output)."""
+    if tokenizer is None:
+        return None
+    previous = len(request.text)
+    text = tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+    request.text = text
+    stops = request.params.stop
+    if not stops or request.num_output_tokens < request.params.min_tokens:
+        return None
+    longest = max(len(s) for s in stops)
+    search_from = max(0, previous - longest + 1)  # a stop may straddle the old/new boundary
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        at = text.find(stop, search_from)
+        if at >= 0 and (best is None or at < best[0]):
+            best = (at, stop)
+    if best is None:
+        return None
+    at, stop = best
+    request.text = text[:at + len(stop)] if request.params.include_stop_str_in_output else text[:at]
+    return stop

@@ -1,0 +1,230 @@
+"""Load a Hugging Face checkpoint directory: config, safetensors weights (strict), tokenizer,
+generation config."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+from nanokv.models.registry import model_class
+
+logger = logging.getLogger("nanokv")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    hf_config: object
+    dtype: torch.dtype
+    device: torch.device
+    eos_token_ids: tuple[int, ...]
+    tokenizer: object | None
+    dtype_note: str  # why this dtype was chosen (printed at start-up)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available; use 'cpu' or 'auto'")
+    return torch.device(device)
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: torch.dtype | None,
+                  device: torch.device) -> tuple[torch.dtype, str]:
+    if requested != "auto":
+        return _DTYPES[requested], f"dtype {requested} (requested)"
+    ckpt = checkpoint_dtype or torch.float32
+    if ckpt == torch.float32:
+        return ckpt, "dtype float32 (checkpoint dtype)"
+    if device.type == "cuda":
+        if ckpt == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            return torch.float16, "dtype float16 (this GPU has no native bfloat16)"
+        return ckpt, f"dtype {str(ckpt).removeprefix('torch.')} (checkpoint dtype)"
+    if ckpt == torch.bfloat16 and cpu_has_native_bf16():
+        return ckpt, "dtype bfloat16 (checkpoint dtype; this CPU has native bf16)"
+    return torch.float32, (f"dtype float32: the checkpoint is {str(ckpt).removeprefix('torch.')} "
+                           f"but this CPU has no native support for it")
+
+
+def load_hf_config(path: str):
+    if not os.path.isdir(path):
+        raise ValueError(f"model path {path!r} is not a directory; expected a local Hugging Face "
+                         f"checkpoint directory with config.json and *.safetensors")
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise ValueError(f"{cfg_file} is missing: a model directory needs config.json")
+    try:
+        with open(cfg_file) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
+    archs = raw.get("architectures") or []
+    if not archs:
+        raise ValueError(f"{cfg_file} names no 'architectures'")
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(path)
+    except Exception as e:  # transformers raises many types for a bad config
+        raise ValueError(f"could not parse {cfg_file}: {e}") from None
+    return cfg, archs[0]
+
+
+def checkpoint_dtype(cfg) -> torch.dtype | None:
+    dt = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    if isinstance(dt, str):
+        return _DTYPES.get(dt)
+    return dt if isinstance(dt, torch.dtype) else None
+
+
+def safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index: {e}") from None
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights found in {path}")
+    full = [os.path.join(path, f) for f in files]
+    for f in full:
+        if not os.path.isfile(f):
+            raise ValueError(f"weight file {f} listed in the index is missing")
+    return full
+
+
+def load_weights(model: torch.nn.Module, path: str) -> None:
+    """Copy checkpoint tensors into the model; raise on missing, unexpected or mis-shaped ones."""
+    params = dict(model.named_parameters())
+    # checkpoint tensor name -> (parameter, dim-0 offset, rows) for every slot to fill
+    targets: dict[str, tuple[torch.nn.Parameter, int, int]] = {}
+    for name, param in params.items():
+        ckpt_name = model.checkpoint_name(name)
+        packed = next(((src, dst, idx) for src, (dst, idx) in model.packed_modules.items()
+                       if f".{dst}." in ckpt_name), None)
+        if packed is None:
+            targets[ckpt_name] = (param, 0, param.shape[0])
+            continue
+        src, dst, _ = packed
+        sizes = _packed_sizes(model, dst, param)
+        siblings = [s for s, (d, _) in model.packed_modules.items() if d == dst]
+        for s in siblings:
+            idx = model.packed_modules[s][1]
+            offset = sum(sizes[:idx])
+            targets[ckpt_name.replace(f".{dst}.", f".{s}.")] = (param, offset, sizes[idx])
+
+    loaded: set[str] = set()
+    skip_suffixes = ("rotary_emb.inv_freq",)
+    for file in safetensors_files(path):
+        try:
+            handle = safe_open(file, framework="pt", device="cpu")
+        except Exception as e:
+            raise ValueError(f"weight file {file} is unreadable or corrupt: {e}") from None
+        with handle:
+            for key in handle.keys():
+                if key.endswith(skip_suffixes):
+                    continue
+                if key == "lm_head.weight" and model.lm_head is None:
+                    continue  # tied embeddings: the checkpoint may carry a copy
+                if key not in targets:
+                    raise ValueError(f"unexpected tensor {key!r} in {file}")
+                try:
+                    tensor = handle.get_tensor(key)
+                except Exception as e:
+                    raise ValueError(f"tensor {key!r} in {file} is unreadable: {e}") from None
+                param, offset, rows = targets[key]
+                expected = (rows,) + tuple(param.shape[1:])
+                if tuple(tensor.shape) != expected:
+                    raise ValueError(f"tensor {key!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {expected}")
+                with torch.no_grad():
+                    param.data[offset:offset + rows].copy_(tensor)
+                loaded.add(key)
+    missing = sorted(set(targets) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} tensor(s), e.g. {missing[:5]}")
+
+
+def _packed_sizes(model, dst: str, param: torch.nn.Parameter) -> list[int]:
+    cfg = model.config
+    if dst == "qkv_proj":
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        q = cfg.num_attention_heads * head_dim
+        kv = cfg.num_key_value_heads * head_dim
+        return [q, kv, kv]
+    if dst == "gate_up_proj":
+        return [cfg.intermediate_size, cfg.intermediate_size]
+    raise ValueError(f"unknown packed module {dst}")
+
+
+def load_eos_token_ids(path: str, cfg, tokenizer) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen_file = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_file):
+        try:
+            with open(gen_file) as f:
+                eos = json.load(f).get("eos_token_id")
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{gen_file} is not valid JSON: {e}") from None
+        ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if not ids:
+        eos = getattr(cfg, "eos_token_id", None)
+        ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise ValueError(f"could not load a tokenizer from {path}: {e}. Pass a tokenizer "
+                         f"directory, or skip_tokenizer_init=True for token-id prompts") from None
+
+
+def load_model(model_path: str, dtype: str = "auto", device: str = "auto",
+               max_positions: int | None = None, tokenizer_path: str | None = None,
+               skip_tokenizer_init: bool = False) -> LoadedModel:
+    cfg, arch = load_hf_config(model_path)
+    cls = model_class(arch)
+    dev = resolve_device(device)
+    torch_dtype, note = resolve_dtype(dtype, checkpoint_dtype(cfg), dev)
+    sliding = getattr(cfg, "sliding_window", None)
+    use_sliding = getattr(cfg, "use_sliding_window", sliding is not None)
+    n_pos = max_positions or cfg.max_position_embeddings
+    if sliding is not None and use_sliding and sliding < n_pos:
+        raise ValueError(f"sliding-window attention (window {sliding}) is not supported; "
+                         f"set max_model_len <= {sliding}")
+    with torch.device("meta"):
+        model = cls(cfg, n_pos)
+    model = model.to_empty(device=dev).to(torch_dtype)
+    model.rotary.build_tables(dev)
+    load_weights(model, model_path)
+    model.eval()
+    tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer_path or model_path)
+    eos = load_eos_token_ids(model_path, cfg, tokenizer)
+    return LoadedModel(model, cfg, torch_dtype, dev, eos, tokenizer, note)

@@ -1,0 +1,85 @@
+"""Turns a SchedulerOutput into one forward pass and sampled tokens.
+
+Prepares the flattened batch (input ids, positions, slot mapping), the attention metadata (block
+tables, context lengths), runs the model, computes logits only for rows that sample, samples.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanokv.cache.kv_pool import KVPool
+from nanokv.layers.attention import AttentionMetadata, PrefillSeq
+from nanokv.layers.sampler import Sampler
+from nanokv.scheduler.output import RunnerOutput, SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_pool: KVPool, device: torch.device,
+                 seed: int) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.device = device
+        self.block_size = kv_pool.layout.block_size
+        self.sampler = Sampler(seed)
+        for index, attn in enumerate(model.attention_layers()):
+            attn.k_cache, attn.v_cache = kv_pool.layer(index)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        input_ids, positions, meta, sample_rows = self.prepare(sched)
+        hidden = self.model(input_ids, positions, meta)  # [T, hidden]
+        self.kv_pool.slot_positions.view(-1)[meta.slot_mapping] = positions.to(torch.int32)
+        if not sample_rows:
+            return RunnerOutput({})
+        rows = torch.tensor(sample_rows, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])  # [N, vocab]
+        sampled = [s for s in sched.scheduled if s.sample]
+        tokens = self.sampler(logits, [s.params for s in sampled],
+                              [s.output_index for s in sampled])
+        return RunnerOutput({s.request_id: t for s, t in zip(sampled, tokens)})
+
+    def prepare(self, sched: SchedulerOutput):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSeq] = []
+        for s in sched.scheduled:
+            start = len(input_ids)
+            n = s.num_tokens
+            input_ids += s.token_ids
+            positions += range(s.start_position, s.start_position + n)
+            table = s.block_table
+            slots += [table[j // bs] * bs + j % bs for j in range(s.start_slot, s.start_slot + n)]
+            context = s.start_slot + n
+            if s.is_decode:
+                decode_tables.append(table[:-(-context // bs)])
+                decode_lens.append(context)
+            else:
+                blocks = torch.tensor(table[:-(-context // bs)], dtype=torch.long,
+                                      device=self.device)
+                prefills.append(PrefillSeq(start, n, context, blocks))
+            if s.sample:
+                sample_rows.append(start + n - 1)
+        num_decode = len(decode_tables)
+        if any(not s.is_decode for s in sched.scheduled[:num_decode]):
+            raise RuntimeError("decodes must come first in the batch")
+        decode_block_tables = decode_mask = None
+        if num_decode:
+            width = max(len(t) for t in decode_tables)
+            padded = [t + [0] * (width - len(t)) for t in decode_tables]
+            decode_block_tables = torch.tensor(padded, dtype=torch.long, device=self.device)
+            lens = torch.tensor(decode_lens, device=self.device)
+            span = torch.arange(width * bs, device=self.device)
+            decode_mask = (span[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            num_decode_tokens=num_decode, decode_block_tables=decode_block_tables,
+            decode_mask=decode_mask, prefills=prefills)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return ids, pos, meta, sample_rows

@@ -1,0 +1,109 @@
+"""Paged attention in PyTorch (CPU and CUDA), and the dense reference used as the test oracle.
+
+K/V of every new token are first written into the paged pool at its slot; then each query
+attends over its request's cached slots. Slots are in logical order, so causality is by slot
+index: query i of a chunk whose first slot is s0 sees slots [0, s0 + i].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    """One request's prefill chunk inside the flattened batch."""
+
+    query_start: int  # offset of its first token in the batch
+    query_len: int
+    context_len: int  # cached slots after this step (past + this chunk)
+    block_table: torch.Tensor  # [num_blocks] int64, covering context_len slots
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step by the runner, shared by all layers."""
+
+    slot_mapping: torch.Tensor  # [T] int64, flat pool slot of each new token
+    num_decode_tokens: int  # the first tokens of the batch are single-token decodes
+    decode_block_tables: torch.Tensor | None  # [B_dec, max_blocks] int64 (padded)
+    decode_mask: torch.Tensor | None  # [B_dec, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillSeq]
+    write_cache: bool = True  # False for the profiling run before the pool exists
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, Hq, D], k/v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D].
+    Returns [T, Hq, D]."""
+    if meta.write_cache:
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    nd = meta.num_decode_tokens
+    if nd:
+        out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, scale)
+    for seq in meta.prefills:
+        sl = slice(seq.query_start, seq.query_start + seq.query_len)
+        out[sl] = _prefill(q[sl], k[sl], v[sl], k_cache, v_cache, seq, scale)
+    return out
+
+
+def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    bsz = q.shape[0]
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    k = k_cache[meta.decode_block_tables]  # [B, max_blocks, block_size, Hkv, D]
+    v = v_cache[meta.decode_block_tables]
+    k = k.view(bsz, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, S, D]
+    v = v.view(bsz, -1, num_kv_heads, head_dim).transpose(1, 2)
+    qh = q.unsqueeze(2)  # [B, Hq, 1, D]
+    o = F.scaled_dot_product_attention(qh, k, v, attn_mask=meta.decode_mask, scale=scale,
+                                       enable_gqa=True)
+    return o.squeeze(2)  # [B, Hq, D]
+
+
+def _prefill(q, k, v, k_cache, v_cache, seq: PrefillSeq, scale: float) -> torch.Tensor:
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
+    if seq.context_len == seq.query_len:  # no past: attend over the chunk's own fresh K/V
+        kh = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+        vh = v.transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                           enable_gqa=True)
+    else:
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        kc = k_cache[seq.block_table].view(-1, num_kv_heads, head_dim)[:seq.context_len]
+        vc = v_cache[seq.block_table].view(-1, num_kv_heads, head_dim)[:seq.context_len]
+        kh = kc.transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
+        vh = vc.transpose(0, 1).unsqueeze(0)
+        past = seq.context_len - seq.query_len
+        rows = torch.arange(seq.query_len, device=q.device).unsqueeze(1)
+        cols = torch.arange(seq.context_len, device=q.device).unsqueeze(0)
+        mask = cols <= rows + past  # [L, S]
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)  # [L, Hq, D]
+
+
+def dense_reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              scale: float) -> torch.Tensor:
+    """Obviously-correct causal attention for one sequence, in float64.
+
+    q: [L, Hq, D] are the LAST L of the S tokens whose keys/values are k, v: [S, Hkv, D].
+    """
+    num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
+    group = num_q_heads // num_kv_heads
+    length, total = q.shape[0], k.shape[0]
+    qd, kd, vd = q.double(), k.double(), v.double()
+    kd = kd.repeat_interleave(group, dim=1)  # [S, Hq, D]
+    vd = vd.repeat_interleave(group, dim=1)
+    scores = torch.einsum("lhd,shd->hls", qd, kd) * scale  # [Hq, L, S]
+    past = total - length
+    allowed = torch.arange(total)[None, :] <= torch.arange(length)[:, None] + past
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = scores.softmax(-1)
+    return torch.einsum("hls,shd->lhd", probs, vd).to(q.dtype)  # [L, Hq, D]

@@ -1,0 +1,133 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flattened varlen batch.
+
+Tokens of all requests in a step are concatenated: hidden states are [T, hidden]. q/k/v and
+gate/up projections are packed into one matmul each; the loader splits the checkpoint's tensors
+into them (see `packed_modules`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanokv.layers.attention import AttentionMetadata, paged_attention
+from nanokv.layers.norm import RMSNorm
+from nanokv.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg, rotary: RotaryEmbedding, qk_norm: bool, bias: bool) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.rotary = rotary
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        # views into the engine's KV pool, set by the runner: [num_blocks, block_size, Hkv, D]
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(num_tokens, self.q_size))  # [T, Hq * D] -> [T, hidden]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported; supported: ['silu']")
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size,
+                                      bias=getattr(cfg, "mlp_bias", False))
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size,
+                                   bias=getattr(cfg, "mlp_bias", False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg, rotary: RotaryEmbedding, qk_norm: bool, bias: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, rotary, qk_norm, bias)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also serves MistralForCausalLM and Qwen2ForCausalLM (q/k/v bias)."""
+
+    qk_norm = False
+    qkv_bias = False
+    # checkpoint name -> (our name, shard index) for the packed projections
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        bias = self.qkv_bias or bool(getattr(cfg, "attention_bias", False))
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.rotary = RotaryEmbedding(cfg, head_dim, max_positions)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, self.rotary, self.qk_norm, bias)
+            for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T] -> hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()  # [N, vocab]
+
+    def attention_layers(self) -> list[LlamaAttention]:
+        return [layer.self_attn for layer in self.layers]
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        """Our parameter name -> the checkpoint's (`model.` prefix for the decoder)."""
+        return name if name.startswith("lm_head") else "model." + name
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

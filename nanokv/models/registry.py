@@ -1,0 +1,20 @@
+"""Architecture name (config.json `architectures[0]`) -> model class."""
+
+from __future__ import annotations
+
+from nanokv.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+
+MODEL_REGISTRY = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def model_class(architecture: str):
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(f"architecture {architecture!r} is not supported; supported: "
+                         f"{sorted(MODEL_REGISTRY)}") from None

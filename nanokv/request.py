@@ -1,0 +1,100 @@
+"""A request's tokens, status and block table. No torch here: the scheduler and the block manager
+work on this alone."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from nanokv.outputs import RequestMetrics
+from nanokv.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again after losing its blocks (recompute)
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """One generation request.
+
+    Logical length vs cache length: `num_computed_tokens` counts tokens whose K/V went through the
+    model (the position of the next token to compute). `num_evicted_tokens` counts those a KV
+    policy dropped from the cache since. The cache therefore holds
+    `num_cached_slots = num_computed_tokens - num_evicted_tokens` slots, and the next token is
+    written at slot `num_cached_slots` but rotated with position `num_computed_tokens`.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 prompt: str | None = None, eos_token_ids: tuple[int, ...] = (),
+                 cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.cache_salt = cache_salt
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+
+        self.num_computed_tokens = 0
+        self.num_evicted_tokens = 0
+        self.block_table: list[int] = []  # physical block ids, in logical order
+        self.block_hashes: list[int] = []  # chained hashes of this request's full token blocks
+        self.prefix_cacheable = True  # False once a policy changed the cached content
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling (-1: not yet)
+        self.num_preemptions = 0
+        self.peak_blocks = 0  # most blocks this request held at once
+        self.metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
+        self.text = ""  # detokenized output, maintained by the engine
+
+    # ---- token views -------------------------------------------------------------------------
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_cached_slots(self) -> int:
+        return self.num_computed_tokens - self.num_evicted_tokens
+
+    def token_id_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def token_ids_range(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")

@@ -1,0 +1,64 @@
+"""The plain-data seam between the scheduler and the model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nanokv.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    request_id: str
+    token_ids: list[int]  # tokens whose K/V this step computes
+    start_position: int  # RoPE position of token_ids[0] (the request's logical length so far)
+    start_slot: int  # cache slot of token_ids[0] (differs from the position after eviction)
+    block_table: list[int]  # physical block ids covering slots [0, start_slot + len(token_ids))
+    sample: bool  # True when this chunk ends at the request's last token: sample the next one
+    params: SamplingParams
+    output_index: int  # index of the output token to sample (seeds per-token generators)
+    past_token_ids: list[int] | None = None  # all tokens so far, only when a penalty needs them
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == 1 and self.start_slot > 0
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # decodes first, then prefill chunks
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class RunnerOutput:
+    sampled_token_ids: dict[str, int]  # request id -> next token, for requests with sample=True
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot for the metrics exporter."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_cache_usage: float  # fraction of blocks held by requests
+    num_preemptions: int  # total since start
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    evicted_blocks: dict[str, int]

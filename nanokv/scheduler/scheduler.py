@@ -1,0 +1,200 @@
+"""Continuous batching with chunked prefill and recompute preemption (vLLM v1 style).
+
+Each step spends one token budget: running requests first (decodes and unfinished prefill
+chunks), then waiting ones in arrival order. When the pool runs out of blocks the newest running
+request is preempted: its blocks are freed and it will be recomputed from scratch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from nanokv.cache.block_manager import BlockManager
+from nanokv.request import Request, RequestStatus
+from nanokv.scheduler.output import (RunnerOutput, ScheduledRequest, SchedulerOutput,
+                                     SchedulerStats)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int,
+                 enable_chunked_prefill: bool = True) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.num_preemptions = 0
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_tokens >= self.max_model_len:
+            raise ValueError(f"prompt has {request.num_tokens} tokens; max_model_len "
+                             f"{self.max_model_len} allows at most {self.max_model_len - 1}")
+        blocks = self.block_manager.blocks_for(request.num_tokens + 1)
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(f"prompt needs {blocks} KV blocks but the pool has only "
+                             f"{self.block_manager.num_blocks}")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Stop a request wherever it is and free its blocks. Unknown ids are ignored."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def finish(self, request: Request, status: RequestStatus, drop_cache: bool = False) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.block_manager.free(request, drop_cache=drop_cache)
+        request.status = status
+        request.metrics.finished_time = time.monotonic()
+        self.requests.pop(request.request_id, None)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        bm = self.block_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not bm.allocate_slots(request, num_new):
+                victim = self.running.pop()  # newest first
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if request in preempted:
+                break
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            i += 1
+
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and not preempted):
+            request = self.waiting[0]
+            hits, hit_tokens = bm.get_computed_blocks(request)
+            num_new = request.num_tokens - hit_tokens
+            if num_new > budget and not self.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not bm.allocate_slots(request, num_new, hits):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = hit_tokens
+            if request.num_cached_tokens < 0:  # first admission: count prefix-cache stats
+                request.num_cached_tokens = hit_tokens
+                bm.stats.prefix_cache_queries += request.num_prompt_tokens
+                bm.stats.prefix_cache_hits += hit_tokens
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = time.monotonic()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+        scheduled.sort(key=lambda s: not s.is_decode)  # decodes first, then prefill chunks
+        return SchedulerOutput(scheduled, [r.request_id for r in preempted])
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.token_ids_range(start, start + num_new),
+            start_position=start,
+            start_slot=request.num_cached_slots,
+            block_table=list(request.block_table),
+            sample=start + num_new == request.num_tokens,
+            params=request.params,
+            output_index=request.num_output_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request, reason="preemption")
+        request.num_computed_tokens = 0
+        request.num_evicted_tokens = 0
+        request.prefix_cacheable = True
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(self, output: SchedulerOutput,
+                           runner_output: RunnerOutput) -> list[Request]:
+        """Advance the scheduled requests; append sampled tokens; finish those that stop on a
+        token rule (EOS, stop token, max_tokens, max_model_len). Returns the requests that
+        received a new token."""
+        now = time.monotonic()
+        progressed = []
+        for s in output.scheduled:
+            request = self.requests.get(s.request_id)
+            if request is None:  # aborted meanwhile
+                continue
+            request.num_computed_tokens += s.num_tokens
+            if not s.sample:
+                continue
+            token = runner_output.sampled_token_ids[s.request_id]
+            request.output_token_ids.append(token)
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.last_token_time = now
+            progressed.append(request)
+            status = self._check_token_stop(request, token)
+            if status is not None:
+                self.finish(request, status)
+        return progressed
+
+    def _check_token_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.params
+        n = request.num_output_tokens
+        if n >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                request.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if n >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---- observability -------------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
+            kv_cache_usage=bm.usage, num_preemptions=self.num_preemptions,
+            prefix_cache_queries=bm.stats.prefix_cache_queries,
+            prefix_cache_hits=bm.stats.prefix_cache_hits,
+            evicted_blocks=dict(bm.stats.evicted_blocks))
+
+    def check_invariants(self) -> None:
+        live = [r for r in self.running] + [r for r in self.waiting if r.block_table]
+        self.block_manager.check_invariants(live)
+        for request in self.waiting:
+            if request.block_table:
+                raise RuntimeError(f"waiting {request} holds blocks")
+        for request in self.running:
+            need = self.block_manager.blocks_for(request.num_cached_slots)
+            if len(request.block_table) < need:
+                raise RuntimeError(f"{request} holds fewer blocks than its cached slots need")
