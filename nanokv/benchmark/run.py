@@ -1,0 +1,43 @@
+"""`nanokv bench`: the engine on the shared random workload, with per-request latencies."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from nanokv.benchmark.workload import BenchResult, make_workload, summarize
+
+
+def run_bench(model: str, options: dict, num_requests: int, prompt_len: tuple[int, int],
+              output_len: tuple[int, int], seed: int, verbose: bool = True) -> BenchResult:
+    from nanokv import LLM, SamplingParams
+
+    options = {**options, "skip_tokenizer_init": True}
+    llm = LLM(model, **options)
+    engine = llm.engine
+    if verbose:
+        for line in engine.startup_lines:
+            print(f"[nanokv] {line}", file=sys.stderr)
+    workload = make_workload(num_requests, prompt_len, output_len,
+                             engine.hf_config.vocab_size, seed)
+    # warm-up (not timed): one short request
+    llm.generate([workload[0].prompt_token_ids[:16]],
+                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    engine.block_manager.reset_prefix_cache()
+
+    requests = [engine.make_request(r.prompt_token_ids,
+                                    SamplingParams(temperature=0, max_tokens=r.output_len,
+                                                   ignore_eos=True))
+                for r in workload]
+    peak = 0
+    t0 = time.perf_counter()
+    for request in requests:
+        engine.add_prepared(request)
+    while engine.has_unfinished_requests():
+        engine.step()
+        peak = max(peak, engine.block_manager.num_used_blocks)
+    elapsed = time.perf_counter() - t0
+    ttfts = [r.metrics.ttft for r in requests]
+    tpots = [r.metrics.tpot(r.num_output_tokens) for r in requests]
+    return summarize("nanokv", workload, elapsed, ttfts, [t for t in tpots if t is not None],
+                     peak_kv_blocks=peak)

@@ -1,0 +1,27 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from tiny_models import build_tiny_model  # noqa: E402
+
+# tiny models gain nothing from a second thread, and OpenMP threads spin badly on a busy machine
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny-llama")), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> str:
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny-qwen3")), "qwen3", seed=1)
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen3"])
+def tiny_model(request, tiny_llama, tiny_qwen3) -> str:
+    return {"llama": tiny_llama, "qwen3": tiny_qwen3}[request.param]

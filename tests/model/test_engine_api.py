@@ -1,0 +1,196 @@
+"""Engine API behaviour: validation, stop rules, seeds, streaming, abort, block accounting."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from nanokv import LLM, SamplingParams
+from nanokv.cli import main as cli_main
+from tiny_models import hf_greedy, load_hf
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(tiny_llama, block_size=16, max_model_len=128)
+
+
+def assert_no_blocks_held(llm):
+    bm = llm.engine.block_manager
+    llm.engine.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize("prompt,fragment", [
+    ([5] * 128, "max_model_len"),
+    ([], "empty"),
+    ("", "empty"),
+    ([1, 2, 100000], "token ids"),
+    ([1.5], "token ids"),
+])
+def test_bad_prompts_rejected_without_allocating(llm, prompt, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        llm.generate([[3, 4, 5], prompt], GREEDY)
+    assert_no_blocks_held(llm)
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.generate([[3, 4, 5]], GREEDY)[0].token_ids) == 8
+
+
+def test_unknown_and_bad_options(tiny_llama):
+    with pytest.raises(ValueError, match="unknown option.*max_num_seq"):
+        LLM(tiny_llama, max_num_seq=4)
+    for kwargs, fragment in [(dict(block_size=8), "block_size"),
+                             (dict(dtype="int3"), "dtype"),
+                             (dict(max_num_seqs=0), "max_num_seqs"),
+                             (dict(kv_cache_memory="lots"), "memory size"),
+                             (dict(kv_cache_memory_fraction=1.5), "fraction"),
+                             (dict(max_model_len=4096), "max_position_embeddings")]:
+        with pytest.raises(ValueError, match=fragment):
+            LLM(tiny_llama, **kwargs)
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_broken_model_directories(tiny_llama, tmp_path):
+    missing = _copy(tiny_llama, tmp_path / "missing")
+    os.remove(missing / "model.safetensors")
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        LLM(str(missing))
+
+    corrupt = _copy(tiny_llama, tmp_path / "corrupt")
+    (corrupt / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(ValueError, match="corrupt"):
+        LLM(str(corrupt))
+
+    no_config = _copy(tiny_llama, tmp_path / "noconfig")
+    os.remove(no_config / "config.json")
+    with pytest.raises(ValueError, match="config.json"):
+        LLM(str(no_config))
+
+    weights = load_file(os.path.join(tiny_llama, "model.safetensors"))
+    for name, change, fragment in [
+        ("lacks", lambda w: w.pop("model.layers.1.mlp.up_proj.weight"), "lacks"),
+        ("extra", lambda w: w.__setitem__("model.layers.9.foo", torch.zeros(2)), "unexpected"),
+        ("shape", lambda w: w.__setitem__("model.norm.weight", torch.zeros(3)), "shape"),
+    ]:
+        d = _copy(tiny_llama, tmp_path / name)
+        w = dict(weights)
+        change(w)
+        save_file(w, str(d / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=fragment) as err:
+            LLM(str(d))
+        if name == "lacks":
+            assert "up_proj" in str(err.value)
+
+
+def test_stop_rules(llm):
+    prompt = [7, 8, 9, 10]
+    free_run = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12,
+                                                     ignore_eos=True))[0]
+    tokens = free_run.token_ids
+    # a stop token id ends the output at its first occurrence (included in token ids)
+    stop_tok = tokens[5]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12,
+                                                stop_token_ids=[stop_tok], ignore_eos=True))[0]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop_tok
+    assert out.token_ids == tokens[:tokens.index(stop_tok) + 1]
+    # EOS stops unless ignore_eos; min_tokens defers it
+    eos = llm.engine.eos_token_ids
+    llm.engine.eos_token_ids = (stop_tok,)
+    try:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]
+        assert out.finish_reason == "stop" and out.token_ids[-1] == stop_tok
+        first = tokens.index(stop_tok)
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12,
+                                                    min_tokens=first + 2))[0]
+        # the first occurrence (output token first + 1) came before min_tokens: ignored
+        assert len(out.token_ids) > first + 1
+    finally:
+        llm.engine.eos_token_ids = eos
+    # a stop string cuts the text before it
+    text = free_run.text
+    if len(text) >= 4:
+        stop = text[2:4]
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop=[stop],
+                                                    ignore_eos=True))[0]
+        assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
+        assert stop not in out.text and text.startswith(out.text)
+    assert_no_blocks_held(llm)
+
+
+def test_max_model_len_ends_generation(llm):
+    out = llm.generate([[3] * 120], SamplingParams(temperature=0, max_tokens=50,
+                                                   ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 8
+
+
+def test_seeded_sampling_reproducible_across_batches(llm):
+    p = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True)
+    alone = llm.generate([[1, 2, 3]], p)[0].token_ids
+    batched = llm.generate([[9, 9, 9, 9], [1, 2, 3], [4] * 30],
+                           [SamplingParams(temperature=1.0, max_tokens=5), p, GREEDY])
+    assert batched[1].token_ids == alone
+    other_seed = SamplingParams(temperature=0.9, top_p=0.9, seed=8, max_tokens=10,
+                                ignore_eos=True)
+    assert llm.generate([[1, 2, 3]], other_seed)[0].token_ids != alone
+
+
+def test_streaming_steps_and_abort(llm, tiny_llama):
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    a = engine.add_request([5, 6, 7, 8], params)
+    b = engine.add_request(list(range(10, 50)), SamplingParams(temperature=0, max_tokens=100,
+                                                               ignore_eos=True))
+    streamed, final = [], None
+    aborted = False
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == a:
+                streamed += out.new_token_ids
+                if out.finished:
+                    final = out
+        if not aborted and final is not None:
+            assert engine.block_manager.num_used_blocks > 0  # b still holds blocks
+            out = engine.abort(b)
+            aborted = True
+            assert out.finish_reason == "abort"
+    assert streamed == final.token_ids and len(streamed) == 6
+    assert engine.abort("no-such-request") is None
+    assert_no_blocks_held(llm)
+    hf = load_hf(tiny_llama)
+    assert final.token_ids == hf_greedy(hf, [5, 6, 7, 8], 6)[0]
+
+
+def test_failed_step_frees_blocks(llm, monkeypatch):
+    engine = llm.engine
+    engine.block_manager.reset_prefix_cache()
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(engine.runner, "execute", boom)
+    with pytest.raises(RuntimeError, match="simulated"):
+        llm.generate([[1, 2, 3, 4] * 10], GREEDY)
+    monkeypatch.undo()
+    assert_no_blocks_held(llm)
+    assert not engine.block_manager.cached  # half-written blocks are never served
+    assert len(llm.generate([[1, 2, 3, 4] * 10], GREEDY)[0].token_ids) == 8
+
+
+def test_cli_generate_and_errors(tiny_llama, capsys):
+    assert cli_main(["generate", "--model", tiny_llama, "--prompt", "def add", "--max-tokens",
+                     "4", "--block-size", "16", "--max-model-len", "128", "--json"]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["prompt"] == "def add" and len(line["token_ids"]) <= 4
+    assert cli_main(["generate", "--model", tiny_llama, "--top-p", "2"]) == 2
+    assert "top_p" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["generate", "--model", tiny_llama, "--no-such-flag"])
