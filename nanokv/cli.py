@@ -1,4 +1,4 @@
-"""Command line: `nanokv generate | bench`.
+"""Command line: `nanokv generate | bench | serve`.
 
 Every engine option of `LLM(...)` is a flag here (`max_num_seqs` -> `--max-num-seqs`).
 """
@@ -156,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--workload-seed", type=int, default=0, help="seed of the random workload")
     b.add_argument("--json", action="store_true", help="print one JSON line")
     b.set_defaults(func=cmd_bench)
+
+    for module, hook in (("nanokv.server.cli", "add_serve_parser"),):
+        try:
+            add = getattr(__import__(module, fromlist=[hook]), hook)
+        except ImportError:
+            continue
+        add(sub, add_engine_args, engine_options)
     return parser
 
 
