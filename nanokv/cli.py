@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from nanokv.config import DEVICES, DTYPES
+from nanokv.config import DEVICES, DTYPES, LINEAR_BACKENDS
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "models" / "nanokv-tiny")
 
@@ -57,6 +57,9 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: bool = True) -> N
                    help="disable chunked prefill (a prompt must fit one step)")
     g.add_argument("--seed", type=int, default=0, help="engine seed (unseeded sampling)")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--linear-backend", default="auto", choices=LINEAR_BACKENDS,
+                   help="auto: oneDNN-packed weights on CPU (fast path), torch F.linear "
+                        "elsewhere; torch: the reference path")
     g.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -70,7 +73,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill, seed=args.seed,
-        num_threads=args.num_threads)
+        num_threads=args.num_threads, linear_backend=args.linear_backend)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+LINEAR_BACKENDS = ("auto", "onednn", "torch")
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 1024
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
@@ -62,6 +63,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; default: torch's choice
+    linear_backend: str = "auto"  # auto: oneDNN-packed weights on CPU, torch F.linear elsewhere
 
     @classmethod
     def from_kwargs(cls, model: str, **options) -> "EngineConfig":
@@ -76,6 +78,7 @@ class EngineConfig:
             raise ValueError(f"model must be a local directory path, got {self.model!r}")
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("device", self.device, DEVICES)
+        _one_of("linear_backend", self.linear_backend, LINEAR_BACKENDS)
         if self.max_model_len is not None:
             _int_at_least("max_model_len", self.max_model_len, 2)
         if self.block_size != "auto":

@@ -17,6 +17,7 @@ from nanokv.engine.detokenizer import update_text
 from nanokv.executor.loader import load_model
 from nanokv.executor.memory import estimate_activation_bytes, plan_kv_blocks
 from nanokv.executor.model_runner import ModelRunner
+from nanokv.executor.profiler import measure_activation_bytes
 from nanokv.outputs import CompletionOutput, RequestOutput
 from nanokv.request import Request, RequestStatus
 from nanokv.sampling_params import SamplingParams
@@ -34,7 +35,8 @@ class LLMEngine:
         loaded = load_model(config.model, config.dtype, config.device,
                             tokenizer_path=config.tokenizer,
                             skip_tokenizer_init=config.skip_tokenizer_init,
-                            max_positions=config.max_model_len)
+                            max_positions=config.max_model_len,
+                            linear_backend=config.linear_backend)
         self.model, self.hf_config = loaded.model, loaded.hf_config
         self.tokenizer, self.eos_token_ids = loaded.tokenizer, loaded.eos_token_ids
         self.device, self.dtype = loaded.device, loaded.dtype
@@ -53,14 +55,20 @@ class LLMEngine:
         if config.num_kv_blocks is not None:
             num_blocks, source = config.num_kv_blocks, "num_kv_blocks"
         else:
-            fraction = config.kv_cache_memory_fraction
+            activation = measure_activation_bytes(self.model, config.max_num_batched_tokens,
+                                                  self.device)
+            if activation is None:
+                activation = (estimate_activation_bytes(cfg, config.max_num_batched_tokens,
+                                                        config.max_num_seqs, self.dtype),
+                              "estimated")
             plan = plan_kv_blocks(
                 bytes_per_block=self.layout.bytes_per_block, device=self.device,
-                kv_cache_memory=config.kv_cache_memory, fraction=fraction,
-                activation_bytes=estimate_activation_bytes(
-                    cfg, config.max_num_batched_tokens, config.max_num_seqs, self.dtype),
+                kv_cache_memory=config.kv_cache_memory, fraction=config.kv_cache_memory_fraction,
+                activation_bytes=activation[0],
                 max_useful_blocks=config.max_num_seqs * blocks_per_seq)
-            num_blocks, source = plan.num_blocks, plan.source
+            num_blocks = plan.num_blocks
+            source = (f"{plan.source}; peak activations {activation[0] / 2**20:.0f} MiB, "
+                      f"{activation[1]}")
         if num_blocks < blocks_per_seq:
             fit = num_blocks * config.block_size
             if explicit_len:

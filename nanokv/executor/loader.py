@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
+from nanokv.layers.linear import onednn_available
 from nanokv.models.registry import model_class
 
 logger = logging.getLogger("nanokv")
@@ -120,6 +121,8 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
     # checkpoint tensor name -> (parameter, dim-0 offset, rows) for every slot to fill
     targets: dict[str, tuple[torch.nn.Parameter, int, int]] = {}
     for name, param in params.items():
+        if name.startswith("lm_head") and model.tie_word_embeddings:
+            continue
         ckpt_name = model.checkpoint_name(name)
         packed = next(((src, dst, idx) for src, (dst, idx) in model.packed_modules.items()
                        if f".{dst}." in ckpt_name), None)
@@ -145,7 +148,7 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
             for key in handle.keys():
                 if key.endswith(skip_suffixes):
                     continue
-                if key == "lm_head.weight" and model.lm_head is None:
+                if key == "lm_head.weight" and model.tie_word_embeddings:
                     continue  # tied embeddings: the checkpoint may carry a copy
                 if key not in targets:
                     raise ValueError(f"unexpected tensor {key!r} in {file}")
@@ -208,7 +211,7 @@ def load_tokenizer(path: str):
 
 def load_model(model_path: str, dtype: str = "auto", device: str = "auto",
                max_positions: int | None = None, tokenizer_path: str | None = None,
-               skip_tokenizer_init: bool = False) -> LoadedModel:
+               skip_tokenizer_init: bool = False, linear_backend: str = "auto") -> LoadedModel:
     cfg, arch = load_hf_config(model_path)
     cls = model_class(arch)
     dev = resolve_device(device)
@@ -224,7 +227,16 @@ def load_model(model_path: str, dtype: str = "auto", device: str = "auto",
     model = model.to_empty(device=dev).to(torch_dtype)
     model.rotary.build_tables(dev)
     load_weights(model, model_path)
+    model.tie_weights()
     model.eval()
+    backend = linear_backend
+    if backend == "auto":
+        backend = "onednn" if dev.type == "cpu" and onednn_available() else "torch"
+    if backend == "onednn":
+        if dev.type != "cpu" or not onednn_available():
+            raise ValueError("linear_backend 'onednn' needs a CPU build of PyTorch with oneDNN")
+        model.pack_linear_weights()
     tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer_path or model_path)
     eos = load_eos_token_ids(model_path, cfg, tokenizer)
+    note += f", {backend} linear layers"
     return LoadedModel(model, cfg, torch_dtype, dev, eos, tokenizer, note)

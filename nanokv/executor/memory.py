@@ -1,6 +1,6 @@
 """How many KV blocks fit: from an explicit budget, or from the memory left after weights and
-peak activations (CUDA: measured free memory and a profiled peak; CPU: MemAvailable and an
-estimate of the activations of one full step)."""
+peak activations (CUDA: free device memory; CPU: MemAvailable; the activation peak is measured
+by executor/profiler.py, with `estimate_activation_bytes` as the fallback)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def plan_kv_blocks(*, bytes_per_block: int, device: torch.device, kv_cache_memor
         source = f"{fraction:.2f} x free GPU memory - peak activations"
     else:
         budget = int((available_host_memory() - activation_bytes) * fraction)
-        source = f"{fraction:.2f} x (available RAM - estimated activations)"
+        source = f"{fraction:.2f} x (available RAM - peak activations)"
     num_blocks = budget // bytes_per_block
     if kv_cache_memory is None and num_blocks > max_useful_blocks:
         num_blocks = max_useful_blocks

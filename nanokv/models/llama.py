@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanokv.layers.attention import AttentionMetadata, paged_attention
+from nanokv.layers.linear import Linear
 from nanokv.layers.norm import RMSNorm
 from nanokv.layers.rotary import RotaryEmbedding
 
@@ -25,8 +26,8 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.rotary = rotary
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
@@ -55,9 +56,9 @@ class LlamaMLP(nn.Module):
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported; supported: ['silu']")
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size,
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size,
                                       bias=getattr(cfg, "mlp_bias", False))
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size,
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size,
                                    bias=getattr(cfg, "mlp_bias", False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,8 +102,7 @@ class LlamaForCausalLM(nn.Module):
             for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -112,9 +112,20 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, positions, meta)
         return self.norm(x)
 
+    def tie_weights(self) -> None:
+        """Tied embeddings: the LM head shares the embedding matrix (after loading)."""
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def pack_linear_weights(self) -> None:
+        """Switch every linear layer to its oneDNN fast path (CPU)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                # the tied LM head must keep the plain matrix: the embedding lookup uses it
+                module.pack(drop_plain=not (module is self.lm_head and self.tie_word_embeddings))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()  # [N, vocab]
+        return self.lm_head(hidden).float()  # [N, vocab]
 
     def attention_layers(self) -> list[LlamaAttention]:
         return [layer.self_attn for layer in self.layers]

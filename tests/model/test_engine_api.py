@@ -194,3 +194,12 @@ def test_cli_generate_and_errors(tiny_llama, capsys):
     assert "top_p" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["generate", "--model", tiny_llama, "--no-such-flag"])
+
+
+def test_reference_linear_backend_matches_hf(tiny_qwen3):
+    prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    expected = hf_greedy(load_hf(tiny_qwen3), prompt, 8)[0]
+    for backend in ("torch", "onednn"):
+        llm = LLM(tiny_qwen3, block_size=16, max_model_len=128, linear_backend=backend)
+        assert f"{backend} linear" in llm.engine.startup_lines[0]
+        assert llm.generate([prompt], GREEDY)[0].token_ids == expected

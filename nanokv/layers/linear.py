@@ -1,0 +1,48 @@
+"""Linear layer with a oneDNN fast path on CPU.
+
+On CPUs, PyTorch's default fp32 GEMM (MKL) is markedly slower here than oneDNN with a weight
+reordered once into its blocked layout (measured ~2x on the decode and prefill shapes of a
+0.6B model). `pack()` does that reorder after the weights are loaded; `F.linear` on the plain
+weight stays as the reference path (`linear_backend="torch"`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def onednn_available() -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(4, 4))
+        torch.ops.mkldnn._linear_pointwise(torch.ones(2, 4), w, None, "none", [], "")
+        return True
+    except (RuntimeError, AttributeError):
+        return False
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed: torch.Tensor | None = None  # oneDNN-blocked copy of the weight
+
+    def pack(self, drop_plain: bool = False) -> None:
+        """Reorder the weight for oneDNN (CPU, float32/bfloat16 only)."""
+        if self.weight.device.type != "cpu" or self.weight.dtype not in (torch.float32,
+                                                                         torch.bfloat16):
+            return
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+        if drop_plain:  # keep only the blocked copy: saves one copy of the weights
+            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype),
+                                       requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
