@@ -47,6 +47,7 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     metrics: RequestMetrics
     new_token_ids: list[int] | None = None  # tokens added by the last step (streaming)
+    prompt_logits: object | None = None  # [num_prompt_tokens, vocab] with return_prompt_logits
 
     @property
     def text(self) -> str:

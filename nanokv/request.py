@@ -57,6 +57,7 @@ class Request:
         self.peak_blocks = 0  # most blocks this request held at once
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
         self.text = ""  # detokenized output, maintained by the engine
+        self.prompt_logits: list = []  # chunks of [n, vocab] rows when params ask for them
 
     # ---- token views -------------------------------------------------------------------------
     @property

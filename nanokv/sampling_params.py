@@ -22,6 +22,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # evaluation: return the logits of every prompt position (RequestOutput.prompt_logits,
+    # [num_prompt_tokens, vocab]); such a request computes its whole prompt (no prefix hits)
+    return_prompt_logits: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

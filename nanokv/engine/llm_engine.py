@@ -26,6 +26,12 @@ from nanokv.scheduler.scheduler import Scheduler
 logger = logging.getLogger("nanokv")
 
 
+def _prompt_logits(request: Request):
+    if not request.params.return_prompt_logits or not request.prompt_logits:
+        return None
+    return torch.cat(request.prompt_logits)[:request.num_prompt_tokens]
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -191,7 +197,8 @@ class LLMEngine:
             outputs=[CompletionOutput(request.text, list(request.output_token_ids), reason,
                                       request.stop_reason)],
             finished=finished, num_cached_tokens=max(0, request.num_cached_tokens),
-            metrics=request.metrics, new_token_ids=new_token_ids)
+            metrics=request.metrics, new_token_ids=new_token_ids,
+            prompt_logits=_prompt_logits(request) if finished else None)
 
     # ---- observability -------------------------------------------------------------------------
     def stats(self):

@@ -30,14 +30,25 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows = self.prepare(sched)
         hidden = self.model(input_ids, positions, meta)  # [T, hidden]
         self.kv_pool.slot_positions.view(-1)[meta.slot_mapping] = positions.to(torch.int32)
+        prompt_logits = self._prompt_logits(sched, hidden)
         if not sample_rows:
-            return RunnerOutput({})
+            return RunnerOutput({}, prompt_logits)
         rows = torch.tensor(sample_rows, device=self.device)
         logits = self.model.compute_logits(hidden[rows])  # [N, vocab]
         sampled = [s for s in sched.scheduled if s.sample]
         tokens = self.sampler(logits, [s.params for s in sampled],
                               [s.output_index for s in sampled])
-        return RunnerOutput({s.request_id: t for s, t in zip(sampled, tokens)})
+        return RunnerOutput({s.request_id: t for s, t in zip(sampled, tokens)}, prompt_logits)
+
+    def _prompt_logits(self, sched: SchedulerOutput, hidden: torch.Tensor) -> dict:
+        """Logits of every prompt position for requests that asked (evaluation only)."""
+        out, start = {}, 0
+        for s in sched.scheduled:
+            if s.params.return_prompt_logits and s.output_index == 0:
+                out[s.request_id] = self.model.compute_logits(
+                    hidden[start:start + s.num_tokens]).cpu()  # [n, vocab]
+            start += s.num_tokens
+        return out
 
     def prepare(self, sched: SchedulerOutput):
         bs = self.block_size

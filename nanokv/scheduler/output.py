@@ -47,6 +47,8 @@ class SchedulerOutput:
 @dataclass
 class RunnerOutput:
     sampled_token_ids: dict[str, int]  # request id -> next token, for requests with sample=True
+    # request id -> [n, vocab] logits of the chunk's prompt positions (return_prompt_logits)
+    prompt_logits: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -132,6 +132,8 @@ class Scheduler:
         self.block_manager.free(request, reason="preemption")
         request.num_computed_tokens = 0
         request.num_evicted_tokens = 0
+        if request.num_output_tokens == 0:  # incomplete prompt logits: recomputed from scratch
+            request.prompt_logits = []
         request.prefix_cacheable = True
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -150,6 +152,8 @@ class Scheduler:
             if request is None:  # aborted meanwhile
                 continue
             request.num_computed_tokens += s.num_tokens
+            if s.request_id in runner_output.prompt_logits:
+                request.prompt_logits.append(runner_output.prompt_logits[s.request_id])
             if not s.sample:
                 continue
             token = runner_output.sampled_token_ids[s.request_id]

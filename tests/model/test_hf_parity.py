@@ -111,3 +111,17 @@ def test_text_prompt_matches_hf_on_tokenized_input(tiny_llama):
     assert out.prompt_token_ids == ids
     assert out.token_ids == tokens
     assert out.text == llm.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_prompt_logits_match_hf_forward(tiny_model):
+    prompt = make_prompts(False, seed=5)[4]
+    hf = load_hf(tiny_model)
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0].float()  # [n, vocab]
+    llm = LLM(tiny_model, block_size=16, max_model_len=256, max_num_batched_tokens=24)
+    params = SamplingParams(temperature=0, max_tokens=1, return_prompt_logits=True)
+    llm.generate([prompt[:40]], SamplingParams(temperature=0, max_tokens=1))  # cache a prefix
+    out = llm.generate([prompt], params)[0]
+    assert out.num_cached_tokens == 0  # prompt logits need the whole prompt computed
+    assert out.prompt_logits.shape == expected.shape
+    torch.testing.assert_close(out.prompt_logits, expected, atol=1e-4, rtol=1e-4)
