@@ -70,7 +70,8 @@ class BlockManager:
         Capped so the last token is always computed (its logits are needed). Returns the blocks
         and the number of tokens they hold. Nothing is touched; `allocate_slots` takes them.
         """
-        if not self.enable_prefix_caching or request.num_computed_tokens > 0:
+        if (not self.enable_prefix_caching or request.num_computed_tokens > 0
+                or request.params.return_prompt_logits):
             return [], 0
         bs = self.block_size
         extra = self.request_extra_keys(request)
@@ -80,8 +81,10 @@ class BlockManager:
             tokens = tuple(request.token_ids_range(i * bs, (i + 1) * bs))
             h = hash_block(parent, tokens, extra)
             block = self.cached.get(h)
-            # compare content on every hit: a hash collision must never serve wrong K/V
-            if block is None or block.token_ids != tokens or block.extra_keys != (parent, extra):
+            # compare content on every hit: a hash collision must never serve wrong K/V (the
+            # depth i too: a block whose hash equals its parent's would otherwise match again)
+            if (block is None or block.token_ids != tokens
+                    or block.extra_keys != (parent, i, extra)):
                 break
             hits.append(block)
             parent = h
@@ -142,7 +145,7 @@ class BlockManager:
             if h in self.cached:  # the same content is already cached in another block
                 continue
             block = self.blocks[request.block_table[i]]
-            block.block_hash, block.token_ids, block.extra_keys = h, tokens, (parent, extra)
+            block.block_hash, block.token_ids, block.extra_keys = h, tokens, (parent, i, extra)
             self.cached[h] = block
 
     def _uncache(self, block: KVCacheBlock, now: float, reason: str | None) -> None:
