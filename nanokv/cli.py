@@ -1,4 +1,4 @@
-"""Command line: `nanokv generate | bench | serve`.
+"""Command line: `nanokv generate | bench | serve | eval | calibrate`.
 
 Every engine option of `LLM(...)` is a flag here (`max_num_seqs` -> `--max-num-seqs`).
 """
@@ -160,7 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="print one JSON line")
     b.set_defaults(func=cmd_bench)
 
-    for module, hook in (("nanokv.server.cli", "add_serve_parser"),):
+    for module, hook in (("nanokv.server.cli", "add_serve_parser"),
+                         ("nanokv.eval.cli", "add_eval_parser"),
+                         ("nanokv.quant.cli", "add_calibrate_parser")):
         try:
             add = getattr(__import__(module, fromlist=[hook]), hook)
         except ImportError:

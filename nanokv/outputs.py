@@ -48,6 +48,9 @@ class RequestOutput:
     metrics: RequestMetrics
     new_token_ids: list[int] | None = None  # tokens added by the last step (streaming)
     prompt_logits: object | None = None  # [num_prompt_tokens, vocab] with return_prompt_logits
+    kv_blocks_at_finish: int = 0  # KV blocks the request held when it finished
+    kv_slots_at_finish: int = 0  # cached token slots then (< logical tokens after eviction)
+    logical_tokens_at_finish: int = 0  # prompt + output tokens then
 
     @property
     def text(self) -> str:

@@ -58,6 +58,16 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
         self.text = ""  # detokenized output, maintained by the engine
         self.prompt_logits: list = []  # chunks of [n, vocab] rows when params ask for them
+        # KV policy: the engine's, or a per-request override (a PolicyConfig); None = full cache
+        self.kv_policy = None
+        self.kv_budget: int | None = None  # the policy's token budget, fixed at compression
+        # compress once this many tokens are computed (default: the whole prompt); a prefill
+        # chunk never crosses it, so an evaluation can score text after a compressed context
+        self.compress_after: int | None = None
+        self.compressed = False
+        # what the request held when it finished (the metrics and the eval harness read these)
+        self.final_kv_blocks = 0
+        self.final_kv_slots = 0
 
     # ---- token views -------------------------------------------------------------------------
     @property

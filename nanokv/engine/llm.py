@@ -38,9 +38,13 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; "
                                  f"pass one, or one per prompt")
-        engine = self.engine
-        requests = [engine.make_request(p, sp, cache_salt=cache_salt)
+        requests = [self.engine.make_request(p, sp, cache_salt=cache_salt)
                     for p, sp in zip(prompts, params)]
+        return self.generate_requests(requests)
+
+    def generate_requests(self, requests: list) -> list[RequestOutput]:
+        """Run prepared requests (`engine.make_request`) to completion, in order."""
+        engine = self.engine
         for request in requests:
             engine.add_prepared(request)
         finals: dict[str, RequestOutput] = {}

@@ -198,7 +198,10 @@ class LLMEngine:
                                       request.stop_reason)],
             finished=finished, num_cached_tokens=max(0, request.num_cached_tokens),
             metrics=request.metrics, new_token_ids=new_token_ids,
-            prompt_logits=_prompt_logits(request) if finished else None)
+            prompt_logits=_prompt_logits(request) if finished else None,
+            kv_blocks_at_finish=request.final_kv_blocks,
+            kv_slots_at_finish=request.final_kv_slots,
+            logical_tokens_at_finish=request.num_tokens if finished else 0)
 
     # ---- observability -------------------------------------------------------------------------
     def stats(self):

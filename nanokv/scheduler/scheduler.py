@@ -34,12 +34,18 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_tokens == 0:
+            raise ValueError("the prompt is empty: at least one token is needed")
         if request.num_tokens >= self.max_model_len:
             raise ValueError(f"prompt has {request.num_tokens} tokens; max_model_len "
                              f"{self.max_model_len} allows at most {self.max_model_len - 1}")
-        blocks = self.block_manager.blocks_for(request.num_tokens + 1)
+        # the most slots it can ever hold (the last sampled token is never computed): a request
+        # that outgrows the whole pool would preempt itself forever and block the waiting queue
+        longest = min(request.num_prompt_tokens + request.params.max_tokens, self.max_model_len)
+        blocks = self.block_manager.blocks_for(longest - 1)
         if blocks > self.block_manager.num_blocks:
-            raise ValueError(f"prompt needs {blocks} KV blocks but the pool has only "
+            raise ValueError(f"request needs up to {blocks} KV blocks (prompt + max_tokens, "
+                             f"capped at max_model_len) but the pool has only "
                              f"{self.block_manager.num_blocks}")
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -57,6 +63,8 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        request.final_kv_blocks = len(request.block_table)
+        request.final_kv_slots = request.num_cached_slots
         self.block_manager.free(request, drop_cache=drop_cache)
         request.status = status
         request.metrics.finished_time = time.monotonic()
@@ -76,7 +84,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(request, request.num_computed_tokens, budget)
             while not bm.allocate_slots(request, num_new):
                 victim = self.running.pop()  # newest first
                 self._preempt(victim)
@@ -93,10 +101,12 @@ class Scheduler:
                and not preempted):
             request = self.waiting[0]
             hits, hit_tokens = bm.get_computed_blocks(request)
-            num_new = request.num_tokens - hit_tokens
-            if num_new > budget and not self.enable_chunked_prefill:
+            if request.compress_after is not None and hit_tokens > request.compress_after:
+                hits = hits[:request.compress_after // bm.block_size]  # compress a plain prefix
+                hit_tokens = len(hits) * bm.block_size
+            if request.num_tokens - hit_tokens > budget and not self.enable_chunked_prefill:
                 break
-            num_new = min(num_new, budget)
+            num_new = self._chunk(request, hit_tokens, budget)
             if not bm.allocate_slots(request, num_new, hits):
                 break
             self.waiting.popleft()
@@ -114,6 +124,16 @@ class Scheduler:
 
         scheduled.sort(key=lambda s: not s.is_decode)  # decodes first, then prefill chunks
         return SchedulerOutput(scheduled, [r.request_id for r in preempted])
+
+    @staticmethod
+    def _chunk(request: Request, start: int, budget: int) -> int:
+        """Tokens to compute this step from `start` on: the rest of the known tokens, within
+        the budget, and never across the request's compression point."""
+        n = min(request.num_tokens - start, budget)
+        stop = request.compress_after
+        if stop is not None and not request.compressed and start < stop:
+            n = min(n, stop - start)
+        return n
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens

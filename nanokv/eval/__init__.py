@@ -1,0 +1,1 @@
+"""`nanokv eval`: quality against memory for KV policies (tasks x policies x compression)."""

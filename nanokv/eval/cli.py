@@ -1,0 +1,62 @@
+"""`nanokv eval` sub-command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+
+
+def add_eval_parser(sub, add_engine_args, engine_options) -> None:
+    from nanokv.eval.harness import TASKS
+
+    p = sub.add_parser("eval", help="quality vs memory of KV policies: tasks x policies x "
+                                    "compression (tables + plots)")
+    add_engine_args(p)
+    p.add_argument("--policies", default="full",
+                   help="comma-separated KV policies ('full' = no compression; others from "
+                        "the policy registry)")
+    p.add_argument("--compressions", default="2,4,8",
+                   help="comma-separated compression factors (4 = keep a quarter)")
+    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {TASKS}")
+    p.add_argument("--num-samples", type=int, default=50, help="samples per retrieval task")
+    p.add_argument("--context-tokens", type=int, default=2048, help="prompt length in tokens")
+    p.add_argument("--ppl-windows", type=int, default=8,
+                   help="held-out windows for perplexity / KL")
+    p.add_argument("--context-fraction", type=float, default=0.75,
+                   help="part of each perplexity window that is context (compressed)")
+    p.add_argument("--eval-seed", type=int, default=0, help="seed of the generated task data")
+    p.add_argument("--policy-options", default="{}",
+                   help='JSON: policy name -> options, e.g. \'{"snapkv": {"window": 32}}\'')
+    p.add_argument("--out", default=None, help="directory for results.md/json and plots")
+    p.set_defaults(func=lambda args: run(args, engine_options))
+
+
+def run(args: argparse.Namespace, engine_options) -> int:
+    from nanokv.eval.harness import EvalSettings, run_eval
+    from nanokv.eval.report import to_markdown, write_results
+
+    try:
+        policy_options = json.loads(args.policy_options)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--policy-options is not valid JSON: {e}") from None
+    opts = engine_options(args)
+    opts = {k: v for k, v in opts.items() if v is not None}
+    settings = EvalSettings(
+        model=args.model, policies=_split(args.policies), tasks=_split(args.tasks),
+        compressions=[float(c) for c in _split(args.compressions)],
+        num_samples=args.num_samples, context_tokens=args.context_tokens,
+        ppl_windows=args.ppl_windows, context_fraction=args.context_fraction,
+        seed=args.eval_seed, policy_options=policy_options, engine_options=opts)
+    rows = run_eval(settings, log=lambda line: print(line, file=sys.stderr))
+    print(to_markdown(rows))
+    if args.out:
+        command = "nanokv " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        for path in write_results(rows, args.out, command):
+            print(f"[eval] wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _split(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]

@@ -1,0 +1,219 @@
+"""Evaluation harness: tasks x KV policies x compression, on the shipped model or any HF dir.
+
+Tasks (data generated at run time, seeded; see nanokv/evaldata):
+  passkey          exact match of the pass key, needle at a random depth
+  multikey         multi-key needle in a haystack, exact match of the queried number
+  perplexity       held-out stdlib text: the first `context_fraction` of each window is the
+                   context (compressed by the policy), the rest is scored teacher-forced
+  kl               on the same windows: KL(full cache || policy) of the next-token
+                   distributions over the scored part, and top-1 agreement
+Compression "4x" keeps a quarter of the context: compression_ratio = 1 - 1/4 in the kvpress
+convention (fraction removed). The full cache is policy "full" at 1x.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from nanokv.evaldata import corpus, tasks
+
+TASKS = ("passkey", "multikey", "perplexity", "kl")
+
+
+@dataclass
+class EvalSettings:
+    model: str
+    policies: list[str] = field(default_factory=lambda: ["full"])
+    compressions: list[float] = field(default_factory=lambda: [2.0, 4.0, 8.0])
+    tasks: list[str] = field(default_factory=lambda: list(TASKS))
+    num_samples: int = 50
+    context_tokens: int = 2048
+    ppl_windows: int = 8
+    context_fraction: float = 0.75
+    seed: int = 0
+    policy_options: dict = field(default_factory=dict)  # policy name -> its options
+    engine_options: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.tasks) - set(TASKS))
+        if unknown:
+            raise ValueError(f"unknown task(s) {unknown}; available: {list(TASKS)}")
+        if any(not isinstance(c, (int, float)) or c < 1 for c in self.compressions):
+            raise ValueError(f"compressions must be factors >= 1 (2 = keep half), "
+                             f"got {self.compressions}")
+        if self.num_samples < 1 or self.ppl_windows < 1:
+            raise ValueError("num_samples and ppl_windows must be >= 1")
+        if self.context_tokens < 64:
+            raise ValueError(f"context_tokens must be >= 64, got {self.context_tokens}")
+        if not 0 < self.context_fraction < 1:
+            raise ValueError(f"context_fraction must be in (0, 1), got {self.context_fraction}")
+        if not self.policies:
+            raise ValueError("at least one policy is needed ('full' is the uncompressed cache)")
+
+
+@dataclass
+class EvalRow:
+    task: str
+    policy: str
+    compression: float  # requested factor (1 = full cache)
+    score: float  # accuracy, perplexity, or KL (see `metric`)
+    metric: str
+    num_samples: int
+    kept_fraction: float  # cached slots / logical tokens at the end of each request (mean)
+    kv_bytes: float  # KV bytes held per request at its end (mean), scales etc. included
+    extra: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def policy_engine_options(policy: str, compression: float, options: dict) -> dict:
+    if policy == "full":
+        return {}
+    return {"kv_policy": policy, "kv_compression_ratio": 1.0 - 1.0 / compression,
+            "kv_policy_options": dict(options)}
+
+
+class _Run:
+    """One engine with one policy setting."""
+
+    def __init__(self, settings: EvalSettings, policy: str, compression: float) -> None:
+        from nanokv import LLM
+
+        self.settings = settings
+        opts = dict(settings.engine_options)
+        opts.update(policy_engine_options(policy, compression,
+                                          settings.policy_options.get(policy, {})))
+        opts.setdefault("max_model_len", settings.context_tokens + 64)
+        self.llm = LLM(settings.model, **opts)
+        self.engine = self.llm.engine
+        self.tokenizer = self.llm.tokenizer
+        if self.tokenizer is None:
+            raise ValueError("nanokv eval needs a model directory with a tokenizer")
+
+    def _held(self, outs) -> tuple[float, float]:
+        bpb = self.engine.layout.bytes_per_block
+        kept = [o.kv_slots_at_finish / max(1, o.logical_tokens_at_finish) for o in outs]
+        held = [o.kv_blocks_at_finish * bpb for o in outs]
+        return sum(kept) / len(kept), sum(held) / len(held)
+
+    def retrieval(self, task: str) -> EvalRow:
+        from nanokv import SamplingParams
+
+        s = self.settings
+        build = tasks.passkey_sample if task == "passkey" else tasks.multikey_needle_sample
+        samples = [build(self.tokenizer, s.context_tokens - 16, seed=s.seed + i)
+                   for i in range(s.num_samples)]
+        longest = max(len(self.tokenizer.encode(x.answer)) for x in samples)
+        params = SamplingParams(temperature=0, max_tokens=longest + 2)
+        t0 = time.perf_counter()
+        outs = self.llm.generate([x.prompt for x in samples], params)
+        scores = [tasks.score(x, o.text) for x, o in zip(samples, outs)]
+        kept, held = self._held(outs)
+        by_depth = _accuracy_by_depth(samples, scores)
+        return EvalRow(task, "", 0, sum(scores) / len(scores), "accuracy", len(samples), kept,
+                       held, {"accuracy_by_depth": by_depth}, time.perf_counter() - t0)
+
+    def continuation_logits(self, windows: list[list[int]]):
+        """Logits over the scored part of each window, with the context compressed first."""
+        from nanokv import SamplingParams
+
+        split = int(len(windows[0]) * self.settings.context_fraction)
+        params = SamplingParams(temperature=0, max_tokens=1, return_prompt_logits=True)
+        outs = []
+        for w in windows:  # one at a time: peak memory stays one window of logits
+            request = self.engine.make_request(w, params)
+            request.compress_after = split
+            outs += self.llm.generate_requests([request])
+        # row t predicts token t + 1: rows split-1 .. n-2 predict the scored tokens split .. n-1
+        logits = [o.prompt_logits[split - 1:len(w) - 1] for o, w in zip(outs, windows)]
+        kept, held = self._held(outs)
+        return logits, split, kept, held
+
+
+def heldout_windows(tokenizer, num_windows: int, length: int) -> list[list[int]]:
+    """Consecutive windows of `length` tokens from the held-out stdlib files."""
+    ids: list[int] = []
+    for path in corpus.heldout_files():
+        ids += tokenizer.encode(corpus.read_text(path), add_special_tokens=False)
+        if len(ids) >= num_windows * length:
+            break
+    if len(ids) < length:
+        raise ValueError("the held-out corpus is shorter than one window")
+    n = min(num_windows, len(ids) // length)
+    return [ids[i * length:(i + 1) * length] for i in range(n)]
+
+
+def _accuracy_by_depth(samples, scores, bins: int = 5) -> list[float | None]:
+    sums, counts = [0.0] * bins, [0] * bins
+    for x, sc in zip(samples, scores):
+        b = min(bins - 1, int((x.depth or 0) * bins))
+        sums[b] += sc
+        counts[b] += 1
+    return [round(s / c, 3) if c else None for s, c in zip(sums, counts)]
+
+
+def run_eval(settings: EvalSettings, log=print) -> list[EvalRow]:
+    rows: list[EvalRow] = []
+    settings_list = [("full", 1.0)] + [(p, c) for p in settings.policies if p != "full"
+                                       for c in settings.compressions]
+    reference = None  # full-cache continuation logits for KL
+    windows = None
+    for policy, compression in settings_list:
+        run = _Run(settings, policy, compression)
+        for task in settings.tasks:
+            if task in ("passkey", "multikey"):
+                row = run.retrieval(task)
+            else:
+                continue
+            row.policy, row.compression = policy, compression
+            rows.append(row)
+            log(_line(row))
+        if "perplexity" in settings.tasks or "kl" in settings.tasks:
+            if windows is None:
+                windows = heldout_windows(run.tokenizer, settings.ppl_windows,
+                                          settings.context_tokens)
+            t0 = time.perf_counter()
+            logits, split, kept, held = run.continuation_logits(windows)
+            if reference is None:
+                reference = logits
+            elapsed = time.perf_counter() - t0
+            if "perplexity" in settings.tasks:
+                nll, count = 0.0, 0
+                for lg, w in zip(logits, windows):
+                    target = torch.tensor(w[split:])
+                    nll += float(torch.nn.functional.cross_entropy(lg, target, reduction="sum"))
+                    count += len(target)
+                row = EvalRow("perplexity", policy, compression, math.exp(nll / count),
+                              "perplexity", len(windows), kept, held,
+                              {"scored_tokens": count}, elapsed)
+                rows.append(row)
+                log(_line(row))
+            if "kl" in settings.tasks:
+                kl, agree, count = 0.0, 0, 0
+                for ref, lg in zip(reference, logits):
+                    p_log = ref.log_softmax(-1)
+                    q_log = lg.log_softmax(-1)
+                    kl += float((p_log.exp() * (p_log - q_log)).sum())
+                    agree += int((ref.argmax(-1) == lg.argmax(-1)).sum())
+                    count += ref.shape[0]
+                row = EvalRow("kl", policy, compression, kl / count, "kl_nats", len(windows),
+                              kept, held, {"top1_agreement": agree / count}, elapsed)
+                rows.append(row)
+                log(_line(row))
+        del run
+    return rows
+
+
+def _line(row: EvalRow) -> str:
+    extra = ""
+    if "top1_agreement" in row.extra:
+        extra = f" top1={row.extra['top1_agreement']:.3f}"
+    return (f"[eval] {row.task:<10} {row.policy:<16} {row.compression:>4.1f}x "
+            f"{row.metric}={row.score:.4f}{extra} kept={row.kept_fraction:.3f} "
+            f"kv={row.kv_bytes / 1024:.0f}KiB ({row.seconds:.1f}s)")
