@@ -60,6 +60,14 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: bool = True) -> N
     g.add_argument("--linear-backend", default="auto", choices=LINEAR_BACKENDS,
                    help="auto: oneDNN-packed weights on CPU (fast path), torch F.linear "
                         "elsewhere; torch: the reference path")
+    g.add_argument("--kv-policy", default=None,
+                   help="KV policy (streaming, h2o, snapkv, pyramidkv, knorm, paged_eviction, "
+                        "kvcrush); default: full cache")
+    g.add_argument("--kv-budget", type=int, default=None, help="tokens a request keeps")
+    g.add_argument("--kv-compression-ratio", type=float, default=None,
+                   help="or: fraction of a request's tokens removed, in [0, 1)")
+    g.add_argument("--kv-policy-options", type=json.loads, default=None,
+                   help='the policy\'s options as JSON, e.g. \'{"window": 32}\'')
     g.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -73,7 +81,10 @@ def engine_options(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill, seed=args.seed,
-        num_threads=args.num_threads, linear_backend=args.linear_backend)
+        num_threads=args.num_threads, linear_backend=args.linear_backend,
+        kv_policy=args.kv_policy, kv_budget=args.kv_budget,
+        kv_compression_ratio=args.kv_compression_ratio,
+        kv_policy_options=args.kv_policy_options)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -64,6 +64,10 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; default: torch's choice
     linear_backend: str = "auto"  # auto: oneDNN-packed weights on CPU, torch F.linear elsewhere
+    kv_policy: str | None = None  # KV policy name (nanokv.policies registry); None: full cache
+    kv_budget: int | None = None  # tokens a request keeps under the policy
+    kv_compression_ratio: float | None = None  # or: fraction of the tokens removed, in [0, 1)
+    kv_policy_options: dict | None = None  # the policy's own options
 
     @classmethod
     def from_kwargs(cls, model: str, **options) -> "EngineConfig":
@@ -103,6 +107,22 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.num_threads is not None:
             _int_at_least("num_threads", self.num_threads, 1)
+        if self.kv_policy is None and (self.kv_budget is not None or self.kv_policy_options
+                                       or self.kv_compression_ratio is not None):
+            raise ValueError("kv_budget, kv_compression_ratio and kv_policy_options need "
+                             "kv_policy (a policy name)")
+        if self.kv_policy_options is not None and not isinstance(self.kv_policy_options, dict):
+            raise ValueError(f"kv_policy_options must be a dict, got {self.kv_policy_options!r}")
+
+    def policy_config(self):
+        """The engine's default KV policy as a validated PolicyConfig (None: full cache)."""
+        if self.kv_policy is None or self.kv_policy == "full":
+            return None
+        from nanokv.policies.base import PolicyConfig
+
+        return PolicyConfig(self.kv_policy, budget=self.kv_budget,
+                            compression_ratio=self.kv_compression_ratio,
+                            options=dict(self.kv_policy_options or {}))
 
     def resolve(self, model_max_len: int) -> None:
         """Fill the 'auto' values that depend on the model."""

@@ -65,6 +65,8 @@ class Request:
         # chunk never crosses it, so an evaluation can score text after a compressed context
         self.compress_after: int | None = None
         self.compressed = False
+        self.query_capture_from: int | None = None  # policies that read window attention
+        self.captured_queries: list[list] = []  # per step: per layer [w, Hq, D]
         # what the request held when it finished (the metrics and the eval harness read these)
         self.final_kv_blocks = 0
         self.final_kv_slots = 0

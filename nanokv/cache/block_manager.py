@@ -193,6 +193,28 @@ class BlockManager:
         request.prefix_cacheable = False
         request.block_hashes = request.block_hashes[:min(drop)]
 
+    def make_private(self, request: Request,
+                     indices: range | list[int]) -> list[tuple[int, int]] | None:
+        """Copy-on-write: give the request its own copy of every shared block at `indices`
+        before a policy rewrites them. Returns (source, destination) block ids for the caller to
+        copy in the KV pool, or None, changing nothing, when the pool is short."""
+        shared = [i for i in indices if self.blocks[request.block_table[i]].ref_cnt > 1]
+        if len(shared) > self.num_free_blocks:
+            return None
+        now = time.monotonic()
+        copies = []
+        for i in shared:
+            old = self.blocks[request.block_table[i]]
+            new = self.free_queue.popleft()
+            if new.block_hash is not None:
+                self._uncache(new, now, reason="prefix_lru")
+            new.ref_cnt = 1
+            self.birth[new.block_id] = now
+            old.ref_cnt -= 1  # still held by the other request(s): never reaches zero here
+            request.block_table[i] = new.block_id
+            copies.append((old.block_id, new.block_id))
+        return copies
+
     def mark_content_changed(self, request: Request, from_block: int = 0) -> None:
         """A policy rewrote the request's blocks from `from_block` on: never serve them as a
         plain prefix again."""

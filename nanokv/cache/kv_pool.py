@@ -47,6 +47,15 @@ class KVPool:
         """Views of one layer: k_cache, v_cache, each [num_blocks, block_size, Hkv, D]."""
         return self.kv[0, index], self.kv[1, index]
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (all layers, K and V, slot positions): (source, destination)."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.kv.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.kv.device)
+        self.kv[:, :, dst] = self.kv[:, :, src]
+        self.slot_positions[dst] = self.slot_positions[src]
+
     @property
     def nbytes(self) -> int:
         return self.kv.nbytes + self.slot_positions.nbytes

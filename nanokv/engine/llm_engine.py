@@ -14,6 +14,7 @@ from nanokv.cache.block_manager import BlockManager
 from nanokv.cache.kv_pool import KVLayout, KVPool
 from nanokv.config import EngineConfig
 from nanokv.engine.detokenizer import update_text
+from nanokv.engine.kv_policy import PolicyRunner
 from nanokv.executor.loader import load_model
 from nanokv.executor.memory import estimate_activation_bytes, plan_kv_blocks
 from nanokv.executor.model_runner import ModelRunner
@@ -92,6 +93,8 @@ class LLMEngine:
                                    config.max_num_batched_tokens, config.max_model_len,
                                    config.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, self.kv_pool, self.device, config.seed)
+        self.policies = PolicyRunner(config.policy_config(), self.block_manager, self.kv_pool,
+                                     self.model.attention_layers()[0].scale)
         self._ids = itertools.count()
         self.startup_lines = [
             f"model {config.model} ({type(self.model).__name__}) on {self.device}, "
@@ -108,7 +111,8 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                     request_id: str | None = None, cache_salt: str | None = None) -> Request:
+                     request_id: str | None = None, cache_salt: str | None = None,
+                     kv_policy=None, compress_after: int | None = None) -> Request:
         """Validate and tokenize; raises ValueError without touching the engine's state."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -140,12 +144,19 @@ class LLMEngine:
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.scheduler.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        return Request(rid, token_ids, params, prompt=text, eos_token_ids=self.eos_token_ids,
-                       cache_salt=cache_salt)
+        if compress_after is not None and not 1 <= compress_after <= len(token_ids):
+            raise ValueError(f"compress_after must be in [1, {len(token_ids)}] (the prompt "
+                             f"length), got {compress_after}")
+        request = Request(rid, token_ids, params, prompt=text,
+                          eos_token_ids=self.eos_token_ids, cache_salt=cache_salt)
+        request.compress_after = compress_after
+        self.policies.attach(request, kv_policy)  # kv_policy: a PolicyConfig overriding the engine's
+        return request
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None) -> str:
-        request = self.make_request(prompt, params, request_id, cache_salt)
+                    request_id: str | None = None, cache_salt: str | None = None,
+                    kv_policy=None) -> str:
+        request = self.make_request(prompt, params, request_id, cache_salt, kv_policy)
         self.scheduler.add_request(request)
         return request.request_id
 
@@ -162,6 +173,7 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.policies.relieve_pressure(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -177,7 +189,11 @@ class LLMEngine:
             raise
         before = {s.request_id: self.scheduler.requests[s.request_id].num_output_tokens
                   for s in sched.scheduled if s.sample}
+        self.policies.collect(runner_out.captured_queries, self.scheduler.requests)
+        stepped = [self.scheduler.requests[s.request_id] for s in sched.scheduled
+                   if s.request_id in self.scheduler.requests]
         progressed = self.scheduler.update_from_output(sched, runner_out)
+        self.policies.after_step(stepped)
         outputs = []
         for request in progressed:
             stop = update_text(request, self.tokenizer)

@@ -127,8 +127,7 @@ class _Run:
         params = SamplingParams(temperature=0, max_tokens=1, return_prompt_logits=True)
         outs = []
         for w in windows:  # one at a time: peak memory stays one window of logits
-            request = self.engine.make_request(w, params)
-            request.compress_after = split
+            request = self.engine.make_request(w, params, compress_after=split)
             outs += self.llm.generate_requests([request])
         # row t predicts token t + 1: rows split-1 .. n-2 predict the scored tokens split .. n-1
         logits = [o.prompt_logits[split - 1:len(w) - 1] for o, w in zip(outs, windows)]

@@ -31,14 +31,16 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta)  # [T, hidden]
         self.kv_pool.slot_positions.view(-1)[meta.slot_mapping] = positions.to(torch.int32)
         prompt_logits = self._prompt_logits(sched, hidden)
+        captured = meta.captured or {}
         if not sample_rows:
-            return RunnerOutput({}, prompt_logits)
+            return RunnerOutput({}, prompt_logits, captured)
         rows = torch.tensor(sample_rows, device=self.device)
         logits = self.model.compute_logits(hidden[rows])  # [N, vocab]
         sampled = [s for s in sched.scheduled if s.sample]
         tokens = self.sampler(logits, [s.params for s in sampled],
                               [s.output_index for s in sampled])
-        return RunnerOutput({s.request_id: t for s, t in zip(sampled, tokens)}, prompt_logits)
+        return RunnerOutput({s.request_id: t for s, t in zip(sampled, tokens)}, prompt_logits,
+                            captured)
 
     def _prompt_logits(self, sched: SchedulerOutput, hidden: torch.Tensor) -> dict:
         """Logits of every prompt position for requests that asked (evaluation only)."""
@@ -59,6 +61,7 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSeq] = []
+        capture: list[tuple[str, int, int]] = []
         for s in sched.scheduled:
             start = len(input_ids)
             n = s.num_tokens
@@ -76,6 +79,9 @@ class ModelRunner:
                 prefills.append(PrefillSeq(start, n, context, blocks))
             if s.sample:
                 sample_rows.append(start + n - 1)
+            if s.capture_from is not None and s.start_position + n > s.capture_from:
+                first = max(0, s.capture_from - s.start_position)
+                capture.append((s.request_id, start + first, start + n))
         num_decode = len(decode_tables)
         if any(not s.is_decode for s in sched.scheduled[:num_decode]):
             raise RuntimeError("decodes must come first in the batch")
@@ -90,7 +96,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             num_decode_tokens=num_decode, decode_block_tables=decode_block_tables,
-            decode_mask=decode_mask, prefills=prefills)
+            decode_mask=decode_mask, prefills=prefills,
+            query_capture=capture or None, captured={} if capture else None)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos, meta, sample_rows

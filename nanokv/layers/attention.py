@@ -33,6 +33,16 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [B_dec, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSeq]
     write_cache: bool = True  # False for the profiling run before the pool exists
+    # KV policies that read window attention: (request id, first row, end row) of the queries
+    # to keep; each layer appends its post-RoPE rows to `captured[request id]`
+    query_capture: list[tuple[str, int, int]] | None = None
+    captured: dict | None = None
+
+
+def capture_queries(q: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Keep the rows of q that KV policies asked for (called once per layer, in layer order)."""
+    for request_id, start, end in meta.query_capture:
+        meta.captured.setdefault(request_id, []).append(q[start:end].clone())
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanokv.layers.attention import AttentionMetadata, paged_attention
+from nanokv.layers.attention import AttentionMetadata, capture_queries, paged_attention
 from nanokv.layers.linear import Linear
 from nanokv.layers.norm import RMSNorm
 from nanokv.layers.rotary import RotaryEmbedding
@@ -45,6 +45,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
+        if meta.query_capture:
+            capture_queries(q, meta)
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(o.reshape(num_tokens, self.q_size))  # [T, Hq * D] -> [T, hidden]
 

@@ -19,7 +19,7 @@ class ScheduledRequest:
     sample: bool  # True when this chunk ends at the request's last token: sample the next one
     params: SamplingParams
     output_index: int  # index of the output token to sample (seeds per-token generators)
-    past_token_ids: list[int] | None = None  # all tokens so far, only when a penalty needs them
+    capture_from: int | None = None  # keep post-RoPE queries of positions >= this (KV policy)
 
     @property
     def num_tokens(self) -> int:
@@ -49,6 +49,8 @@ class RunnerOutput:
     sampled_token_ids: dict[str, int]  # request id -> next token, for requests with sample=True
     # request id -> [n, vocab] logits of the chunk's prompt positions (return_prompt_logits)
     prompt_logits: dict = field(default_factory=dict)
+    # request id -> per layer [w, Hq, D] queries of positions >= capture_from (KV policies)
+    captured_queries: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -146,12 +146,16 @@ class Scheduler:
             sample=start + num_new == request.num_tokens,
             params=request.params,
             output_index=request.num_output_tokens,
+            capture_from=None if request.compressed else request.query_capture_from,
         )
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request, reason="preemption")
         request.num_computed_tokens = 0
         request.num_evicted_tokens = 0
+        request.compressed = False  # the recomputed cache is compressed again
+        request.kv_budget = None
+        request.captured_queries = []
         if request.num_output_tokens == 0:  # incomplete prompt logits: recomputed from scratch
             request.prompt_logits = []
         request.prefix_cacheable = True

@@ -1,0 +1,160 @@
+"""Runs the KV policies (nanokv/policies) on the engine's paged cache.
+
+When a request's compression point is computed (its whole prompt, or `compress_after` tokens),
+its cache is compressed to the policy's budget: kept tokens are written densely to the front
+of its block table and the tail blocks go back to the pool at once. During decode a block-wise
+policy (PagedEviction) frees one whole block each time the newest block fills and the request
+holds more than its budget; a policy that re-selects (StreamingLLM, inverse key norm)
+compresses again then. Without a budget, PagedEviction runs in the user's pool-pressure mode:
+when pool usage passes 1 - eviction_ratio, the least important blocks across running requests
+are freed before anyone has to be preempted.
+
+Kept tokens keep their original RoPE rotation; the next token's position stays the request's
+logical length (`num_computed_tokens`), its slot the cache length (`num_cached_slots`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanokv.cache.block_manager import BlockManager
+from nanokv.cache.kv_pool import KVPool
+from nanokv.policies.apply import apply_compression, decode_block_to_evict, plan_compression
+from nanokv.policies.base import KVPolicy, LayerKV, PolicyConfig
+from nanokv.policies.compaction import gather_request_kv
+from nanokv.request import Request
+
+
+class PolicyRunner:
+    def __init__(self, default: PolicyConfig | None, block_manager: BlockManager,
+                 kv_pool: KVPool, attention_scale: float) -> None:
+        self.block_manager = block_manager
+        self.kv_pool = kv_pool
+        self.block_size = kv_pool.layout.block_size
+        self.scale = attention_scale
+        self.layers = [kv_pool.layer(i) for i in range(kv_pool.layout.num_layers)]
+        self.default_config = default
+        self.default = self.build(default) if default is not None else None
+
+    def build(self, config: PolicyConfig) -> KVPolicy:
+        policy = config.build(block_size=self.block_size)
+        if len(set(policy.layer_budgets(4096, len(self.layers)))) > 1:
+            raise ValueError(f"policy {policy.name!r} gives layers different budgets; this "
+                             f"engine shares one block table across layers (not supported yet)")
+        return policy
+
+    # ---- per request ---------------------------------------------------------------------------
+    def attach(self, request: Request, override: PolicyConfig | None = None) -> None:
+        policy = self.build(override) if override is not None else self.default
+        request.kv_policy = policy
+        if policy is None or not policy.needs_attention:
+            return
+        point = self.compress_point(request)
+        window = policy.observation_window
+        request.query_capture_from = 0 if window is None else max(0, point - window)
+
+    def compress_point(self, request: Request) -> int:
+        if request.compress_after is not None:
+            return min(request.compress_after, request.num_prompt_tokens)
+        return request.num_prompt_tokens
+
+    def collect(self, captured: dict, requests: dict[str, Request]) -> None:
+        for request_id, per_layer in captured.items():
+            request = requests.get(request_id)
+            if request is not None:
+                request.captured_queries.append(per_layer)
+
+    def after_step(self, requests: list[Request]) -> None:
+        """Apply each scheduled request's policy once its step's K/V are written."""
+        for request in requests:
+            policy = request.kv_policy
+            if policy is None or request.is_finished:
+                continue
+            if not request.compressed:
+                if request.num_computed_tokens >= self.compress_point(request):
+                    self.compress(request)
+            elif request.kv_budget is not None:
+                self._decode_evict(request, policy)
+
+    def compress(self, request: Request) -> None:
+        """Cut the request's cache to its budget (once, at its compression point)."""
+        policy = request.kv_policy
+        if policy.budget is None and policy.compression_ratio is None:
+            request.compressed = True  # pool-pressure mode: keep everything until pressure
+            request.kv_budget = None
+            return
+        budget = policy.resolve_budget(request.num_cached_slots)
+        q_windows = None
+        if policy.needs_attention:
+            q_windows = [torch.cat([step[layer] for step in request.captured_queries])
+                         for layer in range(len(self.layers))]  # each [W, Hq, D]
+        if self._compact(request, policy, budget, q_windows):
+            request.compressed = True
+            request.kv_budget = budget
+            request.captured_queries = []
+
+    def _compact(self, request: Request, policy: KVPolicy, budget: int, q_windows) -> bool:
+        """Compact to `budget` slots; False (nothing changed) when copy-on-write lacks blocks:
+        the next step tries again."""
+        bm = self.block_manager
+        num_slots = request.num_cached_slots
+        if budget >= num_slots:
+            return True
+        plan = plan_compression(policy, self.layers, request.block_table, num_slots,
+                                budget=budget, q_windows=q_windows, scale=self.scale)
+        if plan.num_evicted == 0:
+            return True
+        # blocks about to be rewritten must be this request's alone (copy-on-write)
+        copies = bm.make_private(request, range(plan.first_changed_block, plan.num_blocks))
+        if copies is None:
+            return False
+        self.kv_pool.copy_blocks(copies)
+        apply_compression(plan, self.layers, request.block_table, self.kv_pool.slot_positions)
+        tail = list(range(plan.num_blocks, len(request.block_table)))
+        if tail:  # untouched content: their prefix hashes stay valid
+            bm.free_blocks_at(request, tail)
+        bm.mark_content_changed(request, from_block=plan.first_changed_block)
+        request.num_evicted_tokens += plan.num_evicted
+        return True
+
+    def _decode_evict(self, request: Request, policy: KVPolicy) -> None:
+        num_slots = request.num_cached_slots
+        if not policy.should_evict_on_decode(num_slots, request.kv_budget):
+            return
+        if policy.decode_mode == "evict_block":
+            index = decode_block_to_evict(policy, self.layers, request.block_table, num_slots,
+                                          request.kv_budget)
+            if index is not None:
+                self.block_manager.free_blocks_at(request, [index])
+                request.num_evicted_tokens += self.block_size
+        elif policy.decode_mode == "reselect" and not policy.needs_attention:
+            self._compact(request, policy, request.kv_budget, None)
+
+    # ---- pool pressure -------------------------------------------------------------------------
+    def relieve_pressure(self, running: list[Request]) -> int:
+        """Pool-pressure mode: free the least important blocks across running requests while
+        usage is above 1 - eviction_ratio. Returns the number of blocks freed."""
+        bm = self.block_manager
+        candidates = [r for r in running if r.kv_policy is not None and r.compressed
+                      and r.kv_budget is None and hasattr(r.kv_policy, "pool_evictions")]
+        if not candidates:
+            return 0
+        policy = candidates[0].kv_policy
+        if bm.usage <= 1 - policy.eviction_ratio:
+            return 0
+        scores = []
+        for request in candidates:
+            per_layer = []
+            for k_cache, v_cache in self.layers:
+                keys, values = gather_request_kv(k_cache, v_cache, request.block_table,
+                                                 request.num_cached_slots)
+                per_layer.append(request.kv_policy.block_scores(LayerKV(keys, values)))
+            scores.append(torch.stack(per_layer))  # [L, nb]
+        freed = 0
+        for request, indices in zip(candidates, policy.pool_evictions(
+                scores, bm.num_used_blocks, bm.num_blocks)):
+            if indices:
+                bm.free_blocks_at(request, list(indices))
+                request.num_evicted_tokens += self.block_size * len(indices)
+                freed += len(indices)
+        return freed

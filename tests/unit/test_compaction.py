@@ -1,0 +1,109 @@
+"""Compaction and gathering on paged caches with random block tables against slot-by-slot loops,
+and the observation-window attention against a per-query softmax."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanokv.layers.attention import dense_reference_attention
+from nanokv.policies import compact_blocks, compact_slots, gather_request_kv, window_attention
+
+HKV, D = 2, 3
+
+
+def loop_gather(cache, table, n, bs):
+    return torch.stack([cache[table[j // bs], j % bs] for j in range(n)]) if n else \
+        cache.new_zeros(0, *cache.shape[2:])
+
+
+@st.composite
+def paged_case(draw):
+    bs = draw(st.integers(1, 5))
+    num_blocks = draw(st.integers(2, 12))
+    table_len = draw(st.integers(1, num_blocks))
+    table = draw(st.permutations(list(range(num_blocks))))[:table_len]
+    n = draw(st.integers(1, table_len * bs))
+    c = draw(st.integers(1, n))
+    per_head = draw(st.booleans())
+    rows = HKV if per_head else 1
+    kept = [sorted(draw(st.permutations(list(range(n))))[:c]) for _ in range(rows)]
+    seed = draw(st.integers(0, 2**16))
+    return bs, num_blocks, table, n, kept, per_head, seed
+
+
+@settings(max_examples=120, deadline=None)
+@given(paged_case())
+def test_compaction_round_trip_matches_a_dense_gather(case):
+    bs, num_blocks, table, n, kept_rows, per_head, seed = case
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(num_blocks, bs, HKV, D, generator=g)
+    v_cache = torch.randn(num_blocks, bs, HKV, D, generator=g)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    keys, values = gather_request_kv(k_cache, v_cache, table, n)
+    assert torch.equal(keys, loop_gather(k0, table, n, bs))
+    assert torch.equal(values, loop_gather(v0, table, n, bs))
+
+    kept = torch.tensor(kept_rows if per_head else kept_rows[0])
+    c = kept.shape[-1]
+    used = compact_blocks(k_cache, v_cache, table, n, kept)
+    assert used == math.ceil(c / bs)
+    new_k, new_v = gather_request_kv(k_cache, v_cache, table, c)
+    for h in range(HKV):  # slot i of head h now holds what slot kept[h][i] held
+        row = kept_rows[h] if per_head else kept_rows[0]
+        assert torch.equal(new_k[:, h], keys[row, h])
+        assert torch.equal(new_v[:, h], values[row, h])
+    others = [b for b in range(num_blocks) if b not in table]
+    assert torch.equal(k_cache[others], k0[others])  # blocks of other requests untouched
+    assert torch.equal(v_cache[others], v0[others])
+
+
+def test_compaction_of_slot_positions_and_bad_input():
+    positions = torch.arange(12, dtype=torch.int32).view(4, 3)  # [num_blocks, B]
+    table = [2, 0, 3]  # logical slots 0..8 hold 6, 7, 8, 0, 1, 2, 9, 10, 11
+    assert compact_slots(positions, table, 8, torch.tensor([1, 3, 4, 7])) == 2
+    assert positions.view(-1)[[6, 7, 8, 0]].tolist() == [7, 0, 1, 10]
+    with pytest.raises(ValueError, match="lie in"):
+        compact_slots(positions, table, 8, torch.tensor([1, 8]))
+    with pytest.raises(ValueError, match="do not fit"):
+        gather_request_kv(torch.zeros(4, 3, 1, 1), torch.zeros(4, 3, 1, 1), table, 10)
+    with pytest.raises(ValueError, match="per-head"):
+        compact_slots(positions, table, 8, torch.tensor([[0, 1], [1, 2]]))
+
+
+def test_attention_over_the_compacted_cache_equals_dense_attention_over_the_kept_tokens():
+    g = torch.Generator().manual_seed(0)
+    bs, n, hq = 4, 14, 4
+    k_cache = torch.randn(8, bs, HKV, D, generator=g)
+    v_cache = torch.randn(8, bs, HKV, D, generator=g)
+    table = [5, 1, 7, 2]
+    keys, values = gather_request_kv(k_cache, v_cache, table, n)
+    kept = torch.tensor([0, 1, 5, 8, 12, 13])
+    compact_blocks(k_cache, v_cache, table, n, kept)
+    q = torch.randn(1, hq, D, generator=g)
+    kc, vc = gather_request_kv(k_cache, v_cache, table, len(kept))
+    assert torch.allclose(dense_reference_attention(q, kc, vc, 0.5),
+                          dense_reference_attention(q, keys[kept], values[kept], 0.5))
+
+
+@pytest.mark.parametrize("w, n, hq", [(1, 1, 2), (3, 9, 4), (9, 9, 2), (5, 17, 6)])
+def test_window_attention_matches_a_per_query_softmax(w, n, hq):
+    g = torch.Generator().manual_seed(w * n)
+    q = torch.randn(w, hq, D, generator=g)
+    keys = torch.randn(n, HKV, D, generator=g)
+    probs = window_attention(q, keys, 0.7)
+    assert probs.shape == (hq, w, n)
+    group = hq // HKV
+    for h in range(hq):
+        for j in range(w):
+            visible = n - w + j + 1
+            logits = torch.tensor([float(q[j, h].double() @ keys[i, h // group].double()) * 0.7
+                                   for i in range(visible)])
+            want = torch.cat([logits.softmax(0), torch.zeros(n - visible, dtype=torch.float64)])
+            assert torch.allclose(probs[h, j].double(), want, atol=1e-6)
+    with pytest.raises(ValueError):
+        window_attention(torch.randn(n + 1, hq, D), keys, 1.0)
