@@ -6,6 +6,7 @@ Every engine option of `LLM(...)` is a flag here (`max_num_seqs` -> `--max-num-s
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -175,8 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
                          ("nanokv.eval.cli", "add_eval_parser"),
                          ("nanokv.quant.cli", "add_calibrate_parser")):
         try:
-            add = getattr(__import__(module, fromlist=[hook]), hook)
-        except ImportError:
+            add = getattr(importlib.import_module(module), hook)
+        except ModuleNotFoundError as e:
+            if e.name != module:  # a real import error inside the module must surface
+                raise
             continue
         add(sub, add_engine_args, engine_options)
     return parser
