@@ -180,7 +180,9 @@ class BlockManager:
         matches its token blocks, so it stops registering prefix-cache blocks.
         """
         drop = set(indices)
-        if not drop or max(drop) >= len(request.block_table) or min(drop) < 0:
+        if not drop:
+            return
+        if max(drop) >= len(request.block_table) or min(drop) < 0:
             raise ValueError(f"block indices {sorted(drop)} outside the request's table "
                              f"of {len(request.block_table)} blocks")
         now = time.monotonic()
@@ -198,7 +200,8 @@ class BlockManager:
         """Copy-on-write: give the request its own copy of every shared block at `indices`
         before a policy rewrites them. Returns (source, destination) block ids for the caller to
         copy in the KV pool, or None, changing nothing, when the pool is short."""
-        shared = [i for i in indices if self.blocks[request.block_table[i]].ref_cnt > 1]
+        shared = sorted(i for i in set(indices)
+                        if self.blocks[request.block_table[i]].ref_cnt > 1)
         if len(shared) > self.num_free_blocks:
             return None
         now = time.monotonic()
