@@ -1,0 +1,342 @@
+"""KVQuant store: packed 2/3/4(/8)-bit codes with fp16 scales and zero-points, fixed-capacity
+sparse outliers and full-precision sink slots, all kept block by block at the block's id.
+
+Per layer l (bits b_l, P = packed bytes of D codes):
+
+    k_codes{l}, v_codes{l}   uint8 [num_blocks, B, Hkv, P]
+    keys per channel (default), statistics over the block's tokens, quantized when it fills:
+      k_offset{l}, k_half{l}   fp16  [num_blocks, Hkv, D]
+      k_oidx{l}, k_oval{l}     int16 (int32 if B * D > 32767) / fp16 [num_blocks, Hkv, capB]
+    values (and keys with per_channel_keys=False), per token, quantized as they are written:
+      v_offset{l}, v_half{l}   fp16  [num_blocks, B, Hkv]
+      v_oidx{l}, v_oval{l}     uint8 (int16 if D >= 255) / fp16 [num_blocks, B, Hkv, capT]
+    sink_k{l}, sink_v{l}     fp16  [num_blocks, N, Hkv, D]  (entry p = position p < N)
+    staging_k                staging_dtype [L, S, B, Hkv, D] (default: layout.dtype)
+    sink_slot int16 [num_blocks, N] (slot of position p, -1 none), staging_index int32 [nb]
+
+capB = 2 * ceil(f / 2 * B * D) per block-head, capT = 2 * ceil(f / 2 * D) per token-head (the
+top and bottom f / 2 of each token's values, at least one each side when f > 0: with D = 128 and
+f = 1% that is 2 of 128 = 1.6%; the 1-byte index keeps its cost near the block's).
+
+Why staging: per-channel key statistics need all B tokens of a block, so a key block is
+quantized when its last slot is written. Until then its keys live in full precision in one of
+S = `num_staging_blocks` staging blocks (one per running request suffices: a request has at most
+one partial block; a block filling in a step frees its staging block before new ones are taken).
+Cost: S * B * L * Hkv * D * elem bytes, fixed whatever the pool size (`memory().staging`): with
+B = 128 and S = 64 that is the keys of 8192 tokens at full precision, so size S to the real
+concurrency (max_num_seqs) and, on a float32 CPU engine, consider staging_dtype=torch.bfloat16
+(halves it; staged keys are then rounded to bf16). Values need no staging. Reading a partial
+block returns its staged keys (exact with the default staging dtype) and its quantized values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nanokv.cache.kv_pool import KVLayout
+from nanokv.quant.codec import LayerCodec
+from nanokv.quant.kvquant import SPARSE_DTYPES, KVQuantConfig, QuantizedBlocks, outlier_capacity
+from nanokv.quant.packing import pack, packed_dim, unpack
+from nanokv.quant.store import BufferSpec, QuantizedKVStore, Rope, WritePlan, as_list
+
+
+@dataclass
+class KVQuantWritePlan(WritePlan):
+    token_valid: torch.Tensor  # [T] bool, False for sink tokens
+    stage_src: torch.Tensor  # [Ts] token index of each key kept in staging
+    stage_dst: torch.Tensor  # [Ts] flat staging slot (row * B + slot)
+    quant_blocks: torch.Tensor  # [nq] blocks whose keys fill up in this step
+    quant_src: torch.Tensor  # [nq, B] < S*B: staging slot; else S*B + token index
+    quant_valid: torch.Tensor  # [nq, B] bool, False for sink slots
+    sink_src: torch.Tensor  # [Tk] token index of each sink token
+    sink_dst: torch.Tensor  # [Tk] block * N + position
+
+
+class KVQuantStore(QuantizedKVStore):
+    kv_cache_dtype = "kvquant"
+
+    def __init__(self, layout: KVLayout, num_blocks: int, config: KVQuantConfig,
+                 num_staging_blocks: int, device: torch.device | str = "cpu",
+                 slot_positions: torch.Tensor | None = None,
+                 staging_dtype: torch.dtype | None = None) -> None:
+        staged = config.per_channel_keys
+        if (not isinstance(num_staging_blocks, int) or isinstance(num_staging_blocks, bool)
+                or num_staging_blocks < (1 if staged else 0)):
+            raise ValueError(f"num_staging_blocks must be an integer >= 1 (0 allowed without "
+                             f"per-channel keys), got {num_staging_blocks!r}")
+        config.validate_for(layout.num_layers, layout.num_kv_heads, layout.head_dim,
+                            layout.block_size)
+        super().__init__(layout, num_blocks, device, config.pre_rope_keys, slot_positions)
+        self.config = config
+        self.staged = staged  # keys wait for their block to fill
+        self.num_staging_blocks = num_staging_blocks if staged else 0
+        self.staging_dtype = staging_dtype or layout.dtype
+        self.num_sinks = config.num_sink_tokens
+        self.codecs = [LayerCodec.from_config(config, layer, self.device)
+                       for layer in range(layout.num_layers)]
+        self._allocate(self.buffer_specs())
+        self.buffers["staging_index"].fill_(-1)
+        self.buffers["sink_slot"].fill_(-1)
+        # host bookkeeping (no device sync on the hot path)
+        self._fill = np.zeros(num_blocks, dtype=np.int64)  # slots written since slot 0
+        self._row = np.full(num_blocks, -1, dtype=np.int64)  # staging row or -1
+        self._sink = np.full((num_blocks, self.num_sinks), -1, dtype=np.int64)
+        self._free_rows = list(range(self.num_staging_blocks - 1, -1, -1))
+
+    # ---- layout ------------------------------------------------------------------------------
+    def _index_dtype(self, per_token: bool) -> torch.dtype:
+        if per_token:  # channel index < D; unused = 255 (uint8) or -1
+            return torch.uint8 if self.layout.head_dim < 255 else torch.int16
+        return torch.int16 if self.block_size * self.layout.head_dim <= 32767 else torch.int32
+
+    def _per_token(self, name: str) -> bool:
+        return name == "v" or not self.staged
+
+    def buffer_specs(self) -> list[BufferSpec]:
+        lay, nb, cfg = self.layout, self.num_blocks, self.config
+        bsz, heads, dim, n_sink = lay.block_size, lay.num_kv_heads, lay.head_dim, self.num_sinks
+        sparse = SPARSE_DTYPES[cfg.sparse_dtype]
+        specs = []
+        for layer in range(lay.num_layers):
+            bits = cfg.bits_of(layer)
+            codes = (nb, bsz, heads, packed_dim(dim, bits))
+            for name in ("k", "v"):
+                if self._per_token(name):
+                    stats = (nb, bsz, heads)
+                    sparse_shape = (nb, bsz, heads, outlier_capacity(1, dim, cfg.outlier_fraction))
+                else:
+                    stats = (nb, heads, dim)
+                    sparse_shape = (nb, heads, outlier_capacity(bsz, dim, cfg.outlier_fraction))
+                specs += [BufferSpec(f"{name}_codes{layer}", codes, torch.uint8, "codes"),
+                          BufferSpec(f"{name}_offset{layer}", stats, torch.float16, "scales"),
+                          BufferSpec(f"{name}_half{layer}", stats, torch.float16, "scales"),
+                          BufferSpec(f"{name}_oidx{layer}", sparse_shape,
+                                     self._index_dtype(self._per_token(name)), "outliers"),
+                          BufferSpec(f"{name}_oval{layer}", sparse_shape, sparse, "outliers")]
+            for kind in ("key", "value"):
+                if cfg.codebook(layer, kind) is not None:
+                    specs.append(BufferSpec(f"{kind}_codebook{layer}", (2 ** bits,),
+                                            torch.float32, "scales"))
+            specs += [BufferSpec(f"sink_k{layer}", (nb, n_sink, heads, dim), sparse, "sinks"),
+                      BufferSpec(f"sink_v{layer}", (nb, n_sink, heads, dim), sparse, "sinks")]
+        staging = (lay.num_layers, self.num_staging_blocks, bsz, heads, dim)
+        specs += [BufferSpec("sink_slot", (nb, n_sink), torch.int16, "sinks"),
+                  BufferSpec("staging_k", staging, self.staging_dtype, "staging"),
+                  BufferSpec("staging_index", (nb,), torch.int32, "bookkeeping")]
+        return specs
+
+    def extra_keys(self) -> tuple:
+        return super().extra_keys() + (("kvquant", self.config.fingerprint()),)
+
+    # ---- writing -----------------------------------------------------------------------------
+    def plan_write(self, slot_mapping: Sequence[int] | torch.Tensor,
+                   positions: Sequence[int] | torch.Tensor) -> KVQuantWritePlan:
+        slots, pos = as_list(slot_mapping), as_list(positions)
+        if len(slots) != len(pos):
+            raise ValueError(f"{len(slots)} slots but {len(pos)} positions")
+        bsz, n_sink, rows_total = self.block_size, self.num_sinks, self.num_staging_blocks
+        groups: dict[int, list[int]] = {}  # block -> its tokens, in batch order
+        for t, s in enumerate(slots):
+            groups.setdefault(s // bsz, []).append(t)
+        # validate everything before touching any state
+        starts = {}
+        for b, toks in groups.items():
+            fill = 0 if slots[toks[0]] % bsz == 0 else int(self._fill[b])  # slot 0: fresh
+            got = [slots[t] % bsz for t in toks]
+            if got != list(range(fill, fill + len(toks))):
+                raise RuntimeError(f"block {b}: slots {got} written out of order; it holds "
+                                   f"{fill} slots (blocks fill in slot order; slot 0 restarts)")
+            if self.staged and fill and fill + len(toks) == bsz and self._row[b] < 0:
+                raise RuntimeError(f"block {b} has {fill} slots but no staged keys "
+                                   f"(released while in use?)")
+            starts[b] = fill
+        if self.staged:
+            need = sum(1 for b, toks in groups.items()
+                       if starts[b] + len(toks) < bsz and self._row[b] < 0)
+            freed = sum(1 for b, toks in groups.items()
+                        if starts[b] + len(toks) == bsz and self._row[b] >= 0)
+            if need > len(self._free_rows) + freed:
+                raise RuntimeError(f"all {rows_total} staging blocks are in use: raise "
+                                   f"num_staging_blocks (>= running requests) or call release() "
+                                   f"when blocks are freed")
+        base = super().plan_write(slots, pos)
+        completing, partial, sink_src, sink_dst, fresh = [], [], [], [], []
+        for b, toks in groups.items():
+            fill = starts[b]
+            if fill == 0:  # a fresh block: forget its old sinks
+                self._sink[b] = -1
+                fresh.append(b)
+            for t in toks:
+                if pos[t] < n_sink:
+                    self._sink[b, pos[t]] = slots[t] % bsz
+                    sink_src.append(t)
+                    sink_dst.append(b * n_sink + pos[t])
+            self._fill[b] = fill + len(toks)
+            (completing if self._fill[b] == bsz else partial).append((b, toks, fill))
+        stage_rows: dict[int, int] = {}
+        quant_blocks, quant_src, quant_valid, stage_src, stage_dst = [], [], [], [], []
+        if self.staged:
+            for b, toks, fill in completing:  # first: their staging rows become free
+                row = int(self._row[b])
+                quant_blocks.append(b)
+                quant_src.append([row * bsz + j for j in range(fill)]
+                                 + [rows_total * bsz + t for t in toks])
+                sinks = set(self._sink[b].tolist())
+                quant_valid.append([j not in sinks for j in range(bsz)])
+                if row >= 0:
+                    self._free_rows.append(row)
+                    self._row[b] = -1
+                    stage_rows[b] = -1
+            for b, toks, _ in partial:
+                row = int(self._row[b])
+                if row < 0:
+                    row = self._free_rows.pop()
+                    self._row[b] = row
+                    stage_rows[b] = row
+                stage_src += toks
+                stage_dst += [row * bsz + slots[t] % bsz for t in toks]
+        dev, long = self.device, torch.long
+        if fresh and n_sink:
+            self.buffers["sink_slot"][torch.tensor(fresh, device=dev)] = -1
+        if sink_dst:
+            self.buffers["sink_slot"].view(-1)[torch.tensor(sink_dst, device=dev)] = \
+                torch.tensor([slots[t] % bsz for t in sink_src], dtype=torch.int16, device=dev)
+        if stage_rows:
+            self.buffers["staging_index"][torch.tensor(list(stage_rows), device=dev)] = \
+                torch.tensor(list(stage_rows.values()), dtype=torch.int32, device=dev)
+        return KVQuantWritePlan(
+            base.slot_mapping, base.positions,
+            token_valid=base.positions >= n_sink,
+            stage_src=torch.tensor(stage_src, dtype=long, device=dev),
+            stage_dst=torch.tensor(stage_dst, dtype=long, device=dev),
+            quant_blocks=torch.tensor(quant_blocks, dtype=long, device=dev),
+            quant_src=torch.tensor(quant_src, dtype=long, device=dev).view(-1, bsz),
+            quant_valid=torch.tensor(quant_valid, dtype=torch.bool, device=dev).view(-1, bsz),
+            sink_src=torch.tensor(sink_src, dtype=long, device=dev),
+            sink_dst=torch.tensor(sink_dst, dtype=long, device=dev))
+
+    def write(self, layer: int, plan: KVQuantWritePlan, k: torch.Tensor, v: torch.Tensor) -> None:
+        buf, codec = self.buffers, self.codecs[layer]
+        heads, dim = self.layout.num_kv_heads, self.layout.head_dim
+        for name, kind, x in (("k", "key", k), ("v", "value", v)):
+            if self._per_token(name):  # each token is its own group of one slot
+                q = codec.quantize(kind, x.unsqueeze(1), plan.token_valid.unsqueeze(1))
+                self._put(name, layer, plan.slot_mapping, q, per_token=True)
+            else:
+                self._write_blocks(name, kind, layer, plan, x)
+            if plan.sink_src.numel():
+                sink = buf[f"sink_{name}{layer}"].view(-1, heads, dim)
+                sink.index_copy_(0, plan.sink_dst, x[plan.sink_src].to(sink.dtype))
+
+    def _write_blocks(self, name: str, kind: str, layer: int, plan: KVQuantWritePlan,
+                      x: torch.Tensor) -> None:
+        heads, dim = self.layout.num_kv_heads, self.layout.head_dim
+        staging = self.buffers[f"staging_{name}"][layer].view(-1, heads, dim)  # [S * B, Hkv, D]
+        staged_slots = self.num_staging_blocks * self.block_size
+        if plan.quant_blocks.numel():  # before the staging writes: rows may be reused
+            src = plan.quant_src  # [nq, B]
+            old = staging[src.clamp(max=staged_slots - 1)].to(x.dtype)  # [nq, B, Hkv, D]
+            new = x[(src - staged_slots).clamp_min(0)]
+            blocks = torch.where((src < staged_slots)[..., None, None], old, new)
+            q = self.codecs[layer].quantize(kind, blocks, plan.quant_valid)
+            self._put(name, layer, plan.quant_blocks, q, per_token=False)
+        if plan.stage_src.numel():
+            staging.index_copy_(0, plan.stage_dst, x[plan.stage_src].to(staging.dtype))
+
+    def _put(self, name: str, layer: int, index: torch.Tensor, q: QuantizedBlocks,
+             per_token: bool) -> None:
+        """Store quantized blocks at block ids, or single-slot groups at flat slots."""
+        buf, bits = self.buffers, self.codecs[layer].bits
+        parts = {"codes": pack(q.codes, bits), "offset": q.offset, "half": q.half_range,
+                 "oidx": q.outlier_index, "oval": q.outlier_value}
+        for field, value in parts.items():
+            dst = buf[f"{name}_{field}{layer}"]
+            if dst.numel() == 0:
+                continue
+            if per_token:  # [T, 1, ...] groups -> flat slots of [nb * B, ...]
+                dst = dst.view(-1, *dst.shape[2:])
+                value = value.reshape(value.shape[0], *dst.shape[1:])
+            dst.index_copy_(0, index, value.to(dst.dtype))
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        dropped = []
+        for b in block_ids:
+            row = int(self._row[b])
+            if row >= 0:
+                self._free_rows.append(row)
+                self._row[b] = -1
+                dropped.append(b)
+            if self._fill[b] < self.block_size:  # partial: content is gone; full ones stay
+                self._fill[b] = 0
+        if dropped:
+            self.buffers["staging_index"][torch.tensor(dropped, device=self.device)] = -1
+
+    def _block_axis(self, name: str) -> int | None:
+        return None if name.startswith("staging") else 0
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        pairs = list(pairs)
+        staged_src = [(s, d) for s, d in pairs if self._row[s] >= 0]
+        need = sum(1 for _, d in staged_src if self._row[d] < 0)
+        if need > len(self._free_rows):
+            raise RuntimeError(f"copy_blocks needs {need} staging blocks, "
+                               f"{len(self._free_rows)} are free")
+        super().copy_blocks(pairs)
+        for s, d in pairs:
+            self._fill[d], self._sink[d] = self._fill[s], self._sink[s]
+            if self._row[d] >= 0 and self._row[s] < 0:  # dst had staging, src is full
+                self._free_rows.append(int(self._row[d]))
+                self._row[d] = -1
+        for s, d in staged_src:  # a partial source: the copy gets its own staged keys
+            if self._row[d] < 0:
+                self._row[d] = self._free_rows.pop()
+            stage = self.buffers["staging_k"]
+            stage[:, int(self._row[d])] = stage[:, int(self._row[s])]
+        touched = torch.tensor([d for _, d in pairs], device=self.device)
+        self.buffers["staging_index"][touched] = torch.tensor(
+            [int(self._row[d]) for _, d in pairs], dtype=torch.int32, device=self.device)
+
+    @property
+    def num_free_staging_blocks(self) -> int:
+        return len(self._free_rows)
+
+    # ---- reading -----------------------------------------------------------------------------
+    def read_blocks(self, layer: int, block_ids: torch.Tensor, rope: Rope | None = None):
+        buf, codec = self.buffers, self.codecs[layer]
+        ids = block_ids.long().flatten()
+        n, bsz, heads, dim = ids.numel(), self.block_size, self.layout.num_kv_heads, \
+            self.layout.head_dim
+        out = []
+        for name, kind in (("k", "key"), ("v", "value")):
+            codes = unpack(buf[f"{name}_codes{layer}"][ids], codec.bits, dim)  # [n, B, Hkv, D]
+            off, half = buf[f"{name}_offset{layer}"][ids], buf[f"{name}_half{layer}"][ids]
+            oidx, oval = buf[f"{name}_oidx{layer}"][ids], buf[f"{name}_oval{layer}"][ids]
+            if self._per_token(name):  # as n * B groups of one slot
+                q = QuantizedBlocks(codes.reshape(n * bsz, 1, heads, dim),
+                                    off.reshape(n * bsz, 1, heads), half.reshape(n * bsz, 1, heads),
+                                    oidx.flatten(0, 1), oval.flatten(0, 1))
+            else:
+                q = QuantizedBlocks(codes, off, half, oidx, oval)
+            x = codec.dequantize(kind, q).view(n, bsz, heads, dim)  # float32
+            if self.num_sinks:
+                x = _put_sinks(x, buf["sink_slot"][ids], buf[f"sink_{name}{layer}"][ids])
+            x = x.to(self.layout.dtype)
+            if not self._per_token(name):
+                rows = buf["staging_index"][ids].long()  # [n], -1 = not staged
+                staged = buf[f"staging_{name}"][layer][rows.clamp_min(0)].to(x.dtype)
+                x = torch.where((rows >= 0)[:, None, None, None], staged, x)
+            out.append(x)
+        return self._rotate(out[0], ids, rope), out[1]
+
+
+def _put_sinks(x: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """x: [n, B, H, D]; slots: [n, N] (-1 none); values: [n, N, H, D] -> x with sinks put back."""
+    n, bsz, heads, dim = x.shape
+    padded = torch.cat([x, x.new_zeros(n, 1, heads, dim)], dim=1)  # + a dump slot
+    idx = torch.where(slots < 0, bsz, slots.long())[:, :, None, None].expand(-1, -1, heads, dim)
+    padded.scatter_(1, idx, values.to(x.dtype))
+    return padded[:, :bsz]

@@ -1,0 +1,226 @@
+"""The contract of a quantized KV store, its write plan and its memory report.
+
+A store replaces the float KV pool's tensor for one engine. It is indexed by the SAME block ids
+as the block manager (`[num_blocks, block_size]` slots, flat slot = block * block_size + slot),
+so eviction, prefix caching and preemption work on it unchanged: a block's bytes (codes,
+scales, zero-points, outliers, sinks) live at its block id, and freeing a block moves nothing.
+
+One step (all layers) goes:
+
+    plan = store.plan_write(slot_mapping, positions)   # once per step, host bookkeeping
+    for each layer:
+        store.write(layer, plan, k, v)                  # k pre-RoPE iff store.pre_rope_keys
+        k_ctx, v_ctx = store.read_blocks(layer, block_ids, rope)   # dequantized, rotated
+
+Contract:
+  - a block is filled in slot order; writing slot 0 starts a fresh block (its old content, if
+    any, is dropped), so a block reused after being freed needs no explicit reset;
+  - `plan_write` records each slot's RoPE position (`slot_positions[block, slot]`) so keys kept
+    before RoPE can be rotated after dequantizing; `read_blocks` rotates when given `rope`;
+  - `release(block_ids)` is called when the block manager frees blocks (ref count 0); it drops
+    only what a partial block holds (its staging), full blocks stay readable for prefix hits;
+  - `copy_blocks(pairs)` copies whole blocks (copy-on-write before a KV policy rewrites them);
+  - `memory()` counts every byte the store allocated (codes, scales, zero-points, outlier
+    indices and values, sinks, staging, bookkeeping).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from nanokv.cache.kv_pool import KVLayout
+
+# (positions [n] int64, x [n, Hkv, D]) -> x rotated to those positions
+Rope = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+CATEGORIES = ("codes", "scales", "outliers", "sinks", "staging", "bookkeeping")
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    category: str  # one of CATEGORIES
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty(0, dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes a store holds, by category; per token = over all num_blocks * block_size slots."""
+
+    kv_cache_dtype: str
+    num_blocks: int
+    block_size: int
+    codes: int
+    scales: int  # scales, zero-points / offsets, half-ranges, codebooks
+    outliers: int  # sparse indices + values
+    sinks: int  # full-precision sink values + their slot table
+    staging: int  # full-precision copies of not-yet-full blocks
+    bookkeeping: int  # slot positions (when the store owns them), staging index
+
+    @property
+    def total(self) -> int:
+        return (self.codes + self.scales + self.outliers + self.sinks + self.staging
+                + self.bookkeeping)
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.total / max(1, self.num_blocks * self.block_size)
+
+    @property
+    def bytes_per_token_excluding_staging(self) -> float:
+        """What each further block costs per token (staging is a fixed cost)."""
+        return (self.total - self.staging) / max(1, self.num_blocks * self.block_size)
+
+    def ratio_to(self, layout: KVLayout) -> float:
+        """This store's bytes per token / the float pool's (both with slot positions)."""
+        return self.bytes_per_token / (layout.bytes_per_block / layout.block_size)
+
+    @classmethod
+    def from_specs(cls, kv_cache_dtype: str, num_blocks: int, block_size: int,
+                   specs: Sequence[BufferSpec]) -> MemoryReport:
+        sums = dict.fromkeys(CATEGORIES, 0)
+        for spec in specs:
+            sums[spec.category] += spec.nbytes
+        return cls(kv_cache_dtype, num_blocks, block_size, **sums)
+
+
+@dataclass
+class WritePlan:
+    """One step's writes, prepared once and applied to every layer."""
+
+    slot_mapping: torch.Tensor  # [T] int64 flat slots
+    positions: torch.Tensor  # [T] int64 RoPE positions
+
+
+def as_list(x: Sequence[int] | torch.Tensor) -> list[int]:
+    """Host list of ints (a tensor on an accelerator costs one sync: pass lists when you can)."""
+    return x.tolist() if isinstance(x, torch.Tensor) else [int(i) for i in x]
+
+
+class QuantizedKVStore(ABC):
+    """Quantized paged KV storage for all layers of one engine (see the module contract)."""
+
+    kv_cache_dtype = ""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str,
+                 pre_rope_keys: bool, slot_positions: torch.Tensor | None = None) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.block_size = layout.block_size
+        self.device = torch.device(device)
+        self.pre_rope_keys = pre_rope_keys
+        self.owns_positions = slot_positions is None
+        if slot_positions is None:
+            slot_positions = torch.full((num_blocks, layout.block_size), -1, dtype=torch.int32,
+                                        device=self.device)
+        elif tuple(slot_positions.shape) != (num_blocks, layout.block_size):
+            raise ValueError(f"slot_positions must be [{num_blocks}, {layout.block_size}], "
+                             f"got {tuple(slot_positions.shape)}")
+        self.slot_positions = slot_positions  # [num_blocks, block_size], -1 = never written
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def _allocate(self, specs: Sequence[BufferSpec]) -> None:
+        # zeros: never-written slots dequantize to finite values (masked, but 0 * NaN = NaN)
+        for spec in specs:
+            self.buffers[spec.name] = torch.zeros(spec.shape, dtype=spec.dtype,
+                                                  device=self.device)
+
+    # ---- the contract ----------------------------------------------------------------------
+    def plan_write(self, slot_mapping: Sequence[int] | torch.Tensor,
+                   positions: Sequence[int] | torch.Tensor) -> WritePlan:
+        """Prepare one step's writes (flat slots and RoPE positions of its T tokens)."""
+        slots = torch.as_tensor(slot_mapping, dtype=torch.long, device=self.device)
+        pos = torch.as_tensor(positions, dtype=torch.long, device=self.device)
+        if slots.shape != pos.shape:
+            raise ValueError(f"{slots.numel()} slots but {pos.numel()} positions")
+        self.slot_positions.view(-1)[slots] = pos.to(self.slot_positions.dtype)
+        return WritePlan(slots, pos)
+
+    @abstractmethod
+    def write(self, layer: int, plan: WritePlan, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the step's k, v: [T, Hkv, D] (k before RoPE iff `pre_rope_keys`)."""
+
+    @abstractmethod
+    def read_blocks(self, layer: int, block_ids: torch.Tensor, rope: Rope | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized k, v of blocks [n] -> each [n, block_size, Hkv, D] in layout.dtype.
+        Keys are rotated iff `rope` is given (only allowed when `pre_rope_keys`). Slots never
+        written hold finite garbage: mask them."""
+
+    def read(self, layer: int, block_table: torch.Tensor | Sequence[int], num_slots: int,
+             rope: Rope | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's first `num_slots` slots -> k, v: [num_slots, Hkv, D]."""
+        table = torch.as_tensor(block_table, dtype=torch.long, device=self.device)
+        k, v = self.read_blocks(layer, table, rope)
+        heads, dim = self.layout.num_kv_heads, self.layout.head_dim
+        return (k.reshape(-1, heads, dim)[:num_slots], v.reshape(-1, heads, dim)[:num_slots])
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """The block manager freed these blocks (ref count 0). Default: nothing to drop."""
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy whole blocks (every layer, K and V, positions): (source, destination) pairs,
+        as `KVPool.copy_blocks` (copy-on-write before a KV policy rewrites shared blocks)."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        for name, buf in self.buffers.items():
+            axis = self._block_axis(name)
+            if axis == 0:
+                buf[dst] = buf[src]
+            elif axis == 1:
+                buf[:, dst] = buf[:, src]
+        self.slot_positions[dst] = self.slot_positions[src]
+
+    def _block_axis(self, name: str) -> int | None:
+        """The block-id axis of buffer `name` (None: not indexed by block)."""
+        return 0
+
+    @abstractmethod
+    def buffer_specs(self) -> list[BufferSpec]:
+        """Every tensor this store allocates (what `memory()` counts)."""
+
+    def extra_keys(self) -> tuple:
+        """Prefix-cache extra keys: blocks are only shared between identical settings."""
+        return (("kv_cache_dtype", self.kv_cache_dtype), ("pre_rope_keys", self.pre_rope_keys))
+
+    # ---- memory ----------------------------------------------------------------------------
+    def memory(self) -> MemoryReport:
+        specs = list(self.buffer_specs())
+        if self.owns_positions:
+            specs.append(BufferSpec("slot_positions", (self.num_blocks, self.block_size),
+                                    self.slot_positions.dtype, "bookkeeping"))
+        return MemoryReport.from_specs(self.kv_cache_dtype, self.num_blocks, self.block_size,
+                                       specs)
+
+    @property
+    def nbytes(self) -> int:
+        return self.memory().total
+
+    def bytes_per_token(self) -> float:
+        return self.memory().bytes_per_token
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _rotate(self, k: torch.Tensor, block_ids: torch.Tensor, rope: Rope | None):
+        """k: [n, B, Hkv, D] pre-RoPE -> rotated to each slot's recorded position."""
+        if rope is None:
+            return k
+        if not self.pre_rope_keys:
+            raise ValueError("this store holds keys after RoPE: read them without `rope`")
+        pos = self.slot_positions[block_ids].long().clamp_min(0)  # [n, B]; -1 = unwritten
+        return rope(pos.flatten(), k.flatten(0, 1)).view_as(k)
