@@ -66,20 +66,20 @@ def test_remove_from_middle_front_back():
     check_links(q)
 
 
-def test_remove_is_constant_time():
-    """Removing from the middle of a long queue touches only the block's neighbours: it must not
-    walk the list (a walk over 200k blocks for each of 2k removals would take many seconds)."""
-    import time
-    n = 200_000
-    blocks, q = make(n)
-    t0 = time.perf_counter()
-    for i in range(n // 2 - 1000, n // 2 + 1000):
-        q.remove(blocks[i])
-    assert time.perf_counter() - t0 < 1.0  # O(1) takes ~2 ms; a list walk takes minutes
-    assert len(q) == n - 2000
-    # neighbours of the removed span are linked to each other
-    assert blocks[n // 2 - 1001].next_free is blocks[n // 2 + 1000]
-    assert blocks[n // 2 + 1000].prev_free is blocks[n // 2 - 1001]
+def test_remove_touches_only_neighbours():
+    """O(1) remove: the links of every block but the neighbours are poisoned, so any walk of
+    the list would fail; removing from the middle must still work."""
+
+    class Poison:
+        def __getattr__(self, name):
+            raise AssertionError("remove walked the free queue")
+
+    blocks, q = make(10)
+    for i in list(range(0, 4)) + list(range(7, 10)):
+        blocks[i].next_free = blocks[i].prev_free = Poison()
+    q.remove(blocks[5])
+    assert blocks[4].next_free is blocks[6] and blocks[6].prev_free is blocks[4]
+    assert len(q) == 9
 
 
 def test_remove_patches_only_neighbours():
