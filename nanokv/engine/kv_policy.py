@@ -15,6 +15,9 @@ logical length (`num_computed_tokens`), its slot the cache length (`num_cached_s
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 
 from nanokv.cache.block_manager import BlockManager
@@ -23,6 +26,14 @@ from nanokv.policies.apply import apply_compression, decode_block_to_evict, plan
 from nanokv.policies.base import KVPolicy, LayerKV, PolicyConfig
 from nanokv.policies.compaction import gather_request_kv
 from nanokv.request import Request
+
+
+@dataclass
+class PolicyStats:
+    compressions: int = 0
+    compress_seconds: float = 0.0  # time spent selecting and compacting (scoring included)
+    decode_evicted_blocks: int = 0
+    pressure_evicted_blocks: int = 0
 
 
 class PolicyRunner:
@@ -35,6 +46,7 @@ class PolicyRunner:
         self.layers = [kv_pool.layer(i) for i in range(kv_pool.layout.num_layers)]
         self.default_config = default
         self.default = self.build(default) if default is not None else None
+        self.stats = PolicyStats()
 
     def build(self, config: PolicyConfig) -> KVPolicy:
         policy = config.build(block_size=self.block_size)
@@ -83,6 +95,7 @@ class PolicyRunner:
             request.compressed = True  # pool-pressure mode: keep everything until pressure
             request.kv_budget = None
             return
+        t0 = time.perf_counter()
         budget = policy.resolve_budget(request.num_cached_slots)
         q_windows = None
         if policy.needs_attention:
@@ -92,6 +105,8 @@ class PolicyRunner:
             request.compressed = True
             request.kv_budget = budget
             request.captured_queries = []
+            self.stats.compressions += 1
+        self.stats.compress_seconds += time.perf_counter() - t0
 
     def _compact(self, request: Request, policy: KVPolicy, budget: int, q_windows) -> bool:
         """Compact to `budget` slots; False (nothing changed) when copy-on-write lacks blocks:
@@ -127,6 +142,7 @@ class PolicyRunner:
             if index is not None:
                 self.block_manager.free_blocks_at(request, [index])
                 request.num_evicted_tokens += self.block_size
+                self.stats.decode_evicted_blocks += 1
         elif policy.decode_mode == "reselect" and not policy.needs_attention:
             self._compact(request, policy, request.kv_budget, None)
 
@@ -157,4 +173,5 @@ class PolicyRunner:
                 bm.free_blocks_at(request, list(indices))
                 request.num_evicted_tokens += self.block_size * len(indices)
                 freed += len(indices)
+        self.stats.pressure_evicted_blocks += freed
         return freed

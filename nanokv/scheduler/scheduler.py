@@ -29,6 +29,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0  # computed tokens thrown away by preemption
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -150,6 +151,7 @@ class Scheduler:
         )
 
     def _preempt(self, request: Request) -> None:
+        self.num_recomputed_tokens += request.num_computed_tokens
         self.block_manager.free(request, reason="preemption")
         request.num_computed_tokens = 0
         request.num_evicted_tokens = 0
