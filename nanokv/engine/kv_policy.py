@@ -31,7 +31,8 @@ from nanokv.request import Request
 @dataclass
 class PolicyStats:
     compressions: int = 0
-    compress_seconds: float = 0.0  # time spent selecting and compacting (scoring included)
+    compress_seconds: float = 0.0  # compressions at the compression point (scoring included)
+    seconds: float = 0.0  # all policy work: compressions, decode evictions, pool pressure
     decode_evicted_blocks: int = 0
     pressure_evicted_blocks: int = 0
 
@@ -78,6 +79,7 @@ class PolicyRunner:
 
     def after_step(self, requests: list[Request]) -> None:
         """Apply each scheduled request's policy once its step's K/V are written."""
+        t0 = time.perf_counter()
         for request in requests:
             policy = request.kv_policy
             if policy is None or request.is_finished:
@@ -87,6 +89,7 @@ class PolicyRunner:
                     self.compress(request)
             elif request.kv_budget is not None:
                 self._decode_evict(request, policy)
+        self.stats.seconds += time.perf_counter() - t0
 
     def compress(self, request: Request) -> None:
         """Cut the request's cache to its budget (once, at its compression point)."""
@@ -158,6 +161,7 @@ class PolicyRunner:
         policy = candidates[0].kv_policy
         if bm.usage <= 1 - policy.eviction_ratio:
             return 0
+        t0 = time.perf_counter()
         scores = []
         for request in candidates:
             per_layer = []
@@ -174,4 +178,5 @@ class PolicyRunner:
                 request.num_evicted_tokens += self.block_size * len(indices)
                 freed += len(indices)
         self.stats.pressure_evicted_blocks += freed
+        self.stats.seconds += time.perf_counter() - t0
         return freed
