@@ -50,7 +50,7 @@ class RequestOutput:
     prompt_logits: object | None = None  # [num_prompt_tokens, vocab] with return_prompt_logits
     kv_blocks_at_finish: int = 0  # KV blocks the request held when it finished
     kv_slots_at_finish: int = 0  # cached token slots then (< logical tokens after eviction)
-    logical_tokens_at_finish: int = 0  # prompt + output tokens then
+    logical_tokens_at_finish: int = 0  # tokens whose K/V were computed (cached or evicted)
 
     @property
     def text(self) -> str:

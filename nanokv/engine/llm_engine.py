@@ -217,7 +217,7 @@ class LLMEngine:
             prompt_logits=_prompt_logits(request) if finished else None,
             kv_blocks_at_finish=request.final_kv_blocks,
             kv_slots_at_finish=request.final_kv_slots,
-            logical_tokens_at_finish=request.num_tokens if finished else 0)
+            logical_tokens_at_finish=request.num_computed_tokens if finished else 0)
 
     # ---- observability -------------------------------------------------------------------------
     def stats(self):
