@@ -1,0 +1,165 @@
+"""The one Prometheus exporter: reads the plain stats of nanokv/metrics/stats.py.
+
+Names follow vLLM's under the `nanokv:` prefix where vLLM has one; counters gain `_total` in the
+exposition (`nanokv:prompt_tokens` -> `nanokv:prompt_tokens_total`). Every series carries a
+`model_name` label. The sliding-window gauges are computed when Prometheus scrapes, so an idle
+server's volatility decays and its hit rate becomes NaN (no lookups, no rate) instead of freezing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
+                               Histogram, Info, generate_latest)
+
+from nanokv.metrics.stats import (EVICTION_REASONS, CacheConfigInfo, IterationStats, RatioWindow,
+                                  TimeWeightedWindow)
+
+PREFIX = "nanokv:"
+FINISH_REASONS = ("stop", "length", "abort")
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+               0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+               40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+LIFETIME_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+                    1800.0, 3600.0, 7200.0)
+KV_KB_BUCKETS = tuple(4.0 ** k for k in range(13))  # 1 KB .. 16 GiB, x4
+
+
+class PrometheusExporter:
+    """Owns a private CollectorRegistry (no global state); `record` is called by the engine
+    thread, `render` by the HTTP handler (prometheus_client's metrics are thread-safe, the
+    windows are guarded by a lock)."""
+
+    def __init__(self, model_name: str, cache_config: CacheConfigInfo, window_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.window_s = window_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._hit_window = RatioWindow(window_s)
+        self._usage_window = TimeWeightedWindow(window_s, start=clock())
+        self.model_name = name = model_name
+        r, m = self.registry, ["model_name"]
+
+        def gauge(metric, doc):
+            return Gauge(PREFIX + metric, doc, m, registry=r).labels(name)
+
+        def counter(metric, doc):
+            return Counter(PREFIX + metric, doc, m, registry=r).labels(name)
+
+        def histogram(metric, doc, buckets):
+            return Histogram(PREFIX + metric, doc, m, buckets=buckets, registry=r).labels(name)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc",
+                              "KV-cache usage: fraction of blocks held by requests (1 = full).")
+        self.hit_rate = gauge("prefix_cache_hit_rate",
+                              f"Prefix-cache hit rate over the last {window_s:g} s: hit tokens / "
+                              f"looked-up prompt tokens (NaN without lookups).")
+        self.hit_rate.set_function(self._hit_rate_now)
+        self.usage_stddev = gauge("kv_cache_usage_stddev",
+                                  f"KV memory usage volatility: time-weighted standard deviation "
+                                  f"of kv_cache_usage_perc over the last {window_s:g} s.")
+        self.usage_stddev.set_function(self._usage_stddev_now)
+
+        self.queries = counter("prefix_cache_queries",
+                               "Prompt tokens looked up in the prefix cache.")
+        self.hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Requests preempted (recomputed later).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that finished "
+                                                      "their prefill.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.rejected = counter("request_rejected",
+                                "Requests refused with 503 because the queue was full.")
+        evicted = Counter(PREFIX + "evicted_blocks",
+                          "KV blocks evicted, by reason: prefix_lru (a cached block reused for "
+                          "new content), preemption (blocks of a preempted request), policy (a "
+                          "KV policy dropped them).", m + ["reason"], registry=r)
+        self.evicted = {reason: evicted.labels(name, reason) for reason in EVICTION_REASONS}
+        self._evicted_family = evicted
+        success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                          m + ["finished_reason"], registry=r)
+        self.success = {reason: success.labels(name, reason) for reason in FINISH_REASONS}
+        self._success_family = success
+
+        self.ttft = histogram("time_to_first_token_seconds",
+                              "Time to first token, from arrival.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between two output tokens.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds",
+                             "Request latency from arrival to its last token (not aborted).",
+                             E2E_BUCKETS)
+        self.block_lifetime = histogram("kv_block_lifetime_seconds",
+                                        "Allocation-to-eviction lifetime of evicted KV blocks.",
+                                        LIFETIME_BUCKETS)
+        self.request_kv_kb = histogram("request_kv_cache_kb",
+                                       "KV cache per request in KB (1024 bytes): the bytes of "
+                                       "the blocks a request held at its peak.", KV_KB_BUCKETS)
+
+        c = cache_config
+        Info(PREFIX + "cache_config", "KV cache configuration.", registry=r).info({
+            "model_name": name, "block_size": str(c.block_size), "num_blocks": str(c.num_blocks),
+            "cache_dtype": c.kv_dtype, "bytes_per_block": str(c.bytes_per_block),
+            "bytes_per_token": f"{c.bytes_per_token:.2f}",
+            "enable_prefix_caching": str(c.enable_prefix_caching).lower(),
+            "max_model_len": str(c.max_model_len)})
+
+    # ---- engine thread -------------------------------------------------------------------------
+    def record(self, it: IterationStats) -> None:
+        self.running.set(it.num_running)
+        self.waiting.set(it.num_waiting)
+        self.kv_usage.set(it.kv_cache_usage)
+        with self._lock:
+            self._usage_window.add(it.time, it.kv_cache_usage)
+            self._hit_window.add(it.time, it.prefix_cache_hits, it.prefix_cache_queries)
+        for counter, n in ((self.queries, it.prefix_cache_queries), (self.hits,
+                           it.prefix_cache_hits), (self.preemptions, it.num_preemptions),
+                           (self.prompt_tokens, it.prompt_tokens),
+                           (self.generation_tokens, it.generation_tokens)):
+            if n:
+                counter.inc(n)
+        for reason, n in it.evicted_blocks.items():
+            if reason not in self.evicted:
+                self.evicted[reason] = self._evicted_family.labels(
+                    self.model_name, reason)
+            self.evicted[reason].inc(n)
+        for t in it.ttfts_s:
+            self.ttft.observe(t)
+        for t in it.itls_s:
+            self.itl.observe(t)
+        for t in it.block_lifetimes_s:
+            self.block_lifetime.observe(t)
+        for f in it.finished:
+            if f.finish_reason not in self.success:
+                self.success[f.finish_reason] = self._success_family.labels(
+                    self.model_name, f.finish_reason)
+            self.success[f.finish_reason].inc()
+            if f.finish_reason != "abort":
+                self.e2e.observe(f.e2e_latency_s)
+            if f.peak_kv_bytes > 0:
+                self.request_kv_kb.observe(f.peak_kv_bytes / 1024)
+
+    def record_rejected(self) -> None:
+        self.rejected.inc()
+
+    # ---- scrape --------------------------------------------------------------------------------
+    def _hit_rate_now(self) -> float:
+        with self._lock:
+            return self._hit_window.ratio(self._clock())
+
+    def _usage_stddev_now(self) -> float:
+        with self._lock:
+            return self._usage_window.std(self._clock())
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    content_type = CONTENT_TYPE_LATEST

@@ -1,0 +1,91 @@
+"""`nanokv serve MODEL`: the OpenAI-compatible server (hooked into nanokv/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_serve_parser(subparsers, add_engine_args, engine_options) -> None:
+    p = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server with Prometheus metrics",
+        description="Serve a model over HTTP: /v1/completions, /v1/chat/completions, "
+                    "/v1/models, /health, /metrics, /tokenize, /detokenize.")
+    p.add_argument("model_dir", nargs="?", metavar="MODEL", default=None,
+                   help="local Hugging Face model directory (same as --model)")
+    add_engine_args(p)
+    s = p.add_argument_group("server options")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: loopback only; 0.0.0.0 exposes "
+                        "the server to the network)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients must send (default: MODEL as given)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: the NANOKV_API_KEY environment variable, else no key)")
+    s.add_argument("--max-waiting", type=int, default=256,
+                   help="queued requests allowed beyond the --max-num-seqs running ones; past "
+                        "that the server answers 503 with Retry-After (default 256)")
+    s.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds after which an unfinished request is aborted (504; default "
+                        "600)")
+    s.add_argument("--retry-after", type=int, default=1,
+                   help="seconds sent in the Retry-After header of a 503 (default 1)")
+    s.add_argument("--metrics-window", type=float, default=60.0,
+                   help="seconds of the sliding window of the hit-rate and KV-volatility "
+                        "gauges (default 60)")
+    s.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="Jinja chat template file (default: the tokenizer's, else nanokv's "
+                        "simple fallback '<|role|>\\ncontent\\n ... <|assistant|>\\n')")
+    s.add_argument("--check-invariants", action="store_true",
+                   help="debug: verify the block accounting whenever the engine goes idle; a "
+                        "violation stops the engine and /health turns 503")
+    s.add_argument("--log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug"),
+                   help="server log level (default info)")
+    s.add_argument("--no-access-log", action="store_true", help="do not log every request")
+    p.set_defaults(func=lambda args: cmd_serve(args, engine_options),
+                   model_default=p.get_default("model"))
+
+
+def cmd_serve(args: argparse.Namespace, engine_options) -> int:
+    import uvicorn
+
+    from nanokv.config import EngineConfig
+    from nanokv.engine.llm_engine import LLMEngine
+    from nanokv.server.openai_api import ServerSettings, build_app
+
+    model = args.model_dir or args.model
+    if args.model_dir and args.model not in (args.model_default, args.model_dir):
+        raise ValueError(f"the model is given twice ({args.model_dir!r} and --model "
+                         f"{args.model!r}); give it once")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.retry_after < 0:
+        raise ValueError(f"--retry-after must be >= 0, got {args.retry_after}")
+    template = None
+    if args.chat_template:
+        try:
+            with open(args.chat_template, encoding="utf-8") as f:
+                template = f.read()
+        except OSError as e:
+            raise ValueError(f"cannot read --chat-template {args.chat_template!r}: {e}") from e
+    api_key = args.api_key if args.api_key is not None else os.environ.get("NANOKV_API_KEY")
+    settings = ServerSettings(
+        model_name=args.served_model_name or model, api_key=api_key,
+        max_waiting=args.max_waiting, request_timeout=args.request_timeout,
+        retry_after=args.retry_after, metrics_window=args.metrics_window,
+        chat_template=template, check_invariants=args.check_invariants)
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_options(args)))
+    for line in engine.startup_lines:
+        print(f"[nanokv] {line}", file=sys.stderr)
+    app = build_app(engine, settings)
+    print(f"[nanokv] serving {settings.model_name!r} on http://{args.host}:{args.port} "
+          f"(chat template: {app.state.server.chat.source if app.state.server.chat else '-'}; "
+          f"API key: {'on' if api_key else 'off'})", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                access_log=not args.no_access_log, timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,226 @@
+"""A bounded load test against a running server: a fixed number of concurrent clients send
+streaming completions for a fixed time, then stop by themselves.
+
+    python -m nanokv.server.loadtest --url http://127.0.0.1:8000 --concurrency 8 --duration 30
+
+Every request ends in exactly one of: completed, refused (503), failed (any other error) or
+hung (no answer within --request-timeout). Latencies come from the client's side: TTFT from
+sending to the first token, ITL between tokens (a chunk carrying k tokens after a gap g counts
+k gaps of g/k). After the run it waits for the server to go idle and reads /metrics: running and
+waiting requests and KV usage must return to 0 (no leaked blocks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+from nanokv.metrics.stats import percentile
+
+PREFIXES = [
+    "You are a helpful assistant. Answer briefly and precisely.\n",
+    "The following is a conversation about Python programming and data structures.\n",
+    "Summarize the text below in one sentence, keeping the key facts.\n",
+]
+WORDS = ("block cache token prefix memory page request batch model layer value key query "
+         "python list dict queue hash table tree graph").split()
+
+
+@dataclass
+class LoadTestResult:
+    concurrency: int
+    duration_s: float  # time clients kept sending
+    elapsed_s: float  # until the last request ended
+    sent: int = 0
+    completed: int = 0
+    refused: int = 0  # 503 with Retry-After
+    failed: int = 0
+    hung: int = 0
+    output_tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list, repr=False)
+    itl_s: list[float] = field(default_factory=list, repr=False)
+    errors: list[str] = field(default_factory=list)
+    idle_metrics: dict[str, float] = field(default_factory=dict)  # /metrics after the run
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.completed / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def summary(self) -> dict:
+        def pcts(xs):
+            return {f"p{q}": percentile(xs, q) for q in (50, 90, 99)}
+
+        d = {k: v for k, v in asdict(self).items() if k not in ("ttft_s", "itl_s")}
+        d.update(requests_per_s=self.requests_per_s, output_tokens_per_s=self.output_tokens_per_s,
+                 ttft_s=pcts(self.ttft_s), itl_s=pcts(self.itl_s))
+        return d
+
+    def format(self) -> str:
+        s = self.summary()
+
+        def ms(p):
+            return " ".join(f"{k} {v * 1000:.1f} ms" if v is not None else f"{k} -"
+                            for k, v in p.items())
+
+        return (f"{self.concurrency} clients for {self.duration_s:g} s (ended after "
+                f"{self.elapsed_s:.1f} s): sent {self.sent}, completed {self.completed}, "
+                f"refused(503) {self.refused}, failed {self.failed}, hung {self.hung}\n"
+                f"{self.requests_per_s:.2f} requests/s, {self.output_tokens_per_s:.1f} output "
+                f"tokens/s\nTTFT {ms(s['ttft_s'])}\nITL  {ms(s['itl_s'])}\n"
+                f"after the run: {self.idle_metrics}")
+
+
+def make_prompt(rng: random.Random) -> str:
+    return rng.choice(PREFIXES) + " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 20)))
+
+
+async def _one_request(client, url: str, body: dict, headers: dict, result: LoadTestResult,
+                       timeout: float) -> float:
+    """Send one streaming completion; returns the Retry-After to honour (0 unless refused)."""
+    import httpx
+
+    result.sent += 1
+    t0 = time.perf_counter()
+    last = None
+    try:
+        async with asyncio.timeout(timeout):
+            async with client.stream("POST", url, json=body, headers=headers) as r:
+                if r.status_code == 503:
+                    await r.aread()
+                    result.refused += 1
+                    return float(r.headers.get("retry-after", "1"))
+                if r.status_code != 200:
+                    text = (await r.aread()).decode(errors="replace")
+                    result.failed += 1
+                    result.errors.append(f"{r.status_code}: {text[:200]}")
+                    return 0.0
+                finished = False
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:]
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise RuntimeError(chunk["error"]["message"])
+                    for choice in chunk.get("choices", []):
+                        n = len(choice.get("token_ids") or [])
+                        now = time.perf_counter()
+                        if n:
+                            if last is None:
+                                result.ttft_s.append(now - t0)
+                                gaps = n - 1
+                            else:
+                                gaps = n
+                            if gaps and last is not None:
+                                result.itl_s.extend([(now - last) / gaps] * gaps)
+                            last = now
+                            result.output_tokens += n
+                        if choice.get("finish_reason"):
+                            finished = True
+                if not finished:
+                    raise RuntimeError("the stream ended without a finish_reason")
+                result.completed += 1
+    except TimeoutError:
+        result.hung += 1
+    except (httpx.HTTPError, RuntimeError, ValueError) as e:
+        result.failed += 1
+        result.errors.append(repr(e)[:200])
+    return 0.0
+
+
+async def run_load(base_url: str, model: str, concurrency: int = 8, duration_s: float = 10.0,
+                   max_tokens: tuple[int, int] = (8, 32), api_key: str | None = None,
+                   request_timeout: float = 60.0, seed: int = 0,
+                   idle_timeout: float = 10.0) -> LoadTestResult:
+    import httpx
+
+    if concurrency < 1 or duration_s <= 0:
+        raise ValueError("concurrency must be >= 1 and duration_s > 0")
+    url = base_url.rstrip("/") + "/v1/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    result = LoadTestResult(concurrency, duration_s, 0.0)
+    limits = httpx.Limits(max_connections=concurrency + 2)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        start = time.perf_counter()
+        deadline = start + duration_s
+
+        async def worker(k: int) -> None:
+            rng = random.Random(seed * 1000 + k)
+            while time.perf_counter() < deadline:
+                body = {"model": model, "prompt": make_prompt(rng), "temperature": 0,
+                        "max_tokens": rng.randint(*max_tokens), "ignore_eos": True,
+                        "stream": True, "return_token_ids": True}
+                wait = await _one_request(client, url, body, headers, result, request_timeout)
+                if wait:
+                    await asyncio.sleep(min(wait, max(0.0, deadline - time.perf_counter()),
+                                            0.25 + rng.random() * 0.25))
+
+        await asyncio.gather(*(worker(k) for k in range(concurrency)))
+        result.elapsed_s = time.perf_counter() - start
+        result.idle_metrics = await wait_idle(client, base_url, headers, idle_timeout)
+    return result
+
+
+IDLE_METRICS = ("nanokv:num_requests_running", "nanokv:num_requests_waiting",
+                "nanokv:kv_cache_usage_perc")
+
+
+async def wait_idle(client, base_url: str, headers: dict, timeout: float) -> dict[str, float]:
+    """Poll /metrics until nothing runs, waits or holds KV blocks; return the last values."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values: dict[str, float] = {}
+    end = time.perf_counter() + timeout
+    while True:
+        r = await client.get(base_url.rstrip("/") + "/metrics", headers=headers)
+        r.raise_for_status()
+        values = {s.name: s.value for fam in text_string_to_metric_families(r.text)
+                  for s in fam.samples if s.name in IDLE_METRICS}
+        if all(values.get(n) == 0 for n in IDLE_METRICS) or time.perf_counter() > end:
+            return values
+        await asyncio.sleep(0.05)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m nanokv.server.loadtest",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    p.add_argument("--model", default=None, help="model name (default: the server's first)")
+    p.add_argument("--concurrency", type=int, default=8, help="concurrent clients")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of sending")
+    p.add_argument("--max-tokens", type=int, nargs=2, default=[8, 32], metavar=("MIN", "MAX"),
+                   help="output length range of each request")
+    p.add_argument("--request-timeout", type=float, default=60.0,
+                   help="client-side limit per request; past it the request counts as hung")
+    p.add_argument("--api-key", default=None, help="bearer key of the server")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    model = args.model
+    if model is None:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        model = httpx.get(args.url.rstrip("/") + "/v1/models",
+                          headers=headers).json()["data"][0]["id"]
+    result = asyncio.run(run_load(args.url, model, args.concurrency, args.duration,
+                                  tuple(args.max_tokens), args.api_key, args.request_timeout,
+                                  args.seed))
+    print(json.dumps(result.summary()) if args.json else result.format())
+    lost = result.sent - result.completed - result.refused
+    return 0 if lost == 0 and all(v == 0 for v in result.idle_metrics.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""Bad input: each answer is a 4xx with OpenAI's error body, and the server keeps serving.
+Dropped clients: their requests are aborted and their blocks come back."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from servers import MODEL_NAME
+
+LONG = "def add(a, b):\n    return a + b\n" * 40  # far more than 256 tokens
+
+
+def completion(**kw):
+    return {"model": MODEL_NAME, "prompt": "def add(a, b):", "max_tokens": 4, **kw}
+
+
+def chat(**kw):
+    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4, **kw}
+
+
+CASES = [
+    # (id, path, body (dict, or str sent raw), status, param, code)
+    ("malformed-json", "/v1/completions", '{"model": "tiny-llama", "prompt": ', 400, None,
+     "invalid_json"),
+    ("not-an-object", "/v1/completions", "[1, 2]", 400, None, None),
+    ("empty-body", "/v1/completions", "", 400, None, None),
+    ("missing-prompt", "/v1/completions", {"model": MODEL_NAME}, 400, "prompt",
+     "missing_required_parameter"),
+    ("missing-model", "/v1/completions", {"prompt": "hi"}, 400, "model",
+     "missing_required_parameter"),
+    ("missing-messages", "/v1/chat/completions", {"model": MODEL_NAME}, 400, "messages",
+     "missing_required_parameter"),
+    ("empty-messages", "/v1/chat/completions", chat(messages=[]), 400, "messages", None),
+    ("bad-role", "/v1/chat/completions", chat(messages=[{"role": "wizard", "content": "x"}]),
+     400, "messages", None),
+    ("prompt-too-long", "/v1/completions", completion(prompt=LONG), 400, "prompt",
+     "context_length_exceeded"),
+    ("chat-too-long", "/v1/chat/completions",
+     chat(messages=[{"role": "user", "content": LONG}]), 400, "messages",
+     "context_length_exceeded"),
+    ("max-tokens-0", "/v1/completions", completion(max_tokens=0), 400, "max_tokens", None),
+    ("max-tokens-negative", "/v1/chat/completions", chat(max_tokens=-3), 400, "max_tokens", None),
+    ("max-completion-tokens-0", "/v1/chat/completions", chat(max_completion_tokens=0), 400,
+     "max_completion_tokens", None),
+    ("max-tokens-huge", "/v1/completions", completion(max_tokens=10**9), 400, "max_tokens",
+     "context_length_exceeded"),
+    ("max-tokens-not-int", "/v1/completions", completion(max_tokens="many"), 400, "max_tokens",
+     None),
+    ("temperature-negative", "/v1/completions", completion(temperature=-0.5), 400,
+     "temperature", None),
+    ("top-p-zero", "/v1/chat/completions", chat(top_p=0), 400, "top_p", None),
+    ("empty-prompt", "/v1/completions", completion(prompt=""), 400, "prompt", None),
+    ("token-out-of-vocab", "/v1/completions", completion(prompt=[1, 2, 10**6]), 400, "prompt",
+     None),
+    ("unknown-field", "/v1/completions", completion(bogus=1), 400, "bogus",
+     "unknown_parameter"),
+    ("n-2", "/v1/completions", completion(n=2), 400, "n", "unsupported_parameter"),
+    ("empty-cache-salt", "/v1/completions", completion(cache_salt=""), 400, "cache_salt", None),
+    ("unknown-model", "/v1/completions", completion(model="gpt-9"), 404, "model",
+     "model_not_found"),
+    ("unknown-model-chat", "/v1/chat/completions", chat(model="gpt-9"), 404, "model",
+     "model_not_found"),
+    ("detokenize-bad-ids", "/detokenize", {"tokens": [-1]}, 400, "tokens", None),
+    ("tokenize-nothing", "/tokenize", {}, 400, None, None),
+]
+
+
+def assert_error_body(r: httpx.Response, status: int, param=None, code=None) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+def assert_still_serving(server) -> None:
+    r = httpx.post(server.url + "/v1/completions", headers=server.headers,
+                   json=completion(temperature=0), timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_request_is_4xx_with_openai_body(server, case):
+    _, path, body, status, param, code = case
+    headers = {**server.headers, "Content-Type": "application/json"}
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(server.url + path, headers=headers, content=content, timeout=30)
+    assert_error_body(r, status, param, code)
+
+
+def test_server_serves_after_bad_input(server):
+    for _, path, body, *_ in CASES[:5]:
+        httpx.post(server.url + path, headers=server.headers,
+                   content=body if isinstance(body, str) else json.dumps(body))
+    assert_still_serving(server)
+    server.wait_idle()
+
+
+def test_wrong_or_missing_api_key(server):
+    for headers in ({"Authorization": "Bearer sk-wrong"}, {}, {"Authorization": "sk-nanokv-test"}):
+        for path in ("/v1/completions", "/metrics", "/tokenize"):
+            r = httpx.post(server.url + path, headers=headers, json=completion())
+            assert_error_body(r, 401, code="invalid_api_key")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="sk-wrong",
+                      max_retries=0).models.list()
+    assert_still_serving(server)
+
+
+def test_unknown_route_and_method(server):
+    assert_error_body(httpx.get(server.url + "/v1/nope", headers=server.headers), 404)
+    assert_error_body(httpx.get(server.url + "/v1/completions", headers=server.headers), 405)
+
+
+def test_openai_client_sees_bad_request(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=4, temperature=-1)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+def _aborted(server) -> float:
+    return server.metrics()[("nanokv:request_success_total", (("finished_reason", "abort"),))]
+
+
+def test_dropped_stream_frees_its_blocks(slow_server):
+    server = slow_server
+    idle = server.wait_idle()
+    aborted = idle[("nanokv:request_success_total", (("finished_reason", "abort"),))]
+    body = completion(prompt="def add(a, b):", max_tokens=240, ignore_eos=True, stream=True,
+                      temperature=0)
+    with httpx.Client(timeout=30) as c:
+        with c.stream("POST", server.url + "/v1/completions", headers=server.headers,
+                      json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]
+            assert got
+            m = server.metrics()
+            assert m[("nanokv:kv_cache_usage_perc", ())] > 0  # it holds blocks mid-stream
+            assert m[("nanokv:num_requests_running", ())] == 1
+        # leaving the block closes the connection mid-stream
+    after = server.wait_idle(timeout=10)  # usage back to its idle value 0, nothing running
+    assert after[("nanokv:kv_cache_usage_perc", ())] == idle[("nanokv:kv_cache_usage_perc", ())]
+    assert _aborted(server) == aborted + 1
+    server.assert_healthy()  # --check-invariants found the block accounting consistent
+    assert_still_serving(server)
+
+
+def test_client_timeout_aborts_non_streaming_request(slow_server):
+    server = slow_server
+    aborted = _aborted(server)
+    body = completion(prompt="def add(a, b):", max_tokens=240, ignore_eos=True, temperature=0)
+    t0 = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", headers=server.headers, json=body,
+                   timeout=httpx.Timeout(30, read=0.3))  # the answer needs > 2.4 s
+    server.wait_idle(timeout=10)
+    assert _aborted(server) == aborted + 1, "the request ran on after its client left"
+    assert time.monotonic() - t0 < 10
+    server.assert_healthy()

@@ -1,0 +1,60 @@
+"""Admission control and a short bounded load test on the tight server (2 running + 2 waiting,
+18 KV blocks): every request completes or is refused with 503, none is lost or hangs, and no
+block leaks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from nanokv.server.loadtest import run_load
+from servers import MODEL_NAME
+
+
+def test_503_with_retry_after_beyond_max_waiting(tight_server):
+    tight_server.wait_idle()
+    before = tight_server.metrics()[("nanokv:request_rejected_total", ())]
+    body = {"model": MODEL_NAME, "prompt": "def add(a, b):", "max_tokens": 200,
+            "ignore_eos": True, "temperature": 0}
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=tight_server.url, timeout=60) as c:
+            return await asyncio.gather(*(c.post("/v1/completions", json=body)
+                                          for _ in range(8)))
+
+    responses = asyncio.run(burst())
+    codes = sorted(r.status_code for r in responses)
+    assert codes.count(200) >= 4 and set(codes) <= {200, 503}, codes  # 2 running + 2 waiting
+    refused = [r for r in responses if r.status_code == 503]
+    assert refused, "8 requests at once must overflow 2 running + 2 waiting"
+    for r in refused:
+        assert r.headers["retry-after"] == "1"
+        err = r.json()["error"]
+        assert err["type"] == "server_error" and err["code"] == "overloaded"
+    m = tight_server.wait_idle()
+    assert m[("nanokv:request_rejected_total", ())] - before == len(refused)
+    tight_server.assert_healthy()
+
+
+def test_bounded_load_no_request_lost_no_block_leaked(tight_server):
+    m0 = tight_server.wait_idle()
+    result = asyncio.run(run_load(tight_server.url, MODEL_NAME, concurrency=6, duration_s=3.0,
+                                  max_tokens=(4, 24), request_timeout=30, seed=1))
+    print(result.format())
+    assert result.failed == 0 and result.hung == 0, result.errors
+    assert result.sent == result.completed + result.refused  # nothing lost
+    assert result.completed > 0 and result.refused > 0  # 6 clients > 2 running + 2 waiting
+    assert all(v == 0 for v in result.idle_metrics.values()), result.idle_metrics
+    m1 = tight_server.metrics()
+
+    def delta(name, labels=()):
+        return m1[(name, labels)] - m0[(name, labels)]
+
+    assert delta("nanokv:request_rejected_total") == result.refused
+    finished = sum(delta("nanokv:request_success_total", (("finished_reason", r),))
+                   for r in ("stop", "length"))
+    assert finished == result.completed
+    assert delta("nanokv:generation_tokens_total") == result.output_tokens
+    assert delta("nanokv:time_to_first_token_seconds_count") == result.completed
+    tight_server.assert_healthy()  # --check-invariants held whenever the engine went idle

@@ -1,0 +1,90 @@
+"""/metrics parsed with prometheus_client's parser: values agree with what the test did."""
+
+from __future__ import annotations
+
+import math
+
+from servers import MODEL_NAME
+
+SHARED = "class Block:\n    def __init__(self, block_id):\n        self.block_id = block_id\n" * 2
+
+
+def test_counts_exact_and_hits_after_repeated_prefix(server, client):
+    m0 = server.wait_idle()
+    usages = []
+    for suffix in ("x = 1", "y = 2", "z = 3"):
+        r = client.completions.create(model=MODEL_NAME, prompt=SHARED + suffix, max_tokens=5,
+                                      temperature=0, extra_body={"ignore_eos": True,
+                                                                 "cache_salt": "metrics-test"})
+        usages.append(r.usage)
+    stream = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": SHARED}], max_tokens=7,
+        stream=True, stream_options={"include_usage": True}, temperature=0,
+        extra_body={"ignore_eos": True})
+    usages.append([c for c in stream][-1].usage)
+    m1 = server.wait_idle()
+
+    def delta(name, labels=()):
+        return m1[(name, labels)] - m0.get((name, labels), 0.0)
+
+    prompt = sum(u.prompt_tokens for u in usages)
+    assert delta("nanokv:prompt_tokens_total") == prompt
+    assert delta("nanokv:generation_tokens_total") == 5 * 3 + 7
+    assert delta("nanokv:prefix_cache_queries_total") == prompt
+    cached = sum(u.prompt_tokens_details.cached_tokens for u in usages)
+    assert usages[0].prompt_tokens_details.cached_tokens == 0  # a fresh salt: cold
+    assert usages[1].prompt_tokens_details.cached_tokens >= 64  # the shared prefix hit
+    assert delta("nanokv:prefix_cache_hits_total") == cached
+    assert delta("nanokv:request_success_total", (("finished_reason", "length"),)) == 4
+    assert delta("nanokv:time_to_first_token_seconds_count") == 4
+    assert delta("nanokv:e2e_request_latency_seconds_count") == 4
+    assert delta("nanokv:inter_token_latency_seconds_count") == 4 * 3 + 6
+    assert delta("nanokv:request_kv_cache_kb_count") == 4
+
+    # the windowed hit rate is the hit fraction of the recent lookups: > 0 after the hits
+    rate = m1[("nanokv:prefix_cache_hit_rate", ())]
+    assert not math.isnan(rate) and 0 < rate < 1
+    assert m1[("nanokv:kv_cache_usage_stddev", ())] >= 0
+    assert m1[("nanokv:kv_cache_usage_perc", ())] == 0
+
+
+def test_request_kv_size_and_cache_config(server, client):
+    m0 = server.wait_idle()
+    client.completions.create(model=MODEL_NAME, prompt=[7] * 40, max_tokens=9, temperature=0,
+                              extra_body={"ignore_eos": True, "cache_salt": "kv-size"})
+    m1 = server.wait_idle()
+    info = [labels for (name, labels) in m1 if name == "nanokv:cache_config_info"]
+    assert len(info) == 1
+    config = dict(info[0])
+    assert config["block_size"] == "16" and config["cache_dtype"] == "float32"
+    assert config["max_model_len"] == "256" and config["enable_prefix_caching"] == "true"
+    # 40 prompt + 9 output tokens: the last token's K/V is never written, 48 slots = 3 blocks
+    kb = 3 * int(config["bytes_per_block"]) / 1024
+    assert (m1[("nanokv:request_kv_cache_kb_sum", ())]
+            - m0[("nanokv:request_kv_cache_kb_sum", ())]) == kb
+    for reason in ("prefix_lru", "preemption", "policy"):
+        assert ("nanokv:evicted_blocks_total", (("reason", reason),)) in m1
+
+
+def test_preemption_and_eviction_counters(tight_server):
+    """18 blocks, two long requests: one is preempted, its blocks counted as evicted."""
+    import asyncio
+
+    import httpx
+
+    m0 = tight_server.wait_idle()
+    body = {"model": MODEL_NAME, "prompt": [11] * 100, "max_tokens": 120, "ignore_eos": True,
+            "temperature": 0}
+
+    async def two():
+        async with httpx.AsyncClient(base_url=tight_server.url, timeout=60) as c:
+            return await asyncio.gather(*(c.post("/v1/completions",
+                                                 json={**body, "cache_salt": f"p{i}"})
+                                          for i in range(2)))
+
+    assert [r.status_code for r in asyncio.run(two())] == [200, 200]
+    m1 = tight_server.wait_idle()
+    assert m1[("nanokv:num_preemptions_total", ())] > m0[("nanokv:num_preemptions_total", ())]
+    key = ("nanokv:evicted_blocks_total", (("reason", "preemption"),))
+    assert m1[key] > m0[key]
+    tight_server.assert_healthy()

@@ -1,0 +1,153 @@
+"""The real server through the official `openai` client: outputs equal the offline greedy ones."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from servers import API_KEY, MODEL_NAME
+from nanokv import SamplingParams
+from nanokv.server.chat import ChatRenderer
+
+PROMPTS = ["def add(a, b):", "The grass is green. The sky", "import os\nimport sys\n",
+           "class Block:\n    def __init__(self", "print('hello", "The sun is yellow.",
+           "def fib(n):\n    return", "Here we go. The"]
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+
+
+def offline_outputs(offline, prompts, max_tokens):
+    return offline.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                    ignore_eos=True))
+
+
+def test_models_health_and_auth(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert httpx.get(server.url + "/health").status_code == 200  # open without a key
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+
+
+def test_completion_equals_offline(client, offline):
+    (ref,) = offline_outputs(offline, [PROMPTS[0]], 12)
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=12, **GREEDY)
+    choice = r.choices[0]
+    assert choice.token_ids == ref.token_ids
+    assert choice.text == ref.text
+    assert choice.finish_reason == "length"
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+
+
+def test_tiny_temperature_is_greedy(client, offline):
+    (ref,) = offline_outputs(offline, [PROMPTS[2]], 6)
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=6,
+                                  temperature=1e-30, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == ref.text  # 1e-30 would overflow the logits: decoded greedily
+
+
+def test_token_id_prompt_and_batch(client, offline):
+    refs = offline_outputs(offline, [[5, 6, 7, 8], [9, 10]], 6)
+    r = client.completions.create(model=MODEL_NAME, prompt=[[5, 6, 7, 8], [9, 10]],
+                                  max_tokens=6, **GREEDY)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.token_ids for c in r.choices] == [o.token_ids for o in refs]
+
+
+def test_chat_equals_offline(server, client, offline):
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "def add(a, b):"}]
+    ids = httpx.post(server.url + "/tokenize", headers=server.headers,
+                     json={"messages": messages}).json()["tokens"]
+    assert ids == ChatRenderer(offline.tokenizer).token_ids(messages)  # the fallback template
+    (ref,) = offline_outputs(offline, [ids], 10)
+    r = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10,
+                                       **GREEDY)
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].token_ids == ref.token_ids
+    assert r.usage.prompt_tokens == len(ids)
+
+
+def test_streaming_completion_with_usage(client, offline):
+    (ref,) = offline_outputs(offline, [PROMPTS[1]], 16)
+    chunks = list(client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=16, stream=True,
+        stream_options={"include_usage": True}, **GREEDY))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    ids = [t for c in chunks if c.choices for t in c.choices[0].token_ids]
+    assert text == ref.text and ids == ref.token_ids
+    assert len([c for c in chunks if c.choices]) >= 2  # really streamed
+    assert chunks[-2].choices[0].finish_reason == "length"
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == 16
+    assert last.usage.prompt_tokens == len(ref.prompt_token_ids)
+
+
+def test_streaming_chat(client, offline):
+    messages = [{"role": "user", "content": "The sky is"}]
+    ids = ChatRenderer(offline.tokenizer).token_ids(messages)
+    (ref,) = offline_outputs(offline, [ids], 12)
+    chunks = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=12, stream=True,
+        stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    assert [c for c in chunks if c.choices][-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.total_tokens == len(ids) + 12
+
+
+def test_concurrent_requests_equal_offline(server, offline):
+    from openai import AsyncOpenAI
+
+    max_tokens = [8 + 3 * i for i in range(len(PROMPTS))]
+    refs = [offline_outputs(offline, [p], m)[0] for p, m in zip(PROMPTS, max_tokens)]
+    generated_before = server.metrics()[("nanokv:generation_tokens_total", ())]
+
+    async def run():
+        client = AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+        async with client:
+            async def one(p, m, stream):
+                if not stream:
+                    r = await client.completions.create(model=MODEL_NAME, prompt=p,
+                                                        max_tokens=m, **GREEDY)
+                    return r.choices[0].token_ids
+                ids = []
+                async for c in await client.completions.create(
+                        model=MODEL_NAME, prompt=p, max_tokens=m, stream=True, **GREEDY):
+                    ids += c.choices[0].token_ids
+                return ids
+            return await asyncio.gather(*(one(p, m, i % 2 == 1) for i, (p, m) in
+                                          enumerate(zip(PROMPTS, max_tokens))))
+
+    got = asyncio.run(run())
+    assert got == [r.token_ids for r in refs]
+    m = server.wait_idle()
+    assert m[("nanokv:generation_tokens_total", ())] - generated_before == sum(max_tokens)
+
+
+def test_tokenize_detokenize(server, offline):
+    r = httpx.post(server.url + "/tokenize", headers=server.headers,
+                   json={"model": MODEL_NAME, "prompt": "def add(a, b):"}).json()
+    assert r["tokens"] == offline.tokenizer.encode("def add(a, b):")
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
+    d = httpx.post(server.url + "/detokenize", headers=server.headers,
+                   json={"tokens": r["tokens"]}).json()
+    assert d["prompt"] == "def add(a, b):"
+
+
+@pytest.mark.parametrize("salt", ["tenant-a"])
+def test_cache_salt_isolates_tenants(client, salt):
+    prompt = "import os\nimport sys\nprint('hello world')\n" * 4  # several full blocks
+
+    def cached(salt):
+        r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2,
+                                      temperature=0, extra_body={"cache_salt": salt})
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    cached(salt)
+    assert cached(salt + "-other") == 0  # another tenant sees nothing of tenant a's prefix
+    assert cached(salt) >= 32  # tenant a hits its own

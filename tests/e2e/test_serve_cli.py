@@ -1,0 +1,31 @@
+"""`nanokv serve` flag validation: bad values exit 2 with a message, before loading the model."""
+
+import pytest
+
+from nanokv.cli import main
+
+
+@pytest.mark.parametrize("flags,fragment", [
+    (["--port", "0"], "--port"),
+    (["--max-waiting", "-1"], "max_waiting"),
+    (["--request-timeout", "0"], "request_timeout"),
+    (["--metrics-window", "-5"], "metrics_window"),
+    (["--retry-after", "-1"], "--retry-after"),
+    (["--api-key", ""], "--api-key"),
+    (["--chat-template", "/nonexistent/template.jinja"], "--chat-template"),
+    (["--model", "/somewhere/else"], "given twice"),
+])
+def test_bad_serve_flags(tiny_llama, capsys, flags, fragment):
+    assert main(["serve", tiny_llama, *flags]) == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_every_serve_flag_has_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--host", "--port", "--served-model-name", "--api-key", "--max-waiting",
+                 "--request-timeout", "--retry-after", "--metrics-window", "--chat-template",
+                 "--check-invariants", "--log-level", "--no-access-log"):
+        assert flag in out
+    assert "127.0.0.1" in out

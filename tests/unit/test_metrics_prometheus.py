@@ -1,0 +1,95 @@
+"""The exporter (nanokv/metrics/prometheus.py) read back with prometheus_client's parser."""
+
+import math
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from nanokv.metrics.prometheus import PrometheusExporter
+from nanokv.metrics.stats import CacheConfigInfo, FinishedRequestStats, IterationStats
+
+CONFIG = CacheConfigInfo(block_size=16, num_blocks=100, kv_dtype="float32", bytes_per_block=8256,
+                         enable_prefix_caching=True, max_model_len=256)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def scrape(exporter):
+    out = {}
+    for family in text_string_to_metric_families(exporter.render().decode()):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            out[(s.name, labels)] = s.value
+    return out
+
+
+def test_record_and_scrape():
+    clock = Clock()
+    e = PrometheusExporter("m", CONFIG, window_s=60.0, clock=clock)
+    m = scrape(e)
+    assert math.isnan(m[("nanokv:prefix_cache_hit_rate", ())])  # idle: no lookups yet
+    assert m[("nanokv:kv_cache_usage_stddev", ())] == 0
+    for reason in ("prefix_lru", "preemption", "policy"):
+        assert m[("nanokv:evicted_blocks_total", (("reason", reason),))] == 0
+
+    clock.t += 10
+    e.record(IterationStats(
+        time=clock.t, num_running=3, num_waiting=1, kv_cache_usage=0.5, prompt_tokens=40,
+        generation_tokens=3, prefix_cache_queries=40, prefix_cache_hits=16, num_preemptions=1,
+        evicted_blocks={"preemption": 4, "prefix_lru": 1}, block_lifetimes_s=[0.5],
+        ttfts_s=[0.02, 0.03], itls_s=[0.01], finished=[
+            FinishedRequestStats("length", 20, 5, 0.4, 3 * 8256),
+            FinishedRequestStats("abort", 20, 1, 0.1, 8256),
+            FinishedRequestStats("abort", 20, 0, 0.0, 0)]))
+    clock.t += 10
+    m = scrape(e)
+    assert m[("nanokv:num_requests_running", ())] == 3
+    assert m[("nanokv:num_requests_waiting", ())] == 1
+    assert m[("nanokv:kv_cache_usage_perc", ())] == 0.5
+    assert m[("nanokv:prompt_tokens_total", ())] == 40
+    assert m[("nanokv:generation_tokens_total", ())] == 3
+    assert m[("nanokv:prefix_cache_queries_total", ())] == 40
+    assert m[("nanokv:prefix_cache_hits_total", ())] == 16
+    assert m[("nanokv:prefix_cache_hit_rate", ())] == 0.4
+    assert m[("nanokv:num_preemptions_total", ())] == 1
+    assert m[("nanokv:evicted_blocks_total", (("reason", "preemption"),))] == 4
+    assert m[("nanokv:evicted_blocks_total", (("reason", "prefix_lru"),))] == 1
+    assert m[("nanokv:time_to_first_token_seconds_count", ())] == 2
+    assert m[("nanokv:inter_token_latency_seconds_count", ())] == 1
+    assert m[("nanokv:kv_block_lifetime_seconds_count", ())] == 1
+    assert m[("nanokv:e2e_request_latency_seconds_count", ())] == 1  # aborted ones not timed
+    assert m[("nanokv:request_success_total", (("finished_reason", "abort"),))] == 2
+    assert m[("nanokv:request_success_total", (("finished_reason", "length"),))] == 1
+    # peak KV per request in KB: the request that held no block is not observed
+    assert m[("nanokv:request_kv_cache_kb_count", ())] == 2
+    assert m[("nanokv:request_kv_cache_kb_sum", ())] == 4 * 8256 / 1024
+    # usage: 0 for 10 s, then 0.5 for 10 s -> std 0.25 over the 20 s the server has lived
+    assert m[("nanokv:kv_cache_usage_stddev", ())] == 0.25
+    info = [labels for (name, labels) in m if name == "nanokv:cache_config_info"]
+    assert dict(info[0])["block_size"] == "16" and dict(info[0])["num_blocks"] == "100"
+
+    clock.t += 120  # the window forgets: idle hit rate, no volatility
+    e.record(IterationStats(time=clock.t, kv_cache_usage=0.5))
+    m = scrape(e)
+    assert math.isnan(m[("nanokv:prefix_cache_hit_rate", ())])
+    assert m[("nanokv:kv_cache_usage_stddev", ())] == 0
+
+
+def test_new_eviction_reason_and_rejections():
+    e = PrometheusExporter("m", CONFIG)
+    e.record(IterationStats(time=e._clock(), evicted_blocks={"h2o": 2}))
+    e.record_rejected()
+    m = scrape(e)
+    assert m[("nanokv:evicted_blocks_total", (("reason", "h2o"),))] == 2
+    assert m[("nanokv:request_rejected_total", ())] == 1
+
+
+def test_two_exporters_do_not_share_state():
+    a, b = PrometheusExporter("a", CONFIG), PrometheusExporter("b", CONFIG)
+    a.record(IterationStats(time=a._clock(), generation_tokens=5))
+    assert scrape(b)[("nanokv:generation_tokens_total", ())] == 0
