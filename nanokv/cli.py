@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from nanokv.config import DEVICES, DTYPES, LINEAR_BACKENDS
+from nanokv.quant.registry import KV_CACHE_DTYPES
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "models" / "nanokv-tiny")
 
@@ -69,6 +70,15 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: bool = True) -> N
                    help="or: fraction of a request's tokens removed, in [0, 1)")
     g.add_argument("--kv-policy-options", type=json.loads, default=None,
                    help='the policy\'s options as JSON, e.g. \'{"window": 32}\'')
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV cache storage: auto (the float pool, compute dtype), int8 / fp8 "
+                        "(= fp8_e4m3) / fp8_e5m2 (one scale per token and head), kvquant "
+                        "(2-4 bit KVQuant: per-channel pre-RoPE keys, outliers, sinks)")
+    g.add_argument("--kv-quant-bits", type=int, default=None, choices=(2, 3, 4),
+                   help="kvquant code width (default: the calibration's decision, else 4)")
+    g.add_argument("--kv-quant-config", default=None, metavar="FILE",
+                   help="kvquant calibration JSON written by `nanokv calibrate` (codebooks, "
+                        "key outlier thresholds, per-layer widths)")
     g.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -85,7 +95,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         num_threads=args.num_threads, linear_backend=args.linear_backend,
         kv_policy=args.kv_policy, kv_budget=args.kv_budget,
         kv_compression_ratio=args.kv_compression_ratio,
-        kv_policy_options=args.kv_policy_options)
+        kv_policy_options=args.kv_policy_options, kv_cache_dtype=args.kv_cache_dtype,
+        kv_quant_bits=args.kv_quant_bits, kv_quant_config=args.kv_quant_config)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -68,6 +68,9 @@ class EngineConfig:
     kv_budget: int | None = None  # tokens a request keeps under the policy
     kv_compression_ratio: float | None = None  # or: fraction of the tokens removed, in [0, 1)
     kv_policy_options: dict | None = None  # the policy's own options
+    kv_cache_dtype: str = "auto"  # auto (the float pool), int8, fp8[_e4m3|_e5m2], kvquant
+    kv_quant_bits: int | None = None  # kvquant code width 2 / 3 / 4 (default: the file's, or 4)
+    kv_quant_config: str | None = None  # calibration JSON of `nanokv calibrate` (kvquant)
 
     @classmethod
     def from_kwargs(cls, model: str, **options) -> "EngineConfig":
@@ -113,6 +116,31 @@ class EngineConfig:
                              "kv_policy (a policy name)")
         if self.kv_policy_options is not None and not isinstance(self.kv_policy_options, dict):
             raise ValueError(f"kv_policy_options must be a dict, got {self.kv_policy_options!r}")
+        self._validate_kv_quant()
+
+    def _validate_kv_quant(self) -> None:
+        from nanokv.quant.kvquant import KVQUANT_BITS
+        from nanokv.quant.registry import KV_CACHE_DTYPES
+
+        _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.kv_cache_dtype != "kvquant":
+            for name in ("kv_quant_bits", "kv_quant_config"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} applies to kv_cache_dtype 'kvquant' only, got "
+                                     f"kv_cache_dtype {self.kv_cache_dtype!r}")
+        if self.kv_quant_bits is not None and (
+                isinstance(self.kv_quant_bits, bool) or self.kv_quant_bits not in KVQUANT_BITS):
+            raise ValueError(f"kv_quant_bits must be one of {list(KVQUANT_BITS)}, "
+                             f"got {self.kv_quant_bits!r}")
+        if self.kv_quant_config is not None and (not isinstance(self.kv_quant_config, str)
+                                                 or not self.kv_quant_config):
+            raise ValueError(f"kv_quant_config must be the path of a calibration file, "
+                             f"got {self.kv_quant_config!r}")
+        if (self.kv_cache_dtype != "auto" and self.kv_policy is not None
+                and self.kv_policy != "full"):
+            raise ValueError(f"kv_policy {self.kv_policy!r} with kv_cache_dtype "
+                             f"{self.kv_cache_dtype!r} is not supported yet: use "
+                             f"kv_cache_dtype 'auto' with a KV policy")
 
     def policy_config(self):
         """The engine's default KV policy as a validated PolicyConfig (None: full cache)."""

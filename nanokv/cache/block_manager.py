@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nanokv.cache.block import FreeBlockQueue, KVCacheBlock
@@ -27,7 +28,10 @@ class BlockManagerStats:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 extra_keys: tuple = ()) -> None:
+                 extra_keys: tuple = (),
+                 on_block_freed: Callable[[list[int]], None] | None = None) -> None:
+        """on_block_freed(block_ids): called when blocks' ref counts reach 0 (a quantized KV
+        store drops what their partial content holds; full cached blocks stay readable)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -36,6 +40,7 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.extra_keys = tuple(extra_keys)  # engine-wide (KV dtype, policy ...)
+        self.on_block_freed = on_block_freed
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVCacheBlock] = {}  # block hash -> block
@@ -166,8 +171,9 @@ class BlockManager:
         after a failed step).
         """
         now = time.monotonic()
-        for block_id in reversed(request.block_table):
-            self._release(self.blocks[block_id], now, drop_cache)
+        freed = [block_id for block_id in reversed(request.block_table)
+                 if self._release(self.blocks[block_id], now, drop_cache)]
+        self._notify_freed(freed)
         if reason is not None and request.block_table:
             self.stats.evicted_blocks[reason] += len(request.block_table)
         request.block_table = []
@@ -186,11 +192,14 @@ class BlockManager:
             raise ValueError(f"block indices {sorted(drop)} outside the request's table "
                              f"of {len(request.block_table)} blocks")
         now = time.monotonic()
+        freed = []
         for i in sorted(drop, reverse=True):
             block = self.blocks[request.block_table[i]]
-            self._release(block, now, drop_cache=False)
+            if self._release(block, now, drop_cache=False):
+                freed.append(block.block_id)
             self.stats.evicted_blocks[reason] += 1
             self.stats.evicted_block_lifetimes.append(now - self.birth[block.block_id])
+        self._notify_freed(freed)
         request.block_table = [b for i, b in enumerate(request.block_table) if i not in drop]
         request.prefix_cacheable = False
         request.block_hashes = request.block_hashes[:min(drop)]
@@ -229,12 +238,13 @@ class BlockManager:
         request.prefix_cacheable = False
         request.block_hashes = request.block_hashes[:from_block]
 
-    def _release(self, block: KVCacheBlock, now: float, drop_cache: bool) -> None:
+    def _release(self, block: KVCacheBlock, now: float, drop_cache: bool) -> bool:
+        """Drop one reference; True when the block became free."""
         if block.ref_cnt <= 0:
             raise RuntimeError(f"double free of {block}")
         block.ref_cnt -= 1
         if block.ref_cnt > 0:
-            return
+            return False
         block.last_freed = now
         if drop_cache and block.block_hash is not None:
             self._uncache(block, now, reason=None)
@@ -242,6 +252,11 @@ class BlockManager:
             self.free_queue.appendleft(block)
         else:
             self.free_queue.append(block)
+        return True
+
+    def _notify_freed(self, block_ids: list[int]) -> None:
+        if block_ids and self.on_block_freed is not None:
+            self.on_block_freed(block_ids)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block that no request holds. Returns how many were dropped."""

@@ -4,6 +4,10 @@
 
 Next to it, `slot_positions[block, slot]` records the RoPE position of the token in each slot
 (-1 when empty): after eviction a slot index no longer equals its token's position.
+
+With a quantized KV cache (`kv_cache_dtype` other than auto) the K/V live in a
+`nanokv.quant.QuantizedKVStore` indexed by the same block ids; the pool is then made with
+`allocate_kv=False` and only holds `slot_positions`, which the store shares.
 """
 
 from __future__ import annotations
@@ -33,24 +37,29 @@ class KVLayout:
 
 
 class KVPool:
-    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device) -> None:
+    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device,
+                 allocate_kv: bool = True) -> None:
         self.layout = layout
         self.num_blocks = num_blocks
         # zeros, not empty: padded slots are masked out, but 0 * NaN would still poison a sum
         self.kv = torch.zeros(2, layout.num_layers, num_blocks, layout.block_size,
                               layout.num_kv_heads, layout.head_dim,
-                              dtype=layout.dtype, device=device)
+                              dtype=layout.dtype, device=device) if allocate_kv else None
         self.slot_positions = torch.full((num_blocks, layout.block_size), -1,
                                          dtype=torch.int32, device=device)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of one layer: k_cache, v_cache, each [num_blocks, block_size, Hkv, D]."""
+        if self.kv is None:
+            raise RuntimeError("this pool holds no float K/V (a quantized store does)")
         return self.kv[0, index], self.kv[1, index]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks (all layers, K and V, slot positions): (source, destination)."""
         if not pairs:
             return
+        if self.kv is None:
+            raise RuntimeError("this pool holds no float K/V: copy blocks in the quantized store")
         src = torch.tensor([p[0] for p in pairs], device=self.kv.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.kv.device)
         self.kv[:, :, dst] = self.kv[:, :, src]
@@ -58,4 +67,4 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return self.kv.nbytes + self.slot_positions.nbytes
+        return (0 if self.kv is None else self.kv.nbytes) + self.slot_positions.nbytes

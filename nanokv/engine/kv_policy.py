@@ -39,15 +39,27 @@ class PolicyStats:
 
 class PolicyRunner:
     def __init__(self, default: PolicyConfig | None, block_manager: BlockManager,
-                 kv_pool: KVPool, attention_scale: float) -> None:
+                 kv_pool: KVPool, attention_scale: float, kv_cache_dtype: str = "auto") -> None:
         self.block_manager = block_manager
         self.kv_pool = kv_pool
         self.block_size = kv_pool.layout.block_size
         self.scale = attention_scale
-        self.layers = [kv_pool.layer(i) for i in range(kv_pool.layout.num_layers)]
+        # policies read and compact the float pool; a quantized KV cache has none (not
+        # supported yet: EngineConfig rejects the combination, `attach` per-request overrides)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.layers = ([kv_pool.layer(i) for i in range(kv_pool.layout.num_layers)]
+                       if kv_pool.kv is not None else None)
+        if default is not None:
+            self._check_supported(default)
         self.default_config = default
         self.default = self.build(default) if default is not None else None
         self.stats = PolicyStats()
+
+    def _check_supported(self, config: PolicyConfig) -> None:
+        if self.layers is None:
+            raise ValueError(f"kv_policy {config.name!r} with kv_cache_dtype "
+                             f"{self.kv_cache_dtype!r} is not supported yet: use "
+                             f"kv_cache_dtype 'auto' with a KV policy")
 
     def build(self, config: PolicyConfig) -> KVPolicy:
         policy = config.build(block_size=self.block_size)
@@ -58,6 +70,8 @@ class PolicyRunner:
 
     # ---- per request ---------------------------------------------------------------------------
     def attach(self, request: Request, override: PolicyConfig | None = None) -> None:
+        if override is not None:
+            self._check_supported(override)
         policy = self.build(override) if override is not None else self.default
         request.kv_policy = policy
         if policy is None or not policy.needs_attention:

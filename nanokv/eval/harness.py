@@ -97,7 +97,7 @@ class _Run:
             raise ValueError("nanokv eval needs a model directory with a tokenizer")
 
     def _held(self, outs) -> tuple[float, float]:
-        bpb = self.engine.layout.bytes_per_block
+        bpb = self.engine.kv_bytes_per_block  # a quantized KV cache's real cost per block
         kept = [o.kv_slots_at_finish / max(1, o.logical_tokens_at_finish) for o in outs]
         held = [o.kv_blocks_at_finish * bpb for o in outs]
         return sum(kept) / len(kept), sum(held) / len(held)

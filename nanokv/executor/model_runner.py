@@ -16,14 +16,22 @@ from nanokv.scheduler.output import RunnerOutput, SchedulerOutput
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_pool: KVPool, device: torch.device,
-                 seed: int) -> None:
+                 seed: int, kv_store=None, rope=None) -> None:
+        """kv_store: a `nanokv.quant.QuantizedKVStore` holding the K/V instead of the pool's
+        float tensor (the pool then only keeps slot positions); rope: the model's RoPE as a
+        store `Rope`, used to rotate keys the store keeps before RoPE."""
         self.model = model
         self.kv_pool = kv_pool
+        self.kv_store = kv_store
         self.device = device
         self.block_size = kv_pool.layout.block_size
         self.sampler = Sampler(seed)
         for index, attn in enumerate(model.attention_layers()):
-            attn.k_cache, attn.v_cache = kv_pool.layer(index)
+            if kv_store is None:
+                attn.k_cache, attn.v_cache = kv_pool.layer(index)
+            else:
+                attn.k_cache = attn.v_cache = None
+                attn.kv_store, attn.layer_index, attn.rope = kv_store, index, rope
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -98,6 +106,8 @@ class ModelRunner:
             num_decode_tokens=num_decode, decode_block_tables=decode_block_tables,
             decode_mask=decode_mask, prefills=prefills,
             query_capture=capture or None, captured={} if capture else None)
+        if self.kv_store is not None:  # host bookkeeping once per step; records slot positions
+            meta.kv_plan = self.kv_store.plan_write(slots, positions)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos, meta, sample_rows

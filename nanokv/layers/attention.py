@@ -37,6 +37,8 @@ class AttentionMetadata:
     # to keep; each layer appends its post-RoPE rows to `captured[request id]`
     query_capture: list[tuple[str, int, int]] | None = None
     captured: dict | None = None
+    # with a quantized KV store: the step's write plan (`store.plan_write`), shared by all layers
+    kv_plan: object | None = None
 
 
 def capture_queries(q: torch.Tensor, meta: AttentionMetadata) -> None:

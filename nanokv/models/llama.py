@@ -15,6 +15,7 @@ from nanokv.layers.attention import AttentionMetadata, capture_queries, paged_at
 from nanokv.layers.linear import Linear
 from nanokv.layers.norm import RMSNorm
 from nanokv.layers.rotary import RotaryEmbedding
+from nanokv.quant.attention import quantized_paged_attention
 
 
 class LlamaAttention(nn.Module):
@@ -34,6 +35,11 @@ class LlamaAttention(nn.Module):
         # views into the engine's KV pool, set by the runner: [num_blocks, block_size, Hkv, D]
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # or, with a quantized KV cache (set by the runner instead of the views): the store,
+        # this layer's index in it and the model's RoPE (to rotate keys kept before RoPE)
+        self.kv_store = None
+        self.layer_index = 0
+        self.rope = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -44,10 +50,17 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        k_pre = k  # before RoPE: what a store with pre-RoPE keys quantizes
         q, k = self.rotary(positions, q, k)
         if meta.query_capture:
             capture_queries(q, meta)
-        o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        store = self.kv_store
+        if store is None:
+            o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        else:
+            o = quantized_paged_attention(q, k, v, k_pre if store.pre_rope_keys else k, store,
+                                          self.layer_index, meta, meta.kv_plan, self.scale,
+                                          self.rope)
         return self.o_proj(o.reshape(num_tokens, self.q_size))  # [T, Hq * D] -> [T, hidden]
 
 
