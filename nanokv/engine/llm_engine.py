@@ -241,7 +241,8 @@ class LLMEngine:
         request = Request(rid, token_ids, params, prompt=text,
                           eos_token_ids=self.eos_token_ids, cache_salt=cache_salt)
         request.compress_after = compress_after
-        self.policies.attach(request, kv_policy)  # kv_policy: a PolicyConfig overriding the engine's
+        # kv_policy: a PolicyConfig overriding the engine's default for this request
+        self.policies.attach(request, kv_policy)
         return request
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -260,7 +260,8 @@ def choose_precision(evaluate: Callable[[Candidate], float], num_layers: int,
             t = trials[-1]
             return (Decision(t.candidate, t.perplexity, t.delta,
                              f"{low}-bit raises perplexity by {failed.delta:.4f} > "
-                             f"{max_increase}; mixed: layers {sorted(order[:order.index(layer) + 1])}"
+                             f"{max_increase}; mixed: layers "
+                             f"{sorted(order[:order.index(layer) + 1])}"
                              f" at 8 bits raise it by {t.delta:.4f}"), trials, base)
     if run(Candidate("int8")) <= max_increase:
         t = trials[-1]

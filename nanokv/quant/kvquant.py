@@ -139,7 +139,7 @@ class KVQuantConfig:
         if self.layer_bits is not None and len(self.layer_bits) != num_layers:
             raise ValueError(f"layer_bits has {len(self.layer_bits)} entries; the model has "
                              f"{num_layers} layers")
-        for name, kind in (("key_codebooks", "key"), ("value_codebooks", "value")):
+        for name in ("key_codebooks", "value_codebooks"):
             books = getattr(self, name)
             if books is None:
                 continue

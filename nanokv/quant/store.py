@@ -169,7 +169,7 @@ class QuantizedKVStore(ABC):
         heads, dim = self.layout.num_kv_heads, self.layout.head_dim
         return (k.reshape(-1, heads, dim)[:num_slots], v.reshape(-1, heads, dim)[:num_slots])
 
-    def release(self, block_ids: Sequence[int]) -> None:
+    def release(self, block_ids: Sequence[int]) -> None:  # noqa: B027 - optional hook
         """The block manager freed these blocks (ref count 0). Default: nothing to drop."""
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:

@@ -88,7 +88,7 @@ class RequestStream:
     async def final(self) -> RequestOutput:
         """Read to the end; return the final output."""
         out = None
-        async for out in self:
+        async for out in self:  # noqa: B007 - keep the last item
             pass
         if out is None:
             raise EngineDeadError("the request ended without an output")

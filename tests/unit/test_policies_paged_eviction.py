@@ -100,8 +100,9 @@ def test_simulated_decode_keeps_the_paged_eviction_invariants(budget, block_size
     # prefill: every layer keeps C positions (compaction puts slot i = kept[i])
     assert bm.allocate_slots(req, prompt_len)
     req.num_computed_tokens = prompt_len
-    kept = [policy.select(LayerKV(keys[l, :prompt_len], values[l, :prompt_len]), budget).tolist()
-            for l in range(num_layers)]
+    kept = [policy.select(LayerKV(keys[layer, :prompt_len], values[layer, :prompt_len]),
+                          budget).tolist()
+            for layer in range(num_layers)]
     assert all(len(k) == budget for k in kept)
     assert all(k[:block_size] == list(range(block_size)) for k in kept)
     used = -(-budget // block_size)
@@ -116,7 +117,8 @@ def test_simulated_decode_keeps_the_paged_eviction_invariants(budget, block_size
             layer.append(pos)
         req.num_computed_tokens += 1
         num_slots = req.num_cached_slots
-        layer_kvs = [(keys[l, contents[l]], values[l, contents[l]]) for l in range(num_layers)]
+        layer_kvs = [(keys[layer, contents[layer]], values[layer, contents[layer]])
+                     for layer in range(num_layers)]
         scores = torch.stack([policy.block_scores(LayerKV(k, v)) for k, v in layer_kvs])
         victim = policy.block_to_evict(scores, num_slots, budget)
         full = num_slots % block_size == 0
