@@ -6,7 +6,9 @@ Schema (format "nanokv-kv-calibration", version 1); every list is per layer:
   "format": "nanokv-kv-calibration", "version": 1,
   "model": {"path": str, "num_layers": L, "num_kv_heads": H, "head_dim": D},
   "settings": {"block_size": int, "outlier_fraction": float, "num_sink_tokens": int,
-               "per_channel_keys": bool, "nuq": bool, "max_ppl_increase": float,
+               "per_channel_keys": bool, "pre_rope_keys": bool (optional, default true: the
+               ablation switch; false stores keys after RoPE), "nuq": bool,
+               "max_ppl_increase": float,
                "candidate_bits": [int], "calib_tokens": int, "eval_tokens": int,
                "text": str},
   "codebooks": {"2": {"keys": [[4 floats] x L], "values": [[4 floats] x L]},
@@ -109,7 +111,8 @@ class Calibration:
                              key_codebooks=key_books, value_codebooks=value_books,
                              outlier_fraction=self.settings["outlier_fraction"],
                              key_outlier_thresholds=self.key_thresholds,
-                             num_sink_tokens=self.settings["num_sink_tokens"])
+                             num_sink_tokens=self.settings["num_sink_tokens"],
+                             pre_rope_keys=self.settings.get("pre_rope_keys", True))
 
     def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
         got = (self.num_layers, self.num_kv_heads, self.head_dim)
@@ -168,6 +171,8 @@ def from_json(data: dict, where: str = "calibration") -> Calibration:
     for key, typ in (("block_size", int), ("outlier_fraction", (int, float)),
                      ("num_sink_tokens", int), ("per_channel_keys", bool)):
         need(isinstance(settings.get(key), typ), f"settings.{key} missing or of the wrong type")
+    for key in ("pre_rope_keys", "nuq"):  # optional switches (default true)
+        need(isinstance(settings.get(key, True), bool), f"settings.{key} must be true or false")
     books = {}
     for b_str, kinds in (data.get("codebooks") or {}).items():
         need(b_str.isdigit() and int(b_str) in KVQUANT_BITS,
