@@ -47,8 +47,8 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: bool = True) -> N
                    help="KV pool size: bytes or with a unit, e.g. 4GiB, 512MiB")
     g.add_argument("--kv-cache-memory-fraction", type=float, default=0.9,
                    help="without --kv-cache-memory: fraction of the memory left after weights "
-                        "and activations (default 0.9); the pool is capped at what "
-                        "max_num_seqs full-length requests need")
+                        "and activations (default 0.9; on CPU at most 4 GiB); the pool is "
+                        "capped at what max_num_seqs full-length requests need")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="exact KV pool size in blocks (overrides the memory budget)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")

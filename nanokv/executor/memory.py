@@ -55,6 +55,11 @@ def decode_dequant_bytes_per_block(layout, kv_cache_dtype: str) -> int:
     return int(factor * per_block)
 
 
+# Without an explicit kv_cache_memory a CPU pool takes at most this much (vLLM's CPU backend
+# defaults to 4 GiB too): the pool is zero-filled, so every byte of it is resident.
+CPU_DEFAULT_MAX_KV_BYTES = 4 * 2**30
+
+
 def plan_kv_blocks(*, bytes_per_block: int, device: torch.device, kv_cache_memory: int | None,
                    fraction: float, activation_bytes: int, max_useful_blocks: int,
                    fixed_bytes: int = 0, scratch_bytes_per_block: int = 0) -> MemoryPlan:
@@ -71,6 +76,9 @@ def plan_kv_blocks(*, bytes_per_block: int, device: torch.device, kv_cache_memor
     else:
         budget = int((available_host_memory() - activation_bytes) * fraction)
         source = f"{fraction:.2f} x (available RAM - peak activations)"
+        if budget > CPU_DEFAULT_MAX_KV_BYTES:  # RAM is shared with everything else on a host
+            budget = CPU_DEFAULT_MAX_KV_BYTES
+            source += f", capped at {CPU_DEFAULT_MAX_KV_BYTES / 2**30:g} GiB on CPU"
     if kv_cache_memory is not None:
         scratch_bytes_per_block = 0  # an explicit budget is the pool's alone
     elif scratch_bytes_per_block:
