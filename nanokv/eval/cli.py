@@ -16,7 +16,8 @@ def add_eval_parser(sub, add_engine_args, engine_options) -> None:
     add_engine_args(p)
     p.add_argument("--policies", default="full",
                    help="comma-separated KV policies ('full' = no compression; others from "
-                        "the policy registry)")
+                        "the policy registry); 'label=name' lists one policy several times, "
+                        "its options looked up by label in --policy-options")
     p.add_argument("--compressions", default="2,4,8",
                    help="comma-separated compression factors (4 = keep a quarter)")
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {TASKS}")

@@ -73,9 +73,12 @@ class EvalRow:
 
 
 def policy_engine_options(policy: str, compression: float, options: dict) -> dict:
-    if policy == "full":
+    """Engine options for a policy entry: a registered name, or `label=name` so one policy can
+    appear with several option sets (options are looked up by label)."""
+    name = policy.split("=", 1)[1] if "=" in policy else policy
+    if name == "full":
         return {}
-    return {"kv_policy": policy, "kv_compression_ratio": 1.0 - 1.0 / compression,
+    return {"kv_policy": name, "kv_compression_ratio": 1.0 - 1.0 / compression,
             "kv_policy_options": dict(options)}
 
 
@@ -87,8 +90,9 @@ class _Run:
 
         self.settings = settings
         opts = dict(settings.engine_options)
+        label = policy.split("=", 1)[0]
         opts.update(policy_engine_options(policy, compression,
-                                          settings.policy_options.get(policy, {})))
+                                          settings.policy_options.get(label, {})))
         opts.setdefault("max_model_len", settings.context_tokens + 64)
         self.llm = LLM(settings.model, **opts)
         self.engine = self.llm.engine
@@ -165,12 +169,13 @@ def run_eval(settings: EvalSettings, log=print) -> list[EvalRow]:
     windows = None
     for policy, compression in settings_list:
         run = _Run(settings, policy, compression)
+        label = policy.split("=", 1)[0]
         for task in settings.tasks:
             if task in ("passkey", "multikey"):
                 row = run.retrieval(task)
             else:
                 continue
-            row.policy, row.compression = policy, compression
+            row.policy, row.compression = label, compression
             rows.append(row)
             log(_line(row))
         if "perplexity" in settings.tasks or "kl" in settings.tasks:
@@ -188,7 +193,7 @@ def run_eval(settings: EvalSettings, log=print) -> list[EvalRow]:
                     target = torch.tensor(w[split:])
                     nll += float(torch.nn.functional.cross_entropy(lg, target, reduction="sum"))
                     count += len(target)
-                row = EvalRow("perplexity", policy, compression, math.exp(nll / count),
+                row = EvalRow("perplexity", label, compression, math.exp(nll / count),
                               "perplexity", len(windows), kept, held,
                               {"scored_tokens": count}, elapsed)
                 rows.append(row)
@@ -201,7 +206,7 @@ def run_eval(settings: EvalSettings, log=print) -> list[EvalRow]:
                     kl += float((p_log.exp() * (p_log - q_log)).sum())
                     agree += int((ref.argmax(-1) == lg.argmax(-1)).sum())
                     count += ref.shape[0]
-                row = EvalRow("kl", policy, compression, kl / count, "kl_nats", len(windows),
+                row = EvalRow("kl", label, compression, kl / count, "kl_nats", len(windows),
                               kept, held, {"top1_agreement": agree / count}, elapsed)
                 rows.append(row)
                 log(_line(row))
