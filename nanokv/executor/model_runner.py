@@ -105,6 +105,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             num_decode_tokens=num_decode, decode_block_tables=decode_block_tables,
             decode_mask=decode_mask, prefills=prefills,
+            decode_context_lens=decode_lens if num_decode else None,
             query_capture=capture or None, captured={} if capture else None)
         if self.kv_store is not None:  # host bookkeeping once per step; records slot positions
             meta.kv_plan = self.kv_store.plan_write(slots, positions)

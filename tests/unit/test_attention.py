@@ -28,8 +28,9 @@ def scatter_into_pool(k_all, v_all, num_blocks, block_size, rng):
     return k_cache, v_cache, tables
 
 
+@pytest.mark.parametrize("per_request", [False, True])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_decode_and_prefill_with_past_match_dense(block_size):
+def test_decode_and_prefill_with_past_match_dense(block_size, per_request):
     rng = random.Random(0)
     torch.manual_seed(0)
     # three decodes with different context lengths, two prefill chunks with a cached past
@@ -62,7 +63,8 @@ def test_decode_and_prefill_with_past_match_dense(block_size):
     for (past, new), table in zip(prefill, tables[3:]):
         prefills.append(PrefillSeq(start, new, past + new, torch.tensor(table)))
         start += new
-    meta = AttentionMetadata(torch.tensor(slots), 3, dec_tables, mask, prefills)
+    meta = AttentionMetadata(torch.tensor(slots), 3, dec_tables, mask, prefills,
+                             decode_context_lens=decode_lens if per_request else None)
     q = torch.cat(q_all)
     k_new = torch.cat([k[-n:] for k, n in zip(k_all, q_lens)])
     v_new = torch.cat([v[-n:] for v, n in zip(v_all, q_lens)])
