@@ -37,7 +37,8 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         input_ids, positions, meta, sample_rows = self.prepare(sched)
         hidden = self.model(input_ids, positions, meta)  # [T, hidden]
-        self.kv_pool.slot_positions.view(-1)[meta.slot_mapping] = positions.to(torch.int32)
+        if self.kv_store is None:  # a quantized store records positions in plan_write
+            self.kv_pool.slot_positions.view(-1)[meta.slot_mapping] = positions.to(torch.int32)
         prompt_logits = self._prompt_logits(sched, hidden)
         captured = meta.captured or {}
         if not sample_rows:
