@@ -29,6 +29,7 @@ SETTINGS = [
     ("knorm", "knorm", {}),
     ("h2o", "h2o", {}),
     ("snapkv", "snapkv", {"window": 32}),
+    ("pyramidkv", "pyramidkv", {"window": 32}),
     ("kvcrush_snapkv_r0.25", "kvcrush",
      {"base": "snapkv", "base_options": {"window": 32}, "kvcrush_ratio": 0.25}),
     ("paged_eviction", "paged_eviction", {}),

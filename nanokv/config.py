@@ -136,11 +136,13 @@ class EngineConfig:
                                                  or not self.kv_quant_config):
             raise ValueError(f"kv_quant_config must be the path of a calibration file, "
                              f"got {self.kv_quant_config!r}")
-        if (self.kv_cache_dtype != "auto" and self.kv_policy is not None
-                and self.kv_policy != "full"):
-            raise ValueError(f"kv_policy {self.kv_policy!r} with kv_cache_dtype "
-                             f"{self.kv_cache_dtype!r} is not supported yet: use "
-                             f"kv_cache_dtype 'auto' with a KV policy")
+        policy = self.policy_config()
+        if self.kv_cache_dtype != "auto" and policy is not None:
+            built = policy.build(block_size=MIN_BLOCK_SIZE)  # validates the options too
+            if len(set(built.layer_budgets(4096, 4))) > 1:
+                raise ValueError(f"kv_policy {self.kv_policy!r} gives layers different budgets, "
+                                 f"which needs per-layer block tables over the float KV pool: "
+                                 f"use kv_cache_dtype 'auto' with it")
 
     def policy_config(self):
         """The engine's default KV policy as a validated PolicyConfig (None: full cache)."""

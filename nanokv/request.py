@@ -65,6 +65,9 @@ class Request:
         # chunk never crosses it, so an evaluation can score text after a compressed context
         self.compress_after: int | None = None
         self.compressed = False
+        # per-layer block tables once a policy left layers with different lengths (PyramidKV);
+        # a `nanokv.cache.layer_slices.LayerSlices`, None while all layers share block_table
+        self.layer_slices = None
         self.query_capture_from: int | None = None  # policies that read window attention
         self.captured_queries: list[list] = []  # per step: per layer [w, Hq, D]
         # what the request held when it finished (the metrics and the eval harness read these)

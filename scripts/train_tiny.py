@@ -133,8 +133,8 @@ def length_choices(progress: float, max_context: int) -> list[int]:
     return [min(L, max_context) for L in ls]
 
 
-def synthetic_row(tok, rng: random.Random, L: int):
-    name = rng.choices(list(TASK_WEIGHTS), weights=list(TASK_WEIGHTS.values()))[0]
+def synthetic_row(tok, rng: random.Random, L: int, task_weights: dict[str, float] = TASK_WEIGHTS):
+    name = rng.choices(list(task_weights), weights=list(task_weights.values()))[0]
     ctx = rng.randint(max(L // 2, 80), L - 24)
     seed = rng.randrange(2**31)
     try:
@@ -219,7 +219,7 @@ def make_batch(
             ids[b] = train_ids[start : start + L].long()
             cat[b, 1:] = 3
         else:
-            _, p, a = synthetic_row(tok, rng, L)
+            _, p, a = synthetic_row(tok, rng, L, args.task_weights)
             seq = (p + a + [eos_id])[:L]
             ids[b, : len(seq)] = torch.tensor(seq)
             cat[b, 1 : len(p)] = 1
@@ -396,6 +396,7 @@ def write_model_card(out: Path, r: dict) -> None:
     )
     samples = "\n\n".join(f"```python\n{s}\n```" for s in r["samples"])
     held = ", ".join(f"`{f}`" for f in r["heldout_files"])
+    tw = a.get("task_weights", TASK_WEIGHTS)
     text = f"""# nanokv-tiny
 
 A {r["parameters"] / 1e6:.2f}M-parameter decoder in Hugging Face **Qwen3** format
@@ -442,13 +443,13 @@ These numbers were produced by `scripts/train_tiny.py` at the end of training an
   `int(sha1(relpath).hexdigest(), 16) % 20 == 0` (`relpath` relative to the stdlib root, POSIX).
   {len(r["heldout_files"])} files: {held}.
 * **Synthetic long-context tasks** (`nanokv.evaldata.tasks`, pure functions of a seed):
-  passkey (weight {TASK_WEIGHTS["passkey"]}; the KVQuant/LongLoRA format: filler "The grass is
+  passkey (weight {tw["passkey"]}; the KVQuant/LongLoRA format: filler "The grass is
   green. The sky is blue. The sun is yellow. Here we go. There and back again." repeated, needle
   "The pass key is N. Remember it. N is the pass key." at a uniformly random depth, query "What is
   the pass key? The pass key is", N in [1, 50000]); multi-key needle (weight
-  {TASK_WEIGHTS["multikey_needle"]}; 2-6 needles "The special magic number for KEY is N.", 5-7
-  digits); JSON key-value lookup (weight {TASK_WEIGHTS["kv_lookup"]}; 6-8 hex characters);
-  variable tracking (weight {TASK_WEIGHTS["variable_tracking"]}; 1-4 hops, 1-2 chains).
+  {tw["multikey_needle"]}; 2-6 needles "The special magic number for KEY is N.", 5-7
+  digits); JSON key-value lookup (weight {tw["kv_lookup"]}; 6-8 hex characters);
+  variable tracking (weight {tw["variable_tracking"]}; 1-4 hops, 1-2 chains).
 * **Mix**: a row is an induction row with probability {a["copy_frac"]} (a segment of L/4..L/2
   tokens, random token ids with probability {a["copy_random"]} and stdlib text otherwise, then
   unrelated stdlib text,
@@ -563,6 +564,25 @@ class ThreadGovernor:
 # ----------------------------------------------------------------------------- main
 
 
+def parse_task_weights(text: str) -> dict[str, float]:
+    weights = {}
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        if name.strip() not in TASK_WEIGHTS:
+            raise argparse.ArgumentTypeError(
+                f"unknown task {name.strip()!r}; allowed: {', '.join(TASK_WEIGHTS)}"
+            )
+        try:
+            weights[name.strip()] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"task weight {part!r} is not name=number") from None
+        if weights[name.strip()] < 0:
+            raise argparse.ArgumentTypeError(f"task weight {part!r} must be >= 0")
+    if sum(weights.values()) <= 0:
+        raise argparse.ArgumentTypeError("task weights must not all be 0")
+    return weights
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -631,6 +651,13 @@ def parse_args(argv=None):
         "--prompt-weight", type=float, default=0.1, help="loss weight of task prompt tokens"
     )
     p.add_argument("--answer-weight", type=float, default=1.0, help="loss weight of answers")
+    p.add_argument(
+        "--task-weights",
+        type=parse_task_weights,
+        default=dict(TASK_WEIGHTS),
+        help="share of each synthetic task among task rows, e.g. "
+        "passkey=0.55,multikey_needle=0.2,kv_lookup=0.15,variable_tracking=0.1",
+    )
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=768)

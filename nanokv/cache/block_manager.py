@@ -98,6 +98,9 @@ class BlockManager:
     # ---- allocation ----------------------------------------------------------------------------
     def num_new_blocks_needed(self, request: Request, num_new_tokens: int,
                               num_hit_blocks: int = 0) -> int:
+        if request.layer_slices is not None:  # per-layer tables (layers hold different lengths)
+            lengths = request.layer_slices.lengths(request.num_computed_tokens + num_new_tokens)
+            return max(0, request.layer_slices.blocks_needed(lengths) - len(request.block_table))
         slots = request.num_cached_slots + num_hit_blocks * self.block_size + num_new_tokens
         return max(0, self.blocks_for(slots) - len(request.block_table) - num_hit_blocks)
 
@@ -131,6 +134,9 @@ class BlockManager:
             self.birth[block.block_id] = now
             request.block_table.append(block.block_id)
         request.peak_blocks = max(request.peak_blocks, len(request.block_table))
+        if request.layer_slices is not None:
+            request.layer_slices.reserve(request.block_table, request.layer_slices.lengths(
+                request.num_computed_tokens + num_new_tokens))
 
         hit_tokens = len(computed_blocks) * self.block_size
         self._cache_full_blocks(request, request.num_computed_tokens + hit_tokens + num_new_tokens)
@@ -177,6 +183,7 @@ class BlockManager:
         if reason is not None and request.block_table:
             self.stats.evicted_blocks[reason] += len(request.block_table)
         request.block_table = []
+        request.layer_slices = None
         request.block_hashes = []
 
     def free_blocks_at(self, request: Request, indices: list[int], reason: str = "policy") -> None:
@@ -191,6 +198,13 @@ class BlockManager:
         if max(drop) >= len(request.block_table) or min(drop) < 0:
             raise ValueError(f"block indices {sorted(drop)} outside the request's table "
                              f"of {len(request.block_table)} blocks")
+        if request.layer_slices is not None:
+            dropped = {request.block_table[i] for i in drop}
+            busy = [s for t in request.layer_slices.tables for s in t
+                    if request.layer_slices.slice_block(s) in dropped]
+            if busy:
+                raise ValueError(f"blocks {sorted(dropped)} still hold layer slices {busy}: "
+                                 f"move them first")
         now = time.monotonic()
         freed = []
         for i in sorted(drop, reverse=True):
@@ -273,6 +287,8 @@ class BlockManager:
             if len(set(request.block_table)) != len(request.block_table):
                 raise RuntimeError(f"{request} holds a block twice: {request.block_table}")
             refs.update(request.block_table)
+            if request.layer_slices is not None:
+                request.layer_slices.check(request.block_table, request.num_computed_tokens)
         queued = list(self.free_queue)
         if len(queued) != self.free_queue.num_free_blocks:
             raise RuntimeError("free queue length disagrees with its counter")

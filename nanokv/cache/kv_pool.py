@@ -54,6 +54,27 @@ class KVPool:
             raise RuntimeError("this pool holds no float K/V (a quantized store does)")
         return self.kv[0, index], self.kv[1, index]
 
+    def flat_layers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of all layers as one table of layer slices, each
+        [num_layers * num_blocks, block_size, Hkv, D]: slice l * num_blocks + b is layer l's part
+        of block b (per-layer block tables index this; see nanokv.cache.layer_slices)."""
+        if self.kv is None:
+            raise RuntimeError("this pool holds no float K/V (a quantized store does)")
+        lay = self.layout
+        flat = self.kv.view(2, lay.num_layers * self.num_blocks, lay.block_size,
+                            lay.num_kv_heads, lay.head_dim)  # [2, L * N, B, Hkv, D]
+        return flat[0], flat[1]
+
+    def copy_slices(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy layer slices (K and V): (source, destination) flat slice ids."""
+        if not pairs:
+            return
+        k_flat, v_flat = self.flat_layers()
+        src = torch.tensor([p[0] for p in pairs], device=k_flat.device)
+        dst = torch.tensor([p[1] for p in pairs], device=k_flat.device)
+        k_flat[dst] = k_flat[src]
+        v_flat[dst] = v_flat[src]
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks (all layers, K and V, slot positions): (source, destination)."""
         if not pairs:

@@ -22,7 +22,9 @@ import torch
 
 from nanokv.cache.block_manager import BlockManager
 from nanokv.cache.kv_pool import KVPool
-from nanokv.policies.apply import apply_compression, decode_block_to_evict, plan_compression
+from nanokv.cache.layer_slices import LayerSlices
+from nanokv.engine.policy_kv import FloatPoolKV, QuantizedStoreKV
+from nanokv.policies.apply import decode_block_to_evict, plan_compression
 from nanokv.policies.base import KVPolicy, LayerKV, PolicyConfig
 from nanokv.policies.compaction import gather_request_kv
 from nanokv.request import Request
@@ -39,39 +41,36 @@ class PolicyStats:
 
 class PolicyRunner:
     def __init__(self, default: PolicyConfig | None, block_manager: BlockManager,
-                 kv_pool: KVPool, attention_scale: float, kv_cache_dtype: str = "auto") -> None:
+                 kv_pool: KVPool, attention_scale: float, kv_store=None, rotary=None) -> None:
+        """kv_store: the engine's quantized KV store, if any (policies then read dequantized
+        copies and re-write kept tokens through it; `rotary`, the model's RoPE, is needed for a
+        store that keeps keys before RoPE)."""
         self.block_manager = block_manager
         self.kv_pool = kv_pool
         self.block_size = kv_pool.layout.block_size
         self.scale = attention_scale
-        # policies read and compact the float pool; a quantized KV cache has none (not
-        # supported yet: EngineConfig rejects the combination, `attach` per-request overrides)
-        self.kv_cache_dtype = kv_cache_dtype
-        self.layers = ([kv_pool.layer(i) for i in range(kv_pool.layout.num_layers)]
-                       if kv_pool.kv is not None else None)
-        if default is not None:
-            self._check_supported(default)
+        self.num_layers = kv_pool.layout.num_layers
+        self.kv = (FloatPoolKV(kv_pool) if kv_store is None
+                   else QuantizedStoreKV(kv_store, rotary))
+        self.quantized = kv_store is not None
         self.default_config = default
         self.default = self.build(default) if default is not None else None
         self.stats = PolicyStats()
 
-    def _check_supported(self, config: PolicyConfig) -> None:
-        if self.layers is None:
-            raise ValueError(f"kv_policy {config.name!r} with kv_cache_dtype "
-                             f"{self.kv_cache_dtype!r} is not supported yet: use "
-                             f"kv_cache_dtype 'auto' with a KV policy")
-
     def build(self, config: PolicyConfig) -> KVPolicy:
         policy = config.build(block_size=self.block_size)
-        if len(set(policy.layer_budgets(4096, len(self.layers)))) > 1:
-            raise ValueError(f"policy {policy.name!r} gives layers different budgets; this "
-                             f"engine shares one block table across layers (not supported yet)")
+        if self.quantized and self._ragged(policy, 4096):
+            raise ValueError(f"kv_policy {config.name!r} gives layers different budgets, which "
+                             f"needs per-layer block tables over the float KV pool: use "
+                             f"kv_cache_dtype 'auto' with it")
         return policy
+
+    def _ragged(self, policy: KVPolicy, num_slots: int) -> bool:
+        """True when the policy gives layers different budgets (PyramidKV)."""
+        return len(set(policy.layer_budgets(num_slots, self.num_layers))) > 1
 
     # ---- per request ---------------------------------------------------------------------------
     def attach(self, request: Request, override: PolicyConfig | None = None) -> None:
-        if override is not None:
-            self._check_supported(override)
         policy = self.build(override) if override is not None else self.default
         request.kv_policy = policy
         if policy is None or not policy.needs_attention:
@@ -117,7 +116,7 @@ class PolicyRunner:
         q_windows = None
         if policy.needs_attention:
             q_windows = [torch.cat([step[layer] for step in request.captured_queries])
-                         for layer in range(len(self.layers))]  # each [W, Hq, D]
+                         for layer in range(self.num_layers)]  # each [W, Hq, D]
         if self._compact(request, policy, budget, q_windows):
             request.compressed = True
             request.kv_budget = budget
@@ -132,30 +131,66 @@ class PolicyRunner:
         num_slots = request.num_cached_slots
         if budget >= num_slots:
             return True
-        plan = plan_compression(policy, self.layers, request.block_table, num_slots,
-                                budget=budget, q_windows=q_windows, scale=self.scale)
+        ragged = request.layer_slices is None and self._ragged(policy, num_slots)
+        layers, table = self.kv.views(request)
+        plan = plan_compression(policy, layers, table, num_slots,
+                                budget=None if ragged else budget, q_windows=q_windows,
+                                scale=self.scale, allow_ragged_layers=ragged)
         if plan.num_evicted == 0:
             return True
         # blocks about to be rewritten must be this request's alone (copy-on-write)
         copies = bm.make_private(request, range(plan.first_changed_block, plan.num_blocks))
         if copies is None:
             return False
-        self.kv_pool.copy_blocks(copies)
-        apply_compression(plan, self.layers, request.block_table, self.kv_pool.slot_positions)
+        self.kv.copy_blocks(copies)
         tail = list(range(plan.num_blocks, len(request.block_table)))
-        if tail:  # untouched content: their prefix hashes stay valid
+        if tail and self.kv.rewrites_from_copies:  # a quantized store: free before re-writing
+            bm.free_blocks_at(request, tail)
+        self.kv.apply(request, plan, layers, table)
+        if tail and not self.kv.rewrites_from_copies:  # untouched: their prefix hashes stay
             bm.free_blocks_at(request, tail)
         bm.mark_content_changed(request, from_block=plan.first_changed_block)
         request.num_evicted_tokens += plan.num_evicted
+        if len(set(plan.layer_num_slots)) > 1:
+            self._pack_layers(request, plan.layer_num_slots)
         return True
 
+    def _pack_layers(self, request: Request, counts: list[int]) -> None:
+        """Layers now hold different lengths: give each its own table of layer slices and move
+        slices out of the tail blocks into the unused slices of the front ones, so the request
+        holds ceil(sum_l ceil(C_l / B) / L) blocks instead of ceil(max_l C_l / B); free the rest.
+        The moved-into blocks were made private by `_compact` (they are past the first changed
+        block)."""
+        bs, n_pool, n_layers = self.block_size, self.kv_pool.num_blocks, self.num_layers
+        table = request.block_table
+        per_layer = [-(-c // bs) for c in counts]
+        keep = -(-sum(per_layer) // n_layers)
+        tables = [[layer * n_pool + table[j] for j in range(nb)]
+                  for layer, nb in enumerate(per_layer)]
+        free = [layer * n_pool + table[j] for j in range(keep)
+                for layer in range(n_layers) if j >= per_layer[layer]]
+        moves = []
+        for layer, nb in enumerate(per_layer):
+            for j in range(keep, nb):
+                moves.append((tables[layer][j], free[len(moves)]))
+                tables[layer][j] = moves[-1][1]
+        self.kv_pool.copy_slices(moves)
+        request.layer_slices = LayerSlices(tables, counts, request.num_computed_tokens, bs,
+                                           n_pool)
+        if keep < len(table):
+            self.block_manager.free_blocks_at(request, list(range(keep, len(table))))
+
     def _decode_evict(self, request: Request, policy: KVPolicy) -> None:
+        if request.layer_slices is not None:  # per-layer budgets (PyramidKV): prefill only
+            return
         num_slots = request.num_cached_slots
         if not policy.should_evict_on_decode(num_slots, request.kv_budget):
             return
         if policy.decode_mode == "evict_block":
-            index = decode_block_to_evict(policy, self.layers, request.block_table, num_slots,
-                                          request.kv_budget)
+            if not policy.should_evict_on_decode(num_slots, request.kv_budget):
+                return
+            layers, table = self.kv.views(request)
+            index = decode_block_to_evict(policy, layers, table, num_slots, request.kv_budget)
             if index is not None:
                 self.block_manager.free_blocks_at(request, [index])
                 request.num_evicted_tokens += self.block_size
@@ -179,8 +214,9 @@ class PolicyRunner:
         scores = []
         for request in candidates:
             per_layer = []
-            for k_cache, v_cache in self.layers:
-                keys, values = gather_request_kv(k_cache, v_cache, request.block_table,
+            layers, table = self.kv.views(request)
+            for k_cache, v_cache in layers:
+                keys, values = gather_request_kv(k_cache, v_cache, table,
                                                  request.num_cached_slots)
                 per_layer.append(request.kv_policy.block_scores(LayerKV(keys, values)))
             scores.append(torch.stack(per_layer))  # [L, nb]

@@ -160,7 +160,7 @@ class LLMEngine:
                                   kv_store=self.kv_store, rope=rope)
         self.policies = PolicyRunner(config.policy_config(), self.block_manager, self.kv_pool,
                                      self.model.attention_layers()[0].scale,
-                                     kv_cache_dtype=config.kv_cache_dtype)
+                                     kv_store=self.kv_store, rotary=self.model.rotary)
         self._ids = itertools.count()
         # what the KV cache really holds: codes, scales, outliers, sinks, staging, positions
         pool_slots = num_blocks * config.block_size

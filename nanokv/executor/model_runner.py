@@ -26,9 +26,12 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_pool.layout.block_size
         self.sampler = Sampler(seed)
+        flat = kv_pool.flat_layers() if kv_store is None else (None, None)
         for index, attn in enumerate(model.attention_layers()):
             if kv_store is None:
                 attn.k_cache, attn.v_cache = kv_pool.layer(index)
+                attn.k_flat, attn.v_flat = flat
+                attn.layer_index = index
             else:
                 attn.k_cache = attn.v_cache = None
                 attn.kv_store, attn.layer_index, attn.rope = kv_store, index, rope
@@ -77,7 +80,14 @@ class ModelRunner:
             input_ids += s.token_ids
             positions += range(s.start_position, s.start_position + n)
             table = s.block_table
-            slots += [table[j // bs] * bs + j % bs for j in range(s.start_slot, s.start_slot + n)]
+            if s.layer_tables is not None:  # per-layer tables: layer 0's slot, as a pool slot
+                pool_slots = self.kv_pool.num_blocks * bs
+                first = s.layer_start_slots[0]
+                t0 = s.layer_tables[0]
+                slots += [(t0[j // bs] * bs + j % bs) % pool_slots for j in range(first, first + n)]
+            else:
+                slots += [table[j // bs] * bs + j % bs
+                          for j in range(s.start_slot, s.start_slot + n)]
             context = s.start_slot + n
             if s.is_decode:
                 decode_tables.append(table[:-(-context // bs)])
@@ -108,8 +118,49 @@ class ModelRunner:
             decode_mask=decode_mask, prefills=prefills,
             decode_context_lens=decode_lens if num_decode else None,
             query_capture=capture or None, captured={} if capture else None)
+        if any(s.layer_tables is not None for s in sched.scheduled):
+            if self.kv_store is not None:
+                raise RuntimeError("per-layer block tables need the float KV pool")
+            meta.per_layer = [self._layer_meta(sched, layer, num_decode)
+                              for layer in range(self.kv_pool.layout.num_layers)]
         if self.kv_store is not None:  # host bookkeeping once per step; records slot positions
             meta.kv_plan = self.kv_store.plan_write(slots, positions)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos, meta, sample_rows
+
+    def _layer_meta(self, sched: SchedulerOutput, layer: int,
+                    num_decode: int) -> AttentionMetadata:
+        """One layer's metadata in flat layer-slice ids (`KVPool.flat_layers`): a request with
+        per-layer tables uses its own; the others their shared table, offset to this layer."""
+        bs = self.block_size
+        offset = layer * self.kv_pool.num_blocks
+        slots: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSeq] = []
+        for s in sched.scheduled:
+            start, n = len(slots), s.num_tokens
+            if s.layer_tables is not None:
+                table, first = s.layer_tables[layer], s.layer_start_slots[layer]
+            else:
+                table, first = [b + offset for b in s.block_table], s.start_slot
+            context = first + n
+            table = table[:-(-context // bs)]
+            slots += [table[j // bs] * bs + j % bs for j in range(first, context)]
+            if s.is_decode:
+                decode_tables.append(table)
+                decode_lens.append(context)
+            else:
+                blocks = torch.tensor(table, dtype=torch.long, device=self.device)
+                prefills.append(PrefillSeq(start, n, context, blocks))
+        decode_block_tables = None
+        if num_decode:
+            width = max(len(t) for t in decode_tables)
+            decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
+                                               dtype=torch.long, device=self.device)
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            num_decode_tokens=num_decode, decode_block_tables=decode_block_tables,
+            decode_mask=None, prefills=prefills,
+            decode_context_lens=decode_lens if num_decode else None)

@@ -42,6 +42,10 @@ class AttentionMetadata:
     decode_context_lens: list[int] | None = None
     # with a quantized KV store: the step's write plan (`store.plan_write`), shared by all layers
     kv_plan: object | None = None
+    # when a scheduled request has per-layer block tables (nanokv.cache.layer_slices): one
+    # metadata per layer, in flat layer-slice ids; layer l then attends with
+    # `paged_attention(..., k_flat, v_flat, per_layer[l])` over the pool's `flat_layers()`
+    per_layer: list[AttentionMetadata] | None = None
 
 
 def capture_queries(q: torch.Tensor, meta: AttentionMetadata) -> None:

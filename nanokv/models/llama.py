@@ -39,6 +39,10 @@ class LlamaAttention(nn.Module):
         # this layer's index in it and the model's RoPE (to rotate keys kept before RoPE)
         self.kv_store = None
         self.layer_index = 0
+        # all layers' K/V as one table of layer slices [L * num_blocks, block_size, Hkv, D], for
+        # steps with per-layer block tables (AttentionMetadata.per_layer)
+        self.k_flat: torch.Tensor | None = None
+        self.v_flat: torch.Tensor | None = None
         self.rope = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
@@ -55,7 +59,10 @@ class LlamaAttention(nn.Module):
         if meta.query_capture:
             capture_queries(q, meta)
         store = self.kv_store
-        if store is None:
+        if store is None and meta.per_layer is not None:
+            o = paged_attention(q, k, v, self.k_flat, self.v_flat,
+                                meta.per_layer[self.layer_index], self.scale)
+        elif store is None:
             o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         else:
             o = quantized_paged_attention(q, k, v, k_pre if store.pre_rope_keys else k, store,

@@ -49,9 +49,10 @@ def plan_compression(policy: KVPolicy, layers: Sequence[tuple[torch.Tensor, torc
     (decode reselect); q_windows: per layer the last W queries `[W, Hq, D]` after RoPE, W =
     min(policy.observation_window or num_slots, num_slots), required when policy.needs_attention;
     scale: the attention scale; positions: `[num_slots]` RoPE positions (optional).
-    Per-layer budgets (PyramidKV) leave layers with different lengths: the attention of layer l
-    must then mask slots [layer_num_slots[l], num_slots); without that engine support this raises
-    unless allow_ragged_layers=True.
+    Per-layer budgets (PyramidKV) leave layers with different lengths: layer l then holds only
+    slots [0, layer_num_slots[l]) of the shared table, so this raises unless
+    allow_ragged_layers=True (the engine then gives each layer its own table of layer slices,
+    `nanokv.cache.layer_slices`, and frees the blocks no layer needs).
     """
     num_layers = len(layers)
     budgets = (policy.layer_budgets(num_slots, num_layers) if budget is None
@@ -76,8 +77,9 @@ def plan_compression(policy: KVPolicy, layers: Sequence[tuple[torch.Tensor, torc
     counts = [k.shape[-1] for k in kept_per_layer]
     new_slots = max(counts)
     bs = layers[0][0].shape[1]
+    # a block keeps its content only if every layer keeps all of its slots unmoved
     return CompressionPlan(kept_per_layer, num_slots, new_slots, -(-new_slots // bs), counts,
-                           min(first_changed, new_slots) // bs)
+                           min(first_changed, min(counts)) // bs)
 
 
 def apply_compression(plan: CompressionPlan, layers: Sequence[tuple[torch.Tensor, torch.Tensor]],

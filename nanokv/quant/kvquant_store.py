@@ -280,6 +280,8 @@ class KVQuantStore(QuantizedKVStore):
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         pairs = list(pairs)
+        if not pairs:
+            return
         staged_src = [(s, d) for s, d in pairs if self._row[s] >= 0]
         need = sum(1 for _, d in staged_src if self._row[d] < 0)
         if need > len(self._free_rows):

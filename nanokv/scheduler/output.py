@@ -20,6 +20,10 @@ class ScheduledRequest:
     params: SamplingParams
     output_index: int  # index of the output token to sample (seeds per-token generators)
     capture_from: int | None = None  # keep post-RoPE queries of positions >= this (KV policy)
+    # per-layer block tables (flat layer-slice ids, see nanokv.cache.layer_slices) and each
+    # layer's first slot, when the request's layers hold different lengths; else None
+    layer_tables: list[list[int]] | None = None
+    layer_start_slots: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -132,12 +132,20 @@ class Scheduler:
         the budget, and never across the request's compression point."""
         n = min(request.num_tokens - start, budget)
         stop = request.compress_after
+        if stop is None and request.kv_policy is not None:
+            # a recompute after preemption also covers generated tokens: compress at the
+            # prompt's end first, as the first run did, then prefill the outputs after it
+            stop = request.num_prompt_tokens
         if stop is not None and not request.compressed and start < stop:
             n = min(n, stop - start)
         return n
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
+        layer_tables = layer_start_slots = None
+        if request.layer_slices is not None:
+            layer_tables = [list(t) for t in request.layer_slices.tables]
+            layer_start_slots = request.layer_slices.lengths(start)
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.token_ids_range(start, start + num_new),
@@ -148,6 +156,8 @@ class Scheduler:
             params=request.params,
             output_index=request.num_output_tokens,
             capture_from=None if request.compressed else request.query_capture_from,
+            layer_tables=layer_tables,
+            layer_start_slots=layer_start_slots,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -226,5 +236,8 @@ class Scheduler:
                 raise RuntimeError(f"waiting {request} holds blocks")
         for request in self.running:
             need = self.block_manager.blocks_for(request.num_cached_slots)
+            if request.layer_slices is not None:
+                ls = request.layer_slices
+                need = ls.blocks_needed(ls.lengths(request.num_computed_tokens))
             if len(request.block_table) < need:
                 raise RuntimeError(f"{request} holds fewer blocks than its cached slots need")

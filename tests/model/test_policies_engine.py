@@ -160,8 +160,3 @@ def test_policy_options_validated(tiny_llama):
         LLM(tiny_llama, kv_budget=10)
     with pytest.raises(ValueError, match="window"):
         LLM(tiny_llama, kv_policy="snapkv", kv_budget=64, kv_policy_options={"window": -1})
-
-
-def test_per_layer_budgets_rejected_until_per_layer_tables(tiny_llama):
-    with pytest.raises(ValueError, match="different budgets"):
-        LLM(tiny_llama, kv_policy="pyramidkv", kv_budget=64, kv_policy_options={"window": 8})

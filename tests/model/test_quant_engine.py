@@ -251,19 +251,20 @@ def test_bad_quant_options_raise_before_anything_is_loaded(tiny_llama, tmp_path,
          "cannot read calibration file"),
         (dict(kv_cache_dtype="kvquant", kv_quant_config=other_dims), "calibration is for"),
         (dict(kv_cache_dtype="kvquant", kv_quant_config=int8_file), "chose kv_cache_dtype 'int8'"),
-        (dict(kv_cache_dtype="int8", kv_policy="knorm", kv_budget=32),
-         "kv_policy 'knorm' with kv_cache_dtype 'int8' is not supported yet"),
+        (dict(kv_cache_dtype="int8", kv_policy="pyramidkv", kv_budget=128),
+         "kv_policy 'pyramidkv' gives layers different budgets"),
     ]
     for options, match in cases:
         with pytest.raises(ValueError, match=match):
             LLM(tiny_llama, **options)
 
 
-def test_per_request_policy_rejected_with_a_quantized_cache(tiny_llama):
+def test_per_layer_budgets_rejected_with_a_quantized_cache(tiny_llama):
     llm = LLM(tiny_llama, skip_tokenizer_init=True, block_size=16, num_kv_blocks=8,
               max_model_len=128, kv_cache_dtype="int8")
-    with pytest.raises(ValueError, match="not supported yet"):
-        llm.engine.make_request([3, 4, 5], GREEDY, kv_policy=PolicyConfig("knorm", budget=16))
+    with pytest.raises(ValueError, match="float KV pool"):
+        llm.engine.make_request([3, 4, 5], GREEDY, kv_policy=PolicyConfig("pyramidkv",
+                                                                          budget=128))
     assert not llm.engine.has_unfinished_requests()
 
 

@@ -1,0 +1,148 @@
+"""KV policies over a quantized KV cache: the kept tokens, re-written through the store, read
+back as the float cache's kept tokens (within the store's rounding), with keys at their true
+positions; block-wise eviction and pool accounting unchanged."""
+
+import random
+
+import pytest
+import torch
+
+import nanokv.engine.kv_policy as kv_policy_module
+from nanokv import LLM, SamplingParams
+from nanokv.quant.attention import rope_from_rotary
+from tiny_models import VOCAB
+
+BS = 16
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, VOCAB - 30) for _ in range(n)]
+
+
+def spy_plans(monkeypatch) -> list:
+    plans = []
+    real = kv_policy_module.plan_compression
+
+    def spy(*args, **kwargs):
+        plans.append(real(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(kv_policy_module, "plan_compression", spy)
+    return plans
+
+
+def run_prompt(llm, prompt) -> object:
+    """Add one request with 2 outputs and step until its prompt is computed and compressed."""
+    engine = llm.engine
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=2,
+                                                    ignore_eos=True))
+    request = engine.scheduler.requests[rid]
+    while request.num_computed_tokens < len(prompt):
+        engine.step()
+    return request
+
+
+def float_prompt_kv(model, prompt) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's K/V of the prompt from a full float cache: each [n, Hkv, D], keys after
+    RoPE."""
+    llm = LLM(model, skip_tokenizer_init=True, block_size=BS, max_model_len=256)
+    request = run_prompt(llm, prompt)
+    table = request.block_table
+    out = []
+    for layer in range(llm.engine.layout.num_layers):
+        k, v = llm.engine.kv_pool.layer(layer)
+        h, d = k.shape[2], k.shape[3]
+        out.append((k[table].reshape(-1, h, d)[:len(prompt)].clone(),
+                    v[table].reshape(-1, h, d)[:len(prompt)].clone()))
+    return out
+
+
+def take(x: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """x [n, Hkv, D] at kept [C] or per head [Hkv, C] -> [C, Hkv, D]."""
+    if kept.dim() == 1:
+        return x[kept]
+    heads = torch.arange(kept.shape[0])[:, None]
+    return x[kept, heads].transpose(0, 1)
+
+
+# (kv_cache_dtype, options, relative error bound of one rounding, twice)
+STORES = [
+    ("int8", {}, 0.03),
+    ("fp8", {}, 0.15),
+    ("kvquant", {"kv_quant_bits": 4}, 0.6),
+]
+
+
+@pytest.mark.parametrize("dtype,store_options,bound", STORES)
+@pytest.mark.parametrize("policy,options", [
+    ("knorm", {}), ("snapkv", {"window": 8, "per_head": True}), ("streaming", {"n_sink": 4}),
+])
+def test_kept_tokens_read_back_from_the_store(tiny_qwen3, monkeypatch, dtype, store_options,
+                                             bound, policy, options):
+    prompt = tokens(90, 7)
+    plans = spy_plans(monkeypatch)
+    llm = LLM(tiny_qwen3, skip_tokenizer_init=True, block_size=BS, max_model_len=256,
+              kv_cache_dtype=dtype, kv_policy=policy, kv_budget=40, kv_policy_options=options,
+              **store_options)
+    request = run_prompt(llm, prompt)
+    assert request.compressed and request.num_cached_slots == 40
+    assert len(request.block_table) == 3  # ceil(40 / 16): the tail went back to the pool
+    kept = plans[-1].kept
+    reference = float_prompt_kv(tiny_qwen3, prompt)
+    store = llm.engine.kv_store
+    rope = rope_from_rotary(llm.engine.model.rotary) if store.pre_rope_keys else None
+    for layer, ((k_ref, v_ref), layer_kept) in enumerate(zip(reference, kept)):
+        k, v = store.read(layer, request.block_table, 40, rope)  # keys rotated back to position
+        for got, ref in ((k, take(k_ref, layer_kept)), (v, take(v_ref, layer_kept))):
+            err = (got - ref).abs().max() / ref.abs().max()
+            assert err < bound, (layer, float(err))
+    llm.engine.check_invariants()
+
+
+def test_a_wrong_position_would_be_caught(tiny_qwen3, monkeypatch):
+    """Control: kept keys compared at shifted positions are far outside the bound above."""
+    prompt = tokens(90, 7)
+    plans = spy_plans(monkeypatch)
+    llm = LLM(tiny_qwen3, skip_tokenizer_init=True, block_size=BS, max_model_len=256,
+              kv_cache_dtype="int8", kv_policy="knorm", kv_budget=40)
+    request = run_prompt(llm, prompt)
+    k_ref = float_prompt_kv(tiny_qwen3, prompt)[0][0]
+    k, _ = llm.engine.kv_store.read(0, request.block_table, 40)
+    shifted = (plans[-1].kept[0] + 1).clamp(max=89)
+    assert (k - take(k_ref, shifted)).abs().max() / k_ref.abs().max() > 0.1
+
+
+@pytest.mark.parametrize("dtype,store_options", [("int8", {}), ("kvquant", {"kv_quant_bits": 4})])
+def test_paged_eviction_over_a_quantized_cache(tiny_qwen3, dtype, store_options):
+    """Block-wise decode eviction with a quantized store: cache length in [C, C + B - 1], at most
+    ceil(C / B) + 1 blocks, block 0 kept, no leak, as many evictions as over the float pool."""
+    prompts = [tokens(70 + 10 * i, 20 + i) for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    opts = dict(skip_tokenizer_init=True, block_size=BS, max_model_len=256,
+                kv_policy="paged_eviction", kv_budget=48)
+    llm = LLM(tiny_qwen3, kv_cache_dtype=dtype, **opts, **store_options)
+    engine = llm.engine
+    ids = [engine.add_request(p, params) for p in prompts]
+    first_blocks = {}
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+        engine.check_invariants()
+        for r in engine.scheduler.running:
+            if r.compressed:
+                first_blocks.setdefault(r.request_id, r.block_table[0])
+                assert r.block_table[0] == first_blocks[r.request_id]
+                assert 48 <= r.num_cached_slots <= 48 + BS - 1 or r.num_output_tokens == 0
+                assert len(r.block_table) <= -(-48 // BS) + 1
+    assert engine.policies.stats.decode_evicted_blocks > 0
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert sorted(outs) == sorted(ids)
+    # the eviction schedule depends on lengths only: the same as over the float pool
+    ref = LLM(tiny_qwen3, **opts)
+    ref.generate(prompts, params)
+    assert (engine.policies.stats.decode_evicted_blocks
+            == ref.engine.policies.stats.decode_evicted_blocks)
