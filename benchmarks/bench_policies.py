@@ -56,10 +56,12 @@ def run_setting(args, label, policy, options, workload) -> dict:
     peak_running = peak_blocks = 0
     decode_time = 0.0
     decode_tokens = 0
+    final_blocks = []
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         s0 = time.perf_counter()
         outs = engine.step()
+        final_blocks += [o.kv_blocks_at_finish for o in outs if o.finished]
         dt = time.perf_counter() - s0
         running = engine.scheduler.running
         if running and all(r.num_output_tokens > 0 for r in running):  # a pure decode step
@@ -70,6 +72,13 @@ def run_setting(args, label, policy, options, workload) -> dict:
     elapsed = time.perf_counter() - t0
     out_tokens = sum(r.output_len for r in workload)
     engine.check_invariants()
+    # what one shared block table for all layers would hold at the end: the largest layer's
+    # budget decides (differs from the blocks held only for per-layer budgets, PyramidKV)
+    shared_table_blocks = None
+    if policy is not None and "pool-pressure" not in label:
+        prompt = workload[0].prompt_len
+        budgets = engine.policies.default.layer_budgets(prompt, engine.layout.num_layers)
+        shared_table_blocks = -(-(max(budgets) + workload[0].output_len - 1) // args.block_size)
     return {
         "setting": label, "compression": 1.0 if policy is None or "pool" in label
         else args.compression,
@@ -81,6 +90,8 @@ def run_setting(args, label, policy, options, workload) -> dict:
         "policy_seconds": engine.policies.stats.seconds,
         "compress_seconds": engine.policies.stats.compress_seconds,
         "evicted_blocks": dict(engine.block_manager.stats.evicted_blocks),
+        "blocks_per_request_at_finish": statistics.median(final_blocks),
+        "shared_table_blocks_per_request": shared_table_blocks,
     }
 
 
@@ -116,13 +127,16 @@ def main() -> int:
         results.append(med)
         print(json.dumps(med), flush=True)
     print()
-    print("| setting | compression | peak running | peak blocks | preemptions | recomputed "
-          "tokens | output tok/s | decode tok/s | policy time / elapsed |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| setting | compression | peak running | peak blocks | blocks / request at finish "
+          "(one shared table would hold) | preemptions | recomputed tokens | output tok/s | "
+          "decode tok/s | policy time / elapsed |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         dec = f"{r['decode_tok_s']:.1f}" if r["decode_tok_s"] else "-"
         print(f"| {r['setting']} | {r['compression']:g}x | {r['peak_running']} | "
-              f"{r['peak_blocks']} | {r['preemptions']} | {r['recomputed_tokens']} | "
+              f"{r['peak_blocks']} | {r['blocks_per_request_at_finish']:g} "
+              f"({r['shared_table_blocks_per_request'] or '-'}) | "
+              f"{r['preemptions']} | {r['recomputed_tokens']} | "
               f"{r['output_tok_s']:.1f} | {dec} | "
               f"{100 * r['policy_seconds'] / r['elapsed_s']:.2f}% |")
     if args.json_out:

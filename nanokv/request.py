@@ -69,6 +69,9 @@ class Request:
         # a `nanokv.cache.layer_slices.LayerSlices`, None while all layers share block_table
         self.layer_slices = None
         self.query_capture_from: int | None = None  # policies that read window attention
+        # keep capturing queries after compression (a policy that re-selects with the attention
+        # of the queries since its last selection: H2O)
+        self.capture_decode_queries = False
         self.captured_queries: list[list] = []  # per step: per layer [w, Hq, D]
         # what the request held when it finished (the metrics and the eval harness read these)
         self.final_kv_blocks = 0

@@ -195,7 +195,8 @@ def make_batch(
                 cat[b] = 3
                 cat[b, 0] = 0
         return ids, cat
-    L = rng.choice(length_choices(progress, args.max_context))
+    lengths = args.lengths or length_choices(progress, args.max_context)
+    L = rng.choice(lengths)
     B = max(1, args.tokens_per_step // L)
     ids = torch.full((B, L), eos_id, dtype=torch.long)
     cat = torch.zeros((B, L), dtype=torch.long)
@@ -397,14 +398,33 @@ def write_model_card(out: Path, r: dict) -> None:
     samples = "\n\n".join(f"```python\n{s}\n```" for s in r["samples"])
     held = ", ".join(f"`{f}`" for f in r["heldout_files"])
     tw = a.get("task_weights", TASK_WEIGHTS)
+    phases = r.get("previous_phases", [])
+    total_minutes = round(r["train_minutes"] + sum(p["train_minutes"] for p in phases), 1)
+    phase_rows = "\n".join(
+        f"| {i + 1} | `{p['command']}` | {p['steps']} | {p['train_minutes']} | "
+        f"{p['passkey_accuracy']} | {p['heldout_perplexity']} |"
+        for i, p in enumerate(phases + [r]))
+    phase_text = "" if not phases else f"""
+Trained in {len(phases) + 1} phases, each starting from the previous one's weights
+(`--init-from`, fresh optimizer and schedule):
+
+| phase | command | steps | train min | passkey at its end | held-out ppl |
+|---|---|---|---|---|---|
+{phase_rows}
+
+The settings and in-training evaluations below are those of the last phase.
+"""
+    ok = pk.get("2048", 0.0) >= 0.95
+    status = (f"Passkey target (>= 0.95 at 2048 tokens) {'MET' if ok else 'NOT met'}: "
+              f"{pk.get('2048', float('nan')):.2f} over {n} samples.")
     text = f"""# nanokv-tiny
 
 A {r["parameters"] / 1e6:.2f}M-parameter decoder in Hugging Face **Qwen3** format
 (`Qwen3ForCausalLM`), with a {a["vocab"]}-token byte-level BPE tokenizer, trained from scratch
-on a CPU in {r["train_minutes"]} minutes, fully offline. It is nanokv's default test model: small
-enough to run anywhere, with GQA (so the engine's grouped KV heads are exercised), and trained on
-passkey retrieval up to 2k tokens so that, once it retrieves reliably (see the scores below),
-KV-cache compression and eviction get a quality signal that breaks when the needle is dropped.
+on a CPU in {total_minutes} minutes of training steps, fully offline. It is nanokv's default test
+model: small enough to run anywhere, with GQA (so the engine's grouped KV heads are exercised),
+and trained on passkey retrieval up to 2k tokens so that KV-cache compression and eviction get a
+quality signal that breaks when the needle is dropped. {status}
 
 | measure (full KV cache, greedy) | value |
 |---|---|
@@ -469,7 +489,7 @@ These numbers were produced by `scripts/train_tiny.py` at the end of training an
   {a["tokens_per_step"]} tokens per step (batch = {a["tokens_per_step"]} / L).
 
 ## Training
-
+{phase_text}
 * {r["steps"]} AdamW steps (betas 0.9/0.95, weight decay {a["weight_decay"]}, lr {a["lr"]:g},
   {a["warmup"]} warmup steps, cosine to {a["min_lr_frac"]} x lr), gradient clip 1.0, about
   {r["tokens_seen_approx"]:,} tokens seen.
@@ -681,6 +701,18 @@ def parse_args(argv=None):
         help="stop early once 2k passkey accuracy reaches this at two consecutive "
         "evals after progress 0.7 (>1 disables)",
     )
+    p.add_argument(
+        "--init-from",
+        default=None,
+        help="start from the weights of an exported model directory (a previous phase's --out; "
+        "its eval_results.json is recorded as that phase); fresh optimizer and schedule",
+    )
+    p.add_argument(
+        "--lengths",
+        type=lambda t: [int(x) for x in t.split(",")],
+        default=None,
+        help="fixed training sequence lengths, e.g. 1024,2048,2048 (default: the curriculum)",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--resume", action="store_true", help="continue from workdir/ckpt.pt")
     p.add_argument(
@@ -755,6 +787,23 @@ def main(argv=None) -> None:
         lr=args.lr,
         betas=(0.9, 0.95),
     )
+    previous_phases = []
+    if args.init_from:
+        from safetensors.torch import load_file
+
+        init = Path(args.init_from)
+        missing, unexpected = model.load_state_dict(
+            load_file(str(init / "model.safetensors")), strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:  # lm_head is tied to embeddings
+            raise ValueError(f"{init} does not match this architecture: missing {missing}, "
+                             f"unexpected {unexpected}")
+        model.tie_weights()
+        if (init / "eval_results.json").exists():
+            prev = json.loads((init / "eval_results.json").read_text())
+            previous_phases = prev.get("previous_phases", []) + [
+                {k: prev[k] for k in ("command", "steps", "train_minutes", "passkey_accuracy",
+                                      "heldout_perplexity", "tokens_seen_approx", "history")}]
+        log(f"initialised from {init} ({len(previous_phases)} earlier phase(s))")
     step, train_seconds, history = 0, 0.0, []
     ckpt = work / "ckpt.pt"
     if (args.resume or args.eval_only) and ckpt.exists():
@@ -866,6 +915,7 @@ def main(argv=None) -> None:
         "training_tokens_available": len(train_ids),
         "tokens_seen_approx": step * args.tokens_per_step,
         "history": history,
+        "previous_phases": previous_phases,
         "samples": samples,
         "args": vars(args),
         "command": "python " + " ".join(map(shlex.quote, sys.argv)),

@@ -78,6 +78,8 @@ class PolicyRunner:
         point = self.compress_point(request)
         window = policy.observation_window
         request.query_capture_from = 0 if window is None else max(0, point - window)
+        request.capture_decode_queries = (policy.decode_mode == "reselect"
+                                          and policy.needs_attention)
 
     def compress_point(self, request: Request) -> int:
         if request.compress_after is not None:
@@ -195,8 +197,15 @@ class PolicyRunner:
                 self.block_manager.free_blocks_at(request, [index])
                 request.num_evicted_tokens += self.block_size
                 self.stats.decode_evicted_blocks += 1
-        elif policy.decode_mode == "reselect" and not policy.needs_attention:
-            self._compact(request, policy, request.kv_budget, None)
+        elif policy.decode_mode == "reselect":
+            q_windows = None
+            if policy.needs_attention:  # the queries since the last selection (of slots n-W..)
+                if not request.captured_queries:
+                    return
+                q_windows = [torch.cat([step[layer] for step in request.captured_queries])
+                             for layer in range(self.num_layers)]  # each [W, Hq, D]
+            if self._compact(request, policy, request.kv_budget, q_windows):
+                request.captured_queries = []
 
     # ---- pool pressure -------------------------------------------------------------------------
     def relieve_pressure(self, running: list[Request]) -> int:

@@ -155,7 +155,8 @@ class Scheduler:
             sample=start + num_new == request.num_tokens,
             params=request.params,
             output_index=request.num_output_tokens,
-            capture_from=None if request.compressed else request.query_capture_from,
+            capture_from=(request.query_capture_from if not request.compressed
+                          else start if request.capture_decode_queries else None),
             layer_tables=layer_tables,
             layer_start_slots=layer_start_slots,
         )
