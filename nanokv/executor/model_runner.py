@@ -116,7 +116,9 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             num_decode_tokens=num_decode, decode_block_tables=decode_block_tables,
             decode_mask=decode_mask, prefills=prefills,
-            decode_context_lens=decode_lens if num_decode else None,
+            # CPU: each request over its own blocks in place; CUDA: one padded, masked batch
+            decode_context_lens=decode_lens if num_decode and self.device.type == "cpu" else None,
+            decode_block_lists=decode_tables if num_decode else None,
             query_capture=capture or None, captured={} if capture else None)
         if any(s.layer_tables is not None for s in sched.scheduled):
             if self.kv_store is not None:
@@ -163,4 +165,5 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             num_decode_tokens=num_decode, decode_block_tables=decode_block_tables,
             decode_mask=None, prefills=prefills,
-            decode_context_lens=decode_lens if num_decode else None)
+            decode_context_lens=decode_lens if num_decode else None,
+            decode_block_lists=decode_tables if num_decode else None)

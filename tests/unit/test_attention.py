@@ -34,12 +34,13 @@ def test_decode_and_prefill_with_past_match_dense(block_size, per_request):
     rng = random.Random(0)
     torch.manual_seed(0)
     # three decodes with different context lengths, two prefill chunks with a cached past
-    decode_lens = [5, 17, 33]
+    decode_lens = [5, 16, 17, 33]  # partial and exactly full last blocks
+    nd = len(decode_lens)
     prefill = [(10, 7), (0, 12)]  # (past, new)
     seqs = decode_lens + [p + n for p, n in prefill]
     k_all = [torch.randn(n, HKV, D) for n in seqs]
     v_all = [torch.randn(n, HKV, D) for n in seqs]
-    q_lens = [1, 1, 1] + [n for _, n in prefill]
+    q_lens = [1] * nd + [n for _, n in prefill]
     q_all = [torch.randn(n, HQ, D) for n in q_lens]
     # the pool holds everything but the new tokens, which paged_attention writes itself
     past_k = [k[:-q] for k, q in zip(k_all, q_lens)]
@@ -55,15 +56,15 @@ def test_decode_and_prefill_with_past_match_dense(block_size, per_request):
     v_cache.view(-1, HKV, D)[slots] = 0
     del past_k, past_v
 
-    width = max(len(t) for t in tables[:3])
-    dec_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables[:3]])
+    width = max(len(t) for t in tables[:nd])
+    dec_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables[:nd]])
     lens = torch.tensor(decode_lens)
     mask = (torch.arange(width * block_size)[None] < lens[:, None])[:, None, None, :]
-    prefills, start = [], 3
-    for (past, new), table in zip(prefill, tables[3:]):
+    prefills, start = [], nd
+    for (past, new), table in zip(prefill, tables[nd:]):
         prefills.append(PrefillSeq(start, new, past + new, torch.tensor(table)))
         start += new
-    meta = AttentionMetadata(torch.tensor(slots), 3, dec_tables, mask, prefills,
+    meta = AttentionMetadata(torch.tensor(slots), nd, dec_tables, mask, prefills,
                              decode_context_lens=decode_lens if per_request else None)
     q = torch.cat(q_all)
     k_new = torch.cat([k[-n:] for k, n in zip(k_all, q_lens)])
