@@ -28,6 +28,8 @@ def add_eval_parser(sub, add_engine_args, engine_options) -> None:
     p.add_argument("--context-fraction", type=float, default=0.75,
                    help="part of each perplexity window that is context (compressed)")
     p.add_argument("--eval-seed", type=int, default=0, help="seed of the generated task data")
+    p.add_argument("--depth", type=float, default=None,
+                   help="needle depth in [0, 1] for passkey/multikey (default: random per sample)")
     p.add_argument("--policy-options", default="{}",
                    help='JSON: policy name -> options, e.g. \'{"snapkv": {"window": 32}}\'')
     p.add_argument("--out", default=None, help="directory for results.md/json and plots")
@@ -49,7 +51,8 @@ def run(args: argparse.Namespace, engine_options) -> int:
         compressions=[float(c) for c in _split(args.compressions)],
         num_samples=args.num_samples, context_tokens=args.context_tokens,
         ppl_windows=args.ppl_windows, context_fraction=args.context_fraction,
-        seed=args.eval_seed, policy_options=policy_options, engine_options=opts)
+        seed=args.eval_seed, depth=args.depth, policy_options=policy_options,
+        engine_options=opts)
     rows = run_eval(settings, log=lambda line: print(line, file=sys.stderr))
     print(to_markdown(rows))
     if args.out:

@@ -35,6 +35,7 @@ class EvalSettings:
     ppl_windows: int = 8
     context_fraction: float = 0.75
     seed: int = 0
+    depth: float | None = None  # needle depth in [0, 1] for the retrieval tasks; None: random
     policy_options: dict = field(default_factory=dict)  # policy name -> its options
     engine_options: dict = field(default_factory=dict)
 
@@ -51,6 +52,10 @@ class EvalSettings:
             raise ValueError(f"context_tokens must be >= 64, got {self.context_tokens}")
         if not 0 < self.context_fraction < 1:
             raise ValueError(f"context_fraction must be in (0, 1), got {self.context_fraction}")
+        if self.depth is not None and (isinstance(self.depth, bool)
+                                       or not isinstance(self.depth, (int, float))
+                                       or not 0 <= self.depth <= 1):
+            raise ValueError(f"depth must be None (random) or in [0, 1], got {self.depth!r}")
         if not self.policies:
             raise ValueError("at least one policy is needed ('full' is the uncompressed cache)")
 
@@ -111,7 +116,7 @@ class _Run:
 
         s = self.settings
         build = tasks.passkey_sample if task == "passkey" else tasks.multikey_needle_sample
-        samples = [build(self.tokenizer, s.context_tokens - 16, seed=s.seed + i)
+        samples = [build(self.tokenizer, s.context_tokens - 16, depth=s.depth, seed=s.seed + i)
                    for i in range(s.num_samples)]
         longest = max(len(self.tokenizer.encode(x.answer)) for x in samples)
         params = SamplingParams(temperature=0, max_tokens=longest + 2)
