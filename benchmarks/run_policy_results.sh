@@ -11,16 +11,18 @@ COMMON=(--model models/nanokv-tiny --compressions 2,4,8 --num-samples "$SAMPLES"
         --context-tokens "$CONTEXT" --ppl-windows 8 --block-size 32 --num-threads "$THREADS")
 
 .venv/bin/nanokv eval "${COMMON[@]}" \
-    --policies full,streaming,knorm,h2o,snapkv,paged_eviction \
-    --policy-options '{"snapkv": {"window": 32}}' \
+    --policies full,streaming,knorm,h2o,snapkv,pyramidkv,paged_eviction \
+    --policy-options '{"snapkv": {"window": 32}, "pyramidkv": {"window": 32}}' \
     --out docs/results/policies
 
-CRUSH='{"snapkv": {"window": 32},
+CRUSH='{"snapkv": {"window": 32}, "pyramidkv": {"window": 32},
+ "pyramidkv_r0125": {"base": "pyramidkv", "base_options": {"window": 32}, "kvcrush_ratio": 0.125},
+ "pyramidkv_r025": {"base": "pyramidkv", "base_options": {"window": 32}, "kvcrush_ratio": 0.25},
  "snapkv_r0125": {"base": "snapkv", "base_options": {"window": 32}, "kvcrush_ratio": 0.125},
  "snapkv_r025": {"base": "snapkv", "base_options": {"window": 32}, "kvcrush_ratio": 0.25},
  "h2o_r0125": {"base": "h2o", "kvcrush_ratio": 0.125},
  "h2o_r025": {"base": "h2o", "kvcrush_ratio": 0.25}}'
 .venv/bin/nanokv eval "${COMMON[@]}" \
-    --policies full,snapkv,snapkv_r0125=kvcrush,snapkv_r025=kvcrush,h2o,h2o_r0125=kvcrush,h2o_r025=kvcrush \
+    --policies full,snapkv,snapkv_r0125=kvcrush,snapkv_r025=kvcrush,h2o,h2o_r0125=kvcrush,h2o_r025=kvcrush,pyramidkv,pyramidkv_r0125=kvcrush,pyramidkv_r025=kvcrush \
     --policy-options "$CRUSH" \
     --out docs/results/kvcrush

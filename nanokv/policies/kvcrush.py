@@ -141,6 +141,13 @@ class KVCrush(KVPolicy):
     def layer_budgets(self, num_tokens: int, num_layers: int) -> list[int]:
         return self.base.layer_budgets(num_tokens, num_layers)
 
+    def select(self, kv: LayerKV, budget: int) -> torch.Tensor:
+        """As the base's contract; a layer whose budget (PyramidKV's top layers) cannot hold the
+        base's protected slots plus representatives is left to the base alone (r = 0 there)."""
+        if self.base.min_budget <= budget < self.min_budget and budget < kv.num_tokens:
+            return self.base.select(kv, budget)
+        return super().select(kv, budget)
+
     # ---- signatures ----------------------------------------------------------------------------
     def signature_scores(self, kv: LayerKV) -> torch.Tensor:
         """[H, n]: the per-head scores whose top halves make the signatures."""

@@ -66,6 +66,9 @@ class Scheduler:
             self.waiting.remove(request)
         request.final_kv_blocks = len(request.block_table)
         request.final_kv_slots = request.num_cached_slots
+        if request.layer_slices is not None:  # layers hold different lengths: their mean
+            lengths = request.layer_slices.lengths(request.num_computed_tokens)
+            request.final_kv_slots = round(sum(lengths) / len(lengths))
         self.block_manager.free(request, drop_cache=drop_cache)
         request.status = status
         request.metrics.finished_time = time.monotonic()

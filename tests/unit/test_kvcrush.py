@@ -217,3 +217,24 @@ def test_token_kvcrush_matches_the_loop_reference(per_head, anchor):
     want = ref_kvcrush(sig, rows, protected, budget, 0.25, anchor)
     got = p.select(kv, budget)
     assert (got.tolist() if per_head else [got.tolist()]) == want
+
+
+def test_a_pyramid_layer_too_small_for_representatives_uses_the_base_alone():
+    """PyramidKV's top layers may get budgets below what the base's window plus representatives
+    need: those layers keep the base's selection (r = 0 there); larger layers still crush."""
+    g = torch.Generator().manual_seed(7)
+    n = 200
+    keys = torch.randn(n, 2, 8, generator=g)
+    attn = window_attention(torch.randn(8, 4, 8, generator=g), keys, 8 ** -0.5)
+    kv = LayerKV(keys, torch.randn(n, 2, 8, generator=g), attention=attn)
+    crushed = make_policy("kvcrush", budget=40, base="pyramidkv", base_options={"window": 8},
+                          kvcrush_ratio=0.25)
+    plain = make_policy("pyramidkv", budget=40, window=8)
+    budgets = crushed.layer_budgets(n, 4)
+    assert min(budgets) < crushed.min_budget <= max(budgets)
+    for b in budgets:
+        kept = crushed.select(kv, b)
+        assert validate_kept(kept, n, 2) == b
+        if b < crushed.min_budget:
+            assert torch.equal(kept, plain.select(kv, b))
+    assert not torch.equal(crushed.select(kv, max(budgets)), plain.select(kv, max(budgets)))
