@@ -414,6 +414,10 @@ Trained in {len(phases) + 1} phases, each starting from the previous one's weigh
 
 The settings and in-training evaluations below are those of the last phase.
 """
+    lengths_text = (
+        f"L drawn uniformly from {a['lengths']} at every step" if a.get("lengths") else
+        "curriculum over progress = max(step / steps, train time / budget): L from {128, 256} "
+        "(progress < 0.25), {256, 512} (< 0.45), {512, 1024} (< 0.65), then {1024, 2048, 2048}")
     ok = pk.get("2048", 0.0) >= 0.95
     status = (f"Passkey target (>= 0.95 at 2048 tokens) {'MET' if ok else 'NOT met'}: "
               f"{pk.get('2048', float('nan')):.2f} over {n} samples.")
@@ -424,7 +428,9 @@ A {r["parameters"] / 1e6:.2f}M-parameter decoder in Hugging Face **Qwen3** forma
 on a CPU in {total_minutes} minutes of training steps, fully offline. It is nanokv's default test
 model: small enough to run anywhere, with GQA (so the engine's grouped KV heads are exercised),
 and trained on passkey retrieval up to 2k tokens so that KV-cache compression and eviction get a
-quality signal that breaks when the needle is dropped. {status}
+quality signal that breaks when the needle is dropped.
+
+**{status}**
 
 | measure (full KV cache, greedy) | value |
 |---|---|
@@ -483,9 +489,7 @@ These numbers were produced by `scripts/train_tiny.py` at the end of training an
   second A), or with probability
   {a["induction_lm_frac"]} a stdlib window, meant to grow copy (induction) heads before the mixed
   data starts.
-* **Curriculum** over progress = max(step / steps, train time / budget): sequence length L from
-  {{128, 256}} (progress < 0.25), {{256, 512}} (< 0.45), {{512, 1024}} (< 0.65), then
-  {{1024, 2048, 2048}};
+* **Sequence lengths**: {lengths_text};
   {a["tokens_per_step"]} tokens per step (batch = {a["tokens_per_step"]} / L).
 
 ## Training
