@@ -172,6 +172,7 @@ def make_batch(
     """
     rng = random.Random(seed * 1_000_003 + step)
     vocab_size = tok.get_vocab_size()
+    digit_ids = [tok.token_to_id(str(d)) for d in range(10)]
     if step < args.induction_warmup:
         # induction warm-up: every row is a random segment repeated twice ("A A"); copying is the
         # only way to predict the second half, so previous-token + induction heads form in a few
@@ -202,7 +203,19 @@ def make_batch(
     cat = torch.zeros((B, L), dtype=torch.long)
     for b in range(B):
         r = rng.random()
-        if r < args.copy_frac:
+        if r < args.copy_frac and rng.random() < args.copy_digits:
+            # digit rows: a random digit string, stdlib text, the same string again; with only
+            # ten symbols a digit's successor is ambiguous, so copying must track its place
+            # (what a 5-digit pass key with repeated digits needs)
+            h = rng.randint(4, 24)
+            g = rng.randrange(0, len(train_ids) - L - 1)
+            seg = torch.tensor([digit_ids[rng.randrange(10)] for _ in range(h)])
+            gap = rng.randint(0, L - 2 * h)
+            ids[b] = torch.cat([train_ids[g : g + gap].long(), seg,
+                                train_ids[g + gap : g + L - 2 * h].long(), seg])
+            cat[b, 1 : L - h + 1] = 3
+            cat[b, L - h + 1 :] = 4
+        elif r < args.copy_frac:
             # induction rows: segment, unrelated stdlib text, the same segment again; the
             # segment is random tokens most of the time (only copying can predict it)
             h = rng.randint(L // 4, L // 2)
@@ -664,6 +677,13 @@ def parse_args(argv=None):
         type=float,
         default=0.7,
         help="share of induction rows whose segment is random token ids",
+    )
+    p.add_argument(
+        "--copy-digits",
+        type=float,
+        default=0.0,
+        help="share of induction rows whose segment is a random digit string of 4-24 digits, "
+        "placed at a random offset",
     )
     p.add_argument(
         "--copy-weight",
