@@ -191,7 +191,8 @@ def _dims(model_dir: str) -> tuple[int, int, int]:
 
 
 def measure(setting: Setting, eval_settings: EvalSettings, windows, reference,
-            config_path: str | None, do_passkey: bool) -> tuple[Row, list]:
+            config_path: str | None, do_passkey: bool,
+            passkey_context: int | None = None) -> tuple[Row, list]:
     """Start the engine for one setting; perplexity/KL on `windows`, passkey accuracy."""
     opts = dict(eval_settings.engine_options)
     opts["kv_cache_dtype"] = setting.kv_cache_dtype
@@ -218,6 +219,9 @@ def measure(setting: Setting, eval_settings: EvalSettings, windows, reference,
         kl, top1 = kl_sum / count, agree / count
     passkey = by_depth = None
     if do_passkey:
+        if passkey_context is not None:  # retrieval prompts of another length than the windows
+            run.settings = EvalSettings(**{**asdict(run.settings),
+                                           "context_tokens": passkey_context})
         row = run.retrieval("passkey")
         passkey, by_depth = row.score, row.extra["accuracy_by_depth"]
     layers, heads, dim = engine.layout.num_layers, engine.layout.num_kv_heads, \
@@ -247,7 +251,8 @@ def run_ablation(model: str, settings: list[Setting], *, context_tokens: int = 2
                  ppl_windows: int = 8, context_fraction: float = 0.75, passkey_samples: int = 20,
                  block_size: int = 128, num_threads: int | None = 1, max_num_seqs: int = 16,
                  calib_samples: int = 8, calib_seq_len: int = 512, kmeans_iters: int = 50,
-                 work_dir: str = "runs/quant_ablation", seed: int = 0, log=print) -> list[Row]:
+                 work_dir: str = "runs/quant_ablation", seed: int = 0, log=print,
+                 passkey_context: int | None = None) -> list[Row]:
     """Measure every setting on the engine; returns the rows (float32 first if present, the
     reference for the perplexity delta and KL)."""
     from transformers import AutoTokenizer
@@ -285,7 +290,8 @@ def run_ablation(model: str, settings: list[Setting], *, context_tokens: int = 2
             path = str(work / f"calib_{s.bits}bit_{'-'.join(s.parts) or 'none'}.json")
             Path(path).write_text(json.dumps(calibration_json(
                 s, dims, model, block_size, learned, baseline, calib_ids.numel())) + "\n")
-        row, logits = measure(s, es, windows, reference, path, passkey_samples > 0)
+        row, logits = measure(s, es, windows, reference, path, passkey_samples > 0,
+                              passkey_context)
         if reference is None and s.kv_cache_dtype == "auto":
             reference, baseline = logits, row.perplexity
             row.kl, row.top1 = 0.0, 1.0
@@ -394,7 +400,8 @@ def write_results(rows: list[Row], out: Path, command: str, meta: dict) -> None:
           "`_Run.continuation_logits`); the scored tokens attend to each other with fresh K/V, "
           "so only context -> continuation attention sees the quantization. KL and top-1 "
           "against float32 on the same tokens. Passkey: "
-          f"{meta['passkey_samples']} samples at {meta['context_tokens'] - 16} tokens, greedy, "
+          f"{meta['passkey_samples']} samples at "
+          f"{meta.get('passkey_context', meta['context_tokens']) - 16} tokens, greedy, "
           "exact match. Bits per element: every byte the cache holds per block (codes, "
           "scales / zero-points, codebooks, outlier values and indices, sinks, the 4-byte slot "
           "position) x 8 / (block tokens x 2 x layers x KV heads x head dim); kvquant's fixed "
@@ -427,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ppl-windows", type=int, default=8)
     p.add_argument("--context-fraction", type=float, default=0.75)
     p.add_argument("--passkey-samples", type=int, default=20, help="0 = skip passkey")
+    p.add_argument("--passkey-context", type=int, default=None,
+                   help="passkey prompt length in tokens (default: --context-tokens)")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--calib-samples", type=int, default=8)
@@ -445,11 +454,13 @@ def main(argv: list[str] | None = None) -> int:
                         passkey_samples=args.passkey_samples, block_size=args.block_size,
                         num_threads=args.num_threads, max_num_seqs=args.max_num_seqs,
                         calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len,
-                        kmeans_iters=args.kmeans_iters, work_dir=args.work_dir, seed=args.seed)
+                        kmeans_iters=args.kmeans_iters, work_dir=args.work_dir, seed=args.seed,
+                        passkey_context=args.passkey_context)
     layers, heads, dim = _dims(args.model)
     meta = {"model": args.model, "context_tokens": args.context_tokens,
             "ppl_windows": args.ppl_windows, "context_fraction": args.context_fraction,
             "passkey_samples": args.passkey_samples, "block_size": args.block_size,
+            "passkey_context": args.passkey_context or args.context_tokens,
             "num_layers": layers, "num_kv_heads": heads, "head_dim": dim,
             "calib_tokens": args.calib_samples * args.calib_seq_len,
             "seconds": time.perf_counter() - t0,

@@ -22,7 +22,10 @@ def add_eval_parser(sub, add_engine_args, engine_options) -> None:
                    help="comma-separated compression factors (4 = keep a quarter)")
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {TASKS}")
     p.add_argument("--num-samples", type=int, default=50, help="samples per retrieval task")
-    p.add_argument("--context-tokens", type=int, default=2048, help="prompt length in tokens")
+    p.add_argument("--context-tokens", type=int, default=2048,
+                   help="prompt length in tokens (retrieval prompts and perplexity/KL windows)")
+    p.add_argument("--retrieval-context-tokens", type=int, default=None,
+                   help="prompt length of passkey/multikey only (default: --context-tokens)")
     p.add_argument("--ppl-windows", type=int, default=8,
                    help="held-out windows for perplexity / KL")
     p.add_argument("--context-fraction", type=float, default=0.75,
@@ -50,6 +53,7 @@ def run(args: argparse.Namespace, engine_options) -> int:
         model=args.model, policies=_split(args.policies), tasks=_split(args.tasks),
         compressions=[float(c) for c in _split(args.compressions)],
         num_samples=args.num_samples, context_tokens=args.context_tokens,
+        retrieval_context_tokens=args.retrieval_context_tokens,
         ppl_windows=args.ppl_windows, context_fraction=args.context_fraction,
         seed=args.eval_seed, depth=args.depth, policy_options=policy_options,
         engine_options=opts)

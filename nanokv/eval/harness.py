@@ -32,6 +32,8 @@ class EvalSettings:
     tasks: list[str] = field(default_factory=lambda: list(TASKS))
     num_samples: int = 50
     context_tokens: int = 2048
+    # prompt length of the retrieval tasks (passkey, multikey); None: context_tokens
+    retrieval_context_tokens: int | None = None
     ppl_windows: int = 8
     context_fraction: float = 0.75
     seed: int = 0
@@ -50,6 +52,12 @@ class EvalSettings:
             raise ValueError("num_samples and ppl_windows must be >= 1")
         if self.context_tokens < 64:
             raise ValueError(f"context_tokens must be >= 64, got {self.context_tokens}")
+        if self.retrieval_context_tokens is not None and (
+                isinstance(self.retrieval_context_tokens, bool)
+                or not isinstance(self.retrieval_context_tokens, int)
+                or self.retrieval_context_tokens < 64):
+            raise ValueError(f"retrieval_context_tokens must be None or an integer >= 64, "
+                             f"got {self.retrieval_context_tokens!r}")
         if not 0 < self.context_fraction < 1:
             raise ValueError(f"context_fraction must be in (0, 1), got {self.context_fraction}")
         if self.depth is not None and (isinstance(self.depth, bool)
@@ -98,7 +106,8 @@ class _Run:
         label = policy.split("=", 1)[0]
         opts.update(policy_engine_options(policy, compression,
                                           settings.policy_options.get(label, {})))
-        opts.setdefault("max_model_len", settings.context_tokens + 64)
+        opts.setdefault("max_model_len", max(settings.context_tokens,
+                                             settings.retrieval_context_tokens or 0) + 64)
         self.llm = LLM(settings.model, **opts)
         self.engine = self.llm.engine
         self.tokenizer = self.llm.tokenizer
@@ -116,7 +125,8 @@ class _Run:
 
         s = self.settings
         build = tasks.passkey_sample if task == "passkey" else tasks.multikey_needle_sample
-        samples = [build(self.tokenizer, s.context_tokens - 16, depth=s.depth, seed=s.seed + i)
+        ctx = s.retrieval_context_tokens or s.context_tokens
+        samples = [build(self.tokenizer, ctx - 16, depth=s.depth, seed=s.seed + i)
                    for i in range(s.num_samples)]
         longest = max(len(self.tokenizer.encode(x.answer)) for x in samples)
         params = SamplingParams(temperature=0, max_tokens=longest + 2)
