@@ -71,12 +71,12 @@ def test_bad_settings(tok_model):
 
 def test_retrieval_prompts_can_be_shorter_than_the_windows(tok_model):
     common = dict(model=tok_model, policies=["full"], tasks=["passkey", "perplexity"],
-                  num_samples=2, context_tokens=384, ppl_windows=1,
+                  num_samples=2, context_tokens=512, ppl_windows=1,
                   engine_options={"block_size": 16})
-    rows = run_eval(EvalSettings(**common, retrieval_context_tokens=128), log=lambda line: None)
+    rows = run_eval(EvalSettings(**common, retrieval_context_tokens=256), log=lambda line: None)
     same = run_eval(EvalSettings(**common), log=lambda line: None)
     held = {r.task: r.kv_bytes for r in rows}
-    # a 128-token prompt holds fewer blocks than a 384-token one; the windows are unchanged
+    # a 256-token prompt holds fewer blocks than a 512-token one; the windows are unchanged
     assert held["passkey"] < {r.task: r.kv_bytes for r in same}["passkey"]
     assert held["perplexity"] == {r.task: r.kv_bytes for r in same}["perplexity"]
     with pytest.raises(ValueError, match="retrieval_context_tokens"):
