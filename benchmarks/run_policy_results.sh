@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Quality of the KV policies on the shipped model (docs/results/policies) and KVCrush at equal
 # budget (docs/results/kvcrush), with `nanokv eval`. Usage: bash benchmarks/run_policy_results.sh
-# Env: SAMPLES (default 30), CONTEXT (default 2048), THREADS (default 2).
+# Env: SAMPLES (default 30), CONTEXT (default 2048: perplexity/KL windows), RCONTEXT (default 512:
+# passkey/multikey prompts, where the shipped model retrieves with the full cache), THREADS
+# (default 2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SAMPLES="${SAMPLES:-30}"
 CONTEXT="${CONTEXT:-2048}"
+RCONTEXT="${RCONTEXT:-512}"
 THREADS="${THREADS:-2}"
 COMMON=(--model models/nanokv-tiny --compressions 2,4,8 --num-samples "$SAMPLES"
-        --context-tokens "$CONTEXT" --ppl-windows 8 --block-size 32 --num-threads "$THREADS")
+        --context-tokens "$CONTEXT" --retrieval-context-tokens "$RCONTEXT" --ppl-windows 8 --block-size 32 --num-threads "$THREADS")
 
 .venv/bin/nanokv eval "${COMMON[@]}" \
     --policies full,streaming,knorm,h2o,snapkv,pyramidkv,paged_eviction \

@@ -105,8 +105,9 @@ class Scheduler:
                and not preempted):
             request = self.waiting[0]
             hits, hit_tokens = bm.get_computed_blocks(request)
-            if request.compress_after is not None and hit_tokens > request.compress_after:
-                hits = hits[:request.compress_after // bm.block_size]  # compress a plain prefix
+            limit = self._hit_limit(request)
+            if limit is not None and hit_tokens > limit:
+                hits = hits[:limit // bm.block_size]
                 hit_tokens = len(hits) * bm.block_size
             if request.num_tokens - hit_tokens > budget and not self.enable_chunked_prefill:
                 break
@@ -128,6 +129,19 @@ class Scheduler:
 
         scheduled.sort(key=lambda s: not s.is_decode)  # decodes first, then prefill chunks
         return SchedulerOutput(scheduled, [r.request_id for r in preempted])
+
+    @staticmethod
+    def _hit_limit(request: Request) -> int | None:
+        """Most prefix-cache tokens a request may take: a KV policy compresses at its point
+        (compress_after, else the prompt's end) a plain prefix it computed up to there, and one
+        that reads window attention must compute the window's queries itself."""
+        if request.kv_policy is None and request.compress_after is None:
+            return None
+        limit = (request.compress_after if request.compress_after is not None
+                 else request.num_prompt_tokens)
+        if request.query_capture_from is not None:
+            limit = min(limit, request.query_capture_from)
+        return limit
 
     @staticmethod
     def _chunk(request: Request, start: int, budget: int) -> int:

@@ -160,3 +160,26 @@ def test_policy_options_validated(tiny_llama):
         LLM(tiny_llama, kv_budget=10)
     with pytest.raises(ValueError, match="window"):
         LLM(tiny_llama, kv_policy="snapkv", kv_budget=64, kv_policy_options={"window": -1})
+
+
+@pytest.mark.parametrize("name,options", [("snapkv", {"window": 32}), ("h2o", {})])
+def test_prefix_hit_stops_before_the_queries_a_policy_reads(tiny_llama, name, options):
+    """A plain request caches a prompt; the same prompt under an attention-reading policy takes
+    only the cached blocks before its observation window (it must compute those queries), and
+    decodes as it does with prefix caching off."""
+    prompt = prompt_of(100, seed=21)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(tiny_llama, block_size=16, max_model_len=256)
+    llm.generate([prompt], params)  # caches the prompt's full blocks
+    engine = llm.engine
+    engine.add_prepared(engine.make_request(
+        prompt, params, kv_policy=PolicyConfig(name, budget=48, options=options)))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    ref = LLM(tiny_llama, block_size=16, max_model_len=256, enable_prefix_caching=False,
+              kv_policy=name, kv_budget=48, kv_policy_options=options).generate([prompt], params)
+    window_start = 100 - options.get("window", 100)  # h2o observes every prompt query
+    assert outs[0].num_cached_tokens == (window_start // 16) * 16
+    assert outs[0].token_ids == ref[0].token_ids
+    engine.check_invariants()
