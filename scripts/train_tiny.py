@@ -431,6 +431,7 @@ The settings and in-training evaluations below are those of the last phase.
         f"L drawn uniformly from {a['lengths']} at every step" if a.get("lengths") else
         "curriculum over progress = max(step / steps, train time / budget): L from {128, 256} "
         "(progress < 0.25), {256, 512} (< 0.45), {512, 1024} (< 0.65), then {1024, 2048, 2048}")
+    notes = f"\n{r['notes'].strip()}\n" if r.get("notes") else ""
     ok = pk.get("2048", 0.0) >= 0.95
     status = (f"Passkey target (>= 0.95 at 2048 tokens) {'MET' if ok else 'NOT met'}: "
               f"{pk.get('2048', float('nan')):.2f} over {n} samples.")
@@ -444,7 +445,7 @@ and trained on passkey retrieval up to 2k tokens so that KV-cache compression an
 quality signal that breaks when the needle is dropped.
 
 **{status}**
-
+{notes}
 | measure (full KV cache, greedy) | value |
 |---|---|
 | passkey exact match @512 tokens | {pk.get("512", float("nan")):.2f} ({n} samples) |
@@ -492,7 +493,9 @@ These numbers were produced by `scripts/train_tiny.py` at the end of training an
 * **Mix**: a row is an induction row with probability {a["copy_frac"]} (a segment of L/4..L/2
   tokens, random token ids with probability {a["copy_random"]} and stdlib text otherwise, then
   unrelated stdlib text,
-  then the same segment again; its second occurrence is weighted {a["copy_weight"]}), stdlib
+  then the same segment again; its second occurrence is weighted {a["copy_weight"]}; a share
+  {a.get("copy_digits", 0.0)} of these rows instead copy a random string of 4-24 digits placed at
+  a random offset), stdlib
   text with probability {a["stdlib_frac"]}, else a task prompt of
   max(L/2, 80) .. L-24 tokens + answer + eos (right-padded). Loss = mean CE on stdlib tokens
   + {a["prompt_weight"]} x mean CE on task prompt tokens + {a["answer_weight"]} x mean CE on

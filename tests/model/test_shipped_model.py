@@ -26,9 +26,29 @@ def test_greedy_matches_transformers(shipped):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     hf = load_hf(shipped)
     for prompt, out in zip(prompts, outs):
-        ids = torch.tensor([tok.encode(prompt)])
+        # HF greedy by hand: argmax of a full forward per step, EOS being an ordinary token
+        # here as with ignore_eos (generate's min_new_tokens would forbid it instead)
+        seq = tok.encode(prompt)
+        ref = []
         with torch.no_grad():
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                              max_new_tokens=24, min_new_tokens=24,
-                              pad_token_id=tok.eos_token_id)[0, ids.shape[1]:].tolist()
+            for _ in range(24):
+                ref.append(int(hf(torch.tensor([seq + ref])).logits[0, -1].argmax()))
         assert out.token_ids == ref
+
+
+def test_passkey_scorer_sees_what_a_recent_only_policy_drops(shipped):
+    """`nanokv eval` on the shipped model, a small slice (512-token prompts, 10 samples): with the
+    needle at 70% depth the full cache retrieves it and StreamingLLM (sinks + the most recent
+    quarter) cannot; with the needle at the end StreamingLLM keeps it and retrieves it too. A
+    broken scorer or a policy that silently keeps everything fails one of these."""
+    from nanokv.eval.harness import EvalSettings, run_eval
+
+    def accuracy(depth: float) -> dict:
+        settings = EvalSettings(model=shipped, policies=["full", "streaming"], compressions=[4],
+                                tasks=["passkey"], num_samples=10, context_tokens=512,
+                                depth=depth, engine_options={"block_size": 32})
+        return {r.policy: r.score for r in run_eval(settings, log=lambda line: None)}
+
+    middle, late = accuracy(0.7), accuracy(0.97)
+    assert middle["full"] >= 0.6 and middle["streaming"] <= 0.1
+    assert late["streaming"] >= 0.6
