@@ -1,14 +1,12 @@
 """PyramidKV's per-layer budgets in the engine: per-layer block tables (layer slices) against
 Hugging Face with a different attention mask in every layer, and the blocks really saved."""
 
-import random
-
 import pytest
 import torch
 
-import nanokv.engine.kv_policy as kv_policy_module
 from nanokv import LLM, SamplingParams
-from tiny_models import VOCAB, build_tiny_model, load_hf
+from policy_oracles import hf_greedy_with_visibility, prompt_of, run_checked, spy_plans
+from tiny_models import build_tiny_model, load_hf
 
 BS = 16
 
@@ -19,60 +17,12 @@ def tiny_llama4(tmp_path_factory) -> str:
                             num_hidden_layers=4)
 
 
-def prompt_of(n: int, seed: int = 0) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(2, VOCAB - 30) for _ in range(n)]
-
-
-def spy_plans(monkeypatch) -> list:
-    plans = []
-    real = kv_policy_module.plan_compression
-
-    def spy(*args, **kwargs):
-        plan = real(*args, **kwargs)
-        plans.append(plan)
-        return plan
-
-    monkeypatch.setattr(kv_policy_module, "plan_compression", spy)
-    return plans
-
-
 def per_layer_masked_hf_greedy(hf, prompt: list[int], kept: list[torch.Tensor],
                                steps: int) -> list[int]:
     """Greedy decode where, in layer l, generated tokens see only the prompt slots kept[l]
-    (`[C_l]` shared by heads or `[Hkv, C_l]` per KV head) and each other. Each layer's attention
-    gets its own 4-D mask through a forward pre-hook."""
-    n = len(prompt)
-    cfg = hf.config
-    group = cfg.num_attention_heads // cfg.num_key_value_heads
-    tokens = list(prompt)
-    for _ in range(steps):
-        total = len(tokens)
-        masks = []
-        for layer_kept in kept:
-            per_head = layer_kept if layer_kept.dim() == 2 else layer_kept.expand(
-                cfg.num_key_value_heads, -1)  # [Hkv, C]
-            allowed = torch.ones(cfg.num_key_value_heads, total, total).tril().bool()
-            see = torch.zeros(cfg.num_key_value_heads, n, dtype=torch.bool)
-            see.scatter_(1, per_head.long(), True)  # [Hkv, n]
-            allowed[:, n:, :n] = see[:, None, :]
-            allowed = allowed.repeat_interleave(group, dim=0)  # [Hq, total, total]
-            masks.append(torch.zeros(1, *allowed.shape).masked_fill(~allowed[None],
-                                                                     float("-inf")))
-        hooks = []
-        for layer, block in enumerate(hf.model.layers):
-            def pre(module, args, kwargs, mask=masks[layer]):
-                kwargs["attention_mask"] = mask
-                return args, kwargs
-            hooks.append(block.self_attn.register_forward_pre_hook(pre, with_kwargs=True))
-        try:
-            with torch.no_grad():
-                logits = hf(torch.tensor([tokens])).logits[0, -1]
-        finally:
-            for h in hooks:
-                h.remove()
-        tokens.append(int(logits.argmax()))
-    return tokens[n:]
+    (`[C_l]` shared by heads or `[Hkv, C_l]` per KV head) and each other: one selection applied
+    once the prompt is computed."""
+    return hf_greedy_with_visibility(hf, prompt, [(len(prompt), kept)], steps)
 
 
 @pytest.mark.parametrize("per_head", [True, False])
@@ -125,17 +75,15 @@ def test_pyramidkv_memory_saved_and_reused(tiny_llama4):
     engine = llm.engine
     for i, p in enumerate(prompts):
         engine.add_request(p, params, request_id=str(i))
-    outs = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = o
-        engine.check_invariants()
-        for r in engine.scheduler.running:
+
+    def packed(running):
+        for r in running:
             if r.layer_slices is not None:
                 lengths = r.layer_slices.lengths(r.num_computed_tokens)
                 assert len(r.block_table) == r.layer_slices.blocks_needed(lengths)
                 assert len(r.block_table) < -(-max(lengths) // BS)
+
+    outs = run_checked(engine, packed)
     assert len(outs) == len(prompts)
     assert all(len(o.token_ids) == 20 for o in outs.values())
     bm = engine.block_manager

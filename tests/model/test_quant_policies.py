@@ -2,34 +2,15 @@
 back as the float cache's kept tokens (within the store's rounding), with keys at their true
 positions; block-wise eviction and pool accounting unchanged."""
 
-import random
-
 import pytest
 import torch
 
-import nanokv.engine.kv_policy as kv_policy_module
 from nanokv import LLM, SamplingParams
 from nanokv.quant.attention import rope_from_rotary
-from tiny_models import VOCAB
+from policy_oracles import prompt_of as tokens
+from policy_oracles import run_checked, spy_plans
 
 BS = 16
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(2, VOCAB - 30) for _ in range(n)]
-
-
-def spy_plans(monkeypatch) -> list:
-    plans = []
-    real = kv_policy_module.plan_compression
-
-    def spy(*args, **kwargs):
-        plans.append(real(*args, **kwargs))
-        return plans[-1]
-
-    monkeypatch.setattr(kv_policy_module, "plan_compression", spy)
-    return plans
 
 
 def run_prompt(llm, prompt) -> object:
@@ -125,18 +106,16 @@ def test_paged_eviction_over_a_quantized_cache(tiny_qwen3, dtype, store_options)
     engine = llm.engine
     ids = [engine.add_request(p, params) for p in prompts]
     first_blocks = {}
-    outs = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = o
-        engine.check_invariants()
-        for r in engine.scheduler.running:
+
+    def bounded(running):
+        for r in running:
             if r.compressed:
                 first_blocks.setdefault(r.request_id, r.block_table[0])
                 assert r.block_table[0] == first_blocks[r.request_id]
                 assert 48 <= r.num_cached_slots <= 48 + BS - 1 or r.num_output_tokens == 0
                 assert len(r.block_table) <= -(-48 // BS) + 1
+
+    outs = run_checked(engine, bounded)
     assert engine.policies.stats.decode_evicted_blocks > 0
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
