@@ -67,9 +67,12 @@ class LayerSlices:
     def reserve(self, block_table: Sequence[int], num_slots_per_layer: Sequence[int]) -> None:
         """Extend each layer's table to cover its slots, taking free slices of `block_table`.
         The block manager grew the table by `blocks_needed` first; raises if it did not."""
+        needs = [-(-n // self.block_size) - len(table)
+                 for n, table in zip(num_slots_per_layer, self.tables)]
+        if max(needs) <= 0:  # most decode steps: every layer's last slice has room
+            return
         free = self.free_slices(block_table)
-        for layer, n in enumerate(num_slots_per_layer):
-            need = -(-n // self.block_size) - len(self.tables[layer])
+        for layer, need in enumerate(needs):
             for _ in range(max(0, need)):
                 if not free:
                     raise RuntimeError("layer slices exhausted: the block table was not grown "
