@@ -4,10 +4,14 @@ When a request's compression point is computed (its whole prompt, or `compress_a
 its cache is compressed to the policy's budget: kept tokens are written densely to the front
 of its block table and the tail blocks go back to the pool at once. During decode a block-wise
 policy (PagedEviction) frees one whole block each time the newest block fills and the request
-holds more than its budget; a policy that re-selects (StreamingLLM, inverse key norm)
-compresses again then. Without a budget, PagedEviction runs in the user's pool-pressure mode:
-when pool usage passes 1 - eviction_ratio, the least important blocks across running requests
-are freed before anyone has to be preempted.
+holds more than its budget; a policy that re-selects (StreamingLLM, H2O with the attention of
+the queries since its last selection) compresses again then. Without a budget, PagedEviction runs
+in the user's pool-pressure mode: when pool usage passes 1 - eviction_ratio, the least important
+blocks across running requests are freed before anyone has to be preempted.
+
+Per-layer budgets (PyramidKV) leave layers with different lengths: the request then gets per-layer
+tables of layer slices (nanokv/cache/layer_slices.py) and holds only the blocks they need. With a
+quantized KV cache the policies read and re-write through the store (nanokv/engine/policy_kv.py).
 
 Kept tokens keep their original RoPE rotation; the next token's position stays the request's
 logical length (`num_computed_tokens`), its slot the cache length (`num_cached_slots`).
