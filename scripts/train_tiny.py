@@ -604,6 +604,27 @@ class ThreadGovernor:
 # ----------------------------------------------------------------------------- main
 
 
+def parse_lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--lengths must be comma-separated integers, got {text!r}") from None
+    if any(n < 128 for n in lengths):
+        raise argparse.ArgumentTypeError(f"every length must be >= 128, got {lengths}")
+    return lengths
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value}")
+    return value
+
+
 def parse_task_weights(text: str) -> dict[str, float]:
     weights = {}
     for part in text.split(","):
@@ -683,7 +704,7 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--copy-digits",
-        type=float,
+        type=fraction,
         default=0.0,
         help="share of induction rows whose segment is a random digit string of 4-24 digits, "
         "placed at a random offset",
@@ -736,7 +757,7 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--lengths",
-        type=lambda t: [int(x) for x in t.split(",")],
+        type=parse_lengths,
         default=None,
         help="fixed training sequence lengths, e.g. 1024,2048,2048 (default: the curriculum)",
     )
