@@ -90,30 +90,47 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch
     return o.squeeze(2)  # [B, Hq, D]
 
 
+def _slot_runs(blocks: list[int], context: int, block_size: int) -> list[tuple[int, int]]:
+    """A request's slots as runs of consecutive pool blocks: (first block, slots in the run).
+    Blocks allocated together are usually consecutive, and one run is one contiguous view."""
+    runs: list[tuple[int, int]] = []
+    for j, b in enumerate(blocks):
+        n = min(block_size, context - j * block_size)
+        if runs and runs[-1][0] + -(-runs[-1][1] // block_size) == b \
+                and runs[-1][1] % block_size == 0:
+            runs[-1] = (runs[-1][0], runs[-1][1] + n)
+        else:
+            runs.append((b, n))
+    return runs
+
+
 def _decode_per_request(q, k_cache, v_cache, meta: AttentionMetadata,
                         scale: float) -> torch.Tensor:
-    """Each request over its own blocks, read in place (no gather copy): scores block by block
-    (`q @ K_b^T` on the block's strided view), one softmax over the request's slots, then the
-    sum of `P_b @ V_b`. On CPU the copy of a gather costs more than the attention itself."""
+    """Each request over its own blocks, read in place (no gather copy): scores run by run of
+    consecutive blocks (`q @ K^T` on the run's strided view), one softmax over the request's
+    slots, then the sum of `P_run @ V_run`. On CPU the copy of a gather costs more than the
+    attention itself."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
+    k_slots = k_cache.view(-1, num_kv_heads, head_dim)  # [num_blocks * B, Hkv, D]
+    v_slots = v_cache.view(-1, num_kv_heads, head_dim)
     out = torch.empty_like(q)  # [B, Hq, D]
     for i, context in enumerate(meta.decode_context_lens):
         qg = q[i].view(num_kv_heads, group, head_dim)  # [Hkv, g, D]
         num_blocks = -(-context // block_size)
         blocks = (meta.decode_block_lists[i][:num_blocks] if meta.decode_block_lists is not None
                   else meta.decode_block_tables[i, :num_blocks].tolist())
-        last = context - (num_blocks - 1) * block_size  # slots used in the last block
-        scores = [torch.matmul(qg, k_cache[b, :block_size if j < num_blocks - 1 else last]
-                               .permute(1, 2, 0))  # [Hkv, D, n] view -> [Hkv, g, n]
-                  for j, b in enumerate(blocks)]
-        probs = torch.cat(scores, dim=-1).mul_(scale).softmax(dim=-1)  # [Hkv, g, S]
-        o = None
-        for j, b in enumerate(blocks):
-            n = block_size if j < num_blocks - 1 else last
-            part = torch.matmul(probs[..., j * block_size:j * block_size + n],
-                                v_cache[b, :n].transpose(0, 1))  # [Hkv, g, n] @ [Hkv, n, D]
+        runs = [(b * block_size, n) for b, n in _slot_runs(blocks, context, block_size)]
+        scores = [torch.matmul(qg, k_slots[s:s + n].permute(1, 2, 0))  # [Hkv, D, n] view
+                  for s, n in runs]  # each [Hkv, g, n]
+        probs = (scores[0] if len(scores) == 1 else torch.cat(scores, dim=-1))
+        probs = probs.mul_(scale).softmax(dim=-1)  # [Hkv, g, S]
+        o, offset = None, 0
+        for s, n in runs:
+            part = torch.matmul(probs[..., offset:offset + n],
+                                v_slots[s:s + n].transpose(0, 1))  # [Hkv, g, n] @ [Hkv, n, D]
             o = part if o is None else o.add_(part)
+            offset += n
         out[i] = o.view(-1, head_dim)  # [Hkv, g, D] -> [Hq, D]
     return out
 

@@ -88,3 +88,44 @@ def test_dense_reference_is_causal():
     k2 = k.clone()
     k2[5] += 10
     torch.testing.assert_close(dense_reference_attention(q, k2, v, 0.3)[:5], out[:5])
+
+
+def test_slot_runs_merge_consecutive_full_blocks_only():
+    from nanokv.layers.attention import _slot_runs
+
+    assert _slot_runs([4, 5, 6], 40, 16) == [(4, 40)]
+    assert _slot_runs([4, 5, 9, 10], 60, 16) == [(4, 32), (9, 28)]
+    assert _slot_runs([7], 3, 16) == [(7, 3)]
+    assert _slot_runs([3, 2], 20, 16) == [(3, 16), (2, 4)]
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_decode_over_consecutive_blocks_matches_dense(block_size):
+    """Requests whose blocks are consecutive in the pool are read as one view per run."""
+    torch.manual_seed(1)
+    lens = [7, 16, 37]
+    k_all = [torch.randn(n, HKV, D) for n in lens]
+    v_all = [torch.randn(n, HKV, D) for n in lens]
+    k_cache = torch.zeros(40, block_size, HKV, D)
+    v_cache = torch.zeros(40, block_size, HKV, D)
+    tables, nxt = [], 1
+    for r, (k, v) in enumerate(zip(k_all, v_all)):
+        nb = -(-k.shape[0] // block_size)
+        table = list(range(nxt, nxt + nb))  # consecutive
+        if nb > 2:
+            table[-1] = 39 - r  # and a jump for the last block
+        nxt += nb
+        for i in range(k.shape[0]):
+            k_cache[table[i // block_size], i % block_size] = k[i]
+            v_cache[table[i // block_size], i % block_size] = v[i]
+        tables.append(table)
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(torch.empty(0, dtype=torch.long), len(lens),
+                             torch.tensor([t + [0] * (width - len(t)) for t in tables]), None, [],
+                             write_cache=False, decode_context_lens=lens)
+    q = torch.randn(len(lens), HQ, D)
+    out = paged_attention(q, torch.empty(0, HKV, D), torch.empty(0, HKV, D), k_cache, v_cache,
+                          meta, scale=D ** -0.5)
+    for i, (k, v) in enumerate(zip(k_all, v_all)):
+        ref = dense_reference_attention(q[i:i + 1], k, v, D ** -0.5)
+        torch.testing.assert_close(out[i:i + 1], ref, atol=1e-5, rtol=1e-5)
