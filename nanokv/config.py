@@ -137,12 +137,8 @@ class EngineConfig:
             raise ValueError(f"kv_quant_config must be the path of a calibration file, "
                              f"got {self.kv_quant_config!r}")
         policy = self.policy_config()
-        if self.kv_cache_dtype != "auto" and policy is not None:
-            built = policy.build(block_size=MIN_BLOCK_SIZE)  # validates the options too
-            if len(set(built.layer_budgets(4096, 4))) > 1:
-                raise ValueError(f"kv_policy {self.kv_policy!r} gives layers different budgets, "
-                                 f"which needs per-layer block tables over the float KV pool: "
-                                 f"use kv_cache_dtype 'auto' with it")
+        if self.kv_cache_dtype != "auto" and policy is not None:  # before the model loads
+            policy.build(block_size=MIN_BLOCK_SIZE).check_store(self.kv_cache_dtype)
 
     def policy_config(self):
         """The engine's default KV policy as a validated PolicyConfig (None: full cache)."""

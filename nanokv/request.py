@@ -95,6 +95,15 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def compress_point(self) -> int | None:
+        """Tokens computed before a KV policy compresses this request (`compress_after`, capped at
+        the prompt, else the whole prompt); None without a policy or compress_after. A prefill
+        chunk never crosses it, also when a recompute after preemption re-prefills outputs."""
+        if self.compress_after is not None:
+            return min(self.compress_after, self.num_prompt_tokens)
+        return self.num_prompt_tokens if self.kv_policy is not None else None
+
+    @property
     def num_cached_slots(self) -> int:
         return self.num_computed_tokens - self.num_evicted_tokens
 

@@ -840,6 +840,9 @@ def main(argv=None) -> None:
         from safetensors.torch import load_file
 
         init = Path(args.init_from)
+        if not (init / "model.safetensors").is_file():
+            raise SystemExit(f"--init-from {init}: no model.safetensors there (give a previous "
+                             f"phase's --out directory)")
         missing, unexpected = model.load_state_dict(
             load_file(str(init / "model.safetensors")), strict=False)
         if unexpected or set(missing) - {"lm_head.weight"}:  # lm_head is tied to embeddings

@@ -56,22 +56,15 @@ class PolicyRunner:
         self.num_layers = kv_pool.layout.num_layers
         self.kv = (FloatPoolKV(kv_pool) if kv_store is None
                    else QuantizedStoreKV(kv_store, rotary))
-        self.quantized = kv_store is not None
+        self.kv_cache_dtype = "auto" if kv_store is None else kv_store.kv_cache_dtype
         self.default_config = default
         self.default = self.build(default) if default is not None else None
         self.stats = PolicyStats()
 
     def build(self, config: PolicyConfig) -> KVPolicy:
         policy = config.build(block_size=self.block_size)
-        if self.quantized and self._ragged(policy, 4096):
-            raise ValueError(f"kv_policy {config.name!r} gives layers different budgets, which "
-                             f"needs per-layer block tables over the float KV pool: use "
-                             f"kv_cache_dtype 'auto' with it")
+        policy.check_store(self.kv_cache_dtype)
         return policy
-
-    def _ragged(self, policy: KVPolicy, num_slots: int) -> bool:
-        """True when the policy gives layers different budgets (PyramidKV)."""
-        return len(set(policy.layer_budgets(num_slots, self.num_layers))) > 1
 
     # ---- per request ---------------------------------------------------------------------------
     def attach(self, request: Request, override: PolicyConfig | None = None) -> None:
@@ -79,16 +72,11 @@ class PolicyRunner:
         request.kv_policy = policy
         if policy is None or not policy.needs_attention:
             return
-        point = self.compress_point(request)
+        point = request.compress_point
         window = policy.observation_window
         request.query_capture_from = 0 if window is None else max(0, point - window)
         request.capture_decode_queries = (policy.decode_mode == "reselect"
                                           and policy.needs_attention)
-
-    def compress_point(self, request: Request) -> int:
-        if request.compress_after is not None:
-            return min(request.compress_after, request.num_prompt_tokens)
-        return request.num_prompt_tokens
 
     def collect(self, captured: dict, requests: dict[str, Request]) -> None:
         for request_id, per_layer in captured.items():
@@ -104,7 +92,7 @@ class PolicyRunner:
             if policy is None or request.is_finished:
                 continue
             if not request.compressed:
-                if request.num_computed_tokens >= self.compress_point(request):
+                if request.num_computed_tokens >= request.compress_point:
                     self.compress(request)
             elif request.kv_budget is not None:
                 self._decode_evict(request, policy)
@@ -137,7 +125,8 @@ class PolicyRunner:
         num_slots = request.num_cached_slots
         if budget >= num_slots:
             return True
-        ragged = request.layer_slices is None and self._ragged(policy, num_slots)
+        ragged = (request.layer_slices is None
+                  and policy.budgets_differ_by_layer(num_slots, self.num_layers))
         layers, table = self.kv.views(request)
         plan = plan_compression(policy, layers, table, num_slots,
                                 budget=None if ragged else budget, q_windows=q_windows,
@@ -193,8 +182,6 @@ class PolicyRunner:
         if not policy.should_evict_on_decode(num_slots, request.kv_budget):
             return
         if policy.decode_mode == "evict_block":
-            if not policy.should_evict_on_decode(num_slots, request.kv_budget):
-                return
             layers, table = self.kv.views(request)
             index = decode_block_to_evict(policy, layers, table, num_slots, request.kv_budget)
             if index is not None:

@@ -106,11 +106,9 @@ class ModelRunner:
             raise RuntimeError("decodes must come first in the batch")
         decode_block_tables = decode_mask = None
         if num_decode:
-            width = max(len(t) for t in decode_tables)
-            padded = [t + [0] * (width - len(t)) for t in decode_tables]
-            decode_block_tables = torch.tensor(padded, dtype=torch.long, device=self.device)
+            decode_block_tables = self._padded(decode_tables)  # [B, max_blocks]
             lens = torch.tensor(decode_lens, device=self.device)
-            span = torch.arange(width * bs, device=self.device)
+            span = torch.arange(decode_block_tables.shape[1] * bs, device=self.device)
             decode_mask = (span[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, S]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
@@ -130,6 +128,12 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos, meta, sample_rows
+
+    def _padded(self, tables: list[list[int]]) -> torch.Tensor:
+        """Block tables of different lengths as one [B, max_blocks] int64 tensor (0-padded)."""
+        width = max(len(t) for t in tables)
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long,
+                            device=self.device)
 
     def _layer_meta(self, sched: SchedulerOutput, layer: int,
                     num_decode: int) -> AttentionMetadata:
@@ -156,14 +160,10 @@ class ModelRunner:
             else:
                 blocks = torch.tensor(table, dtype=torch.long, device=self.device)
                 prefills.append(PrefillSeq(start, n, context, blocks))
-        decode_block_tables = None
-        if num_decode:
-            width = max(len(t) for t in decode_tables)
-            decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
-                                               dtype=torch.long, device=self.device)
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            num_decode_tokens=num_decode, decode_block_tables=decode_block_tables,
+            num_decode_tokens=num_decode,
+            decode_block_tables=self._padded(decode_tables) if num_decode else None,
             decode_mask=None, prefills=prefills,
             decode_context_lens=decode_lens if num_decode else None,
             decode_block_lists=decode_tables if num_decode else None)

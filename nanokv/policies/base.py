@@ -150,6 +150,18 @@ class KVPolicy(abc.ABC):
         check_int("num_layers", num_layers, 1)
         return [self.resolve_budget(num_tokens)] * num_layers
 
+    def budgets_differ_by_layer(self, num_tokens: int = 4096, num_layers: int = 4) -> bool:
+        """True when layers get different budgets (they then need per-layer block tables)."""
+        return len(set(self.layer_budgets(num_tokens, num_layers))) > 1
+
+    def check_store(self, kv_cache_dtype: str) -> None:
+        """Per-layer budgets need the float pool's layer slices: reject them with a quantized
+        KV cache."""
+        if kv_cache_dtype != "auto" and self.budgets_differ_by_layer():
+            raise ValueError(f"kv_policy {self.name!r} gives layers different budgets, which "
+                             f"needs per-layer block tables over the float KV pool: use "
+                             f"kv_cache_dtype 'auto' with it")
+
     # ---- selection -----------------------------------------------------------------------------
     def select(self, kv: LayerKV, budget: int) -> torch.Tensor:
         """Kept slot indices of one layer: `[C]` or `[Hkv, C]`, ascending (module docstring).

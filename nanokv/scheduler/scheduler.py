@@ -135,11 +135,8 @@ class Scheduler:
         """Most prefix-cache tokens a request may take: a KV policy compresses at its point
         (compress_after, else the prompt's end) a plain prefix it computed up to there, and one
         that reads window attention must compute the window's queries itself."""
-        if request.kv_policy is None and request.compress_after is None:
-            return None
-        limit = (request.compress_after if request.compress_after is not None
-                 else request.num_prompt_tokens)
-        if request.query_capture_from is not None:
+        limit = request.compress_point
+        if limit is not None and request.query_capture_from is not None:
             limit = min(limit, request.query_capture_from)
         return limit
 
@@ -148,11 +145,7 @@ class Scheduler:
         """Tokens to compute this step from `start` on: the rest of the known tokens, within
         the budget, and never across the request's compression point."""
         n = min(request.num_tokens - start, budget)
-        stop = request.compress_after
-        if stop is None and request.kv_policy is not None:
-            # a recompute after preemption also covers generated tokens: compress at the
-            # prompt's end first, as the first run did, then prefill the outputs after it
-            stop = request.num_prompt_tokens
+        stop = request.compress_point
         if stop is not None and not request.compressed and start < stop:
             n = min(n, stop - start)
         return n
