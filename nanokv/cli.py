@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from nanokv.config import DEVICES, DTYPES, LINEAR_BACKENDS
+from nanokv.config import ATTENTION_BACKENDS, DEVICES, DTYPES, LINEAR_BACKENDS
 from nanokv.quant.registry import KV_CACHE_DTYPES
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "models" / "nanokv-tiny")
@@ -62,6 +62,11 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: bool = True) -> N
     g.add_argument("--linear-backend", default="auto", choices=LINEAR_BACKENDS,
                    help="auto: oneDNN-packed weights on CPU (fast path), torch F.linear "
                         "elsewhere; torch: the reference path")
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="decode attention on CPU. auto: the C kernel (built on first use with "
+                        "$CC, cached in $NANOKV_CACHE_DIR or ~/.cache/nanokv) when it builds and "
+                        "the KV cache is float32, else torch; native: the kernel or an error; "
+                        "torch: the PyTorch reference path")
     g.add_argument("--kv-policy", default=None,
                    help="KV policy (streaming, h2o, snapkv, pyramidkv, knorm, paged_eviction, "
                         "kvcrush); default: full cache")
@@ -93,6 +98,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill, seed=args.seed,
         num_threads=args.num_threads, linear_backend=args.linear_backend,
+        attention_backend=args.attention_backend,
         kv_policy=args.kv_policy, kv_budget=args.kv_budget,
         kv_compression_ratio=args.kv_compression_ratio,
         kv_policy_options=args.kv_policy_options, kv_cache_dtype=args.kv_cache_dtype,

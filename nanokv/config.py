@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
+ATTENTION_BACKENDS = ("auto", "native", "torch")
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 1024
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
@@ -64,6 +65,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; default: torch's choice
     linear_backend: str = "auto"  # auto: oneDNN-packed weights on CPU, torch F.linear elsewhere
+    attention_backend: str = "auto"  # auto: C decode kernel on CPU when it builds, else torch
     kv_policy: str | None = None  # KV policy name (nanokv.policies registry); None: full cache
     kv_budget: int | None = None  # tokens a request keeps under the policy
     kv_compression_ratio: float | None = None  # or: fraction of the tokens removed, in [0, 1)
@@ -86,6 +88,7 @@ class EngineConfig:
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("device", self.device, DEVICES)
         _one_of("linear_backend", self.linear_backend, LINEAR_BACKENDS)
+        _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if self.max_model_len is not None:
             _int_at_least("max_model_len", self.max_model_len, 2)
         if self.block_size != "auto":

@@ -51,6 +51,7 @@ from nanokv.evaldata import corpus, tasks  # noqa: E402
 
 EOS = "<|endoftext|>"
 # Qwen2-style pre-tokenizer regex: digits one by one, letters with an optional leading char.
+# BPE is learnt with this pattern; `add_digit_groups` then switches digits to groups of three.
 SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -102,7 +103,42 @@ def train_tokenizer(vocab_size: int, files: list[Path], seed: int):
             yield tasks.TASKS[name](byte_len, 600, seed=rng.randrange(2**31)).prompt
 
     tok.train_from_iterator(texts(), trainer=trainer)
-    return tok
+    return add_digit_groups(tok)
+
+
+DIGITS = "0123456789"
+
+
+def add_digit_groups(tok):
+    """Numbers as groups of up to three digits from the left ("28891" -> "288" "91").
+
+    Llama 3 and GPT-4 split numbers the same way. With one token per digit a 5-digit pass key
+    like 28891 repeats a symbol, so copying it token by token is ambiguous (after "8": "8" or
+    "9"?) and the model slipped on exactly those; 3-digit groups almost never repeat within a
+    number. The BPE vocabulary learnt with single digits keeps its ids; the 1100 two- and
+    three-digit groups are appended after it, with merges that reach every group whatever
+    pair merges first (ab+c and a+bc).
+    """
+    from tokenizers import Tokenizer
+
+    data = json.loads(tok.to_str())
+    split = data["pre_tokenizer"]["pretokenizers"][0]
+    single = r"|\p{N}|"
+    if single not in split["pattern"]["Regex"]:
+        raise ValueError("tokenizer pre-tokenizer has no single-digit rule to widen")
+    split["pattern"]["Regex"] = split["pattern"]["Regex"].replace(single, r"|\p{N}{1,3}|")
+    vocab, merges = data["model"]["vocab"], data["model"]["merges"]
+    groups = [a + b for a in DIGITS for b in DIGITS]
+    groups += [g + c for g in groups for c in DIGITS]
+    for g in groups:
+        if g in vocab:
+            raise ValueError(f"digit group {g!r} is already in the vocabulary")
+        vocab[g] = len(vocab)
+        if len(g) == 2:
+            merges.append([g[0], g[1]])
+        else:
+            merges.extend([[g[:2], g[2]], [g[0], g[1:]]])
+    return Tokenizer.from_str(json.dumps(data))
 
 
 def encode(tok, text: str) -> list[int]:
@@ -172,7 +208,6 @@ def make_batch(
     """
     rng = random.Random(seed * 1_000_003 + step)
     vocab_size = tok.get_vocab_size()
-    digit_ids = [tok.token_to_id(str(d)) for d in range(10)]
     if step < args.induction_warmup:
         # induction warm-up: every row is a random segment repeated twice ("A A"); copying is the
         # only way to predict the second half, so previous-token + induction heads form in a few
@@ -204,12 +239,13 @@ def make_batch(
     for b in range(B):
         r = rng.random()
         if r < args.copy_frac and rng.random() < args.copy_digits:
-            # digit rows: a random digit string, stdlib text, the same string again; with only
-            # ten symbols a digit's successor is ambiguous, so copying must track its place
-            # (what a 5-digit pass key with repeated digits needs)
+            # digit rows: a random digit string (as digit groups), stdlib text, the same
+            # string again: copying numbers exactly, what the pass key and needle tasks need
             h = rng.randint(4, 24)
             g = rng.randrange(0, len(train_ids) - L - 1)
-            seg = torch.tensor([digit_ids[rng.randrange(10)] for _ in range(h)])
+            digits = "".join(rng.choice(DIGITS) for _ in range(h))
+            seg = torch.tensor(encode(tok, digits))
+            h = len(seg)
             gap = rng.randint(0, L - 2 * h)
             ids[b] = torch.cat([train_ids[g : g + gap].long(), seg,
                                 train_ids[g + gap : g + L - 2 * h].long(), seg])
@@ -357,6 +393,27 @@ def build_model(args, vocab_size: int, eos_id: int):
     )
     torch.manual_seed(args.seed)
     return Qwen3ForCausalLM(cfg)
+
+
+def grow_embeddings(weights: dict, tok, vocab_size: int) -> None:
+    """Give tokens appended to the vocabulary (digit groups) embedding rows, in place.
+
+    A new group starts at the mean of its digits' embeddings, so it begins near what the model
+    already knows of those digits.
+    """
+    emb = weights["model.embed_tokens.weight"]  # [old_vocab, hidden]
+    old = emb.shape[0]
+    if old >= vocab_size:
+        return
+    rows = []
+    for i in range(old, vocab_size):
+        text = tok.id_to_token(i)
+        if not text or not text.isdigit():
+            raise ValueError(f"cannot initialise new token {i} ({text!r}): only digit groups "
+                             f"can be added to an initialising model's vocabulary")
+        rows.append(emb[[tok.token_to_id(c) for c in text]].mean(0))
+    weights["model.embed_tokens.weight"] = torch.cat([emb, torch.stack(rows)])  # [vocab, hidden]
+    weights.pop("lm_head.weight", None)  # tied to the embeddings
 
 
 def export(model, tok, out: Path, eos_id: int) -> None:
@@ -797,8 +854,15 @@ def main(argv=None) -> None:
         f"(root {corpus.stdlib_root()})"
     )
     tok_path = work / "tokenizer.json"
+    init_tok = Path(args.init_from or "") / "tokenizer.json"
     if tok_path.exists():
         tok = Tokenizer.from_file(str(tok_path))
+    elif args.init_from and init_tok.is_file():  # continue with the model's own tokenizer
+        tok = Tokenizer.from_file(str(init_tok))
+        if tok.token_to_id("288") is None:  # a model from before digit groups: widen it
+            tok = add_digit_groups(tok)
+            log(f"{init_tok}: digit groups added, vocab {tok.get_vocab_size()}")
+        tok.save(str(tok_path))
     else:
         t0 = time.time()
         tok = train_tokenizer(args.vocab, train_files, args.seed)
@@ -843,8 +907,9 @@ def main(argv=None) -> None:
         if not (init / "model.safetensors").is_file():
             raise SystemExit(f"--init-from {init}: no model.safetensors there (give a previous "
                              f"phase's --out directory)")
-        missing, unexpected = model.load_state_dict(
-            load_file(str(init / "model.safetensors")), strict=False)
+        weights = load_file(str(init / "model.safetensors"))
+        grow_embeddings(weights, tok, model.config.vocab_size)
+        missing, unexpected = model.load_state_dict(weights, strict=False)
         if unexpected or set(missing) - {"lm_head.weight"}:  # lm_head is tied to embeddings
             raise ValueError(f"{init} does not match this architecture: missing {missing}, "
                              f"unexpected {unexpected}")

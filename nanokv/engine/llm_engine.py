@@ -157,7 +157,8 @@ class LLMEngine:
                                    config.enable_chunked_prefill)
         rope = rope_from_rotary(self.model.rotary) if self.kv_store is not None else None
         self.runner = ModelRunner(self.model, self.kv_pool, self.device, config.seed,
-                                  kv_store=self.kv_store, rope=rope)
+                                  kv_store=self.kv_store, rope=rope,
+                                  attention_backend=config.attention_backend)
         self.policies = PolicyRunner(config.policy_config(), self.block_manager, self.kv_pool,
                                      self.model.attention_layers()[0].scale,
                                      kv_store=self.kv_store, rotary=self.model.rotary)
@@ -197,6 +198,10 @@ class LLMEngine:
         self.startup_lines.append(
             f"max concurrency at max_model_len {config.max_model_len}: "
             f"{num_blocks / blocks_per_seq:.2f} requests")
+        if self.kv_store is None:
+            self.startup_lines.append(
+                "decode attention: " + ("C kernel (attention_backend native)"
+                                        if self.runner.native_decode else "PyTorch"))
         for line in self.startup_lines:
             logger.info(line)
 

@@ -6,26 +6,65 @@ tables, context lengths), runs the model, computes logits only for rows that sam
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from nanokv.cache.kv_pool import KVPool
 from nanokv.layers.attention import AttentionMetadata, PrefillSeq
+from nanokv.layers.native_attention import (NativeKernelUnavailable, build_decode_runs,
+                                            load_decode_kernel)
 from nanokv.layers.sampler import Sampler
 from nanokv.scheduler.output import RunnerOutput, SchedulerOutput
+
+logger = logging.getLogger("nanokv")
+
+
+def choose_decode_backend(backend: str, device: torch.device, kv_pool: KVPool,
+                          kv_store=None) -> str:
+    """Decode attention: "native" (the C kernel, CPU + float32 pool only) or "torch".
+
+    auto takes the kernel where it applies and builds, and logs why not otherwise; native
+    raises when it cannot be used; torch is the PyTorch reference path."""
+    if backend == "torch":
+        return "torch"
+    why = None
+    if device.type != "cpu":
+        why = f"it runs on CPUs only (device {device.type})"
+    elif kv_store is not None:
+        why = "a quantized KV cache has its own attention"
+    elif kv_pool.kv.dtype != torch.float32:
+        why = f"it reads float32 caches only (the pool is {kv_pool.kv.dtype})"
+    else:
+        try:
+            load_decode_kernel()
+        except NativeKernelUnavailable as e:
+            why = str(e)
+    if why is None:
+        return "native"
+    if backend == "native":
+        raise ValueError(f"attention_backend 'native' cannot be used: {why}; "
+                         f"use 'auto' or 'torch'")
+    if device.type == "cpu" and kv_store is None:
+        logger.warning("decode attention: PyTorch path, the C kernel is not used: %s", why)
+    return "torch"
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_pool: KVPool, device: torch.device,
-                 seed: int, kv_store=None, rope=None) -> None:
+                 seed: int, kv_store=None, rope=None, attention_backend: str = "auto") -> None:
         """kv_store: a `nanokv.quant.QuantizedKVStore` holding the K/V instead of the pool's
         float tensor (the pool then only keeps slot positions); rope: the model's RoPE as a
-        store `Rope`, used to rotate keys the store keeps before RoPE."""
+        store `Rope`, used to rotate keys the store keeps before RoPE; attention_backend: see
+        `choose_decode_backend`."""
         self.model = model
         self.kv_pool = kv_pool
         self.kv_store = kv_store
         self.device = device
         self.block_size = kv_pool.layout.block_size
         self.sampler = Sampler(seed)
+        self.native_decode = choose_decode_backend(attention_backend, device, kv_pool,
+                                                   kv_store) == "native"
         flat = kv_pool.flat_layers() if kv_store is None else (None, None)
         for index, attn in enumerate(model.attention_layers()):
             if kv_store is None:
@@ -123,6 +162,8 @@ class ModelRunner:
                 raise RuntimeError("per-layer block tables need the float KV pool")
             meta.per_layer = [self._layer_meta(sched, layer, num_decode)
                               for layer in range(self.kv_pool.layout.num_layers)]
+        elif num_decode and self.native_decode:
+            meta.decode_runs = build_decode_runs(decode_tables, decode_lens, bs)
         if self.kv_store is not None:  # host bookkeeping once per step; records slot positions
             meta.kv_plan = self.kv_store.plan_write(slots, positions)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
@@ -166,4 +207,6 @@ class ModelRunner:
             decode_block_tables=self._padded(decode_tables) if num_decode else None,
             decode_mask=None, prefills=prefills,
             decode_context_lens=decode_lens if num_decode else None,
-            decode_block_lists=decode_tables if num_decode else None)
+            decode_block_lists=decode_tables if num_decode else None,
+            decode_runs=build_decode_runs(decode_tables, decode_lens, bs)
+            if num_decode and self.native_decode else None)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from nanokv.layers.native_attention import DecodeRuns, native_decode_attention
+
 
 @dataclass
 class PrefillSeq:
@@ -48,6 +50,9 @@ class AttentionMetadata:
     # metadata per layer, in flat layer-slice ids; layer l then attends with
     # `paged_attention(..., k_flat, v_flat, per_layer[l])` over the pool's `flat_layers()`
     per_layer: list[AttentionMetadata] | None = None
+    # CPU, attention_backend native: the decode requests' slots as runs, for the C kernel
+    # (`native_attention.py`); None: the PyTorch per-request path
+    decode_runs: DecodeRuns | None = None
 
 
 def capture_queries(q: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -76,6 +81,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    if meta.decode_runs is not None:
+        return native_decode_attention(q, k_cache, v_cache, meta.decode_runs, scale)
     if meta.decode_context_lens is not None:
         return _decode_per_request(q, k_cache, v_cache, meta, scale)
     bsz = q.shape[0]

@@ -55,6 +55,10 @@ SCENARIOS = {
     "chunked_prefill": dict(block_size=16, max_num_batched_tokens=9),
     "preemption": dict(block_size=16, num_kv_blocks=9, max_model_len=128),
     "block_size_256": dict(block_size=256),
+    # decode attention on the PyTorch reference path (the others use the C kernel on CPU)
+    "torch_attention": dict(block_size=16, attention_backend="torch"),
+    "torch_attention_preemption": dict(block_size=16, num_kv_blocks=9, max_model_len=128,
+                                       attention_backend="torch"),
 }
 
 
@@ -64,6 +68,7 @@ def test_greedy_matches_hf(tiny_model, scenario):
     expected = reference(tiny_model, prompts)
     options = {"max_model_len": 256, **SCENARIOS[scenario]}
     llm = LLM(tiny_model, **options)
+    assert llm.engine.runner.native_decode == (options.get("attention_backend") != "torch")
     recorder = LogitRecorder(llm.engine)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     if scenario == "prefix_cache":
@@ -80,7 +85,7 @@ def test_greedy_matches_hf(tiny_model, scenario):
     engine = llm.engine
     engine.check_invariants()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    if scenario == "preemption":
+    if "preemption" in scenario:
         assert engine.scheduler.num_preemptions > 0
     # every recorded logits row matches HF's for that output index of some prompt
     hf_rows = [logits for _, logits in expected]

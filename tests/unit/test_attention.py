@@ -7,6 +7,7 @@ import torch
 
 from nanokv.layers.attention import (AttentionMetadata, PrefillSeq, dense_reference_attention,
                                      paged_attention)
+from nanokv.layers.native_attention import build_decode_runs
 
 HQ, HKV, D = 4, 2, 8
 
@@ -28,9 +29,10 @@ def scatter_into_pool(k_all, v_all, num_blocks, block_size, rng):
     return k_cache, v_cache, tables
 
 
-@pytest.mark.parametrize("per_request", [False, True])
+@pytest.mark.parametrize("decode_path", ["padded", "per_request", "native"])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_decode_and_prefill_with_past_match_dense(block_size, per_request):
+def test_decode_and_prefill_with_past_match_dense(block_size, decode_path):
+    per_request = decode_path != "padded"
     rng = random.Random(0)
     torch.manual_seed(0)
     # three decodes with different context lengths, two prefill chunks with a cached past
@@ -66,6 +68,8 @@ def test_decode_and_prefill_with_past_match_dense(block_size, per_request):
         start += new
     meta = AttentionMetadata(torch.tensor(slots), nd, dec_tables, mask, prefills,
                              decode_context_lens=decode_lens if per_request else None)
+    if decode_path == "native":  # the C kernel (tests/unit/test_native_attention.py)
+        meta.decode_runs = build_decode_runs(tables[:nd], decode_lens, block_size)
     q = torch.cat(q_all)
     k_new = torch.cat([k[-n:] for k, n in zip(k_all, q_lens)])
     v_new = torch.cat([v[-n:] for v, n in zip(v_all, q_lens)])

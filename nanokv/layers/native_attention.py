@@ -1,0 +1,148 @@
+"""The CPU decode-attention kernel (`csrc/decode_attention.c`): built once, loaded with ctypes.
+
+The PyTorch per-request path (`attention._decode_per_request`) issues a dozen small ops per
+request and layer and reads K and V through GEMMs that pack their operands; this kernel reads
+each request's K/V rows once, in place, in one pass (about 2x faster on the benchmark's decode
+step, bound by memory bandwidth). It is compiled on first use with the system C compiler
+(`$CC`, default `cc`; `-O3 -march=native -fopenmp`) into a cache directory (`$NANOKV_CACHE_DIR`,
+default `~/.cache/nanokv`), keyed by the source, the flags and the CPU. No compiler, or a build
+that fails: `attention_backend="auto"` falls back to the PyTorch path and says why.
+
+OpenMP: the library links `libgomp.so.1`, the soname PyTorch's CPU wheel already loaded, so the
+kernel shares torch's OpenMP runtime and its thread count (`torch.set_num_threads`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shlex
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+_kernel = None  # the loaded ctypes function, once built
+_error: str | None = None  # why it could not be built (cached: no retry per step)
+
+
+class NativeKernelUnavailable(RuntimeError):
+    """The C kernel could not be built or loaded on this machine (the message says why)."""
+
+
+@dataclass
+class DecodeRuns:
+    """Each decode request's cached slots as runs of consecutive pool slots (CSR layout).
+
+    Request i's runs are `run_start[j], run_len[j]` for j in `[run_ptr[i], run_ptr[i + 1])`."""
+
+    run_ptr: torch.Tensor  # [B + 1] int64
+    run_start: torch.Tensor  # [R] int64, first pool slot of the run
+    run_len: torch.Tensor  # [R] int64, slots in the run
+
+
+def build_decode_runs(block_tables: list[list[int]], context_lens: list[int],
+                      block_size: int) -> DecodeRuns:
+    """Runs of consecutive blocks, from host block tables (once per step, shared by layers)."""
+    ptr, starts, lens = [0], [], []
+    for blocks, context in zip(block_tables, context_lens):
+        prev_end = -1  # pool slot just after the current run, when it can be extended
+        for j in range(-(-context // block_size)):
+            first = blocks[j] * block_size
+            n = min(block_size, context - j * block_size)
+            if first == prev_end:
+                lens[-1] += n
+            else:
+                starts.append(first)
+                lens.append(n)
+            prev_end = first + n if n == block_size else -1
+        ptr.append(len(starts))
+    return DecodeRuns(torch.tensor(ptr, dtype=torch.int64), torch.tensor(starts, dtype=torch.int64),
+                      torch.tensor(lens, dtype=torch.int64))
+
+
+def _cpu_key() -> str:
+    """What -march=native depends on: the CPU model and its flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))][:2]
+        return "\n".join(lines)
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _build() -> ctypes.CDLL:
+    cc = shlex.split(os.environ.get("CC", "cc"))
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(cc + FLAGS).encode() + _cpu_key().encode())
+    cache = Path(os.environ.get("NANOKV_CACHE_DIR", Path.home() / ".cache" / "nanokv"))
+    target = cache / f"decode_attention-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        # build next to the target, then rename: concurrent builders never load a partial file
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        os.close(fd)
+        try:
+            proc = subprocess.run([*cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+                                  capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            os.unlink(tmp)
+            raise NativeKernelUnavailable(f"C compiler {cc[0]!r} could not run: {e}") from None
+        if proc.returncode != 0:
+            os.unlink(tmp)
+            raise NativeKernelUnavailable(
+                f"building {SOURCE.name} with {' '.join(cc)} failed: {proc.stderr.strip()[-400:]}")
+        os.replace(tmp, target)
+    return ctypes.CDLL(str(target))
+
+
+def load_decode_kernel():
+    """The kernel function; raises NativeKernelUnavailable (with the reason) when it cannot be
+    built here. Built at most once per process."""
+    global _kernel, _error
+    if _kernel is None and _error is None:
+        try:
+            fn = _build().decode_attention
+        except NativeKernelUnavailable as e:
+            _error = str(e)
+        except OSError as e:  # the .so did not load
+            _error = f"loading the built kernel failed: {e}"
+        else:
+            p, i64 = ctypes.c_void_p, ctypes.c_int64
+            fn.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64]
+            fn.restype = ctypes.c_int
+            _kernel = fn
+    if _kernel is None:
+        raise NativeKernelUnavailable(_error)
+    return _kernel
+
+
+def native_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            runs: DecodeRuns, scale: float) -> torch.Tensor:
+    """q: [B, Hq, D] float32; caches: [num_blocks, block_size, Hkv, D] contiguous float32.
+    Returns [B, Hq, D]."""
+    num_requests, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and q.device.type == "cpu" and k_cache.device.type == "cpu"):
+        raise ValueError("the native decode kernel needs float32 CPU tensors and contiguous caches")
+    if runs.run_ptr.numel() != num_requests + 1:
+        raise ValueError(f"decode runs cover {runs.run_ptr.numel() - 1} requests, "
+                         f"q has {num_requests}")
+    qs = (q * scale).contiguous()  # [B, Hq, D]
+    out = torch.empty_like(qs)
+    status = load_decode_kernel()(
+        qs.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        runs.run_ptr.data_ptr(), runs.run_start.data_ptr(), runs.run_len.data_ptr(),
+        num_requests, num_q_heads, num_kv_heads, head_dim)
+    if status != 0:
+        raise MemoryError("native decode attention could not allocate its scratch buffers")
+    return out
