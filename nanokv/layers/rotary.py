@@ -35,11 +35,15 @@ class RotaryEmbedding(nn.Module):
         self.hf_config, self.head_dim, self.max_positions = hf_config, head_dim, max_positions
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
+        # the last step's positions and their cos/sin rows: every layer of a forward pass
+        # rotates at the same positions, so the rows are gathered once per step
+        self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if torch.empty(0).device.type != "meta":  # built under a meta context: loader builds
             self.build_tables(torch.device("cpu"))
 
     def build_tables(self, device: torch.device) -> None:
         """(Re)compute the tables on `device` (after the model was materialised there)."""
+        self._rows = None
         inv_freq, scaling = rope_inv_freq(self.hf_config, self.head_dim)
         t = torch.arange(self.max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_positions, rot_dim / 2]
@@ -50,8 +54,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hkv, D], positions: [T] -> rotated q, k."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, rot_dim]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        if self._rows is None or self._rows[0] is not positions or self._rows[1].dtype != q.dtype:
+            cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, rot_dim]
+            sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+            self._rows = (positions, cos, sin)
+        _, cos, sin = self._rows
         return apply_rotary(q, cos, sin, self.rot_dim), apply_rotary(k, cos, sin, self.rot_dim)
 
 
