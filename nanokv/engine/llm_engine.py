@@ -19,6 +19,7 @@ from nanokv.executor.loader import load_hf_config, load_model
 from nanokv.executor.memory import (decode_dequant_bytes_per_block, estimate_activation_bytes,
                                     plan_kv_blocks)
 from nanokv.executor.model_runner import ModelRunner
+from nanokv.executor.cpu_memory import tune_glibc_malloc
 from nanokv.executor.profiler import measure_activation_bytes
 from nanokv.outputs import CompletionOutput, RequestOutput
 from nanokv.quant.attention import rope_from_rotary
@@ -90,6 +91,8 @@ class LLMEngine:
         self.model, self.hf_config = loaded.model, loaded.hf_config
         self.tokenizer, self.eos_token_ids = loaded.tokenizer, loaded.eos_token_ids
         self.device, self.dtype = loaded.device, loaded.dtype
+        if self.device.type == "cpu":  # reuse freed activation memory (cpu_memory.py)
+            tune_glibc_malloc()
         model_max = int(self.hf_config.max_position_embeddings)
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "

@@ -1,0 +1,50 @@
+"""glibc malloc settings for CPU inference: keep freed activation memory for the next step.
+
+PyTorch's CPU allocator calls malloc for every tensor. glibc serves large requests with a fresh
+mmap (threshold 128 KiB, raised dynamically only after such a block is freed) and returns the
+top of the heap to the OS beyond a trim threshold, so each prefill step's activations (tens of
+MB per tensor) are new pages: on the benchmark's first 2.6k-token step of a 0.6B model that was
+1.2M page faults and about 2 s of a 10 s step. With the mmap threshold at its maximum (32 MiB)
+and no trimming, freed activations are reused: about 0.3M faults and 7.7 s on the same step.
+vLLM's CPU backend gets the same effect by preloading tcmalloc.
+
+Applied once, on Linux with glibc, when the engine runs on CPU; skipped when the user set glibc's
+own malloc environment (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`, `GLIBC_TUNABLES`),
+which then wins. The cost: up to one step's peak activations stay in the process after a step
+(the pool is sized with that peak reserved anyway).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc refuses more (HEAP_MAX_SIZE / 2 on 64-bit)
+TRIM_THRESHOLD = 2**31 - 1  # the largest an int takes: the heap top is kept
+USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+
+_applied: bool | None = None
+
+
+def tune_glibc_malloc() -> bool:
+    """Set the thresholds (once per process). True when they are in effect."""
+    global _applied
+    if _applied is not None:
+        return _applied
+    _applied = False
+    if any(name in os.environ for name in USER_SETTINGS):
+        return False
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    _applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)
+                    and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    return _applied

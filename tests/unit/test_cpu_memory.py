@@ -1,0 +1,49 @@
+"""glibc malloc tuning: freed large tensors are reused instead of fresh, page-faulting mmaps."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+PROBE = textwrap.dedent("""
+    import resource, sys, torch
+    from nanokv.executor.cpu_memory import tune_glibc_malloc
+    applied = tune_glibc_malloc() if sys.argv[1] == "tune" else False
+    def faults_of_one_step():
+        # the first large step: activations of growing sizes (4-28 MiB), allocated, written
+        # and freed, twice over
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for mb in (4, 8, 12, 16, 20, 24, 28) * 2:
+            t = torch.empty(mb * 2**18)  # float32: mb MiB
+            t.fill_(1.0)
+            del t
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    torch.ones(2**20).fill_(2.0)  # start the OpenMP threads before counting
+    print(applied, faults_of_one_step())
+""")
+
+
+def probe(mode: str, env: dict | None = None) -> tuple[bool, int]:
+    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True,
+                         check=True, env={**os.environ, **(env or {})}).stdout.split()
+    return out[0] == "True", int(out[1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc only")
+def test_tuned_malloc_reuses_freed_activation_memory():
+    applied, tuned = probe("tune")
+    assert applied
+    _, plain = probe("plain")
+    largest = 28 * 2**20 // 4096  # pages of the largest tensor
+    # tuned: the heap grows to the largest tensor once and is reused; untuned: glibc's dynamic
+    # mmap threshold trails the sizes, so each larger tensor is a fresh mmap, faulted page by
+    # page (1.2M faults, 2 s, on the first 2.6k-token prefill of a 0.6B model)
+    assert tuned < 2 * largest
+    assert plain > 2 * tuned
+
+
+def test_user_malloc_settings_win():
+    applied, _ = probe("tune", {"MALLOC_TRIM_THRESHOLD_": "1000000"})
+    assert not applied
