@@ -395,24 +395,26 @@ def build_model(args, vocab_size: int, eos_id: int):
     return Qwen3ForCausalLM(cfg)
 
 
-def grow_embeddings(weights: dict, tok, vocab_size: int) -> None:
+def grow_embeddings(weights: dict, tok, vocab_size: int, seed: int) -> None:
     """Give tokens appended to the vocabulary (digit groups) embedding rows, in place.
 
-    A new group starts at the mean of its digits' embeddings, so it begins near what the model
-    already knows of those digits.
+    New rows are random with the old rows' scale: random vectors in the hidden space are nearly
+    orthogonal, so the model's copy (induction) circuits can tell the new tokens apart from the
+    first step. (Starting them at the mean of their digits' embeddings made all groups alike;
+    retrieval fell to zero and had not come back 600 steps later.)
     """
     emb = weights["model.embed_tokens.weight"]  # [old_vocab, hidden]
     old = emb.shape[0]
     if old >= vocab_size:
         return
-    rows = []
     for i in range(old, vocab_size):
         text = tok.id_to_token(i)
         if not text or not text.isdigit():
             raise ValueError(f"cannot initialise new token {i} ({text!r}): only digit groups "
                              f"can be added to an initialising model's vocabulary")
-        rows.append(emb[[tok.token_to_id(c) for c in text]].mean(0))
-    weights["model.embed_tokens.weight"] = torch.cat([emb, torch.stack(rows)])  # [vocab, hidden]
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(vocab_size - old, emb.shape[1], generator=gen) * emb.std()
+    weights["model.embed_tokens.weight"] = torch.cat([emb, rows])  # [vocab, hidden]
     weights.pop("lm_head.weight", None)  # tied to the embeddings
 
 
@@ -495,7 +497,7 @@ The settings and in-training evaluations below are those of the last phase.
     text = f"""# nanokv-tiny
 
 A {r["parameters"] / 1e6:.2f}M-parameter decoder in Hugging Face **Qwen3** format
-(`Qwen3ForCausalLM`), with a {a["vocab"]}-token byte-level BPE tokenizer, trained from scratch
+(`Qwen3ForCausalLM`), with a {r.get("vocab_size", a["vocab"])}-token byte-level BPE tokenizer, trained from scratch
 on a CPU in {total_minutes} minutes of training steps, fully offline. It is nanokv's default test
 model: small enough to run anywhere, with GQA (so the engine's grouped KV heads are exercised),
 and trained on passkey retrieval up to 2k tokens so that KV-cache compression and eviction get a
@@ -522,7 +524,9 @@ These numbers were produced by `scripts/train_tiny.py` at the end of training an
 | layers / hidden / MLP | {a["layers"]} / {a["hidden"]} / {a["intermediate"]} |
 | heads | {a["heads"]} query heads, {a["kv_heads"]} KV heads (GQA), head_dim \
 {a["head_dim"]} |
-| vocabulary | {a["vocab"]}, byte-level BPE, digits split one per token, `<|endoftext|>` = id 0 \
+| vocabulary | {r.get("vocab_size", a["vocab"])}: byte-level BPE of {a["vocab"]} tokens learnt with \
+digits one by one, then the 1100 groups "00".."999" appended; numbers split into groups of up to \
+three digits from the left ("28891" -> "288" "91", as Llama 3 / GPT-4 do); `<|endoftext|>` = id 0 \
 (eos, pad) |
 | embeddings | tied input/output |
 | positions | RoPE theta {a["rope_theta"]:g}, max_position_embeddings 4096 (trained up to \
@@ -908,7 +912,7 @@ def main(argv=None) -> None:
             raise SystemExit(f"--init-from {init}: no model.safetensors there (give a previous "
                              f"phase's --out directory)")
         weights = load_file(str(init / "model.safetensors"))
-        grow_embeddings(weights, tok, model.config.vocab_size)
+        grow_embeddings(weights, tok, model.config.vocab_size, args.seed)
         missing, unexpected = model.load_state_dict(weights, strict=False)
         if unexpected or set(missing) - {"lm_head.weight"}:  # lm_head is tied to embeddings
             raise ValueError(f"{init} does not match this architecture: missing {missing}, "
@@ -1021,6 +1025,7 @@ def main(argv=None) -> None:
         "total_wall_minutes": round((time.time() - t_start) / 60, 1),
         "final_eval_minutes": round((time.time() - t_eval) / 60, 1),
         "parameters": n_params,
+        "vocab_size": tok.get_vocab_size(),
         "passkey_accuracy": {str(k): v for k, v in final.items()},
         "passkey_samples_per_length": args.final_samples,
         "passkey_eval_seeds": f"{EVAL_SEED_BASE} + ctx*100000 + i, i < {args.final_samples}",

@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+import nanokv.layers.native_attention as native_attention
 from nanokv import LLM, SamplingParams
 from tiny_models import VOCAB, hf_greedy, load_hf
 
@@ -68,7 +69,9 @@ def test_greedy_matches_hf(tiny_model, scenario):
     expected = reference(tiny_model, prompts)
     options = {"max_model_len": 256, **SCENARIOS[scenario]}
     llm = LLM(tiny_model, **options)
-    assert llm.engine.runner.native_decode == (options.get("attention_backend") != "torch")
+    # on CPU the default decode path is the C kernel: it must have built here (needs `cc`)
+    assert llm.engine.runner.native_decode == (options.get("attention_backend") != "torch"), \
+        native_attention._error
     recorder = LogitRecorder(llm.engine)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     if scenario == "prefix_cache":
