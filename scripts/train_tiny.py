@@ -499,10 +499,16 @@ The settings and in-training evaluations below are those of the last phase.
     ok = pk.get("2048", 0.0) >= 0.95
     status = (f"Passkey target (>= 0.95 at 2048 tokens) {'MET' if ok else 'NOT met'}: "
               f"{pk.get('2048', float('nan')):.2f} over {n} samples.")
+    vocab_size = r.get("vocab_size", a["vocab"])
+    vocab_desc = (f"{vocab_size}: byte-level BPE of {a['vocab']} tokens learnt with digits one by "
+                  f"one, then the 1100 groups \"00\"..\"999\" appended; numbers split into groups "
+                  f"of up to three digits from the left (\"28891\" -> \"288\" \"91\")"
+                  if vocab_size > a["vocab"] else
+                  f"{vocab_size}, byte-level BPE, digits split one per token")
     text = f"""# nanokv-tiny
 
 A {r["parameters"] / 1e6:.2f}M-parameter decoder in Hugging Face **Qwen3** format
-(`Qwen3ForCausalLM`), with a {r.get("vocab_size", a["vocab"])}-token byte-level BPE tokenizer, trained from scratch
+(`Qwen3ForCausalLM`), with a {vocab_size}-token byte-level BPE tokenizer, trained from scratch
 on a CPU in {total_minutes} minutes of training steps, fully offline. It is nanokv's default test
 model: small enough to run anywhere, with GQA (so the engine's grouped KV heads are exercised),
 and trained on passkey retrieval up to 2k tokens so that KV-cache compression and eviction get a
@@ -529,10 +535,7 @@ These numbers were produced by `scripts/train_tiny.py` at the end of training an
 | layers / hidden / MLP | {a["layers"]} / {a["hidden"]} / {a["intermediate"]} |
 | heads | {a["heads"]} query heads, {a["kv_heads"]} KV heads (GQA), head_dim \
 {a["head_dim"]} |
-| vocabulary | {r.get("vocab_size", a["vocab"])}: byte-level BPE of {a["vocab"]} tokens learnt with \
-digits one by one, then the 1100 groups "00".."999" appended; numbers split into groups of up to \
-three digits from the left ("28891" -> "288" "91", as Llama 3 / GPT-4 do); `<|endoftext|>` = id 0 \
-(eos, pad) |
+| vocabulary | {vocab_desc}, `<|endoftext|>` = id 0 (eos, pad) |
 | embeddings | tied input/output |
 | positions | RoPE theta {a["rope_theta"]:g}, max_position_embeddings 4096 (trained up to \
 {a["max_context"]}) |
