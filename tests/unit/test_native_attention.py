@@ -10,7 +10,8 @@ import torch
 import nanokv.layers.native_attention as native
 from nanokv.cache.kv_pool import KVLayout, KVPool
 from nanokv.executor.model_runner import choose_decode_backend
-from nanokv.layers.attention import _decode_per_request, AttentionMetadata, dense_reference_attention
+from nanokv.layers.attention import (AttentionMetadata, _decode_per_request,
+                                     dense_reference_attention)
 from nanokv.layers.native_attention import build_decode_runs, native_decode_attention
 
 
