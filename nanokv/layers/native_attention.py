@@ -85,9 +85,13 @@ def _build() -> ctypes.CDLL:
     cache = Path(os.environ.get("NANOKV_CACHE_DIR", Path.home() / ".cache" / "nanokv"))
     target = cache / f"decode_attention-{key.hexdigest()[:16]}.so"
     if not target.exists():
-        cache.mkdir(parents=True, exist_ok=True)
         # build next to the target, then rename: concurrent builders never load a partial file
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        except OSError as e:
+            raise NativeKernelUnavailable(f"kernel cache directory {cache} is not writable ({e}); "
+                                          f"set NANOKV_CACHE_DIR") from None
         os.close(fd)
         try:
             proc = subprocess.run([*cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],

@@ -131,3 +131,14 @@ def test_backend_choice_where_the_kernel_applies():
         choose_decode_backend("native", cpu, _pool(torch.bfloat16))
     with pytest.raises(ValueError, match="quantized KV cache"):
         choose_decode_backend("native", cpu, _pool(), kv_store=object())
+
+
+def test_unwritable_cache_directory_falls_back(monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("NANOKV_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setattr(native, "_kernel", None)
+    monkeypatch.setattr(native, "_error", None)
+    assert choose_decode_backend("auto", torch.device("cpu"), _pool()) == "torch"
+    with pytest.raises(ValueError, match="not writable.*NANOKV_CACHE_DIR"):
+        choose_decode_backend("native", torch.device("cpu"), _pool())
