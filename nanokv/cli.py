@@ -148,7 +148,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     result = run_bench(args.model, engine_options(args), args.num_requests,
                        tuple(args.prompt_len), tuple(args.output_len), args.workload_seed,
-                       verbose=not args.json)
+                       verbose=not args.json, temperature=args.temperature)
     print(result.to_json() if args.json else _format_result(result))
     return 0
 
@@ -186,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt-len", type=int, nargs=2, default=[64, 256], metavar=("MIN", "MAX"))
     b.add_argument("--output-len", type=int, nargs=2, default=[32, 128], metavar=("MIN", "MAX"))
     b.add_argument("--workload-seed", type=int, default=0, help="seed of the random workload")
+    b.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every request, >= 0 (default 0: greedy, as the "
+                        "peer scripts; nano-vLLM's own bench samples at 0.6)")
     b.add_argument("--json", action="store_true", help="print one JSON line")
     b.set_defaults(func=cmd_bench)
 

@@ -9,9 +9,11 @@ from nanokv.benchmark.workload import BenchResult, make_workload, summarize
 
 
 def run_bench(model: str, options: dict, num_requests: int, prompt_len: tuple[int, int],
-              output_len: tuple[int, int], seed: int, verbose: bool = True) -> BenchResult:
+              output_len: tuple[int, int], seed: int, verbose: bool = True,
+              temperature: float = 0.0) -> BenchResult:
     from nanokv import LLM, SamplingParams
 
+    SamplingParams(temperature=temperature)  # validate before the model loads
     options = {**options, "skip_tokenizer_init": True}
     llm = LLM(model, **options)
     engine = llm.engine
@@ -26,8 +28,8 @@ def run_bench(model: str, options: dict, num_requests: int, prompt_len: tuple[in
     engine.block_manager.reset_prefix_cache()
 
     requests = [engine.make_request(r.prompt_token_ids,
-                                    SamplingParams(temperature=0, max_tokens=r.output_len,
-                                                   ignore_eos=True))
+                                    SamplingParams(temperature=temperature,
+                                                   max_tokens=r.output_len, ignore_eos=True))
                 for r in workload]
     peak = 0
     t0 = time.perf_counter()
