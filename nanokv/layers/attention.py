@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nanokv.layers.native_attention import DecodeRuns, native_decode_attention
+from nanokv.layers.native_attention import DecodeRuns, native_decode_attention, slot_runs
 
 
 @dataclass
@@ -97,20 +97,6 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch
     return o.squeeze(2)  # [B, Hq, D]
 
 
-def _slot_runs(blocks: list[int], context: int, block_size: int) -> list[tuple[int, int]]:
-    """A request's slots as runs of consecutive pool blocks: (first block, slots in the run).
-    Blocks allocated together are usually consecutive, and one run is one contiguous view."""
-    runs: list[tuple[int, int]] = []
-    for j, b in enumerate(blocks):
-        n = min(block_size, context - j * block_size)
-        if runs and runs[-1][0] + -(-runs[-1][1] // block_size) == b \
-                and runs[-1][1] % block_size == 0:
-            runs[-1] = (runs[-1][0], runs[-1][1] + n)
-        else:
-            runs.append((b, n))
-    return runs
-
-
 def _decode_per_request(q, k_cache, v_cache, meta: AttentionMetadata,
                         scale: float) -> torch.Tensor:
     """Each request over its own blocks, read in place (no gather copy): scores run by run of
@@ -127,7 +113,7 @@ def _decode_per_request(q, k_cache, v_cache, meta: AttentionMetadata,
         num_blocks = -(-context // block_size)
         blocks = (meta.decode_block_lists[i][:num_blocks] if meta.decode_block_lists is not None
                   else meta.decode_block_tables[i, :num_blocks].tolist())
-        runs = [(b * block_size, n) for b, n in _slot_runs(blocks, context, block_size)]
+        runs = [(b * block_size, n) for b, n in slot_runs(blocks, context, block_size)]
         scores = [torch.matmul(qg, k_slots[s:s + n].permute(1, 2, 0))  # [Hkv, D, n] view
                   for s, n in runs]  # each [Hkv, g, n]
         probs = (scores[0] if len(scores) == 1 else torch.cat(scores, dim=-1))

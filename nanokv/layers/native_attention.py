@@ -48,21 +48,28 @@ class DecodeRuns:
     run_len: torch.Tensor  # [R] int64, slots in the run
 
 
+def slot_runs(blocks: list[int], context: int, block_size: int) -> list[tuple[int, int]]:
+    """A request's slots as runs of consecutive pool blocks: (first block, slots in the run).
+    Blocks allocated together are usually consecutive, and one run is one contiguous view."""
+    runs: list[tuple[int, int]] = []
+    for j, b in enumerate(blocks):
+        n = min(block_size, context - j * block_size)
+        if runs and runs[-1][0] + -(-runs[-1][1] // block_size) == b \
+                and runs[-1][1] % block_size == 0:
+            runs[-1] = (runs[-1][0], runs[-1][1] + n)
+        else:
+            runs.append((b, n))
+    return runs
+
+
 def build_decode_runs(block_tables: list[list[int]], context_lens: list[int],
                       block_size: int) -> DecodeRuns:
     """Runs of consecutive blocks, from host block tables (once per step, shared by layers)."""
     ptr, starts, lens = [0], [], []
     for blocks, context in zip(block_tables, context_lens):
-        prev_end = -1  # pool slot just after the current run, when it can be extended
-        for j in range(-(-context // block_size)):
-            first = blocks[j] * block_size
-            n = min(block_size, context - j * block_size)
-            if first == prev_end:
-                lens[-1] += n
-            else:
-                starts.append(first)
-                lens.append(n)
-            prev_end = first + n if n == block_size else -1
+        for first_block, n in slot_runs(blocks[:-(-context // block_size)], context, block_size):
+            starts.append(first_block * block_size)
+            lens.append(n)
         ptr.append(len(starts))
     return DecodeRuns(torch.tensor(ptr, dtype=torch.int64), torch.tensor(starts, dtype=torch.int64),
                       torch.tensor(lens, dtype=torch.int64))

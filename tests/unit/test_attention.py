@@ -95,12 +95,12 @@ def test_dense_reference_is_causal():
 
 
 def test_slot_runs_merge_consecutive_full_blocks_only():
-    from nanokv.layers.attention import _slot_runs
+    from nanokv.layers.native_attention import slot_runs
 
-    assert _slot_runs([4, 5, 6], 40, 16) == [(4, 40)]
-    assert _slot_runs([4, 5, 9, 10], 60, 16) == [(4, 32), (9, 28)]
-    assert _slot_runs([7], 3, 16) == [(7, 3)]
-    assert _slot_runs([3, 2], 20, 16) == [(3, 16), (2, 4)]
+    assert slot_runs([4, 5, 6], 40, 16) == [(4, 40)]
+    assert slot_runs([4, 5, 9, 10], 60, 16) == [(4, 32), (9, 28)]
+    assert slot_runs([7], 3, 16) == [(7, 3)]
+    assert slot_runs([3, 2], 20, 16) == [(3, 16), (2, 4)]
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
