@@ -144,7 +144,7 @@ class ModelRunner:
         if any(not s.is_decode for s in sched.scheduled[:num_decode]):
             raise RuntimeError("decodes must come first in the batch")
         decode_block_tables = decode_mask = None
-        if num_decode:
+        if num_decode and not self.native_decode:  # the kernel reads `decode_runs` instead
             decode_block_tables = self._padded(decode_tables)  # [B, max_blocks]
             lens = torch.tensor(decode_lens, device=self.device)
             span = torch.arange(decode_block_tables.shape[1] * bs, device=self.device)
@@ -204,7 +204,8 @@ class ModelRunner:
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             num_decode_tokens=num_decode,
-            decode_block_tables=self._padded(decode_tables) if num_decode else None,
+            decode_block_tables=self._padded(decode_tables)
+            if num_decode and not self.native_decode else None,
             decode_mask=None, prefills=prefills,
             decode_context_lens=decode_lens if num_decode else None,
             decode_block_lists=decode_tables if num_decode else None,

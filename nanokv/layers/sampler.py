@@ -54,7 +54,8 @@ class Sampler:
         return torch.Generator().manual_seed((p.seed * 1_000_003 + index) % (2**63))
 
     def sample_row_reference(self, logits: torch.Tensor, p: SamplingParams, index: int) -> int:
-        """One row by softmax + multinomial (the reference the batched race is tested against)."""
+        """One row by softmax + multinomial (the reference the batched sampling is tested
+        against)."""
         logits = filter_logits(logits.float() / p.temperature, p.top_k, p.top_p)
         probs = logits.softmax(-1).cpu()
         gen = self._request_generator(p, index) if p.seed is not None else self.generator
