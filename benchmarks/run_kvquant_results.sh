@@ -10,6 +10,7 @@ OUT=${OUT:-docs/results/kvquant}
 MEM=${MEM:-64MiB}
 REPEATS=${REPEATS:-3}
 KVQUANT_REPEATS=${KVQUANT_REPEATS:-1}
+PASSKEY_SAMPLES=${PASSKEY_SAMPLES:-30}  # ablation passkey: prompts of the windows' 2048 tokens
 BENCH_SETTINGS=${BENCH_SETTINGS:-float32,kvquant 4-bit,kvquant 3-bit,kvquant 2-bit,int8,fp8_e4m3,fp8_e5m2}
 PY=.venv/bin/python
 mkdir -p "$OUT" runs
@@ -24,7 +25,8 @@ rm -f "$OUT/calibration.md"  # lane B appends to lane A's fresh one
 ) > runs/kvquant_lane_a.log 2>&1 &
 A=$!
 (
-  nice -n 5 $PY benchmarks/quant_ablation.py --model "$MODEL" --out "$OUT" --num-threads 1
+  nice -n 5 $PY benchmarks/quant_ablation.py --model "$MODEL" --out "$OUT" --num-threads 1 \
+      --passkey-samples "$PASSKEY_SAMPLES"
   for _ in $(seq 90); do [ -f "$OUT/calibration.md" ] && break; sleep 10; done
   nice -n 5 $PY benchmarks/calibration_report.py --out "$OUT" --name kv_calibration_2bit.json \
       --append "The fallback rule: 2-bit only (--bits 2)" -- --model "$MODEL" --bits 2 \

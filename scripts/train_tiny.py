@@ -27,8 +27,9 @@ Checkpoints (model + optimizer + step) go to --workdir every --eval-every steps;
 from the last one. Passkey accuracy at 512/1k/2k is measured with transformers' greedy
 ``generate``. The final model, tokenizer, eval_results.json and README.md go to --out.
 
-Example (the shipped model):
-  nice -n 10 python scripts/train_tiny.py --out models/nanokv-tiny --workdir runs/nanokv-tiny
+Example (a first phase from scratch; the shipped model is a chain of phases, each started with
+--init-from the previous one's --out, and its model card lists every phase's exact command):
+  nice -n 10 python scripts/train_tiny.py --out runs/exp1/out --workdir runs/exp1
 """
 
 from __future__ import annotations
@@ -215,8 +216,10 @@ def make_batch(
     vocab_size = tok.get_vocab_size()
     if step < args.induction_warmup:
         # induction warm-up: every row is a random segment repeated twice ("A A"); copying is the
-        # only way to predict the second half, so previous-token + induction heads form in a few
-        # hundred steps (mixed data alone did not grow them within 500 steps here)
+        # only way to predict the second half. Measured on this 4-layer shape (4096 tokens per
+        # step, rows of 128): it did NOT grow copy heads in the time tried: copy loss 8.38 -> 8.10
+        # (ln V = 8.32) over 540 steps from scratch at lr 2e-3, and flat at 8.32 over 280 steps
+        # from a trained model at lr 5e-4. The shipped model retrieves without general copying.
         L = args.induction_len
         B = max(1, args.tokens_per_step // L)
         # A G A T with random lengths: the copy offset varies, so a fixed-offset (positional)
