@@ -484,6 +484,8 @@ def write_model_card(out: Path, r: dict) -> None:
         f"| {i + 1} | `{p['command']}` | {p['steps']} | {p['train_minutes']} | "
         f"{p['passkey_accuracy']} | {p['heldout_perplexity']} |"
         for i, p in enumerate(phases + [r]))
+    train_what = ("the last phase (every phase's command is in the table above; each "
+                  "--init-from is the previous phase's --out)") if phases else "train"
     phase_text = "" if not phases else f"""
 Trained in {len(phases) + 1} phases, each starting from the previous one's weights
 (`--init-from`, fresh optimizer and schedule):
@@ -612,7 +614,7 @@ non-overlapping 1024-token windows, each window scored from an empty cache.
 ## Commands
 
 ```bash
-# train (writes this directory; checkpoints and logs in runs/nanokv-tiny/, resumable with --resume)
+# {train_what}; checkpoints and logs go to its --workdir, resumable with --resume
 {r["command"]}
 # tests of the data builders
 pytest tests/unit/test_evaldata.py
