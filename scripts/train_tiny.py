@@ -175,20 +175,24 @@ def length_choices(progress: float, max_context: int) -> list[int]:
     return [min(L, max_context) for L in ls]
 
 
-def synthetic_row(tok, rng: random.Random, L: int, task_weights: dict[str, float] = TASK_WEIGHTS):
+def synthetic_row(tok, rng: random.Random, L: int, task_weights: dict[str, float] = TASK_WEIGHTS,
+                  early_frac: float = 0.0, early_depth: float = 0.25):
+    """One task row. A share `early_frac` of passkey rows puts the needle in the first
+    `early_depth` of the prompt (uniformly there); the rest draw the depth uniformly."""
     name = rng.choices(list(task_weights), weights=list(task_weights.values()))[0]
     ctx = rng.randint(max(L // 2, 80), L - 24)
     seed = rng.randrange(2**31)
+    depth = rng.uniform(0.0, early_depth) if rng.random() < early_frac else None
     try:
-        s = _task(tok, rng, name, ctx, seed)
+        s = _task(tok, rng, name, ctx, seed, depth)
     except ValueError:  # too many needles for a short context: fall back to a passkey
-        name, s = "passkey", tasks.passkey_sample(tok, ctx, seed=seed)
+        name, s = "passkey", tasks.passkey_sample(tok, ctx, depth=depth, seed=seed)
     return name, encode(tok, s.prompt), encode(tok, s.answer)
 
 
-def _task(tok, rng: random.Random, name: str, ctx: int, seed: int):
+def _task(tok, rng: random.Random, name: str, ctx: int, seed: int, depth: float | None = None):
     if name == "passkey":
-        s = tasks.passkey_sample(tok, ctx, seed=seed)
+        s = tasks.passkey_sample(tok, ctx, depth=depth, seed=seed)
     elif name == "multikey_needle":
         s = tasks.multikey_needle_sample(
             tok, ctx, num_needles=rng.randint(2, 6), seed=seed, value_digits=rng.choice([5, 6, 7])
@@ -277,7 +281,8 @@ def make_batch(
             ids[b] = train_ids[start : start + L].long()
             cat[b, 1:] = 3
         else:
-            _, p, a = synthetic_row(tok, rng, L, args.task_weights)
+            _, p, a = synthetic_row(tok, rng, L, args.task_weights,
+                                    args.early_needle_frac, args.early_needle_depth)
             seq = (p + a + [eos_id])[:L]
             ids[b, : len(seq)] = torch.tensor(seq)
             cat[b, 1 : len(p)] = 1
@@ -501,6 +506,9 @@ The settings and in-training evaluations below are those of the last phase.
         "curriculum over progress = max(step / steps, train time / budget): L from {128, 256} "
         "(progress < 0.25), {256, 512} (< 0.45), {512, 1024} (< 0.65), then {1024, 2048, 2048}")
     notes = f"\n{r['notes'].strip()}\n" if r.get("notes") else ""
+    early_text = (f" (in {a['early_needle_frac']:g} of passkey rows uniformly in the first "
+                  f"{a.get('early_needle_depth', 0.25):g} of the prompt instead)"
+                  if a.get("early_needle_frac") else "")
     ok = pk.get("2048", 0.0) >= 0.95
     status = (f"Passkey target (>= 0.95 at 2048 tokens) {'MET' if ok else 'NOT met'}: "
               f"{pk.get('2048', float('nan')):.2f} over {n} samples.")
@@ -559,8 +567,9 @@ These numbers were produced by `scripts/train_tiny.py` at the end of training an
 * **Synthetic long-context tasks** (`nanokv.evaldata.tasks`, pure functions of a seed):
   passkey (weight {tw["passkey"]}; the KVQuant/LongLoRA format: filler "The grass is
   green. The sky is blue. The sun is yellow. Here we go. There and back again." repeated, needle
-  "The pass key is N. Remember it. N is the pass key." at a uniformly random depth, query "What is
-  the pass key? The pass key is", N in [1, 50000]); multi-key needle (weight
+  "The pass key is N. Remember it. N is the pass key." at a uniformly random
+  depth{early_text}, query "What is the pass key? The pass key is", N in [1, 50000]);
+  multi-key needle (weight
   {tw["multikey_needle"]}; 2-6 needles "The special magic number for KEY is N.", 5-7
   digits); JSON key-value lookup (weight {tw["kv_lookup"]}; 6-8 hex characters);
   variable tracking (weight {tw["variable_tracking"]}; 1-4 hops, 1-2 chains).
@@ -806,6 +815,19 @@ def parse_args(argv=None):
         default=dict(TASK_WEIGHTS),
         help="share of each synthetic task among task rows, e.g. "
         "passkey=0.55,multikey_needle=0.2,kv_lookup=0.15,variable_tracking=0.1",
+    )
+    p.add_argument(
+        "--early-needle-frac",
+        type=fraction,
+        default=0.0,
+        help="share of passkey rows whose needle is placed in the first --early-needle-depth of "
+        "the prompt (default 0: the depth is uniform in [0, 1])",
+    )
+    p.add_argument(
+        "--early-needle-depth",
+        type=fraction,
+        default=0.25,
+        help="upper end of the early needle depths, a fraction of the prompt in [0, 1]",
     )
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=256)
