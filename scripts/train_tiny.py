@@ -186,7 +186,11 @@ def synthetic_row(tok, rng: random.Random, L: int, task_weights: dict[str, float
     try:
         s = _task(tok, rng, name, ctx, seed, depth)
     except ValueError:  # too many needles for a short context: fall back to a passkey
-        name, s = "passkey", tasks.passkey_sample(tok, ctx, depth=depth, seed=seed)
+        try:
+            name, s = "passkey", tasks.passkey_sample(tok, ctx, depth=depth, seed=seed)
+        except ValueError as e:
+            raise ValueError(f"training rows of {L} tokens are too short for the task prompts "
+                             f"with this tokenizer ({e}); use longer --lengths") from None
     return name, encode(tok, s.prompt), encode(tok, s.answer)
 
 
