@@ -182,7 +182,9 @@ def synthetic_row(tok, rng: random.Random, L: int, task_weights: dict[str, float
     name = rng.choices(list(task_weights), weights=list(task_weights.values()))[0]
     ctx = rng.randint(max(L // 2, 80), L - 24)
     seed = rng.randrange(2**31)
-    depth = rng.uniform(0.0, early_depth) if rng.random() < early_frac else None
+    # no draw at all when early_frac is 0: the row stream stays that of the recipes before it
+    early = early_frac > 0 and rng.random() < early_frac
+    depth = rng.uniform(0.0, early_depth) if early else None
     try:
         s = _task(tok, rng, name, ctx, seed, depth)
     except ValueError:  # too many needles for a short context: fall back to a passkey
@@ -511,7 +513,7 @@ The settings and in-training evaluations below are those of the last phase.
         "(progress < 0.25), {256, 512} (< 0.45), {512, 1024} (< 0.65), then {1024, 2048, 2048}")
     notes = f"\n{r['notes'].strip()}\n" if r.get("notes") else ""
     early_text = (f" (in {a['early_needle_frac']:g} of passkey rows uniformly in the first "
-                  f"{a.get('early_needle_depth', 0.25):g} of the prompt instead)"
+                  f"{a['early_needle_depth']:g} of the prompt instead)"
                   if a.get("early_needle_frac") else "")
     ok = pk.get("2048", 0.0) >= 0.95
     status = (f"Passkey target (>= 0.95 at 2048 tokens) {'MET' if ok else 'NOT met'}: "

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "models" / "nanokv-tiny"
@@ -62,7 +63,7 @@ def test_make_batch_is_deterministic_and_labels_the_answer(train_tiny, tok):
                                   "--induction-warmup", "0", "--copy-frac", "0",
                                   "--stdlib-frac", "0", "--early-needle-frac", "1",
                                   "--task-weights", "passkey=1"])
-    train_ids = __import__("torch").arange(1, 5000) % 4000 + 1
+    train_ids = torch.arange(1, 5000) % 4000 + 1
     a_ids, a_cat = train_tiny.make_batch(tok, train_ids, 3, 0, 0.5, args, 0)
     b_ids, b_cat = train_tiny.make_batch(tok, train_ids, 3, 0, 0.5, args, 0)
     assert a_ids.shape == (2, 256) and (a_ids == b_ids).all() and (a_cat == b_cat).all()
