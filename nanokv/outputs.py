@@ -47,6 +47,8 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     metrics: RequestMetrics
     new_token_ids: list[int] | None = None  # tokens added by the last step (streaming)
+    # nanokv.layers.sampler.TokenLogprobs of new_token_ids, when the params ask for logprobs
+    new_logprobs: list | None = None
     prompt_logits: object | None = None  # [num_prompt_tokens, vocab] with return_prompt_logits
     kv_blocks_at_finish: int = 0  # KV blocks the request held when it finished
     kv_slots_at_finish: int = 0  # cached token slots then (< logical tokens after eviction)

@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's chat limit)
 
 
 @dataclass
 class SamplingParams:
     """How one request samples its output.
 
-    temperature == 0 means greedy decoding (argmax); top_k, top_p and seed are then ignored.
+    temperature == 0 means greedy decoding (argmax); top_k, top_p, min_p and seed are then
+    ignored, the penalties are not (as in vLLM they change the logits greedy decoding reads).
     """
 
     temperature: float = 1.0
     top_k: int = -1  # -1: no top-k filtering
     top_p: float = 1.0
+    min_p: float = 0.0  # drop tokens whose probability is below min_p x the most likely one's
     seed: int | None = None  # per-request generator: same seed, same output
     max_tokens: int = 16
     min_tokens: int = 0
@@ -22,6 +27,15 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # vLLM's penalties: repetition divides positive / multiplies negative logits of every token
+    # seen in the prompt or the output; presence and frequency subtract from the logits of
+    # output tokens (once, or once per occurrence)
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # log-probabilities of each sampled token and of its `logprobs` most likely alternatives
+    # (from the model's raw distribution, before penalties and temperature); None = off
+    logprobs: int | None = None
     # evaluation: return the logits of every prompt position (RequestOutput.prompt_logits,
     # [num_prompt_tokens, vocab]); such a request computes its whole prompt (no prefix hits)
     return_prompt_logits: bool = False
@@ -31,27 +45,55 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
-               f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
-        _check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+        _check(_finite(self.temperature) and self.temperature >= 0,
+               f"temperature must be a finite number >= 0 (0 = greedy), got "
+               f"{self.temperature!r}")
+        _check(_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
                f"top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}")
-        _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
+        _check(_finite(self.top_p) and 0 < self.top_p <= 1,
                f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(self.seed is None or isinstance(self.seed, int),
+        _check(_finite(self.min_p) and 0 <= self.min_p <= 1,
+               f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(self.seed is None or _int(self.seed),
                f"seed must be an integer or None, got {self.seed!r}")
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+        _check(_int(self.max_tokens) and self.max_tokens >= 1,
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+        _check(_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                f"got {self.min_tokens!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                f"stop must be a list of non-empty strings, got {self.stop!r}")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+        _check(all(_int(t) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0,
+               f"repetition_penalty must be a finite number > 0 (1 = off), got "
+               f"{self.repetition_penalty!r}")
+        _check(_finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+               f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
+        _check(_finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
+        _check(self.logprobs is None or (_int(self.logprobs)
+                                         and 0 <= self.logprobs <= MAX_LOGPROBS),
+               f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got "
+               f"{self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when sampling needs the request's token history."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _check(ok: bool, message: str) -> None:

@@ -24,6 +24,8 @@ class ScheduledRequest:
     # layer's first slot, when the request's layers hold different lengths; else None
     layer_tables: list[list[int]] | None = None
     layer_start_slots: list[int] | None = None
+    # (prompt token ids, output token ids) when the sampling params have penalties, else None
+    history: tuple[list[int], list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -55,6 +57,8 @@ class RunnerOutput:
     prompt_logits: dict = field(default_factory=dict)
     # request id -> per layer [w, Hq, D] queries of positions >= capture_from (KV policies)
     captured_queries: dict = field(default_factory=dict)
+    # request id -> nanokv.layers.sampler.TokenLogprobs of its sampled token (params.logprobs)
+    logprobs: dict = field(default_factory=dict)
 
 
 @dataclass
