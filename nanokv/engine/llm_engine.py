@@ -301,10 +301,13 @@ class LLMEngine:
                 request.stop_reason = stop
                 self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
             new = request.output_token_ids[before[request.request_id]:]
-            outputs.append(self._output(request, new))
+            logprobs = runner_out.logprobs.get(request.request_id)
+            outputs.append(self._output(request, new,
+                                        [logprobs] if logprobs is not None and new else None))
         return outputs
 
-    def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
+    def _output(self, request: Request, new_token_ids: list[int],
+                new_logprobs: list | None = None) -> RequestOutput:
         finished = request.is_finished
         reason = request.status.value if finished else None
         return RequestOutput(
@@ -313,7 +316,7 @@ class LLMEngine:
             outputs=[CompletionOutput(request.text, list(request.output_token_ids), reason,
                                       request.stop_reason)],
             finished=finished, num_cached_tokens=max(0, request.num_cached_tokens),
-            metrics=request.metrics, new_token_ids=new_token_ids,
+            metrics=request.metrics, new_token_ids=new_token_ids, new_logprobs=new_logprobs,
             prompt_logits=_prompt_logits(request) if finished else None,
             kv_blocks_at_finish=request.final_kv_blocks,
             kv_slots_at_finish=request.final_kv_slots,

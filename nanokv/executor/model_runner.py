@@ -88,10 +88,12 @@ class ModelRunner:
         rows = torch.tensor(sample_rows, device=self.device)
         logits = self.model.compute_logits(hidden[rows])  # [N, vocab]
         sampled = [s for s in sched.scheduled if s.sample]
-        tokens = self.sampler(logits, [s.params for s in sampled],
-                              [s.output_index for s in sampled])
-        return RunnerOutput({s.request_id: t for s, t in zip(sampled, tokens)}, prompt_logits,
-                            captured)
+        out = self.sampler.sample(logits, [s.params for s in sampled],
+                                  [s.output_index for s in sampled],
+                                  [s.history for s in sampled])
+        logprobs = {s.request_id: lp for s, lp in zip(sampled, out.logprobs) if lp is not None}
+        return RunnerOutput({s.request_id: t for s, t in zip(sampled, out.token_ids)},
+                            prompt_logits, captured, logprobs)
 
     def _prompt_logits(self, sched: SchedulerOutput, hidden: torch.Tensor) -> dict:
         """Logits of every prompt position for requests that asked (evaluation only)."""

@@ -169,6 +169,9 @@ class Scheduler:
                           else start if request.capture_decode_queries else None),
             layer_tables=layer_tables,
             layer_start_slots=layer_start_slots,
+            history=((request.prompt_token_ids, request.output_token_ids)
+                     if request.params.has_penalties and start + num_new == request.num_tokens
+                     else None),
         )
 
     def _preempt(self, request: Request) -> None:
