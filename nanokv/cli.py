@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from nanokv.config import ATTENTION_BACKENDS, DEVICES, DTYPES, LINEAR_BACKENDS
+from nanokv.extras import MissingExtraError, extra_for_module, install_hint, require
 from nanokv.quant.registry import KV_CACHE_DTYPES
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "models" / "nanokv-tiny")
@@ -211,9 +212,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        if args.command == "serve":
+            require("serve", "nanokv serve")
         return args.func(args)
-    except ValueError as e:
+    except (ValueError, MissingExtraError) as e:
         print(f"nanokv: error: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:
+        extra = extra_for_module(e.name)
+        if extra is None:
+            raise
+        print(f"nanokv: error: nanokv {args.command} needs {e.name}, from the [{extra}] extra: "
+              f"{install_hint(extra)}", file=sys.stderr)
         return 2
 
 

@@ -1,7 +1,8 @@
 """A bounded load test against a running server: a fixed number of concurrent clients send
-streaming completions for a fixed time, then stop by themselves.
+streaming completions for a fixed time, then stop by themselves. A client of the server, not
+part of it; it needs the [serve] extra (httpx, prometheus_client).
 
-    python -m nanokv.server.loadtest --url http://127.0.0.1:8000 --concurrency 8 --duration 30
+    python -m nanokv.benchmark.loadtest --url http://127.0.0.1:8000 --concurrency 8 --duration 30
 
 Every request ends in exactly one of: completed, refused (503), failed (any other error) or
 hung (no answer within --request-timeout). Latencies come from the client's side: TTFT from
@@ -20,6 +21,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+from nanokv.extras import MissingExtraError, require
 from nanokv.metrics.stats import percentile
 
 PREFIXES = [
@@ -193,7 +195,7 @@ async def wait_idle(client, base_url: str, headers: dict, timeout: float) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nanokv.server.loadtest",
+    p = argparse.ArgumentParser(prog="python -m nanokv.benchmark.loadtest",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     p.add_argument("--model", default=None, help="model name (default: the server's first)")
@@ -207,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
+    try:
+        require("serve", "the load tester")
+    except MissingExtraError as e:
+        print(f"loadtest: error: {e}", file=sys.stderr)
+        return 2
     model = args.model
     if model is None:
         import httpx

@@ -5,12 +5,14 @@ from __future__ import annotations
 import sys
 import time
 
+from tqdm.auto import tqdm
+
 from nanokv.benchmark.workload import BenchResult, make_workload, summarize
 
 
 def run_bench(model: str, options: dict, num_requests: int, prompt_len: tuple[int, int],
               output_len: tuple[int, int], seed: int, verbose: bool = True,
-              temperature: float = 0.0) -> BenchResult:
+              temperature: float = 0.0, progress: bool = True) -> BenchResult:
     from nanokv import LLM, SamplingParams
 
     SamplingParams(temperature=temperature)  # validate before the model loads
@@ -24,7 +26,7 @@ def run_bench(model: str, options: dict, num_requests: int, prompt_len: tuple[in
                              engine.hf_config.vocab_size, seed)
     # warm-up (not timed): one short request
     llm.generate([workload[0].prompt_token_ids[:16]],
-                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+                 SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     engine.block_manager.reset_prefix_cache()
 
     requests = [engine.make_request(r.prompt_token_ids,
@@ -32,13 +34,22 @@ def run_bench(model: str, options: dict, num_requests: int, prompt_len: tuple[in
                                                    max_tokens=r.output_len, ignore_eos=True))
                 for r in workload]
     peak = 0
+    bar = tqdm(total=len(requests), desc="bench", unit="req", dynamic_ncols=True,
+               disable=not progress)
+    output_tokens = 0
     t0 = time.perf_counter()
     for request in requests:
         engine.add_prepared(request)
     while engine.has_unfinished_requests():
-        engine.step()
+        outs = engine.step()
         peak = max(peak, engine.block_manager.num_used_blocks)
+        if progress:
+            output_tokens += sum(len(o.new_token_ids or ()) for o in outs)
+            bar.set_postfix_str(f"output {output_tokens / (time.perf_counter() - t0):.1f} "
+                                f"tok/s, KV blocks {peak}", refresh=False)
+            bar.update(sum(o.finished for o in outs))
     elapsed = time.perf_counter() - t0
+    bar.close()
     ttfts = [r.metrics.ttft for r in requests]
     tpots = [r.metrics.tpot(r.num_output_tokens) for r in requests]
     return summarize("nanokv", workload, elapsed, ttfts, [t for t in tpots if t is not None],

@@ -42,7 +42,10 @@ def add_eval_parser(sub, add_engine_args, engine_options) -> None:
 def run(args: argparse.Namespace, engine_options) -> int:
     from nanokv.eval.harness import EvalSettings, run_eval
     from nanokv.eval.report import to_markdown, write_results
+    from nanokv.extras import require
 
+    if args.out:  # before the run, not after it: the plots need matplotlib
+        require("eval", "nanokv eval --out (plots)")
     try:
         policy_options = json.loads(args.policy_options)
     except json.JSONDecodeError as e:

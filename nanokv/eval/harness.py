@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+from tqdm.auto import tqdm
 
 from nanokv.evaldata import corpus, tasks
 
@@ -120,7 +121,8 @@ class _Run:
         held = [o.kv_blocks_at_finish * bpb for o in outs]
         return sum(kept) / len(kept), sum(held) / len(held)
 
-    def retrieval(self, task: str) -> EvalRow:
+    def retrieval(self, task: str, use_tqdm=False) -> EvalRow:
+        """`use_tqdm`: as LLM.generate's (run_eval lends its bar)."""
         from nanokv import SamplingParams
 
         s = self.settings
@@ -131,14 +133,14 @@ class _Run:
         longest = max(len(self.tokenizer.encode(x.answer)) for x in samples)
         params = SamplingParams(temperature=0, max_tokens=longest + 2)
         t0 = time.perf_counter()
-        outs = self.llm.generate([x.prompt for x in samples], params)
+        outs = self.llm.generate([x.prompt for x in samples], params, use_tqdm=use_tqdm)
         scores = [tasks.score(x, o.text) for x, o in zip(samples, outs)]
         kept, held = self._held(outs)
         by_depth = _accuracy_by_depth(samples, scores)
         return EvalRow(task, "", 0, sum(scores) / len(scores), "accuracy", len(samples), kept,
                        held, {"accuracy_by_depth": by_depth}, time.perf_counter() - t0)
 
-    def continuation_logits(self, windows: list[list[int]]):
+    def continuation_logits(self, windows: list[list[int]], use_tqdm=False):
         """Logits over the scored part of each window, with the context compressed first."""
         from nanokv import SamplingParams
 
@@ -147,7 +149,7 @@ class _Run:
         outs = []
         for w in windows:  # one at a time: peak memory stays one window of logits
             request = self.engine.make_request(w, params, compress_after=split)
-            outs += self.llm.generate_requests([request])
+            outs += self.llm.generate_requests([request], use_tqdm=use_tqdm)
         # row t predicts token t + 1: rows split-1 .. n-2 predict the scored tokens split .. n-1
         logits = [o.prompt_logits[split - 1:len(w) - 1] for o, w in zip(outs, windows)]
         kept, held = self._held(outs)
@@ -176,29 +178,62 @@ def _accuracy_by_depth(samples, scores, bins: int = 5) -> list[float | None]:
     return [round(s / c, 3) if c else None for s, c in zip(sums, counts)]
 
 
-def run_eval(settings: EvalSettings, log=print) -> list[EvalRow]:
+class _LentBar:
+    """Lends run_eval's progress bar to `LLM.generate` (its `use_tqdm` callable): finished
+    prompts advance it and the tokens/s show in it; closing it is run_eval's business."""
+
+    def __init__(self, bar: tqdm) -> None:
+        self.bar = bar
+
+    def __call__(self, **_tqdm_kwargs) -> _LentBar:
+        return self
+
+    def update(self, n: int = 1) -> None:
+        self.bar.update(n)
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        self.bar.set_postfix_str(s, refresh=refresh)
+
+    def close(self) -> None:
+        pass
+
+
+def run_eval(settings: EvalSettings, log=print, progress: bool = True) -> list[EvalRow]:
+    """Every task for the full cache, then for each policy x compression. `progress`: one tqdm
+    bar over all of it (prompts and perplexity windows), on stderr."""
     rows: list[EvalRow] = []
     settings_list = [("full", 1.0)] + [(p, c) for p in settings.policies if p != "full"
                                        for c in settings.compressions]
+    retrieval_tasks = [t for t in settings.tasks if t in ("passkey", "multikey")]
+    scores_windows = "perplexity" in settings.tasks or "kl" in settings.tasks
+    per_setting = (len(retrieval_tasks) * settings.num_samples
+                   + (settings.ppl_windows if scores_windows else 0))
+    bar = tqdm(total=len(settings_list) * per_setting, desc="eval", unit="sample",
+               dynamic_ncols=True, disable=not progress)
+    lent = _LentBar(bar) if progress else False
+
+    def report(row: EvalRow) -> None:
+        rows.append(row)
+        with tqdm.external_write_mode():
+            log(_line(row))
+
     reference = None  # full-cache continuation logits for KL
     windows = None
     for policy, compression in settings_list:
-        run = _Run(settings, policy, compression)
         label = policy.split("=", 1)[0]
-        for task in settings.tasks:
-            if task in ("passkey", "multikey"):
-                row = run.retrieval(task)
-            else:
-                continue
+        bar.set_description(f"eval {label}" + ("" if policy == "full" else f" {compression:g}x"))
+        run = _Run(settings, policy, compression)
+        for task in retrieval_tasks:
+            row = run.retrieval(task, lent)
             row.policy, row.compression = label, compression
-            rows.append(row)
-            log(_line(row))
-        if "perplexity" in settings.tasks or "kl" in settings.tasks:
+            report(row)
+        if scores_windows:
             if windows is None:
                 windows = heldout_windows(run.tokenizer, settings.ppl_windows,
                                           settings.context_tokens)
+                bar.total -= (settings.ppl_windows - len(windows)) * len(settings_list)
             t0 = time.perf_counter()
-            logits, split, kept, held = run.continuation_logits(windows)
+            logits, split, kept, held = run.continuation_logits(windows, lent)
             if reference is None:
                 reference = logits
             elapsed = time.perf_counter() - t0
@@ -208,11 +243,9 @@ def run_eval(settings: EvalSettings, log=print) -> list[EvalRow]:
                     target = torch.tensor(w[split:])
                     nll += float(torch.nn.functional.cross_entropy(lg, target, reduction="sum"))
                     count += len(target)
-                row = EvalRow("perplexity", label, compression, math.exp(nll / count),
-                              "perplexity", len(windows), kept, held,
-                              {"scored_tokens": count}, elapsed)
-                rows.append(row)
-                log(_line(row))
+                report(EvalRow("perplexity", label, compression, math.exp(nll / count),
+                               "perplexity", len(windows), kept, held,
+                               {"scored_tokens": count}, elapsed))
             if "kl" in settings.tasks:
                 kl, agree, count = 0.0, 0, 0
                 for ref, lg in zip(reference, logits):
@@ -221,11 +254,10 @@ def run_eval(settings: EvalSettings, log=print) -> list[EvalRow]:
                     kl += float((p_log.exp() * (p_log - q_log)).sum())
                     agree += int((ref.argmax(-1) == lg.argmax(-1)).sum())
                     count += ref.shape[0]
-                row = EvalRow("kl", label, compression, kl / count, "kl_nats", len(windows),
-                              kept, held, {"top1_agreement": agree / count}, elapsed)
-                rows.append(row)
-                log(_line(row))
+                report(EvalRow("kl", label, compression, kl / count, "kl_nats", len(windows),
+                               kept, held, {"top1_agreement": agree / count}, elapsed))
         del run
+    bar.close()
     return rows
 
 

@@ -43,6 +43,9 @@ def write_results(rows: list[EvalRow], out_dir: str, command: str) -> list[str]:
 
 
 def plot(rows: list[EvalRow], out_dir: str) -> list[str]:
+    from nanokv.extras import require
+
+    require("eval", "the evaluation plots")
     import matplotlib
 
     matplotlib.use("Agg")
