@@ -1,0 +1,345 @@
+"""KIVI store (Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache"):
+keys per channel, values per token, asymmetric min / scale integer codes, the newest tokens kept
+in full precision. Keys are stored as given, after RoPE (KIVI quantizes post-RoPE keys).
+
+Paged adaptation. KIVI groups G tokens along the token axis for each key channel, groups G
+channels of each value token, and keeps a residual of the R newest tokens unquantized, quantizing
+it when it reaches R. Here:
+  - the key token group is the BLOCK: one min and one scale per (block, KV head, channel)
+    (KIVI's G = 32 tokens: B = 16 is finer, B = 128 coarser and cheaper in statistics);
+  - values are grouped along channels: one min and one scale per (slot, KV head, group of
+    `group_size` channels), `group_size` dividing head_dim (default 32, as KIVI; through
+    `from_settings` / `settings_from_options` gcd(32, head_dim), so head_dim 16 gets 16);
+  - the residual is the request's partial (newest, not yet full) block, keys AND values, kept
+    in full precision (layout.dtype, read back exactly) in one of S = `num_staging_blocks`
+    staging blocks; the block is quantized, K and V together, when its last slot is written.
+    So R is 0..B-1 tokens for both (KIVI slides a window over values; here they wait for
+    the block, which keeps one quantization event per block). One staging block per running request suffices (a request has at
+    most one partial block; a block filling in a step frees its staging block before new ones
+    are taken), so S >= max_num_seqs.
+
+Code of x in a group: c = round((x - m) / s) clamped to [0, 2^b - 1], x' = c * s + m, with
+m = min and s = (max - m) / (2^b - 1) stored in fp16 and rounded OUTWARD (m down, s up) so the
+grid covers the group: |x - x'| <= s / 2 for every element (groups past +-65504 saturate).
+Codes are bit-packed along head_dim (`packing.pack`), bits in {2, 4}.
+
+Buffers (P = packed_dim(D, b) = D * b / 8 bytes, g = D / group_size):
+
+    k_codes, v_codes       uint8  [L, num_blocks, B, Hkv, P]
+    k_min, k_scale         fp16   [L, num_blocks, Hkv, D]       per block and channel
+    v_min, v_scale         fp16   [L, num_blocks, B, Hkv, g]    per slot and channel group
+    staging_k, staging_v   layout.dtype [L, S, B, Hkv, D]
+    staging_index          int32  [num_blocks]  (staging row of a block, -1 none)
+
+Bytes per token (all layers): L * Hkv * (2 * P + 4 * D / B + 4 * g) + 4 / B (staging index)
++ 4 (slot position, when the store owns them), plus the fixed staging 2 * S * B * L * Hkv * D *
+elem. With D = 128, b = 2, g = 4, B = 16 that is 112 bytes per KV head and layer against 512 in
+fp16 (64 of codes, 32 of key statistics, 16 of value statistics).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from nanokv.cache.kv_pool import KVLayout
+from nanokv.quant.packing import pack, packed_dim, unpack
+from nanokv.quant.store import BufferSpec, QuantizedKVStore, Rope, WritePlan, as_list
+
+KIVI_BITS = (2, 4)
+FP16_MAX = 65504.0
+
+
+def _validate(layout: KVLayout, bits: int, group_size: int, num_staging_blocks: int) -> None:
+    def is_int(x):
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if not is_int(bits) or bits not in KIVI_BITS:
+        raise ValueError(f"kivi bits must be one of {list(KIVI_BITS)}, got {bits!r}")
+    dim = layout.head_dim
+    if not is_int(group_size) or group_size < 1 or dim % group_size:
+        allowed = [g for g in range(1, dim + 1) if dim % g == 0]
+        raise ValueError(f"kivi group_size must divide head_dim {dim}: one of {allowed}, "
+                         f"got {group_size!r}")
+    if not is_int(num_staging_blocks) or num_staging_blocks < 1:
+        raise ValueError(f"kivi num_staging_blocks must be an integer >= 1 (>= max_num_seqs: "
+                         f"one per running request), got {num_staging_blocks!r}")
+
+
+def _fp16_outward(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """float32 -> fp16 rounded toward +inf (up) or -inf, saturating at +-65504."""
+    x = x.clamp(-FP16_MAX, FP16_MAX)
+    h = x.to(torch.float16)
+    wrong = h.float() < x if up else h.float() > x
+    toward = torch.full_like(h, float("inf") if up else float("-inf"))
+    return torch.where(wrong, torch.nextafter(h, toward), h)
+
+
+def quantize_groups(x: torch.Tensor, dim: int, bits: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min / scale codes of the groups along `dim` of x -> (uint8 codes like x,
+    fp16 min and scale with `dim` of size 1)."""
+    x = x.float()
+    levels = 2 ** bits - 1
+    lo = _fp16_outward(x.amin(dim, keepdim=True), up=False)
+    scale = _fp16_outward((x.amax(dim, keepdim=True) - lo.float()) / levels, up=True)
+    step = torch.where(scale > 0, scale, 1).float()  # scale 0: a constant group, x == lo
+    codes = torch.round((x - lo.float()) / step).clamp_(0, levels).to(torch.uint8)
+    return codes, lo, scale
+
+
+def dequantize_groups(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor
+                      ) -> torch.Tensor:
+    """codes * scale + min (min, scale broadcast against codes) -> float32."""
+    return codes.float() * scale.float() + lo.float()
+
+
+@dataclass
+class KIVIWritePlan(WritePlan):
+    stage_src: torch.Tensor  # [Ts] token index of each token kept in staging
+    stage_dst: torch.Tensor  # [Ts] flat staging slot (row * B + slot)
+    quant_blocks: torch.Tensor  # [nq] blocks that fill up in this step
+    quant_src: torch.Tensor  # [nq, B] < S*B: staging slot; else S*B + token index
+
+
+class KIVIStore(QuantizedKVStore):
+    kv_cache_dtype = "kivi"
+
+    # the engine options it reads beyond kv_cache_dtype (nanokv.cache.registry)
+    engine_options: ClassVar[frozenset[str]] = frozenset({"kv_quant_bits"})
+
+    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu",
+                 *, bits: int = 2, group_size: int = 32, num_staging_blocks: int,
+                 slot_positions: torch.Tensor | None = None) -> None:
+        _validate(layout, bits, group_size, num_staging_blocks)
+        super().__init__(layout, num_blocks, device, False, slot_positions)
+        self.bits, self.group_size = bits, group_size
+        self.num_staging_blocks = num_staging_blocks
+        self._allocate(self.buffer_specs())
+        self.buffers["staging_index"].fill_(-1)
+        # host bookkeeping (no device sync on the hot path)
+        self._fill = np.zeros(num_blocks, dtype=np.int64)  # slots written since slot 0
+        self._row = np.full(num_blocks, -1, dtype=np.int64)  # staging row or -1
+        self._free_rows = list(range(num_staging_blocks - 1, -1, -1))
+
+    @classmethod
+    def from_settings(cls, layout: KVLayout, num_blocks: int, device: torch.device | str,
+                      slot_positions: torch.Tensor | None = None, *, bits: int | None = None,
+                      num_staging_blocks: int, group_size: int | None = None) -> KIVIStore:
+        """The registry's entry point. bits None: 2; group_size None: gcd(32, head_dim) (32,
+        or the largest power of two dividing a smaller head_dim, e.g. 16 for head_dim 16)."""
+        return cls(layout, num_blocks, device, bits=2 if bits is None else bits,
+                   group_size=math.gcd(32, layout.head_dim) if group_size is None else group_size,
+                   num_staging_blocks=num_staging_blocks, slot_positions=slot_positions)
+
+    @classmethod
+    def settings_from_options(cls, options, layout: KVLayout) -> dict:
+        """Engine options (kv_quant_bits, max_num_seqs) -> `from_settings` keywords, validated:
+        one staging block per running request."""
+        settings = {"bits": 2 if options.kv_quant_bits is None else options.kv_quant_bits,
+                    "group_size": math.gcd(32, layout.head_dim),
+                    "num_staging_blocks": options.max_num_seqs}
+        _validate(layout, **settings)
+        return settings
+
+    @property
+    def settings(self) -> dict:
+        return {"bits": self.bits, "group_size": self.group_size,
+                "num_staging_blocks": self.num_staging_blocks}
+
+    # ---- layout ------------------------------------------------------------------------------
+    @classmethod
+    def specs_for(cls, layout: KVLayout, num_blocks: int, settings: dict) -> list[BufferSpec]:
+        """Every tensor a store with these settings (`settings`' keys) allocates."""
+        bits, group, rows = settings["bits"], settings["group_size"], \
+            settings["num_staging_blocks"]
+        lay, nb, f16 = layout, num_blocks, torch.float16
+        layers, bsz, heads, dim = lay.num_layers, lay.block_size, lay.num_kv_heads, lay.head_dim
+        codes = (layers, nb, bsz, heads, packed_dim(dim, bits))
+        k_stats = (layers, nb, heads, dim)
+        v_stats = (layers, nb, bsz, heads, dim // group)
+        staging = (layers, rows, bsz, heads, dim)
+        return [BufferSpec("k_codes", codes, torch.uint8, "codes"),
+                BufferSpec("v_codes", codes, torch.uint8, "codes"),
+                BufferSpec("k_min", k_stats, f16, "scales"),
+                BufferSpec("k_scale", k_stats, f16, "scales"),
+                BufferSpec("v_min", v_stats, f16, "scales"),
+                BufferSpec("v_scale", v_stats, f16, "scales"),
+                BufferSpec("staging_k", staging, lay.dtype, "staging"),
+                BufferSpec("staging_v", staging, lay.dtype, "staging"),
+                BufferSpec("staging_index", (nb,), torch.int32, "bookkeeping")]
+
+    def buffer_specs(self) -> list[BufferSpec]:
+        return self.specs_for(self.layout, self.num_blocks, self.settings)
+
+    def _block_axis(self, name: str) -> int | None:
+        if name.startswith("staging"):
+            return 0 if name == "staging_index" else None
+        return 1  # [L, num_blocks, ...]
+
+    def extra_keys(self) -> tuple:
+        return super().extra_keys() + (("kivi_bits", self.bits),
+                                       ("kivi_group_size", self.group_size))
+
+    @property
+    def num_free_staging_blocks(self) -> int:
+        return len(self._free_rows)
+
+    # ---- writing -----------------------------------------------------------------------------
+    def plan_write(self, slot_mapping: Sequence[int] | torch.Tensor,
+                   positions: Sequence[int] | torch.Tensor) -> KIVIWritePlan:
+        slots, pos = as_list(slot_mapping), as_list(positions)
+        if len(slots) != len(pos):
+            raise ValueError(f"{len(slots)} slots but {len(pos)} positions")
+        bsz, rows_total = self.block_size, self.num_staging_blocks
+        groups: dict[int, list[int]] = {}  # block -> its tokens, in batch order
+        for t, s in enumerate(slots):
+            groups.setdefault(s // bsz, []).append(t)
+        starts = {}  # validate everything before touching any state
+        for b, toks in groups.items():
+            fill = 0 if slots[toks[0]] % bsz == 0 else int(self._fill[b])  # slot 0: fresh
+            got = [slots[t] % bsz for t in toks]
+            if got != list(range(fill, fill + len(toks))):
+                raise RuntimeError(f"block {b}: slots {got} written out of order; it holds "
+                                   f"{fill} slots (blocks fill in slot order; slot 0 restarts)")
+            if fill and self._row[b] < 0:
+                raise RuntimeError(f"block {b} has {fill} slots but no staged residual "
+                                   f"(released while in use?)")
+            starts[b] = fill
+        need = sum(1 for b, toks in groups.items()
+                   if starts[b] + len(toks) < bsz and self._row[b] < 0)
+        freed = sum(1 for b, toks in groups.items()
+                    if starts[b] + len(toks) == bsz and self._row[b] >= 0)
+        if need > len(self._free_rows) + freed:
+            raise RuntimeError(f"kivi: all {rows_total} staging blocks are in use ({need} more "
+                               f"needed for partial blocks): raise num_staging_blocks "
+                               f"(>= running requests) or call release() when blocks are freed")
+        base = super().plan_write(slots, pos)
+        completing, partial = [], []
+        for b, toks in groups.items():
+            self._fill[b] = starts[b] + len(toks)
+            (completing if self._fill[b] == bsz else partial).append((b, toks, starts[b]))
+        stage_rows: dict[int, int] = {}
+        quant_blocks, quant_src, stage_src, stage_dst = [], [], [], []
+        for b, toks, fill in completing:  # first: their staging rows become free
+            row = int(self._row[b])
+            quant_blocks.append(b)
+            quant_src.append([row * bsz + j for j in range(fill)]
+                             + [rows_total * bsz + t for t in toks])
+            if row >= 0:
+                self._free_rows.append(row)
+                self._row[b] = -1
+                stage_rows[b] = -1
+        for b, toks, _ in partial:
+            row = int(self._row[b])
+            if row < 0:
+                row = self._free_rows.pop()
+                self._row[b] = row
+                stage_rows[b] = row
+            stage_src += toks
+            stage_dst += [row * bsz + slots[t] % bsz for t in toks]
+        dev, long = self.device, torch.long
+        if stage_rows:
+            self.buffers["staging_index"][torch.tensor(list(stage_rows), device=dev)] = \
+                torch.tensor(list(stage_rows.values()), dtype=torch.int32, device=dev)
+        return KIVIWritePlan(
+            base.slot_mapping, base.positions,
+            stage_src=torch.tensor(stage_src, dtype=long, device=dev),
+            stage_dst=torch.tensor(stage_dst, dtype=long, device=dev),
+            quant_blocks=torch.tensor(quant_blocks, dtype=long, device=dev),
+            quant_src=torch.tensor(quant_src, dtype=long, device=dev).view(-1, bsz))
+
+    def write(self, layer: int, plan: KIVIWritePlan, k: torch.Tensor, v: torch.Tensor) -> None:
+        heads, dim = self.layout.num_kv_heads, self.layout.head_dim
+        staged_slots = self.num_staging_blocks * self.block_size
+        for name, x in (("k", k), ("v", v)):
+            staging = self.buffers[f"staging_{name}"][layer].view(-1, heads, dim)  # [S*B, H, D]
+            if plan.quant_blocks.numel():  # before the staging writes: rows may be reused
+                src = plan.quant_src  # [nq, B]
+                old = staging[src.clamp(max=staged_slots - 1)].float()  # [nq, B, Hkv, D]
+                new = x[(src - staged_slots).clamp_min(0)].float()
+                blocks = torch.where((src < staged_slots)[..., None, None], old, new)
+                self._quantize_blocks(name, layer, plan.quant_blocks, blocks)
+            if plan.stage_src.numel():
+                staging.index_copy_(0, plan.stage_dst, x[plan.stage_src].to(staging.dtype))
+
+    def _quantize_blocks(self, name: str, layer: int, blocks: torch.Tensor,
+                         x: torch.Tensor) -> None:
+        """x: [nq, B, Hkv, D] float32, the full blocks `blocks` [nq] -> codes and statistics."""
+        buf = self.buffers
+        if name == "k":  # per channel: the group is the block's B tokens
+            codes, lo, scale = quantize_groups(x, 1, self.bits)  # stats [nq, 1, Hkv, D]
+            lo, scale = lo.squeeze(1), scale.squeeze(1)
+        else:  # per token: groups of group_size channels
+            n, bsz, heads, dim = x.shape
+            grouped = x.view(n, bsz, heads, dim // self.group_size, self.group_size)
+            codes, lo, scale = quantize_groups(grouped, -1, self.bits)  # [nq, B, Hkv, g, 1]
+            codes, lo, scale = codes.view_as(x), lo.squeeze(-1), scale.squeeze(-1)
+        buf[f"{name}_codes"][layer].index_copy_(0, blocks, pack(codes, self.bits))
+        buf[f"{name}_min"][layer].index_copy_(0, blocks, lo)
+        buf[f"{name}_scale"][layer].index_copy_(0, blocks, scale)
+
+    # ---- block lifetime ----------------------------------------------------------------------
+    def release(self, block_ids: Sequence[int]) -> None:
+        dropped = []
+        for b in block_ids:
+            row = int(self._row[b])
+            if row >= 0:
+                self._free_rows.append(row)
+                self._row[b] = -1
+                dropped.append(b)
+            if self._fill[b] < self.block_size:  # partial: content is gone; full ones stay
+                self._fill[b] = 0
+        if dropped:
+            self.buffers["staging_index"][torch.tensor(dropped, device=self.device)] = -1
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        pairs = list(pairs)
+        if not pairs:
+            return
+        staged_src = [(s, d) for s, d in pairs if self._row[s] >= 0]
+        need = sum(1 for _, d in staged_src if self._row[d] < 0)
+        if need > len(self._free_rows):
+            raise RuntimeError(f"kivi copy_blocks needs {need} staging blocks, "
+                               f"{len(self._free_rows)} are free")
+        super().copy_blocks(pairs)  # codes, statistics, positions (staging_index: fixed below)
+        for s, d in pairs:
+            self._fill[d] = self._fill[s]
+            if self._row[d] >= 0 and self._row[s] < 0:  # dst had staging, src has none
+                self._free_rows.append(int(self._row[d]))
+                self._row[d] = -1
+        for s, d in staged_src:  # a partial source: the copy gets its own staged residual
+            if self._row[d] < 0:
+                self._row[d] = self._free_rows.pop()
+            for name in ("staging_k", "staging_v"):
+                stage = self.buffers[name]
+                stage[:, int(self._row[d])] = stage[:, int(self._row[s])]
+        touched = torch.tensor([d for _, d in pairs], device=self.device)
+        self.buffers["staging_index"][touched] = torch.tensor(
+            [int(self._row[d]) for _, d in pairs], dtype=torch.int32, device=self.device)
+
+    # ---- reading -----------------------------------------------------------------------------
+    def read_blocks(self, layer: int, block_ids: torch.Tensor, rope: Rope | None = None):
+        buf, ids = self.buffers, block_ids.long().flatten()
+        n, bsz, heads, dim = ids.numel(), self.block_size, self.layout.num_kv_heads, \
+            self.layout.head_dim
+        rows = buf["staging_index"][ids].long()  # [n], -1 = not staged
+        staged = (rows >= 0)[:, None, None, None]
+        out = []
+        for name in ("k", "v"):
+            codes = unpack(buf[f"{name}_codes"][layer][ids], self.bits, dim)  # [n, B, Hkv, D]
+            lo, scale = buf[f"{name}_min"][layer][ids], buf[f"{name}_scale"][layer][ids]
+            if name == "k":  # stats [n, Hkv, D]
+                x = dequantize_groups(codes, lo.unsqueeze(1), scale.unsqueeze(1))
+            else:  # stats [n, B, Hkv, g]
+                grouped = codes.view(n, bsz, heads, dim // self.group_size, self.group_size)
+                x = dequantize_groups(grouped, lo.unsqueeze(-1), scale.unsqueeze(-1))
+                x = x.view(n, bsz, heads, dim)
+            residual = buf[f"staging_{name}"][layer][rows.clamp_min(0)]  # [n, B, Hkv, D]
+            out.append(torch.where(staged, residual, x.to(self.layout.dtype)))
+        return self._rotate(out[0], ids, rope), out[1]
