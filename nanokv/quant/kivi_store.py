@@ -13,10 +13,10 @@ it when it reaches R. Here:
   - the residual is the request's partial (newest, not yet full) block, keys AND values, kept
     in full precision (layout.dtype, read back exactly) in one of S = `num_staging_blocks`
     staging blocks; the block is quantized, K and V together, when its last slot is written.
-    So R is 0..B-1 tokens for both (KIVI slides a window over values; here they wait for
-    the block, which keeps one quantization event per block). One staging block per running request suffices (a request has at
-    most one partial block; a block filling in a step frees its staging block before new ones
-    are taken), so S >= max_num_seqs.
+    So R is 0..B-1 tokens for both (KIVI slides a window over values; here they wait for the
+    block, one quantization event per block). One staging block per running request suffices
+    (a request has at most one partial block; a block filling in a step frees its staging
+    block before new ones are taken), so S >= max_num_seqs.
 
 Code of x in a group: c = round((x - m) / s) clamped to [0, 2^b - 1], x' = c * s + m, with
 m = min and s = (max - m) / (2^b - 1) stored in fp16 and rounded OUTWARD (m down, s up) so the
