@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanokv.evaldata import corpus, tasks  # noqa: E402
@@ -67,7 +68,9 @@ EVAL_SEED_BASE = 2**40  # eval seeds: EVAL_SEED_BASE + ctx * 100_000 + i; traini
 
 
 def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    # tqdm.write keeps the training progress bar (stderr) below the log lines (stdout)
+    tqdm.write(f"[{time.strftime('%H:%M:%S')}] {msg}")
+    sys.stdout.flush()
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -986,6 +989,9 @@ def main(argv=None) -> None:
     good_evals = 0
     governor = ThreadGovernor(args.threads if device.type == "cpu" else 0)
     model.train()
+    # steps, or the time budget, whichever ends the phase first
+    bar = tqdm(total=args.steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
+               disable=args.eval_only)
     while not args.eval_only and step < args.steps and progress < 1.0:
         if step % 10 == 0:
             governor.update()
@@ -1013,6 +1019,9 @@ def main(argv=None) -> None:
         step += 1
         train_seconds += time.time() - t0
         progress = max(step / args.steps, train_seconds / budget)
+        bar.set_postfix_str(f"loss {loss.item():.3f} lr {args.lr * lr_scale:.2e} "
+                            f"budget {train_seconds / budget:.0%}", refresh=False)
+        bar.update(1)
         if step % 20 == 0 or step == 1:
             parts = " ".join(f"{k}={v.item():.3f}" for k, v in sorted(terms.items()))
             log(
@@ -1048,6 +1057,7 @@ def main(argv=None) -> None:
             else:
                 good_evals = 0
 
+    bar.close()
     # final evaluation
     log("final evaluation")
     t_eval = time.time()

@@ -90,6 +90,7 @@ def token_batches(token_ids: list[int], num_samples: int, eval_samples: int, seq
 
 def cmd_calibrate(args: argparse.Namespace, engine_options, add_engine_args) -> int:
     import torch
+    from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from nanokv.config import auto_block_size
@@ -120,12 +121,35 @@ def cmd_calibrate(args: argparse.Namespace, engine_options, add_engine_args) -> 
                                         args.eval_samples, args.seq_len)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
 
-    def log(line: str) -> None:
-        if not args.json:
-            print(f"[nanokv] {line}", file=sys.stderr)
+    # progress in model forward passes: one per calibration sequence (activations and Fisher
+    # information), then one per eval sequence for each precision tried; the bar grows when
+    # the mixed-precision fallback tries more than the baseline and each candidate width
+    bar = tqdm(total=args.num_samples + args.eval_samples * (1 + len(args.bits)),
+               desc="calibrate", unit="fwd", dynamic_ncols=True)
 
-    calib = calibrate(model, calib_ids, eval_ids, settings, model_path=args.model,
-                      text_name=text_name, log=log)
+    bar.set_description("calibrate: activations")
+
+    def count_forward(_module, _inputs) -> None:
+        if bar.n == args.num_samples:
+            bar.set_description("calibrate: perplexity")
+        if bar.n >= bar.total:
+            bar.total += args.eval_samples
+        bar.update(1)
+
+    def log(line: str) -> None:
+        if line.startswith("learning codebooks"):
+            bar.set_description("calibrate: codebooks")
+        if not args.json:
+            with tqdm.external_write_mode():
+                print(f"[nanokv] {line}", file=sys.stderr)
+
+    handle = model.register_forward_pre_hook(count_forward)
+    try:
+        calib = calibrate(model, calib_ids, eval_ids, settings, model_path=args.model,
+                          text_name=text_name, log=log)
+    finally:
+        handle.remove()
+        bar.close()
     calib.save(args.output)
     d = calib.decision
     if args.json:
