@@ -29,7 +29,27 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15
                40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 LIFETIME_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
                     1800.0, 3600.0, 7200.0)
-KV_KB_BUCKETS = tuple(4.0 ** k for k in range(13))  # 1 KB .. 16 GiB, x4
+KV_KB_BUCKETS = tuple(4.0 ** k for k in range(13))  # 1 KB .. 16 GiB, x4 (block size unknown)
+# the prefix-cache counters' (endpoint, request_class) series that exist from the start
+PRESET_REQUEST_CLASSES = (("completions", "default"), ("chat_completions", "default"))
+UNCLASSIFIED = ("none", "default")  # lookups recorded without a class
+
+
+def kv_block_counts(max_blocks: int, linear: int = 8, growth: float = 1.5) -> list[int]:
+    """Bucket bounds in blocks: 1, 2, ..., linear, then x growth up to max_blocks."""
+    counts = list(range(1, min(linear, max_blocks) + 1))
+    while counts[-1] < max_blocks:
+        counts.append(min(max_blocks, max(counts[-1] + 1, round(counts[-1] * growth))))
+    return counts
+
+
+def kv_kb_buckets(c: CacheConfigInfo) -> tuple[float, ...]:
+    """The KV-per-request histogram's bounds: whole numbers of blocks in KB, so 1-, 2- and
+    3-block requests land in buckets of their own (a request's KV is whole blocks)."""
+    if c.bytes_per_block <= 0 or c.block_size <= 0 or c.max_model_len <= 0:
+        return KV_KB_BUCKETS
+    max_blocks = -(-c.max_model_len // c.block_size)
+    return tuple(n * c.bytes_per_block / 1024 for n in kv_block_counts(max_blocks))
 
 
 class PrometheusExporter:
@@ -70,9 +90,18 @@ class PrometheusExporter:
                                   f"of kv_cache_usage_perc over the last {window_s:g} s.")
         self.usage_stddev.set_function(self._usage_stddev_now)
 
-        self.queries = counter("prefix_cache_queries",
-                               "Prompt tokens looked up in the prefix cache.")
-        self.hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
+        classes = m + ["endpoint", "request_class"]
+        self._queries_family = Counter(
+            PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache, by "
+            "endpoint and request class (the X-Request-Class header, else 'default').",
+            classes, registry=r)
+        self._hits_family = Counter(
+            PREFIX + "prefix_cache_hits", "Prompt tokens served from the prefix cache, by "
+            "endpoint and request class.", classes, registry=r)
+        self.queries: dict[tuple[str, str], Counter] = {}
+        self.hits: dict[tuple[str, str], Counter] = {}
+        for key in PRESET_REQUEST_CLASSES:
+            self._class_counters(key)
         self.preemptions = counter("num_preemptions", "Requests preempted (recomputed later).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that finished "
                                                       "their prefill.")
@@ -102,7 +131,9 @@ class PrometheusExporter:
                                         LIFETIME_BUCKETS)
         self.request_kv_kb = histogram("request_kv_cache_kb",
                                        "KV cache per request in KB (1024 bytes): the bytes of "
-                                       "the blocks a request held at its peak.", KV_KB_BUCKETS)
+                                       "the blocks a request held at its peak; buckets "
+                                       "are whole numbers of blocks.",
+                                       kv_kb_buckets(cache_config))
 
         c = cache_config
         Info(PREFIX + "cache_config", "KV cache configuration.", registry=r).info({
@@ -120,8 +151,16 @@ class PrometheusExporter:
         with self._lock:
             self._usage_window.add(it.time, it.kv_cache_usage)
             self._hit_window.add(it.time, it.prefix_cache_hits, it.prefix_cache_queries)
-        for counter, n in ((self.queries, it.prefix_cache_queries), (self.hits,
-                           it.prefix_cache_hits), (self.preemptions, it.num_preemptions),
+        by_class = it.prefix_cache_by_class
+        if not by_class and (it.prefix_cache_queries or it.prefix_cache_hits):
+            by_class = {UNCLASSIFIED: (it.prefix_cache_queries, it.prefix_cache_hits)}
+        for key, (queries, hits) in by_class.items():
+            q, h = self._class_counters(key)
+            if queries:
+                q.inc(queries)
+            if hits:
+                h.inc(hits)
+        for counter, n in ((self.preemptions, it.num_preemptions),
                            (self.prompt_tokens, it.prompt_tokens),
                            (self.generation_tokens, it.generation_tokens)):
             if n:
@@ -146,6 +185,12 @@ class PrometheusExporter:
                 self.e2e.observe(f.e2e_latency_s)
             if f.peak_kv_bytes > 0:
                 self.request_kv_kb.observe(f.peak_kv_bytes / 1024)
+
+    def _class_counters(self, key: tuple[str, str]) -> tuple[Counter, Counter]:
+        if key not in self.queries:
+            self.queries[key] = self._queries_family.labels(self.model_name, *key)
+            self.hits[key] = self._hits_family.labels(self.model_name, *key)
+        return self.queries[key], self.hits[key]
 
     def record_rejected(self) -> None:
         self.rejected.inc()

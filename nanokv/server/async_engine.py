@@ -43,9 +43,11 @@ class RequestStream:
     """
 
     def __init__(self, engine: AsyncLLMEngine, request: Request,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop,
+                 request_class: tuple[str, str] = ("", "")) -> None:
         self.engine = engine
         self.request = request
+        self.request_class = request_class  # (endpoint, class) labels of its cache counters
         self.request_id = request.request_id
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -80,7 +82,8 @@ class RequestStream:
         out = outputs[-1]
         if len(outputs) > 1:
             new = [t for o in outputs for t in (o.new_token_ids or [])]
-            out = dataclasses.replace(out, new_token_ids=new)
+            lps = [lp for o in outputs for lp in (o.new_logprobs or [])]
+            out = dataclasses.replace(out, new_token_ids=new, new_logprobs=lps or None)
         if out.finished:
             self.finished = True
         return out
@@ -119,10 +122,12 @@ class AsyncLLMEngine:
         self.on_stats = on_stats
         self.check_invariants = check_invariants
         # what one block really costs (a quantized KV cache: codes, scales, outliers, positions)
-        self.bytes_per_block = getattr(engine, "kv_bytes_per_block", engine.layout.bytes_per_block)
+        self.bytes_per_block = engine.kv_bytes_per_block
         self._cond = threading.Condition()
         self._commands: list[tuple[str, object]] = []
         self._streams: dict[str, RequestStream] = {}  # every request not yet finished
+        # engine thread: streams whose prefix-cache lookup is not yet counted by class
+        self._uncounted: dict[str, RequestStream] = {}
         self._stopping = False
         self._deltas = SchedulerDeltas()
         self._thread: threading.Thread | None = None
@@ -153,13 +158,15 @@ class AsyncLLMEngine:
         return len(self._streams)
 
     # ---- event-loop side -----------------------------------------------------------------------
-    def open(self, request: Request) -> RequestStream:
+    def open(self, request: Request,
+             request_class: tuple[str, str] = ("", "")) -> RequestStream:
         """Queue a validated request (from LLMEngine.make_request) and return its stream.
 
+        request_class: the (endpoint, class) labels its prefix-cache lookup is counted under.
         Raises QueueFullError when max_num_seqs + max_waiting requests are already in flight,
         EngineDeadError when the loop is not running. Must be called on the event loop.
         """
-        stream = RequestStream(self, request, asyncio.get_running_loop())
+        stream = RequestStream(self, request, asyncio.get_running_loop(), request_class)
         with self._cond:
             if not self.is_running:
                 raise EngineDeadError(self.dead_reason())
@@ -180,6 +187,15 @@ class AsyncLLMEngine:
             if request_id in self._streams and not self._stopping:
                 self._commands.append(("abort", request_id))
                 self._cond.notify()
+
+    def abort_all(self, error: BaseException) -> None:
+        """End every request in flight: its reader gets `error`, the engine aborts it."""
+        with self._cond:
+            streams = list(self._streams.values())
+            self._commands += [("abort", s.request_id) for s in streams]
+            self._cond.notify()
+        for stream in streams:
+            stream._put(error)
 
     def dead_reason(self) -> str:
         if self.error is not None:
@@ -240,6 +256,9 @@ class AsyncLLMEngine:
                 engine.check_invariants()
 
     def _add(self, stream: RequestStream, it: IterationStats) -> None:
+        with self._cond:
+            if stream.request_id not in self._streams:  # aborted before it was added
+                return
         try:
             self.engine.add_prepared(stream.request)
         except Exception as e:
@@ -248,6 +267,7 @@ class AsyncLLMEngine:
             stream._put(e if isinstance(e, ValueError) else RuntimeError(str(e)))
             return
         stream.added = True
+        self._uncounted[stream.request_id] = stream
 
     def _deliver(self, out: RequestOutput, it: IterationStats) -> None:
         with self._cond:
@@ -295,9 +315,23 @@ class AsyncLLMEngine:
                                                     s.request.peak_blocks * self.bytes_per_block))
             s._put(RuntimeError(f"the engine failed while running this request: {error}"))
 
+    def _count_lookups(self, it: IterationStats) -> None:
+        """Prefix-cache lookups by request class, in the turn the scheduler counts them (a
+        request's first admission), so the labelled counters add up to the scheduler's."""
+        for rid, stream in list(self._uncounted.items()):
+            request = stream.request
+            if request.num_cached_tokens >= 0:
+                queries, hits = it.prefix_cache_by_class.get(stream.request_class, (0, 0))
+                it.prefix_cache_by_class[stream.request_class] = (
+                    queries + request.num_prompt_tokens, hits + request.num_cached_tokens)
+                del self._uncounted[rid]
+            elif request.is_finished:  # aborted while waiting: never looked up
+                del self._uncounted[rid]
+
     def _record(self, it: IterationStats) -> None:
         bm = self.engine.block_manager
         self._deltas.fill(self.engine.stats(), it)
+        self._count_lookups(it)
         lifetimes = bm.stats.evicted_block_lifetimes
         if lifetimes:
             it.block_lifetimes_s = list(lifetimes)

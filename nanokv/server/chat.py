@@ -29,11 +29,17 @@ class ChatRenderer:
         self.template = template or own or FALLBACK_CHAT_TEMPLATE
         self.source = "--chat-template" if template else ("tokenizer" if own else "fallback")
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               **template_kwargs) -> str:
+        """template_kwargs: extra template variables (vLLM's chat_template_kwargs, such as
+        Qwen3's enable_thinking)."""
+        reserved = {"messages", "chat_template", "tokenize", "add_generation_prompt"}
+        if reserved & set(template_kwargs):
+            raise ValueError(f"chat_template_kwargs must not set {sorted(reserved)}")
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, chat_template=self.template, tokenize=False,
-                add_generation_prompt=add_generation_prompt)
+                add_generation_prompt=add_generation_prompt, **template_kwargs)
         except Exception as e:  # a template may raise on roles it does not know
             raise ValueError(f"the chat template rejected the messages: {e}") from e
         if not isinstance(text, str):

@@ -36,6 +36,23 @@ def add_serve_parser(subparsers, add_engine_args, engine_options) -> None:
     s.add_argument("--metrics-window", type=float, default=60.0,
                    help="seconds of the sliding window of the hit-rate and KV-volatility "
                         "gauges (default 60)")
+    s.add_argument("--max-body-bytes", type=int, default=16 * 2**20,
+                   help="largest request body in bytes; larger ones get 413 before they are "
+                        "read (default 16 MiB)")
+    s.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="longest prompt in characters that is tokenized; longer ones get 400 "
+                        "(default 64 x max_model_len)")
+    s.add_argument("--max-stop-strings", type=int, default=64,
+                   help="most stop strings per request (default 64)")
+    s.add_argument("--max-stop-length", type=int, default=1000,
+                   help="longest stop string in characters (default 1000)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: seconds in-flight requests get to finish while new "
+                        "ones get 503; the rest then end with an error (default 30)")
+    s.add_argument("--request-classes", default="", metavar="A,B,...",
+                   help="allowed values of the X-Request-Class header, which labels the "
+                        "prefix-cache counters (default: none; requests without the header "
+                        "are class 'default')")
     s.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template file (default: the tokenizer's, else nanokv's "
                         "simple fallback '<|role|>\\ncontent\\n ... <|assistant|>\\n')")
@@ -56,6 +73,7 @@ def cmd_serve(args: argparse.Namespace, engine_options) -> int:
     from nanokv.config import EngineConfig
     from nanokv.engine.llm_engine import LLMEngine
     from nanokv.server.openai_api import ServerSettings, build_app
+    from nanokv.server.shutdown import DrainingServer
 
     model = args.model_dir or args.model
     if args.model_dir and args.model not in (args.model_default, args.model_dir):
@@ -77,7 +95,11 @@ def cmd_serve(args: argparse.Namespace, engine_options) -> int:
         model_name=args.served_model_name or model, api_key=api_key,
         max_waiting=args.max_waiting, request_timeout=args.request_timeout,
         retry_after=args.retry_after, metrics_window=args.metrics_window,
-        chat_template=template, check_invariants=args.check_invariants)
+        chat_template=template, check_invariants=args.check_invariants,
+        max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
+        max_stop_strings=args.max_stop_strings, max_stop_length=args.max_stop_length,
+        shutdown_timeout=args.shutdown_timeout,
+        request_classes=tuple(c.strip() for c in args.request_classes.split(",") if c.strip()))
 
     engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_options(args)))
     for line in engine.startup_lines:
@@ -86,6 +108,7 @@ def cmd_serve(args: argparse.Namespace, engine_options) -> int:
     print(f"[nanokv] serving {settings.model_name!r} on http://{args.host}:{args.port} "
           f"(chat template: {app.state.server.chat.source if app.state.server.chat else '-'}; "
           f"API key: {'on' if api_key else 'off'})", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                access_log=not args.no_access_log, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=not args.no_access_log, timeout_graceful_shutdown=5)
+    DrainingServer(config, app.state.server, settings.shutdown_timeout).run()
     return 0

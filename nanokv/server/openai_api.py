@@ -5,13 +5,15 @@
     POST /tokenize, /detokenize
 
 Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 bad input, 401 bad
-API key, 404 unknown model or route, 503 + Retry-After when the queue is full, 504 on the
-server-side request timeout, 500 when the engine fails. The request handling itself is in
+API key, 404 unknown model or route, 413 body over --max-body-bytes, 503 + Retry-After when the
+queue is full or the server drains, 504 on the server-side request timeout, 500 when the engine
+fails. The request handling itself is in
 serving.py; this module is the routes, the error mapping and the API-key check.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -20,14 +22,16 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanokv.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                     DetokenizeRequest, TokenizeRequest, error_body)
-from nanokv.server.serving import (COMPLETION_DEFAULT_MAX_TOKENS, ClientGone,
-                                   EngineStreamingResponse, OpenAIServer, ServerSettings,
-                                   chat_events, completion_events, usage)
+from nanokv.server.responses import (chat_logprobs, completion_logprobs, stream_events,
+                                     usage)
+from nanokv.server.async_engine import RequestStream
+from nanokv.server.serving import (COMPLETION_DEFAULT_MAX_TOKENS, ClientGone, OpenAIServer,
+                                   ServerSettings)
 
 __all__ = ["build_app", "ServerSettings", "OpenAIServer"]
 
@@ -56,6 +60,70 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class BodyLimitMiddleware:
+    """Pure ASGI: a request body over `max_bytes` is a 413, by its Content-Length before it is
+    read, else as soon as the bytes read pass the limit; an accepted body is replayed to the
+    app, and later receives (disconnects) pass through."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self, size: str) -> JSONResponse:
+        return JSONResponse(error_body(
+            f"the request body is {size} bytes; this server accepts at most {self.max_bytes} "
+            f"(--max-body-bytes)", code="request_too_large"), status_code=413,
+            headers={"Connection": "close"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._too_large(length.decode())(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left while sending
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._too_large(f"over {self.max_bytes}")(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """Closes (aborts) the streams however the response ends, even if the body never starts."""
+
+    def __init__(self, content, streams: list[RequestStream]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for s in self._streams:
+                s.close()
+
+
 def build_app(engine, settings: ServerSettings) -> FastAPI:
     """The FastAPI app over an LLMEngine; the engine loop starts with the app's lifespan."""
     server = OpenAIServer(engine, settings)
@@ -63,15 +131,18 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         server.async_engine.start()
+        server.loop = asyncio.get_running_loop()
         try:
             yield
         finally:
             server.async_engine.shutdown()
+            server.close()
 
     app = FastAPI(title="nanokv", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.server = server
-    if settings.api_key:
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    if settings.api_key:  # outermost: a wrong key is refused before the body is read
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
     _add_error_handlers(app)
     _add_routes(app, server)
@@ -126,6 +197,9 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
 
     @app.get("/health")
     async def health():
+        if server.draining:
+            return JSONResponse(error_body("the server is shutting down", "server_error",
+                                           code="shutting_down"), status_code=503)
         if server.async_engine.is_running:
             return {"status": "ok"}
         return JSONResponse(error_body(server.async_engine.dead_reason(), "server_error",
@@ -147,9 +221,9 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
         if body.messages is not None:
-            _, ids = server.chat_token_ids(body.messages, body.add_generation_prompt)
+            _, ids = await server.chat_token_ids(body.messages, body.add_generation_prompt)
         else:
-            ids = server.encode(body.prompt, body.add_special_tokens)
+            ids = await server.encode(body.prompt, body.add_special_tokens)
         return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -157,71 +231,87 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
         server.check_model(body.model)
         if server.tokenizer is None:
             raise APIError(400, "this server runs without a tokenizer", param="tokens")
-        vocab = server.engine.hf_config.vocab_size
+        vocab = server.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}",
-                           param="tokens")
-        return {"prompt": server.tokenizer.decode(body.tokens)}
+                           param="tokens", code="invalid_value")
+        return {"prompt": await server.decode(body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
         server.check_request(body)
+        labels = server.request_class(raw, "completions")
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not prompts:
-            raise APIError(400, "the prompt is empty", param="prompt")
+            raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+        server.check_chars(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
         requests = []
         for i, p in enumerate(prompts):
-            text, ids = (p, server.encode(p)) if isinstance(p, str) else (None, list(p))
+            if isinstance(p, str):
+                text, ids = p, await server.encode(p, body.add_special_tokens)
+            else:
+                text, ids = None, list(p)
             default = min(COMPLETION_DEFAULT_MAX_TOKENS, server.max_model_len - len(ids))
-            requests.append(server.make_request(body, ids, text, f"{rid}-{i}", body.max_tokens,
-                                                max(default, 1), "prompt"))
-        streams = server.open_streams(requests)
-        created = int(time.time())
-        head = {"id": rid, "object": "text_completion", "created": created,
+            requests += server.make_requests(body, ids, text, f"{rid}-{i}", body.max_tokens,
+                                             max(default, 1), "prompt")
+        streams = server.open_streams(requests, labels)
+        head = {"id": rid, "object": "text_completion", "created": int(time.time()),
                 "model": settings.model_name}
         if body.stream:
-            return EngineStreamingResponse(completion_events(server, streams, head, body),
-                                           streams)
+            return EngineStreamingResponse(
+                stream_events(server.events(streams), len(streams), head, body, False,
+                              server.token_text), streams)
         try:
-            finals = await server.run_to_end(streams, raw)
+            finals, logprobs = await server.run_to_end(streams, raw)
         except ClientGone:
             return Response(status_code=499)
-        choices = [{"index": i, "text": o.text, "logprobs": None,
-                    "finish_reason": o.finish_reason, "stop_reason": o.outputs[0].stop_reason}
-                   for i, o in enumerate(finals)]
-        if body.return_token_ids:
-            for choice, o in zip(choices, finals):
+        choices = []
+        for i, (o, lps) in enumerate(zip(finals, logprobs)):
+            choice = {"index": i, "text": o.text,
+                      "logprobs": completion_logprobs(lps, server.token_text)
+                      if body.num_logprobs is not None else None,
+                      "finish_reason": o.finish_reason, "stop_reason": o.outputs[0].stop_reason}
+            if body.return_token_ids:
                 choice.update(token_ids=o.token_ids, prompt_token_ids=o.prompt_token_ids)
-        return {**head, "choices": choices, "usage": usage(finals)}
+            choices.append(choice)
+        return {**head, "choices": choices, "usage": usage(finals, body.num_choices)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         server.check_request(body)
-        text, ids = server.chat_token_ids(body.messages, body.add_generation_prompt)
+        labels = server.request_class(raw, "chat_completions")
+        text, ids = await server.chat_token_ids(body.messages, body.add_generation_prompt,
+                                                body.add_special_tokens,
+                                                body.chat_template_kwargs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         max_param = "max_tokens" if body.max_completion_tokens is None \
             else "max_completion_tokens"
-        request = server.make_request(body, ids, text, rid, body.requested_max_tokens,
-                                      max(server.max_model_len - len(ids), 1), "messages",
-                                      max_param)
-        streams = server.open_streams([request])
+        requests = server.make_requests(body, ids, text, rid, body.requested_max_tokens,
+                                        max(server.max_model_len - len(ids), 1), "messages",
+                                        max_param)
+        streams = server.open_streams(requests, labels)
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()),
                 "model": settings.model_name}
         if body.stream:
             head["object"] = "chat.completion.chunk"
-            return EngineStreamingResponse(chat_events(server, streams, head, body),
-                                           streams)
+            return EngineStreamingResponse(
+                stream_events(server.events(streams), len(streams), head, body, True,
+                              server.token_text), streams)
         try:
-            (final,) = await server.run_to_end(streams, raw)
+            finals, logprobs = await server.run_to_end(streams, raw)
         except ClientGone:
             return Response(status_code=499)
-        choice = {"index": 0, "message": {"role": "assistant", "content": final.text},
-                  "logprobs": None, "finish_reason": final.finish_reason,
-                  "stop_reason": final.outputs[0].stop_reason}
-        if body.return_token_ids:
-            choice.update(token_ids=final.token_ids, prompt_token_ids=final.prompt_token_ids)
-        return {**head, "choices": [choice], "usage": usage([final])}
+        choices = []
+        for i, (o, lps) in enumerate(zip(finals, logprobs)):
+            choice = {"index": i, "message": {"role": "assistant", "content": o.text},
+                      "logprobs": chat_logprobs(lps, server.token_text)
+                      if body.num_logprobs is not None else None,
+                      "finish_reason": o.finish_reason, "stop_reason": o.outputs[0].stop_reason}
+            if body.return_token_ids:
+                choice.update(token_ids=o.token_ids, prompt_token_ids=o.prompt_token_ids)
+            choices.append(choice)
+        return {**head, "choices": choices, "usage": usage(finals, body.num_choices)}

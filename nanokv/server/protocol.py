@@ -1,18 +1,28 @@
 """OpenAI request bodies (pydantic) and the OpenAI error shape.
 
-Unknown fields are rejected (400 naming the field) rather than silently ignored; fields OpenAI has
-but nanokv does not implement are accepted only at their neutral value.
+Types are strict, as OpenAI's are: `max_tokens: "12"` or `12.0`, `stream: 1` and `prompt:
+[true]` are 400s, and no float may be infinite or NaN. What real clients send is accepted the
+way vLLM does:
+
+- implemented: the sampling fields, penalties, `min_p`, `logprobs` / `top_logprobs`, `n`;
+- bookkeeping that changes nothing (`user`, `store`, `metadata`, `service_tier`,
+  `prompt_cache_key`, `safety_identifier`, `reasoning_effort`, `request_id`, `priority` 0 ...):
+  accepted and ignored;
+- fields nanokv does not implement: accepted only at the value that changes nothing
+  (`echo: false`, `logit_bias: {}`, `tools: []`, `skip_special_tokens: true` ...), otherwise a
+  400 naming the field (`unsupported()`);
+- anything else is an unknown field: a 400 naming it.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from nanokv.sampling_params import SamplingParams
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 GREEDY_EPS = 1e-5  # temperatures in [0, GREEDY_EPS) decode greedily
+MAX_TEMPERATURE = 2.0  # OpenAI's bound
+MAX_N = 64  # choices per prompt
 
 
 class APIError(Exception):
@@ -34,84 +44,178 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def find_lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The path of the first string holding a lone UTF-16 surrogate (JSON allows "\\ud800";
+    no tokenizer can encode it), else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            found = find_lone_surrogate(k, path) or find_lone_surrogate(
+                v, f"{path}.{k}" if path else str(k))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            if isinstance(v, (str, dict, list)):
+                found = find_lone_surrogate(v, f"{path}[{i}]")
+                if found:
+                    return found
+    return None
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class _Body(_Strict):
+    """A top-level request body: strings must be valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        where = find_lone_surrogate(data)
+        if where is not None:
+            raise APIError(400, f"'{where}' holds a lone UTF-16 surrogate (such as \\ud800), "
+                                f"which is not valid Unicode text", param=where.split(".")[0]
+                           .split("[")[0], code="invalid_value")
+        return data
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk
 
 
-class _SamplingRequest(_Strict):
+class _SamplingRequest(_Body):
     model: str
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
-    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
+    # bookkeeping: accepted, ignored
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    request_id: str | None = None
     # vLLM extensions
-    top_k: int = -1
+    top_k: int | None = None  # -1 or 0: off
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    priority: int = 0
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     cache_salt: str | None = Field(default=None, description="a tenant's prefix-cache namespace")
     return_token_ids: bool = False  # choices carry "token_ids" (streaming: each chunk's new ids)
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for fields set to something nanokv does not implement."""
         bad = []
-        if self.n != 1:
-            bad.append(("n", "only n=1 is supported"))
-        if self.presence_penalty != 0:
-            bad.append(("presence_penalty", "presence_penalty is not supported (use 0)"))
-        if self.frequency_penalty != 0:
-            bad.append(("frequency_penalty", "frequency_penalty is not supported (use 0)"))
         if self.logit_bias:
-            bad.append(("logit_bias", "logit_bias is not supported"))
+            bad.append(("logit_bias", "logit_bias is not supported (send {} or leave it out)"))
         if self.stream_options is not None and not self.stream:
             bad.append(("stream_options", "stream_options needs stream=true"))
+        if not self.skip_special_tokens:
+            bad.append(("skip_special_tokens", "only skip_special_tokens=true is supported"))
+        if not self.spaces_between_special_tokens:
+            bad.append(("spaces_between_special_tokens",
+                        "only spaces_between_special_tokens=true is supported"))
+        if self.priority != 0:
+            bad.append(("priority", "priority scheduling is not supported (use 0)"))
+        if self.truncate_prompt_tokens is not None:
+            bad.append(("truncate_prompt_tokens", "truncate_prompt_tokens is not supported"))
+        if self.prompt_logprobs is not None:
+            bad.append(("prompt_logprobs", "prompt_logprobs are not supported"))
+        for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar"):
+            if getattr(self, name) is not None:
+                bad.append((name, "structured outputs are not supported"))
         return bad
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_kwargs(self) -> dict:
+        """SamplingParams keyword arguments of the request (max_tokens, n and logprobs apart)."""
+        temperature = 1.0 if self.temperature is None else self.temperature
+        if temperature > MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got "
+                             f"{temperature!r}")
         # like vLLM, a temperature too small to divide the logits by safely means greedy
-        temperature = 0.0 if 0 <= self.temperature < GREEDY_EPS else self.temperature
-        return SamplingParams(
-            temperature=temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
-            max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop or [],
-            stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+        if 0 <= temperature < GREEDY_EPS:
+            temperature = 0.0
+        top_k = -1 if self.top_k in (None, 0) else self.top_k
+        return dict(
+            temperature=temperature, top_k=top_k,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            min_p=self.min_p or 0.0, seed=self.seed, min_tokens=self.min_tokens,
+            stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            repetition_penalty=(1.0 if self.repetition_penalty is None
+                                else self.repetition_penalty),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0)
+
+    @property
+    def num_choices(self) -> int:
+        return 1 if self.n is None else self.n
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
+    echo: bool | None = False
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True  # vLLM: a BOS token before text prompts
 
     def unsupported(self) -> list[tuple[str, str]]:
         bad = super().unsupported()
         if self.echo:
             bad.append(("echo", "echo is not supported"))
-        if self.logprobs is not None:
-            bad.append(("logprobs", "logprobs are not supported"))
         if self.suffix:
             bad.append(("suffix", "suffix is not supported"))
-        if self.best_of not in (None, 1):
-            bad.append(("best_of", "only best_of=1 is supported"))
+        if self.best_of not in (None, self.num_choices):
+            bad.append(("best_of", "best_of must equal n (no candidates are ranked)"))
         return bad
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(_Strict):
@@ -124,6 +228,13 @@ class ChatMessage(_Strict):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    # what `message.model_dump()` of an OpenAI response carries: accepted when empty
+    refusal: None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: None = None
+    function_call: None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None  # vLLM's reasoning output; not shown to the model
 
     def text(self) -> str:
         if self.content is None:
@@ -136,25 +247,64 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    add_generation_prompt: bool = True  # vLLM extension
+    modalities: list[str] | None = None
+    reasoning_effort: str | None = None  # passed to nothing: the served models do not reason
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    # vLLM extensions
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+    add_special_tokens: bool = False  # the template already holds the special tokens it wants
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         bad = super().unsupported()
-        if self.logprobs or self.top_logprobs:
-            bad.append(("logprobs", "logprobs are not supported"))
+        if self.top_logprobs and not self.logprobs:
+            bad.append(("top_logprobs", "top_logprobs needs logprobs=true"))
         if self.response_format and self.response_format.get("type") != "text":
             bad.append(("response_format", "only response_format type 'text' is supported"))
         if self.tools:
             bad.append(("tools", "tool calling is not supported"))
-        if self.tool_choice not in (None, "none"):
+        if self.functions:
+            bad.append(("functions", "function calling is not supported"))
+        if self.tool_choice not in (None, "none", "auto"):
             bad.append(("tool_choice", "tool calling is not supported"))
+        if self.function_call not in (None, "none", "auto"):
+            bad.append(("function_call", "function calling is not supported"))
+        if self.modalities not in (None, ["text"]):
+            bad.append(("modalities", "only the 'text' modality is supported"))
+        if self.audio is not None:
+            bad.append(("audio", "audio output is not supported"))
+        if self.prediction is not None:
+            bad.append(("prediction", "predicted outputs are not supported"))
+        if self.continue_final_message:
+            bad.append(("continue_final_message", "continue_final_message is not supported"))
+        if self.echo:
+            bad.append(("echo", "echo is not supported"))
+        if self.chat_template is not None:
+            bad.append(("chat_template", "per-request chat templates are not supported "
+                                         "(the server's --chat-template applies)"))
+        if self.documents:
+            bad.append(("documents", "documents are not supported"))
+        for i, m in enumerate(self.messages):
+            if m.tool_calls:
+                bad.append((f"messages[{i}].tool_calls", "tool calls are not supported"))
         return bad
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -162,7 +312,7 @@ class ChatCompletionRequest(_SamplingRequest):
             else self.max_tokens
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -170,6 +320,6 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]

@@ -1,31 +1,34 @@
-"""Request handling behind the HTTP routes: validation and tokenization into engine requests,
-admission, reading the engine's streams under the request timeout and the client's connection,
-and the server-sent-event bodies of streamed completions."""
+"""Request handling behind the HTTP routes: validation, tokenization (in a worker thread, so a
+huge prompt never stalls the event loop) into engine requests, admission, reading the engine's
+streams under the request timeout and the client's connection, and draining on shutdown."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from nanokv.metrics.prometheus import PrometheusExporter
 from nanokv.metrics.stats import CacheConfigInfo
 from nanokv.outputs import RequestOutput
+from nanokv.sampling_params import MAX_LOGPROBS, SamplingParams
 from nanokv.server.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError,
                                         RequestStream)
 from nanokv.server.chat import ChatRenderer
-from nanokv.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                    _SamplingRequest)
+from nanokv.server.protocol import MAX_N, APIError, _SamplingRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "min_tokens", "stop",
-                   "stop_token_ids")
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens",
+                   "min_tokens", "stop", "stop_token_ids", "repetition_penalty",
+                   "presence_penalty", "frequency_penalty", "logprobs")
+REQUEST_CLASS_HEADER = "x-request-class"
+DEFAULT_REQUEST_CLASS = "default"
+CHARS_PER_TOKEN_LIMIT = 64  # default --max-prompt-chars: this many characters per context token
 
 
 @dataclass
@@ -38,18 +41,42 @@ class ServerSettings:
     metrics_window: float = 60.0  # seconds of the sliding-window gauges
     chat_template: str | None = None  # Jinja text; None: the tokenizer's, else the fallback
     check_invariants: bool = False  # verify block accounting whenever the engine goes idle
+    max_body_bytes: int = 16 * 2**20  # larger request bodies: 413, before they are read
+    max_prompt_chars: int | None = None  # None: CHARS_PER_TOKEN_LIMIT x max_model_len
+    max_stop_strings: int = 64
+    max_stop_length: int = 1000  # characters of one stop string
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
+    request_classes: tuple[str, ...] = ()  # allowed values of the X-Request-Class header
 
     def __post_init__(self) -> None:
         if not self.model_name:
             raise ValueError("the served model name must not be empty")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")
-        if not isinstance(self.max_waiting, int) or self.max_waiting < 0:
-            raise ValueError(f"max_waiting must be an integer >= 0, got {self.max_waiting!r}")
+        for name in ("max_waiting", "max_body_bytes", "max_stop_strings", "max_stop_length"):
+            value, low = getattr(self, name), 0 if name == "max_waiting" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if self.max_prompt_chars is not None and (not isinstance(self.max_prompt_chars, int)
+                                                  or self.max_prompt_chars < 1):
+            raise ValueError(f"max_prompt_chars must be an integer >= 1, got "
+                             f"{self.max_prompt_chars!r}")
         if not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout!r}")
         if not self.metrics_window > 0:
             raise ValueError(f"metrics_window must be > 0 seconds, got {self.metrics_window!r}")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got "
+                             f"{self.shutdown_timeout!r}")
+        self.request_classes = tuple(self.request_classes)
+        for c in self.request_classes:
+            if not (c and len(c) <= 64 and all(ch.isalnum() or ch in "-_." for ch in c)):
+                raise ValueError(f"a request class must be 1-64 letters, digits, '-', '_' or "
+                                 f"'.', got {c!r}")
+
+
+class ShuttingDown(RuntimeError):
+    """The server is draining: in-flight requests were aborted at --shutdown-timeout."""
 
 
 class OpenAIServer:
@@ -59,17 +86,30 @@ class OpenAIServer:
         self.engine = engine
         self.settings = settings
         self.max_model_len = engine.config.max_model_len
-        # the engine thread detokenizes with engine.tokenizer; the event loop gets its own copy
-        # (a Rust tokenizer shared across threads can fail with "Already borrowed")
-        self.tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
-        self.chat = ChatRenderer(self.tokenizer, settings.chat_template) if self.tokenizer \
+        self.vocab_size = engine.hf_config.vocab_size
+        self.max_prompt_chars = settings.max_prompt_chars or \
+            CHARS_PER_TOKEN_LIMIT * self.max_model_len
+        # the engine thread detokenizes with engine.tokenizer; the tokenizer worker and the
+        # event loop (token strings of logprobs) get their own copies (a Rust tokenizer shared
+        # across threads can fail with "Already borrowed")
+        tok = engine.tokenizer
+        self.tokenizer = copy.deepcopy(tok) if tok is not None else None
+        self._worker_tokenizer = copy.deepcopy(tok) if tok is not None else None
+        self.chat = ChatRenderer(self._worker_tokenizer, settings.chat_template) if tok \
             else None
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="nanokv-tokenize")
+        self._token_text: dict[int, str] = {}
         self.exporter = PrometheusExporter(settings.model_name,
                                            CacheConfigInfo.from_engine(engine),
                                            window_s=settings.metrics_window)
         self.async_engine = AsyncLLMEngine(engine, settings.max_waiting, self.exporter.record,
                                            settings.check_invariants)
         self.created = int(time.time())
+        self.draining = False
+        self.loop: asyncio.AbstractEventLoop | None = None  # set when the app starts
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
 
     # ---- validation ----------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -82,27 +122,111 @@ class OpenAIServer:
         self.check_model(body.model)
         for field, why in body.unsupported():
             raise APIError(400, why, param=field, code="unsupported_parameter")
+        s = self.settings
+        if not 1 <= body.num_choices <= MAX_N:
+            raise APIError(400, f"n must be in [1, {MAX_N}], got {body.n}", param="n",
+                           code="invalid_value")
+        stops = body.stop_list()
+        if len(stops) > s.max_stop_strings:
+            raise APIError(400, f"stop has {len(stops)} strings; this server allows at most "
+                                f"{s.max_stop_strings} (--max-stop-strings)", param="stop",
+                           code="invalid_value")
+        longest = max((len(x) for x in stops), default=0)
+        if longest > s.max_stop_length:
+            raise APIError(400, f"a stop string has {longest} characters; this server allows "
+                                f"at most {s.max_stop_length} (--max-stop-length)",
+                           param="stop", code="invalid_value")
+        bad = [t for t in body.stop_token_ids or [] if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"stop_token_ids must be token ids in [0, {self.vocab_size}); "
+                                f"got {bad[:5]}", param="stop_token_ids", code="invalid_value")
+        k = body.num_logprobs
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            param = "top_logprobs" if hasattr(body, "top_logprobs") else "logprobs"
+            raise APIError(400, f"{param} must be in [0, {MAX_LOGPROBS}], got {k}", param=param,
+                           code="invalid_value")
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def request_class(self, raw: Request, endpoint: str) -> tuple[str, str]:
+        """(endpoint, class): the prefix-cache counters' labels, from a bounded set."""
+        given = raw.headers.get(REQUEST_CLASS_HEADER)
+        if given is None:
+            return endpoint, DEFAULT_REQUEST_CLASS
+        if given not in self.settings.request_classes:
+            allowed = ", ".join(self.settings.request_classes) or "none configured"
+            raise APIError(400, f"unknown request class {given!r} in the X-Request-Class "
+                                f"header; allowed: {allowed} (--request-classes)",
+                           code="invalid_value")
+        return endpoint, given
+
+    def check_chars(self, n: int, param: str) -> None:
+        if n > self.max_prompt_chars:
+            raise APIError(400, f"the prompt has {n} characters; this server tokenizes at most "
+                                f"{self.max_prompt_chars} (--max-prompt-chars)", param=param,
+                           code="context_length_exceeded")
+
+    # ---- tokenization (one worker thread, off the event loop) ----------------------------------
+    async def _in_worker(self, fn, *args):
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._worker, fn, *args)
+        except APIError:
+            raise
+        except Exception as e:  # whatever the input made the tokenizer raise: the input's fault
+            raise APIError(400, f"the tokenizer rejected the input: {e}",
+                           code="invalid_value") from e
+
+    def _need_tokenizer(self, param: str) -> None:
         if self.tokenizer is None:
             raise APIError(400, "this server runs without a tokenizer (--skip-tokenizer-init): "
-                                "send prompts as token ids", param="prompt")
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+                                "send prompts as token ids", param=param)
 
-    def chat_token_ids(self, messages, add_generation_prompt: bool) -> tuple[str, list[int]]:
+    async def encode(self, text: str, add_special_tokens: bool = True,
+                     param: str = "prompt") -> list[int]:
+        self._need_tokenizer(param)
+        self.check_chars(len(text), param)
+        tok = self._worker_tokenizer
+        return await self._in_worker(
+            lambda: list(tok.encode(text, add_special_tokens=add_special_tokens)))
+
+    async def chat_token_ids(self, messages, add_generation_prompt: bool,
+                             add_special_tokens: bool = False,
+                             template_kwargs: dict | None = None) -> tuple[str, list[int]]:
         if self.chat is None:
             raise APIError(400, "chat needs a tokenizer; this server runs without one "
                                 "(--skip-tokenizer-init)", param="messages")
         plain = [{"role": m.role, "content": m.text()} for m in messages]
-        try:
-            text = self.chat.render(plain, add_generation_prompt)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from e
-        return text, self.encode(text, add_special_tokens=False)
+        self.check_chars(sum(len(m["content"]) for m in plain), "messages")
+        chat, tok = self.chat, self._worker_tokenizer
 
-    def make_request(self, body: _SamplingRequest, token_ids: list[int], text: str | None,
-                     request_id: str, requested_max: int | None, default_max: int,
-                     prompt_param: str, max_param: str = "max_tokens"):
+        def work() -> tuple[str, list[int]]:
+            try:
+                text = chat.render(plain, add_generation_prompt, **(template_kwargs or {}))
+            except ValueError as e:
+                raise APIError(400, str(e), param="messages") from e
+            self.check_chars(len(text), "messages")
+            return text, list(tok.encode(text, add_special_tokens=add_special_tokens))
+
+        return await self._in_worker(work)
+
+    async def decode(self, token_ids: list[int]) -> str:
+        tok = self._worker_tokenizer
+        return await self._in_worker(lambda: tok.decode(token_ids))
+
+    def token_text(self, token_id: int) -> str:
+        """A token's own text (logprobs), as vLLM shows it: decode([id])."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = (self.tokenizer.decode([token_id]) if self.tokenizer is not None
+                    else f"token_id:{token_id}")
+            if len(self._token_text) < 1 << 16:
+                self._token_text[token_id] = text
+        return text
+
+    # ---- engine requests -----------------------------------------------------------------------
+    def make_requests(self, body: _SamplingRequest, token_ids: list[int], text: str | None,
+                      request_id: str, requested_max: int | None, default_max: int,
+                      prompt_param: str, max_param: str = "max_tokens") -> list:
+        """The n engine requests of one prompt (ids `request_id-j`); n > 1 share the prompt's
+        blocks through the prefix cache, and seeded choices use seed + j."""
         n = len(token_ids)
         if n >= self.max_model_len:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
@@ -124,25 +248,38 @@ class OpenAIServer:
                                code="context_length_exceeded")
             max_tokens = requested_max
         try:
-            params = body.sampling_params(max_tokens)
+            kwargs = body.sampling_kwargs()
+            base = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=body.num_logprobs)
         except ValueError as e:
             field = str(e).split(" ", 1)[0]
             raise APIError(400, str(e), param=field if field in SAMPLING_FIELDS else None,
                            code="invalid_value") from e
-        try:
-            request = self.engine.make_request(token_ids, params, request_id=request_id,
-                                               cache_salt=body.cache_salt)
-        except ValueError as e:
-            param = "cache_salt" if "cache_salt" in str(e) else prompt_param
-            raise APIError(400, str(e), param=param) from e
-        request.prompt = text
-        return request
+        requests = []
+        for j in range(body.num_choices):
+            params = base
+            if body.seed is not None and j:
+                params = SamplingParams(**{**kwargs, "seed": body.seed + j},
+                                        max_tokens=max_tokens, logprobs=body.num_logprobs)
+            try:
+                request = self.engine.make_request(token_ids, params,
+                                                   request_id=f"{request_id}-{j}",
+                                                   cache_salt=body.cache_salt)
+            except ValueError as e:
+                param = "cache_salt" if "cache_salt" in str(e) else prompt_param
+                raise APIError(400, str(e), param=param, code="invalid_value") from e
+            request.prompt = text
+            requests.append(request)
+        return requests
 
-    def open_streams(self, requests) -> list[RequestStream]:
+    def open_streams(self, requests, request_class: tuple[str, str]) -> list[RequestStream]:
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry on another replica",
+                           "server_error", code="shutting_down",
+                           headers={"Retry-After": str(self.settings.retry_after)})
         streams: list[RequestStream] = []
         try:
             for request in requests:
-                streams.append(self.async_engine.open(request))
+                streams.append(self.async_engine.open(request, request_class))
         except (QueueFullError, EngineDeadError) as e:
             for s in streams:
                 s.close()
@@ -198,14 +335,18 @@ class OpenAIServer:
             for s in streams:
                 s.close()
 
-    async def run_to_end(self, streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
-        """Final outputs of all streams; aborts them when the client disconnects."""
+    async def run_to_end(self, streams: list[RequestStream], raw: Request
+                         ) -> tuple[list[RequestOutput], list[list]]:
+        """Final outputs of all streams and each one's token logprobs; aborts them when the
+        client disconnects."""
         finals: list[RequestOutput | None] = [None] * len(streams)
+        logprobs: list[list] = [[] for _ in streams]
 
         async def collect() -> None:
             events = self.events(streams)
             try:
                 async for i, out in events:
+                    logprobs[i] += out.new_logprobs or []
                     if out.finished:
                         finals[i] = out
             finally:
@@ -217,13 +358,26 @@ class OpenAIServer:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
             if work.done():
                 work.result()
-                return finals
+                return finals, logprobs
             raise ClientGone()
         finally:
             gone.cancel()
             work.cancel()
             for s in streams:
                 s.close()
+
+    # ---- shutdown ------------------------------------------------------------------------------
+    async def drain(self, timeout: float) -> None:
+        """Refuse new requests (503), let in-flight ones finish for `timeout` s, then end the
+        rest with an error (streams: an error event; others: a 503 body)."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.async_engine.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.async_engine.num_in_flight:
+            self.async_engine.abort_all(ShuttingDown(
+                f"the server is shutting down: the request did not finish within "
+                f"--shutdown-timeout {timeout:g} s and was aborted"))
 
 
 class ClientGone(Exception):
@@ -240,121 +394,11 @@ async def wait_for_disconnect(raw: Request) -> None:
 def engine_error(e: BaseException) -> BaseException:
     if isinstance(e, (APIError, asyncio.CancelledError)):
         return e
+    if isinstance(e, ShuttingDown):
+        return APIError(503, str(e), "server_error", code="shutting_down")
     if isinstance(e, ValueError):
         return APIError(400, str(e))
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), "server_error", code="engine_unavailable",
                         headers={"Retry-After": "1"})
     return APIError(500, f"the engine failed: {e}", "server_error", code="engine_error")
-
-
-def usage(finals: list[RequestOutput]) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in finals)
-    completion = sum(len(o.token_ids) for o in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in finals)}}
-
-
-def sse(payload: dict | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n"
-
-
-class TextDelta:
-    """The part of a request's cumulative text not yet sent, holding back what may still
-    change: the tail a stop string could start in, and an incomplete UTF-8 character."""
-
-    def __init__(self, stop: list[str]) -> None:
-        self.holdback = max((len(s) for s in stop), default=1) - 1
-        self.sent = 0
-
-    def next(self, text: str, finished: bool) -> str:
-        end = len(text)
-        if not finished:
-            end -= self.holdback
-            while end > self.sent and text[end - 1] == "\ufffd":
-                end -= 1
-        if end <= self.sent:
-            return ""
-        piece, self.sent = text[self.sent:end], end
-        return piece
-
-
-class EngineStreamingResponse(StreamingResponse):
-    """Closes (aborts) the streams however the response ends, even if the body never starts."""
-
-    def __init__(self, content, streams: list[RequestStream]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
-        self._streams = streams
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            for s in self._streams:
-                s.close()
-
-
-def _stop_list(stop) -> list[str]:
-    return [stop] if isinstance(stop, str) else list(stop or [])
-
-
-async def completion_events(server: OpenAIServer, streams, head: dict,
-                             body: CompletionRequest) -> AsyncIterator[str]:
-    deltas = [TextDelta(_stop_list(body.stop)) for _ in streams]
-    finals: list[RequestOutput] = []
-    events = server.events(streams)
-    try:
-        async for i, out in events:
-            piece = deltas[i].next(out.text, out.finished)
-            new = out.new_token_ids or []
-            if not piece and not out.finished and not (body.return_token_ids and new):
-                continue
-            if out.finished:
-                finals.append(out)
-            choice = {"index": i, "text": piece, "logprobs": None,
-                      "finish_reason": out.finish_reason if out.finished else None,
-                      "stop_reason": out.outputs[0].stop_reason if out.finished else None}
-            if body.return_token_ids:
-                choice["token_ids"] = list(new)
-            yield sse({**head, "choices": [choice], "usage": None})
-        if body.include_usage:
-            yield sse({**head, "choices": [], "usage": usage(finals)})
-        yield sse("[DONE]")
-    except APIError as e:
-        yield sse(e.body())
-    finally:
-        await events.aclose()
-
-
-async def chat_events(server: OpenAIServer, streams, head: dict,
-                       body: ChatCompletionRequest) -> AsyncIterator[str]:
-    delta = TextDelta(_stop_list(body.stop))
-    events = server.events(streams)
-    final = None
-    try:
-        yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant",
-                                                                "content": ""},
-                                        "logprobs": None, "finish_reason": None}]})
-        async for _, out in events:
-            piece = delta.next(out.text, out.finished)
-            new = out.new_token_ids or []
-            if not piece and not out.finished and not (body.return_token_ids and new):
-                continue
-            if out.finished:
-                final = out
-            choice = {"index": 0, "delta": {"content": piece} if piece else {},
-                      "logprobs": None,
-                      "finish_reason": out.finish_reason if out.finished else None}
-            if body.return_token_ids:
-                choice["token_ids"] = list(new)
-            yield sse({**head, "choices": [choice]})
-        if body.include_usage and final is not None:
-            yield sse({**head, "choices": [], "usage": usage([final])})
-        yield sse("[DONE]")
-    except APIError as e:
-        yield sse(e.body())
-    finally:
-        await events.aclose()

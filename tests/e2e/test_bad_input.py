@@ -60,7 +60,68 @@ CASES = [
      None),
     ("unknown-field", "/v1/completions", completion(bogus=1), 400, "bogus",
      "unknown_parameter"),
-    ("n-2", "/v1/completions", completion(n=2), 400, "n", "unsupported_parameter"),
+    ("n-0", "/v1/completions", completion(n=0), 400, "n", "invalid_value"),
+    ("logit-bias", "/v1/completions", completion(logit_bias={"5": 10.0}), 400, "logit_bias",
+     "unsupported_parameter"),
+    ("tools", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {
+        "name": "f"}}]), 400, "tools", "unsupported_parameter"),
+    ("skip-special-tokens-false", "/v1/completions", completion(skip_special_tokens=False),
+     400, "skip_special_tokens", "unsupported_parameter"),
+    ("echo", "/v1/completions", completion(echo=True), 400, "echo", "unsupported_parameter"),
+    ("best-of-3", "/v1/completions", completion(best_of=3), 400, "best_of",
+     "unsupported_parameter"),
+    ("modalities-audio", "/v1/chat/completions", chat(modalities=["text", "audio"]), 400,
+     "modalities", "unsupported_parameter"),
+    ("image-part", "/v1/chat/completions", chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]), 400, "messages", None),
+    ("refusal-text", "/v1/chat/completions", chat(messages=[
+        {"role": "assistant", "content": None, "refusal": "no"},
+        {"role": "user", "content": "hi"}]), 400, "messages", None),
+    # strict types (OpenAI answers 400 to each)
+    ("max-tokens-string", "/v1/completions", completion(max_tokens="12"), 400, "max_tokens",
+     "invalid_type"),
+    ("max-tokens-float", "/v1/completions", completion(max_tokens=12.0), 400, "max_tokens",
+     "invalid_type"),
+    ("stream-string", "/v1/completions", completion(stream="yes"), 400, "stream",
+     "invalid_type"),
+    ("stream-int", "/v1/chat/completions", chat(stream=1), 400, "stream", "invalid_type"),
+    ("prompt-bool-tokens", "/v1/completions", completion(prompt=[True]), 400, "prompt", None),
+    ("temperature-infinity", "/v1/completions",
+     '{"model": "tiny-llama", "prompt": "hi", "max_tokens": 4, "temperature": Infinity}', 400,
+     "temperature", None),
+    ("temperature-nan", "/v1/chat/completions",
+     '{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], '
+     '"temperature": NaN}', 400, "temperature", None),
+    ("temperature-1e308", "/v1/completions", completion(temperature=1e308), 400, "temperature",
+     "invalid_value"),
+    ("repetition-penalty-0", "/v1/completions", completion(repetition_penalty=0.0), 400,
+     "repetition_penalty", "invalid_value"),
+    ("presence-penalty-3", "/v1/chat/completions", chat(presence_penalty=3.0), 400,
+     "presence_penalty", "invalid_value"),
+    ("min-p-2", "/v1/completions", completion(min_p=2.0), 400, "min_p", "invalid_value"),
+    ("logprobs-21", "/v1/completions", completion(logprobs=21), 400, "logprobs",
+     "invalid_value"),
+    ("top-logprobs-21", "/v1/chat/completions", chat(logprobs=True, top_logprobs=21), 400,
+     "top_logprobs", "invalid_value"),
+    ("stop-token-out-of-vocab", "/v1/completions", completion(stop_token_ids=[10**6]), 400,
+     "stop_token_ids", "invalid_value"),
+    ("stop-1000-strings", "/v1/completions", completion(stop=[f"s{i}" for i in range(1000)]),
+     400, "stop", "invalid_value"),
+    ("stop-100k-chars", "/v1/chat/completions", chat(stop="x" * 100_000), 400, "stop",
+     "invalid_value"),
+    # lone surrogates: JSON allows them, no tokenizer can encode them
+    ("surrogate-prompt", "/v1/completions",
+     '{"model": "tiny-llama", "prompt": "a\\ud800b", "max_tokens": 4}', 400, "prompt",
+     "invalid_value"),
+    ("surrogate-chat", "/v1/chat/completions",
+     '{"model": "tiny-llama", "messages": [{"role": "user", "content": "a\\udfffb"}]}', 400,
+     "messages", "invalid_value"),
+    ("surrogate-tokenize", "/tokenize", '{"prompt": "\\ud83d"}', 400, "prompt",
+     "invalid_value"),
+    ("surrogate-stop", "/v1/completions",
+     '{"model": "tiny-llama", "prompt": "hi", "stop": ["\\ud800"]}', 400, "stop",
+     "invalid_value"),
+    ("unknown-request-class", "/v1/completions", completion(), 400, None, "invalid_value"),
     ("empty-cache-salt", "/v1/completions", completion(cache_salt=""), 400, "cache_salt", None),
     ("unknown-model", "/v1/completions", completion(model="gpt-9"), 404, "model",
      "model_not_found"),
@@ -95,19 +156,26 @@ def assert_still_serving(server) -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_bad_request_is_4xx_with_openai_body(server, case):
-    _, path, body, status, param, code = case
+    name, path, body, status, param, code = case
     headers = {**server.headers, "Content-Type": "application/json"}
+    if name == "unknown-request-class":
+        headers["X-Request-Class"] = "no-such-class"
     content = body if isinstance(body, str) else json.dumps(body)
     r = httpx.post(server.url + path, headers=headers, content=content, timeout=30)
     assert_error_body(r, status, param, code)
 
 
 def test_server_serves_after_bad_input(server):
-    for _, path, body, *_ in CASES[:5]:
-        httpx.post(server.url + path, headers=server.headers,
-                   content=body if isinstance(body, str) else json.dumps(body))
+    for _, path, body, *_ in CASES:
+        httpx.post(server.url + path, headers={**server.headers,
+                                               "Content-Type": "application/json"},
+                   content=body if isinstance(body, str) else json.dumps(body), timeout=30)
+    m = server.wait_idle()  # nothing running, nothing waiting, no KV block held
+    assert m[("nanokv:num_requests_running", ())] == 0
+    assert m[("nanokv:num_requests_waiting", ())] == 0
+    assert m[("nanokv:kv_cache_usage_perc", ())] == 0
     assert_still_serving(server)
-    server.wait_idle()
+    server.assert_healthy()
 
 
 def test_wrong_or_missing_api_key(server):

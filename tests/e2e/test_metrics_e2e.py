@@ -27,14 +27,23 @@ def test_counts_exact_and_hits_after_repeated_prefix(server, client):
     def delta(name, labels=()):
         return m1[(name, labels)] - m0.get((name, labels), 0.0)
 
+    def class_delta(name, endpoint=None):
+        """Summed over the (endpoint, request_class) series."""
+        return sum(v - m0.get((n, labels), 0.0) for (n, labels), v in m1.items()
+                   if n == name and (endpoint is None or ("endpoint", endpoint) in labels))
+
     prompt = sum(u.prompt_tokens for u in usages)
     assert delta("nanokv:prompt_tokens_total") == prompt
     assert delta("nanokv:generation_tokens_total") == 5 * 3 + 7
-    assert delta("nanokv:prefix_cache_queries_total") == prompt
+    assert class_delta("nanokv:prefix_cache_queries_total") == prompt
+    assert class_delta("nanokv:prefix_cache_queries_total", "completions") == \
+        sum(u.prompt_tokens for u in usages[:3])
+    assert class_delta("nanokv:prefix_cache_queries_total", "chat_completions") == \
+        usages[3].prompt_tokens
     cached = sum(u.prompt_tokens_details.cached_tokens for u in usages)
     assert usages[0].prompt_tokens_details.cached_tokens == 0  # a fresh salt: cold
     assert usages[1].prompt_tokens_details.cached_tokens >= 64  # the shared prefix hit
-    assert delta("nanokv:prefix_cache_hits_total") == cached
+    assert class_delta("nanokv:prefix_cache_hits_total") == cached
     assert delta("nanokv:request_success_total", (("finished_reason", "length"),)) == 4
     assert delta("nanokv:time_to_first_token_seconds_count") == 4
     assert delta("nanokv:e2e_request_latency_seconds_count") == 4

@@ -53,8 +53,9 @@ def test_record_and_scrape():
     assert m[("nanokv:kv_cache_usage_perc", ())] == 0.5
     assert m[("nanokv:prompt_tokens_total", ())] == 40
     assert m[("nanokv:generation_tokens_total", ())] == 3
-    assert m[("nanokv:prefix_cache_queries_total", ())] == 40
-    assert m[("nanokv:prefix_cache_hits_total", ())] == 16
+    unclassified = (("endpoint", "none"), ("request_class", "default"))
+    assert m[("nanokv:prefix_cache_queries_total", unclassified)] == 40
+    assert m[("nanokv:prefix_cache_hits_total", unclassified)] == 16
     assert m[("nanokv:prefix_cache_hit_rate", ())] == 0.4
     assert m[("nanokv:num_preemptions_total", ())] == 1
     assert m[("nanokv:evicted_blocks_total", (("reason", "preemption"),))] == 4
@@ -93,3 +94,39 @@ def test_two_exporters_do_not_share_state():
     a, b = PrometheusExporter("a", CONFIG), PrometheusExporter("b", CONFIG)
     a.record(IterationStats(time=a._clock(), generation_tokens=5))
     assert scrape(b)[("nanokv:generation_tokens_total", ())] == 0
+
+
+def test_prefix_cache_counters_by_request_class():
+    e = PrometheusExporter("m", CONFIG)
+    m = scrape(e)
+    for endpoint in ("completions", "chat_completions"):  # exported from the start
+        key = (("endpoint", endpoint), ("request_class", "default"))
+        assert m[("nanokv:prefix_cache_queries_total", key)] == 0
+    e.record(IterationStats(time=1.0, prefix_cache_queries=50, prefix_cache_hits=20,
+                            prefix_cache_by_class={("chat_completions", "rag"): (30, 20),
+                                                   ("completions", "default"): (20, 0)}))
+    m = scrape(e)
+    rag = (("endpoint", "chat_completions"), ("request_class", "rag"))
+    assert m[("nanokv:prefix_cache_queries_total", rag)] == 30
+    assert m[("nanokv:prefix_cache_hits_total", rag)] == 20
+    total = sum(v for (name, _), v in m.items() if name == "nanokv:prefix_cache_queries_total")
+    assert total == 50  # the classes add up to every lookup
+
+
+def test_kv_histogram_buckets_are_whole_blocks():
+    """1-, 2- and 3-block requests land in buckets of their own."""
+    e = PrometheusExporter("m", CONFIG)  # 256 tokens / 16 = at most 16 blocks
+    for blocks in (1, 2, 3, 3):
+        e.record(IterationStats(time=1.0, finished=[
+            FinishedRequestStats("length", 10, 5, 0.1, blocks * 8256)]))
+    m = scrape(e)
+    kb = 8256 / 1024
+    bounds = sorted(float(dict(labels)["le"]) for (name, labels) in m
+                    if name == "nanokv:request_kv_cache_kb_bucket")
+    assert bounds[:8] == [n * kb for n in range(1, 9)]
+    assert bounds[-2:] == [16 * kb, math.inf]  # max_model_len's blocks, then +Inf
+
+    def cumulative(n):
+        return m[("nanokv:request_kv_cache_kb_bucket", (("le", str(n * kb)),))]
+
+    assert [cumulative(1), cumulative(2), cumulative(3)] == [1, 2, 4]

@@ -1,0 +1,154 @@
+"""OpenAI response shapes: usage, logprobs in the completions and the chat formats, and the
+server-sent events of streamed completions (one generator for both endpoints and any number
+of choices)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+
+from nanokv.layers.sampler import TokenLogprobs
+from nanokv.outputs import RequestOutput
+from nanokv.server.protocol import APIError
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf (vLLM's floor)
+
+
+def usage(finals: list[RequestOutput | None], n: int = 1,
+          completion_tokens: int | None = None) -> dict:
+    """The prompt (and its cached tokens) counts once per prompt, not once per choice."""
+    per_prompt = [o for o in finals[::n] if o is not None]
+    prompt = sum(len(o.prompt_token_ids) for o in per_prompt)
+    if completion_tokens is None:
+        completion_tokens = sum(len(o.token_ids) for o in finals if o is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+            "total_tokens": prompt + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens
+                                                           for o in per_prompt)}}
+
+
+def _lp(x: float) -> float:
+    return max(x, LOGPROB_FLOOR)
+
+
+def completion_logprobs(lps: list[TokenLogprobs], token_text: Callable[[int], str]) -> dict:
+    """/v1/completions: tokens, token_logprobs, top_logprobs ({token: logprob}, the sampled
+    token included) and text_offset."""
+    tokens, values, tops, offsets, at = [], [], [], [], 0
+    for lp in lps:
+        text = token_text(lp.token_id)
+        tokens.append(text)
+        values.append(_lp(lp.logprob))
+        top = {token_text(t): _lp(v) for t, v in lp.top}
+        top.setdefault(text, _lp(lp.logprob))
+        tops.append(top)
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(lps: list[TokenLogprobs], token_text: Callable[[int], str]) -> dict:
+    """/v1/chat/completions: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def entry(token_id: int, value: float) -> dict:
+        text = token_text(token_id)
+        return {"token": text, "logprob": _lp(value), "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob),
+                         "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps],
+            "refusal": None}
+
+
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+class TextDelta:
+    """The part of a request's cumulative text not yet sent, holding back what may still
+    change: the tail a stop string could start in, and an incomplete UTF-8 character."""
+
+    def __init__(self, stop: list[str]) -> None:
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.sent = 0
+
+    def next(self, text: str, finished: bool) -> str:
+        end = len(text)
+        if not finished:
+            end -= self.holdback
+            while end > self.sent and text[end - 1] == "\ufffd":
+                end -= 1
+        if end <= self.sent:
+            return ""
+        piece, self.sent = text[self.sent:end], end
+        return piece
+
+
+async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_choices: int,
+                        head: dict, body, chat: bool,
+                        token_text: Callable[[int], str]) -> AsyncIterator[str]:
+    """The SSE body of a streamed completion: text pieces per choice (with their token ids and
+    logprobs when asked), the finish reason, the usage last (or in every chunk with
+    continuous_usage_stats), then [DONE]. An error ends the stream with OpenAI's error body and
+    [DONE]."""
+    stop = body.stop_list()
+    deltas = [TextDelta(stop) for _ in range(num_choices)]
+    pending_ids: list[list[int]] = [[] for _ in range(num_choices)]
+    pending_lps: list[list[TokenLogprobs]] = [[] for _ in range(num_choices)]
+    finals: list[RequestOutput | None] = [None] * num_choices
+    n = body.num_choices
+    generated = 0
+    want_logprobs = body.num_logprobs is not None
+
+    def running_usage() -> dict | None:
+        if not (body.include_usage and body.continuous_usage):
+            return None
+        return usage(first_outputs, n, generated)
+
+    first_outputs: list[RequestOutput | None] = [None] * num_choices
+    try:
+        if chat:
+            for i in range(num_choices):
+                yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
+                                                                       "content": ""},
+                                                "logprobs": None, "finish_reason": None}]})
+        async for i, out in events:
+            first_outputs[i] = first_outputs[i] or out
+            new = out.new_token_ids or []
+            generated += len(new)
+            pending_ids[i] += new
+            pending_lps[i] += out.new_logprobs or []
+            piece = deltas[i].next(out.text, out.finished)
+            if not piece and not out.finished and not (body.return_token_ids and new):
+                continue
+            if out.finished:
+                finals[i] = out
+            logprobs = None
+            if want_logprobs and pending_lps[i]:
+                logprobs = (chat_logprobs if chat else completion_logprobs)(pending_lps[i],
+                                                                            token_text)
+            reason = out.finish_reason if out.finished else None
+            if chat:
+                choice = {"index": i, "delta": {"content": piece} if piece else {},
+                          "logprobs": logprobs, "finish_reason": reason}
+            else:
+                choice = {"index": i, "text": piece, "logprobs": logprobs,
+                          "finish_reason": reason}
+            if out.finished or not chat:
+                choice["stop_reason"] = out.outputs[0].stop_reason if out.finished else None
+            if body.return_token_ids:
+                choice["token_ids"] = pending_ids[i]
+            pending_ids[i], pending_lps[i] = [], []
+            chunk = {**head, "choices": [choice]}
+            u = running_usage()
+            if u is not None or not chat:
+                chunk["usage"] = u
+            yield sse(chunk)
+        if body.include_usage:
+            yield sse({**head, "choices": [], "usage": usage(finals, n)})
+        yield sse("[DONE]")
+    except APIError as e:
+        yield sse(e.body())
+        yield sse("[DONE]")
+    finally:
+        await events.aclose()
