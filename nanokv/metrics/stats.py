@@ -66,6 +66,8 @@ class IterationStats:
     generation_tokens: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0
+    # the same lookups by (endpoint, request class): class -> (queried tokens, hit tokens)
+    prefix_cache_by_class: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
     num_preemptions: int = 0
     evicted_blocks: dict[str, int] = field(default_factory=dict)  # reason -> blocks
     block_lifetimes_s: list[float] = field(default_factory=list)  # of the evicted blocks
