@@ -39,7 +39,9 @@ def completion_logprobs(lps: list[TokenLogprobs], token_text: Callable[[int], st
         text = token_text(lp.token_id)
         tokens.append(text)
         values.append(_lp(lp.logprob))
-        top = {token_text(t): _lp(v) for t, v in lp.top}
+        top: dict[str, float] = {}
+        for t, v in lp.top:  # best first: tokens that read alike keep the likelier value
+            top.setdefault(token_text(t), _lp(v))
         top.setdefault(text, _lp(lp.logprob))
         tops.append(top)
         offsets.append(at)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,7 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens
 REQUEST_CLASS_HEADER = "x-request-class"
 DEFAULT_REQUEST_CLASS = "default"
 CHARS_PER_TOKEN_LIMIT = 64  # default --max-prompt-chars: this many characters per context token
+TOKENIZER_THREADS = 4  # a huge prompt occupies one; the others keep serving small ones
 
 
 @dataclass
@@ -89,15 +91,14 @@ class OpenAIServer:
         self.vocab_size = engine.hf_config.vocab_size
         self.max_prompt_chars = settings.max_prompt_chars or \
             CHARS_PER_TOKEN_LIMIT * self.max_model_len
-        # the engine thread detokenizes with engine.tokenizer; the tokenizer worker and the
-        # event loop (token strings of logprobs) get their own copies (a Rust tokenizer shared
-        # across threads can fail with "Already borrowed")
+        # the engine thread detokenizes with engine.tokenizer; the event loop (token strings of
+        # logprobs) and each tokenizer worker thread get their own copies (a Rust tokenizer
+        # shared across threads can fail with "Already borrowed")
         tok = engine.tokenizer
         self.tokenizer = copy.deepcopy(tok) if tok is not None else None
-        self._worker_tokenizer = copy.deepcopy(tok) if tok is not None else None
-        self.chat = ChatRenderer(self._worker_tokenizer, settings.chat_template) if tok \
-            else None
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="nanokv-tokenize")
+        self.chat = ChatRenderer(self.tokenizer, settings.chat_template) if tok else None
+        self._local = threading.local()
+        self._worker = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="nanokv-tokenize")
         self._token_text: dict[int, str] = {}
         self.exporter = PrometheusExporter(settings.model_name,
                                            CacheConfigInfo.from_engine(engine),
@@ -174,6 +175,13 @@ class OpenAIServer:
             raise APIError(400, f"the tokenizer rejected the input: {e}",
                            code="invalid_value") from e
 
+    def _thread_tokenizer(self):
+        """This worker thread's own tokenizer and chat renderer (made on first use)."""
+        if not hasattr(self._local, "tokenizer"):
+            self._local.tokenizer = copy.deepcopy(self.tokenizer)
+            self._local.chat = ChatRenderer(self._local.tokenizer, self.settings.chat_template)
+        return self._local.tokenizer, self._local.chat
+
     def _need_tokenizer(self, param: str) -> None:
         if self.tokenizer is None:
             raise APIError(400, "this server runs without a tokenizer (--skip-tokenizer-init): "
@@ -183,9 +191,8 @@ class OpenAIServer:
                      param: str = "prompt") -> list[int]:
         self._need_tokenizer(param)
         self.check_chars(len(text), param)
-        tok = self._worker_tokenizer
-        return await self._in_worker(
-            lambda: list(tok.encode(text, add_special_tokens=add_special_tokens)))
+        return await self._in_worker(lambda: list(self._thread_tokenizer()[0].encode(
+            text, add_special_tokens=add_special_tokens)))
 
     async def chat_token_ids(self, messages, add_generation_prompt: bool,
                              add_special_tokens: bool = False,
@@ -195,9 +202,8 @@ class OpenAIServer:
                                 "(--skip-tokenizer-init)", param="messages")
         plain = [{"role": m.role, "content": m.text()} for m in messages]
         self.check_chars(sum(len(m["content"]) for m in plain), "messages")
-        chat, tok = self.chat, self._worker_tokenizer
-
         def work() -> tuple[str, list[int]]:
+            tok, chat = self._thread_tokenizer()
             try:
                 text = chat.render(plain, add_generation_prompt, **(template_kwargs or {}))
             except ValueError as e:
@@ -208,8 +214,7 @@ class OpenAIServer:
         return await self._in_worker(work)
 
     async def decode(self, token_ids: list[int]) -> str:
-        tok = self._worker_tokenizer
-        return await self._in_worker(lambda: tok.decode(token_ids))
+        return await self._in_worker(lambda: self._thread_tokenizer()[0].decode(token_ids))
 
     def token_text(self, token_id: int) -> str:
         """A token's own text (logprobs), as vLLM shows it: decode([id])."""

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from servers import (API_KEY, OFFLINE_OPTIONS, launch_server, start_in_process, stop_server,
-                     wait_ready)
+from servers import (API_KEY, MAIN_SERVER_FLAGS, OFFLINE_OPTIONS, launch_server,
+                     start_in_process, stop_server, wait_ready)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _main_server(tiny_llama, tmp_path_factory):
     """The subprocess server (API key on, roomy limits), launched before the first e2e test so
     that its start-up overlaps the in-process tests; stopped at the session end."""
-    s = launch_server(tiny_llama, str(tmp_path_factory.mktemp("servers")))
+    s = launch_server(tiny_llama, str(tmp_path_factory.mktemp("servers")),
+                      *MAIN_SERVER_FLAGS)
     yield s
     stop_server(s)
 

@@ -20,6 +20,10 @@ API_KEY = "sk-nanokv-test"
 MODEL_NAME = "tiny-llama"
 ENGINE_FLAGS = ["--block-size", "16", "--max-model-len", "256"]  # shared with the offline LLM
 OFFLINE_OPTIONS = dict(block_size=16, max_model_len=256)
+# the main server tokenizes prompts far longer than its context (to test that tokenizing does
+# not stall other clients) but refuses bodies over 4 MB
+MAIN_SERVER_FLAGS = ["--max-body-bytes", "4000000", "--max-prompt-chars", "3500000",
+                     "--request-classes", "rag,batch"]
 
 
 def free_port() -> int:
