@@ -86,3 +86,9 @@ def test_every_named_metric_is_exported(server):
     in_dashboard = {m for e in dashboard_exprs() for m in METRIC.findall(e)}
     assert not set(REQUIRED) - in_dashboard, sorted(set(REQUIRED) - in_dashboard)
     assert not set(REQUIRED) - exported
+
+
+def test_dashboard_shows_hit_rate_by_request_class():
+    by_class = [e for e in dashboard_exprs()
+                if "prefix_cache_hits_total" in e and "request_class" in e]
+    assert by_class, "no panel splits the prefix-cache hit rate by request class"
