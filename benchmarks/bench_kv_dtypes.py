@@ -40,10 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nanokv import LLM, SamplingParams  # noqa: E402
 from nanokv.benchmark.workload import make_workload  # noqa: E402
-from nanokv.cache.kv_pool import KVLayout  # noqa: E402
-from nanokv.config import EngineConfig, parse_memory  # noqa: E402
-from nanokv.engine.llm_engine import kv_store_options  # noqa: E402
-from nanokv.quant.registry import store_memory  # noqa: E402
+from nanokv.cache.kv_cache import KVCacheOptions  # noqa: E402
+from nanokv.cache.layout import KVLayout  # noqa: E402
+from nanokv.cache.registry import kv_cache_settings  # noqa: E402
+from nanokv.config import parse_memory  # noqa: E402
 
 # (label, kv_cache_dtype, kvquant bits)
 SETTINGS = [
@@ -54,6 +54,8 @@ SETTINGS = [
     ("kvquant 4-bit", "kvquant", 4),
     ("kvquant 3-bit", "kvquant", 3),
     ("kvquant 2-bit", "kvquant", 2),
+    ("kivi 4-bit", "kivi", 4),
+    ("kivi 2-bit", "kivi", 2),
 ]
 
 
@@ -66,25 +68,26 @@ def _engine_options(args, dtype: str, bits: int | None, max_num_seqs: int) -> di
                 kv_cache_dtype=dtype)
     if dtype == "kvquant":
         opts.update(kv_quant_bits=bits, kv_quant_config=args.kv_quant_config)
+    elif dtype == "kivi":
+        opts.update(kv_quant_bits=bits)
     return opts
 
 
 def pool_blocks(args, dtype: str, bits: int | None, max_num_seqs: int) -> int:
-    """The blocks the engine's pool gets at --kv-cache-memory (the engine's own arithmetic:
-    (budget - the store's fixed bytes) // bytes per block), without loading the model."""
+    """The blocks the engine's pool gets at --kv-cache-memory (the engine's own arithmetic on
+    the KV cache kind's spec: (budget - fixed bytes) // bytes per block), without loading the
+    model."""
     cfg_json = json.loads((Path(args.model) / "config.json").read_text())
     dim = cfg_json.get("head_dim") or cfg_json["hidden_size"] // cfg_json["num_attention_heads"]
     layers, heads = cfg_json["num_hidden_layers"], cfg_json["num_key_value_heads"]
     layout = KVLayout(layers, heads, dim, args.block_size, torch.float32)
     budget = parse_memory(args.kv_cache_memory)
-    if dtype == "auto":
-        return budget // layout.bytes_per_block
-    config = EngineConfig.from_kwargs(args.model, **_engine_options(args, dtype, bits,
-                                                                   max_num_seqs))
-    opts = kv_store_options(config, layers, heads, dim, args.block_size)
-    fixed = store_memory(dtype, layout, 0, **opts).total
-    per_block = store_memory(dtype, layout, 1, **opts).total - fixed
-    return max(0, budget - fixed) // per_block
+    opts = _engine_options(args, dtype, bits, max_num_seqs)
+    kind, settings = kv_cache_settings(
+        KVCacheOptions(dtype, max_num_seqs, opts.get("kv_quant_bits"),
+                       opts.get("kv_quant_config")), layout)
+    spec = kind.spec(layout, settings)
+    return max(0, budget - spec.fixed_bytes) // spec.bytes_per_block
 
 
 def max_concurrency(args, dtype: str, bits: int | None) -> tuple[int, int]:
@@ -124,7 +127,7 @@ def run_once(args, dtype: str, bits: int | None, num_requests: int, max_num_seqs
         peak_blocks = max(peak_blocks, engine.block_manager.num_used_blocks)
     elapsed = time.perf_counter() - t0
     engine.check_invariants()
-    return {"num_blocks": engine.kv_pool.num_blocks, "peak_running": peak_running,
+    return {"num_blocks": engine.kv_cache.num_blocks, "peak_running": peak_running,
             "peak_blocks": peak_blocks, "preemptions": engine.scheduler.num_preemptions,
             "decode_tok_s": decode_tokens / decode_time if decode_time else None,
             "decode_steps": steps, "elapsed_s": elapsed,

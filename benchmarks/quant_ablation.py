@@ -229,14 +229,11 @@ def measure(setting: Setting, eval_settings: EvalSettings, windows, reference,
     elements = 2 * layers * heads * dim
     bsz = engine.config.block_size
     memory = {"bytes_per_block": engine.kv_bytes_per_block, "block_size": bsz,
-              "num_blocks": engine.kv_pool.num_blocks if hasattr(engine.kv_pool, "num_blocks")
-              else None, "kv_cache_bytes": engine.kv_cache_bytes}
-    if engine.kv_memory is not None:
-        m = engine.kv_memory
-        slots = m.num_blocks * m.block_size
-        memory.update({k: getattr(m, k) / slots for k in
-                       ("codes", "scales", "outliers", "sinks", "staging", "bookkeeping")})
-        memory["positions"] = 4.0
+              "num_blocks": engine.kv_cache.num_blocks, "kv_cache_bytes": engine.kv_cache.nbytes}
+    breakdown = engine.kv_cache.memory_breakdown()  # empty for the float pool
+    if breakdown:
+        slots = engine.kv_cache.num_blocks * bsz
+        memory.update({k: n / slots for k, n in breakdown.items()})
     row = Row(setting.name, setting.kv_cache_dtype, setting.bits, list(setting.parts),
               bits_per_element=engine.kv_bytes_per_block * 8 / (bsz * elements),
               bits_per_element_held=engine.kv_bytes_per_token * 8 / elements,
@@ -327,7 +324,7 @@ def markdown_table(rows: list[Row]) -> str:
 
 def overhead_table(rows: list[Row]) -> str:
     """Bytes per token by category (the store's memory report)."""
-    cats = ("codes", "scales", "outliers", "sinks", "positions")
+    cats = ("codes", "scales", "outliers", "sinks", "bookkeeping")
     lines = ["| setting | bytes / token | " + " | ".join(cats) + " | staging (fixed, over "
              "the pool) |", "|---|---|" + "---|" * (len(cats) + 1)]
     for r in rows:

@@ -11,11 +11,11 @@ import json
 import logging
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
-from nanokv.config import ATTENTION_BACKENDS, DEVICES, DTYPES, LINEAR_BACKENDS
+from nanokv.config import EngineConfig
 from nanokv.extras import MissingExtraError, extra_for_module, install_hint, require
-from nanokv.quant.registry import KV_CACHE_DTYPES
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "models" / "nanokv-tiny")
 
@@ -24,7 +24,26 @@ def _block_size(value: str):
     return value if value == "auto" else int(value)
 
 
+_CLI_TYPES = {"block_size": _block_size, "json": json.loads}
+
+
+def _choices(spec):
+    """Choices named by the config are read from their registries here (the config imports
+    neither)."""
+    if spec == "kv_cache_dtypes":
+        from nanokv.cache.registry import KV_CACHE_DTYPES
+
+        return KV_CACHE_DTYPES
+    if spec == "attention_backends":
+        from nanokv.attention.selector import backend_names
+
+        return backend_names()
+    return spec
+
+
 def add_engine_args(p: argparse.ArgumentParser, default_model: bool = True) -> None:
+    """One flag per EngineConfig field (`max_num_seqs` -> `--max-num-seqs`), its default and
+    help taken from the field, so neither is written twice."""
     g = p.add_argument_group("engine options")
     if default_model:
         g.add_argument("--model", default=DEFAULT_MODEL,
@@ -32,78 +51,36 @@ def add_engine_args(p: argparse.ArgumentParser, default_model: bool = True) -> N
                             "models/nanokv-tiny)")
     else:
         g.add_argument("--model", required=True, help="local Hugging Face model directory")
-    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    g.add_argument("--skip-tokenizer-init", action="store_true",
-                   help="load no tokenizer; prompts must be token ids, outputs carry no text")
-    g.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="compute dtype; auto = the checkpoint's where the device has native "
-                        "support, else float32")
-    g.add_argument("--device", default="auto", choices=DEVICES)
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output in tokens (default: the model's)")
-    g.add_argument("--block-size", type=_block_size, default="auto",
-                   help="tokens per KV block, 16..1024, or auto (128 below 2k context, 256 up "
-                        "to 32k, 512 above, 1024 above 100k)")
-    g.add_argument("--kv-cache-memory", default=None,
-                   help="KV pool size: bytes or with a unit, e.g. 4GiB, 512MiB")
-    g.add_argument("--kv-cache-memory-fraction", type=float, default=0.9,
-                   help="without --kv-cache-memory: fraction of the memory left after weights "
-                        "and activations (default 0.9; on CPU at most 4 GiB); the pool is "
-                        "capped at what max_num_seqs full-length requests need")
-    g.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="exact KV pool size in blocks (overrides the memory budget)")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=4096,
-                   help="token budget of one step (prefill chunks + decodes)")
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    g.add_argument("--no-chunked-prefill", action="store_true",
-                   help="disable chunked prefill (a prompt must fit one step)")
-    g.add_argument("--seed", type=int, default=0, help="engine seed (unseeded sampling)")
-    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
-    g.add_argument("--linear-backend", default="auto", choices=LINEAR_BACKENDS,
-                   help="auto: oneDNN-packed weights on CPU (fast path), torch F.linear "
-                        "elsewhere; torch: the reference path")
-    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                   help="decode attention on CPU. auto: the C kernel (built on first use with "
-                        "$CC, cached in $NANOKV_CACHE_DIR or ~/.cache/nanokv) when it builds and "
-                        "the KV cache is float32, else torch; native: the kernel or an error; "
-                        "torch: the PyTorch reference path")
-    g.add_argument("--kv-policy", default=None,
-                   help="KV policy (streaming, h2o, snapkv, pyramidkv, knorm, paged_eviction, "
-                        "kvcrush); default: full cache")
-    g.add_argument("--kv-budget", type=int, default=None, help="tokens a request keeps")
-    g.add_argument("--kv-compression-ratio", type=float, default=None,
-                   help="or: fraction of a request's tokens removed, in [0, 1)")
-    g.add_argument("--kv-policy-options", type=json.loads, default=None,
-                   help='the policy\'s options as JSON, e.g. \'{"window": 32}\'')
-    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="KV cache storage: auto (the float pool, compute dtype), int8 / fp8 "
-                        "(= fp8_e4m3) / fp8_e5m2 (one scale per token and head), kvquant "
-                        "(2-4 bit KVQuant: per-channel pre-RoPE keys, outliers, sinks)")
-    g.add_argument("--kv-quant-bits", type=int, default=None, choices=(2, 3, 4),
-                   help="kvquant code width (default: the calibration's decision, else 4)")
-    g.add_argument("--kv-quant-config", default=None, metavar="FILE",
-                   help="kvquant calibration JSON written by `nanokv calibrate` (codebooks, "
-                        "key outlier thresholds, per-layer widths)")
+    for f in fields(EngineConfig):
+        if f.name == "model":
+            continue
+        meta = dict(f.metadata)
+        flag = "--" + f.name.replace("_", "-")
+        help_text = meta.pop("help")
+        if f.default is True:
+            g.add_argument(meta.pop("false_flag"), dest=f.name, action="store_false",
+                           help=f"disable: {help_text}")
+            continue
+        if f.default is False:
+            g.add_argument(flag, dest=f.name, action="store_true", help=help_text)
+            continue
+        kind = meta.pop("type", None)
+        kwargs = dict(default=f.default, dest=f.name, help=help_text
+                      + ("" if f.default is None else f" (default: {f.default})"))
+        if kind is not None:
+            kwargs["type"] = _CLI_TYPES.get(kind, kind)
+        elif isinstance(f.default, (int, float)):
+            kwargs["type"] = type(f.default)
+        if "choices" in meta:
+            kwargs["choices"] = _choices(meta.pop("choices"))
+        kwargs.update(meta)
+        g.add_argument(flag, **kwargs)
     g.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    return dict(
-        tokenizer=args.tokenizer, skip_tokenizer_init=args.skip_tokenizer_init,
-        dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-        enable_chunked_prefill=not args.no_chunked_prefill, seed=args.seed,
-        num_threads=args.num_threads, linear_backend=args.linear_backend,
-        attention_backend=args.attention_backend,
-        kv_policy=args.kv_policy, kv_budget=args.kv_budget,
-        kv_compression_ratio=args.kv_compression_ratio,
-        kv_policy_options=args.kv_policy_options, kv_cache_dtype=args.kv_cache_dtype,
-        kv_quant_bits=args.kv_quant_bits, kv_quant_config=args.kv_quant_config)
+    """The EngineConfig keywords the parsed flags give (everything but the model)."""
+    return {f.name: getattr(args, f.name) for f in fields(EngineConfig) if f.name != "model"}
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

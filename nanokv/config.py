@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+
+from nanokv.validation import check_bool, check_choice, check_fraction, check_int
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
-ATTENTION_BACKENDS = ("auto", "native", "torch")
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 1024
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
@@ -34,7 +35,9 @@ def parse_memory(value: int | float | str) -> int:
 
 
 def auto_block_size(max_model_len: int) -> int:
-    """The user's table: 128 below 2k, 256 up to 32k, 512 above 32k, 1024 above 100k."""
+    """Larger blocks for longer contexts: the block table (and each step's per-block work) stays
+    short, while a short context does not waste most of a large last block. 128 tokens below 2k,
+    256 up to 32k, 512 up to 100k, 1024 beyond."""
     if max_model_len < 2048:
         return 128
     if max_model_len <= 32 * 1024:
@@ -44,35 +47,77 @@ def auto_block_size(max_model_len: int) -> int:
     return 1024
 
 
+def _opt(default, help: str, **cli):
+    """A config field with its CLI help (and argparse settings): the CLI is generated from these
+    (`nanokv.cli.add_engine_args`), so each default and description is written once."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
 @dataclass
 class EngineConfig:
     """Options of `LLM(model, **options)` and of the CLI (`--max-num-seqs` = `max_num_seqs`)."""
 
     model: str
-    tokenizer: str | None = None  # defaults to the model directory
-    skip_tokenizer_init: bool = False  # token-id prompts only; outputs carry no text
-    dtype: str = "auto"  # auto: the checkpoint's dtype where the device computes it natively
-    device: str = "auto"  # auto: cuda when available, else cpu
-    max_model_len: int | None = None  # default: the model's max_position_embeddings (fit to pool)
-    block_size: int | str = "auto"  # tokens per KV block, 16..1024, or 'auto' (user's table)
-    kv_cache_memory: int | str | None = None  # KV pool bytes ('4GiB'); default: fraction below
-    kv_cache_memory_fraction: float = 0.9  # of memory left after weights and activations
-    num_kv_blocks: int | None = None  # exact pool size in blocks (overrides the memory budget)
-    max_num_seqs: int = 64  # requests running at once
-    max_num_batched_tokens: int = 4096  # tokens per step (prefill chunks + decodes)
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    seed: int = 0
-    num_threads: int | None = None  # torch CPU threads; default: torch's choice
-    linear_backend: str = "auto"  # auto: oneDNN-packed weights on CPU, torch F.linear elsewhere
-    attention_backend: str = "auto"  # auto: C decode kernel on CPU when it builds, else torch
-    kv_policy: str | None = None  # KV policy name (nanokv.policies registry); None: full cache
-    kv_budget: int | None = None  # tokens a request keeps under the policy
-    kv_compression_ratio: float | None = None  # or: fraction of the tokens removed, in [0, 1)
-    kv_policy_options: dict | None = None  # the policy's own options
-    kv_cache_dtype: str = "auto"  # auto (the float pool), int8, fp8[_e4m3|_e5m2], kvquant
-    kv_quant_bits: int | None = None  # kvquant code width 2 / 3 / 4 (default: the file's, or 4)
-    kv_quant_config: str | None = None  # calibration JSON of `nanokv calibrate` (kvquant)
+    tokenizer: str | None = _opt(None, "tokenizer directory (default: the model's)")
+    skip_tokenizer_init: bool = _opt(
+        False, "load no tokenizer; prompts must be token ids, outputs carry no text")
+    dtype: str = _opt("auto", "compute dtype; auto = the checkpoint's where the device has "
+                              "native support, else float32", choices=DTYPES)
+    device: str = _opt("auto", "auto: cuda when available, else cpu", choices=DEVICES)
+    max_model_len: int | None = _opt(
+        None, "longest prompt + output in tokens (default: the model's, fit to the pool)",
+        type=int)
+    block_size: int | str = _opt(
+        "auto", "tokens per KV block, 16..1024, or auto (128 below 2k context, 256 up to 32k, "
+                "512 above, 1024 above 100k)", type="block_size")
+    kv_cache_memory: int | str | None = _opt(
+        None, "KV pool size: bytes or with a unit, e.g. 4GiB, 512MiB")
+    kv_cache_memory_fraction: float = _opt(
+        0.9, "without kv_cache_memory: fraction of the memory left after weights and "
+             "activations (on CPU at most 4 GiB); the pool is capped at what max_num_seqs "
+             "full-length requests need")
+    num_kv_blocks: int | None = _opt(
+        None, "exact KV pool size in blocks (overrides the memory budget)", type=int)
+    max_num_seqs: int = _opt(64, "requests running at once")
+    max_num_batched_tokens: int = _opt(4096, "token budget of one step (prefill chunks + "
+                                             "decodes)")
+    enable_prefix_caching: bool = _opt(True, "share full blocks of identical prefixes",
+                                       false_flag="--no-prefix-caching")
+    enable_chunked_prefill: bool = _opt(
+        True, "split long prompts over steps (without it a prompt must fit one step)",
+        false_flag="--no-chunked-prefill")
+    seed: int = _opt(0, "engine seed (unseeded sampling)")
+    num_threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)",
+                                   type=int)
+    linear_backend: str = _opt(
+        "auto", "auto: oneDNN-packed weights on CPU (fast path), torch F.linear elsewhere; "
+                "torch: the reference path", choices=LINEAR_BACKENDS)
+    attention_backend: str = _opt(
+        "auto", "attention implementation, chosen once at start-up. auto: the fastest that "
+                "applies (on CPU with a float32 pool the C decode kernel, built on first use "
+                "with $CC and cached in $NANOKV_CACHE_DIR or ~/.cache/nanokv), logged with the "
+                "reason; native: the C kernel or an error; torch: the PyTorch reference path",
+        choices="attention_backends")
+    kv_policy: str | None = _opt(
+        None, "KV policy (streaming, h2o, snapkv, pyramidkv, knorm, paged_eviction, kvcrush); "
+              "default: full cache")
+    kv_budget: int | None = _opt(None, "tokens a request keeps under the policy", type=int)
+    kv_compression_ratio: float | None = _opt(
+        None, "or: fraction of a request's tokens removed, in [0, 1)", type=float)
+    kv_policy_options: dict | None = _opt(
+        None, "the policy's options as JSON, e.g. '{\"window\": 32}'", type="json")
+    kv_cache_dtype: str = _opt(
+        "auto", "KV cache storage: auto (the float pool, compute dtype), int8 / fp8 "
+                "(= fp8_e4m3) / fp8_e5m2 (one scale per token and head), kvquant (2-4 bit "
+                "KVQuant: per-channel pre-RoPE keys, outliers, sinks), kivi (2/4-bit KIVI: "
+                "per-channel keys, per-token values, the newest block in full precision)",
+        choices="kv_cache_dtypes")
+    kv_quant_bits: int | None = _opt(
+        None, "code width of kvquant (2, 3, 4; default: the calibration's decision, else 4) "
+              "or kivi (2, 4; default 2)", type=int)
+    kv_quant_config: str | None = _opt(
+        None, "kvquant calibration JSON written by `nanokv calibrate` (codebooks, key outlier "
+              "thresholds, per-layer widths)", metavar="FILE")
 
     @classmethod
     def from_kwargs(cls, model: str, **options) -> "EngineConfig":
@@ -85,12 +130,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a local directory path, got {self.model!r}")
-        _one_of("dtype", self.dtype, DTYPES)
-        _one_of("device", self.device, DEVICES)
-        _one_of("linear_backend", self.linear_backend, LINEAR_BACKENDS)
-        _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("device", self.device, DEVICES)
+        check_choice("linear_backend", self.linear_backend, LINEAR_BACKENDS)
+        if not isinstance(self.attention_backend, str):
+            raise ValueError(f"attention_backend must be a backend name, "
+                             f"got {self.attention_backend!r}")
         if self.max_model_len is not None:
-            _int_at_least("max_model_len", self.max_model_len, 2)
+            check_int("max_model_len", self.max_model_len, 2)
         if self.block_size != "auto":
             if (not isinstance(self.block_size, int) or isinstance(self.block_size, bool)
                     or not MIN_BLOCK_SIZE <= self.block_size <= MAX_BLOCK_SIZE):
@@ -98,63 +145,42 @@ class EngineConfig:
                                  f"[{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], got {self.block_size!r}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_memory(self.kv_cache_memory)
-        if not isinstance(self.kv_cache_memory_fraction, (int, float)) or not (
-                0 < self.kv_cache_memory_fraction <= 1):
-            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], "
-                             f"got {self.kv_cache_memory_fraction!r}")
+        check_fraction("kv_cache_memory_fraction", self.kv_cache_memory_fraction)
         if self.num_kv_blocks is not None:
-            _int_at_least("num_kv_blocks", self.num_kv_blocks, 1)
-        _int_at_least("max_num_seqs", self.max_num_seqs, 1)
-        _int_at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+            check_int("num_kv_blocks", self.num_kv_blocks, 1)
+        check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "skip_tokenizer_init"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.num_threads is not None:
-            _int_at_least("num_threads", self.num_threads, 1)
+            check_int("num_threads", self.num_threads, 1)
         if self.kv_policy is None and (self.kv_budget is not None or self.kv_policy_options
                                        or self.kv_compression_ratio is not None):
             raise ValueError("kv_budget, kv_compression_ratio and kv_policy_options need "
                              "kv_policy (a policy name)")
+        if self.kv_policy is not None and (not isinstance(self.kv_policy, str)
+                                           or not self.kv_policy):
+            raise ValueError(f"kv_policy must be a policy name, got {self.kv_policy!r}")
         if self.kv_policy_options is not None and not isinstance(self.kv_policy_options, dict):
             raise ValueError(f"kv_policy_options must be a dict, got {self.kv_policy_options!r}")
-        self._validate_kv_quant()
-
-    def _validate_kv_quant(self) -> None:
-        from nanokv.quant.kvquant import KVQUANT_BITS
-        from nanokv.quant.registry import KV_CACHE_DTYPES
-
-        _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        if self.kv_cache_dtype != "kvquant":
-            for name in ("kv_quant_bits", "kv_quant_config"):
-                if getattr(self, name) is not None:
-                    raise ValueError(f"{name} applies to kv_cache_dtype 'kvquant' only, got "
-                                     f"kv_cache_dtype {self.kv_cache_dtype!r}")
-        if self.kv_quant_bits is not None and (
-                isinstance(self.kv_quant_bits, bool) or self.kv_quant_bits not in KVQUANT_BITS):
-            raise ValueError(f"kv_quant_bits must be one of {list(KVQUANT_BITS)}, "
-                             f"got {self.kv_quant_bits!r}")
+        if not isinstance(self.kv_cache_dtype, str):
+            raise ValueError(f"kv_cache_dtype must be a string, got {self.kv_cache_dtype!r}")
+        if self.kv_quant_bits is not None:
+            check_int("kv_quant_bits", self.kv_quant_bits, 1)
         if self.kv_quant_config is not None and (not isinstance(self.kv_quant_config, str)
                                                  or not self.kv_quant_config):
             raise ValueError(f"kv_quant_config must be the path of a calibration file, "
                              f"got {self.kv_quant_config!r}")
-        policy = self.policy_config()
-        if self.kv_cache_dtype != "auto" and policy is not None:  # before the model loads
-            policy.build(block_size=MIN_BLOCK_SIZE).check_store(self.kv_cache_dtype)
-
-    def policy_config(self):
-        """The engine's default KV policy as a validated PolicyConfig (None: full cache)."""
-        if self.kv_policy is None or self.kv_policy == "full":
-            return None
-        from nanokv.policies.base import PolicyConfig
-
-        return PolicyConfig(self.kv_policy, budget=self.kv_budget,
-                            compression_ratio=self.kv_compression_ratio,
-                            options=dict(self.kv_policy_options or {}))
+        # which kv_cache_dtype exists, which options it reads and which policies it serves are
+        # checked where the KV cache and the policy meet (nanokv/engine/assembly.py)
 
     def resolve(self, model_max_len: int) -> None:
-        """Fill the 'auto' values that depend on the model."""
+        """Fill the 'auto' values that depend on the model (the one place they are resolved)."""
+        if self.max_model_len is not None and self.max_model_len > model_max_len:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {model_max_len}")
         if self.max_model_len is None:
             self.max_model_len = model_max_len
         if self.block_size == "auto":
@@ -166,13 +192,3 @@ class EngineConfig:
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
-
-
-def _one_of(name: str, value, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
-
-
-def _int_at_least(name: str, value, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")

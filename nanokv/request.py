@@ -107,10 +107,6 @@ class Request:
     def num_cached_slots(self) -> int:
         return self.num_computed_tokens - self.num_evicted_tokens
 
-    def token_id_at(self, index: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
-
     def token_ids_range(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)
         if end <= n:

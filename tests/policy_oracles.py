@@ -6,7 +6,7 @@ import random
 
 import torch
 
-import nanokv.engine.kv_policy as kv_policy_module
+import nanokv.engine.policy_runner as kv_policy_module
 from tiny_models import VOCAB
 
 

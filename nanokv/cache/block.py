@@ -12,7 +12,7 @@ class KVCacheBlock:
     """
 
     __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "extra_keys",
-                 "prev_free", "next_free", "last_freed")
+                 "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -22,7 +22,6 @@ class KVCacheBlock:
         self.extra_keys: tuple | None = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
-        self.last_freed = 0.0  # time.monotonic() when its ref count last dropped to zero
 
     def reset_hash(self) -> None:
         self.block_hash = None

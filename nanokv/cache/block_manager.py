@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 from nanokv.cache.block import FreeBlockQueue, KVCacheBlock
 from nanokv.cache.hashing import ROOT_HASH, hash_block
+from nanokv.cache.layer_slices import LayerSlices
 from nanokv.request import Request
+from nanokv.utils import cdiv
 
 
 @dataclass
@@ -30,8 +32,9 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  extra_keys: tuple = (),
                  on_block_freed: Callable[[list[int]], None] | None = None) -> None:
-        """on_block_freed(block_ids): called when blocks' ref counts reach 0 (a quantized KV
-        store drops what their partial content holds; full cached blocks stay readable)."""
+        """on_block_freed(block_ids): called when blocks' ref counts reach 0 (the KV cache's
+        `release`: a quantized store drops what their partial content holds; full cached blocks
+        stay readable)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -61,7 +64,7 @@ class BlockManager:
         return self.num_used_blocks / self.num_blocks
 
     def blocks_for(self, num_slots: int) -> int:
-        return -(-num_slots // self.block_size)
+        return cdiv(num_slots, self.block_size)
 
     def request_extra_keys(self, request: Request) -> tuple:
         if request.cache_salt is None:
@@ -241,6 +244,33 @@ class BlockManager:
             copies.append((old.block_id, new.block_id))
         return copies
 
+    def pack_layer_slices(self, request: Request, counts: list[int]) -> list[tuple[int, int]]:
+        """A policy left the request's layers with different lengths (`counts`, per layer): give
+        each layer its own table of layer slices (`nanokv.cache.layer_slices`), move slices out
+        of the tail blocks into the unused slices of the front ones, so the request holds
+        ceil(sum_l ceil(C_l / B) / L) blocks instead of ceil(max_l C_l / B), and free the rest.
+        Returns the (source, destination) slice moves for the KV cache to copy now (the freed
+        blocks keep their content until the pool hands them out again). The moved-into blocks
+        must be the request's own (the policy runner made them private first)."""
+        bs, n_pool, n_layers = self.block_size, self.num_blocks, len(counts)
+        table = request.block_table
+        per_layer = [cdiv(c, bs) for c in counts]
+        keep = cdiv(sum(per_layer), n_layers)
+        tables = [[layer * n_pool + table[j] for j in range(nb)]
+                  for layer, nb in enumerate(per_layer)]
+        free = [layer * n_pool + table[j] for j in range(keep)
+                for layer in range(n_layers) if j >= per_layer[layer]]
+        moves = []
+        for layer, nb in enumerate(per_layer):
+            for j in range(keep, nb):
+                moves.append((tables[layer][j], free[len(moves)]))
+                tables[layer][j] = moves[-1][1]
+        request.layer_slices = LayerSlices(tables, counts, request.num_computed_tokens, bs,
+                                           n_pool)
+        if keep < len(table):
+            self.free_blocks_at(request, list(range(keep, len(table))))
+        return moves
+
     def mark_content_changed(self, request: Request, from_block: int = 0) -> None:
         """A policy rewrote the request's blocks from `from_block` on: never serve them as a
         plain prefix again."""
@@ -259,7 +289,6 @@ class BlockManager:
         block.ref_cnt -= 1
         if block.ref_cnt > 0:
             return False
-        block.last_freed = now
         if drop_cache and block.block_hash is not None:
             self._uncache(block, now, reason=None)
         if block.block_hash is None:

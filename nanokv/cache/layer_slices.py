@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from nanokv.utils import cdiv
+
 
 class LayerSlices:
     def __init__(self, tables: list[list[int]], base_lengths: list[int], base_computed: int,
@@ -47,11 +49,11 @@ class LayerSlices:
         return [n + grown for n in self.base_lengths]
 
     def slices_needed(self, num_slots_per_layer: Sequence[int]) -> int:
-        return sum(-(-n // self.block_size) for n in num_slots_per_layer)
+        return sum(cdiv(n, self.block_size) for n in num_slots_per_layer)
 
     def blocks_needed(self, num_slots_per_layer: Sequence[int]) -> int:
         """Pool blocks that hold these per-layer lengths when slices are packed."""
-        return -(-self.slices_needed(num_slots_per_layer) // self.num_layers)
+        return cdiv(self.slices_needed(num_slots_per_layer), self.num_layers)
 
     def slice_block(self, slice_id: int) -> int:
         return slice_id % self.num_pool_blocks
@@ -67,7 +69,7 @@ class LayerSlices:
     def reserve(self, block_table: Sequence[int], num_slots_per_layer: Sequence[int]) -> None:
         """Extend each layer's table to cover its slots, taking free slices of `block_table`.
         The block manager grew the table by `blocks_needed` first; raises if it did not."""
-        needs = [-(-n // self.block_size) - len(table)
+        needs = [cdiv(n, self.block_size) - len(table)
                  for n, table in zip(num_slots_per_layer, self.tables)]
         if max(needs) <= 0:  # most decode steps: every layer's last slice has room
             return
@@ -94,7 +96,7 @@ class LayerSlices:
         owned = set(block_table)
         seen: set[int] = set()
         for layer, (table, n) in enumerate(zip(self.tables, self.lengths(num_computed_tokens))):
-            if len(table) < -(-n // self.block_size):
+            if len(table) < cdiv(n, self.block_size):
                 raise RuntimeError(f"layer {layer} table of {len(table)} slices is short of "
                                      f"{n} slots")
             for s in table:

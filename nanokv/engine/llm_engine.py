@@ -10,23 +10,21 @@ import logging
 
 import torch
 
+from nanokv.attention.selector import select_backend
 from nanokv.cache.block_manager import BlockManager
-from nanokv.cache.kv_pool import KVLayout, KVPool
-from nanokv.config import EngineConfig, auto_block_size
+from nanokv.cache.layout import KVLayout
+from nanokv.config import EngineConfig
+from nanokv.engine.assembly import plan_kv_cache, resolve_parts, startup_report
 from nanokv.engine.detokenizer import update_text
-from nanokv.engine.kv_policy import PolicyRunner
-from nanokv.executor.loader import load_hf_config, load_model
-from nanokv.executor.memory import (decode_dequant_bytes_per_block, estimate_activation_bytes,
-                                    plan_kv_blocks)
-from nanokv.executor.model_runner import ModelRunner
+from nanokv.engine.policy_runner import PolicyRunner
 from nanokv.executor.cpu_memory import tune_glibc_malloc
-from nanokv.executor.profiler import measure_activation_bytes
+from nanokv.executor.loader import load_hf_config, load_model
+from nanokv.executor.model_runner import ModelRunner
 from nanokv.outputs import CompletionOutput, RequestOutput
-from nanokv.quant.attention import rope_from_rotary
-from nanokv.quant.registry import make_kv_store, store_memory
 from nanokv.request import Request, RequestStatus
 from nanokv.sampling_params import SamplingParams
 from nanokv.scheduler.scheduler import Scheduler
+from nanokv.utils import head_dim_of
 
 logger = logging.getLogger("nanokv")
 
@@ -37,52 +35,17 @@ def _prompt_logits(request: Request):
     return torch.cat(request.prompt_logits)[:request.num_prompt_tokens]
 
 
-def kv_store_options(config: EngineConfig, num_layers: int, num_kv_heads: int,
-                     head_dim: int, block_size: int) -> dict:
-    """The `make_kv_store` options of the engine's kv_cache_dtype (validated; reads the
-    calibration file of kv_quant_config). Raises ValueError before anything is allocated."""
-    if config.kv_cache_dtype != "kvquant":
-        return {}
-    from nanokv.quant.calibration_file import load_calibration
-    from nanokv.quant.kvquant import KVQuantConfig
-
-    if config.kv_quant_config is None:
-        quant = KVQuantConfig(bits=config.kv_quant_bits or 4)
-    else:
-        calib = load_calibration(config.kv_quant_config)
-        calib.check_model(num_layers, num_kv_heads, head_dim)
-        if config.kv_quant_bits is None and calib.kv_cache_dtype != "kvquant":
-            raise ValueError(f"the calibration {config.kv_quant_config} chose kv_cache_dtype "
-                             f"{calib.kv_cache_dtype!r}: run with --kv-cache-dtype "
-                             f"{calib.kv_cache_dtype}, or pass kv_quant_bits for a kvquant "
-                             f"config from its codebooks")
-        quant = calib.kvquant_config(bits=config.kv_quant_bits)
-        calib_block = calib.settings.get("block_size")
-        if calib_block != block_size:
-            logger.warning("the calibration %s was made with block_size %s, the engine uses %s: "
-                           "per-channel key statistics (and outlier shares) differ from what "
-                           "was calibrated", config.kv_quant_config, calib_block, block_size)
-    # one staging block per running request (a request has at most one partial block)
-    return {"kvquant_config": quant, "num_staging_blocks": config.max_num_seqs}
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        """Resolve the config and check the parts against each other (nothing loaded yet),
+        load the model, plan the KV cache from its kind's spec, build, report."""
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        store_options = {}
-        if config.kv_cache_dtype != "auto":  # validate before anything is loaded
-            hf_cfg, _ = load_hf_config(config.model)
-            block_size = config.block_size
-            if block_size == "auto":
-                block_size = auto_block_size(config.max_model_len
-                                             or int(hf_cfg.max_position_embeddings))
-            store_options = kv_store_options(
-                config, hf_cfg.num_hidden_layers, hf_cfg.num_key_value_heads,
-                getattr(hf_cfg, "head_dim", None)
-                or hf_cfg.hidden_size // hf_cfg.num_attention_heads, block_size)
+        hf_config, _ = load_hf_config(config.model)
+        parts = resolve_parts(config, hf_config)
+
         loaded = load_model(config.model, config.dtype, config.device,
                             tokenizer_path=config.tokenizer,
                             skip_tokenizer_init=config.skip_tokenizer_init,
@@ -93,120 +56,57 @@ class LLMEngine:
         self.device, self.dtype = loaded.device, loaded.dtype
         if self.device.type == "cpu":  # reuse freed activation memory (cpu_memory.py)
             tune_glibc_malloc()
-        model_max = int(self.hf_config.max_position_embeddings)
-        if config.max_model_len is not None and config.max_model_len > model_max:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {model_max}")
-        explicit_len = config.max_model_len is not None
-        config.resolve(model_max)
 
         cfg = self.hf_config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim,
+        self.layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg),
                                config.block_size, self.dtype)
-        self.kv_cache_dtype = config.kv_cache_dtype
-        quantized = config.kv_cache_dtype != "auto"
-        if quantized:  # the store's real cost: a fixed part + one per block
-            fixed_bytes = store_memory(config.kv_cache_dtype, self.layout, 0,
-                                       **store_options).total
-            bytes_per_block = store_memory(config.kv_cache_dtype, self.layout, 1,
-                                           **store_options).total - fixed_bytes
-            scratch_per_block = decode_dequant_bytes_per_block(self.layout,
-                                                               config.kv_cache_dtype)
-        else:
-            fixed_bytes, bytes_per_block = 0, self.layout.bytes_per_block
-            scratch_per_block = 0
-        blocks_per_seq = -(-config.max_model_len // config.block_size)
-        if config.num_kv_blocks is not None:
-            num_blocks, source = config.num_kv_blocks, "num_kv_blocks"
-        else:
-            activation = measure_activation_bytes(self.model, config.max_num_batched_tokens,
-                                                  self.device)
-            if activation is None:
-                activation = (estimate_activation_bytes(cfg, config.max_num_batched_tokens,
-                                                        config.max_num_seqs, self.dtype),
-                              "estimated")
-            plan = plan_kv_blocks(
-                bytes_per_block=bytes_per_block, device=self.device,
-                kv_cache_memory=config.kv_cache_memory, fraction=config.kv_cache_memory_fraction,
-                activation_bytes=activation[0],
-                max_useful_blocks=config.max_num_seqs * blocks_per_seq,
-                fixed_bytes=fixed_bytes, scratch_bytes_per_block=scratch_per_block)
-            num_blocks = plan.num_blocks
-            source = (f"{plan.source}; peak activations {activation[0] / 2**20:.0f} MiB, "
-                      f"{activation[1]}")
-        if num_blocks < blocks_per_seq:
-            fit = num_blocks * config.block_size
-            if explicit_len:
-                raise ValueError(f"the KV pool ({num_blocks} blocks = {fit} tokens) cannot hold "
-                                 f"one request of max_model_len {config.max_model_len}; lower "
-                                 f"max_model_len or raise kv_cache_memory")
-            logger.warning("max_model_len lowered from %d to %d to fit the KV pool",
-                           config.max_model_len, fit)
-            config.max_model_len = fit
-        # with a quantized KV cache the pool keeps only the slot positions; the store shares them
-        self.kv_pool = KVPool(self.layout, num_blocks, self.device, allocate_kv=not quantized)
-        self.kv_store = make_kv_store(config.kv_cache_dtype, self.layout, num_blocks,
-                                      self.device, slot_positions=self.kv_pool.slot_positions,
-                                      **store_options)
-        extra_keys = (("kv_dtype", str(self.dtype)),)
-        if self.kv_store is not None:  # blocks are only shared between identical settings
-            extra_keys += self.kv_store.extra_keys()
+        spec = parts.kv_cache_class.spec(self.layout, parts.kv_cache_settings)
+        self.kv_cache_plan = plan_kv_cache(config, spec, self.model, cfg, self.device,
+                                           self.dtype, parts.max_model_len_given)
+        config.max_model_len = self.kv_cache_plan.max_model_len
+
+        self.kv_cache = parts.kv_cache_class.create(
+            self.layout, self.kv_cache_plan.num_blocks, self.device, parts.kv_cache_settings,
+            rotary=self.model.rotary)
+        backend_class, backend_why = select_backend(config.attention_backend, self.kv_cache,
+                                                    self.device)
+        self.attention_backend = backend_class(self.kv_cache, self.device)
+        extra_keys = (("kv_dtype", str(self.dtype)),) + self.kv_cache.extra_keys()
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, extra_keys=extra_keys,
-            on_block_freed=self.kv_store.release if self.kv_store is not None else None)
+            self.kv_cache_plan.num_blocks, config.block_size, config.enable_prefix_caching,
+            extra_keys=extra_keys, on_block_freed=self.kv_cache.release)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_model_len,
                                    config.enable_chunked_prefill)
-        rope = rope_from_rotary(self.model.rotary) if self.kv_store is not None else None
-        self.runner = ModelRunner(self.model, self.kv_pool, self.device, config.seed,
-                                  kv_store=self.kv_store, rope=rope,
-                                  attention_backend=config.attention_backend)
-        self.policies = PolicyRunner(config.policy_config(), self.block_manager, self.kv_pool,
-                                     self.model.attention_layers()[0].scale,
-                                     kv_store=self.kv_store, rotary=self.model.rotary)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.attention_backend, self.device,
+                                  config.seed)
+        self.policies = PolicyRunner(parts.default_policy, self.block_manager, self.kv_cache,
+                                     self.model.attention_layers()[0].scale)
         self._ids = itertools.count()
-        # what the KV cache really holds: codes, scales, outliers, sinks, staging, positions
-        pool_slots = num_blocks * config.block_size
-        if self.kv_store is None:
-            self.kv_memory = None
-            self.kv_cache_bytes = self.kv_pool.nbytes
-            self.kv_bytes_per_block = self.layout.bytes_per_block
-        else:
-            self.kv_memory = self.kv_store.memory()  # without the pool's slot positions
-            self.kv_cache_bytes = self.kv_memory.total + self.kv_pool.nbytes
-            self.kv_bytes_per_block = bytes_per_block
-        self.kv_bytes_per_token = self.kv_cache_bytes / pool_slots
-        float_per_token = self.layout.bytes_per_block / config.block_size
-        shown_per_token = (self.layout.bytes_per_token if self.kv_store is None
-                           else self.kv_bytes_per_token)
-        self.startup_lines = [
-            f"model {config.model} ({type(self.model).__name__}) on {self.device}, "
-            f"{loaded.dtype_note}",
-            f"KV cache: {num_blocks} blocks x {config.block_size} tokens = "
-            f"{pool_slots} tokens, "
-            f"{self.kv_cache_bytes / 2**20:.1f} MiB ({source}); "
-            f"{shown_per_token / 1024:.1f} KiB per token",
-        ]
-        if self.kv_memory is not None:
-            m = self.kv_memory
-            parts = ", ".join(f"{name} {getattr(m, name) / pool_slots:.1f}"
-                              for name in ("codes", "scales", "outliers", "sinks", "staging",
-                                           "bookkeeping") if getattr(m, name))
-            self.startup_lines.append(
-                f"KV cache dtype {self.kv_store.kv_cache_dtype}: "
-                f"{self.kv_bytes_per_token:.1f} bytes per token held ({parts}, positions 4.0), "
-                f"{self.kv_bytes_per_token / float_per_token:.3f}x the "
-                f"{str(self.dtype).removeprefix('torch.')} pool's {float_per_token:.0f}")
-        self.startup_lines.append(
-            f"max concurrency at max_model_len {config.max_model_len}: "
-            f"{num_blocks / blocks_per_seq:.2f} requests")
-        if self.kv_store is None:
-            self.startup_lines.append(
-                "decode attention: " + ("C kernel (attention_backend native)"
-                                        if self.runner.native_decode else "PyTorch"))
+        self.startup_lines = startup_report(config, self.model, self.device, loaded.dtype_note,
+                                            self.kv_cache_plan, self.kv_cache,
+                                            self.attention_backend, backend_why)
         for line in self.startup_lines:
             logger.info(line)
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV cache's storage, resolved ("float32" for the float pool, "fp8_e4m3" ...)."""
+        return self.kv_cache.kv_cache_dtype
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """What each block of the pool really costs (codes, scales, positions ...)."""
+        return self.kv_cache_plan.spec.bytes_per_block
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache.nbytes
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """Every byte the KV cache holds over its slots (fixed costs included)."""
+        return self.kv_cache.nbytes / self.kv_cache_plan.num_slots
 
     # ---- requests ------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,

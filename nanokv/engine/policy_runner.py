@@ -5,13 +5,16 @@ its cache is compressed to the policy's budget: kept tokens are written densely 
 of its block table and the tail blocks go back to the pool at once. During decode a block-wise
 policy (PagedEviction) frees one whole block each time the newest block fills and the request
 holds more than its budget; a policy that re-selects (StreamingLLM, H2O with the attention of
-the queries since its last selection) compresses again then. Without a budget, PagedEviction runs
-in the user's pool-pressure mode: when pool usage passes 1 - eviction_ratio, the least important
-blocks across running requests are freed before anyone has to be preempted.
+the queries since its last selection) compresses again then. A policy that declares
+`pool_pressure` (PagedEviction) and runs without a budget frees, when pool usage passes
+1 - eviction_ratio, the least important blocks across running requests before anyone has to be
+preempted (and recomputed whole).
 
-Per-layer budgets (PyramidKV) leave layers with different lengths: the request then gets per-layer
-tables of layer slices (nanokv/cache/layer_slices.py) and holds only the blocks they need. With a
-quantized KV cache the policies read and re-write through the store (nanokv/engine/policy_kv.py).
+The policy chooses (a `CompressionPlan`, on the KV cache's `policy_view`); the block manager and
+the KV cache apply it: copy-on-write of shared blocks, `apply_plan`, freeing the blocks no longer
+needed. Per-layer budgets (PyramidKV) leave layers with different lengths: the block manager then
+gives the request per-layer tables of layer slices (`pack_layer_slices`) and the KV cache moves the
+slices.
 
 Kept tokens keep their original RoPE rotation; the next token's position stays the request's
 logical length (`num_computed_tokens`), its slot the cache length (`num_cached_slots`).
@@ -25,9 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from nanokv.cache.block_manager import BlockManager
-from nanokv.cache.kv_pool import KVPool
-from nanokv.cache.layer_slices import LayerSlices
-from nanokv.engine.policy_kv import FloatPoolKV, QuantizedStoreKV
+from nanokv.cache.kv_cache import KVCache
 from nanokv.policies.apply import decode_block_to_evict, plan_compression
 from nanokv.policies.base import KVPolicy, LayerKV, PolicyConfig
 from nanokv.policies.compaction import gather_request_kv
@@ -45,25 +46,19 @@ class PolicyStats:
 
 class PolicyRunner:
     def __init__(self, default: PolicyConfig | None, block_manager: BlockManager,
-                 kv_pool: KVPool, attention_scale: float, kv_store=None, rotary=None) -> None:
-        """kv_store: the engine's quantized KV store, if any (policies then read dequantized
-        copies and re-write kept tokens through it; `rotary`, the model's RoPE, is needed for a
-        store that keeps keys before RoPE)."""
+                 kv_cache: KVCache, attention_scale: float) -> None:
         self.block_manager = block_manager
-        self.kv_pool = kv_pool
-        self.block_size = kv_pool.layout.block_size
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.layout.block_size
         self.scale = attention_scale
-        self.num_layers = kv_pool.layout.num_layers
-        self.kv = (FloatPoolKV(kv_pool) if kv_store is None
-                   else QuantizedStoreKV(kv_store, rotary))
-        self.kv_cache_dtype = "auto" if kv_store is None else kv_store.kv_cache_dtype
+        self.num_layers = kv_cache.layout.num_layers
         self.default_config = default
         self.default = self.build(default) if default is not None else None
         self.stats = PolicyStats()
 
     def build(self, config: PolicyConfig) -> KVPolicy:
         policy = config.build(block_size=self.block_size)
-        policy.check_store(self.kv_cache_dtype)
+        self.kv_cache.check_policy(policy)
         return policy
 
     # ---- per request ---------------------------------------------------------------------------
@@ -121,14 +116,13 @@ class PolicyRunner:
     def _compact(self, request: Request, policy: KVPolicy, budget: int, q_windows) -> bool:
         """Compact to `budget` slots; False (nothing changed) when copy-on-write lacks blocks:
         the next step tries again."""
-        bm = self.block_manager
+        bm, kv = self.block_manager, self.kv_cache
         num_slots = request.num_cached_slots
         if budget >= num_slots:
             return True
-        ragged = (request.layer_slices is None
-                  and policy.budgets_differ_by_layer(num_slots, self.num_layers))
-        layers, table = self.kv.views(request)
-        plan = plan_compression(policy, layers, table, num_slots,
+        ragged = request.layer_slices is None and policy.per_layer_budgets
+        view = kv.policy_view(request)
+        plan = plan_compression(policy, view.layers, view.block_table, num_slots,
                                 budget=None if ragged else budget, q_windows=q_windows,
                                 scale=self.scale, allow_ragged_layers=ragged)
         if plan.num_evicted == 0:
@@ -137,43 +131,18 @@ class PolicyRunner:
         copies = bm.make_private(request, range(plan.first_changed_block, plan.num_blocks))
         if copies is None:
             return False
-        self.kv.copy_blocks(copies)
+        kv.copy_blocks(copies)
         tail = list(range(plan.num_blocks, len(request.block_table)))
-        if tail and self.kv.rewrites_from_copies:  # a quantized store: free before re-writing
+        if tail and kv.rewrites_from_copies:  # the kept tokens are in the view: free first
             bm.free_blocks_at(request, tail)
-        self.kv.apply(request, plan, layers, table)
-        if tail and not self.kv.rewrites_from_copies:  # untouched: their prefix hashes stay
+        kv.apply_plan(request, plan, view)
+        if tail and not kv.rewrites_from_copies:  # untouched: their prefix hashes stay
             bm.free_blocks_at(request, tail)
         bm.mark_content_changed(request, from_block=plan.first_changed_block)
         request.num_evicted_tokens += plan.num_evicted
         if len(set(plan.layer_num_slots)) > 1:
-            self._pack_layers(request, plan.layer_num_slots)
+            kv.copy_slices(bm.pack_layer_slices(request, plan.layer_num_slots))
         return True
-
-    def _pack_layers(self, request: Request, counts: list[int]) -> None:
-        """Layers now hold different lengths: give each its own table of layer slices and move
-        slices out of the tail blocks into the unused slices of the front ones, so the request
-        holds ceil(sum_l ceil(C_l / B) / L) blocks instead of ceil(max_l C_l / B); free the rest.
-        The moved-into blocks were made private by `_compact` (they are past the first changed
-        block)."""
-        bs, n_pool, n_layers = self.block_size, self.kv_pool.num_blocks, self.num_layers
-        table = request.block_table
-        per_layer = [-(-c // bs) for c in counts]
-        keep = -(-sum(per_layer) // n_layers)
-        tables = [[layer * n_pool + table[j] for j in range(nb)]
-                  for layer, nb in enumerate(per_layer)]
-        free = [layer * n_pool + table[j] for j in range(keep)
-                for layer in range(n_layers) if j >= per_layer[layer]]
-        moves = []
-        for layer, nb in enumerate(per_layer):
-            for j in range(keep, nb):
-                moves.append((tables[layer][j], free[len(moves)]))
-                tables[layer][j] = moves[-1][1]
-        self.kv_pool.copy_slices(moves)
-        request.layer_slices = LayerSlices(tables, counts, request.num_computed_tokens, bs,
-                                           n_pool)
-        if keep < len(table):
-            self.block_manager.free_blocks_at(request, list(range(keep, len(table))))
 
     def _decode_evict(self, request: Request, policy: KVPolicy) -> None:
         if request.layer_slices is not None:  # per-layer budgets (PyramidKV): prefill only
@@ -182,8 +151,9 @@ class PolicyRunner:
         if not policy.should_evict_on_decode(num_slots, request.kv_budget):
             return
         if policy.decode_mode == "evict_block":
-            layers, table = self.kv.views(request)
-            index = decode_block_to_evict(policy, layers, table, num_slots, request.kv_budget)
+            view = self.kv_cache.policy_view(request)
+            index = decode_block_to_evict(policy, view.layers, view.block_table, num_slots,
+                                          request.kv_budget)
             if index is not None:
                 self.block_manager.free_blocks_at(request, [index])
                 request.num_evicted_tokens += self.block_size
@@ -204,7 +174,7 @@ class PolicyRunner:
         usage is above 1 - eviction_ratio. Returns the number of blocks freed."""
         bm = self.block_manager
         candidates = [r for r in running if r.kv_policy is not None and r.compressed
-                      and r.kv_budget is None and hasattr(r.kv_policy, "pool_evictions")]
+                      and r.kv_budget is None and r.kv_policy.pool_pressure]
         if not candidates:
             return 0
         policy = candidates[0].kv_policy
@@ -214,9 +184,9 @@ class PolicyRunner:
         scores = []
         for request in candidates:
             per_layer = []
-            layers, table = self.kv.views(request)
-            for k_cache, v_cache in layers:
-                keys, values = gather_request_kv(k_cache, v_cache, table,
+            view = self.kv_cache.policy_view(request)
+            for k_cache, v_cache in view.layers:
+                keys, values = gather_request_kv(k_cache, v_cache, view.block_table,
                                                  request.num_cached_slots)
                 per_layer.append(request.kv_policy.block_scores(LayerKV(keys, values)))
             scores.append(torch.stack(per_layer))  # [L, nb]

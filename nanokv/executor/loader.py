@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from nanokv.layers.linear import onednn_available
 from nanokv.models.registry import model_class
+from nanokv.utils import head_dim_of
 
 logger = logging.getLogger("nanokv")
 
@@ -172,7 +173,7 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
 def _packed_sizes(model, dst: str, param: torch.nn.Parameter) -> list[int]:
     cfg = model.config
     if dst == "qkv_proj":
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        head_dim = head_dim_of(cfg)
         q = cfg.num_attention_heads * head_dim
         kv = cfg.num_key_value_heads * head_dim
         return [q, kv, kv]

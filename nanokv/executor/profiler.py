@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from nanokv.layers.attention import AttentionMetadata, PrefillSeq
+from nanokv.attention.common import StepAttention
+from nanokv.attention.no_cache import NoCacheBackend
 
 
 def _proc_status_kib(field: str) -> int:
@@ -26,13 +27,7 @@ def _forward(model, num_tokens: int, device: torch.device) -> None:
     ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     # positions only index the RoPE tables here: wrap them into the table's range
     pos = torch.arange(num_tokens, device=device) % model.rotary.max_positions
-    meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.long, device=device), num_decode_tokens=0,
-        decode_block_tables=None, decode_mask=None,
-        prefills=[PrefillSeq(0, num_tokens, num_tokens,
-                             torch.empty(0, dtype=torch.long, device=device))],
-        write_cache=False)
-    hidden = model(ids, pos, meta)
+    hidden, _ = model(ids, pos, StepAttention(NoCacheBackend(device), None))
     model.compute_logits(hidden[-1:])
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from nanokv.layers.native_attention import DecodeRuns, native_decode_attention, slot_runs
+from nanokv.utils import cdiv
 
 
 @dataclass
@@ -27,38 +28,23 @@ class PrefillSeq:
 
 @dataclass
 class AttentionMetadata:
-    """Built once per step by the runner, shared by all layers."""
+    """The PyTorch paged-attention kernels' inputs for one step (an attention backend builds it
+    once per step from the common description, `nanokv.attention.common`)."""
 
     slot_mapping: torch.Tensor  # [T] int64, flat pool slot of each new token
     num_decode_tokens: int  # the first tokens of the batch are single-token decodes
     decode_block_tables: torch.Tensor | None  # [B_dec, max_blocks] int64 (padded)
     decode_mask: torch.Tensor | None  # [B_dec, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSeq]
-    write_cache: bool = True  # False for the profiling run before the pool exists
-    # KV policies that read window attention: (request id, first row, end row) of the queries
-    # to keep; each layer appends its post-RoPE rows to `captured[request id]`
-    query_capture: list[tuple[str, int, int]] | None = None
-    captured: dict | None = None
-    # per decode request its cached slots; when given, each request attends over exactly its
-    # own slots (no padding to the longest, no mask): about 2x faster on CPU than the padded batch
+    write_cache: bool = True  # False: the caller wrote the step's K/V (a backend does)
+    # Decodes take exactly one of three paths, by what the caller (an attention backend) set:
+    # `decode_runs`: the C kernel (`native_attention.py`), the slots as runs;
+    # `decode_context_lens` (+ `decode_block_lists`, host lists read without syncs): each request
+    # over exactly its own slots in place, no padding, no mask (the CPU PyTorch path);
+    # neither: one padded batch over `decode_block_tables` with `decode_mask` (CUDA)
     decode_context_lens: list[int] | None = None
-    # the same decode block tables as host lists (read by the per-request path without syncs)
     decode_block_lists: list[list[int]] | None = None
-    # with a quantized KV store: the step's write plan (`store.plan_write`), shared by all layers
-    kv_plan: object | None = None
-    # when a scheduled request has per-layer block tables (nanokv.cache.layer_slices): one
-    # metadata per layer, in flat layer-slice ids; layer l then attends with
-    # `paged_attention(..., k_flat, v_flat, per_layer[l])` over the pool's `flat_layers()`
-    per_layer: list[AttentionMetadata] | None = None
-    # CPU, attention_backend native: the decode requests' slots as runs, for the C kernel
-    # (`native_attention.py`); None: the PyTorch per-request path
     decode_runs: DecodeRuns | None = None
-
-
-def capture_queries(q: torch.Tensor, meta: AttentionMetadata) -> None:
-    """Keep the rows of q that KV policies asked for (called once per layer, in layer order)."""
-    for request_id, start, end in meta.query_capture:
-        meta.captured.setdefault(request_id, []).append(q[start:end].clone())
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -110,7 +96,7 @@ def _decode_per_request(q, k_cache, v_cache, meta: AttentionMetadata,
     out = torch.empty_like(q)  # [B, Hq, D]
     for i, context in enumerate(meta.decode_context_lens):
         qg = q[i].view(num_kv_heads, group, head_dim)  # [Hkv, g, D]
-        num_blocks = -(-context // block_size)
+        num_blocks = cdiv(context, block_size)
         blocks = (meta.decode_block_lists[i][:num_blocks] if meta.decode_block_lists is not None
                   else meta.decode_block_tables[i, :num_blocks].tolist())
         runs = [(b * block_size, n) for b, n in slot_runs(blocks, context, block_size)]

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from nanokv.utils import cdiv
+
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
@@ -54,7 +56,7 @@ def slot_runs(blocks: list[int], context: int, block_size: int) -> list[tuple[in
     runs: list[tuple[int, int]] = []
     for j, b in enumerate(blocks):
         n = min(block_size, context - j * block_size)
-        if runs and runs[-1][0] + -(-runs[-1][1] // block_size) == b \
+        if runs and runs[-1][0] + cdiv(runs[-1][1], block_size) == b \
                 and runs[-1][1] % block_size == 0:
             runs[-1] = (runs[-1][0], runs[-1][1] + n)
         else:
@@ -67,7 +69,7 @@ def build_decode_runs(block_tables: list[list[int]], context_lens: list[int],
     """Runs of consecutive blocks, from host block tables (once per step, shared by layers)."""
     ptr, starts, lens = [0], [], []
     for blocks, context in zip(block_tables, context_lens):
-        for first_block, n in slot_runs(blocks[:-(-context // block_size)], context, block_size):
+        for first_block, n in slot_runs(blocks[:cdiv(context, block_size)], context, block_size):
             starts.append(first_block * block_size)
             lens.append(n)
         ptr.append(len(starts))

@@ -61,6 +61,20 @@ class RotaryEmbedding(nn.Module):
         _, cos, sin = self._rows
         return apply_rotary(q, cos, sin, self.rot_dim), apply_rotary(k, cos, sin, self.rot_dim)
 
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [n, H, D] (keys stored before RoPE) rotated to positions [n]."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [n, 1, rot_dim]
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        return apply_rotary(x, cos, sin, self.rot_dim)
+
+    def unrotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The inverse of `rotate`: x [n, H, D] rotated by positions [n] -> before RoPE. The
+        tables may carry an attention scaling s (cos = s cos t): divide by s^2 too."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [n, 1, rot_dim]
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        norm = cos * cos + sin * sin  # s^2
+        return apply_rotary(x, cos / norm, -sin / norm, self.rot_dim)
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)

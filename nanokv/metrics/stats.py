@@ -31,18 +31,11 @@ class CacheConfigInfo:
     @classmethod
     def from_engine(cls, engine) -> CacheConfigInfo:
         cfg = engine.config
-        kv_dtype = getattr(engine, "kv_cache_dtype", "auto")
-        if kv_dtype == "auto":  # the float pool: the compute dtype
-            kv_dtype = str(engine.layout.dtype).removeprefix("torch.")
-        elif engine.kv_store is not None:  # fp8 -> fp8_e4m3
-            kv_dtype = engine.kv_store.kv_cache_dtype
         return cls(block_size=cfg.block_size, num_blocks=engine.block_manager.num_blocks,
-                   kv_dtype=kv_dtype,
-                   bytes_per_block=getattr(engine, "kv_bytes_per_block",
-                                           engine.layout.bytes_per_block),
+                   kv_dtype=engine.kv_cache_dtype, bytes_per_block=engine.kv_bytes_per_block,
                    enable_prefix_caching=cfg.enable_prefix_caching,
                    max_model_len=cfg.max_model_len,
-                   bytes_per_token=float(getattr(engine, "kv_bytes_per_token", 0.0)))
+                   bytes_per_token=float(engine.kv_bytes_per_token))
 
 
 @dataclass

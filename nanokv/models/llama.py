@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanokv.layers.attention import AttentionMetadata, capture_queries, paged_attention
+from nanokv.attention.common import StepAttention
 from nanokv.layers.linear import Linear
 from nanokv.layers.norm import RMSNorm
 from nanokv.layers.rotary import RotaryEmbedding
-from nanokv.quant.attention import quantized_paged_attention
+from nanokv.utils import head_dim_of
 
 
 class LlamaAttention(nn.Module):
@@ -23,7 +23,7 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.head_dim = head_dim_of(cfg)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
@@ -32,21 +32,11 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
-        # views into the engine's KV pool, set by the runner: [num_blocks, block_size, Hkv, D]
-        self.k_cache: torch.Tensor | None = None
-        self.v_cache: torch.Tensor | None = None
-        # or, with a quantized KV cache (set by the runner instead of the views): the store,
-        # this layer's index in it and the model's RoPE (to rotate keys kept before RoPE)
-        self.kv_store = None
-        self.layer_index = 0
-        # all layers' K/V as one table of layer slices [L * num_blocks, block_size, Hkv, D], for
-        # steps with per-layer block tables (AttentionMetadata.per_layer)
-        self.k_flat: torch.Tensor | None = None
-        self.v_flat: torch.Tensor | None = None
-        self.rope = None
+        self.layer_index = 0  # this layer's index in the KV cache (set by the model)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                step: StepAttention) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: [T, hidden] -> ([T, hidden], the post-RoPE queries at `step.capture_rows`)."""
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -56,19 +46,9 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         k_pre = k  # before RoPE: what a store with pre-RoPE keys quantizes
         q, k = self.rotary(positions, q, k)
-        if meta.query_capture:
-            capture_queries(q, meta)
-        store = self.kv_store
-        if store is None and meta.per_layer is not None:
-            o = paged_attention(q, k, v, self.k_flat, self.v_flat,
-                                meta.per_layer[self.layer_index], self.scale)
-        elif store is None:
-            o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
-        else:
-            o = quantized_paged_attention(q, k, v, k_pre if store.pre_rope_keys else k, store,
-                                          self.layer_index, meta, meta.kv_plan, self.scale,
-                                          self.rope)
-        return self.o_proj(o.reshape(num_tokens, self.q_size))  # [T, Hq * D] -> [T, hidden]
+        captured = q[step.capture_rows] if step.capture_rows is not None else None  # [Tc, Hq, D]
+        o = step.backend.forward(self.layer_index, q, k, v, k_pre, step.metadata, self.scale)
+        return self.o_proj(o.reshape(num_tokens, self.q_size)), captured  # [T, hidden]
 
 
 class LlamaMLP(nn.Module):
@@ -96,9 +76,10 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, positions, step: StepAttention):
+        attn, captured = self.self_attn(self.input_layernorm(x), positions, step)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), captured
 
 
 class LlamaForCausalLM(nn.Module):
@@ -116,23 +97,27 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         bias = self.qkv_bias or bool(getattr(cfg, "attention_bias", False))
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.rotary = RotaryEmbedding(cfg, head_dim, max_positions)
+        self.rotary = RotaryEmbedding(cfg, head_dim_of(cfg), max_positions)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, self.rotary, self.qk_norm, bias)
             for _ in range(cfg.num_hidden_layers))
+        for index, layer in enumerate(self.layers):
+            layer.self_attn.layer_index = index
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, hidden]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention
+                ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """input_ids, positions: [T] -> hidden states [T, hidden], and per layer the queries
+        KV policies asked for (`step.capture_rows`; None when none were asked)."""
         x = self.embed_tokens(input_ids)
+        captured = []
         for layer in self.layers:
-            x = layer(x, positions, meta)
-        return self.norm(x)
+            x, q_rows = layer(x, positions, step)
+            captured.append(q_rows)
+        return self.norm(x), (captured if step.capture_rows is not None else None)
 
     def tie_weights(self) -> None:
         """Tied embeddings: the LM head shares the embedding matrix (after loading)."""

@@ -5,12 +5,29 @@ Importing this package registers the built-in policies:
 streaming, h2o, snapkv, pyramidkv, knorm, paged_eviction, kvcrush.
 """
 
-from nanokv.policies.apply import (CompressionPlan, apply_compression, compress_request,
-                                   decode_block_to_evict, plan_compression)
-from nanokv.policies.base import (KVPolicy, LayerKV, PolicyConfig, available_policies,
-                                  make_policy, policy_options, register_policy, validate_kept)
-from nanokv.policies.compaction import (compact_blocks, compact_slots, gather_request_kv,
-                                        window_attention)
+from nanokv.policies.apply import (
+                                   CompressionPlan,
+                                   apply_compression,
+                                   compress_request,
+                                   decode_block_to_evict,
+                                   plan_compression,
+)
+from nanokv.policies.base import (
+                                   KVPolicy,
+                                   LayerKV,
+                                   PolicyConfig,
+                                   available_policies,
+                                   make_policy,
+                                   policy_options,
+                                   register_policy,
+                                   validate_kept,
+)
+from nanokv.policies.compaction import (
+                                   compact_blocks,
+                                   compact_slots,
+                                   gather_request_kv,
+                                   window_attention,
+)
 from nanokv.policies.h2o import H2O
 from nanokv.policies.knorm import KeyNorm
 from nanokv.policies.kvcrush import KVCrush

@@ -17,8 +17,14 @@ from dataclasses import dataclass
 import torch
 
 from nanokv.policies.base import KVPolicy, LayerKV
-from nanokv.policies.compaction import (compact_blocks, compact_slots, flat_slots,
-                                        gather_request_kv, window_attention)
+from nanokv.policies.compaction import (
+    compact_blocks,
+    compact_slots,
+    flat_slots,
+    gather_request_kv,
+    window_attention,
+)
+from nanokv.utils import cdiv
 
 
 @dataclass
@@ -78,7 +84,7 @@ def plan_compression(policy: KVPolicy, layers: Sequence[tuple[torch.Tensor, torc
     new_slots = max(counts)
     bs = layers[0][0].shape[1]
     # a block keeps its content only if every layer keeps all of its slots unmoved
-    return CompressionPlan(kept_per_layer, num_slots, new_slots, -(-new_slots // bs), counts,
+    return CompressionPlan(kept_per_layer, num_slots, new_slots, cdiv(new_slots, bs), counts,
                            min(first_changed, min(counts)) // bs)
 
 

@@ -37,6 +37,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from nanokv.validation import check_fraction, check_int
+
 GRANULARITIES = ("token", "block")
 DECODE_MODES = ("none", "reselect", "evict_block")
 
@@ -88,6 +90,8 @@ class KVPolicy(abc.ABC):
                        "reselect"    when `should_evict_on_decode`: select again with the same
                                      budget and compact (costs one compaction per B steps)
                        "evict_block" when `should_evict_on_decode`: free `blocks_to_free(...)`
+      per_layer_budgets  layers may get different budgets (PyramidKV)
+      pool_pressure    without a budget, evicts blocks across requests under pool pressure
     Constructor keywords are the policy's options; `make_policy` rejects unknown ones.
     """
 
@@ -96,6 +100,12 @@ class KVPolicy(abc.ABC):
     granularity: ClassVar[str] = "token"
     decode_mode: ClassVar[str] = "none"
     allows_no_budget: ClassVar[bool] = False  # True: without budget or ratio it keeps everything
+    # True: `layer_budgets` may give layers different budgets (the engine then needs per-layer
+    # block tables, which only the float KV pool has)
+    per_layer_budgets: ClassVar[bool] = False
+    # True: frees blocks across running requests when the pool fills (`pool_evictions`, the
+    # pool-pressure mode of a policy run without a budget)
+    pool_pressure: ClassVar[bool] = False
 
     def __init__(self, *, budget: int | None = None, compression_ratio: float | None = None,
                  block_size: int | None = None) -> None:
@@ -149,18 +159,6 @@ class KVPolicy(abc.ABC):
         """Budget of each layer: the same C everywhere unless PyramidKV says otherwise."""
         check_int("num_layers", num_layers, 1)
         return [self.resolve_budget(num_tokens)] * num_layers
-
-    def budgets_differ_by_layer(self, num_tokens: int = 4096, num_layers: int = 4) -> bool:
-        """True when layers get different budgets (they then need per-layer block tables)."""
-        return len(set(self.layer_budgets(num_tokens, num_layers))) > 1
-
-    def check_store(self, kv_cache_dtype: str) -> None:
-        """Per-layer budgets need the float pool's layer slices: reject them with a quantized
-        KV cache."""
-        if kv_cache_dtype != "auto" and self.budgets_differ_by_layer():
-            raise ValueError(f"kv_policy {self.name!r} gives layers different budgets, which "
-                             f"needs per-layer block tables over the float KV pool: use "
-                             f"kv_cache_dtype 'auto' with it")
 
     # ---- selection -----------------------------------------------------------------------------
     def select(self, kv: LayerKV, budget: int) -> torch.Tensor:
@@ -299,21 +297,9 @@ class PolicyConfig:
         return make_policy(self.name, **kwargs)
 
 
-# ---- small shared validation -------------------------------------------------------------------
-def check_choice(name: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
-
-
-def check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
 def _check_ratio(ratio: Any) -> None:
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
-        raise ValueError(f"compression_ratio is the fraction of tokens removed and must be in "
-                         f"[0, 1), got {ratio!r}")
+    check_fraction("compression_ratio", ratio, low_open=False, high_open=True,
+                   meaning=" (the fraction of tokens removed)")
 
 
 def validate_kept(kept: torch.Tensor, num_tokens: int, num_kv_heads: int) -> int:

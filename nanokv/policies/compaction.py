@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from nanokv.utils import cdiv
+
 
 def flat_slots(block_table, num_slots: int, block_size: int, device=None) -> torch.Tensor:
     """[num_slots] int64: the flat pool slot (block * B + offset) of each logical slot."""
@@ -59,7 +61,7 @@ def compact_slots(cache: torch.Tensor, block_table, num_slots: int,
         moved = rows[flat[kept], heads]  # [Hkv, C, ...]
         moved = moved.transpose(0, 1)  # [C, Hkv, ...]
     rows.index_copy_(0, flat[:c], moved)
-    return -(-c // block_size)
+    return cdiv(c, block_size)
 
 
 def compact_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table, num_slots: int,

@@ -14,8 +14,9 @@ import math
 
 import torch
 
-from nanokv.policies.base import LayerKV, check_int, register_policy
+from nanokv.policies.base import LayerKV, register_policy
 from nanokv.policies.scoring import ScoredPolicy, edge_mask
+from nanokv.validation import check_int
 
 
 def h2o_head_scores(attention: torch.Tensor, normalize: bool) -> torch.Tensor:

@@ -29,8 +29,10 @@ import math
 
 import torch
 
-from nanokv.policies.base import KVPolicy, LayerKV, check_choice, make_policy, register_policy
+from nanokv.policies.base import KVPolicy, LayerKV, make_policy, register_policy
 from nanokv.policies.scoring import ScoredPolicy, select_with_protected, top_k_indices
+from nanokv.utils import cdiv
+from nanokv.validation import check_choice
 
 ANCHORS = ("random", "mean", "alternate")
 SIGNATURE_HEADS = ("query", "kv")
@@ -184,7 +186,7 @@ class KVCrush(KVPolicy):
 
     def _select_blocks(self, kv: LayerKV, budget: int) -> torch.Tensor:
         n, bs = kv.num_tokens, self.block_size
-        nb = -(-n // bs)
+        nb = cdiv(n, bs)
         last = n - (nb - 1) * bs  # size of the newest block
         if budget < last:
             raise ValueError(f"budget {budget} cannot hold the newest block ({last} slots)")

@@ -16,8 +16,10 @@ one block still leaves >= C slots (for C a multiple of B: "more than C tokens"),
 with the lowest score, never block 0 nor the newest block. The block table is shared by all
 layers: the engine passes every layer's block scores `[L, nb]`, combined by `layer_reduce`.
 
-Pool-pressure mode (the user's document, `pool_evictions`): when pool usage > 1 - eviction_ratio,
-free blocks of several requests until usage <= 1 - eviction_ratio. Importance is normalised
+Pool-pressure mode (`pool_evictions`, for a policy run without a budget): when pool usage >
+1 - eviction_ratio, free blocks of several requests until usage <= 1 - eviction_ratio, so the
+least important blocks across the batch go before any request has to be preempted (and
+recomputed whole). Importance is normalised
 (`normalize`): "request_minmax" (default) maps each request's evictable block scores to [0, 1]
 (a request whose evictable blocks all score the same gets 0), "pool_max" divides by the largest
 evictable block score in the pool. Blocks are taken in ascending normalised importance, those below
@@ -31,8 +33,10 @@ from collections.abc import Sequence
 
 import torch
 
-from nanokv.policies.base import KVPolicy, LayerKV, check_choice, check_int, register_policy
+from nanokv.policies.base import KVPolicy, LayerKV, register_policy
 from nanokv.policies.scoring import edge_mask, select_with_protected
+from nanokv.utils import cdiv
+from nanokv.validation import check_choice, check_int
 
 SCORES = ("value_key_ratio", "inv_key_norm", "value_norm", "key_plus_value")
 BLOCK_REDUCES = ("mean", "sum")
@@ -61,7 +65,7 @@ def block_scores_from_tokens(scores: torch.Tensor, block_size: int,
     """[n] token scores -> [ceil(n / B)] block scores; the last block may be partial."""
     check_choice("block_reduce", reduce, BLOCK_REDUCES)
     n = scores.shape[0]
-    nb = -(-n // block_size)
+    nb = cdiv(n, block_size)
     padded = scores.new_zeros(nb * block_size)
     padded[:n] = scores
     sums = padded.view(nb, block_size).sum(1)  # [nb]
@@ -122,6 +126,7 @@ class PagedEviction(KVPolicy):
     granularity = "block"
     decode_mode = "evict_block"
     allows_no_budget = True
+    pool_pressure = True
 
     def __init__(self, *, budget=None, compression_ratio=None, block_size=None,
                  score: str = "value_key_ratio", block_reduce: str = "mean",
@@ -196,7 +201,7 @@ class PagedEviction(KVPolicy):
         if not self.should_evict_on_decode(num_slots, budget):
             return None
         scores = self.combine_layers(block_scores)
-        nb = -(-num_slots // self.block_size)
+        nb = cdiv(num_slots, self.block_size)
         if scores.shape[0] != nb:
             raise ValueError(f"{scores.shape[0]} block scores for {num_slots} slots "
                              f"({nb} blocks of {self.block_size})")

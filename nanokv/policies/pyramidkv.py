@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import math
 
-from nanokv.policies.base import check_int, register_policy
+from nanokv.policies.base import register_policy
 from nanokv.policies.snapkv import SnapKV
+from nanokv.validation import check_int
 
 
 def pyramid_budgets(budget: int, num_layers: int, beta: float = 20.0,
@@ -47,6 +48,8 @@ def pyramid_budgets(budget: int, num_layers: int, beta: float = 20.0,
 class PyramidKV(SnapKV):
     """SnapKV options plus beta (default 20). `layer_budgets(n, L)` gives each layer's budget;
     call `select(kv_of_layer_l, budgets[l])`."""
+
+    per_layer_budgets = True
 
     def __init__(self, *, budget=None, compression_ratio=None, block_size=None,
                  window: int = 32, kernel_size: int = 5, pooling: str = "avg",

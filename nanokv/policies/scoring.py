@@ -11,7 +11,8 @@ import abc
 
 import torch
 
-from nanokv.policies.base import KVPolicy, LayerKV, check_int
+from nanokv.policies.base import KVPolicy, LayerKV
+from nanokv.validation import check_int
 
 
 def gqa_mean(scores: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

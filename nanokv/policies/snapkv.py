@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanokv.policies.base import LayerKV, check_choice, check_int, register_policy
+from nanokv.policies.base import LayerKV, register_policy
 from nanokv.policies.scoring import ScoredPolicy, edge_mask
+from nanokv.validation import check_choice, check_int
 
 POOLINGS = ("avg", "max")
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from nanokv.policies.base import KVPolicy, LayerKV, check_int, register_policy
+from nanokv.policies.base import KVPolicy, LayerKV, register_policy
 from nanokv.policies.scoring import edge_mask
+from nanokv.validation import check_int
 
 
 @register_policy("streaming")

@@ -12,17 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from nanokv.layers.attention import AttentionMetadata, PrefillSeq, dense_reference_attention
-from nanokv.layers.rotary import RotaryEmbedding, apply_rotary
+from nanokv.layers.rotary import RotaryEmbedding
 from nanokv.quant.store import QuantizedKVStore, Rope, WritePlan
 
 
 def rope_from_rotary(rotary: RotaryEmbedding) -> Rope:
     """The model's RoPE as a store `Rope`: (positions [n], x [n, Hkv, D]) -> rotated x."""
-    def rope(positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        cos = rotary.cos[positions].unsqueeze(1).to(x.dtype)  # [n, 1, rot_dim]
-        sin = rotary.sin[positions].unsqueeze(1).to(x.dtype)
-        return apply_rotary(x, cos, sin, rotary.rot_dim)
-    return rope
+    return rotary.rotate
 
 
 def quantized_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -9,8 +9,10 @@
    on the values normalised exactly as the store normalises them (blocks of `block_size` tokens,
    keys per channel, values per token, outliers and sinks left out).
 4. Perplexity on separate evaluation sequences, the K/V quantized and dequantized inside the
-   model by hooks (`fake_quantize_sequence`, the store's own code), then the user's rule
-   (`choose_precision`): the lowest candidate width (default: 4 bits only) whose perplexity rises
+   model by hooks (`fake_quantize_sequence`, the store's own code), then the precision rule
+   (`choose_precision`; 4 bits first, more bits only where quality suffers, since 4 bits is
+   where KVQuant's published quality holds and each step up costs memory): the lowest
+   candidate width (default: 4 bits only) whose perplexity rises
    by at most `max_ppl_increase`; else per-layer mixed precision (the most sensitive layers at 8
    bits, one by one); else int8; else full precision.
 """
@@ -28,11 +30,12 @@ from nanokv.quant.codebook import fisher_kmeans
 from nanokv.quant.codec import LayerCodec, fake_quantize_sequence
 from nanokv.quant.int8 import dequantize_int8, quantize_int8
 from nanokv.quant.kvquant import KVQUANT_BITS, SPARSE_DTYPES, normalized_values
+from nanokv.utils import head_dim_of
 
 
 @dataclass
 class CalibrationSettings:
-    candidate_bits: tuple[int, ...] = (4,)  # the user's rule starts (and stays) at 4 bits
+    candidate_bits: tuple[int, ...] = (4,)  # 4 bits first: KVQuant's quality point
     codebook_bits: tuple[int, ...] = (2, 3, 4)
     block_size: int = 128
     outlier_fraction: float = 0.01
@@ -75,7 +78,7 @@ def kv_modules(model) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
 
 def _heads(model) -> tuple[int, int]:
     cfg = model.config
-    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dim = head_dim_of(cfg)
     return cfg.num_key_value_heads, dim
 
 
@@ -226,7 +229,8 @@ def perplexity(model, ids: torch.Tensor) -> float:
 def choose_precision(evaluate: Callable[[Candidate], float], num_layers: int,
                      candidate_bits: tuple[int, ...], max_increase: float
                      ) -> tuple[Decision, list[Trial], float]:
-    """The user's rule. Returns (decision, trials, baseline perplexity)."""
+    """The precision rule of the module docstring (the cheapest precision whose perplexity stays
+    within `max_increase`). Returns (decision, trials, baseline perplexity)."""
     trials: list[Trial] = []
 
     def run(c: Candidate) -> float:

@@ -60,8 +60,3 @@ def fisher_kmeans(values: torch.Tensor, weights: torch.Tensor | None, num_centro
             break
         centroids = new
     return centroids.clamp(-1.0, 1.0).float()
-
-
-def uniform_codebook(bits: int) -> torch.Tensor:
-    """The grid uniform quantization uses: 2**bits points evenly spread over [-1, 1]."""
-    return torch.linspace(-1.0, 1.0, 2 ** bits)

@@ -31,17 +31,27 @@ block returns its staged keys (exact with the default staging dtype) and its qua
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from nanokv.cache.kv_pool import KVLayout
+from nanokv.cache.kv_cache import KVCacheOptions
+from nanokv.cache.layout import KVLayout
 from nanokv.quant.codec import LayerCodec
-from nanokv.quant.kvquant import SPARSE_DTYPES, KVQuantConfig, QuantizedBlocks, outlier_capacity
+from nanokv.quant.kvquant import (
+    KVQUANT_BITS,
+    SPARSE_DTYPES,
+    KVQuantConfig,
+    QuantizedBlocks,
+    outlier_capacity,
+)
 from nanokv.quant.packing import pack, packed_dim, unpack
 from nanokv.quant.store import BufferSpec, QuantizedKVStore, Rope, WritePlan, as_list
+
+logger = logging.getLogger("nanokv")
 
 
 @dataclass
@@ -87,25 +97,83 @@ class KVQuantStore(QuantizedKVStore):
         self._sink = np.full((num_blocks, self.num_sinks), -1, dtype=np.int64)
         self._free_rows = list(range(self.num_staging_blocks - 1, -1, -1))
 
-    # ---- layout ------------------------------------------------------------------------------
-    def _index_dtype(self, per_token: bool) -> torch.dtype:
+    # ---- the KV cache kind -----------------------------------------------------------------
+    # measured peak of a decode read (RSS high-water mark): 4-bit 2.7, 2-bit 2.0 in units of
+    # one layer's float32 K and V over the blocks read
+    decode_scratch_factor = 3.0
+    engine_options = frozenset({"kv_quant_bits", "kv_quant_config"})
+
+    @classmethod
+    def settings_from_options(cls, options: KVCacheOptions, layout: KVLayout) -> dict:
+        """The KVQuant config (default 4-bit, or the calibration file's; reads and checks the
+        file) and one staging block per running request (a request has at most one partial
+        block)."""
+        from nanokv.quant.calibration_file import load_calibration
+
+        bits = options.kv_quant_bits
+        if bits is not None and (isinstance(bits, bool) or bits not in KVQUANT_BITS):
+            raise ValueError(f"kv_quant_bits must be one of {list(KVQUANT_BITS)}, got {bits!r}")
+        if options.kv_quant_config is None:
+            config = KVQuantConfig(bits=bits or 4)
+        else:
+            calib = load_calibration(options.kv_quant_config)
+            calib.check_model(layout.num_layers, layout.num_kv_heads, layout.head_dim)
+            if bits is None and calib.kv_cache_dtype != "kvquant":
+                raise ValueError(f"the calibration {options.kv_quant_config} chose kv_cache_dtype "
+                                 f"{calib.kv_cache_dtype!r}: run with --kv-cache-dtype "
+                                 f"{calib.kv_cache_dtype}, or pass kv_quant_bits for a kvquant "
+                                 f"config from its codebooks")
+            config = calib.kvquant_config(bits=bits)
+            calib_block = calib.settings.get("block_size")
+            if calib_block != layout.block_size:
+                logger.warning("the calibration %s was made with block_size %s, the engine uses "
+                               "%s: per-channel key statistics (and outlier shares) differ from "
+                               "what was calibrated", options.kv_quant_config, calib_block,
+                               layout.block_size)
+        config.validate_for(layout.num_layers, layout.num_kv_heads, layout.head_dim,
+                            layout.block_size)
+        return {"config": config, "num_staging_blocks": options.max_num_seqs}
+
+    @classmethod
+    def from_settings(cls, layout: KVLayout, num_blocks: int, device: torch.device | str,
+                      config: KVQuantConfig | None = None, num_staging_blocks: int | None = None,
+                      staging_dtype: torch.dtype | None = None) -> KVQuantStore:
+        if num_staging_blocks is None:
+            raise ValueError("kvquant needs num_staging_blocks (>= max_num_seqs)")
+        return cls(layout, num_blocks, config or KVQuantConfig(), num_staging_blocks, device,
+                   staging_dtype=staging_dtype)
+
+    @property
+    def settings(self) -> dict:
+        return {"config": self.config, "num_staging_blocks": self.num_staging_blocks,
+                "staging_dtype": self.staging_dtype}
+
+    @staticmethod
+    def _index_dtype(layout: KVLayout, per_token: bool) -> torch.dtype:
         if per_token:  # channel index < D; unused = 255 (uint8) or -1
-            return torch.uint8 if self.layout.head_dim < 255 else torch.int16
-        return torch.int16 if self.block_size * self.layout.head_dim <= 32767 else torch.int32
+            return torch.uint8 if layout.head_dim < 255 else torch.int16
+        return torch.int16 if layout.block_size * layout.head_dim <= 32767 else torch.int32
 
     def _per_token(self, name: str) -> bool:
         return name == "v" or not self.staged
 
-    def buffer_specs(self) -> list[BufferSpec]:
-        lay, nb, cfg = self.layout, self.num_blocks, self.config
-        bsz, heads, dim, n_sink = lay.block_size, lay.num_kv_heads, lay.head_dim, self.num_sinks
+    @classmethod
+    def specs_for(cls, layout: KVLayout, num_blocks: int, settings: dict) -> list[BufferSpec]:
+        cfg = settings.get("config") or KVQuantConfig()
+        staged = cfg.per_channel_keys
+        num_staging = (settings.get("num_staging_blocks") or 0) if staged else 0
+        staging_dtype = settings.get("staging_dtype") or layout.dtype
+        lay, nb = layout, num_blocks
+        bsz, heads, dim, n_sink = lay.block_size, lay.num_kv_heads, lay.head_dim, \
+            cfg.num_sink_tokens
         sparse = SPARSE_DTYPES[cfg.sparse_dtype]
         specs = []
         for layer in range(lay.num_layers):
             bits = cfg.bits_of(layer)
             codes = (nb, bsz, heads, packed_dim(dim, bits))
             for name in ("k", "v"):
-                if self._per_token(name):
+                per_token = name == "v" or not staged
+                if per_token:
                     stats = (nb, bsz, heads)
                     sparse_shape = (nb, bsz, heads, outlier_capacity(1, dim, cfg.outlier_fraction))
                 else:
@@ -115,7 +183,7 @@ class KVQuantStore(QuantizedKVStore):
                           BufferSpec(f"{name}_offset{layer}", stats, torch.float16, "scales"),
                           BufferSpec(f"{name}_half{layer}", stats, torch.float16, "scales"),
                           BufferSpec(f"{name}_oidx{layer}", sparse_shape,
-                                     self._index_dtype(self._per_token(name)), "outliers"),
+                                     cls._index_dtype(lay, per_token), "outliers"),
                           BufferSpec(f"{name}_oval{layer}", sparse_shape, sparse, "outliers")]
             for kind in ("key", "value"):
                 if cfg.codebook(layer, kind) is not None:
@@ -123,9 +191,9 @@ class KVQuantStore(QuantizedKVStore):
                                             torch.float32, "scales"))
             specs += [BufferSpec(f"sink_k{layer}", (nb, n_sink, heads, dim), sparse, "sinks"),
                       BufferSpec(f"sink_v{layer}", (nb, n_sink, heads, dim), sparse, "sinks")]
-        staging = (lay.num_layers, self.num_staging_blocks, bsz, heads, dim)
+        staging = (lay.num_layers, num_staging, bsz, heads, dim)
         specs += [BufferSpec("sink_slot", (nb, n_sink), torch.int16, "sinks"),
-                  BufferSpec("staging_k", staging, self.staging_dtype, "staging"),
+                  BufferSpec("staging_k", staging, staging_dtype, "staging"),
                   BufferSpec("staging_index", (nb,), torch.int32, "bookkeeping")]
         return specs
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from nanokv.utils import cdiv
+
 SUPPORTED_BITS = (2, 3, 4, 8)
 
 
@@ -25,9 +27,9 @@ def packed_dim(num_codes: int, bits: int) -> int:
     """Bytes that hold `num_codes` codes of `bits` bits (including the padding)."""
     _check_bits(bits)
     if bits == 3:
-        return -(-num_codes // 8) * 3
+        return cdiv(num_codes, 8) * 3
     per_byte = 8 // bits
-    return -(-num_codes // per_byte)
+    return cdiv(num_codes, per_byte)
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from nanokv.cache.kv_pool import KVLayout
+from nanokv.cache.kv_cache import KVCacheOptions
+from nanokv.cache.layout import KVLayout
 from nanokv.quant.fp8 import dequantize_fp8, fp8_dtype, quantize_fp8
 from nanokv.quant.int8 import SCALE_DTYPE, dequantize_int8, quantize_int8
 from nanokv.quant.store import BufferSpec, QuantizedKVStore, Rope, WritePlan
@@ -24,8 +25,18 @@ class PerTokenKVStore(QuantizedKVStore):
         super().__init__(layout, num_blocks, device, pre_rope_keys, slot_positions)
         self._allocate(self.buffer_specs())
 
-    def buffer_specs(self) -> list[BufferSpec]:
-        lay, nb = self.layout, self.num_blocks
+    @classmethod
+    def from_settings(cls, layout: KVLayout, num_blocks: int, device: torch.device | str,
+                      pre_rope_keys: bool = False) -> PerTokenKVStore:
+        return cls(layout, num_blocks, device, pre_rope_keys)
+
+    @classmethod
+    def settings_from_options(cls, options: KVCacheOptions, layout: KVLayout) -> dict:
+        return {"pre_rope_keys": False}  # after RoPE, as vLLM stores them
+
+    @classmethod
+    def specs_for(cls, layout: KVLayout, num_blocks: int, settings: dict) -> list[BufferSpec]:
+        lay, nb = layout, num_blocks
         codes = (lay.num_layers, nb, lay.block_size, lay.num_kv_heads, lay.head_dim)
         scales = codes[:-1]
         return [BufferSpec("k_codes", codes, torch.uint8, "codes"),
@@ -74,6 +85,14 @@ class Int8KVStore(PerTokenKVStore):
 class FP8KVStore(PerTokenKVStore):
     """fmt 'e4m3' (torch.float8_e4m3fn, max 448) or 'e5m2' (torch.float8_e5m2, max 57344)."""
 
+    kv_cache_dtype = "fp8_e4m3"
+    fmt = "e4m3"
+
+    @classmethod
+    def from_settings(cls, layout: KVLayout, num_blocks: int, device: torch.device | str,
+                      pre_rope_keys: bool = False) -> FP8KVStore:
+        return cls(layout, num_blocks, device, cls.fmt, pre_rope_keys)
+
     def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu",
                  fmt: str = "e4m3", pre_rope_keys: bool = False,
                  slot_positions: torch.Tensor | None = None) -> None:
@@ -87,3 +106,13 @@ class FP8KVStore(PerTokenKVStore):
 
     def _dequantize(self, codes, scale):
         return dequantize_fp8(codes, scale, self.fmt)
+
+
+class FP8E4M3KVStore(FP8KVStore):
+    kv_cache_dtype = "fp8_e4m3"
+    fmt = "e4m3"
+
+
+class FP8E5M2KVStore(FP8KVStore):
+    kv_cache_dtype = "fp8_e5m2"
+    fmt = "e5m2"

@@ -1,6 +1,7 @@
 """The contract of a quantized KV store, its write plan and its memory report.
 
-A store replaces the float KV pool's tensor for one engine. It is indexed by the SAME block ids
+A store is the engine's KV cache (`nanokv.cache.kv_cache.KVCache`) when kv_cache_dtype is not
+"auto". It is indexed by the SAME block ids
 as the block manager (`[num_blocks, block_size]` slots, flat slot = block * block_size + slot),
 so eviction, prefix caching and preemption work on it unchanged: a block's bytes (codes,
 scales, zero-points, outliers, sinks) live at its block id, and freeing a block moves nothing.
@@ -21,18 +22,27 @@ Contract:
     only what a partial block holds (its staging), full blocks stay readable for prefix hits;
   - `copy_blocks(pairs)` copies whole blocks (copy-on-write before a KV policy rewrites them);
   - `memory()` counts every byte the store allocated (codes, scales, zero-points, outlier
-    indices and values, sinks, staging, bookkeeping).
+    indices and values, sinks, staging, bookkeeping), and `specs_for` says the same before
+    anything is allocated (pool sizing asks it through `spec`).
+
+A new store is one file with a subclass (`specs_for`, `write`, `read_blocks`, `from_settings`,
+and `settings_from_options` when it reads engine options) plus one line in
+`nanokv/cache/registry.py`. KV policies, prefix caching, preemption, the memory plan and the
+PyTorch attention backend then work on it unchanged.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from nanokv.cache.kv_pool import KVLayout
+from nanokv.cache.kv_cache import KVCache, KVCacheOptions, KVCacheSpec, KVView
+from nanokv.cache.layout import POSITION_BYTES, KVLayout
+from nanokv.utils import cdiv
 
 # (positions [n] int64, x [n, Hkv, D]) -> x rotated to those positions
 Rope = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -109,10 +119,14 @@ def as_list(x: Sequence[int] | torch.Tensor) -> list[int]:
     return x.tolist() if isinstance(x, torch.Tensor) else [int(i) for i in x]
 
 
-class QuantizedKVStore(ABC):
+class QuantizedKVStore(KVCache):
     """Quantized paged KV storage for all layers of one engine (see the module contract)."""
 
     kv_cache_dtype = ""
+    rewrites_from_copies = True  # policies' kept tokens are re-written from dense copies
+    # peak live bytes of a decode read per block read, in units of one layer's K and V in
+    # float32 (codes gathered and unpacked, dequantized, keys rotated): reserved per pool block
+    decode_scratch_factor: ClassVar[float] = 2.0
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str,
                  pre_rope_keys: bool, slot_positions: torch.Tensor | None = None) -> None:
@@ -132,6 +146,112 @@ class QuantizedKVStore(ABC):
                              f"got {tuple(slot_positions.shape)}")
         self.slot_positions = slot_positions  # [num_blocks, block_size], -1 = never written
         self.buffers: dict[str, torch.Tensor] = {}
+        self.rotary = None  # the model's RoPE (set by `create`): rotates pre-RoPE keys
+
+    # ---- the KV cache kind ---------------------------------------------------------------------
+    @classmethod
+    def settings_from_options(cls, options: KVCacheOptions, layout: KVLayout) -> dict:
+        """Constructor settings from the engine options (none by default)."""
+        return {}
+
+    @classmethod
+    @abstractmethod
+    def specs_for(cls, layout: KVLayout, num_blocks: int, settings: dict) -> list[BufferSpec]:
+        """Every tensor a store of `num_blocks` blocks with these settings allocates."""
+
+    @classmethod
+    @abstractmethod
+    def from_settings(cls, layout: KVLayout, num_blocks: int, device: torch.device | str,
+                      **settings) -> QuantizedKVStore:
+        """Build from `settings_from_options`' settings."""
+
+    @classmethod
+    def spec(cls, layout: KVLayout, settings: dict) -> KVCacheSpec:
+        fixed = sum(b.nbytes for b in cls.specs_for(layout, 0, settings))
+        one = sum(b.nbytes for b in cls.specs_for(layout, 1, settings))
+        dense_block = 2 * layout.block_size * layout.num_kv_heads * layout.head_dim * 4
+        return KVCacheSpec(cls.kv_cache_dtype, one - fixed + layout.block_size * POSITION_BYTES,
+                           fixed, int(cls.decode_scratch_factor * dense_block))
+
+    @classmethod
+    def create(cls, layout: KVLayout, num_blocks: int, device: torch.device, settings: dict,
+               rotary=None) -> QuantizedKVStore:
+        store = cls.from_settings(layout, num_blocks, device, **settings)
+        store.rotary = rotary
+        return store
+
+    @property
+    def rope(self) -> Rope | None:
+        """What attention passes to `read_blocks`: the model's RoPE for pre-RoPE keys."""
+        return self.rotary.rotate if self.pre_rope_keys and self.rotary is not None else None
+
+    def memory_breakdown(self) -> dict[str, int]:
+        m = self.memory()
+        return {name: getattr(m, name) for name in CATEGORIES}
+
+    # ---- the KV cache interface ----------------------------------------------------------------
+    def begin_step(self, slot_mapping: Sequence[int], positions: Sequence[int]) -> WritePlan:
+        return self.plan_write(slot_mapping, positions)
+
+    def write_layer(self, layer: int, plan: WritePlan, k: torch.Tensor, v: torch.Tensor,
+                    k_pre: torch.Tensor) -> None:
+        self.write(layer, plan, k_pre if self.pre_rope_keys else k, v)
+
+    def policy_view(self, request) -> KVView:
+        """The request's blocks dequantized into dense copies (keys rotated to their slot's
+        position), table `0..n-1`, and each slot's recorded position (the table may shrink
+        before `apply_plan` runs)."""
+        nb = cdiv(request.num_cached_slots, self.block_size)
+        ids = torch.tensor(request.block_table[:nb], dtype=torch.long, device=self.device)
+        rope = self.rope
+        if self.pre_rope_keys and rope is None:
+            raise RuntimeError("a store with pre-RoPE keys needs the model's rotary (create)")
+        layers = [self.read_blocks(layer, ids, rope)  # each [nb, B, Hkv, D]
+                  for layer in range(self.layout.num_layers)]
+        return KVView(layers, list(range(nb)), self.slot_positions[ids].reshape(-1).long(),
+                      request.request_id)
+
+    def apply_plan(self, request, plan, view: KVView) -> None:
+        """RE-WRITE the kept tokens through the store from the first changed block on, so every
+        block is quantized again with its new content's statistics (a second rounding of those
+        tokens). A store that keeps keys before RoPE records one position per slot, shared by
+        all layers and heads, but a slot may now hold different tokens per layer (and head):
+        the slot gets the position of layer 0 / head 0's token, p, and each stored key is the
+        kept post-RoPE key rotated back by p, so reading it (rotation by p) gives exactly the
+        kept key. For a slot whose token is the same everywhere this is the plain pre-RoPE key."""
+        from nanokv.policies.compaction import flat_slots, gather_request_kv
+
+        if len(set(plan.layer_num_slots)) > 1:
+            raise ValueError("per-layer budgets need the float KV pool (kv_cache_dtype 'auto')")
+        if view.request_id != request.request_id:
+            raise RuntimeError("apply_plan() must follow policy_view() of the same request")
+        bs = self.block_size
+        n_before, n = plan.num_slots_before, plan.num_slots
+        start = plan.first_changed_block * bs
+        if start >= n:
+            return
+        kept_keys, kept_values, slot_pos = [], [], None
+        for (k_blocks, v_blocks), kept in zip(view.layers, plan.kept):
+            keys, values = gather_request_kv(k_blocks, v_blocks, view.block_table,
+                                             n_before)  # [n, Hkv, D]
+            if kept.dim() == 1:
+                ks, vs, pos = keys[kept], values[kept], view.positions[kept]  # [C, Hkv, D], [C]
+            else:  # per KV head: [Hkv, C]
+                heads = torch.arange(kept.shape[0], device=kept.device)[:, None]  # [Hkv, 1]
+                ks = keys[kept, heads].transpose(0, 1)  # [Hkv, C, D] -> [C, Hkv, D]
+                vs = values[kept, heads].transpose(0, 1)
+                pos = view.positions[kept[0]]  # head 0's tokens: [C]
+            if slot_pos is None:
+                slot_pos = pos
+            kept_keys.append(ks)
+            kept_values.append(vs)
+        new_slots = flat_slots(request.block_table, n, bs, self.device)[start:]  # [n - start]
+        write = self.plan_write(new_slots.tolist(), slot_pos[start:].tolist())
+        for layer, (ks, vs) in enumerate(zip(kept_keys, kept_values)):
+            ks = ks[start:]
+            if self.pre_rope_keys:
+                ks = self.rotary.unrotate(slot_pos[start:], ks)
+            self.write(layer, write, ks.contiguous(), vs[start:].contiguous())
 
     def _allocate(self, specs: Sequence[BufferSpec]) -> None:
         # zeros: never-written slots dequantize to finite values (masked, but 0 * NaN = NaN)
@@ -191,9 +311,14 @@ class QuantizedKVStore(ABC):
         """The block-id axis of buffer `name` (None: not indexed by block)."""
         return 0
 
-    @abstractmethod
     def buffer_specs(self) -> list[BufferSpec]:
         """Every tensor this store allocates (what `memory()` counts)."""
+        return self.specs_for(self.layout, self.num_blocks, self.settings)
+
+    @property
+    def settings(self) -> dict:
+        """The settings `specs_for` needs to describe this store."""
+        return {"pre_rope_keys": self.pre_rope_keys}
 
     def extra_keys(self) -> tuple:
         """Prefix-cache extra keys: blocks are only shared between identical settings."""

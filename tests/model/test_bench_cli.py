@@ -27,4 +27,4 @@ def test_bench_cli_json_and_bad_temperature(tiny_llama, capsys):
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["engine"] == "nanokv" and line["output_tokens"] > 0
     assert main(args + ["--temperature", "-1"]) == 2
-    assert "temperature must be a number >= 0" in capsys.readouterr().err
+    assert "temperature must be a finite number >= 0" in capsys.readouterr().err

@@ -44,10 +44,10 @@ class LogitRecorder:
         self.rows: list[tuple[int, torch.Tensor]] = []
         engine.runner.sampler = self
 
-    def __call__(self, logits, params, output_indices):
+    def sample(self, logits, params, output_indices, *args, **kwargs):
         for row, idx in enumerate(output_indices):
             self.rows.append((idx, logits[row].clone()))
-        return self.sampler(logits, params, output_indices)
+        return self.sampler.sample(logits, params, output_indices, *args, **kwargs)
 
 
 SCENARIOS = {
@@ -70,7 +70,8 @@ def test_greedy_matches_hf(tiny_model, scenario):
     options = {"max_model_len": 256, **SCENARIOS[scenario]}
     llm = LLM(tiny_model, **options)
     # on CPU the default decode path is the C kernel: it must have built here (needs `cc`)
-    assert llm.engine.runner.native_decode == (options.get("attention_backend") != "torch"), \
+    assert (llm.engine.attention_backend.name == "native") == (
+        options.get("attention_backend") != "torch"), \
         native_attention._error
     recorder = LogitRecorder(llm.engine)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import nanokv.engine.llm_engine as llm_engine_module
-import nanokv.models.llama as llama_module
+import nanokv.attention.quantized as quantized_backend_module
 from nanokv import LLM, SamplingParams
 from nanokv.cache.block_manager import BlockManager
 from nanokv.cli import main as cli_main
 from nanokv.policies.base import PolicyConfig
-from nanokv.quant import store_memory
+from nanokv.quant import QuantizedKVStore, store_memory
 from nanokv.quant.attention import reference_quantized_attention
 from nanokv.request import Request
 from tiny_models import TOKENIZER_TEXT, VOCAB
@@ -68,7 +68,7 @@ def assert_all_free(engine):
     engine.check_invariants()
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
-    store = engine.kv_store
+    store = engine.kv_cache
     if store is not None and hasattr(store, "num_free_staging_blocks"):  # kvquant staging
         assert store.num_free_staging_blocks == store.num_staging_blocks
 
@@ -85,9 +85,9 @@ def test_near_lossless_quantized_greedy_equals_float(tiny_model, tmp_path, kv, s
     ref_engine, ref = run(tiny_model, **extra)
     engine, outs = run(tiny_model, **extra, **quant)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
-    assert engine.kv_pool.kv is None  # no float K/V tensor: the store holds them
-    assert all(a.kv_store is engine.kv_store and a.k_cache is None
-               for a in engine.model.attention_layers())
+    # no float K/V tensor: the store holds them, and attention reads the store
+    assert isinstance(engine.kv_cache, QuantizedKVStore)
+    assert engine.attention_backend.kv_cache is engine.kv_cache
     if scenario == "chunked_prefix":
         assert [o.num_cached_tokens for o in outs] == [0, 32, 32, 32]  # prefix hits served
     else:
@@ -98,7 +98,7 @@ def test_near_lossless_quantized_greedy_equals_float(tiny_model, tmp_path, kv, s
 
 # ---- kvquant 4-bit: every attention call == dequantize-then-dense over the store -----------------
 def test_kvquant_attention_equals_dequantize_then_dense(tiny_model, monkeypatch):
-    real = llama_module.quantized_paged_attention
+    real = quantized_backend_module.quantized_paged_attention
     checked = {"decode": 0, "prefill_past": 0}
 
     def checking(q, k, v, k_store, store, layer, meta, plan, scale, rope):
@@ -120,10 +120,10 @@ def test_kvquant_attention_equals_dequantize_then_dense(tiny_model, monkeypatch)
             checked["prefill_past"] += past > 0
         return out
 
-    monkeypatch.setattr(llama_module, "quantized_paged_attention", checking)
+    monkeypatch.setattr(quantized_backend_module, "quantized_paged_attention", checking)
     engine, outs = run(tiny_model, kv_cache_dtype="kvquant", kv_quant_bits=4, max_num_seqs=4,
                        **CHUNKED)
-    assert engine.kv_store.pre_rope_keys and engine.kv_store.config.bits == 4
+    assert engine.kv_cache.pre_rope_keys and engine.kv_cache.config.bits == 4
     assert checked["decode"] > 0 and checked["prefill_past"] > 0
     assert [o.num_cached_tokens for o in outs] == [0, 32, 32, 32]
     assert_all_free(engine)
@@ -179,12 +179,12 @@ def test_more_blocks_at_a_fixed_budget(tiny_qwen3):
             assert e.kv_bytes_per_token == e.layout.bytes_per_block / 16  # K/V + position
             sizes[kv] = (blocks, e.kv_bytes_per_block)
             continue
-        store = e.kv_store
+        store = e.kv_cache
         options = {}
         if kv == "kvquant":
             options = {"kvquant_config": store.config, "num_staging_blocks": 4}
         # the engine's figure is every byte the store allocated plus the slot positions ...
-        allocated = sum(b.nbytes for b in store.buffers.values()) + e.kv_pool.slot_positions.nbytes
+        allocated = sum(b.nbytes for b in store.buffers.values()) + store.slot_positions.nbytes
         assert e.kv_cache_bytes == allocated
         # ... which is what store_memory predicts for that pool (positions owned there)
         mem = store_memory(kv, e.layout, blocks, **options)
@@ -292,7 +292,7 @@ def test_calibrate_cli_then_engine_loads_the_file(tiny_llama, tmp_path, capsys, 
     with caplog.at_level(logging.WARNING, logger="nanokv"):
         llm = LLM(tiny_llama, block_size=32, max_model_len=128, max_num_seqs=2,
                   kv_cache_dtype="kvquant", kv_quant_config=str(out))
-    assert llm.engine.kv_store.config.nuq
+    assert llm.engine.kv_cache.config.nuq
     assert "block_size 16" in caplog.text
 
 

@@ -32,7 +32,7 @@ def float_prompt_kv(model, prompt) -> list[tuple[torch.Tensor, torch.Tensor]]:
     table = request.block_table
     out = []
     for layer in range(llm.engine.layout.num_layers):
-        k, v = llm.engine.kv_pool.layer(layer)
+        k, v = llm.engine.kv_cache.layer(layer)
         h, d = k.shape[2], k.shape[3]
         out.append((k[table].reshape(-1, h, d)[:len(prompt)].clone(),
                     v[table].reshape(-1, h, d)[:len(prompt)].clone()))
@@ -71,7 +71,7 @@ def test_kept_tokens_read_back_from_the_store(tiny_qwen3, monkeypatch, dtype, st
     assert len(request.block_table) == 3  # ceil(40 / 16): the tail went back to the pool
     kept = plans[-1].kept
     reference = float_prompt_kv(tiny_qwen3, prompt)
-    store = llm.engine.kv_store
+    store = llm.engine.kv_cache
     rope = rope_from_rotary(llm.engine.model.rotary) if store.pre_rope_keys else None
     for layer, ((k_ref, v_ref), layer_kept) in enumerate(zip(reference, kept)):
         k, v = store.read(layer, request.block_table, 40, rope)  # keys rotated back to position
@@ -89,7 +89,7 @@ def test_a_wrong_position_would_be_caught(tiny_qwen3, monkeypatch):
               kv_cache_dtype="int8", kv_policy="knorm", kv_budget=40)
     request = run_prompt(llm, prompt)
     k_ref = float_prompt_kv(tiny_qwen3, prompt)[0][0]
-    k, _ = llm.engine.kv_store.read(0, request.block_table, 40)
+    k, _ = llm.engine.kv_cache.read(0, request.block_table, 40)
     shifted = (plans[-1].kept[0] + 1).clamp(max=89)
     assert (k - take(k_ref, shifted)).abs().max() / k_ref.abs().max() > 0.1
 

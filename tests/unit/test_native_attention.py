@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import nanokv.layers.native_attention as native
+from nanokv.attention.selector import select_backend
 from nanokv.cache.kv_pool import KVLayout, KVPool
-from nanokv.executor.model_runner import choose_decode_backend
 from nanokv.layers.attention import (AttentionMetadata, _decode_per_request,
                                      dense_reference_attention)
 from nanokv.layers.native_attention import build_decode_runs, native_decode_attention
@@ -108,9 +108,23 @@ def no_compiler(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_error", None)
 
 
+def _layout(dtype=torch.float32):
+    return KVLayout(num_layers=1, block_size=16, num_kv_heads=2, head_dim=8, dtype=dtype)
+
+
 def _pool(dtype=torch.float32):
-    return KVPool(KVLayout(num_layers=1, block_size=16, num_kv_heads=2, head_dim=8, dtype=dtype),
-                  4, torch.device("cpu"))
+    return KVPool(_layout(dtype), 4, torch.device("cpu"))
+
+
+def _int8_store():
+    from nanokv.quant import make_kv_store
+
+    return make_kv_store("int8", _layout(), 4)
+
+
+def choose_decode_backend(requested, device, kv_cache):
+    """The name of the attention backend the engine would choose (the choice made once)."""
+    return select_backend(requested, kv_cache, device)[0].name
 
 
 def test_auto_falls_back_to_torch_without_a_compiler(no_compiler, caplog):
@@ -130,7 +144,7 @@ def test_backend_choice_where_the_kernel_applies():
     with pytest.raises(ValueError, match="float32 caches only"):
         choose_decode_backend("native", cpu, _pool(torch.bfloat16))
     with pytest.raises(ValueError, match="quantized KV cache"):
-        choose_decode_backend("native", cpu, _pool(), kv_store=object())
+        choose_decode_backend("native", cpu, _int8_store())
 
 
 def test_unwritable_cache_directory_falls_back(monkeypatch, tmp_path):

@@ -86,6 +86,6 @@ def test_pre_rope_switch_reaches_the_store(model, tmp_path):
     llm = LLM(model, kv_cache_dtype="kvquant", kv_quant_bits=4, kv_quant_config=str(path),
               block_size=16, max_model_len=128, max_num_seqs=2, num_kv_blocks=16,
               dtype="float32")
-    store = llm.engine.kv_store
+    store = llm.engine.kv_cache
     assert store.pre_rope_keys is False and store.config.per_channel_keys is True
     assert store.config.outlier_fraction == 0 and store.config.num_sink_tokens == 0

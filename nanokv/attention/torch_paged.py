@@ -1,0 +1,96 @@
+"""PyTorch paged attention over the float KV pool: the reference path, on CPU and CUDA.
+
+Decodes on CPU attend request by request over their own blocks in place (the copy of a gather
+costs more there than the attention itself); on CUDA as one padded, masked batch. Prefill chunks
+attend with SDPA over their request's blocks. Steps with per-layer block tables address each
+layer in flat layer-slice ids (`KVPool.flat_layers`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanokv.attention.backend import AttentionBackend
+from nanokv.attention.common import CommonAttentionMetadata
+from nanokv.cache.kv_pool import KVPool, write_slots
+from nanokv.layers.attention import AttentionMetadata, PrefillSeq, paged_attention
+
+
+@dataclass
+class PoolStep:
+    """The step's kernel metadata: one for all layers, or one per layer (per-layer tables)."""
+
+    shared: AttentionMetadata | None
+    per_layer: list[AttentionMetadata] | None
+    write_plan: object
+
+
+class TorchPagedBackend(AttentionBackend):
+    name = "torch"
+    description = "PyTorch paged attention over the float pool"
+
+    def __init__(self, kv_cache: KVPool, device: torch.device) -> None:
+        super().__init__(kv_cache, device)
+        self.block_size = kv_cache.layout.block_size
+        self.per_request_decode = device.type == "cpu"
+
+    @classmethod
+    def why_not(cls, kv_cache, device: torch.device) -> tuple[str, bool] | None:
+        if not isinstance(kv_cache, KVPool):
+            return f"it reads the float KV pool only (the cache is {kv_cache.kv_cache_dtype})", True
+        return None
+
+    # ---- metadata ------------------------------------------------------------------------------
+    def build(self, common: CommonAttentionMetadata) -> PoolStep:
+        if common.per_layer is not None:
+            return PoolStep(None, [self._kernel_metadata(c) for c in common.per_layer],
+                            common.write_plan)
+        return PoolStep(self._kernel_metadata(common), None, common.write_plan)
+
+    def _kernel_metadata(self, c: CommonAttentionMetadata) -> AttentionMetadata:
+        dev = self.device
+        prefills = [PrefillSeq(p.query_start, p.query_len, p.context_len,
+                               torch.tensor(p.block_table, dtype=torch.long, device=dev))
+                    for p in c.prefills]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(c.slot_mapping, dtype=torch.long, device=dev),
+            num_decode_tokens=c.num_decode_tokens, decode_block_tables=None, decode_mask=None,
+            prefills=prefills, write_cache=False)
+        if c.num_decodes:
+            self._decode_metadata(meta, c)
+        return meta
+
+    def _decode_metadata(self, meta: AttentionMetadata, c: CommonAttentionMetadata) -> None:
+        if self.per_request_decode:
+            meta.decode_context_lens = c.decode_context_lens
+            meta.decode_block_lists = c.decode_block_tables
+        else:
+            meta.decode_block_tables, meta.decode_mask = padded_decode_tables(
+                c.decode_block_tables, c.decode_context_lens, self.block_size, self.device)
+
+    # ---- one layer -----------------------------------------------------------------------------
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_pre: torch.Tensor, step: PoolStep, scale: float) -> torch.Tensor:
+        if step.per_layer is not None:
+            meta = step.per_layer[layer]
+            k_cache, v_cache = self.kv_cache.flat_layers()
+            write_slots(k_cache, v_cache, meta.slot_mapping, k, v)
+        else:
+            meta = step.shared
+            self.kv_cache.write_layer(layer, step.write_plan, k, v, k_pre)
+            k_cache, v_cache = self.kv_cache.layer(layer)
+        return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+
+
+def padded_decode_tables(tables: list[list[int]], context_lens: list[int], block_size: int,
+                         device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables of different lengths as one [B, max_blocks] int64 tensor (0-padded) and the
+    mask of each request's real slots, [B, 1, 1, max_blocks * block_size] bool."""
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long,
+                          device=device)  # [B, max_blocks]
+    lens = torch.tensor(context_lens, device=device)
+    span = torch.arange(width * block_size, device=device)
+    return padded, (span[None, :] < lens[:, None])[:, None, None, :]

@@ -1,0 +1,166 @@
+"""The KV-cache interface: one engine's K/V storage for all layers, indexed by block id.
+
+Two kinds implement it: the float pool (`nanokv/cache/kv_pool.py`, one contiguous tensor) and the
+quantized stores (`nanokv/quant/store.py` and its subclasses). Everything else talks to the
+interface only:
+
+  * memory planning asks the kind's `KVCacheSpec` (bytes per block, fixed bytes, decode scratch
+    per block) before anything is allocated;
+  * each step, the runner calls `begin_step(slot_mapping, positions)` once (host bookkeeping,
+    slot positions recorded) and the attention backend calls `write_layer(layer, plan, k, v, k_pre)`
+    per layer, then reads the cache in its own way (`nanokv/attention/`);
+  * the block manager calls `release(block_ids)` when blocks' ref counts reach zero;
+  * KV policies read `policy_view(request)` (per layer dense `[nb, B, Hkv, D]` K/V with keys
+    after RoPE, and a block table into them), and the policy runner writes their plan back with
+    `copy_blocks` (copy-on-write) and `apply_plan`.
+
+A kind registers under its `kv_cache_dtype` name in `nanokv/cache/registry.py` and declares, as
+class attributes, what it can do: `supports_layer_slices` (per-layer block tables, which
+per-layer policy budgets need) and `engine_options` (the engine options it reads beyond
+`kv_cache_dtype`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from nanokv.cache.layout import KVLayout
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What a KV cache of one kind costs, known before it is allocated (vLLM's KVCacheSpec)."""
+
+    kv_cache_dtype: str  # resolved name: "float32" for the float pool, "fp8_e4m3", "kvquant" ...
+    bytes_per_block: int  # every byte that grows with the pool, per block (slot positions too)
+    fixed_bytes: int = 0  # bytes that do not grow with the pool (staging, codebooks)
+    # transient bytes the decode attention needs per block it reads (dequantized copies); the
+    # tokens one step reads are bounded by the pool, so planning reserves this per pool block
+    scratch_bytes_per_block: int = 0
+
+    def pool_bytes(self, num_blocks: int) -> int:
+        return self.fixed_bytes + num_blocks * self.bytes_per_block
+
+
+@dataclass(frozen=True)
+class KVCacheOptions:
+    """The engine options a KV cache kind may read (plain data, validated by the kind)."""
+
+    kv_cache_dtype: str
+    max_num_seqs: int  # running requests: a kind staging partial blocks needs one each
+    kv_quant_bits: int | None = None
+    kv_quant_config: str | None = None
+
+
+@dataclass
+class KVView:
+    """One request's cache as KV policies see it: per layer (k, v) `[nb, B, Hkv, D]` with keys
+    after RoPE, the block table into them, and (where the cache needs them to write a plan back)
+    each slot's RoPE position `[nb * B]`."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    block_table: list[int]
+    positions: torch.Tensor | None
+    request_id: str
+
+
+class KVCache(ABC):
+    """K/V of every layer for `num_blocks` blocks of `layout.block_size` slots."""
+
+    supports_layer_slices: ClassVar[bool] = False
+    engine_options: ClassVar[frozenset[str]] = frozenset()  # read beyond kv_cache_dtype
+    # True: `apply_plan` re-writes kept tokens from the view's dense copies, so the blocks a
+    # compaction drops can be freed before it; False: it moves slots inside the cache itself
+    rewrites_from_copies: ClassVar[bool] = False
+
+    layout: KVLayout
+    num_blocks: int
+    device: torch.device
+    slot_positions: torch.Tensor  # [num_blocks, block_size] int32 RoPE position, -1 = empty
+    pre_rope_keys: bool = False  # keys are stored before RoPE (rotated when read)
+
+    # ---- what it costs -------------------------------------------------------------------------
+    @classmethod
+    @abstractmethod
+    def settings_from_options(cls, options: KVCacheOptions, layout: KVLayout) -> dict:
+        """Validate the engine options for this kind (raise ValueError naming what is allowed)
+        and turn them into its constructor settings; runs before the model loads."""
+
+    @classmethod
+    @abstractmethod
+    def spec(cls, layout: KVLayout, settings: dict) -> KVCacheSpec:
+        """The cost of a cache of this kind with these settings (nothing allocated)."""
+
+    @classmethod
+    @abstractmethod
+    def create(cls, layout: KVLayout, num_blocks: int, device: torch.device, settings: dict,
+               rotary=None) -> KVCache:
+        """Allocate it. `rotary` (the model's RotaryEmbedding) rotates keys stored before RoPE
+        and un-rotates kept keys a policy writes back."""
+
+    @property
+    @abstractmethod
+    def kv_cache_dtype(self) -> str:
+        """The resolved storage name (logs, metrics)."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Every byte allocated (codes, scales, staging, slot positions ...)."""
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes by category (codes, scales, outliers, sinks, staging, bookkeeping); empty when
+        there is nothing to break down."""
+        return {}
+
+    # ---- one step ------------------------------------------------------------------------------
+    @abstractmethod
+    def begin_step(self, slot_mapping: Sequence[int], positions: Sequence[int]):
+        """Host bookkeeping once per step for its T new tokens (flat slots, RoPE positions);
+        records the slot positions. Returns the write plan every layer's `write_layer` takes."""
+
+    @abstractmethod
+    def write_layer(self, layer: int, plan, k: torch.Tensor, v: torch.Tensor,
+              k_pre: torch.Tensor) -> None:
+        """Store one layer's new K/V: k (after RoPE), k_pre (before), v: `[T, Hkv, D]`."""
+
+    # ---- blocks --------------------------------------------------------------------------------
+    def release(self, block_ids: Sequence[int]) -> None:  # noqa: B027 - optional hook
+        """The block manager freed these blocks (ref count 0). Default: nothing to drop."""
+
+    @abstractmethod
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy whole blocks (every layer, K and V, positions): (source, destination) pairs."""
+
+    def copy_slices(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy layer slices (flat ids `layer * num_blocks + block`): per-layer block tables."""
+        raise ValueError(f"the {self.kv_cache_dtype} KV cache has no per-layer block tables")
+
+    def extra_keys(self) -> tuple:
+        """Prefix-cache extra keys: blocks are only shared between identical storage."""
+        return (("kv_cache_dtype", self.kv_cache_dtype),)
+
+    # ---- KV policies ---------------------------------------------------------------------------
+    @abstractmethod
+    def policy_view(self, request) -> KVView:
+        """The request's cache as dense per-layer K/V for scoring (see KVView)."""
+
+    @abstractmethod
+    def apply_plan(self, request, plan, view: KVView) -> None:
+        """Write a policy's `CompressionPlan` (chosen on `view`) into the request's blocks."""
+
+    def check_policy(self, policy) -> None:
+        """Raise ValueError when this cache cannot serve the policy (where they meet)."""
+        if policy.per_layer_budgets and not self.supports_layer_slices:
+            raise_layer_slices_needed(policy.name)
+
+
+def raise_layer_slices_needed(policy_name: str) -> None:
+    raise ValueError(f"kv_policy {policy_name!r} gives layers different budgets, which needs "
+                     f"per-layer block tables over the float KV pool: use kv_cache_dtype "
+                     f"'auto' with it")

@@ -1,0 +1,132 @@
+"""Where the engine's parts meet, in the order the engine is built:
+
+    resolve_parts   config + model config -> which KV cache kind with which settings, the default
+                    policy, the attention backend name: every compatibility check, before any
+                    weight is loaded
+    plan_kv_cache   the kind's spec against the memory budget -> KVCachePlan (plain data)
+    startup_report  what the engine logs at start-up
+
+`LLMEngine.__init__` calls these and builds the parts from their results.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from nanokv.attention.selector import backend_names
+from nanokv.cache.kv_cache import KVCache, KVCacheOptions, KVCacheSpec, raise_layer_slices_needed
+from nanokv.cache.layout import KVLayout
+from nanokv.cache.registry import kv_cache_settings
+from nanokv.config import EngineConfig
+from nanokv.engine.kv_cache_plan import KVCachePlan, budget_blocks, estimate_activation_bytes
+from nanokv.executor.profiler import measure_activation_bytes
+from nanokv.policies.base import PolicyConfig, policy_class
+from nanokv.utils import cdiv, head_dim_of
+
+logger = logging.getLogger("nanokv")
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """What the config resolved to, before anything is loaded."""
+
+    kv_cache_class: type[KVCache]
+    kv_cache_settings: dict
+    default_policy: PolicyConfig | None
+    max_model_len_given: bool  # False: it may be lowered to what the pool holds
+
+
+def engine_policy(config: EngineConfig) -> PolicyConfig | None:
+    """The engine's default KV policy as a validated PolicyConfig (None: full cache)."""
+    if config.kv_policy is None or config.kv_policy == "full":
+        return None
+    return PolicyConfig(config.kv_policy, budget=config.kv_budget,
+                        compression_ratio=config.kv_compression_ratio,
+                        options=dict(config.kv_policy_options or {}))
+
+
+def resolve_parts(config: EngineConfig, hf_config) -> EngineParts:
+    """Resolve the config's 'auto' values against the model (block_size, max_model_len: this is
+    the one place) and check every part against the others; raises ValueError before anything
+    is loaded."""
+    given = config.max_model_len is not None
+    config.resolve(int(hf_config.max_position_embeddings))
+    names = backend_names()
+    if config.attention_backend not in names:
+        raise ValueError(f"attention_backend must be one of {names}, "
+                         f"got {config.attention_backend!r}")
+    # dtype is not known before loading; the settings do not depend on it
+    layout = KVLayout(hf_config.num_hidden_layers, hf_config.num_key_value_heads,
+                      head_dim_of(hf_config), config.block_size, torch.float32)
+    kv_class, settings = kv_cache_settings(
+        KVCacheOptions(config.kv_cache_dtype, config.max_num_seqs, config.kv_quant_bits,
+                       config.kv_quant_config), layout)
+    policy = engine_policy(config)
+    if policy is not None:
+        built = policy.build(block_size=config.block_size)  # validates the option values
+        if built.per_layer_budgets and not kv_class.supports_layer_slices:
+            raise_layer_slices_needed(policy.name)
+    elif config.kv_policy is not None and config.kv_policy != "full":
+        policy_class(config.kv_policy)
+    return EngineParts(kv_class, settings, policy, given)
+
+
+def plan_kv_cache(config: EngineConfig, spec: KVCacheSpec, model, hf_config,
+                  device: torch.device, dtype: torch.dtype, max_model_len_given: bool
+                  ) -> KVCachePlan:
+    """Blocks from num_kv_blocks or the memory budget; max_model_len lowered to the pool when
+    it was not given (a ValueError when it was and one request cannot fit)."""
+    bs = config.block_size
+    blocks_per_seq = cdiv(config.max_model_len, bs)
+    if config.num_kv_blocks is not None:
+        num_blocks, source = config.num_kv_blocks, "num_kv_blocks"
+    else:
+        activation = measure_activation_bytes(model, config.max_num_batched_tokens, device)
+        if activation is None:
+            activation = (estimate_activation_bytes(hf_config, config.max_num_batched_tokens,
+                                                    config.max_num_seqs, dtype), "estimated")
+        num_blocks, source = budget_blocks(
+            spec, device=device, kv_cache_memory=config.kv_cache_memory,
+            fraction=config.kv_cache_memory_fraction, activation_bytes=activation[0],
+            max_useful_blocks=config.max_num_seqs * blocks_per_seq)
+        source += f"; peak activations {activation[0] / 2**20:.0f} MiB, {activation[1]}"
+    max_model_len = config.max_model_len
+    if num_blocks < blocks_per_seq:
+        fit = num_blocks * bs
+        if max_model_len_given:
+            raise ValueError(f"the KV pool ({num_blocks} blocks = {fit} tokens) cannot hold "
+                             f"one request of max_model_len {max_model_len}; lower "
+                             f"max_model_len or raise kv_cache_memory")
+        logger.warning("max_model_len lowered from %d to %d to fit the KV pool", max_model_len,
+                       fit)
+        max_model_len = fit
+    return KVCachePlan(spec, num_blocks, bs, max_model_len, source)
+
+
+def startup_report(config: EngineConfig, model, device: torch.device, dtype_note: str,
+                   plan: KVCachePlan, kv_cache: KVCache, backend, backend_why: str) -> list[str]:
+    """The start-up log: model and dtype, the pool (blocks, tokens, MiB, bytes per token), a
+    quantized cache's bytes by category, concurrency at max_model_len, the attention backend."""
+    slots = plan.num_slots
+    per_token = kv_cache.nbytes / slots
+    lines = [
+        f"model {config.model} ({type(model).__name__}) on {device}, {dtype_note}",
+        f"KV cache: {plan.num_blocks} blocks x {plan.block_size} tokens = {slots} tokens, "
+        f"{kv_cache.nbytes / 2**20:.1f} MiB ({plan.source}); {per_token / 1024:.1f} KiB per "
+        f"token",
+    ]
+    breakdown = kv_cache.memory_breakdown()
+    if breakdown:
+        layout = kv_cache.layout
+        float_per_token = layout.bytes_per_block / layout.block_size
+        parts = ", ".join(f"{name} {n / slots:.1f}" for name, n in breakdown.items() if n)
+        lines.append(f"KV cache dtype {kv_cache.kv_cache_dtype}: {per_token:.1f} bytes per token "
+                     f"held ({parts}), {per_token / float_per_token:.3f}x the "
+                     f"{str(layout.dtype).removeprefix('torch.')} pool's {float_per_token:.0f}")
+    lines.append(f"max concurrency at max_model_len {plan.max_model_len}: "
+                 f"{plan.max_concurrency:.2f} requests")
+    lines.append(f"attention backend: {backend.name} ({backend.description}; {backend_why})")
+    return lines

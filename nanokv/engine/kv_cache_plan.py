@@ -1,0 +1,97 @@
+"""How many KV blocks the engine gets: the KV cache kind's spec against a memory budget.
+
+The budget is explicit (`kv_cache_memory`), an exact block count (`num_kv_blocks`), or the memory
+left after weights and peak activations (CUDA: free device memory; CPU: MemAvailable, at most
+4 GiB); the activation peak is measured by `nanokv/executor/profiler.py`, with
+`estimate_activation_bytes` as the fallback. The result is a plain `KVCachePlan`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanokv.cache.kv_cache import KVCacheSpec
+from nanokv.utils import cdiv, head_dim_of
+
+# Without an explicit kv_cache_memory a CPU pool takes at most this much (vLLM's CPU backend
+# defaults to 4 GiB too): the pool is zero-filled, so every byte of it is resident.
+CPU_DEFAULT_MAX_KV_BYTES = 4 * 2**30
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    """What the engine allocates: the kind's spec, the block count and where it came from."""
+
+    spec: KVCacheSpec
+    num_blocks: int
+    block_size: int
+    max_model_len: int  # lowered to what the pool holds when it was not given
+    source: str  # how the budget was found (printed at start-up)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def blocks_per_request(self) -> int:
+        return cdiv(self.max_model_len, self.block_size)
+
+    @property
+    def max_concurrency(self) -> float:
+        """Requests of max_model_len tokens the pool holds at once."""
+        return self.num_blocks / self.blocks_per_request
+
+
+def available_host_memory() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("MemAvailable not found in /proc/meminfo")
+
+
+def estimate_activation_bytes(cfg, num_tokens: int, num_seqs: int, dtype: torch.dtype) -> int:
+    """Upper estimate of the live tensors of one forward of `num_tokens` tokens."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * head_dim_of(cfg)
+    per_token = 4 * cfg.hidden_size + qkv + 3 * cfg.intermediate_size
+    logits = num_seqs * cfg.vocab_size * 4
+    return 2 * num_tokens * per_token * elem + logits
+
+
+def budget_blocks(spec: KVCacheSpec, *, device: torch.device, kv_cache_memory: int | None,
+                  fraction: float, activation_bytes: int, max_useful_blocks: int
+                  ) -> tuple[int, str]:
+    """Blocks of the spec that fit the budget after its fixed bytes; without an explicit
+    kv_cache_memory the spec's decode scratch is reserved next to each block. Returns the
+    count and how the budget was found."""
+    if kv_cache_memory is not None:
+        budget, source = kv_cache_memory, "kv_cache_memory"
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * fraction) - activation_bytes
+        source = f"{fraction:.2f} x free GPU memory - peak activations"
+    else:
+        budget = int((available_host_memory() - activation_bytes) * fraction)
+        source = f"{fraction:.2f} x (available RAM - peak activations)"
+        if budget > CPU_DEFAULT_MAX_KV_BYTES:  # RAM is shared with everything else on a host
+            budget = CPU_DEFAULT_MAX_KV_BYTES
+            source += f", capped at {CPU_DEFAULT_MAX_KV_BYTES / 2**30:g} GiB on CPU"
+    scratch = 0 if kv_cache_memory is not None else spec.scratch_bytes_per_block
+    if scratch:
+        source += " - decode dequantization buffers"
+    if spec.fixed_bytes:
+        source += f" - {spec.fixed_bytes / 2**20:.1f} MiB fixed store cost"
+    num_blocks = max(0, budget - spec.fixed_bytes) // (spec.bytes_per_block + scratch)
+    if kv_cache_memory is None and num_blocks > max_useful_blocks:
+        num_blocks = max_useful_blocks
+        source += f", capped at max_num_seqs full-length requests ({max_useful_blocks} blocks)"
+    if num_blocks < 1:
+        fixed = f" after the store's fixed {spec.fixed_bytes} bytes" if spec.fixed_bytes else ""
+        raise ValueError(f"the KV budget of {budget} bytes holds no block of "
+                         f"{spec.bytes_per_block} bytes{fixed}; raise kv_cache_memory or lower "
+                         f"block_size" + (" (or max_num_seqs: the store stages one partial block "
+                                          "per running request)" if spec.fixed_bytes else ""))
+    return num_blocks, source
