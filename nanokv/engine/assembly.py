@@ -22,7 +22,7 @@ from nanokv.cache.layout import KVLayout
 from nanokv.cache.registry import kv_cache_settings
 from nanokv.config import EngineConfig
 from nanokv.engine.kv_cache_plan import KVCachePlan, budget_blocks, estimate_activation_bytes
-from nanokv.executor.profiler import measure_activation_bytes
+from nanokv.worker.profiler import measure_activation_bytes
 from nanokv.policies.base import PolicyConfig, policy_class
 from nanokv.utils import cdiv, head_dim_of
 

@@ -2,7 +2,7 @@
 
 The budget is explicit (`kv_cache_memory`), an exact block count (`num_kv_blocks`), or the memory
 left after weights and peak activations (CUDA: free device memory; CPU: MemAvailable, at most
-4 GiB); the activation peak is measured by `nanokv/executor/profiler.py`, with
+4 GiB); the activation peak is measured by `nanokv/worker/profiler.py`, with
 `estimate_activation_bytes` as the fallback. The result is a plain `KVCachePlan`.
 """
 

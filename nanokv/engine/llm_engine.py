@@ -17,9 +17,9 @@ from nanokv.config import EngineConfig
 from nanokv.engine.assembly import plan_kv_cache, resolve_parts, startup_report
 from nanokv.engine.detokenizer import update_text
 from nanokv.engine.policy_runner import PolicyRunner
-from nanokv.executor.cpu_memory import tune_glibc_malloc
-from nanokv.executor.loader import load_hf_config, load_model
-from nanokv.executor.model_runner import ModelRunner
+from nanokv.worker.cpu_memory import tune_glibc_malloc
+from nanokv.worker.loader import load_hf_config, load_model
+from nanokv.worker.model_runner import ModelRunner
 from nanokv.outputs import CompletionOutput, RequestOutput
 from nanokv.request import Request, RequestStatus
 from nanokv.sampling_params import SamplingParams

@@ -104,7 +104,11 @@ class PolicyRunner:
         budget = policy.resolve_budget(request.num_cached_slots)
         q_windows = None
         if policy.needs_attention:
-            q_windows = [torch.cat([step[layer] for step in request.captured_queries])
+            # the last W queries: when a compaction had to wait (copy-on-write found no free
+            # block), the steps since captured more rows than the window
+            window = min(policy.observation_window or request.num_cached_slots,
+                         request.num_cached_slots)
+            q_windows = [torch.cat([step[layer] for step in request.captured_queries])[-window:]
                          for layer in range(self.num_layers)]  # each [W, Hq, D]
         if self._compact(request, policy, budget, q_windows):
             request.compressed = True

@@ -1,9 +1,9 @@
 """Linear layer with a oneDNN fast path on CPU.
 
 On CPUs, PyTorch's default fp32 GEMM (MKL) is markedly slower here than oneDNN with a weight
-reordered once into its blocked layout (measured ~2x on the decode and prefill shapes of a
-0.6B model). `pack()` does that reorder after the weights are loaded; `F.linear` on the plain
-weight stays as the reference path (`linear_backend="torch"`).
+reordered once into its blocked layout (docs/results/engine). `pack()` does that reorder after
+the weights are loaded; `F.linear` on the plain weight stays as the reference path
+(`linear_backend="torch"`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 The PyTorch per-request path (`attention._decode_per_request`) issues a dozen small ops per
 request and layer and reads K and V through GEMMs that pack their operands; this kernel reads
-each request's K/V rows once, in place, in one pass (about 2x faster on the benchmark's decode
-step, bound by memory bandwidth). It is compiled on first use with the system C compiler
+each request's K/V rows once, in place, in one pass, so the decode step is bound by memory
+bandwidth (figures in docs/results/engine). It is compiled on first use with the system C compiler
 (`$CC`, default `cc`; `-O3 -march=native -fopenmp`) into a cache directory (`$NANOKV_CACHE_DIR`,
 default `~/.cache/nanokv`), keyed by the source, the flags and the CPU. No compiler, or a build
 that fails: `attention_backend="auto"` falls back to the PyTorch path and says why.

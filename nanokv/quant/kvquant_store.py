@@ -98,8 +98,8 @@ class KVQuantStore(QuantizedKVStore):
         self._free_rows = list(range(self.num_staging_blocks - 1, -1, -1))
 
     # ---- the KV cache kind -----------------------------------------------------------------
-    # measured peak of a decode read (RSS high-water mark): 4-bit 2.7, 2-bit 2.0 in units of
-    # one layer's float32 K and V over the blocks read
+    # unpacked codes, codebook lookups and sinks make its decode read heavier than int8's
+    # (measured peaks in docs/results/engine)
     decode_scratch_factor = 3.0
     engine_options = frozenset({"kv_quant_bits", "kv_quant_config"})
 

@@ -183,3 +183,30 @@ def test_prefix_hit_stops_before_the_queries_a_policy_reads(tiny_llama, name, op
     assert outs[0].num_cached_tokens == (window_start // 16) * 16
     assert outs[0].token_ids == ref[0].token_ids
     engine.check_invariants()
+
+
+def test_delayed_compression_scores_with_the_last_window(tiny_llama, monkeypatch):
+    """A compaction that must wait (copy-on-write finds no free block in a full pool) runs a step
+    later, when more queries have been captured than the window: it scores with the LAST W
+    queries over all cached slots, as the policy contract says, instead of failing."""
+    import nanokv.engine.policy_runner as policy_runner
+
+    real = policy_runner.plan_compression
+    seen = []
+
+    def spy(policy, layers, table, num_slots, **kw):
+        seen.append((num_slots, [q.shape[0] for q in kw["q_windows"]]))
+        return real(policy, layers, table, num_slots, **kw)
+
+    monkeypatch.setattr(policy_runner, "plan_compression", spy)
+    prefix = prompt_of(37, 0)
+    prompts = [prefix + prompt_of(n, i + 1) for i, n in enumerate((3, 17, 40, 25))]
+    llm = LLM(tiny_llama, skip_tokenizer_init=True, block_size=16, num_kv_blocks=9,
+              max_num_batched_tokens=32, max_model_len=128, kv_policy="snapkv", kv_budget=32)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert all(len(o.token_ids) == 12 for o in outs)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert seen and all(rows == [min(32, n)] * len(rows) for n, rows in seen)
+    lengths = {len(p) for p in prompts}
+    assert any(n not in lengths for n, _ in seen)  # some compaction ran after its prompt's end
+    llm.engine.check_invariants()

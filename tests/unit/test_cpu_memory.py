@@ -9,7 +9,7 @@ import pytest
 
 PROBE = textwrap.dedent("""
     import resource, sys, torch
-    from nanokv.executor.cpu_memory import tune_glibc_malloc
+    from nanokv.worker.cpu_memory import tune_glibc_malloc
     applied = tune_glibc_malloc() if sys.argv[1] == "tune" else False
     def faults_of_one_step():
         # the first large step: activations of growing sizes (4-28 MiB), allocated, written

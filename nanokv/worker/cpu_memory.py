@@ -3,10 +3,9 @@
 PyTorch's CPU allocator calls malloc for every tensor. glibc serves large requests with a fresh
 mmap (threshold 128 KiB, raised dynamically only after such a block is freed) and returns the
 top of the heap to the OS beyond a trim threshold, so each prefill step's activations (tens of
-MB per tensor) are new pages: on the benchmark's first 2.6k-token step of a 0.6B model that was
-1.2M page faults and about 2 s of a 10 s step. With the mmap threshold at its maximum (32 MiB)
-and no trimming, freed activations are reused: about 0.3M faults and 7.7 s on the same step.
-vLLM's CPU backend gets the same effect by preloading tcmalloc.
+MB per tensor) are new pages, and page faults take a large share of a prefill step. With the mmap
+threshold at its maximum (32 MiB) and no trimming, freed activations are reused (figures in
+docs/results/engine). vLLM's CPU backend gets the same effect by preloading tcmalloc.
 
 Applied once, on Linux with glibc, when the engine runs on CPU; skipped when the user set glibc's
 own malloc environment (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`, `GLIBC_TUNABLES`),

@@ -1,0 +1,146 @@
+"""Adding a KV cache kind or an attention backend is one class plus one registry line: both are
+plugged in here from the test module, and the engine serves them end to end. And the KIVI store
+(added the same way) under prefix hits, preemption and a KV policy."""
+
+import sys
+
+import pytest
+import torch
+
+import nanokv.attention.quantized as quantized_backend_module
+import nanokv.attention.selector as selector
+import nanokv.cache.registry as kv_registry
+from nanokv import LLM, SamplingParams
+from nanokv.attention.torch_paged import TorchPagedBackend
+from nanokv.quant.attention import reference_quantized_attention
+from nanokv.quant.pertoken_store import Int8KVStore
+from nanokv.utils import cdiv
+from test_quant_engine import CHUNKED, GREEDY, PREEMPT, PROMPTS, assert_all_free, run, tokens
+
+HERE = sys.modules[__name__].__name__
+
+
+class MirrorInt8Store(Int8KVStore):
+    """A 'new' store: int8 under another name (its own prefix-cache keys)."""
+
+    kv_cache_dtype = "mirror_int8"
+
+
+class CountingBackend(TorchPagedBackend):
+    """A 'new' backend: the PyTorch path, counting its calls."""
+
+    name = "counting"
+    description = "counts its calls"
+    calls = 0
+
+    def forward(self, *args, **kwargs):
+        CountingBackend.calls += 1
+        return super().forward(*args, **kwargs)
+
+
+def test_a_new_kv_cache_kind_is_one_registry_line(tiny_llama, monkeypatch):
+    monkeypatch.setitem(kv_registry._KINDS, "mirror_int8", f"{HERE}:MirrorInt8Store")
+    monkeypatch.setattr(kv_registry, "KV_CACHE_DTYPES", tuple(kv_registry._KINDS))
+    ref_engine, ref = run(tiny_llama, **CHUNKED, kv_cache_dtype="int8")
+    engine, outs = run(tiny_llama, **CHUNKED, kv_cache_dtype="mirror_int8")
+    assert type(engine.kv_cache) is MirrorInt8Store
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert [o.num_cached_tokens for o in outs] == [0, 32, 32, 32]
+    assert ("kv_cache_dtype", "mirror_int8") in engine.block_manager.extra_keys
+    # a KV policy works on it through the generic store interface
+    engine, outs = run(tiny_llama, **PREEMPT, kv_cache_dtype="mirror_int8",
+                       kv_policy="snapkv", kv_budget=32)
+    assert all(o.kv_slots_at_finish <= 32 + 16 for o in outs)
+    assert_all_free(engine)
+
+
+def test_a_new_attention_backend_is_one_registry_line(tiny_llama, monkeypatch):
+    monkeypatch.setattr(selector, "_BACKENDS", selector._BACKENDS + (f"{HERE}:CountingBackend",))
+    CountingBackend.calls = 0
+    _, ref = run(tiny_llama, **CHUNKED, attention_backend="torch")
+    engine, outs = run(tiny_llama, **CHUNKED, attention_backend="counting")
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert CountingBackend.calls > 0
+    assert any("attention backend: counting" in line for line in engine.startup_lines)
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        LLM(tiny_llama, attention_backend="nonexistent")
+
+
+# ---- KIVI, registered like any store -------------------------------------------------------------
+@pytest.mark.parametrize("bits", [2, 4])
+def test_kivi_attention_equals_dequantize_then_dense(tiny_model, monkeypatch, bits):
+    real = quantized_backend_module.quantized_paged_attention
+    checked = {"decode": 0, "prefill_past": 0}
+
+    def checking(q, k, v, k_store, store, layer, meta, plan, scale, rope):
+        out = real(q, k, v, k_store, store, layer, meta, plan, scale, rope)
+        bs = store.block_size
+        for i in range(meta.num_decode_tokens):
+            context = int(meta.decode_mask[i].sum())
+            table = meta.decode_block_tables[i][:cdiv(context, bs)]
+            ref = reference_quantized_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], store, layer,
+                                                table, context - 1, scale, rope)
+            torch.testing.assert_close(out[i:i + 1], ref, atol=2e-5, rtol=1e-4)
+            checked["decode"] += 1
+        for seq in meta.prefills:
+            sl = slice(seq.query_start, seq.query_start + seq.query_len)
+            past = seq.context_len - seq.query_len
+            ref = reference_quantized_attention(q[sl], k[sl], v[sl], store, layer,
+                                                seq.block_table, past, scale, rope)
+            torch.testing.assert_close(out[sl], ref, atol=2e-5, rtol=1e-4)
+            checked["prefill_past"] += past > 0
+        return out
+
+    monkeypatch.setattr(quantized_backend_module, "quantized_paged_attention", checking)
+    engine, outs = run(tiny_model, kv_cache_dtype="kivi", kv_quant_bits=bits, max_num_seqs=4,
+                       **CHUNKED)
+    assert engine.kv_cache.kv_cache_dtype == "kivi" and engine.kv_cache.bits == bits
+    assert checked["decode"] > 0 and checked["prefill_past"] > 0
+    assert [o.num_cached_tokens for o in outs] == [0, 32, 32, 32]
+    assert_all_free(engine)
+    assert engine.kv_cache.num_free_staging_blocks == engine.kv_cache.num_staging_blocks
+
+
+def test_kivi_preemption_and_policy_keep_accounting(tiny_qwen3):
+    ref_engine, _ = run(tiny_qwen3, **PREEMPT, kv_cache_dtype="kivi", max_num_seqs=4)
+    assert ref_engine.scheduler.num_preemptions > 0
+    assert_all_free(ref_engine)
+    assert ref_engine.kv_cache.num_free_staging_blocks == ref_engine.kv_cache.num_staging_blocks
+    engine, outs = run(tiny_qwen3, **PREEMPT, kv_cache_dtype="kivi", max_num_seqs=4,
+                       kv_policy="streaming", kv_budget=32)
+    assert engine.policies.stats.compressions > 0
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
+    assert_all_free(engine)
+
+
+def test_kivi_logits_close_to_float(tiny_model):
+    """Teacher-forced prompt logits over a cache read in 16-token chunks: 4-bit KIVI stays
+    close to the float cache and closer than 2-bit (the chunk before any cache read is exact)."""
+    prompt = tokens(96, 7)
+    params = SamplingParams(temperature=0, max_tokens=1, return_prompt_logits=True)
+    opts = dict(num_kv_blocks=16, max_num_batched_tokens=16, max_model_len=128, max_num_seqs=2)
+
+    def logits(**kw):
+        return run(tiny_model, [prompt], params, **opts, **kw)[1][0].prompt_logits
+
+    ref = logits()
+    centered = ref[16:] - ref[16:].mean(-1, keepdim=True)
+    errors = {}
+    for bits in (2, 4):
+        got = logits(kv_cache_dtype="kivi", kv_quant_bits=bits)
+        torch.testing.assert_close(got[:16], ref[:16], atol=0, rtol=0)
+        diff = (got - ref)[16:]
+        errors[bits] = float((diff.norm(dim=-1) / centered.norm(dim=-1)).max())
+    assert errors[4] < 0.25
+    assert errors[4] < errors[2]
+
+
+def test_prompts_reach_kivi_from_the_cli(tiny_llama, capsys):
+    from nanokv.cli import main
+
+    rc = main(["generate", "--model", tiny_llama, "--block-size", "16", "--max-model-len", "128",
+               "--max-num-seqs", "2", "--kv-cache-dtype", "kivi", "--kv-quant-bits", "2",
+               "--prompt", "def add(a, b):", "--max-tokens", "4", "--ignore-eos", "--json"])
+    assert rc == 0
+    assert "KV cache dtype kivi" in capsys.readouterr().err
+    assert PROMPTS  # the shared prompts import cleanly
