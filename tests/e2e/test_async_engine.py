@@ -106,7 +106,7 @@ def test_server_side_timeout_aborts(tiny_llama):
         with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True},
                           timeout=30) as r:
             lines = [line for line in r.iter_lines() if line.startswith("data: ")]
-        assert '"code":"timeout"' in lines[-1]
+        assert '"code":"timeout"' in lines[-2] and lines[-1] == "data: [DONE]"
         server.wait_idle(timeout=5)
         server.assert_healthy()
     finally:

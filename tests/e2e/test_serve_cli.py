@@ -14,6 +14,11 @@ from nanokv.cli import main
     (["--api-key", ""], "--api-key"),
     (["--chat-template", "/nonexistent/template.jinja"], "--chat-template"),
     (["--model", "/somewhere/else"], "given twice"),
+    (["--max-body-bytes", "0"], "max_body_bytes"),
+    (["--max-prompt-chars", "0"], "max_prompt_chars"),
+    (["--max-stop-strings", "0"], "max_stop_strings"),
+    (["--shutdown-timeout", "-1"], "shutdown_timeout"),
+    (["--request-classes", "a,bad class"], "request class"),
 ])
 def test_bad_serve_flags(tiny_llama, capsys, flags, fragment):
     assert main(["serve", tiny_llama, *flags]) == 2
@@ -26,6 +31,8 @@ def test_every_serve_flag_has_help(capsys):
     out = capsys.readouterr().out
     for flag in ("--host", "--port", "--served-model-name", "--api-key", "--max-waiting",
                  "--request-timeout", "--retry-after", "--metrics-window", "--chat-template",
-                 "--check-invariants", "--log-level", "--no-access-log"):
+                 "--check-invariants", "--log-level", "--no-access-log", "--max-body-bytes",
+                 "--max-prompt-chars", "--max-stop-strings", "--max-stop-length",
+                 "--shutdown-timeout", "--request-classes"):
         assert flag in out
     assert "127.0.0.1" in out
