@@ -17,6 +17,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 
 from nanokv.metrics.stats import (EVICTION_REASONS, CacheConfigInfo, IterationStats, RatioWindow,
                                   TimeWeightedWindow)
+from nanokv.utils import cdiv
 
 PREFIX = "nanokv:"
 FINISH_REASONS = ("stop", "length", "abort")
@@ -48,7 +49,7 @@ def kv_kb_buckets(c: CacheConfigInfo) -> tuple[float, ...]:
     3-block requests land in buckets of their own (a request's KV is whole blocks)."""
     if c.bytes_per_block <= 0 or c.block_size <= 0 or c.max_model_len <= 0:
         return KV_KB_BUCKETS
-    max_blocks = -(-c.max_model_len // c.block_size)
+    max_blocks = cdiv(c.max_model_len, c.block_size)
     return tuple(n * c.bytes_per_block / 1024 for n in kv_block_counts(max_blocks))
 
 
