@@ -20,6 +20,7 @@ logger = logging.getLogger("nanokv")
 _BACKENDS = (  # preference order
     "nanokv.attention.native_cpu:NativeCPUBackend",
     "nanokv.attention.torch_paged:TorchPagedBackend",
+    "nanokv.attention.native_quantized:NativeQuantizedBackend",
     "nanokv.attention.quantized:QuantizedTorchBackend",
 )
 

@@ -87,12 +87,13 @@ def _cpu_key() -> str:
         return platform.processor() or platform.machine()
 
 
-def _build() -> ctypes.CDLL:
+def build_library(source_path: Path = SOURCE) -> ctypes.CDLL:
+    """Compile a C source of csrc/ (once per source, flags and CPU; cached) and load it."""
     cc = shlex.split(os.environ.get("CC", "cc"))
-    source = SOURCE.read_bytes()
+    source = source_path.read_bytes()
     key = hashlib.sha256(source + " ".join(cc + FLAGS).encode() + _cpu_key().encode())
     cache = Path(os.environ.get("NANOKV_CACHE_DIR", Path.home() / ".cache" / "nanokv"))
-    target = cache / f"decode_attention-{key.hexdigest()[:16]}.so"
+    target = cache / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         # build next to the target, then rename: concurrent builders never load a partial file
         try:
@@ -103,15 +104,15 @@ def _build() -> ctypes.CDLL:
                                           f"set NANOKV_CACHE_DIR") from None
         os.close(fd)
         try:
-            proc = subprocess.run([*cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+            proc = subprocess.run([*cc, *FLAGS, str(source_path), "-o", tmp, "-lm"],
                                   capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as e:
             os.unlink(tmp)
             raise NativeKernelUnavailable(f"C compiler {cc[0]!r} could not run: {e}") from None
         if proc.returncode != 0:
             os.unlink(tmp)
-            raise NativeKernelUnavailable(
-                f"building {SOURCE.name} with {' '.join(cc)} failed: {proc.stderr.strip()[-400:]}")
+            raise NativeKernelUnavailable(f"building {source_path.name} with {' '.join(cc)} "
+                                          f"failed: {proc.stderr.strip()[-400:]}")
         os.replace(tmp, target)
     return ctypes.CDLL(str(target))
 
@@ -122,7 +123,7 @@ def load_decode_kernel():
     global _kernel, _error
     if _kernel is None and _error is None:
         try:
-            fn = _build().decode_attention
+            fn = build_library().decode_attention
         except NativeKernelUnavailable as e:
             _error = str(e)
         except OSError as e:  # the .so did not load

@@ -122,7 +122,8 @@ def test_kvquant_attention_equals_dequantize_then_dense(tiny_model, monkeypatch)
 
     monkeypatch.setattr(quantized_backend_module, "quantized_paged_attention", checking)
     engine, outs = run(tiny_model, kv_cache_dtype="kvquant", kv_quant_bits=4, max_num_seqs=4,
-                       **CHUNKED)
+                       attention_backend="torch", **CHUNKED)  # the PyTorch path; the C
+    # kernels' own check: tests/unit/test_native_quant_attention.py
     assert engine.kv_cache.pre_rope_keys and engine.kv_cache.config.bits == 4
     assert checked["decode"] > 0 and checked["prefill_past"] > 0
     assert [o.num_cached_tokens for o in outs] == [0, 32, 32, 32]

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import nanokv.layers.native_attention as native
+from nanokv.attention.native_quantized import NativeQuantizedBackend
 from nanokv.attention.selector import select_backend
 from nanokv.cache.kv_pool import KVLayout, KVPool
 from nanokv.layers.attention import (AttentionMetadata, _decode_per_request,
@@ -143,8 +144,8 @@ def test_backend_choice_where_the_kernel_applies():
     assert choose_decode_backend("auto", cpu, _pool(torch.bfloat16)) == "torch"
     with pytest.raises(ValueError, match="float32 caches only"):
         choose_decode_backend("native", cpu, _pool(torch.bfloat16))
-    with pytest.raises(ValueError, match="quantized KV cache"):
-        choose_decode_backend("native", cpu, _int8_store())
+    # an int8 store has its own C kernels (tests/unit/test_native_quant_attention.py)
+    assert select_backend("native", _int8_store(), cpu)[0] is NativeQuantizedBackend
 
 
 def test_unwritable_cache_directory_falls_back(monkeypatch, tmp_path):

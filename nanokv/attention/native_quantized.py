@@ -1,0 +1,198 @@
+"""C decode kernels that read a quantized store's codes in place (int8, fp8 e4m3 / e5m2,
+KVQuant), on CPU.
+
+Decodes: one pass over each request's cached slots with an online softmax, the step's own token
+attended with its fresh K/V (`nanokv/layers/csrc/quant_decode_attention.c`); no dequantized copy
+of the cache is made. Prefill chunks go through the PyTorch path
+(`nanokv.quant.attention.quantized_paged_attention`): in a long-context decode-heavy run the
+decode steps dominate (docs/results/kvquant/bench.md). Usable on CPU where the kernels build;
+other stores (KIVI) and devices pass to the PyTorch backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanokv.attention.backend import AttentionBackend
+from nanokv.attention.common import CommonAttentionMetadata
+from nanokv.layers.attention import AttentionMetadata, PrefillSeq
+from nanokv.layers.native_attention import DecodeRuns, NativeKernelUnavailable, build_decode_runs
+from nanokv.layers.native_quant_attention import (
+    ELEMENT_KINDS,
+    INDEX_BYTES,
+    KVQuantLayer,
+    KVQuantSide,
+    kvquant_decode,
+    load_quant_kernels,
+    pertoken_decode,
+)
+from nanokv.quant.attention import quantized_paged_attention
+from nanokv.quant.kvquant import decode as decode_centroids
+from nanokv.quant.kvquant_store import KVQuantStore
+from nanokv.quant.pertoken_store import FP8KVStore, Int8KVStore, PerTokenKVStore
+from nanokv.utils import cdiv
+
+
+def pertoken_format(store) -> str | None:
+    """'int8', 'fp8_e4m3' or 'fp8_e5m2' for a per-token store whose codes decode as those
+    stores' do (subclasses included, unless they change the decoding), else None."""
+    if not isinstance(store, PerTokenKVStore):
+        return None
+    decoder = type(store)._dequantize
+    if isinstance(store, Int8KVStore) and decoder is Int8KVStore._dequantize:
+        return "int8"
+    if isinstance(store, FP8KVStore) and decoder is FP8KVStore._dequantize \
+            and store.fmt in ("e4m3", "e5m2"):
+        return f"fp8_{store.fmt}"
+    return None
+
+
+@dataclass
+class NativeQuantStep:
+    write_plan: object
+    num_decode_tokens: int
+    prefill_meta: AttentionMetadata | None  # the prefill chunks (PyTorch path), None if none
+    runs: DecodeRuns | None = None  # per-token stores: cached slots of each decode request
+    blk_ptr: torch.Tensor | None = None  # kvquant: [B + 1] int64 CSR over blk_ids
+    blk_ids: torch.Tensor | None = None  # [nblk] int64
+    past: torch.Tensor | None = None  # [B] int64 cached slots (the new token excluded)
+
+
+class NativeQuantizedBackend(AttentionBackend):
+    name = "native"
+    description = "C decode kernels over the quantized codes, PyTorch prefill"
+
+    def __init__(self, kv_cache, device: torch.device) -> None:
+        super().__init__(kv_cache, device)
+        self.block_size = kv_cache.block_size
+        self._layers: dict[int, tuple] = {}  # layer -> (C struct or tensors, kept alive)
+
+    @classmethod
+    def why_not(cls, kv_cache, device: torch.device) -> tuple[str, bool] | None:
+        if device.type != "cpu":
+            return f"it runs on CPUs only (device {device.type})", True
+        dtype = getattr(kv_cache, "kv_cache_dtype", None)
+        if not isinstance(kv_cache, KVQuantStore) and pertoken_format(kv_cache) is None:
+            return (f"its kernels read int8, fp8 and kvquant stores (the cache is "
+                    f"{dtype or 'the float pool'})"), True
+        if isinstance(kv_cache, KVQuantStore) and kv_cache.staging_dtype not in ELEMENT_KINDS:
+            return f"kvquant staging dtype {kv_cache.staging_dtype} is not readable", False
+        try:
+            load_quant_kernels()
+        except NativeKernelUnavailable as e:
+            return str(e), False
+        return None
+
+    # ---- metadata ------------------------------------------------------------------------------
+    def build(self, common: CommonAttentionMetadata) -> NativeQuantStep:
+        if common.per_layer is not None:
+            raise RuntimeError("per-layer block tables need the float KV pool")
+        prefill_meta = None
+        if common.prefills:
+            dev = self.device
+            prefill_meta = AttentionMetadata(
+                slot_mapping=torch.tensor(common.slot_mapping, dtype=torch.long, device=dev),
+                num_decode_tokens=0, decode_block_tables=None, decode_mask=None,
+                prefills=[PrefillSeq(p.query_start, p.query_len, p.context_len,
+                                     torch.tensor(p.block_table, dtype=torch.long, device=dev))
+                          for p in common.prefills],
+                write_cache=False)
+        step = NativeQuantStep(common.write_plan, common.num_decode_tokens, prefill_meta)
+        if common.num_decodes:
+            past = [c - 1 for c in common.decode_context_lens]  # the new token comes fresh
+            bs = self.block_size
+            if isinstance(self.kv_cache, KVQuantStore):
+                ptr, ids = [0], []
+                for blocks, n in zip(common.decode_block_tables, past):
+                    ids += blocks[:cdiv(n, bs)]
+                    ptr.append(len(ids))
+                step.blk_ptr = torch.tensor(ptr, dtype=torch.int64)
+                step.blk_ids = torch.tensor(ids, dtype=torch.int64)
+                step.past = torch.tensor(past, dtype=torch.int64)
+            else:
+                step.runs = build_decode_runs(common.decode_block_tables, past, bs)
+        return step
+
+    # ---- one layer -----------------------------------------------------------------------------
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_pre: torch.Tensor, step: NativeQuantStep, scale: float) -> torch.Tensor:
+        store = self.kv_cache
+        store.write_layer(layer, step.write_plan, k, v, k_pre)
+        if step.prefill_meta is not None:  # fills the prefill rows; decode rows follow
+            out = quantized_paged_attention(q, k, v, None, store, layer, step.prefill_meta, None,
+                                            scale, store.rope)
+        else:
+            out = torch.empty_like(q)
+        nd = step.num_decode_tokens
+        if nd:
+            out[:nd] = self.decode(layer, q[:nd], k[:nd], v[:nd], step, scale).to(out.dtype)
+        return out
+
+    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               step: NativeQuantStep, scale: float) -> torch.Tensor:
+        """q: [B, Hq, D], k (after RoPE), v: [B, Hkv, D] of the decode tokens -> [B, Hq, D]."""
+        if isinstance(self.kv_cache, KVQuantStore):
+            struct = self._kvquant_layer(layer, q.shape[1])
+            return kvquant_decode(struct, q, k, v, step.blk_ptr, step.blk_ids, step.past, scale)
+        buf = self.kv_cache.buffers
+        return pertoken_decode(q, k, v, pertoken_format(self.kv_cache), buf["k_codes"][layer],
+                               buf["v_codes"][layer], buf["k_scales"][layer],
+                               buf["v_scales"][layer], step.runs, scale, self._rope())
+
+    def _rope(self):
+        """(slot positions, cos, sin) when the store keeps keys before RoPE, else None (as the
+        PyTorch path, which rotates only with `store.rope`)."""
+        store = self.kv_cache
+        if store.rope is None:
+            return None
+        rotary = store.rotary
+        cos, sin = rotary.cos.float().contiguous(), rotary.sin.float().contiguous()
+        if not store.slot_positions.is_contiguous():
+            raise RuntimeError("slot positions must be contiguous for the native kernel")
+        return store.slot_positions, cos, sin
+
+    def _kvquant_layer(self, layer: int, num_q_heads: int) -> KVQuantLayer:
+        """The layer's C descriptor, built once (the store's buffers never move)."""
+        if layer in self._layers:
+            return self._layers[layer][0]
+        store: KVQuantStore = self.kv_cache
+        buf, codec, lay = store.buffers, store.codecs[layer], store.layout
+        keep = []
+
+        def ptr(t: torch.Tensor) -> int:  # the kernel reads the store's live buffers
+            if not t.is_contiguous():
+                raise RuntimeError("kvquant buffers must be contiguous for the native kernel")
+            keep.append(t)
+            return t.data_ptr()
+
+        def side(name: str, kind: str, per_channel: bool) -> KVQuantSide:
+            book = codec.key_codebook if kind == "key" else codec.value_codebook
+            lut = decode_centroids(torch.arange(2 ** codec.bits, dtype=torch.uint8), codec.bits,
+                                   None if book is None else book.cpu())  # [2^bits] float32
+            oidx = buf[f"{name}_oidx{layer}"]
+            return KVQuantSide(
+                codes=ptr(buf[f"{name}_codes{layer}"]), offset=ptr(buf[f"{name}_offset{layer}"]),
+                half=ptr(buf[f"{name}_half{layer}"]), oidx=ptr(oidx),
+                oval=ptr(buf[f"{name}_oval{layer}"]), lut=ptr(lut),
+                sink=ptr(buf[f"sink_{name}{layer}"]), per_channel=int(per_channel),
+                bits=codec.bits, packed=buf[f"{name}_codes{layer}"].shape[-1],
+                cap=oidx.shape[-1], idx_bytes=INDEX_BYTES[oidx.dtype])
+
+        rope = self._rope()
+        pos, cos, sin = rope if rope is not None else (None, None, None)
+        struct = KVQuantLayer(
+            k=side("k", "key", store.staged), v=side("v", "value", False),
+            sink_slot=ptr(buf["sink_slot"]), staging=ptr(buf["staging_k"][layer]),
+            staging_index=ptr(buf["staging_index"]),
+            slot_positions=None if pos is None else ptr(pos),
+            cos=None if cos is None else ptr(cos), sin=None if sin is None else ptr(sin),
+            num_sinks=store.num_sinks,
+            sparse_kind=ELEMENT_KINDS[buf[f"k_oval{layer}"].dtype],
+            staging_kind=ELEMENT_KINDS[buf["staging_k"].dtype],
+            rot_dim=0 if cos is None else cos.shape[-1], block_size=store.block_size,
+            num_q_heads=num_q_heads, num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim)
+        self._layers[layer] = (struct, keep)
+        return struct
+

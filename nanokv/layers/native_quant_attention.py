@@ -1,0 +1,126 @@
+"""The quantized CPU decode kernels (`csrc/quant_decode_attention.c`), loaded with ctypes.
+
+Built like the float kernel (`native_attention.build_library`: `$CC -O3 -march=native -fopenmp`,
+cached in `$NANOKV_CACHE_DIR`), once per process. Two entry points, each reading a store's
+buffers in place:
+
+  pertoken_decode   int8 / fp8 codes with a float32 scale per token and KV head
+                    (`nanokv.quant.pertoken_store`), slots as runs of consecutive pool slots
+  kvquant_decode    KVQuant's packed codes, statistics, codebooks, outliers, sinks, staged keys
+                    (`nanokv.quant.kvquant_store`), by block table
+
+Both attend each request's cached slots (not the new token) and then the step's own token with
+its fresh float32 K/V, so the result is `reference_quantized_attention`'s.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from nanokv.layers.native_attention import (
+    DecodeRuns,
+    NativeKernelUnavailable,
+    build_library,
+)
+
+SOURCE = Path(__file__).with_name("csrc") / "quant_decode_attention.c"
+PERTOKEN_FORMATS = {"int8": 0, "fp8_e4m3": 1, "fp8_e5m2": 2}
+# element kinds of sparse values and staged keys
+ELEMENT_KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+INDEX_BYTES = {torch.uint8: 1, torch.int16: 2, torch.int32: 4}
+
+_lib = None
+_error: str | None = None
+
+_p, _i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class KVQuantSide(ctypes.Structure):
+    """Keys or values of one KVQuant layer (mirrors the C struct)."""
+
+    _fields_ = [("codes", _p), ("offset", _p), ("half", _p), ("oidx", _p), ("oval", _p),
+                ("lut", _p), ("sink", _p), ("per_channel", _i64), ("bits", _i64),
+                ("packed", _i64), ("cap", _i64), ("idx_bytes", _i64)]
+
+
+class KVQuantLayer(ctypes.Structure):
+    """One KVQuant layer's buffers and shape (mirrors the C struct)."""
+
+    _fields_ = [("k", KVQuantSide), ("v", KVQuantSide), ("sink_slot", _p), ("staging", _p),
+                ("staging_index", _p), ("slot_positions", _p), ("cos", _p), ("sin", _p),
+                ("num_sinks", _i64), ("sparse_kind", _i64), ("staging_kind", _i64),
+                ("rot_dim", _i64), ("block_size", _i64), ("num_q_heads", _i64),
+                ("num_kv_heads", _i64), ("head_dim", _i64)]
+
+
+def load_quant_kernels() -> ctypes.CDLL:
+    """The library; raises NativeKernelUnavailable (with the reason) when it cannot be built."""
+    global _lib, _error
+    if _lib is None and _error is None:
+        try:
+            lib = build_library(SOURCE)
+        except NativeKernelUnavailable as e:
+            _error = str(e)
+        except OSError as e:
+            _error = f"loading the built kernel failed: {e}"
+        else:
+            lib.pertoken_decode_attention.argtypes = [_p] * 14 + [_i64] * 6
+            lib.pertoken_decode_attention.restype = ctypes.c_int
+            lib.kvquant_decode_attention.argtypes = [ctypes.POINTER(KVQuantLayer)] + [_p] * 7 \
+                + [_i64]
+            lib.kvquant_decode_attention.restype = ctypes.c_int
+            _lib = lib
+    if _lib is None:
+        raise NativeKernelUnavailable(_error)
+    return _lib
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _check(status: int) -> None:
+    if status != 0:
+        raise MemoryError("quantized decode attention could not allocate its scratch buffers")
+
+
+def pertoken_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, fmt: str,
+                    k_codes: torch.Tensor, v_codes: torch.Tensor, k_scales: torch.Tensor,
+                    v_scales: torch.Tensor, runs: DecodeRuns, scale: float,
+                    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                    ) -> torch.Tensor:
+    """q: [B, Hq, D]; k_new, v_new: [B, Hkv, D] float32 (the step's own tokens, keys after RoPE);
+    one layer's codes [num_blocks, block_size, Hkv, D] uint8 and scales [num_blocks,
+    block_size, Hkv] float32, contiguous; runs: each request's cached slots without the new
+    token; rope: (slot_positions [num_blocks, block_size] int32, cos, sin [positions, rot_dim])
+    when the keys are stored before RoPE. Returns [B, Hq, D]."""
+    num_requests, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_codes.shape[-2]
+    qs = (q.float() * scale).contiguous()  # [B, Hq, D]
+    kn, vn = k_new.float().contiguous(), v_new.float().contiguous()  # [B, Hkv, D]
+    out = torch.empty_like(qs)
+    pos, cos, sin = rope if rope is not None else (None, None, None)
+    _check(load_quant_kernels().pertoken_decode_attention(
+        qs.data_ptr(), k_codes.data_ptr(), v_codes.data_ptr(), k_scales.data_ptr(),
+        v_scales.data_ptr(), kn.data_ptr(), vn.data_ptr(), out.data_ptr(),
+        runs.run_ptr.data_ptr(), runs.run_start.data_ptr(), runs.run_len.data_ptr(),
+        _ptr(pos), _ptr(cos), _ptr(sin), 0 if cos is None else cos.shape[-1],
+        num_requests, num_q_heads, num_kv_heads, head_dim, PERTOKEN_FORMATS[fmt]))
+    return out
+
+
+def kvquant_decode(layer: KVQuantLayer, q: torch.Tensor, k_new: torch.Tensor,
+                   v_new: torch.Tensor, blk_ptr: torch.Tensor, blk_ids: torch.Tensor,
+                   past: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [B, Hq, D]; k_new, v_new: [B, Hkv, D]; request i's cached slots are the first past[i]
+    slots of blocks blk_ids[blk_ptr[i]:blk_ptr[i + 1]] (int64 tensors). Returns [B, Hq, D]."""
+    qs = (q.float() * scale).contiguous()  # [B, Hq, D]
+    kn, vn = k_new.float().contiguous(), v_new.float().contiguous()  # [B, Hkv, D]
+    out = torch.empty_like(qs)
+    _check(load_quant_kernels().kvquant_decode_attention(
+        ctypes.byref(layer), qs.data_ptr(), kn.data_ptr(), vn.data_ptr(), out.data_ptr(),
+        blk_ptr.data_ptr(), blk_ids.data_ptr(), past.data_ptr(), q.shape[0]))
+    return out

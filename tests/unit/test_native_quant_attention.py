@@ -1,0 +1,228 @@
+"""The quantized C decode kernels (`csrc/quant_decode_attention.c`, backend `native` over int8 /
+fp8 / KVQuant stores) against dequantize-then-dense (`reference_quantized_attention`): every
+store, bit widths, codebooks, outliers, sinks, pre-RoPE keys, block sizes 16 and 256, contexts
+that end mid-block, GQA ratios 1, 2 and 8, prefill chunks next to decodes; and the backend
+choice."""
+
+import random
+
+import pytest
+import torch
+
+from nanokv.attention.common import CommonAttentionMetadata, PrefillChunk
+from nanokv.attention.native_quantized import NativeQuantizedBackend
+from nanokv.attention.quantized import QuantizedTorchBackend
+from nanokv.attention.selector import select_backend
+from nanokv.cache.kv_pool import KVLayout
+from nanokv.layers.native_attention import NativeKernelUnavailable
+from nanokv.layers.native_quant_attention import load_quant_kernels
+from nanokv.layers.rotary import RotaryEmbedding
+from nanokv.quant import KVQuantConfig, KVQuantStore, make_kv_store
+from nanokv.quant.attention import reference_quantized_attention
+from nanokv.quant.codebook import fisher_kmeans
+from nanokv.quant.kivi_store import KIVIStore
+from nanokv.utils import cdiv
+
+try:
+    load_quant_kernels()
+except NativeKernelUnavailable as e:  # no C compiler with OpenMP here
+    pytest.skip(f"quantized kernels unavailable: {e}", allow_module_level=True)
+
+CPU = torch.device("cpu")
+NUM_LAYERS, HKV, MAX_POS = 2, 2, 4096
+
+
+class _HFConfig:
+    rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def codebooks(bits, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(tuple(fisher_kmeans(torch.randn(4000, generator=gen).tanh(), None,
+                                     2 ** bits).tolist()) for _ in range(NUM_LAYERS))
+
+
+def thresholds(head_dim):
+    lo = -torch.rand(NUM_LAYERS, 1, HKV, head_dim) - 1.0  # some keys lie beyond them
+    return torch.cat([lo, -lo], dim=1)  # [L, 2, Hkv, D]
+
+
+def kvquant_config(name, head_dim):
+    return {
+        "4bit": lambda: KVQuantConfig(bits=4),
+        "3bit-nuq": lambda: KVQuantConfig(bits=3, key_codebooks=codebooks(3, 0),
+                                          value_codebooks=codebooks(3, 1)),
+        "2bit-nuq-thresholds": lambda: KVQuantConfig(
+            bits=2, key_codebooks=codebooks(2, 2), value_codebooks=codebooks(2, 3),
+            key_outlier_thresholds=thresholds(head_dim), outlier_fraction=0.02,
+            num_sink_tokens=3),
+        "mixed-8-4": lambda: KVQuantConfig(bits=4, layer_bits=(8, 4)),
+        "ablation-per-token-post-rope": lambda: KVQuantConfig(
+            bits=4, per_channel_keys=False, pre_rope_keys=False, num_sink_tokens=0),
+    }[name]()
+
+
+def make_store(kind, head_dim, block_size, num_blocks, num_requests, staging_dtype=None):
+    lay = KVLayout(NUM_LAYERS, HKV, head_dim, block_size, torch.float32)
+    if kind.startswith("kvquant:"):
+        store = KVQuantStore(lay, num_blocks, kvquant_config(kind[8:], head_dim),
+                             num_staging_blocks=num_requests, staging_dtype=staging_dtype)
+    else:
+        store = make_kv_store(kind, lay, num_blocks)
+    store.rotary = RotaryEmbedding(_HFConfig(), head_dim, MAX_POS)
+    return store
+
+
+def step(store, backend, q, k, v, k_pre, slots, positions, decode_tables, decode_lens,
+         prefills=(), layers=range(NUM_LAYERS)):
+    """One engine step through the backend: write, then attend; returns each layer's output."""
+    common = CommonAttentionMetadata(slots, len(decode_lens), decode_tables, decode_lens,
+                                     list(prefills))
+    common.write_plan = store.begin_step(slots, positions)
+    meta = backend.build(common)
+    return [backend.forward(layer, q[layer], k[layer], v[layer], k_pre[layer], meta,
+                            q.shape[-1] ** -0.5) for layer in layers]
+
+
+def scenario(store, hq, lens, rng, gen, chunk=None):
+    """Requests with `lens` cached slots (the last one the step's new token), written as prefill
+    chunks; then one decode step of all of them. Returns (outputs per layer, reference per
+    layer)."""
+    bs, d = store.block_size, store.layout.head_dim
+    rotate = store.rotary.rotate
+    blocks = list(range(store.num_blocks))
+    rng.shuffle(blocks)
+    tables = [[blocks.pop() for _ in range(cdiv(n, bs))] for n in lens]
+    starts = [rng.randrange(0, 50) for _ in lens]  # positions != slots (as after eviction)
+
+    def tokens(n, pos):  # k_pre, k (rotated), v: [L, n, Hkv, D]; some large entries
+        k_pre = torch.randn(NUM_LAYERS, n, HKV, d, generator=gen)
+        k_pre[torch.rand(k_pre.shape, generator=gen) < 0.01] *= 8
+        v = torch.randn(NUM_LAYERS, n, HKV, d, generator=gen)
+        k = torch.stack([rotate(pos, k_pre[layer]) for layer in range(NUM_LAYERS)])
+        return k_pre, k, v
+
+    backend = NativeQuantizedBackend(store, CPU)
+    # the past, one request at a time, in chunks (each a prefill step)
+    for table, n, p0 in zip(tables, lens, starts):
+        done = 0
+        while done < n - 1:
+            m = min(chunk or n, n - 1 - done)
+            pos = torch.arange(p0 + done, p0 + done + m)
+            k_pre, k, v = tokens(m, pos)
+            q = torch.randn(NUM_LAYERS, m, hq, d, generator=gen)
+            slots = [table[j // bs] * bs + j % bs for j in range(done, done + m)]
+            chunk_meta = PrefillChunk(0, m, done + m, table[:cdiv(done + m, bs)])
+            outs = step(store, backend, q, k, v, k_pre, slots, pos.tolist(), [], [], [chunk_meta])
+            for layer, out in enumerate(outs):  # the prefill path, checked on the way
+                ref = reference_quantized_attention(q[layer], k[layer], v[layer], store, layer,
+                                                    table, done, d ** -0.5, rotate)
+                torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+            done += m
+    # one step: every request's new token (decodes), then a new request's first chunk of m
+    nd, m = len(lens), bs + 3
+    new_table = [blocks.pop() for _ in range(cdiv(m, bs))]
+    pos = torch.tensor([p0 + n - 1 for p0, n in zip(starts, lens)] + list(range(m)))
+    k_pre, k, v = tokens(nd + m, pos)
+    q = torch.randn(NUM_LAYERS, nd + m, hq, d, generator=gen) * 3  # peaked softmax
+    slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens)] \
+        + [new_table[j // bs] * bs + j % bs for j in range(m)]
+    outs = step(store, backend, q, k, v, k_pre, slots, pos.tolist(), tables, list(lens),
+                [PrefillChunk(nd, m, m, new_table)])
+    refs = []
+    for layer in range(NUM_LAYERS):
+        rows = [reference_quantized_attention(q[layer, i:i + 1], k[layer, i:i + 1],
+                                              v[layer, i:i + 1], store, layer, tables[i], n - 1,
+                                              d ** -0.5, rotate) for i, n in enumerate(lens)]
+        rows.append(reference_quantized_attention(q[layer, nd:], k[layer, nd:], v[layer, nd:],
+                                                  store, layer, new_table, 0, d ** -0.5, rotate))
+        refs.append(torch.cat(rows))
+    return outs, refs
+
+
+LENS = {16: [1, 2, 15, 16, 17, 40, 100, 161], 256: [1, 5, 256, 257, 300, 600]}
+STORES = ["int8", "fp8_e4m3", "fp8_e5m2", "kvquant:4bit", "kvquant:3bit-nuq",
+          "kvquant:2bit-nuq-thresholds", "kvquant:mixed-8-4",
+          "kvquant:ablation-per-token-post-rope"]
+
+
+@pytest.mark.parametrize("kind", STORES)
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("hq", [2, 4, 16])  # GQA ratios 1, 2, 8 over 2 KV heads
+def test_decode_equals_dequantize_then_dense(kind, block_size, hq):
+    rng = random.Random(hash((kind, block_size, hq)) % 1000)
+    gen = torch.Generator().manual_seed(block_size + hq)
+    lens = LENS[block_size]
+    d = 32 if hq != 4 else 128
+    store = make_store(kind, d, block_size, sum(cdiv(n, block_size) for n in lens) + 3,
+                       len(lens) + 1)
+    outs, refs = scenario(store, hq, lens, rng, gen, chunk=block_size // 2 + 3)
+    if kind.startswith("kvquant:") and "2bit" in kind:  # outliers were kept
+        assert bool((store.buffers["k_oidx0"] >= 0).any())
+    for out, ref in zip(outs, refs):
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_kvquant_bf16_staging_and_all_slots_staged():
+    """Staged (partial-block) keys in bfloat16, and blocks that never fill."""
+    rng, gen = random.Random(1), torch.Generator().manual_seed(1)
+    store = make_store("kvquant:4bit", 64, 256, 8, 5, staging_dtype=torch.bfloat16)
+    outs, refs = scenario(store, 8, [3, 100, 255, 200], rng, gen, chunk=64)
+    for out, ref in zip(outs, refs):
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_backend_choice():
+    lay = KVLayout(NUM_LAYERS, HKV, 32, 16, torch.float32)
+    for kind in ("int8", "fp8_e4m3", "fp8_e5m2"):
+        store = make_kv_store(kind, lay, 4)
+        assert select_backend("auto", store, CPU)[0] is NativeQuantizedBackend
+        assert select_backend("native", store, CPU)[0] is NativeQuantizedBackend
+        assert select_backend("torch", store, CPU)[0] is QuantizedTorchBackend
+        assert select_backend("auto", store, torch.device("cuda"))[0] is QuantizedTorchBackend
+    kvq = KVQuantStore(lay, 4, KVQuantConfig(), num_staging_blocks=1)
+    assert select_backend("auto", kvq, CPU)[0] is NativeQuantizedBackend
+    kivi = KIVIStore.from_settings(lay, 4, CPU, num_staging_blocks=1)
+    assert select_backend("auto", kivi, CPU)[0] is QuantizedTorchBackend  # no kernel: torch
+    with pytest.raises(ValueError, match="int8, fp8 and kvquant"):
+        select_backend("native", kivi, CPU)
+
+
+@pytest.mark.parametrize("kv", [dict(kv_cache_dtype="int8"),
+                                dict(kv_cache_dtype="fp8_e5m2"),
+                                dict(kv_cache_dtype="kvquant", kv_quant_bits=4)])
+def test_engine_decodes_through_the_kernels_equal_the_reference(tiny_model, monkeypatch, kv):
+    """In the engine (auto backend, chunked prefill, prefix hits): every decode call of the
+    kernels equals dequantize-then-dense over the store."""
+    from nanokv import LLM, SamplingParams
+
+    real = NativeQuantizedBackend.decode
+    checked = []
+
+    def checking(self, layer, q, k, v, step, scale):
+        out = real(self, layer, q, k, v, step, scale)
+        store, bs = self.kv_cache, self.kv_cache.block_size
+        tables = (step.blk_ids.split(torch.diff(step.blk_ptr).tolist()) if step.past is not None
+                  else None)
+        for i in range(q.shape[0]):
+            if tables is not None:
+                table, past = tables[i].tolist(), int(step.past[i])
+            else:  # per-token stores: the runs' slots (consecutive blocks)
+                r0, r1 = step.runs.run_ptr[i].item(), step.runs.run_ptr[i + 1].item()
+                table = [s // bs + j for s, n in zip(step.runs.run_start[r0:r1].tolist(),
+                                                     step.runs.run_len[r0:r1].tolist())
+                         for j in range(cdiv(n, bs))]
+                past = int(step.runs.run_len[r0:r1].sum())
+            ref = reference_quantized_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], store,
+                                                layer, table, past, scale, store.rope)
+            torch.testing.assert_close(out[i:i + 1], ref, atol=2e-5, rtol=1e-4)
+        checked.append(q.shape[0])
+        return out
+
+    monkeypatch.setattr(NativeQuantizedBackend, "decode", checking)
+    prompts = [list(range(1, 40)), list(range(1, 33)) + [7, 8, 9], list(range(1, 33)) + [5]]
+    llm = LLM(tiny_model, skip_tokenizer_init=True, block_size=16, num_kv_blocks=64,
+              max_num_batched_tokens=24, max_num_seqs=4, **kv)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert type(llm.engine.attention_backend) is NativeQuantizedBackend
+    assert sum(checked) > 0 and all(len(o.token_ids) == 12 for o in outs)
