@@ -1,4 +1,4 @@
-"""Command line: `nanokv generate | bench | serve | eval | calibrate`.
+"""Command line: `nanokv generate | bench | serve | eval | calibrate | advise | simulate`.
 
 Every engine option of `LLM(...)` is a flag here (`max_num_seqs` -> `--max-num-seqs`).
 """
@@ -172,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     for module, hook in (("nanokv.server.cli", "add_serve_parser"),
                          ("nanokv.eval.cli", "add_eval_parser"),
-                         ("nanokv.quant.cli", "add_calibrate_parser")):
+                         ("nanokv.quant.cli", "add_calibrate_parser"),
+                         ("nanokv.sim.cli", "add_advise_parser")):
         try:
             add = getattr(importlib.import_module(module), hook)
         except ModuleNotFoundError as e:

@@ -1,0 +1,278 @@
+"""`nanokv advise`: sweep a deployment's KV settings over a trace with the simulator.
+
+For each candidate (block size, KV dtype, max_num_seqs, KV policy) the pool is sized the way
+the engine sizes it from an explicit `kv_cache_memory`: the KV cache kind's spec
+(`nanokv/cache/registry.py`: bytes per block, fixed bytes such as staging) gives
+num_blocks = (memory - fixed) // bytes_per_block. The step model prices the KV bytes each step
+reads at the same bytes per token, so a smaller KV dtype both holds more and reads less.
+
+The sweep is staged, not a full product: block size x KV dtype first, then max_num_seqs for the
+best of those, then KV policies (compression, pool-pressure eviction) on the best; candidates are
+ranked by output throughput, then TTFT p90. Policies change what the model attends to (see
+docs/results/policies): they are only recommended when they win clearly, with that caveat.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from nanokv.cache.kv_cache import KVCacheOptions
+from nanokv.cache.layout import KVLayout
+from nanokv.cache.registry import kv_cache_settings
+from nanokv.sim.simulator import SimConfig, SimResult, Simulator
+from nanokv.sim.step_model import DeviceSpec, LinearStepModel, ModelShape, RooflineStepModel
+from nanokv.sim.trace import TraceRecord
+
+
+@dataclass(frozen=True)
+class Candidate:
+    block_size: int
+    kv_dtype: str
+    max_num_seqs: int
+    compression_ratio: float | None = None
+    eviction_ratio: float | None = None
+
+    @property
+    def policy(self) -> str:
+        if self.compression_ratio is not None:
+            return f"compress {1 / (1 - self.compression_ratio):.0f}x"
+        if self.eviction_ratio is not None:
+            return f"pool-pressure {self.eviction_ratio}"
+        return "full"
+
+
+@dataclass
+class Outcome:
+    candidate: Candidate
+    num_blocks: int
+    bytes_per_token: float
+    bytes_per_block: int
+    result: SimResult
+
+
+@dataclass(frozen=True)
+class AdviseSettings:
+    model: ModelShape
+    kv_memory: int  # bytes for the KV cache
+    device: DeviceSpec | None = None  # roofline step model ...
+    fitted: LinearStepModel | None = None  # ... or one measured here (nanokv bench)
+    compute_dtype: torch.dtype = torch.bfloat16
+    max_model_len: int = 8192
+    max_num_batched_tokens: int = 8192
+    block_sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
+    kv_dtypes: tuple[str, ...] = ("auto", "fp8", "kvquant")
+    max_num_seqs: tuple[int, ...] = (64, 128, 256, 512)
+    compressions: tuple[float, ...] = (0.5, 0.75)
+    eviction_ratios: tuple[float, ...] = (0.2,)
+    default_max_num_seqs: int = 256
+
+
+def kv_cost(model: ModelShape, kv_dtype: str, block_size: int, max_num_seqs: int,
+            compute_dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
+    """(bytes per block, fixed bytes) of a KV cache kind for this model, from its spec."""
+    layout = KVLayout(model.num_layers, model.num_kv_heads, model.head_dim, block_size,
+                      compute_dtype)
+    cls, settings = kv_cache_settings(KVCacheOptions(kv_dtype, max_num_seqs), layout)
+    spec = cls.spec(layout, settings)
+    return spec.bytes_per_block, spec.fixed_bytes
+
+
+def evaluate(records: list[TraceRecord], s: AdviseSettings, c: Candidate) -> Outcome:
+    per_block, fixed = kv_cost(s.model, c.kv_dtype, c.block_size, c.max_num_seqs,
+                               s.compute_dtype)
+    num_blocks = (s.kv_memory - fixed) // per_block
+    if num_blocks < 1:
+        raise ValueError(f"{c}: {s.kv_memory / 2**30:.1f} GiB holds no block after "
+                         f"{fixed / 2**30:.1f} GiB of fixed cost")
+    per_token = per_block / c.block_size
+    step = s.fitted if s.fitted is not None else RooflineStepModel(
+        s.device, s.model, per_token,
+        weight_bytes_per_param=torch.empty(0, dtype=s.compute_dtype).element_size())
+    cfg = SimConfig(block_size=c.block_size, num_blocks=int(num_blocks),
+                    max_num_seqs=c.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                    max_model_len=s.max_model_len, bytes_per_block=per_block,
+                    compression_ratio=c.compression_ratio, eviction_ratio=c.eviction_ratio)
+    return Outcome(c, int(num_blocks), per_token, per_block, Simulator(records, cfg, step).run())
+
+
+def _key(o: Outcome):
+    r = o.result
+    # throughput first (to 3 significant digits: closer is a tie), then TTFT p90, preemptions
+    digits = 2 - int(math.floor(math.log10(max(r.output_tok_s, 1e-9))))
+    return (-round(r.output_tok_s, digits),
+            r.ttft_s["p90"] or 0.0, r.preemptions)
+
+
+def sweep(records: list[TraceRecord], s: AdviseSettings, progress=None) -> list[Outcome]:
+    """The staged sweep; every outcome, ranked best first."""
+    if records and max(r.hash_block_size for r in records) > min(s.block_sizes):
+        raise ValueError(f"the trace's hash block size {records[0].hash_block_size} is larger "
+                         f"than block size {min(s.block_sizes)}")
+    done: dict[Candidate, Outcome] = {}
+
+    def run(c: Candidate) -> Outcome | None:
+        if c not in done:
+            try:
+                done[c] = evaluate(records, s, c)
+            except ValueError as e:
+                if progress:
+                    progress(f"skipped {c}: {e}")
+                return None
+            if progress:
+                progress(line(done[c]))
+        return done[c]
+
+    stage1 = [o for o in (run(Candidate(bs, d, s.default_max_num_seqs))
+                          for d in s.kv_dtypes for bs in s.block_sizes) if o]
+    if not stage1:
+        raise ValueError("no candidate fits the KV memory")
+    best = min(stage1, key=_key).candidate
+    for m in s.max_num_seqs:
+        run(replace(best, max_num_seqs=m))
+    best = min(done.values(), key=_key).candidate
+    for r in s.compressions:
+        run(replace(best, compression_ratio=r))
+    for e in s.eviction_ratios:
+        run(replace(best, eviction_ratio=e))
+    return sorted(done.values(), key=_key)
+
+
+def line(o: Outcome) -> str:
+    c, r = o.candidate, o.result
+    ttft = r.ttft_s["p90"]
+    tpot = r.tpot_s["p50"]
+    return (f"bs {c.block_size:4d} {c.kv_dtype:8s} seqs {c.max_num_seqs:4d} {c.policy:17s} "
+            f"blocks {o.num_blocks:7d} hit {r.prefix_hit_rate:.3f} out {r.output_tok_s:8.0f} "
+            f"tok/s ttft90 {ttft if ttft is not None else math.nan:7.3f} s tpot50 "
+            f"{(tpot or math.nan) * 1e3:6.1f} ms run {r.mean_running:5.1f}/{r.peak_running:4d} "
+            f"preempt {r.preemptions}")
+
+
+HEADER = ("| rank | block | KV dtype | B/token | max_num_seqs | policy | blocks | hit rate | "
+          "output tok/s | TTFT p50 / p90 s | TPOT p50 ms | running mean / peak | peak KV use | "
+          "preemptions | evictions (prefix_lru / preemption / policy) | KV MiB / request p50 |")
+
+
+def table(outcomes: list[Outcome], limit: int | None = None) -> str:
+    rows = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
+    for i, o in enumerate(outcomes[:limit] if limit else outcomes, 1):
+        c, r = o.candidate, o.result
+        ev = r.evicted_blocks
+        rows.append(
+            f"| {i} | {c.block_size} | {c.kv_dtype} | {o.bytes_per_token:.0f} | "
+            f"{c.max_num_seqs} | {c.policy} | {o.num_blocks} | {r.prefix_hit_rate:.3f} | "
+            f"{r.output_tok_s:.0f} | {_f(r.ttft_s['p50'])} / {_f(r.ttft_s['p90'])} | "
+            f"{_f(r.tpot_s['p50'], 1e3, 1)} | {r.mean_running:.1f} / {r.peak_running} | "
+            f"{r.peak_kv_usage:.2f} | {r.preemptions} | {ev.get('prefix_lru', 0)} / "
+            f"{ev.get('preemption', 0)} / {ev.get('policy', 0)} | "
+            f"{r.kv_bytes_per_request['p50'] / 2**20:.0f} |")
+    return "\n".join(rows)
+
+
+def _f(v, scale=1.0, digits=2) -> str:
+    return "-" if v is None else f"{v * scale:.{digits}f}"
+
+
+def recommend(outcomes: list[Outcome]) -> str:
+    """The winner and why, against the best full-cache candidate and its neighbours."""
+    best = outcomes[0]
+    full = [o for o in outcomes if o.candidate.policy == "full"]
+    pick = best
+    caveat = ""
+    if best.candidate.policy != "full" and full:
+        f = full[0]
+        gain = best.result.output_tok_s / f.result.output_tok_s - 1
+        if gain < 0.10:
+            pick = f
+            caveat = (f" {best.candidate.policy} would add only {gain:.0%} throughput, not "
+                      f"worth what it removes from the context.")
+        else:
+            caveat = (f" It uses a KV policy ({best.candidate.policy}): +{gain:.0%} throughput "
+                      f"over the best full cache, at a cost in quality to check with "
+                      f"`nanokv eval` (the design document: at most 4x for code or maths).")
+    c, r = pick.candidate, pick.result
+    same_dtype = [o for o in outcomes if o.candidate.kv_dtype == c.kv_dtype
+                  and o.candidate.max_num_seqs == c.max_num_seqs
+                  and o.candidate.policy == "full"]
+    bs_hits = ", ".join(f"{o.candidate.block_size}: {o.result.prefix_hit_rate:.2f}"
+                        for o in sorted(same_dtype, key=lambda o: o.candidate.block_size))
+    why = [f"block size {c.block_size}, kv_cache_dtype {c.kv_dtype}, max_num_seqs "
+           f"{c.max_num_seqs}, policy {c.policy}: {r.output_tok_s:.0f} output tok/s, "
+           f"TTFT p90 {_f(r.ttft_s['p90'])} s, hit rate {r.prefix_hit_rate:.2f}, "
+           f"{pick.num_blocks} blocks ({pick.bytes_per_token:.0f} B/token), running "
+           f"{r.mean_running:.0f} on average (peak {r.peak_running}), "
+           f"{r.preemptions} preemptions."]
+    if bs_hits:
+        why.append(f"Hit rate by block size ({c.kv_dtype}): {bs_hits} (only full blocks are "
+                   f"shared, so smaller blocks catch more of each shared prefix).")
+    return " ".join(why) + caveat
+
+
+def plot(outcomes: list[Outcome], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    by_dtype: dict[str, list[Outcome]] = {}
+    ref = outcomes[0].candidate.max_num_seqs
+    for o in outcomes:
+        c = o.candidate
+        if c.policy == "full" and c.max_num_seqs == _stage1_seqs(outcomes, ref):
+            by_dtype.setdefault(c.kv_dtype, []).append(o)
+    for dtype, os_ in sorted(by_dtype.items()):
+        os_.sort(key=lambda o: o.candidate.block_size)
+        xs = [o.candidate.block_size for o in os_]
+        ax1.plot(xs, [o.result.prefix_hit_rate for o in os_], "o-", label=dtype)
+        ax2.plot(xs, [o.result.output_tok_s for o in os_], "o-", label=dtype)
+    for ax, label in ((ax1, "prefix-cache hit rate"), (ax2, "output tokens/s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("block size (tokens)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(title="kv_cache_dtype")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _stage1_seqs(outcomes: list[Outcome], fallback: int) -> int:
+    """The max_num_seqs the block-size x dtype stage ran at (the most common one)."""
+    counts: dict[int, int] = {}
+    for o in outcomes:
+        counts[o.candidate.max_num_seqs] = counts.get(o.candidate.max_num_seqs, 0) + 1
+    return max(counts, key=counts.get) if counts else fallback
+
+
+def pool_bottleneck(make_records, s: AdviseSettings, c: Candidate,
+                    rates: list[float]) -> list[tuple[float, SimResult]]:
+    """Simulate `c` at each offered rate (make_records(rate) -> trace)."""
+    return [(rate, evaluate(make_records(rate), s, c).result) for rate in rates]
+
+
+def bottleneck_table(rows: list[tuple[float, SimResult]], max_num_seqs: int) -> str:
+    out = ["| offered req/s | served req/s | output tok/s | hit rate | running mean / peak | "
+           "peak KV use | mean KV use | preemptions | prefix_lru evictions | TTFT p90 s | "
+           "TPOT p50 ms | bound by |", "|" + "---|" * 12]
+    for rate, r in rows:
+        out.append(f"| {rate:g} | {r.requests_per_s:.2f} | {r.output_tok_s:.0f} | "
+                   f"{r.prefix_hit_rate:.3f} | {r.mean_running:.1f} / {r.peak_running} | "
+                   f"{r.peak_kv_usage:.2f} | {r.mean_kv_usage:.2f} | {r.preemptions} | "
+                   f"{r.evicted_blocks.get('prefix_lru', 0)} | {_f(r.ttft_s['p90'])} | "
+                   f"{_f(r.tpot_s['p50'], 1e3, 1)} | {bound_by(r, max_num_seqs)} |")
+    return "\n".join(out)
+
+
+def bound_by(r: SimResult, max_num_seqs: int) -> str:
+    """What limits the batch: the KV pool (preemptions, or full while fewer than max_num_seqs
+    run), max_num_seqs, or nothing (the offered load is served)."""
+    if r.preemptions > 0 or (r.peak_kv_usage > 0.97 and r.peak_running < max_num_seqs):
+        return "KV pool"
+    if r.peak_running >= max_num_seqs:
+        return "max_num_seqs"
+    return "-"

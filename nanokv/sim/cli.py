@@ -1,0 +1,169 @@
+"""`nanokv advise` and `nanokv simulate` (hooked into nanokv/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from nanokv.sim.synthetic import WORKLOADS
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", help="a trace file (nanokv serve --trace-file)")
+    src.add_argument("--workload", choices=WORKLOADS, help="a synthetic trace of this shape")
+    p.add_argument("--num-requests", type=int, default=2000,
+                   help="requests of the synthetic workload (default 2000)")
+    p.add_argument("--rate", type=float, default=10.0,
+                   help="mean arrival rate of the synthetic workload, requests/s (default 10)")
+    p.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--save-trace", default=None, metavar="FILE",
+                   help="also write the synthetic trace to FILE")
+    p.add_argument("--model-config", required=True, metavar="DIR",
+                   help="directory with the model's Hugging Face config.json (no weights read)")
+    p.add_argument("--kv-memory", required=True, help="KV cache memory, e.g. 80GiB")
+    p.add_argument("--device", default="h200",
+                   help="roofline step model of this device: h200, h100, a100, l40s, cpu "
+                        "(default h200)")
+    p.add_argument("--step-model", default=None, metavar="FILE",
+                   help="a fitted step model (nanokv bench --step-model-out) instead of "
+                        "--device")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="default: min(the model's, 8192)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--compute-dtype", default="bfloat16", choices=("bfloat16", "float16",
+                                                                   "float32"))
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def add_advise_parser(sub, add_engine_args=None, engine_options=None) -> None:
+    a = sub.add_parser("advise", help="size a deployment: simulate a trace over block sizes, "
+                                      "KV dtypes, max_num_seqs and KV policies")
+    _add_common(a)
+    a.add_argument("--block-sizes", type=_ints, default=(16, 32, 64, 128, 256, 512, 1024))
+    a.add_argument("--kv-dtypes", default="auto,fp8,kvquant",
+                   help="comma-separated kv_cache_dtype values (default auto,fp8,kvquant)")
+    a.add_argument("--max-num-seqs", type=_ints, default=(64, 128, 256, 512))
+    a.add_argument("--compressions", type=_floats, default=(0.5, 0.75),
+                   help="KV policy compression ratios to try (kvpress convention: 0.75 = 4x)")
+    a.add_argument("--eviction-ratios", type=_floats, default=(0.2,),
+                   help="pool-pressure eviction ratios to try (PagedEviction's eviction_ratio)")
+    a.add_argument("--rates", type=_floats, default=(),
+                   help="synthetic workloads only: also simulate the recommendation at these "
+                        "arrival rates (req/s) and say where the KV pool becomes the bottleneck")
+    a.add_argument("--out", default=None, help="directory for advise.md, advise.json, plot")
+    a.set_defaults(func=cmd_advise)
+
+    s = sub.add_parser("simulate", help="replay a trace through the block manager and "
+                                        "scheduler with a step-time model (no weights)")
+    _add_common(s)
+    s.add_argument("--block-size", type=int, default=256)
+    s.add_argument("--kv-cache-dtype", default="auto")
+    s.add_argument("--max-num-seqs-sim", dest="max_num_seqs", type=int, default=256)
+    s.add_argument("--compression-ratio", type=float, default=None)
+    s.add_argument("--eviction-ratio", type=float, default=None)
+    s.set_defaults(func=cmd_simulate)
+
+
+def _load(args):
+    import torch
+
+    from nanokv.config import parse_memory
+    from nanokv.sim.advise import AdviseSettings
+    from nanokv.sim.step_model import DEVICES, LinearStepModel, ModelShape
+    from nanokv.sim.synthetic import WorkloadShape, generate
+    from nanokv.sim.trace import read_trace, write_trace
+
+    model = ModelShape.load(args.model_config)
+    max_len = args.max_model_len or min(model.max_position_embeddings, 8192)
+    fitted = device = None
+    if args.step_model:
+        fitted = LinearStepModel.load(args.step_model)
+    elif args.device not in DEVICES:
+        raise ValueError(f"--device must be one of {sorted(DEVICES)}, got {args.device!r}")
+    else:
+        device = DEVICES[args.device]
+
+    def make(rate: float):
+        return generate(args.workload, args.num_requests, rate, args.workload_seed,
+                        WorkloadShape(max_model_len=max_len))
+
+    if args.trace:
+        records = read_trace(args.trace)
+    else:
+        records = make(args.rate)
+        if args.save_trace:
+            write_trace(args.save_trace, records)
+    settings = AdviseSettings(model=model, kv_memory=parse_memory(args.kv_memory),
+                              device=device, fitted=fitted,
+                              compute_dtype=getattr(torch, args.compute_dtype),
+                              max_model_len=max_len,
+                              max_num_batched_tokens=args.max_num_batched_tokens)
+    return records, settings, make
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from nanokv.sim.advise import Candidate, evaluate
+
+    records, settings, _ = _load(args)
+    c = Candidate(args.block_size, args.kv_cache_dtype, args.max_num_seqs,
+                  args.compression_ratio, args.eviction_ratio)
+    o = evaluate(records, settings, c)
+    print(json.dumps({"num_blocks": o.num_blocks, "bytes_per_token": o.bytes_per_token,
+                      **o.result.summary()}, indent=1, default=str))
+    return 0
+
+
+def cmd_advise(args: argparse.Namespace) -> int:
+    from dataclasses import asdict, replace
+
+    from nanokv.sim import advise as adv
+
+    records, settings, make = _load(args)
+    settings = replace(settings, block_sizes=args.block_sizes,
+                       kv_dtypes=tuple(d.strip() for d in args.kv_dtypes.split(",") if d),
+                       max_num_seqs=args.max_num_seqs, compressions=args.compressions,
+                       eviction_ratios=args.eviction_ratios)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    outcomes = adv.sweep(records, settings,
+                         progress=lambda msg: print(f"[advise] {msg}", file=sys.stderr))
+    step = outcomes[0].result.step_model
+    src = args.trace or (f"synthetic {args.workload}, {args.num_requests} requests at "
+                         f"{args.rate:g} req/s, seed {args.workload_seed}")
+    text = [f"# nanokv advise: {src}", "",
+            f"model {args.model_config}, KV memory {args.kv_memory}, step model: {step}", "",
+            adv.table(outcomes), "", "**Recommendation.** " + adv.recommend(outcomes)]
+    best = outcomes[0].candidate
+    rows = []
+    if args.rates:
+        if args.trace:
+            raise ValueError("--rates needs --workload (a trace has its own arrival times)")
+        rows = adv.pool_bottleneck(make, settings, best, list(args.rates))
+        text += ["", f"## Offered load, {best.block_size} / {best.kv_dtype} / max_num_seqs "
+                     f"{best.max_num_seqs} / {best.policy}", "",
+                 adv.bottleneck_table(rows, best.max_num_seqs)]
+    report = "\n".join(text)
+    print(report)
+    if args.out:
+        with open(os.path.join(args.out, "advise.md"), "w", encoding="utf-8") as f:
+            f.write(report + "\n")
+        with open(os.path.join(args.out, "advise.json"), "w", encoding="utf-8") as f:
+            json.dump({"source": src, "outcomes": [
+                {"candidate": asdict(o.candidate), "num_blocks": o.num_blocks,
+                 "bytes_per_token": o.bytes_per_token, **o.result.summary()}
+                for o in outcomes],
+                "rates": [{"rate": rate, **r.summary()} for rate, r in rows]},
+                f, indent=1, default=str)
+        adv.plot(outcomes, os.path.join(args.out, "block_size.png"), src)
+    return 0

@@ -1,0 +1,274 @@
+"""How long one engine step takes, from what the scheduler put in it.
+
+A step is described by `StepFeatures` (plain numbers taken from a `SchedulerOutput`); a
+`StepModel` turns them into seconds. Two kinds:
+
+  * `LinearStepModel`: seconds = c . features, fitted (non-negative least squares) to steps
+    this engine timed on this machine (`nanokv bench --step-model-out FILE` writes one);
+  * `RooflineStepModel`: from a device's memory bandwidth and FLOP/s and a model's shape:
+    max(bytes moved / bandwidth, FLOPs / peak) + a fixed and a per-sequence overhead. Bytes moved:
+    the weights once per step plus the K/V every token attends to (bytes per token from the KV
+    cache kind's spec); FLOPs: 2 x parameters per token plus the attention products.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    num_tokens: int = 0  # tokens computed (prefill chunks + decodes)
+    num_seqs: int = 0  # requests in the step
+    num_decodes: int = 0
+    decode_context: int = 0  # KV slots read by the decodes (their cache lengths + 1)
+    prefill_pairs: int = 0  # query x key pairs of the prefill chunks (causal within the chunk)
+    prefill_context: int = 0  # earlier KV slots the prefill chunks read (their start slots)
+
+    @classmethod
+    def of(cls, scheduled) -> StepFeatures:
+        """From a SchedulerOutput's `scheduled` items (num_tokens, start_slot, is_decode)."""
+        tokens = seqs = decodes = ctx = pairs = pctx = 0
+        for s in scheduled:
+            n, start = s.num_tokens, s.start_slot
+            tokens += n
+            seqs += 1
+            if s.is_decode:
+                decodes += 1
+                ctx += start + 1
+            else:
+                pairs += n * start + n * (n + 1) // 2
+                pctx += start
+        return cls(tokens, seqs, decodes, ctx, pairs, pctx)
+
+    def vector(self) -> list[float]:
+        return [1.0, self.num_tokens, self.num_seqs, self.decode_context, self.prefill_pairs]
+
+
+FEATURE_NAMES = ("step", "token", "seq", "decode_context", "prefill_pair")
+
+
+class StepModel:
+    name = "abstract"
+
+    def step_time(self, f: StepFeatures) -> float:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return self.name
+
+
+@dataclass
+class LinearStepModel(StepModel):
+    """seconds = step + token * num_tokens + seq * num_seqs + decode_context * ctx
+    + prefill_pair * pairs (all coefficients >= 0)."""
+
+    step: float = 0.0
+    token: float = 0.0
+    seq: float = 0.0
+    decode_context: float = 0.0
+    prefill_pair: float = 0.0
+    source: str = ""  # what it was fitted to
+    name = "fitted"
+
+    def step_time(self, f: StepFeatures) -> float:
+        return (self.step + self.token * f.num_tokens + self.seq * f.num_seqs
+                + self.decode_context * f.decode_context + self.prefill_pair * f.prefill_pairs)
+
+    def describe(self) -> str:
+        return (f"fitted ({self.source}): {self.step * 1e3:.3f} ms/step + "
+                f"{self.token * 1e6:.2f} us/token + {self.seq * 1e6:.2f} us/seq + "
+                f"{self.decode_context * 1e9:.3f} ns/decode slot + "
+                f"{self.prefill_pair * 1e12:.3f} ps/prefill pair")
+
+    def to_json(self) -> str:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        return json.dumps({"kind": "linear", **d}, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> LinearStepModel:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+        if d.pop("kind", None) != "linear":
+            raise ValueError(f"{path} is not a fitted step model (kind 'linear')")
+        return cls(**d)
+
+    @classmethod
+    def fit(cls, samples: list[tuple[StepFeatures, float]], source: str = "") -> LinearStepModel:
+        """Non-negative least squares over (features, seconds) samples, relative error
+        weighted (short decode steps count as much as long prefill steps)."""
+        if len(samples) < len(FEATURE_NAMES):
+            raise ValueError(f"need at least {len(FEATURE_NAMES)} timed steps to fit, got "
+                             f"{len(samples)}")
+        x = np.array([f.vector() for f, _ in samples], dtype=np.float64)
+        y = np.array([t for _, t in samples], dtype=np.float64)
+        w = 1.0 / np.maximum(y, 1e-6)
+        coef = _nnls(x * w[:, None], y * w)
+        return cls(*coef.tolist(), source=source)
+
+
+def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """min ||a x - b|| with x >= 0 by dropping negative coefficients until none is left
+    (columns scaled first; enough for five well-separated features)."""
+    scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
+    a = a / scale
+    active = list(range(a.shape[1]))
+    x = np.zeros(a.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+        if (sol >= 0).all():
+            x[:] = 0
+            x[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return x / scale
+
+
+# ---- roofline ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    memory_bandwidth: float  # bytes/s (datasheet)
+    flops: float  # dense bf16 FLOP/s (datasheet, no sparsity)
+    memory_bytes: float  # device memory
+    bandwidth_efficiency: float = 0.8  # reachable fraction of the bandwidth
+    flops_efficiency: float = 0.55  # reachable fraction of the FLOP/s in prefill GEMMs
+    step_overhead_s: float = 1e-3  # scheduling, launch, sampling per step
+    seq_overhead_s: float = 5e-6  # per request in the step (metadata, sampling)
+
+
+DEVICES = {
+    "h200": DeviceSpec("h200", 4.8e12, 989e12, 141e9),
+    "h100": DeviceSpec("h100", 3.35e12, 989e12, 80e9),
+    "a100": DeviceSpec("a100", 2.039e12, 312e12, 80e9),
+    "l40s": DeviceSpec("l40s", 0.864e12, 362e12, 48e9),
+    # this repository's 2-core EPYC: ~33 GB/s of weights read per decode step (README) and
+    # oneDNN float32 GEMMs of a few hundred GFLOP/s; a rough stand-in for a fitted model
+    "cpu": DeviceSpec("cpu", 33e9, 3e11, 16e9, 1.0, 1.0, 2e-3, 2e-5),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> ModelShape:
+        try:
+            heads = cfg["num_attention_heads"]
+            return cls(cfg["num_hidden_layers"], cfg["hidden_size"], heads,
+                       cfg.get("num_key_value_heads", heads),
+                       cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                       cfg["intermediate_size"], cfg["vocab_size"],
+                       bool(cfg.get("tie_word_embeddings", False)),
+                       cfg.get("max_position_embeddings", 8192))
+        except KeyError as e:
+            raise ValueError(f"the model config lacks {e.args[0]!r}") from None
+
+    @classmethod
+    def load(cls, model_dir: str) -> ModelShape:
+        path = f"{model_dir}/config.json"
+        try:
+            with open(path, encoding="utf-8") as f:
+                return cls.from_hf_config(json.load(f))
+        except OSError as e:
+            raise ValueError(f"cannot read {path}: {e}") from e
+
+    @property
+    def num_params(self) -> int:
+        """Parameters (embeddings and lm_head once each unless tied; norms ignored)."""
+        h, d = self.hidden_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        mlp = 3 * h * self.intermediate_size
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attn + mlp) + emb
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters each token multiplies (the input embedding is a lookup)."""
+        return self.num_params - self.vocab_size * self.hidden_size * (
+            0 if self.tie_word_embeddings else 1)
+
+
+@dataclass
+class RooflineStepModel(StepModel):
+    device: DeviceSpec
+    model: ModelShape
+    kv_bytes_per_token: float  # every layer's K and V of one token, as the KV cache stores it
+    weight_bytes_per_param: float = 2.0  # bf16 weights
+    name = "roofline"
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.model.num_params * self.weight_bytes_per_param
+
+    def step_time(self, f: StepFeatures) -> float:
+        m, dev = self.model, self.device
+        # K/V read once per step (flash attention streams them): each decode its context, each
+        # prefill chunk its earlier slots; every new token's K/V written once
+        kv = f.decode_context + f.prefill_context + f.num_tokens
+        moved = self.weight_bytes + self.kv_bytes_per_token * kv
+        attn_flops = 4 * m.num_layers * m.num_heads * m.head_dim * (f.decode_context
+                                                                     + f.prefill_pairs)
+        flops = 2 * m.matmul_params * f.num_tokens + attn_flops
+        t = max(moved / (dev.memory_bandwidth * dev.bandwidth_efficiency),
+                flops / (dev.flops * dev.flops_efficiency))
+        return t + dev.step_overhead_s + dev.seq_overhead_s * f.num_seqs
+
+    def describe(self) -> str:
+        d = self.device
+        return (f"roofline {d.name}: {d.memory_bandwidth / 1e12:.2f} TB/s x "
+                f"{d.bandwidth_efficiency}, {d.flops / 1e12:.0f} TFLOP/s x {d.flops_efficiency}, "
+                f"weights {self.weight_bytes / 2**30:.1f} GiB, KV {self.kv_bytes_per_token:.0f} "
+                f"B/token, overhead {d.step_overhead_s * 1e3:.1f} ms/step")
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": "roofline", "device": asdict(self.device),
+                           "model": asdict(self.model),
+                           "kv_bytes_per_token": self.kv_bytes_per_token}, indent=1)
+
+
+# ---- measuring this engine --------------------------------------------------------------------
+
+class StepRecorder:
+    """Times every `engine.step()` and keeps (StepFeatures, seconds) samples; attach to an
+    `LLMEngine` before running it (wraps its scheduler's `schedule` on the instance)."""
+
+    def __init__(self, engine) -> None:
+        self.samples: list[tuple[StepFeatures, float]] = []
+        self._engine = engine
+        self._pending: StepFeatures | None = None
+        self._t0 = 0.0
+        schedule, step = engine.scheduler.schedule, engine.step
+
+        def timed_schedule():
+            out = schedule()
+            self._pending = StepFeatures.of(out.scheduled) if not out.is_empty else None
+            return out
+
+        def timed_step():
+            t0 = time.perf_counter()
+            result = step()
+            if self._pending is not None:
+                self.samples.append((self._pending, time.perf_counter() - t0))
+                self._pending = None
+            return result
+
+        engine.scheduler.schedule = timed_schedule
+        engine.step = timed_step
+
+    def fit(self, source: str = "") -> LinearStepModel:
+        return LinearStepModel.fit(self.samples, source)

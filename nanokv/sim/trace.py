@@ -1,0 +1,180 @@
+"""Request traces: one JSON line per request, hashes only.
+
+A line records what the KV cache needs to replay a request and nothing that reveals its content:
+
+    {"t": 3.20, "prompt_len": 812, "output_len": 64, "finish": "length", "class": "chat/default",
+     "salt": null, "hash_block_size": 16, "hashes": ["9f2c...", ...], "cached": 512,
+     "ttft_s": 0.41, "e2e_s": 2.9, "preemptions": 0}
+
+`hashes` are the chained hashes of the request's full blocks of `hash_block_size` tokens over its
+prompt AND output (a later turn of a session resends both), `prompt_len // hash_block_size` of
+them covering the prompt. They are keyed with a random per-writer secret (BLAKE2b), so they show
+which requests share which prefixes but cannot be checked against a guessed text; traces from two
+writers are therefore not comparable. `salt` is a digest of the request's `cache_salt`.
+`cached`, `ttft_s`, `e2e_s` and `preemptions` are what the serving engine measured (validation).
+
+Any block size that is a multiple of `hash_block_size` can be replayed exactly: two requests share
+their first k coarse blocks iff they share the fine hash at the k-th coarse boundary (chaining).
+`replay_token_ids` turns a record back into token ids with exactly that property.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+from array import array
+from dataclasses import asdict, dataclass, field
+
+DEFAULT_HASH_BLOCK_SIZE = 16  # the finest block size the engine accepts
+TOKEN_ID_BITS = 62  # replayed token ids stay positive int64 (the block manager hashes int64s)
+
+
+@dataclass
+class TraceRecord:
+    t: float  # arrival, seconds from the trace's start
+    prompt_len: int
+    output_len: int
+    hashes: list[str]  # chained hashes of full blocks of prompt + output (hex)
+    hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE
+    finish: str = "length"
+    cls: str = "default"  # request class: endpoint/header class, or a generator's label
+    salt: str | None = None  # digest of cache_salt
+    cached: int | None = None  # prompt tokens the serving engine found in its prefix cache
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    preemptions: int | None = None
+    extra: dict = field(default_factory=dict)  # generator metadata (session id, turn ...)
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 1 or self.output_len < 0:
+            raise ValueError(f"a trace record needs prompt_len >= 1 and output_len >= 0, got "
+                             f"{self.prompt_len}, {self.output_len}")
+        full = (self.prompt_len + self.output_len) // self.hash_block_size
+        if len(self.hashes) > full:
+            raise ValueError(f"{len(self.hashes)} block hashes for {full} full blocks of "
+                             f"{self.hash_block_size} tokens")
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["class"] = d.pop("cls")
+        if not d["extra"]:
+            del d["extra"]
+        return json.dumps({k: v for k, v in d.items() if v is not None}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, line: str) -> TraceRecord:
+        d = json.loads(line)
+        d["cls"] = d.pop("class", "default")
+        known = set(cls.__dataclass_fields__)
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown trace fields {sorted(unknown)}")
+        return cls(**d)
+
+
+class BlockHasher:
+    """Keyed chained hashes of token blocks (64-bit, hex)."""
+
+    def __init__(self, block_size: int = DEFAULT_HASH_BLOCK_SIZE, key: bytes | None = None):
+        if block_size < 1:
+            raise ValueError(f"hash block size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.key = key if key is not None else os.urandom(16)
+
+    def chain(self, token_ids: list[int], salt: str | None = None) -> list[str]:
+        bs = self.block_size
+        parent = (salt or "").encode()
+        out = []
+        for i in range(len(token_ids) // bs):
+            h = hashlib.blake2b(parent, key=self.key, digest_size=8)
+            h.update(array("q", token_ids[i * bs:(i + 1) * bs]).tobytes())
+            parent = h.digest()
+            out.append(parent.hex())
+        return out
+
+
+def salt_digest(cache_salt: str | None) -> str | None:
+    if cache_salt is None:
+        return None
+    return hashlib.sha256(cache_salt.encode()).hexdigest()[:16]
+
+
+class TraceWriter:
+    """Appends one line per finished request (thread-safe, flushed per line)."""
+
+    def __init__(self, path: str, hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE,
+                 key: bytes | None = None) -> None:
+        self.path = path
+        self.hasher = BlockHasher(hash_block_size, key)
+        self.start = time.monotonic()
+        self._lock = threading.Lock()
+        try:
+            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        except OSError as e:
+            raise ValueError(f"cannot open the trace file {path!r}: {e}") from e
+
+    def record(self, request, request_class: str = "default") -> None:
+        """A finished `nanokv.request.Request` (its prompt and output token ids)."""
+        m = request.metrics
+        tokens = request.prompt_token_ids + request.output_token_ids
+        end = m.finished_time or time.monotonic()
+        rec = TraceRecord(
+            t=round(m.arrival_time - self.start, 6), prompt_len=request.num_prompt_tokens,
+            output_len=request.num_output_tokens,
+            hashes=self.hasher.chain(tokens, request.cache_salt),
+            hash_block_size=self.hasher.block_size, finish=request.status.value,
+            cls=request_class, salt=salt_digest(request.cache_salt),
+            cached=max(0, request.num_cached_tokens),
+            ttft_s=None if m.ttft is None else round(m.ttft, 6),
+            e2e_s=round(end - m.arrival_time, 6), preemptions=request.num_preemptions)
+        line = rec.to_json() + "\n"
+        with self._lock:
+            self._file.write(line)
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def write_trace(path: str, records: list[TraceRecord]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(r.to_json() + "\n")
+
+
+def read_trace(path: str) -> list[TraceRecord]:
+    """Records sorted by arrival (a server writes them as requests finish)."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    records.append(TraceRecord.from_json(line))
+                except (ValueError, TypeError) as e:
+                    raise ValueError(f"{path}:{n}: not a trace record: {e}") from e
+    if not records:
+        raise ValueError(f"{path} holds no trace records")
+    records.sort(key=lambda r: r.t)
+    return records
+
+
+def replay_token_ids(record: TraceRecord, unique: int) -> list[int]:
+    """Token ids of prompt + output with the record's sharing structure: each full fine block
+    is its hash followed by zeros (equal blocks <=> equal chained hashes), the partial tail
+    belongs to this request alone (`unique` must differ between records; ids stay below
+    2^62 and distinct from every hash-derived block)."""
+    bs = record.hash_block_size
+    mask = (1 << TOKEN_ID_BITS) - 1
+    zeros = [0] * (bs - 1)
+    tokens: list[int] = []
+    for h in record.hashes:
+        tokens.append((int(h, 16) & mask) | 1)  # odd: never equal to a tail token below
+        tokens += zeros
+    n = record.prompt_len + record.output_len
+    tail = n - len(tokens)
+    tokens += [((unique * 1_000_003 + i + 1) << 1) & mask for i in range(tail)]
+    return tokens
