@@ -118,6 +118,10 @@ class EngineConfig:
     kv_quant_config: str | None = _opt(
         None, "kvquant calibration JSON written by `nanokv calibrate` (codebooks, key outlier "
               "thresholds, per-layer widths)", metavar="FILE")
+    tensor_parallel_size: int = _opt(
+        1, "processes the model is split over (heads, MLP, vocabulary and KV heads), started by "
+           "the engine: gloo on CPU, one GPU each (NCCL) on CUDA; the model's KV heads must "
+           "divide by it")
 
     @classmethod
     def from_kwargs(cls, model: str, **options) -> "EngineConfig":
@@ -169,6 +173,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be a string, got {self.kv_cache_dtype!r}")
         if self.kv_quant_bits is not None:
             check_int("kv_quant_bits", self.kv_quant_bits, 1)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.kv_quant_config is not None and (not isinstance(self.kv_quant_config, str)
                                                  or not self.kv_quant_config):
             raise ValueError(f"kv_quant_config must be the path of a calibration file, "

@@ -21,6 +21,7 @@ from nanokv.cache.kv_cache import KVCache, KVCacheOptions, KVCacheSpec, raise_la
 from nanokv.cache.layout import KVLayout
 from nanokv.cache.registry import kv_cache_settings
 from nanokv.config import EngineConfig
+from nanokv.distributed.support import check_tensor_parallel
 from nanokv.engine.kv_cache_plan import KVCachePlan, budget_blocks, estimate_activation_bytes
 from nanokv.worker.profiler import measure_activation_bytes
 from nanokv.policies.base import PolicyConfig, policy_class
@@ -54,6 +55,7 @@ def resolve_parts(config: EngineConfig, hf_config) -> EngineParts:
     is loaded."""
     given = config.max_model_len is not None
     config.resolve(int(hf_config.max_position_embeddings))
+    check_tensor_parallel(config, hf_config)
     names = backend_names()
     if config.attention_backend not in names:
         raise ValueError(f"attention_backend must be one of {names}, "
@@ -72,6 +74,13 @@ def resolve_parts(config: EngineConfig, hf_config) -> EngineParts:
     elif config.kv_policy is not None and config.kv_policy != "full":
         policy_class(config.kv_policy)
     return EngineParts(kv_class, settings, policy, given)
+
+
+def scaled_spec(spec: KVCacheSpec, copies: int) -> KVCacheSpec:
+    """The cost of `copies` caches of one spec together (tensor-parallel ranks that share one
+    memory budget: each holds the same blocks for its share of the KV heads)."""
+    return KVCacheSpec(spec.kv_cache_dtype, spec.bytes_per_block * copies,
+                       spec.fixed_bytes * copies, spec.scratch_bytes_per_block * copies)
 
 
 def plan_kv_cache(config: EngineConfig, spec: KVCacheSpec, model, hf_config,

@@ -14,7 +14,7 @@ from nanokv.attention.selector import select_backend
 from nanokv.cache.block_manager import BlockManager
 from nanokv.cache.layout import KVLayout
 from nanokv.config import EngineConfig
-from nanokv.engine.assembly import plan_kv_cache, resolve_parts, startup_report
+from nanokv.engine.assembly import plan_kv_cache, resolve_parts, scaled_spec, startup_report
 from nanokv.engine.detokenizer import update_text
 from nanokv.engine.policy_runner import PolicyRunner
 from nanokv.worker.cpu_memory import tune_glibc_malloc
@@ -38,19 +38,30 @@ def _prompt_logits(request: Request):
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         """Resolve the config and check the parts against each other (nothing loaded yet),
-        load the model, plan the KV cache from its kind's spec, build, report."""
+        load the model, plan the KV cache from its kind's spec, build, report.
+
+        With tensor_parallel_size N > 1 this process is rank 0 of N (nanokv/distributed): the
+        other ranks are started before the model loads, each loads its shard and holds the KV
+        cache of its KV heads; the scheduler, block manager, policies and sampler stay here."""
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         hf_config, _ = load_hf_config(config.model)
         parts = resolve_parts(config, hf_config)
+        tp_size = config.tensor_parallel_size
+        self.executor = None  # rank 0's end of the tensor-parallel group
+        if tp_size > 1:
+            from nanokv.distributed.executor import TensorParallelExecutor
+
+            self.executor = TensorParallelExecutor(config)
 
         loaded = load_model(config.model, config.dtype, config.device,
                             tokenizer_path=config.tokenizer,
                             skip_tokenizer_init=config.skip_tokenizer_init,
                             max_positions=config.max_model_len,
-                            linear_backend=config.linear_backend)
+                            linear_backend=config.linear_backend,
+                            tp=None if self.executor is None else self.executor.tp)
         self.model, self.hf_config = loaded.model, loaded.hf_config
         self.tokenizer, self.eos_token_ids = loaded.tokenizer, loaded.eos_token_ids
         self.device, self.dtype = loaded.device, loaded.dtype
@@ -58,10 +69,17 @@ class LLMEngine:
             tune_glibc_malloc()
 
         cfg = self.hf_config
-        self.layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim_of(cfg),
-                               config.block_size, self.dtype)
+        self.layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads // tp_size,
+                               head_dim_of(cfg), config.block_size, self.dtype)
         spec = parts.kv_cache_class.spec(self.layout, parts.kv_cache_settings)
-        self.kv_cache_plan = plan_kv_cache(config, spec, self.model, cfg, self.device,
+        plan_spec = spec
+        if self.executor is not None:
+            self.executor.wait_until_loaded()
+            if config.num_kv_blocks is None:
+                self.executor.profile(config.max_num_batched_tokens)
+            if self.device.type == "cpu":  # the ranks' pools share the host's memory budget
+                plan_spec = scaled_spec(spec, tp_size)
+        self.kv_cache_plan = plan_kv_cache(config, plan_spec, self.model, cfg, self.device,
                                            self.dtype, parts.max_model_len_given)
         config.max_model_len = self.kv_cache_plan.max_model_len
 
@@ -71,21 +89,30 @@ class LLMEngine:
         backend_class, backend_why = select_backend(config.attention_backend, self.kv_cache,
                                                     self.device)
         self.attention_backend = backend_class(self.kv_cache, self.device)
+        kv_cache = self.kv_cache  # what the block manager and the policies act on
+        if self.executor is not None:  # every rank's, through rank 0's
+            kv_cache = self.executor.build_caches(self.kv_cache, config.kv_cache_dtype,
+                                                  parts.kv_cache_settings, backend_class.name)
         extra_keys = (("kv_dtype", str(self.dtype)),) + self.kv_cache.extra_keys()
         self.block_manager = BlockManager(
             self.kv_cache_plan.num_blocks, config.block_size, config.enable_prefix_caching,
-            extra_keys=extra_keys, on_block_freed=self.kv_cache.release)
+            extra_keys=extra_keys, on_block_freed=kv_cache.release)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_model_len,
                                    config.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, self.kv_cache, self.attention_backend, self.device,
-                                  config.seed)
-        self.policies = PolicyRunner(parts.default_policy, self.block_manager, self.kv_cache,
+                                  config.seed, tp=None if self.executor is None
+                                  else self.executor.tp)
+        if self.executor is not None:
+            self.runner = self.executor.runner(self.runner)
+        self.policies = PolicyRunner(parts.default_policy, self.block_manager, kv_cache,
                                      self.model.attention_layers()[0].scale)
         self._ids = itertools.count()
         self.startup_lines = startup_report(config, self.model, self.device, loaded.dtype_note,
                                             self.kv_cache_plan, self.kv_cache,
                                             self.attention_backend, backend_why)
+        if self.executor is not None:
+            self.startup_lines.append(self.executor.describe())
         for line in self.startup_lines:
             logger.info(line)
 
@@ -221,6 +248,11 @@ class LLMEngine:
             kv_blocks_at_finish=request.final_kv_blocks,
             kv_slots_at_finish=request.final_kv_slots,
             logical_tokens_at_finish=request.num_computed_tokens if finished else 0)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do in one process); idempotent."""
+        if self.executor is not None:
+            self.executor.close()
 
     # ---- observability -------------------------------------------------------------------------
     def stats(self):

@@ -3,6 +3,11 @@
 Tokens of all requests in a step are concatenated: hidden states are [T, hidden]. q/k/v and
 gate/up projections are packed into one matmul each; the loader splits the checkpoint's tensors
 into them (see `packed_modules`).
+
+With tensor parallelism (`tp`, nanokv/distributed) each rank builds the same model with its share
+of the heads, of the MLP and of the vocabulary: column-parallel q/k/v and gate/up, row-parallel
+o and down (all-reduced), vocabulary-parallel embedding and LM head. Without it (tp None) the
+layers are the plain ones.
 """
 
 from __future__ import annotations
@@ -12,6 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanokv.attention.common import StepAttention
+from nanokv.distributed.parallel_state import TensorParallel
+from nanokv.distributed.tp_layers import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+    column_linear,
+    row_linear,
+)
 from nanokv.layers.linear import Linear
 from nanokv.layers.norm import RMSNorm
 from nanokv.layers.rotary import RotaryEmbedding
@@ -19,16 +31,18 @@ from nanokv.utils import head_dim_of
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg, rotary: RotaryEmbedding, qk_norm: bool, bias: bool) -> None:
+    def __init__(self, cfg, rotary: RotaryEmbedding, qk_norm: bool, bias: bool,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        ranks = 1 if tp is None else tp.size
+        self.num_heads = cfg.num_attention_heads // ranks  # this rank's heads
+        self.num_kv_heads = cfg.num_key_value_heads // ranks
         self.head_dim = head_dim_of(cfg)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = column_linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias, tp)
+        self.o_proj = row_linear(self.q_size, cfg.hidden_size, False, tp)
         self.rotary = rotary
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
@@ -52,16 +66,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, tp: TensorParallel | None = None) -> None:
         super().__init__()
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported; supported: ['silu']")
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size,
-                                      bias=getattr(cfg, "mlp_bias", False))
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size,
-                                   bias=getattr(cfg, "mlp_bias", False))
+        self.intermediate = cfg.intermediate_size // (1 if tp is None else tp.size)
+        bias = getattr(cfg, "mlp_bias", False)
+        self.gate_up_proj = column_linear(cfg.hidden_size, 2 * self.intermediate, bias, tp)
+        self.down_proj = row_linear(self.intermediate, cfg.hidden_size, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -69,10 +82,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, rotary: RotaryEmbedding, qk_norm: bool, bias: bool) -> None:
+    def __init__(self, cfg, rotary: RotaryEmbedding, qk_norm: bool, bias: bool,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary, qk_norm, bias)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, rotary, qk_norm, bias, tp)
+        self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -93,20 +107,24 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg, max_positions: int) -> None:
+    def __init__(self, cfg, max_positions: int, tp: TensorParallel | None = None) -> None:
+        """tp: this rank's place in a tensor-parallel group (None: the whole model here)."""
         super().__init__()
         self.config = cfg
+        self.tp = tp
         bias = self.qkv_bias or bool(getattr(cfg, "attention_bias", False))
         self.rotary = RotaryEmbedding(cfg, head_dim_of(cfg), max_positions)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None
+                             else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, self.rotary, self.qk_norm, bias)
+            LlamaDecoderLayer(cfg, self.rotary, self.qk_norm, bias, tp)
             for _ in range(cfg.num_hidden_layers))
         for index, layer in enumerate(self.layers):
             layer.self_attn.layer_index = index
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = (Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if tp is None
+                        else ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention
                 ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
@@ -131,8 +149,11 @@ class LlamaForCausalLM(nn.Module):
                 # the tied LM head must keep the plain matrix: the embedding lookup uses it
                 module.pack(drop_plain=not (module is self.lm_head and self.tie_word_embeddings))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [N, vocab]
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[N, hidden] -> [N, vocab] float32; None on tensor-parallel ranks other than 0 (the
+        logits are gathered on rank 0)."""
+        logits = self.lm_head(hidden)
+        return None if logits is None else logits.float()  # [N, vocab]
 
     def attention_layers(self) -> list[LlamaAttention]:
         return [layer.self_attn for layer in self.layers]

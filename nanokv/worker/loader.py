@@ -117,26 +117,33 @@ def safetensors_files(path: str) -> list[str]:
 
 
 def load_weights(model: torch.nn.Module, path: str) -> None:
-    """Copy checkpoint tensors into the model; raise on missing, unexpected or mis-shaped ones."""
+    """Copy checkpoint tensors into the model; raise on missing, unexpected or mis-shaped ones.
+    A tensor-parallel model (`model.tp`) takes its rank's shard of each (the full tensor's shape
+    is what is checked)."""
     params = dict(model.named_parameters())
-    # checkpoint tensor name -> (parameter, dim-0 offset, rows) for every slot to fill
-    targets: dict[str, tuple[torch.nn.Parameter, int, int]] = {}
+    ranks = 1 if getattr(model, "tp", None) is None else model.tp.size
+    if ranks > 1:
+        from nanokv.distributed.tp_layers import param_shard
+    # checkpoint tensor name -> (parameter, dim-0 offset, rows, tensor-parallel shard or None)
+    # for every slot to fill
+    targets: dict[str, tuple[torch.nn.Parameter, int, int, object]] = {}
     for name, param in params.items():
         if name.startswith("lm_head") and model.tie_word_embeddings:
             continue
         ckpt_name = model.checkpoint_name(name)
+        shard = param_shard(model, name) if ranks > 1 else None
         packed = next(((src, dst, idx) for src, (dst, idx) in model.packed_modules.items()
                        if f".{dst}." in ckpt_name), None)
         if packed is None:
-            targets[ckpt_name] = (param, 0, param.shape[0])
+            targets[ckpt_name] = (param, 0, param.shape[0], shard)
             continue
         src, dst, _ = packed
-        sizes = _packed_sizes(model, dst, param)
+        sizes = [n // ranks for n in _packed_sizes(model, dst, param)]  # this rank's rows
         siblings = [s for s, (d, _) in model.packed_modules.items() if d == dst]
         for s in siblings:
             idx = model.packed_modules[s][1]
             offset = sum(sizes[:idx])
-            targets[ckpt_name.replace(f".{dst}.", f".{s}.")] = (param, offset, sizes[idx])
+            targets[ckpt_name.replace(f".{dst}.", f".{s}.")] = (param, offset, sizes[idx], shard)
 
     loaded: set[str] = set()
     skip_suffixes = ("rotary_emb.inv_freq",)
@@ -157,11 +164,14 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
                     tensor = handle.get_tensor(key)
                 except Exception as e:
                     raise ValueError(f"tensor {key!r} in {file} is unreadable: {e}") from None
-                param, offset, rows = targets[key]
-                expected = (rows,) + tuple(param.shape[1:])
+                param, offset, rows, shard = targets[key]
+                local = (rows,) + tuple(param.shape[1:])
+                expected = local if shard is None else shard.full_shape(local)
                 if tuple(tensor.shape) != expected:
                     raise ValueError(f"tensor {key!r} has shape {tuple(tensor.shape)}, "
                                      f"expected {expected}")
+                if shard is not None:
+                    tensor = shard.take(tensor, local)
                 with torch.no_grad():
                     param.data[offset:offset + rows].copy_(tensor)
                 loaded.add(key)
@@ -212,7 +222,10 @@ def load_tokenizer(path: str):
 
 def load_model(model_path: str, dtype: str = "auto", device: str = "auto",
                max_positions: int | None = None, tokenizer_path: str | None = None,
-               skip_tokenizer_init: bool = False, linear_backend: str = "auto") -> LoadedModel:
+               skip_tokenizer_init: bool = False, linear_backend: str = "auto",
+               tp=None) -> LoadedModel:
+    """tp: this rank's `nanokv.distributed.parallel_state.TensorParallel` (None: the whole
+    model in this process)."""
     cfg, arch = load_hf_config(model_path)
     cls = model_class(arch)
     dev = resolve_device(device)
@@ -224,7 +237,7 @@ def load_model(model_path: str, dtype: str = "auto", device: str = "auto",
         raise ValueError(f"sliding-window attention (window {sliding}) is not supported; "
                          f"set max_model_len <= {sliding}")
     with torch.device("meta"):
-        model = cls(cfg, n_pos)
+        model = cls(cfg, n_pos) if tp is None else cls(cfg, n_pos, tp=tp)
     model = model.to_empty(device=dev).to(torch_dtype)
     model.rotary.build_tables(dev)
     load_weights(model, model_path)

@@ -4,6 +4,9 @@ Prepares the flattened batch (input ids, positions) and the step's common attent
 (slot mapping, block tables, context lengths), which the engine's attention backend shapes into
 its own metadata; runs the model; computes logits only for rows that sample; samples. The queries
 KV policies asked for come back from the model and are returned per request.
+
+Under tensor parallelism every rank runs `execute` on the same SchedulerOutput (its share of the
+heads); logits and captured queries are gathered on rank 0, which alone samples.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from nanokv.utils import cdiv
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache, attention_backend, device: torch.device,
-                 seed: int) -> None:
+                 seed: int, tp=None) -> None:
         """kv_cache: the engine's `KVCache`; attention_backend: the `AttentionBackend` chosen at
-        start-up (it reads and writes `kv_cache`)."""
+        start-up (it reads and writes `kv_cache`); tp: this rank's
+        `nanokv.distributed.parallel_state.TensorParallel` (None without tensor parallelism)."""
+        self.tp = tp
         self.model = model
         self.kv_cache = kv_cache
         self.backend = attention_backend
@@ -33,12 +38,18 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         input_ids, positions, step, sample_rows, capture = self.prepare(sched)
         hidden, q_rows = self.model(input_ids, positions, step)  # [T, hidden]
+        if self.tp is not None and q_rows is not None:  # every rank's heads, on rank 0
+            q_rows = [self.tp.gather(q, dim=1) for q in q_rows]  # each [Tc, Hq, D]
+            if not self.tp.is_first:
+                q_rows, capture = None, []
         prompt_logits = self._prompt_logits(sched, hidden)
         captured = self._split_captured(q_rows, capture)
         if not sample_rows:
             return RunnerOutput({}, prompt_logits, captured)
         rows = torch.tensor(sample_rows, device=self.device)
         logits = self.model.compute_logits(hidden[rows])  # [N, vocab]
+        if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
+            return RunnerOutput({}, prompt_logits, captured)
         sampled = [s for s in sched.scheduled if s.sample]
         out = self.sampler.sample(logits, [s.params for s in sampled],
                                   [s.output_index for s in sampled],
@@ -52,8 +63,9 @@ class ModelRunner:
         out, start = {}, 0
         for s in sched.scheduled:
             if s.params.return_prompt_logits and s.output_index == 0:
-                out[s.request_id] = self.model.compute_logits(
-                    hidden[start:start + s.num_tokens]).cpu()  # [n, vocab]
+                logits = self.model.compute_logits(hidden[start:start + s.num_tokens])
+                if logits is not None:  # None: a tensor-parallel rank other than 0
+                    out[s.request_id] = logits.cpu()  # [n, vocab]
             start += s.num_tokens
         return out
 

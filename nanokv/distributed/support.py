@@ -1,0 +1,51 @@
+"""Which engines can be split over N tensor-parallel ranks; checked before anything loads.
+
+Supported: Llama / Mistral / Qwen2 / Qwen3 checkpoints whose query heads, KV heads and MLP width
+divide by N (the vocabulary need not: the last rank's share is padded), on CPU (N processes on
+one host, gloo) or CUDA (N GPUs, NCCL); every KV policy; the float KV pool and the per-token
+(int8, fp8) and KIVI stores. Rejected: kv_cache_dtype 'kvquant' (its calibration covers every KV
+head's channels at once).
+"""
+
+from __future__ import annotations
+
+from nanokv.utils import head_dim_of
+
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2", "kivi")
+
+
+def check_tensor_parallel(config, hf_config) -> None:
+    """Raise ValueError naming what is wrong and what is allowed when the engine of `config`
+    cannot run on `config.tensor_parallel_size` ranks."""
+    n = config.tensor_parallel_size
+    if n == 1:
+        return
+    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    if kv_heads % n:
+        divisors = [d for d in range(1, kv_heads + 1) if kv_heads % d == 0 and heads % d == 0]
+        raise ValueError(f"tensor_parallel_size {n} does not divide the model's "
+                         f"{kv_heads} KV heads (each rank holds whole KV heads); allowed for "
+                         f"this model: {divisors}")
+    if heads % n:
+        raise ValueError(f"tensor_parallel_size {n} does not divide the model's {heads} "
+                         f"attention heads")
+    if hf_config.intermediate_size % n:
+        raise ValueError(f"tensor_parallel_size {n} does not divide the model's MLP width "
+                         f"{hf_config.intermediate_size}")
+    head_dim_of(hf_config)  # raises on a model whose heads do not tile hidden_size
+    if config.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype!r} is not supported with "
+                         f"tensor_parallel_size > 1 (a KVQuant calibration covers every KV "
+                         f"head at once); supported: {list(SUPPORTED_KV_CACHE_DTYPES)}")
+    if config.device == "cuda" or (config.device == "auto" and _cuda_available()):
+        import torch
+
+        if torch.cuda.device_count() < n:
+            raise ValueError(f"tensor_parallel_size {n} needs {n} GPUs (one per rank); "
+                             f"{torch.cuda.device_count()} visible")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
