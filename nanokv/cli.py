@@ -124,10 +124,25 @@ def _model_note(model_dir: str) -> str | None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from nanokv.benchmark.run import run_bench
 
+    recorders = []
+
+    def attach(engine):
+        from nanokv.sim.step_model import StepRecorder
+
+        recorders.append(StepRecorder(engine))
+
     result = run_bench(args.model, engine_options(args), args.num_requests,
                        tuple(args.prompt_len), tuple(args.output_len), args.workload_seed,
-                       verbose=not args.json, temperature=args.temperature)
+                       verbose=not args.json, temperature=args.temperature,
+                       on_engine_ready=attach if args.step_model_out else None)
     print(result.to_json() if args.json else _format_result(result))
+    if args.step_model_out:
+        fitted = recorders[0].fit(source=f"nanokv bench {args.model}, "
+                                         f"{len(recorders[0].samples)} steps")
+        with open(args.step_model_out, "w", encoding="utf-8") as f:
+            f.write(fitted.to_json() + "\n")
+        print(f"[nanokv] step model: {fitted.describe()} -> {args.step_model_out}",
+              file=sys.stderr)
     return 0
 
 
@@ -168,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling temperature of every request, >= 0 (default 0: greedy, as the "
                         "peer scripts; nano-vLLM's own bench samples at 0.6)")
     b.add_argument("--json", action="store_true", help="print one JSON line")
+    b.add_argument("--step-model-out", default=None, metavar="FILE",
+                   help="time every step and write the fitted step-time model (JSON) for "
+                        "nanokv simulate / advise --step-model")
     b.set_defaults(func=cmd_bench)
 
     for module, hook in (("nanokv.server.cli", "add_serve_parser"),

@@ -12,7 +12,10 @@ from nanokv.benchmark.workload import BenchResult, make_workload, summarize
 
 def run_bench(model: str, options: dict, num_requests: int, prompt_len: tuple[int, int],
               output_len: tuple[int, int], seed: int, verbose: bool = True,
-              temperature: float = 0.0, progress: bool = True) -> BenchResult:
+              temperature: float = 0.0, progress: bool = True,
+              on_engine_ready=None) -> BenchResult:
+    """on_engine_ready(engine): called after the warm-up, before the timed run (e.g. to attach
+    a `nanokv.sim.step_model.StepRecorder`)."""
     from nanokv import LLM, SamplingParams
 
     SamplingParams(temperature=temperature)  # validate before the model loads
@@ -28,6 +31,8 @@ def run_bench(model: str, options: dict, num_requests: int, prompt_len: tuple[in
     llm.generate([workload[0].prompt_token_ids[:16]],
                  SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     engine.block_manager.reset_prefix_cache()
+    if on_engine_ready is not None:
+        on_engine_ready(engine)
 
     requests = [engine.make_request(r.prompt_token_ids,
                                     SamplingParams(temperature=temperature,

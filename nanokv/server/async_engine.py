@@ -113,7 +113,8 @@ class RequestStream:
 class AsyncLLMEngine:
     def __init__(self, engine, max_waiting: int = 256,
                  on_stats: Callable[[IterationStats], None] | None = None,
-                 check_invariants: bool = False) -> None:
+                 check_invariants: bool = False, trace=None) -> None:
+        """trace: a `nanokv.sim.trace.TraceWriter` recording every finished request."""
         if not isinstance(max_waiting, int) or max_waiting < 0:
             raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
         self.engine = engine
@@ -121,6 +122,7 @@ class AsyncLLMEngine:
         self.max_in_flight = engine.config.max_num_seqs + max_waiting
         self.on_stats = on_stats
         self.check_invariants = check_invariants
+        self.trace = trace
         # what one block really costs (a quantized KV cache: codes, scales, outliers, positions)
         self.bytes_per_block = engine.kv_bytes_per_block
         self._cond = threading.Condition()
@@ -301,6 +303,8 @@ class AsyncLLMEngine:
                 num_generation_tokens=len(out.token_ids),
                 e2e_latency_s=end - out.metrics.arrival_time,
                 peak_kv_bytes=request.peak_blocks * self.bytes_per_block))
+            if self.trace is not None:
+                self.trace.record(request, "/".join(stream.request_class))
         stream._put(out)
 
     def _fail_dropped(self, error: Exception, it: IterationStats) -> None:

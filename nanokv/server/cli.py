@@ -56,6 +56,10 @@ def add_serve_parser(subparsers, add_engine_args, engine_options) -> None:
     s.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template file (default: the tokenizer's, else nanokv's "
                         "simple fallback '<|role|>\\ncontent\\n ... <|assistant|>\\n')")
+    s.add_argument("--trace-file", default=None, metavar="FILE",
+                   help="append one JSON line per finished request to FILE: arrival time, "
+                        "lengths, keyed block hashes (no text, no token ids), finish reason, "
+                        "request class; replayed by nanokv simulate / advise --trace")
     s.add_argument("--check-invariants", action="store_true",
                    help="debug: verify the block accounting whenever the engine goes idle; a "
                         "violation stops the engine and /health turns 503")
@@ -99,7 +103,8 @@ def cmd_serve(args: argparse.Namespace, engine_options) -> int:
         max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
         max_stop_strings=args.max_stop_strings, max_stop_length=args.max_stop_length,
         shutdown_timeout=args.shutdown_timeout,
-        request_classes=tuple(c.strip() for c in args.request_classes.split(",") if c.strip()))
+        request_classes=tuple(c.strip() for c in args.request_classes.split(",") if c.strip()),
+        trace_file=args.trace_file)
 
     engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_options(args)))
     for line in engine.startup_lines:

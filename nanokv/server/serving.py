@@ -49,6 +49,7 @@ class ServerSettings:
     max_stop_length: int = 1000  # characters of one stop string
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
     request_classes: tuple[str, ...] = ()  # allowed values of the X-Request-Class header
+    trace_file: str | None = None  # append one JSON line per finished request (nanokv.sim)
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -103,8 +104,13 @@ class OpenAIServer:
         self.exporter = PrometheusExporter(settings.model_name,
                                            CacheConfigInfo.from_engine(engine),
                                            window_s=settings.metrics_window)
+        trace = None
+        if settings.trace_file:
+            from nanokv.sim.trace import TraceWriter
+
+            trace = TraceWriter(settings.trace_file)
         self.async_engine = AsyncLLMEngine(engine, settings.max_waiting, self.exporter.record,
-                                           settings.check_invariants)
+                                           settings.check_invariants, trace=trace)
         self.created = int(time.time())
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None  # set when the app starts

@@ -320,11 +320,11 @@ class Simulator:
         if j == 0:
             return 0, 0.0
         for r in running:
-            if not bm.allocate_slots(r, j):
-                raise RuntimeError(f"fast-forward: {r} lacks blocks it was counted to have")
             t = tokens[r.request_id]
             n = r.num_tokens
-            r.output_token_ids.extend(t[n:n + j])
+            r.output_token_ids.extend(t[n:n + j])  # first: the blocks filled are hashed
+            if not bm.allocate_slots(r, j):
+                raise RuntimeError(f"fast-forward: {r} lacks blocks it was counted to have")
             r.num_computed_tokens += j
         return j, elapsed
 

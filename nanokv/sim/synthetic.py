@@ -62,10 +62,10 @@ def _zipf_weights(n: int, s: float) -> list[float]:
     return [1.0 / (r ** s) for r in range(1, n + 1)]
 
 
-def generate(workload: str, num_requests: int, rate: float, seed: int = 0,
-             shape: WorkloadShape | None = None,
-             hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE) -> list[TraceRecord]:
-    """`num_requests` records of the named shape, sorted by arrival."""
+def generate_requests(workload: str, num_requests: int, rate: float, seed: int = 0,
+                      shape: WorkloadShape | None = None) -> list[tuple]:
+    """(arrival, prompt ids, output ids, class, extra) of each request, by arrival. Ids are
+    segment ids (large); `nanokv.sim.validate` maps them into a real vocabulary."""
     if workload not in WORKLOADS:
         raise ValueError(f"workload must be one of {list(WORKLOADS)}, got {workload!r}")
     if num_requests < 1:
@@ -73,19 +73,21 @@ def generate(workload: str, num_requests: int, rate: float, seed: int = 0,
     if not rate > 0:
         raise ValueError(f"rate must be > 0 requests/s, got {rate}")
     shape = shape or WorkloadShape()
-    rng = random.Random(seed)
-    seg = _Segments()
-    hasher = BlockHasher(hash_block_size, key=b"nanokv-synthetic")
     build = {"chat": _chat, "rag": _rag, "sessions": _sessions}[workload]
-    items = build(num_requests, rate, rng, seg, shape)
-    records = []
-    for t, prompt, output, cls, extra in items:
-        records.append(TraceRecord(
-            t=round(t, 6), prompt_len=len(prompt), output_len=len(output),
-            hashes=hasher.chain(prompt + output), hash_block_size=hash_block_size,
-            cls=cls, extra=extra))
-    records.sort(key=lambda r: r.t)
-    return records
+    items = build(num_requests, rate, random.Random(seed), _Segments(), shape)
+    return sorted(items, key=lambda item: item[0])
+
+
+def generate(workload: str, num_requests: int, rate: float, seed: int = 0,
+             shape: WorkloadShape | None = None,
+             hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE) -> list[TraceRecord]:
+    """`num_requests` records of the named shape, sorted by arrival."""
+    hasher = BlockHasher(hash_block_size, key=b"nanokv-synthetic")
+    return [TraceRecord(t=round(t, 6), prompt_len=len(prompt), output_len=len(output),
+                        hashes=hasher.chain(prompt + output), hash_block_size=hash_block_size,
+                        cls=cls, extra=extra)
+            for t, prompt, output, cls, extra in generate_requests(workload, num_requests, rate,
+                                                                   seed, shape)]
 
 
 def _lengths(rng: random.Random, r: tuple[int, int]) -> int:

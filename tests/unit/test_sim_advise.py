@@ -1,0 +1,82 @@
+"""Step models (fit recovers known coefficients, roofline magnitudes) and `nanokv advise`."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from nanokv.cli import main
+from nanokv.sim.advise import AdviseSettings, Candidate, evaluate, kv_cost, sweep
+from nanokv.sim.step_model import (DEVICES, LinearStepModel, ModelShape, RooflineStepModel,
+                                   StepFeatures)
+from nanokv.sim.synthetic import WorkloadShape, generate
+
+LLAMA3_8B = {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
+             "max_position_embeddings": 8192}
+
+
+def test_fit_recovers_coefficients():
+    true = LinearStepModel(step=2e-3, token=3e-5, seq=1e-4, decode_context=2e-8,
+                           prefill_pair=1e-9)
+    rng = random.Random(0)
+    samples = []
+    for _ in range(200):
+        f = StepFeatures(rng.randint(1, 500), rng.randint(1, 16), rng.randint(0, 16),
+                         rng.randint(0, 20000), rng.randint(0, 200000))
+        samples.append((f, true.step_time(f)))
+    fit = LinearStepModel.fit(samples)
+    for name in ("step", "token", "seq", "decode_context", "prefill_pair"):
+        assert getattr(fit, name) == pytest.approx(getattr(true, name), rel=1e-3)
+
+
+def test_roofline_llama3_8b_on_h200():
+    model = ModelShape.from_hf_config(LLAMA3_8B)
+    assert model.num_params == pytest.approx(8.03e9, rel=0.01)
+    per_block, fixed = kv_cost(model, "auto", 16, 256)
+    assert per_block / 16 == 131072 + 4  # 2 x 32 layers x 8 heads x 128 x 2 bytes + position
+    step = RooflineStepModel(DEVICES["h200"], model, per_block / 16)
+    one = step.step_time(StepFeatures(1, 1, 1, 1000, 0))
+    # a lone decode reads the 16 GB of weights at 80% of 4.8 TB/s: about 4 ms, plus overhead
+    assert 0.004 < one < 0.006
+    prefill = step.step_time(StepFeatures(8192, 1, 0, 0, 8192 * 8193 // 2))
+    assert prefill > 0.2  # compute-bound: 2 x 8e9 x 8192 FLOPs at 55% of 989 TFLOP/s
+    fp8, _ = kv_cost(model, "fp8", 16, 256)
+    assert fp8 < per_block * 0.6
+
+
+def test_sweep_ranks_and_prefers_small_blocks_for_shared_prefixes():
+    shape = WorkloadShape(system_prompts=4, system_len=(200, 600), user_len=(20, 100),
+                          output_len=(20, 80), max_model_len=4096)
+    recs = generate("chat", 150, rate=20.0, seed=0, shape=shape)
+    s = AdviseSettings(model=ModelShape.from_hf_config(LLAMA3_8B), kv_memory=2 * 2**30,
+                       device=DEVICES["h200"], max_model_len=4096, block_sizes=(16, 64, 256),
+                       kv_dtypes=("auto", "fp8"), max_num_seqs=(32, 64), compressions=(0.5,),
+                       eviction_ratios=(), default_max_num_seqs=64)
+    outcomes = sweep(recs, s)
+    assert len(outcomes) >= 6
+    hits = {o.candidate.block_size: o.result.prefix_hit_rate for o in outcomes
+            if o.candidate.kv_dtype == "auto" and o.candidate.policy == "full"
+            and o.candidate.max_num_seqs == 64}
+    assert hits[16] >= hits[64] >= hits[256]
+    fp8 = evaluate(recs, s, Candidate(64, "fp8", 64))
+    auto = evaluate(recs, s, Candidate(64, "auto", 64))
+    assert fp8.num_blocks > 1.8 * auto.num_blocks
+
+
+def test_advise_cli(tmp_path, capsys):
+    cfg = tmp_path / "model"
+    cfg.mkdir()
+    (cfg / "config.json").write_text(json.dumps(LLAMA3_8B))
+    out = tmp_path / "out"
+    rc = main(["advise", "--workload", "chat", "--num-requests", "60", "--rate", "20",
+               "--model-config", str(cfg), "--kv-memory", "4GiB", "--block-sizes", "16,256",
+               "--kv-dtypes", "auto", "--max-num-seqs", "64", "--compressions", "",
+               "--eviction-ratios", "", "--rates", "5,40", "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "Recommendation" in text and "| rank |" in text and "bound by" in text
+    assert (out / "block_size.png").stat().st_size > 0
+    assert json.loads((out / "advise.json").read_text())["outcomes"]

@@ -1,0 +1,147 @@
+"""The simulator against hand-computed hit rates, the unmodified scheduler, its own slow path,
+and the block manager's invariants."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from nanokv.cache.block_manager import BlockManager
+from nanokv.request import Request
+from nanokv.sampling_params import SamplingParams
+from nanokv.scheduler.output import RunnerOutput
+from nanokv.scheduler.scheduler import Scheduler
+from nanokv.sim.simulator import SimConfig, Simulator
+from nanokv.sim.step_model import LinearStepModel
+from nanokv.sim.synthetic import WorkloadShape, generate
+from nanokv.sim.trace import BlockHasher, TraceRecord, replay_token_ids
+
+STEP = LinearStepModel(step=1e-3, token=1e-5)
+
+
+def _rec(t, prompt, out_len, cls="c", key=b"k"):
+    out = [10_000 + int(t * 1000) * 100 + i for i in range(out_len)]
+    return TraceRecord(t=t, prompt_len=len(prompt), output_len=out_len,
+                       hashes=BlockHasher(16, key).chain(prompt + out), cls=cls)
+
+
+@pytest.mark.parametrize("block_size,hit", [(16, 64), (32, 64), (48, 48), (64, 64)])
+def test_hit_rate_by_hand(block_size, hit):
+    shared = list(range(1, 65))  # 64 tokens
+    recs = [_rec(0.0, shared, 5, "a"),
+            _rec(100.0, shared + list(range(500, 520)), 5, "b"),  # 84 tokens, arrives later
+            _rec(200.0, list(range(900, 950)), 5, "a")]
+    res = Simulator(recs, SimConfig(block_size=block_size, num_blocks=64),
+                    STEP).run()
+    assert res.prefix_hit_rate == pytest.approx(hit / (64 + 84 + 50))
+    assert res.hit_rate_by_class == {"a": 0.0, "b": pytest.approx(hit / 84)}
+    assert res.preemptions == 0 and res.num_requests == 3
+
+
+def test_salts_separate_tenants():
+    shared = list(range(1, 65))
+    a = _rec(0.0, shared, 3)
+    b = _rec(50.0, shared + [7], 3)
+    b.salt = "other"
+    res = Simulator([a, b], SimConfig(block_size=16, num_blocks=64), STEP).run()
+    assert res.prefix_hit_rate == 0.0
+
+
+def _vanilla(records, cfg: SimConfig):
+    """The unmodified Scheduler with a plain runner, everything added at once in trace order."""
+    bm = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+    sched = Scheduler(bm, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
+    tokens = {}
+    for i, rec in enumerate(records):
+        toks = replay_token_ids(rec, i)
+        tokens[str(i)] = toks
+        sched.add_request(Request(str(i), toks[:rec.prompt_len],
+                                  SamplingParams(max_tokens=max(1, rec.output_len),
+                                                 ignore_eos=True), cache_salt=rec.salt))
+    decisions = []
+    while sched.has_unfinished:
+        out = sched.schedule()
+        decisions.append(([(s.request_id, s.num_tokens) for s in out.scheduled],
+                          list(out.preempted_request_ids)))
+        sampled = {s.request_id: tokens[s.request_id][sched.requests[s.request_id].num_tokens]
+                   for s in out.scheduled if s.sample}
+        sched.update_from_output(out, RunnerOutput(sampled))
+        sched.check_invariants()
+    return decisions, sched.num_preemptions, bm.stats
+
+
+def _pressure_trace(n=24, seed=0):
+    shape = WorkloadShape(system_prompts=3, system_len=(40, 120), user_len=(5, 60),
+                          output_len=(1, 70), max_model_len=512)
+    recs = generate("chat", n, rate=1e6, seed=seed, shape=shape)
+    for r in recs:
+        r.t = 0.0  # one burst: the arrival order is the only order
+    return recs
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_same_decisions_as_the_unmodified_scheduler(seed):
+    recs = _pressure_trace(seed=seed)
+    cfg = SimConfig(block_size=16, num_blocks=30, max_num_seqs=6, max_num_batched_tokens=96,
+                    max_model_len=512)
+    want, preemptions, stats = _vanilla(recs, cfg)
+    assert preemptions > 0  # the pool is small enough to preempt
+    for ff in (False, True):
+        sim = Simulator(recs, SimConfig(**{**cfg.__dict__, "fast_forward": ff}), STEP,
+                        record_decisions=True)
+        res = sim.run()
+        assert sim.decisions == want
+        assert res.preemptions == preemptions
+        assert sim.bm.stats.prefix_cache_hits == stats.prefix_cache_hits
+        assert res.evicted_blocks == dict(stats.evicted_blocks)
+
+
+def test_fast_forward_is_exact_with_arrivals_over_time():
+    recs = generate("sessions", 150, rate=40.0, seed=4,
+                    shape=WorkloadShape(system_len=(64, 256), user_len=(8, 64),
+                                        output_len=(8, 96), think_time_s=0.5,
+                                        max_model_len=2048))
+    cfg = dict(block_size=32, num_blocks=200, max_num_seqs=8, max_model_len=2048)
+    slow = Simulator(recs, SimConfig(**cfg, fast_forward=False), STEP, record_decisions=True)
+    fast = Simulator(recs, SimConfig(**cfg), STEP, record_decisions=True)
+    a, b = slow.run(), fast.run()
+    assert slow.decisions == fast.decisions
+    assert a.summary() | {"wall_s": 0} == b.summary() | {"wall_s": 0} or (
+        a.prefix_hit_rate == b.prefix_hit_rate and a.ttft_s == pytest.approx(b.ttft_s)
+        and a.tpot_s == pytest.approx(b.tpot_s) and a.preemptions == b.preemptions)
+
+
+@pytest.mark.parametrize("policy", [{}, {"compression_ratio": 0.5}, {"eviction_ratio": 0.3}])
+def test_invariants_hold_and_every_request_finishes(policy):
+    recs = _pressure_trace(n=30, seed=5)
+    rng = random.Random(0)
+    for r in recs:
+        r.t = rng.uniform(0, 0.05)
+    recs.sort(key=lambda r: r.t)
+    cfg = SimConfig(block_size=16, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=128,
+                    max_model_len=512, check_invariants=True, **policy)
+    res = Simulator(recs, cfg, STEP).run()
+    assert res.num_requests == len(recs)
+    assert sorted(r.output_len for r in res.requests) == sorted(max(1, r.output_len)
+                                                                 for r in recs)
+    if "compression_ratio" in policy:
+        assert res.evicted_blocks.get("policy", 0) > 0
+    if "eviction_ratio" in policy:
+        assert res.evicted_blocks.get("policy", 0) > 0
+
+
+def test_rejects_block_sizes_the_trace_cannot_resolve():
+    with pytest.raises(ValueError, match="multiple"):
+        Simulator([_rec(0.0, list(range(40)), 2)], SimConfig(block_size=24, num_blocks=8), STEP)
+
+
+def test_latency_by_hand():
+    """One request alone: a 20-token prefill step, then 3 decode steps (4 outputs)."""
+    rec = _rec(0.0, list(range(1, 21)), 4)
+    model = LinearStepModel(step=0.1, token=0.01)
+    res = Simulator([rec], SimConfig(block_size=16, num_blocks=8), model).run()
+    (r,) = res.requests
+    assert r.ttft == pytest.approx(0.1 + 0.2)
+    assert r.tpot == pytest.approx(0.11)
+    assert res.output_tok_s == pytest.approx(4 / (0.3 + 3 * 0.11))
