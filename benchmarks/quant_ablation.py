@@ -13,8 +13,9 @@ For each setting one engine is started (`LLM(model, kv_cache_dtype=..., ...)`) a
                codebooks, outlier values + indices, sinks, slot positions; kvquant's fixed
                staging excluded, shown apart) * 8 / (block_size * 2 * L * Hkv * D).
 
-Settings: float32 (the float pool), int8, fp8_e4m3, fp8_e5m2; then for each kvquant width the
-paper's parts added one at a time:
+Settings: float32 (the float pool), int8, fp8_e4m3, fp8_e5m2; KIVI at each width of
+`--kivi-bits` (per-channel keys, per-token values in groups, the newest block in full precision;
+no calibration); then for each kvquant width the paper's parts added one at a time:
 
   uniform per-token   keys and values per token, keys after RoPE, uniform grid, no outliers,
                       no sinks
@@ -70,7 +71,7 @@ NUM_SINKS = 1
 @dataclass(frozen=True)
 class Setting:
     name: str
-    kv_cache_dtype: str  # auto (float32) | int8 | fp8_e4m3 | fp8_e5m2 | kvquant
+    kv_cache_dtype: str  # auto (float32) | int8 | fp8_e4m3 | fp8_e5m2 | kivi | kvquant
     bits: int | None = None
     parts: tuple[str, ...] = ()
 
@@ -104,14 +105,19 @@ class Row:
 
 def ablation_settings(bits: tuple[int, ...] = (4, 3, 2),
                       floats: tuple[str, ...] = FLOAT_SETTINGS,
-                      steps: tuple[str, ...] | None = None) -> list[Setting]:
-    """float32 first (the reference), then the other float/int/fp8 settings, then kvquant
-    widths x steps (`steps` filters by label)."""
+                      steps: tuple[str, ...] | None = None,
+                      kivi_bits: tuple[int, ...] = ()) -> list[Setting]:
+    """float32 first (the reference), then the other float/int/fp8 settings, KIVI widths, then
+    kvquant widths x steps (`steps` filters by label)."""
     out = []
     for name in floats:
         if name not in FLOAT_SETTINGS:
             raise ValueError(f"unknown setting {name!r}; allowed: {list(FLOAT_SETTINGS)}")
         out.append(Setting(name, "auto" if name == "float32" else name))
+    for b in kivi_bits:
+        if b not in (2, 4):
+            raise ValueError(f"kivi bits must be 2 or 4, got {b}")
+        out.append(Setting(f"kivi {b}-bit", "kivi", b))
     for b in bits:
         if b not in (2, 3, 4):
             raise ValueError(f"kvquant bits must be 2, 3 or 4, got {b}")
@@ -198,6 +204,8 @@ def measure(setting: Setting, eval_settings: EvalSettings, windows, reference,
     opts["kv_cache_dtype"] = setting.kv_cache_dtype
     if setting.kv_cache_dtype == "kvquant":
         opts.update(kv_quant_bits=setting.bits, kv_quant_config=config_path)
+    elif setting.kv_cache_dtype == "kivi":
+        opts.update(kv_quant_bits=setting.bits)
     es = EvalSettings(**{**asdict(eval_settings), "engine_options": opts})
     t0 = time.perf_counter()
     run = _Run(es, "full", 1.0)
@@ -348,8 +356,9 @@ def plot(rows: list[Row], path: str | Path, title: str) -> None:
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5.5))
     labels = [label for label, _ in STEPS]
-    for bits in sorted({r.bits for r in rows if r.bits}, reverse=True):
-        sub = [r for r in rows if r.bits == bits]
+    kvquant = [r for r in rows if r.kv_cache_dtype == "kvquant"]
+    for bits in sorted({r.bits for r in kvquant}, reverse=True):
+        sub = [r for r in kvquant if r.bits == bits]
         line, = ax.plot([r.bits_per_element for r in sub], [r.perplexity for r in sub], "o-",
                         label=f"kvquant {bits}-bit: parts added in turn")
         for i, r in enumerate(sub):
@@ -361,7 +370,7 @@ def plot(rows: list[Row], path: str | Path, title: str) -> None:
                  label=f"kvquant {bits}-bit")
     base = next((r.perplexity for r in rows if r.kv_cache_dtype == "auto"), None)
     for r in rows:
-        if r.bits is None:
+        if r.kv_cache_dtype != "kvquant":
             ax.plot([r.bits_per_element], [r.perplexity], "s", label=r.setting)
     for a in (ax, ax2):
         if base is not None:
@@ -422,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="docs/results/kvquant", help="results directory")
     p.add_argument("--work-dir", default="runs/quant_ablation",
                    help="per-setting calibration files")
-    p.add_argument("--bits", type=int, nargs="+", default=[4, 3, 2])
+    p.add_argument("--bits", type=int, nargs="*", default=[4, 3, 2], help="kvquant widths")
+    p.add_argument("--kivi-bits", type=int, nargs="*", default=[4, 2], help="KIVI widths")
     p.add_argument("--floats", nargs="*", default=list(FLOAT_SETTINGS),
                    help="float/int8/fp8 settings (float32 is the reference)")
     p.add_argument("--steps", nargs="*", default=None,
@@ -445,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     settings = ablation_settings(tuple(args.bits), tuple(args.floats),
-                                 None if args.steps is None else tuple(args.steps))
+                                 None if args.steps is None else tuple(args.steps),
+                                 tuple(args.kivi_bits))
     rows = run_ablation(args.model, settings, context_tokens=args.context_tokens,
                         ppl_windows=args.ppl_windows, context_fraction=args.context_fraction,
                         passkey_samples=args.passkey_samples, block_size=args.block_size,
