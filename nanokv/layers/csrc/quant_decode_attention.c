@@ -25,6 +25,9 @@
  * failed. */
 #include <float.h>
 #include <math.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -78,7 +81,7 @@ typedef struct {
     float *scores; /* [Hq, TILE] */
     float *m, *l;  /* [Hq] running max and sum of exp */
     float *krow;   /* [Hkv, D] one dequantized key row */
-    float *vrow;   /* [Hkv, D] one dequantized value row */
+    float *vrow;   /* [TILE, Hkv, D] the tile's dequantized values (L2) */
 } Softmax;
 
 static int softmax_alloc(Softmax *s, int64_t Hq, int64_t Hkv, int64_t D) {
@@ -87,7 +90,7 @@ static int softmax_alloc(Softmax *s, int64_t Hq, int64_t Hkv, int64_t D) {
     s->m = malloc(sizeof(float) * Hq);
     s->l = malloc(sizeof(float) * Hq);
     s->krow = malloc(sizeof(float) * Hkv * D);
-    s->vrow = malloc(sizeof(float) * Hkv * D);
+    s->vrow = malloc(sizeof(float) * TILE * Hkv * D);
     return s->acc && s->scores && s->m && s->l && s->krow && s->vrow;
 }
 
@@ -100,17 +103,45 @@ static void softmax_reset(Softmax *s, int64_t Hq, int64_t D) {
     memset(s->acc, 0, sizeof(float) * Hq * D);
 }
 
+/* a . b over D floats. The vector paths (guarded: plain C elsewhere) end with a shuffle tree;
+ * compilers reduce an `omp simd` sum through the stack with one scalar add per lane, which
+ * costs as much as the products at D = 128. */
+static inline float dot(const float *a, const float *b, int64_t D) {
+#if defined(__AVX512F__)
+    if (D % 32 == 0) {
+        __m512 x = _mm512_setzero_ps(), y = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 32) {
+            x = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), x);
+            y = _mm512_fmadd_ps(_mm512_loadu_ps(a + d + 16), _mm512_loadu_ps(b + d + 16), y);
+        }
+        return _mm512_reduce_add_ps(_mm512_add_ps(x, y));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (D % 16 == 0) {
+        __m256 x = _mm256_setzero_ps(), y = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) {
+            x = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), x);
+            y = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), y);
+        }
+        x = _mm256_add_ps(x, y);
+        __m128 r = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+        r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+        r = _mm_add_ss(r, _mm_movehdup_ps(r));
+        return _mm_cvtss_f32(r);
+    }
+#endif
+    float acc = 0.f;
+    #pragma omp simd reduction(+:acc)
+    for (int64_t d = 0; d < D; d++) acc += a[d] * b[d];
+    return acc;
+}
+
 /* scores[:, t] = q . krow for every query head (krow: [Hkv, D]) */
 static inline void score_row(Softmax *s, const float *qb, const float *krow, int64_t t,
                              int64_t Hq, int64_t Hkv, int64_t D) {
     const int64_t group = Hq / Hkv;
-    for (int64_t h = 0; h < Hq; h++) {
-        const float *kr = krow + (h / group) * D, *qh = qb + h * D;
-        float acc = 0.f;
-        #pragma omp simd reduction(+:acc)
-        for (int64_t d = 0; d < D; d++) acc += qh[d] * kr[d];
-        s->scores[h * TILE + t] = acc;
-    }
+    for (int64_t h = 0; h < Hq; h++)
+        s->scores[h * TILE + t] = dot(qb + h * D, krow + (h / group) * D, D);
 }
 
 /* fold the tile's n scores into the running max / sum; scores become the tile's P */
@@ -142,6 +173,62 @@ static inline void accumulate_row(Softmax *s, const float *vrow, int64_t t, int6
         #pragma omp simd
         for (int64_t d = 0; d < D; d++) ah[d] += p * vr[d];
     }
+}
+
+/* acc += P[:, :n] @ vtile (vtile: [n, Hkv, D]): the accumulator of a head stays in registers
+ * over the tile's slots on the guarded vector paths (a column chunk at a time) */
+static inline void accumulate_tile(Softmax *s, const float *vtile, int64_t n, int64_t Hq,
+                                   int64_t Hkv, int64_t D) {
+    const int64_t row = Hkv * D;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    const int64_t group = Hq / Hkv;
+#endif
+#if defined(__AVX512F__)
+    if (D % 64 == 0) {
+        for (int64_t h = 0; h < Hq; h++) {
+            const float *vh = vtile + (h / group) * D, *ph = s->scores + h * TILE;
+            float *ah = s->acc + h * D;
+            for (int64_t d = 0; d < D; d += 64) {
+                __m512 a0 = _mm512_loadu_ps(ah + d), a1 = _mm512_loadu_ps(ah + d + 16);
+                __m512 a2 = _mm512_loadu_ps(ah + d + 32), a3 = _mm512_loadu_ps(ah + d + 48);
+                for (int64_t t = 0; t < n; t++) {
+                    const __m512 p = _mm512_set1_ps(ph[t]);
+                    const float *v = vh + t * row + d;
+                    a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v), a0);
+                    a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16), a1);
+                    a2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 32), a2);
+                    a3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 48), a3);
+                }
+                _mm512_storeu_ps(ah + d, a0); _mm512_storeu_ps(ah + d + 16, a1);
+                _mm512_storeu_ps(ah + d + 32, a2); _mm512_storeu_ps(ah + d + 48, a3);
+            }
+        }
+        return;
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (D % 32 == 0) {
+        for (int64_t h = 0; h < Hq; h++) {
+            const float *vh = vtile + (h / group) * D, *ph = s->scores + h * TILE;
+            float *ah = s->acc + h * D;
+            for (int64_t d = 0; d < D; d += 32) {
+                __m256 a0 = _mm256_loadu_ps(ah + d), a1 = _mm256_loadu_ps(ah + d + 8);
+                __m256 a2 = _mm256_loadu_ps(ah + d + 16), a3 = _mm256_loadu_ps(ah + d + 24);
+                for (int64_t t = 0; t < n; t++) {
+                    const __m256 p = _mm256_set1_ps(ph[t]);
+                    const float *v = vh + t * row + d;
+                    a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), a0);
+                    a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), a1);
+                    a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), a2);
+                    a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), a3);
+                }
+                _mm256_storeu_ps(ah + d, a0); _mm256_storeu_ps(ah + d + 8, a1);
+                _mm256_storeu_ps(ah + d + 16, a2); _mm256_storeu_ps(ah + d + 24, a3);
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t t = 0; t < n; t++) accumulate_row(s, vtile + t * row, t, Hq, Hkv, D);
 }
 
 /* the step's own token: one more tile of one slot, its K/V fresh in float32 */
@@ -235,10 +322,10 @@ static inline __attribute__((always_inline)) int pertoken_impl(
                     softmax_tile(&s, n, Hq, D);
                     for (int64_t t = 0; t < n; t++) {
                         const int64_t slot = start + t0 + t;
-                        pertoken_row(s.vrow, v_codes + slot * row, v_scales + slot * Hkv, Hkv, D,
-                                     fmt);
-                        accumulate_row(&s, s.vrow, t, Hq, Hkv, D);
+                        pertoken_row(s.vrow + t * row, v_codes + slot * row,
+                                     v_scales + slot * Hkv, Hkv, D, fmt);
                     }
+                    accumulate_tile(&s, s.vrow, n, Hq, Hkv, D);
                 }
             }
             attend_fresh(&s, qb, k_new + b * row, v_new + b * row, Hq, Hkv, D);
@@ -470,10 +557,8 @@ int kvquant_decode_attention(const KVQuantLayer *L, const float *q, const float 
                         score_row(&s, qb, kr, t, Hq, Hkv, D);
                     }
                     softmax_tile(&s, n, Hq, D);
-                    for (int64_t t = 0; t < n; t++) {
-                        value_row(L, blk, t0 + t, s.vrow, &w);
-                        accumulate_row(&s, s.vrow, t, Hq, Hkv, D);
-                    }
+                    for (int64_t t = 0; t < n; t++) value_row(L, blk, t0 + t, s.vrow + t * row, &w);
+                    accumulate_tile(&s, s.vrow, n, Hq, Hkv, D);
                 }
             }
             attend_fresh(&s, qb, k_new + b * row, v_new + b * row, Hq, Hkv, D);
