@@ -406,6 +406,50 @@ static inline void unpack_codes(const uint8_t *p, int64_t bits, int64_t D, uint8
     }
 }
 
+/* x[d] = lut[c[d]]: codebooks of up to 16 centroids are looked up in registers on the guarded
+ * vector paths (a table permute; compilers emit a scalar loop or gathers for this) */
+static inline void lookup_row(float *restrict x, const uint8_t *restrict c,
+                              const float *restrict lut, int64_t bits, int64_t D) {
+    int64_t d = 0;
+    (void)bits;
+#if defined(__AVX512F__)
+    if (bits <= 4) {
+        float t16[16] = {0};
+        memcpy(t16, lut, sizeof(float) << bits);
+        const __m512 table = _mm512_loadu_ps(t16);
+        for (; d + 16 <= D; d += 16) {
+            const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + d)));
+            _mm512_storeu_ps(x + d, _mm512_permutexvar_ps(idx, table));
+        }
+    }
+#elif defined(__AVX2__)
+    if (bits <= 4) {
+        float t16[16] = {0};
+        memcpy(t16, lut, sizeof(float) << bits);
+        const __m256 lo = _mm256_loadu_ps(t16), hi = _mm256_loadu_ps(t16 + 8);
+        for (; d + 8 <= D; d += 8) {
+            const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + d)));
+            const __m256 a = _mm256_permutevar8x32_ps(lo, idx);
+            const __m256 b = _mm256_permutevar8x32_ps(hi, idx);
+            /* bit 3 of the index, moved to the sign bit, picks the upper half */
+            _mm256_storeu_ps(x + d, _mm256_blendv_ps(a, b,
+                                                     _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28))));
+        }
+    }
+#endif
+    for (; d < D; d++) x[d] = lut[c[d]];
+}
+
+/* x = lut[c] * half + off per channel (per-channel statistics) */
+static inline void centroid_row(float *restrict x, const uint8_t *restrict c,
+                                const float *restrict lut, int64_t bits,
+                                const float *restrict half, const float *restrict off,
+                                int64_t D) {
+    lookup_row(x, c, lut, bits, D);
+    #pragma omp simd
+    for (int64_t d = 0; d < D; d++) x[d] = x[d] * half[d] + off[d];
+}
+
 /* per-thread scratch of the KVQuant kernel beyond the softmax */
 typedef struct {
     uint8_t *codes;             /* [D] */
@@ -424,9 +468,10 @@ static void per_token_row(const KVQuantLayer *L, const KVQuantSide *S, int64_t b
         const int64_t i = (blk * B + t) * Hkv + h;  /* (block, slot, head) */
         unpack_codes(S->codes + i * S->packed, S->bits, D, codes);
         const float off = f16_to_f32(S->offset[i]), half = f16_to_f32(S->half[i]);
-        float *x = row + h * D;
-        const float *lut = S->lut;
-        for (int64_t d = 0; d < D; d++) x[d] = lut[codes[d]] * half + off;
+        float *restrict x = row + h * D;
+        lookup_row(x, codes, S->lut, S->bits, D);
+        #pragma omp simd
+        for (int64_t d = 0; d < D; d++) x[d] = x[d] * half + off;
         for (int64_t j = 0; j < S->cap; j++) {
             const int64_t ch = load_index(S->oidx, i * S->cap + j, S->idx_bytes);
             if (ch >= 0 && ch < D) x[ch] = load_any(S->oval, i * S->cap + j, L->sparse_kind);
@@ -478,10 +523,8 @@ static void key_row(const KVQuantLayer *L, int64_t blk, int64_t t, int64_t stage
     } else {
         for (int64_t h = 0; h < Hkv; h++) {
             unpack_codes(S->codes + ((blk * B + t) * Hkv + h) * S->packed, S->bits, D, w->codes);
-            const float *off = w->k_off + h * D, *half = w->k_half + h * D, *lut = S->lut;
-            const uint8_t *c = w->codes;
-            float *x = row + h * D;
-            for (int64_t d = 0; d < D; d++) x[d] = lut[c[d]] * half[d] + off[d];
+            centroid_row(row + h * D, w->codes, S->lut, S->bits, w->k_half + h * D,
+                         w->k_off + h * D, D);
         }
         for (int64_t e = w->first[t]; e >= 0; e = w->next[e]) row[w->o_pos[e]] = w->o_val[e];
     }
