@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
               f"decode steps, median of {args.repeats} runs (kvquant: "
               f"{args.kvquant_repeats or args.repeats}). The last two columns run every "
               "dtype at the float pool's batch size: the per-step cost of reading a quantized "
-              "cache (dequantization on the CPU).", "", markdown(results, args), "",
+              "cache (decode attention: the C kernels of backend `native` where the store has "
+              "one, see bench_decode_attention.py).", "", markdown(results, args), "",
               "## Command", "", "```bash", command, "```", "",
               f"Total time {time.perf_counter() - t0:.0f} s.", ""]
         (out / "bench.md").write_text("\n".join(md))
