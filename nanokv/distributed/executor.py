@@ -62,6 +62,7 @@ def _stop_workers(workers: list, conns: list, tmpdir: str) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join(1)
+    leave_group()
     shutil.rmtree(tmpdir, ignore_errors=True)
 
 
@@ -69,10 +70,15 @@ class TensorParallelExecutor:
     def __init__(self, config) -> None:
         """Spawn ranks 1..N-1 of `config.tensor_parallel_size` and join the group as rank 0.
         `config` is resolved (block size, max_model_len) and checked (`support.py`)."""
+        import torch.distributed as dist
         import torch.multiprocessing as mp
 
         from nanokv.worker.loader import resolve_device
 
+        if dist.is_initialized():
+            raise ValueError("this process already belongs to a torch.distributed group (another "
+                             "tensor-parallel engine, or torchrun): one tensor-parallel engine "
+                             "per process; close() the other engine first")
         self.size = config.tensor_parallel_size
         self.device_type = resolve_device(config.device).type
         self.threads = None
@@ -208,7 +214,6 @@ class TensorParallelExecutor:
         if self._error is None:
             self._error = "the tensor-parallel engine was closed"
         self._finalizer()
-        leave_group()
 
 
 def _exit_text(code: int | None) -> str:

@@ -1,0 +1,128 @@
+"""Tensor parallelism on CPU (gloo, 2 ranks): the same greedy tokens as one process through
+prefix hits, chunked prefill, preemption, KV policies (per request, pool pressure included) and
+quantized KV; unsupported models rejected before any process starts; a killed rank ends the run
+with an error naming it, within a time limit."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+from tiny_models import build_tiny_model
+
+from nanokv import LLM, SamplingParams
+from nanokv.distributed.executor import TensorParallelError
+from nanokv.policies.base import PolicyConfig
+
+# small pool and step budget: long prompts are chunked, requests get preempted
+OPTIONS = dict(block_size=16, max_model_len=256, num_kv_blocks=48, max_num_batched_tokens=64)
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def workload(seed: int, n: int) -> list[list[int]]:
+    """n prompts sharing a 40-token prefix (prefix-cache hits), 45-140 tokens long."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(300) for _ in range(40)]
+    return [shared + [rng.randrange(300) for _ in range(rng.randrange(5, 100))]
+            for _ in range(n)]
+
+
+def run(llm: LLM, prompts, policies) -> list[list[int]]:
+    requests = [llm.engine.make_request(p, GREEDY, kv_policy=policies[i % len(policies)])
+                for i, p in enumerate(prompts)]
+    return [o.outputs[0].token_ids for o in llm.generate_requests(requests, use_tqdm=False)]
+
+
+def compare(path: str, policies: list, **options):
+    """Run the workload on 1 and 2 ranks; the 2-rank engine's policy stats."""
+    prompts = workload(0, 14)
+    options = {**OPTIONS, **options}
+    one = LLM(path, **options)
+    expected = run(one, prompts, policies)
+    two = LLM(path, tensor_parallel_size=2, **options)
+    try:
+        assert run(two, prompts, policies) == expected
+        stats, ref = two.engine.stats(), one.engine.stats()
+        assert stats == ref  # the same schedule: hits, preemptions, evictions
+        assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+        assert stats.evicted_blocks["policy"] > 0
+        two.engine.check_invariants()
+        return two.engine.policies.stats
+    finally:
+        two.engine.close()
+
+
+def test_llama_float_pool_every_policy(tiny_llama):
+    policies = [PolicyConfig("snapkv", budget=40, options={"window": 8}),
+                PolicyConfig("paged_eviction", budget=48), PolicyConfig("h2o", budget=40),
+                PolicyConfig("pyramidkv", budget=40), PolicyConfig("streaming", budget=40),
+                PolicyConfig("paged_eviction"),  # no budget: evicts under pool pressure
+                None]
+    stats = compare(tiny_llama, policies)
+    assert stats.pressure_evicted_blocks > 0 and stats.decode_evicted_blocks > 0
+
+
+def test_qwen3_int8_kv(tiny_qwen3):
+    policies = [PolicyConfig("snapkv", budget=40, options={"window": 8}),
+                PolicyConfig("paged_eviction", budget=48), PolicyConfig("knorm",
+                                                                        compression_ratio=0.5),
+                None]
+    compare(tiny_qwen3, policies, kv_cache_dtype="int8")
+
+
+def test_unsupported_combinations_are_rejected_before_starting(tmp_path, tiny_qwen3):
+    gqa = build_tiny_model(str(tmp_path / "gqa3"), "llama", tokenizer=False,
+                           num_attention_heads=6, num_key_value_heads=3, hidden_size=96)
+    with pytest.raises(ValueError, match=r"does not divide the model's 3 KV heads.*\[1, 3\]"):
+        LLM(gqa, tensor_parallel_size=2, skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="kvquant"):
+        LLM(tiny_qwen3, tensor_parallel_size=2, kv_cache_dtype="kvquant")
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="tensor_parallel_size"):
+            LLM(tiny_qwen3, tensor_parallel_size=bad)
+
+
+def test_killed_rank_fails_the_run_within_a_time_limit(tmp_path):
+    # an odd vocabulary: the last rank's share of the embedding and LM head is padded
+    path = build_tiny_model(str(tmp_path / "odd-vocab"), "qwen3", seed=2, tokenizer=False,
+                            vocab_size=321)
+    prompts = workload(1, 4)
+    one = LLM(path, skip_tokenizer_init=True, **OPTIONS)
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
+    llm = LLM(path, skip_tokenizer_init=True, tensor_parallel_size=2, **OPTIONS)
+    engine = llm.engine
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert got == expected
+        for p in prompts:
+            engine.add_request(p, GREEDY)
+        for _ in range(3):
+            engine.step()
+        pid = engine.executor.workers[0].pid
+        os.kill(pid, signal.SIGKILL)
+        outcome: list[BaseException] = []
+
+        def drive() -> None:
+            try:
+                while engine.has_unfinished_requests():
+                    engine.step()
+            except BaseException as e:  # noqa: BLE001 - handed to the test thread
+                outcome.append(e)
+
+        start = time.monotonic()
+        thread = threading.Thread(target=drive, daemon=True)
+        thread.start()
+        thread.join(30)
+        assert not thread.is_alive(), "the engine hung after a rank died"
+        assert time.monotonic() - start < 30
+        assert len(outcome) == 1 and isinstance(outcome[0], TensorParallelError), outcome
+        message = str(outcome[0])
+        assert f"rank 1 (pid {pid}) was killed by SIGKILL" in message
+        with pytest.raises(TensorParallelError, match="SIGKILL"):  # and it stays failed
+            llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    finally:
+        engine.close()
