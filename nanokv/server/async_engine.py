@@ -114,7 +114,8 @@ class AsyncLLMEngine:
     def __init__(self, engine, max_waiting: int = 256,
                  on_stats: Callable[[IterationStats], None] | None = None,
                  check_invariants: bool = False, trace=None) -> None:
-        """trace: a `nanokv.sim.trace.TraceWriter` recording every finished request."""
+        """trace: a `nanokv.sim.trace.TraceWriter` recording every finished request (and,
+        with a step log, every step: the loop reports each turn's start and end to it)."""
         if not isinstance(max_waiting, int) or max_waiting < 0:
             raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
         self.engine = engine
@@ -123,6 +124,8 @@ class AsyncLLMEngine:
         self.on_stats = on_stats
         self.check_invariants = check_invariants
         self.trace = trace
+        if trace is not None:
+            trace.attach(engine)
         # what one block really costs (a quantized KV cache: codes, scales, outliers, positions)
         self.bytes_per_block = engine.kv_bytes_per_block
         self._cond = threading.Condition()
@@ -235,6 +238,8 @@ class AsyncLLMEngine:
                 if self._stopping:
                     return
                 commands, self._commands = self._commands, []
+            if self.trace is not None:
+                self.trace.begin_turn()
             it = IterationStats(time=0.0)
             for kind, arg in commands:
                 if kind == "add":
@@ -254,6 +259,8 @@ class AsyncLLMEngine:
                 for out in outputs:
                     self._deliver(out, it)
             self._record(it)
+            if self.trace is not None:
+                self.trace.end_turn(engine.has_unfinished_requests())
             if self.check_invariants and not engine.has_unfinished_requests():
                 engine.check_invariants()
 
@@ -270,6 +277,8 @@ class AsyncLLMEngine:
             return
         stream.added = True
         self._uncounted[stream.request_id] = stream
+        if self.trace is not None:
+            self.trace.admitted(stream.request)
 
     def _deliver(self, out: RequestOutput, it: IterationStats) -> None:
         with self._cond:

@@ -60,6 +60,10 @@ def add_serve_parser(subparsers, add_engine_args, engine_options) -> None:
                    help="append one JSON line per finished request to FILE: arrival time, "
                         "lengths, keyed block hashes (no text, no token ids), finish reason, "
                         "request class; replayed by nanokv simulate / advise --trace")
+    s.add_argument("--trace-steps", default=None, metavar="FILE",
+                   help="with --trace-file: also append one JSON line per engine step to FILE "
+                        "(start, duration, tokens, sequences, context read); nanokv simulate "
+                        "--step-log fits a step model to it")
     s.add_argument("--check-invariants", action="store_true",
                    help="debug: verify the block accounting whenever the engine goes idle; a "
                         "violation stops the engine and /health turns 503")
@@ -104,7 +108,7 @@ def cmd_serve(args: argparse.Namespace, engine_options) -> int:
         max_stop_strings=args.max_stop_strings, max_stop_length=args.max_stop_length,
         shutdown_timeout=args.shutdown_timeout,
         request_classes=tuple(c.strip() for c in args.request_classes.split(",") if c.strip()),
-        trace_file=args.trace_file)
+        trace_file=args.trace_file, trace_steps_file=args.trace_steps)
 
     engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_options(args)))
     for line in engine.startup_lines:

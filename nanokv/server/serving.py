@@ -50,10 +50,14 @@ class ServerSettings:
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
     request_classes: tuple[str, ...] = ()  # allowed values of the X-Request-Class header
     trace_file: str | None = None  # append one JSON line per finished request (nanokv.sim)
+    trace_steps_file: str | None = None  # and one per engine step (nanokv/sim/step_log.py)
 
     def __post_init__(self) -> None:
         if not self.model_name:
             raise ValueError("the served model name must not be empty")
+        if self.trace_steps_file and not self.trace_file:
+            raise ValueError("--trace-steps needs --trace-file (the steps and the requests "
+                             "share one clock)")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")
         for name in ("max_waiting", "max_body_bytes", "max_stop_strings", "max_stop_length"):
@@ -108,7 +112,7 @@ class OpenAIServer:
         if settings.trace_file:
             from nanokv.sim.trace import TraceWriter
 
-            trace = TraceWriter(settings.trace_file)
+            trace = TraceWriter(settings.trace_file, steps_path=settings.trace_steps_file)
         self.async_engine = AsyncLLMEngine(engine, settings.max_waiting, self.exporter.record,
                                            settings.check_invariants, trace=trace)
         self.created = int(time.time())

@@ -16,9 +16,19 @@ KV policies are modelled by what they do to the blocks, not by their scores:
     freed, largest requests first (the real policy picks them by ||V||/||K||; the count is the
     same, which blocks is not).
 
-Where it can differ from a real run: when the real server adds a request relative to its steps
-(wall-clock jitter, tokenization), requests aborted by clients (replayed to their recorded
-length), and step times, which come from the model.
+Admission. `admission="arrival"` (what `nanokv advise` predicts with): a request joins the
+first loop turn that starts at or after its arrival, as in the server; which turn that is
+depends on the modelled step times, so batches, frees, LRU reuse and therefore hits and
+preemptions can differ slightly from a real run whose steps took other times.
+`admission="recorded"` replays a served trace's own step boundaries (the `step` / `order` its
+server wrote, `nanokv/sim/step_log.py`): each request is added right before the step the server
+added it before, in the same order, so every scheduling decision, hit and preemption is the
+server's (the clock waits for a request's arrival if the modelled steps ran ahead of it).
+`step_times` (step index -> seconds, from the step log) replaces the model in that mode.
+
+Where a replay can still differ from the real run: requests aborted by clients (replayed to
+their recorded length), requests not in the trace (aborted before they were added), and the
+step times, which come from the model.
 """
 
 from __future__ import annotations
@@ -54,8 +64,12 @@ class SimConfig:
     window_s: float = 60.0  # hit rate over time: buckets of arrivals this long
     check_invariants: bool = False  # run scheduler.check_invariants() after every step (slow)
     fast_forward: bool = True  # batch runs of pure decode steps that change no block (exact)
+    admission: str = "arrival"  # or "recorded": at the served run's own step boundaries
 
     def __post_init__(self) -> None:
+        if self.admission not in ("arrival", "recorded"):
+            raise ValueError(f"admission must be 'arrival' or 'recorded', got "
+                             f"{self.admission!r}")
         for name in ("compression_ratio", "eviction_ratio"):
             v = getattr(self, name)
             if v is not None and not 0 <= v < 1:
@@ -153,16 +167,26 @@ def _pcts(values: list[float]) -> dict[str, float | None]:
 
 class Simulator:
     def __init__(self, records: list[TraceRecord], config: SimConfig, step_model: StepModel,
-                 record_decisions: bool = False) -> None:
+                 record_decisions: bool = False,
+                 step_times: dict[int, float] | None = None) -> None:
         if not records:
             raise ValueError("the trace is empty")
+        recorded = config.admission == "recorded"
+        if recorded and any(r.step is None or r.order is None for r in records):
+            raise ValueError("admission='recorded' needs a trace with each request's step and "
+                             "order (nanokv serve --trace-file writes them)")
+        if step_times is not None and not recorded:
+            raise ValueError("step_times are a served run's, by step: they need "
+                             "admission='recorded'")
         bs = config.block_size
         for r in records:
             if bs % r.hash_block_size:
                 raise ValueError(f"block size {bs} is not a multiple of the trace's hash block "
                                  f"size {r.hash_block_size}: the trace cannot say which blocks "
                                  f"of that size are shared")
-        self.records = sorted(records, key=lambda r: r.t)
+        self.records = sorted(records, key=(lambda r: (r.step, r.order)) if recorded
+                              else (lambda r: r.t))
+        self.step_times = step_times
         self.config = config
         self.step_model = step_model
         self.bm = BlockManager(config.num_blocks, bs, config.enable_prefix_caching)
@@ -172,6 +196,17 @@ class Simulator:
         # per step: ([(request id, tokens)], [preempted ids]) for tests against the engine
         self.decisions: list[tuple[list[tuple[str, int]], list[str]]] | None = (
             [] if record_decisions else None)
+        self.features: list[StepFeatures] | None = [] if record_decisions else None
+        self.first_step = self.records[0].step if recorded else 0  # served run's step index
+
+    def _step_time(self, f: StepFeatures, step: int) -> float:
+        if self.step_times is not None:
+            try:
+                return self.step_times[self.first_step + step]
+            except KeyError:
+                raise ValueError(f"the step log has no step {self.first_step + step}: the "
+                                 f"replay left the served run's steps") from None
+        return self.step_model.step_time(f)
 
     # ---- the loop ------------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -185,11 +220,15 @@ class Simulator:
         done: list[RequestResult] = []
         rejected = steps = 0
         now, i, n = records[0].t, 0, len(records)
+        recorded = cfg.admission == "recorded"
         running_area = usage_area = 0.0
         peak_running, peak_usage = 0, 0.0
         while i < n or sched.has_unfinished:
-            while i < n and records[i].t <= now:
+            while i < n and (records[i].step <= self.first_step + steps if recorded
+                             else records[i].t <= now):
                 rec = records[i]
+                if recorded:
+                    now = max(now, rec.t)
                 rid = str(i)
                 toks = replay_token_ids(rec, i)
                 request = Request(rid, toks[:rec.prompt_len],
@@ -207,17 +246,21 @@ class Simulator:
             if not sched.has_unfinished:
                 if i < n:
                     now = max(now, records[i].t)
+                    if recorded:  # the server idled: its next step is that request's
+                        steps = records[i].step - self.first_step
                 continue
             if cfg.eviction_ratio is not None:
                 self._relieve_pressure(cfg.eviction_ratio)
             out = sched.schedule()
             if out.is_empty:  # nothing fits and nothing runs: cannot happen after add_request
                 raise RuntimeError("the scheduler made no progress with requests waiting")
-            dt = self.step_model.step_time(StepFeatures.of(out.scheduled))
+            features = StepFeatures.of(out.scheduled)
+            dt = self._step_time(features, steps)
             steps += 1
             if self.decisions is not None:
                 self.decisions.append(([(s.request_id, s.num_tokens) for s in out.scheduled],
                                        list(out.preempted_request_ids)))
+                self.features.append(features)
             nrun = len(sched.running)
             usage = self.bm.usage
             running_area += nrun * dt
@@ -261,8 +304,12 @@ class Simulator:
                          or all(r.request_id in compressed for r in sched.running))
                     and (cfg.eviction_ratio is None
                          or self.bm.usage <= 1 - cfg.eviction_ratio)):
-                k, elapsed = self._fast_forward(
-                    tokens, now, records[i].t if i < n else math.inf)
+                if recorded:
+                    limit = (records[i].step - self.first_step - steps) if i < n else math.inf
+                    k, elapsed = self._fast_forward(tokens, now, math.inf, steps, limit)
+                else:
+                    k, elapsed = self._fast_forward(
+                        tokens, now, records[i].t if i < n else math.inf, steps)
                 steps += k
                 nrun = len(sched.running)
                 running_area += nrun * elapsed
@@ -273,13 +320,14 @@ class Simulator:
         return self._result(done, rejected, steps, records[0].t, running_area, usage_area,
                             peak_running, peak_usage, time.perf_counter() - wall0)
 
-    def _fast_forward(self, tokens: dict[str, list[int]], now: float,
-                      next_arrival: float) -> tuple[int, float]:
+    def _fast_forward(self, tokens: dict[str, list[int]], now: float, next_arrival: float,
+                      steps: int, max_steps: float = math.inf) -> tuple[int, float]:
         """After a step of decodes only (every running request, nobody preempted) with no
         admission possible (nobody waiting, or max_num_seqs running), the next steps are the
         same decodes until a request finishes, a request arrives (unless max_num_seqs run:
         it only queues), or the blocks they need run
-        short (preemption) or cross the pool-pressure limit. Apply those steps at once: each
+        short (preemption) or cross the pool-pressure limit (recorded admission: until the step a
+        request is added before, `max_steps` from now). Apply those steps at once: each
         request's tokens are appended and `allocate_slots` gives it the blocks of all of them
         in one call (the same blocks taken from the free queue and the same prefix-cache
         entries registered, only in another order between requests). Returns (steps, seconds).
@@ -306,17 +354,19 @@ class Simulator:
                 new_blocks[j] += 1
         nrun = len(running)
         if nrun >= sched.max_num_seqs:  # arrivals only queue: no admission is attempted
-            next_arrival = math.inf
-        model = self.step_model
+            next_arrival = max_steps = math.inf
+        k = int(min(k, max_steps))
         elapsed, j, need = 0.0, 0, 0
         while j < k and now + elapsed < next_arrival:
             if need + new_blocks[j + 1] > spare:
                 break
             need += new_blocks[j + 1]
-            elapsed += model.step_time(StepFeatures(nrun, nrun, nrun, ctx + j * nrun, 0, 0))
+            f = StepFeatures(nrun, nrun, nrun, ctx + j * nrun, 0, 0)
+            elapsed += self._step_time(f, steps + j)
             j += 1
             if self.decisions is not None:
                 self.decisions.append(([(r.request_id, 1) for r in running], []))
+                self.features.append(f)
         if j == 0:
             return 0, 0.0
         for r in running:

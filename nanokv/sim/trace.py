@@ -11,7 +11,9 @@ prompt AND output (a later turn of a session resends both), `prompt_len // hash_
 them covering the prompt. They are keyed with a random per-writer secret (BLAKE2b), so they show
 which requests share which prefixes but cannot be checked against a guessed text; traces from two
 writers are therefore not comparable. `salt` is a digest of the request's `cache_salt`.
-`cached`, `ttft_s`, `e2e_s` and `preemptions` are what the serving engine measured (validation).
+`cached`, `ttft_s`, `e2e_s` and `preemptions` are what the serving engine measured (validation);
+`step` and `order` say where the engine added the request (the step it was added before, counted
+as in the step log `nanokv/sim/step_log.py`, and its admission order).
 
 Any block size that is a multiple of `hash_block_size` can be replayed exactly: two requests share
 their first k coarse blocks iff they share the fine hash at the k-th coarse boundary (chaining).
@@ -46,6 +48,8 @@ class TraceRecord:
     ttft_s: float | None = None
     e2e_s: float | None = None
     preemptions: int | None = None
+    step: int | None = None  # the serving engine's step it was added before (step log)
+    order: int | None = None  # its admission order in that engine
     extra: dict = field(default_factory=dict)  # generator metadata (session id, turn ...)
 
     def __post_init__(self) -> None:
@@ -103,21 +107,41 @@ def salt_digest(cache_salt: str | None) -> str | None:
 
 
 class TraceWriter:
-    """Appends one line per finished request (thread-safe, flushed per line)."""
+    """Appends one line per finished request (thread-safe, flushed per line). With `steps_path`
+    it also writes the step log (`nanokv/sim/step_log.py`); the server's loop drives `steps`
+    (`attach`, `begin_turn`, `admitted`, `end_turn`) and `record`s each finished request."""
 
     def __init__(self, path: str, hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE,
-                 key: bytes | None = None) -> None:
+                 key: bytes | None = None, steps_path: str | None = None) -> None:
+        from nanokv.sim.step_log import StepLogWriter
+
         self.path = path
         self.hasher = BlockHasher(hash_block_size, key)
         self.start = time.monotonic()
         self._lock = threading.Lock()
+        self._admitted: dict[str, tuple[int, int]] = {}  # request id -> (step, order)
         try:
             self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         except OSError as e:
             raise ValueError(f"cannot open the trace file {path!r}: {e}") from e
+        self.steps = StepLogWriter(steps_path, self.start)
+
+    def attach(self, engine) -> None:
+        """Count the engine's steps (and log their shapes when a step log is written)."""
+        self.steps.attach(engine.scheduler)
+
+    def begin_turn(self) -> None:
+        self.steps.begin_turn()
+
+    def admitted(self, request) -> None:
+        self._admitted[request.request_id] = self.steps.admitted()
+
+    def end_turn(self, busy: bool) -> None:
+        self.steps.end_turn(busy)
 
     def record(self, request, request_class: str = "default") -> None:
         """A finished `nanokv.request.Request` (its prompt and output token ids)."""
+        step, order = self._admitted.pop(request.request_id, (None, None))
         m = request.metrics
         tokens = request.prompt_token_ids + request.output_token_ids
         end = m.finished_time or time.monotonic()
@@ -129,7 +153,8 @@ class TraceWriter:
             cls=request_class, salt=salt_digest(request.cache_salt),
             cached=max(0, request.num_cached_tokens),
             ttft_s=None if m.ttft is None else round(m.ttft, 6),
-            e2e_s=round(end - m.arrival_time, 6), preemptions=request.num_preemptions)
+            e2e_s=round(end - m.arrival_time, 6), preemptions=request.num_preemptions,
+            step=step, order=order)
         line = rec.to_json() + "\n"
         with self._lock:
             self._file.write(line)
@@ -138,6 +163,7 @@ class TraceWriter:
     def close(self) -> None:
         with self._lock:
             self._file.close()
+        self.steps.close()
 
 
 def write_trace(path: str, records: list[TraceRecord]) -> None:

@@ -1,0 +1,149 @@
+"""A served run's engine steps: when each started, how long its loop turn took, what was in it.
+
+`nanokv serve --trace-file T --trace-steps S` writes one JSON line per engine step to S:
+
+    {"step": 812, "t": 31.204518, "dur": 0.021433, "busy": true, "tokens": 9, "seqs": 8,
+     "decodes": 8, "decode_context": 2931, "prefill_pairs": 0, "prefill_context": 0,
+     "running": 8, "preempted": 0}
+
+`t` is the turn's start on the trace's clock (the request lines' `t`), `dur` the whole loop turn
+(adding the turn's requests, the step, delivering its outputs, metrics), `busy` whether requests
+were left unfinished at its end (then the next turn starts at once). The request lines carry the
+step they were added before (`step`) and the order of admission (`order`), so a replay can add
+each request exactly where the server did (`SimConfig(admission="recorded")`).
+
+From this log a step model is fitted to the run it will predict (`fit_step_log`): the same
+machine, the same load from other processes, the same server overheads.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from nanokv.sim.step_model import LinearStepModel, StepFeatures
+
+
+@dataclass(frozen=True)
+class StepLogEntry:
+    step: int
+    t: float  # turn start, seconds on the trace's clock
+    dur: float  # the turn's duration, seconds
+    busy: bool  # requests were unfinished at the turn's end
+    features: StepFeatures
+    running: int  # requests running after the step was scheduled
+    preempted: int
+
+    def to_json(self) -> str:
+        f = self.features
+        return json.dumps({"step": self.step, "t": round(self.t, 6), "dur": round(self.dur, 6),
+                           "busy": self.busy, "tokens": f.num_tokens, "seqs": f.num_seqs,
+                           "decodes": f.num_decodes, "decode_context": f.decode_context,
+                           "prefill_pairs": f.prefill_pairs,
+                           "prefill_context": f.prefill_context, "running": self.running,
+                           "preempted": self.preempted}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, line: str) -> StepLogEntry:
+        d = json.loads(line)
+        f = StepFeatures(d["tokens"], d["seqs"], d["decodes"], d["decode_context"],
+                         d["prefill_pairs"], d["prefill_context"])
+        return cls(int(d["step"]), float(d["t"]), float(d["dur"]), bool(d["busy"]), f,
+                   int(d["running"]), int(d["preempted"]))
+
+
+class StepLogWriter:
+    """Wraps an engine's `scheduler.schedule` (on the instance) to see each step's shape; the
+    server's loop calls `begin_turn` / `end_turn` around every turn and `admitted` for every
+    request it adds. Engine thread only."""
+
+    def __init__(self, path: str | None, start: float) -> None:
+        self.start = start  # the trace's clock: time.monotonic() at 0
+        self.step = 0  # index of the next step
+        self.order = 0  # admissions so far
+        self._turn_t = 0.0
+        self._pending: tuple[StepFeatures, int, int] | None = None
+        self._file = None
+        if path is not None:
+            try:
+                self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - see close()
+            except OSError as e:
+                raise ValueError(f"cannot open the step log {path!r}: {e}") from e
+
+    def attach(self, scheduler) -> None:
+        schedule = scheduler.schedule
+
+        def logged_schedule():
+            out = schedule()
+            if not out.is_empty:
+                self._pending = (StepFeatures.of(out.scheduled), len(scheduler.running),
+                                 len(out.preempted_request_ids))
+            return out
+
+        scheduler.schedule = logged_schedule
+
+    def begin_turn(self) -> None:
+        self._turn_t = time.monotonic()
+
+    def admitted(self) -> tuple[int, int]:
+        """(the step this request is added before, its admission order)."""
+        self.order += 1
+        return self.step, self.order - 1
+
+    def end_turn(self, busy: bool) -> None:
+        if self._pending is None:
+            return
+        features, running, preempted = self._pending
+        self._pending = None
+        end = time.monotonic()
+        if self._file is not None:
+            entry = StepLogEntry(self.step, self._turn_t - self.start, end - self._turn_t,
+                                 busy, features, running, preempted)
+            self._file.write(entry.to_json() + "\n")
+            self._file.flush()
+        self.step += 1
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def read_step_log(path: str) -> list[StepLogEntry]:
+    entries = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    entries.append(StepLogEntry.from_json(line))
+                except (ValueError, KeyError, TypeError) as e:
+                    raise ValueError(f"{path}:{n}: not a step log line: {e}") from e
+    if not entries:
+        raise ValueError(f"{path} holds no steps")
+    entries.sort(key=lambda e: e.step)
+    return entries
+
+
+def turn_times(entries: list[StepLogEntry]) -> dict[int, float]:
+    """Seconds from each step's turn start to the next turn's start when the server stayed busy
+    (the loop's own gaps count), else the turn's duration."""
+    out = {}
+    for e, nxt in zip(entries, entries[1:] + [None]):
+        busy_next = nxt is not None and e.busy and nxt.step == e.step + 1
+        out[e.step] = max(nxt.t - e.t, e.dur) if busy_next else e.dur
+    return out
+
+
+def fit_step_log(entries: list[StepLogEntry], source: str = "") -> LinearStepModel:
+    """A linear step model fitted to a served run's own turn times."""
+    times = turn_times(entries)
+    samples = [(e.features, times[e.step]) for e in entries]
+    return LinearStepModel.fit(samples, source or f"served run, {len(samples)} steps")
+
+
+def summary(entries: list[StepLogEntry]) -> dict:
+    times = turn_times(entries)
+    return {"steps": len(entries), "busy_seconds": sum(times.values()),
+            "peak_running": max(e.running for e in entries),
+            "preemptions": sum(e.preempted for e in entries)}
+
