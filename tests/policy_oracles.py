@@ -40,9 +40,9 @@ def record_selections(monkeypatch) -> list:
         current["plan"] = plan
         return plan
 
-    def compact_spy(self, request, policy, budget, q_windows):
+    def compact_spy(self, request, policy, budget, q_windows, **kwargs):
         current.clear()
-        done = real_compact(self, request, policy, budget, q_windows)
+        done = real_compact(self, request, policy, budget, q_windows, **kwargs)
         if done and "plan" in current and current["plan"].num_evicted:
             events.append((request.num_computed_tokens, current["plan"].kept))
         return done

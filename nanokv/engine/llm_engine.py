@@ -16,7 +16,7 @@ from nanokv.cache.layout import KVLayout
 from nanokv.config import EngineConfig
 from nanokv.engine.assembly import plan_kv_cache, resolve_parts, scaled_spec, startup_report
 from nanokv.engine.detokenizer import update_text
-from nanokv.engine.policy_runner import PolicyRunner
+from nanokv.engine.policy_runner import PolicyRunner, ScoringPass
 from nanokv.worker.cpu_memory import tune_glibc_malloc
 from nanokv.worker.loader import load_hf_config, load_model
 from nanokv.worker.model_runner import ModelRunner
@@ -105,8 +105,12 @@ class LLMEngine:
                                   else self.executor.tp)
         if self.executor is not None:
             self.runner = self.executor.runner(self.runner)
+        scoring = None  # a policy's extra forward pass (KVzip): one process only
+        if self.executor is None:
+            scoring = ScoringPass(self.runner.score_forward, self._encode_plain,
+                                  config.max_num_batched_tokens)
         self.policies = PolicyRunner(parts.default_policy, self.block_manager, kv_cache,
-                                     self.model.attention_layers()[0].scale)
+                                     self.model.attention_layers()[0].scale, scoring)
         self._ids = itertools.count()
         self.startup_lines = startup_report(config, self.model, self.device, loaded.dtype_note,
                                             self.kv_cache_plan, self.kv_cache,
@@ -115,6 +119,13 @@ class LLMEngine:
             self.startup_lines.append(self.executor.describe())
         for line in self.startup_lines:
             logger.info(line)
+
+    @property
+    def _encode_plain(self):
+        """text -> token ids without special tokens (None without a tokenizer)."""
+        if self.tokenizer is None:
+            return None
+        return lambda text: self.tokenizer.encode(text, add_special_tokens=False)
 
     @property
     def kv_cache_dtype(self) -> str:

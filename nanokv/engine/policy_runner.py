@@ -18,21 +18,32 @@ slices.
 
 Kept tokens keep their original RoPE rotation; the next token's position stays the request's
 logical length (`num_computed_tokens`), its slot the cache length (`num_cached_slots`).
+
+A policy that scores the cache with an extra forward pass (`needs_reconstruction`: KVzip) gets
+it at its compression point, between two steps: each chunk of the pass (at most one step's token
+budget) runs through `ModelRunner.score_forward` over the request's blocks, its own K/V in
+scratch blocks taken from the pool and freed right after; the request's cache is only read.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from nanokv.cache.block_manager import BlockManager
 from nanokv.cache.kv_cache import KVCache
+from nanokv.cache.kv_pool import KVPool
 from nanokv.policies.apply import decode_block_to_evict, plan_compression
 from nanokv.policies.base import KVPolicy, LayerKV, PolicyConfig
 from nanokv.policies.compaction import gather_request_kv
+from nanokv.policies.kvzip import chunk_scores
 from nanokv.request import Request
+from nanokv.sampling_params import SamplingParams
+
+_SCRATCH_PARAMS = SamplingParams(temperature=0, max_tokens=1)
 
 
 @dataclass
@@ -42,12 +53,25 @@ class PolicyStats:
     seconds: float = 0.0  # all policy work: compressions, decode evictions, pool pressure
     decode_evicted_blocks: int = 0
     pressure_evicted_blocks: int = 0
+    reconstruction_tokens: int = 0  # tokens of extra scoring passes (KVzip), all chunks
+    reconstruction_seconds: float = 0.0  # their forward passes and scoring
+
+
+@dataclass
+class ScoringPass:
+    """What the runner needs for policies with an extra forward pass (KVzip)."""
+
+    forward: Callable  # ModelRunner.score_forward
+    encode: Callable[[str], list[int]] | None  # text -> ids without special tokens; None: none
+    max_tokens: int  # the step budget: no chunk of the pass is larger
 
 
 class PolicyRunner:
     def __init__(self, default: PolicyConfig | None, block_manager: BlockManager,
-                 kv_cache: KVCache, attention_scale: float) -> None:
+                 kv_cache: KVCache, attention_scale: float,
+                 scoring: ScoringPass | None = None) -> None:
         self.block_manager = block_manager
+        self.scoring = scoring
         self.kv_cache = kv_cache
         self.block_size = kv_cache.layout.block_size
         self.scale = attention_scale
@@ -59,6 +83,16 @@ class PolicyRunner:
     def build(self, config: PolicyConfig) -> KVPolicy:
         policy = config.build(block_size=self.block_size)
         self.kv_cache.check_policy(policy)
+        if policy.needs_reconstruction:
+            if self.scoring is None or not isinstance(self.kv_cache, KVPool):
+                raise ValueError(f"kv_policy {policy.name!r} scores the cache with an extra "
+                                 f"forward pass, which needs the float KV pool (kv_cache_dtype "
+                                 f"'auto') and tensor_parallel_size 1")
+            if self.scoring.encode is None:
+                raise ValueError(f"kv_policy {policy.name!r} needs a tokenizer for its repeat "
+                                 f"prompt (not skip_tokenizer_init)")
+            # raises now, not mid-step, when a chunk cannot fit the step budget
+            policy.chunks([0], self.scoring.encode, self.scoring.max_tokens)
         return policy
 
     # ---- per request ---------------------------------------------------------------------------
@@ -110,14 +144,21 @@ class PolicyRunner:
                          request.num_cached_slots)
             q_windows = [torch.cat([step[layer] for step in request.captured_queries])[-window:]
                          for layer in range(self.num_layers)]  # each [W, Hq, D]
-        if self._compact(request, policy, budget, q_windows):
+        layer_scores = None
+        if policy.needs_reconstruction and budget < request.num_cached_slots:
+            layer_scores = self._reconstruction_scores(request, policy)
+            if layer_scores is None:  # no scratch blocks now: the next step tries again
+                self.stats.compress_seconds += time.perf_counter() - t0
+                return
+        if self._compact(request, policy, budget, q_windows, layer_scores=layer_scores):
             request.compressed = True
             request.kv_budget = budget
             request.captured_queries = []
             self.stats.compressions += 1
         self.stats.compress_seconds += time.perf_counter() - t0
 
-    def _compact(self, request: Request, policy: KVPolicy, budget: int, q_windows) -> bool:
+    def _compact(self, request: Request, policy: KVPolicy, budget: int, q_windows,
+                 layer_scores=None) -> bool:
         """Compact to `budget` slots; False (nothing changed) when copy-on-write lacks blocks:
         the next step tries again."""
         bm, kv = self.block_manager, self.kv_cache
@@ -128,7 +169,8 @@ class PolicyRunner:
         view = kv.policy_view(request)
         plan = plan_compression(policy, view.layers, view.block_table, num_slots,
                                 budget=None if ragged else budget, q_windows=q_windows,
-                                scale=self.scale, allow_ragged_layers=ragged)
+                                scale=self.scale, layer_scores=layer_scores,
+                                allow_ragged_layers=ragged)
         if plan.num_evicted == 0:
             return True
         # blocks about to be rewritten must be this request's alone (copy-on-write)
@@ -147,6 +189,48 @@ class PolicyRunner:
         if len(set(plan.layer_num_slots)) > 1:
             kv.copy_slices(bm.pack_layer_slices(request, plan.layer_num_slots))
         return True
+
+    def _reconstruction_scores(self, request: Request, policy: KVPolicy
+                               ) -> list[torch.Tensor] | None:
+        """Per layer [Hkv, n]: the policy's scores of the request's n cached slots from its extra
+        forward pass (KVzip's reconstruction), chunk by chunk. None when the pool has no scratch
+        blocks for a chunk now."""
+        t0 = time.perf_counter()
+        n = request.num_cached_slots
+        if request.num_evicted_tokens:
+            raise RuntimeError("the reconstruction pass runs before anything is evicted")
+        chunks = policy.chunks(request.token_ids_range(0, n), self.scoring.encode,
+                               self.scoring.max_tokens)
+        view = self.kv_cache.policy_view(request)
+        keys = [gather_request_kv(k, v, view.block_table, n)[0]  # each [n, Hkv, D]
+                for k, v in view.layers]
+        scores = [torch.zeros(k.shape[1], n, device=k.device) for k in keys]  # each [Hkv, n]
+        bs, bm = self.block_size, self.block_manager
+        for chunk in chunks:
+            # the chunk sees slots [0, seen) and sits right after them (slot = position: nothing
+            # was evicted yet); its K/V go to scratch blocks, the partial block copied first
+            seen = n if policy.context == "full" else chunk.end
+            full = seen // bs
+            scratch = Request(f"{request.request_id}#scoring", [0], _SCRATCH_PARAMS)
+            scratch.prefix_cacheable = False
+            if not bm.allocate_slots(scratch, seen - full * bs + len(chunk.token_ids)):
+                return None
+            try:
+                if seen % bs:
+                    self.kv_cache.copy_blocks([(request.block_table[full],
+                                                scratch.block_table[0])])
+                q, chunk_keys = self.scoring.forward(chunk.token_ids, seen, seen,
+                                                     request.block_table[:full]
+                                                     + scratch.block_table)
+            finally:
+                bm.free(scratch)
+            for layer in range(self.num_layers):
+                scores[layer][:, chunk.start:chunk.end] = chunk_scores(
+                    q[layer], keys[layer], chunk_keys[layer], chunk.start, chunk.end,
+                    policy.n_sink, self.scale)
+            self.stats.reconstruction_tokens += len(chunk.token_ids)
+        self.stats.reconstruction_seconds += time.perf_counter() - t0
+        return scores
 
     def _decode_evict(self, request: Request, policy: KVPolicy) -> None:
         if request.layer_slices is not None:  # per-layer budgets (PyramidKV): prefill only

@@ -2,7 +2,7 @@
 apply.py for the calls the engine makes.
 
 Importing this package registers the built-in policies:
-streaming, h2o, snapkv, pyramidkv, knorm, paged_eviction, kvcrush.
+streaming, h2o, snapkv, pyramidkv, knorm, paged_eviction, kvcrush, kvzip.
 """
 
 from nanokv.policies.apply import (
@@ -31,6 +31,7 @@ from nanokv.policies.compaction import (
 from nanokv.policies.h2o import H2O
 from nanokv.policies.knorm import KeyNorm
 from nanokv.policies.kvcrush import KVCrush
+from nanokv.policies.kvzip import KVzip
 from nanokv.policies.paged_eviction import PagedEviction, select_pool_evictions
 from nanokv.policies.pyramidkv import PyramidKV, pyramid_budgets
 from nanokv.policies.scoring import ScoredPolicy
@@ -38,7 +39,7 @@ from nanokv.policies.snapkv import SnapKV
 from nanokv.policies.streaming import StreamingLLM
 
 __all__ = [
-    "H2O", "CompressionPlan", "KVCrush", "KVPolicy", "KeyNorm", "LayerKV", "PagedEviction",
+    "H2O", "CompressionPlan", "KVCrush", "KVzip", "KVPolicy", "KeyNorm", "LayerKV", "PagedEviction",
     "PolicyConfig", "PyramidKV", "ScoredPolicy", "SnapKV", "StreamingLLM", "apply_compression",
     "available_policies", "compact_blocks", "compact_slots", "compress_request",
     "decode_block_to_evict", "gather_request_kv", "make_policy", "plan_compression",

@@ -47,6 +47,7 @@ def plan_compression(policy: KVPolicy, layers: Sequence[tuple[torch.Tensor, torc
                      block_table: list[int], num_slots: int, *, budget: int | None = None,
                      q_windows: Sequence[torch.Tensor] | None = None, scale: float = 1.0,
                      positions: torch.Tensor | None = None,
+                     layer_scores: Sequence[torch.Tensor] | None = None,
                      allow_ragged_layers: bool = False) -> CompressionPlan:
     """Select the kept slots of one request in every layer; nothing is written.
 
@@ -54,7 +55,8 @@ def plan_compression(policy: KVPolicy, layers: Sequence[tuple[torch.Tensor, torc
     budget: None = `policy.layer_budgets(num_slots, L)` (after prefill), or the request's fixed C
     (decode reselect); q_windows: per layer the last W queries `[W, Hq, D]` after RoPE, W =
     min(policy.observation_window or num_slots, num_slots), required when policy.needs_attention;
-    scale: the attention scale; positions: `[num_slots]` RoPE positions (optional).
+    scale: the attention scale; positions: `[num_slots]` RoPE positions (optional);
+    layer_scores: per layer `[Hkv, num_slots]`, required when policy.needs_reconstruction.
     Per-layer budgets (PyramidKV) leave layers with different lengths: layer l then holds only
     slots [0, layer_num_slots[l]) of the shared table, so this raises unless
     allow_ragged_layers=True (the engine then gives each layer its own table of layer slices,
@@ -69,13 +71,17 @@ def plan_compression(policy: KVPolicy, layers: Sequence[tuple[torch.Tensor, torc
     if policy.needs_attention and (q_windows is None or len(q_windows) != num_layers):
         raise ValueError(f"policy {policy.name!r} needs the last queries of every layer "
                          f"(q_windows, {num_layers} tensors [W, Hq, D])")
+    if policy.needs_reconstruction and (layer_scores is None or len(layer_scores) != num_layers):
+        raise ValueError(f"policy {policy.name!r} needs the reconstruction scores of every layer "
+                         f"(layer_scores, {num_layers} tensors [Hkv, n])")
     kept_per_layer = []
     first_changed = num_slots
     for layer, (k_cache, v_cache) in enumerate(layers):
         keys, values = gather_request_kv(k_cache, v_cache, block_table, num_slots)  # [n, Hkv, D]
         attn = (window_attention(q_windows[layer], keys, scale)  # [Hq, W, n]
                 if policy.needs_attention else None)
-        kept = policy.select(LayerKV(keys, values, positions, attn), budgets[layer])
+        scores = layer_scores[layer] if policy.needs_reconstruction else None
+        kept = policy.select(LayerKV(keys, values, positions, attn, scores), budgets[layer])
         moved = kept != torch.arange(kept.shape[-1], device=kept.device)  # [..., C]
         if bool(moved.any()):
             first_changed = min(first_changed, int(torch.nonzero(moved)[:, -1].min()))

@@ -11,6 +11,8 @@ What a policy sees, per layer (`LayerKV`):
   attention      [Hq, W, n]   only when `needs_attention`: softmax probabilities of the last W
                               queries (slots n-W..n-1) over all n slots, causal (query w sees slots
                               <= n - W + w), rows summing to 1; `window_attention` computes it
+  scores         [Hkv, n]     only when `needs_reconstruction`: per-slot importance from the
+                              engine's extra forward pass over the cache (KVzip)
 
 What it returns, per layer: kept SLOT indices (not positions), int64, strictly ascending, either
 shared by all KV heads `[C]` or per KV head `[Hkv, C]` (the same count C for every head). Without
@@ -51,6 +53,7 @@ class LayerKV:
     values: torch.Tensor  # [n, Hkv, D]
     positions: torch.Tensor | None = None  # [n] int64; None: slot i holds position i
     attention: torch.Tensor | None = None  # [Hq, W, n] window probabilities
+    scores: torch.Tensor | None = None  # [Hkv, n] reconstruction scores (KVzip)
 
     def __post_init__(self) -> None:
         if self.keys.dim() != 3 or self.values.shape != self.keys.shape:
@@ -67,6 +70,9 @@ class LayerKV:
             if a.shape[0] % self.num_kv_heads:
                 raise ValueError(f"attention has {a.shape[0]} query heads, not a multiple of the "
                                  f"{self.num_kv_heads} KV heads")
+        if self.scores is not None and tuple(self.scores.shape) != (self.num_kv_heads, n):
+            raise ValueError(f"scores must be [{self.num_kv_heads}, {n}], got "
+                             f"{tuple(self.scores.shape)}")
 
     @property
     def num_tokens(self) -> int:
@@ -91,6 +97,8 @@ class KVPolicy(abc.ABC):
                                      budget and compact (costs one compaction per B steps)
                        "evict_block" when `should_evict_on_decode`: free `blocks_to_free(...)`
       per_layer_budgets  layers may get different budgets (PyramidKV)
+      needs_reconstruction  True: the runner runs the policy's extra forward pass over the cache
+                       (`chunks`) and passes `LayerKV.scores` (KVzip)
       pool_pressure    without a budget, evicts blocks across requests under pool pressure
     Constructor keywords are the policy's options; `make_policy` rejects unknown ones.
     """
@@ -106,6 +114,9 @@ class KVPolicy(abc.ABC):
     # True: frees blocks across running requests when the pool fills (`pool_evictions`, the
     # pool-pressure mode of a policy run without a budget)
     pool_pressure: ClassVar[bool] = False
+    # True: the engine scores the cache with an extra forward pass (`chunks(...)`, KVzip) and
+    # passes the scores as `LayerKV.scores`
+    needs_reconstruction: ClassVar[bool] = False
 
     def __init__(self, *, budget: int | None = None, compression_ratio: float | None = None,
                  block_size: int | None = None) -> None:

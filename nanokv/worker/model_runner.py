@@ -15,8 +15,11 @@ import torch
 
 from nanokv.attention.common import CommonAttentionMetadata, PrefillChunk, StepAttention
 from nanokv.layers.sampler import Sampler
+from nanokv.sampling_params import SamplingParams
 from nanokv.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from nanokv.utils import cdiv
+
+_SCORING_PARAMS = SamplingParams(temperature=0, max_tokens=1)
 
 
 class ModelRunner:
@@ -57,6 +60,33 @@ class ModelRunner:
         logprobs = {s.request_id: lp for s, lp in zip(sampled, out.logprobs) if lp is not None}
         return RunnerOutput({s.request_id: t for s, t in zip(sampled, out.token_ids)},
                             prompt_logits, captured, logprobs)
+
+    @torch.inference_mode()
+    def score_forward(self, token_ids: list[int], start_position: int, start_slot: int,
+                      block_table: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A KV policy's extra forward pass (KVzip's reconstruction): `token_ids` as one prefill
+        chunk at positions start_position.. and slots start_slot.. of `block_table`, attending to
+        slots [0, start_slot) of it. The caller gives a table whose blocks from slot start_slot on
+        are scratch blocks (the request's own are only read). Returns per layer the chunk's
+        post-RoPE queries [T, Hq, D] and its keys as written [T, Hkv, D]. Float pool only."""
+        n = len(token_ids)
+        rotary = self.model.rotary
+        if start_position + n > rotary.max_positions:  # the pass may run past max_model_len
+            rotary.max_positions = start_position + n
+            rotary.build_tables(self.device)
+        s = ScheduledRequest("#scoring", list(token_ids), start_position, start_slot, block_table,
+                             sample=False, params=_SCORING_PARAMS, output_index=0,
+                             capture_from=start_position)
+        input_ids, positions, step, _, _ = self.prepare(SchedulerOutput([s]))
+        _, q_rows = self.model(input_ids, positions, step)  # per layer [T, Hq, D]
+        bs = self.block_size
+        slots = torch.tensor([block_table[j // bs] * bs + j % bs
+                              for j in range(start_slot, start_slot + n)], device=self.device)
+        keys = []
+        for layer in range(self.kv_cache.layout.num_layers):
+            k_cache, _ = self.kv_cache.layer(layer)  # [num_blocks, B, Hkv, D]
+            keys.append(k_cache.view(-1, *k_cache.shape[2:])[slots])  # [T, Hkv, D]
+        return q_rows, keys
 
     def _prompt_logits(self, sched: SchedulerOutput, hidden: torch.Tensor) -> dict:
         """Logits of every prompt position for requests that asked (evaluation only)."""

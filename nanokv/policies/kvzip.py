@@ -1,0 +1,157 @@
+"""KVzip (Kim et al. 2025, arXiv 2505.23416): query-agnostic compression by context reconstruction.
+
+Each cached token is scored by the attention it receives while the model reconstructs the context
+from the cache: a second pass over "repeat the context" + the context itself, chunk by chunk,
+attending to the request's cache. A token that no reconstruction query needs is evicted. The
+choice does not depend on any question, so the compressed cache serves whatever comes after it.
+
+The reconstruction pass (the engine's part, `nanokv/engine/policy_runner.py`): the context slots
+[0, n) are cut into chunks of at most `chunk_size` tokens; chunk [s, e) is fed as
+    repeat prompt (+ the last `prev_tail` tokens of the previous chunk) + suffix + context[s:e]
+on top of the cache, its own K/V in scratch blocks that are freed right after (the request's
+cache is never written). `context="full"` (KVzip, kvpress): the chunk sees the whole cache and
+sits at positions n, n + 1, ...; `context="prefix"`: it sees the cache's first e slots and sits at
+positions e, e + 1, ... (shorter query-key distances, a cheaper pass).
+
+Score of context slot i in chunk [s, e), per KV head (`chunk_scores`, as KVzip's code and kvpress
+0.5.5): the softmax of each chunk query over the keys {sinks [0, min(n_sink, s)), the chunk's
+slots [s, e), the chunk's own tokens (causal)}, then the max over the chunk's queries and over the
+query heads of the KV head's group. The first `n_sink` slots are always kept.
+
+Budgets: each KV head keeps its top C slots (uniform over heads and layers, the paged cache's
+contract); `per_head=False` keeps one set per layer by the mean over KV heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanokv.policies.base import LayerKV, register_policy
+from nanokv.policies.scoring import ScoredPolicy, edge_mask
+from nanokv.validation import check_choice, check_int
+
+REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
+REPEAT_NEXT_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
+CONTEXTS = ("full", "prefix")
+
+
+@dataclass(frozen=True)
+class ReconstructionChunk:
+    """One chunk of the reconstruction pass."""
+
+    start: int  # the context slots [start, end) this chunk reconstructs
+    end: int
+    token_ids: list[int]  # prompt (+ previous chunk's tail) + suffix + context[start:end]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.token_ids) - (self.end - self.start)
+
+
+def reconstruction_chunks(context_ids: list[int], chunk_size: int, first_prompt: list[int],
+                          next_prompt: list[int], suffix: list[int],
+                          prev_tail: int = 8) -> list[ReconstructionChunk]:
+    """Cut the context into chunks of `chunk_size` and build each chunk's input (module doc)."""
+    check_int("chunk_size", chunk_size, 1)
+    chunks = []
+    for start in range(0, len(context_ids), chunk_size):
+        end = min(start + chunk_size, len(context_ids))
+        if start == 0:
+            head = list(first_prompt)
+        else:
+            head = list(next_prompt) + list(context_ids[max(0, start - prev_tail):start])
+        chunks.append(ReconstructionChunk(start, end, head + list(suffix)
+                                          + list(context_ids[start:end])))
+    return chunks
+
+
+def chunk_scores(queries: torch.Tensor, keys: torch.Tensor, chunk_keys: torch.Tensor,
+                 start: int, end: int, n_sink: int, scale: float) -> torch.Tensor:
+    """KVzip scores of context slots [start, end) from one chunk's queries.
+
+    queries [T, Hq, D] (post-RoPE, the chunk's tokens), keys [n, Hkv, D] (the cache), chunk_keys
+    [T, Hkv, D] (the chunk's own keys) -> [Hkv, end - start]: max over queries and GQA group of the
+    softmax over sinks + slots [start, end) + the chunk's own keys (causal).
+    """
+    t, hq, d = queries.shape
+    hkv = keys.shape[1]
+    group = hq // hkv
+    sink = min(n_sink, start)
+    subset = torch.cat([keys[:sink], keys[start:end], chunk_keys]).float()  # [S, Hkv, D]
+    q = (queries.float() * scale).view(t, hkv, group, d)
+    q = q.permute(1, 2, 0, 3).reshape(hkv, group * t, d)  # [Hkv, g * T, D]
+    logits = torch.bmm(q, subset.permute(1, 2, 0))  # [Hkv, g * T, S]
+    logits = logits.view(hkv, group, t, -1)  # [Hkv, g, T, S]
+    own = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)  # [T, T] future
+    logits[..., -t:].masked_fill_(own, float("-inf"))
+    # max_t softmax(x_t)_i = exp(max_t (x_t,i - logsumexp(x_t))): no [.., T, S] softmax
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [Hkv, g, T, 1]
+    best = (logits[..., sink:sink + end - start] - lse).amax(dim=(1, 2))  # [Hkv, e - s]
+    return best.exp()
+
+
+@register_policy("kvzip")
+class KVzip(ScoredPolicy):
+    """Options: chunk_size (context tokens per reconstruction chunk, default 2048; the engine
+    caps a chunk at its step budget), context ("full" | "prefix", module doc), n_sink (4),
+    window (last slots always kept, default 0), per_head (True), repeat_prompt,
+    repeat_next_prompt, suffix ("\\n"), prev_tail (8).
+
+    The engine supplies `LayerKV.scores` [Hkv, n] from its reconstruction pass; the policy ranks.
+    """
+
+    needs_reconstruction = True
+
+    def __init__(self, *, budget=None, compression_ratio=None, block_size=None,
+                 chunk_size: int = 2048, context: str = "full", n_sink: int = 4,
+                 window: int = 0, per_head: bool = True, repeat_prompt: str = REPEAT_PROMPT,
+                 repeat_next_prompt: str = REPEAT_NEXT_PROMPT, suffix: str = "\n",
+                 prev_tail: int = 8) -> None:
+        super().__init__(budget=budget, compression_ratio=compression_ratio,
+                         block_size=block_size, per_head=per_head, n_sink=n_sink)
+        check_int("chunk_size", chunk_size, 1)
+        check_choice("context", context, CONTEXTS)
+        check_int("window", window, 0)
+        check_int("prev_tail", prev_tail, 0)
+        for name, text in (("repeat_prompt", repeat_prompt),
+                           ("repeat_next_prompt", repeat_next_prompt), ("suffix", suffix)):
+            if not isinstance(text, str):
+                raise ValueError(f"{name} must be a string, got {text!r}")
+        self.chunk_size = chunk_size
+        self.context = context
+        self.window = window
+        self.repeat_prompt = repeat_prompt
+        self.repeat_next_prompt = repeat_next_prompt
+        self.suffix = suffix
+        self.prev_tail = prev_tail
+        self._check_budget_option()
+
+    @property
+    def min_budget(self) -> int:
+        return self.n_sink + self.window + 1
+
+    def chunks(self, context_ids: list[int], encode, max_chunk_tokens: int
+               ) -> list[ReconstructionChunk]:
+        """The reconstruction chunks of `context_ids`; `encode(text) -> ids` is the engine's
+        tokenizer; a chunk's whole input stays within `max_chunk_tokens` (the step budget)."""
+        first, nxt, suffix = (encode(self.repeat_prompt), encode(self.repeat_next_prompt),
+                              encode(self.suffix))
+        overhead = max(len(first), len(nxt) + self.prev_tail) + len(suffix)
+        size = min(self.chunk_size, max_chunk_tokens - overhead)
+        if size < 1:
+            raise ValueError(f"the step budget of {max_chunk_tokens} tokens cannot hold the "
+                             f"{overhead} tokens of KVzip's repeat prompt plus one context token")
+        return reconstruction_chunks(context_ids, size, first, nxt, suffix, self.prev_tail)
+
+    def head_scores(self, kv: LayerKV) -> torch.Tensor:
+        if kv.scores is None:
+            raise ValueError("KVzip needs the reconstruction scores (LayerKV.scores [Hkv, n])")
+        return kv.scores  # [Hkv, n]
+
+    def token_scores(self, kv: LayerKV) -> torch.Tensor:
+        return self.head_scores(kv)  # already one row per KV head (max over each group)
+
+    def protected_mask(self, n: int, budget: int) -> torch.Tensor:
+        return edge_mask(n, self.n_sink, self.window)
