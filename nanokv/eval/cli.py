@@ -30,7 +30,13 @@ def add_eval_parser(sub, add_engine_args, engine_options) -> None:
                    help="held-out windows for perplexity / KL")
     p.add_argument("--context-fraction", type=float, default=0.75,
                    help="part of each perplexity window that is context (compressed)")
-    p.add_argument("--eval-seed", type=int, default=0, help="seed of the generated task data")
+    p.add_argument("--eval-seed", type=int, default=0,
+                   help="seed of the generated task data and, other than 0, of the choice of "
+                        "perplexity/KL windows (0: the first held-out windows)")
+    p.add_argument("--protocol", choices=("whole", "question"), default="whole",
+                   help="retrieval tasks: 'whole' compresses the whole prompt; 'question' "
+                        "compresses the context, then computes the question on the compressed "
+                        "cache (kvpress's pipeline)")
     p.add_argument("--depth", type=float, default=None,
                    help="needle depth in [0, 1] for passkey/multikey (default: random per sample)")
     p.add_argument("--policy-options", default="{}",
@@ -58,7 +64,8 @@ def run(args: argparse.Namespace, engine_options) -> int:
         num_samples=args.num_samples, context_tokens=args.context_tokens,
         retrieval_context_tokens=args.retrieval_context_tokens,
         ppl_windows=args.ppl_windows, context_fraction=args.context_fraction,
-        seed=args.eval_seed, depth=args.depth, policy_options=policy_options,
+        seed=args.eval_seed, depth=args.depth, protocol=args.protocol,
+        policy_options=policy_options,
         engine_options=opts)
     rows = run_eval(settings, log=lambda line: print(line, file=sys.stderr))
     print(to_markdown(rows))

@@ -9,11 +9,19 @@ Tasks (data generated at run time, seeded; see nanokv/evaldata):
                    distributions over the scored part, and top-1 agreement
 Compression "4x" keeps a quarter of the context: compression_ratio = 1 - 1/4 in the kvpress
 convention (fraction removed). The full cache is policy "full" at 1x.
+
+Protocols of the retrieval tasks: "whole" compresses the whole prompt, question included, once
+it is computed (the first answer token is read from the full cache); "question" (kvpress's
+pipeline) compresses the context once, then computes the question on the compressed cache
+(`compress_after` = the context's tokens), so the question's tokens are never evicted.
+`seed` draws the retrieval samples and, other than 0, the perplexity / KL windows (seed 0: the
+first consecutive windows of the held-out text, as before).
 """
 
 from __future__ import annotations
 
 import math
+import random
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -23,6 +31,7 @@ from tqdm.auto import tqdm
 from nanokv.evaldata import corpus, tasks
 
 TASKS = ("passkey", "multikey", "perplexity", "kl")
+PROTOCOLS = ("whole", "question")
 
 
 @dataclass
@@ -39,6 +48,7 @@ class EvalSettings:
     context_fraction: float = 0.75
     seed: int = 0
     depth: float | None = None  # needle depth in [0, 1] for the retrieval tasks; None: random
+    protocol: str = "whole"  # retrieval: "whole" prompt compressed, or "question" left out
     policy_options: dict = field(default_factory=dict)  # policy name -> its options
     engine_options: dict = field(default_factory=dict)
 
@@ -67,6 +77,8 @@ class EvalSettings:
             raise ValueError(f"depth must be None (random) or in [0, 1], got {self.depth!r}")
         if not self.policies:
             raise ValueError("at least one policy is needed ('full' is the uncompressed cache)")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
 
 
 @dataclass
@@ -133,12 +145,34 @@ class _Run:
         longest = max(len(self.tokenizer.encode(x.answer)) for x in samples)
         params = SamplingParams(temperature=0, max_tokens=longest + 2)
         t0 = time.perf_counter()
-        outs = self.llm.generate([x.prompt for x in samples], params, use_tqdm=use_tqdm)
+        if s.protocol == "whole":
+            outs = self.llm.generate([x.prompt for x in samples], params, use_tqdm=use_tqdm)
+        else:  # the context compressed once, then the question on the compressed cache
+            requests = [self.engine.make_request(x.prompt, params,
+                                                 compress_after=self.context_length(x))
+                        for x in samples]
+            outs = self.llm.generate_requests(requests, use_tqdm=use_tqdm)
         scores = [tasks.score(x, o.text) for x, o in zip(samples, outs)]
         kept, held = self._held(outs)
         by_depth = _accuracy_by_depth(samples, scores)
         return EvalRow(task, "", 0, sum(scores) / len(scores), "accuracy", len(samples), kept,
-                       held, {"accuracy_by_depth": by_depth}, time.perf_counter() - t0)
+                       held, {"accuracy_by_depth": by_depth, "protocol": s.protocol},
+                       time.perf_counter() - t0)
+
+    def context_length(self, sample) -> int:
+        """Tokens of the prompt before its question (the part the "question" protocol
+        compresses): the prompt's tokens that the context alone encodes to."""
+        question = sample.meta["question"]
+        if not sample.prompt.endswith(question):
+            raise ValueError("the sample's prompt does not end with its question")
+        full = self.tokenizer.encode(sample.prompt)
+        context = self.tokenizer.encode(sample.prompt[:-len(question)])
+        common = 0
+        for a, b in zip(full, context):
+            if a != b:
+                break
+            common += 1
+        return max(1, min(common, len(full) - 1))
 
     def continuation_logits(self, windows: list[list[int]], use_tqdm=False):
         """Logits over the scored part of each window, with the context compressed first."""
@@ -156,17 +190,25 @@ class _Run:
         return logits, split, kept, held
 
 
-def heldout_windows(tokenizer, num_windows: int, length: int) -> list[list[int]]:
-    """Consecutive windows of `length` tokens from the held-out stdlib files."""
+def heldout_windows(tokenizer, num_windows: int, length: int, seed: int = 0,
+                    pool: int = 8) -> list[list[int]]:
+    """Windows of `length` tokens from the held-out stdlib files. seed 0: the first
+    `num_windows` consecutive ones; another seed: `num_windows` distinct ones drawn by it from
+    the first `pool` x `num_windows` windows of the held-out text."""
+    want = num_windows if seed == 0 else pool * num_windows
     ids: list[int] = []
     for path in corpus.heldout_files():
         ids += tokenizer.encode(corpus.read_text(path), add_special_tokens=False)
-        if len(ids) >= num_windows * length:
+        if len(ids) >= want * length:
             break
     if len(ids) < length:
         raise ValueError("the held-out corpus is shorter than one window")
-    n = min(num_windows, len(ids) // length)
-    return [ids[i * length:(i + 1) * length] for i in range(n)]
+    available = len(ids) // length
+    chosen = list(range(min(num_windows, available)))
+    if seed != 0:
+        chosen = sorted(random.Random(seed).sample(range(min(want, available)),
+                                                   min(num_windows, available)))
+    return [ids[i * length:(i + 1) * length] for i in chosen]
 
 
 def _accuracy_by_depth(samples, scores, bins: int = 5) -> list[float | None]:
@@ -230,7 +272,7 @@ def run_eval(settings: EvalSettings, log=print, progress: bool = True) -> list[E
         if scores_windows:
             if windows is None:
                 windows = heldout_windows(run.tokenizer, settings.ppl_windows,
-                                          settings.context_tokens)
+                                          settings.context_tokens, seed=settings.seed)
                 bar.total -= (settings.ppl_windows - len(windows)) * len(settings_list)
             t0 = time.perf_counter()
             logits, split, kept, held = run.continuation_logits(windows, lent)
@@ -265,6 +307,8 @@ def _line(row: EvalRow) -> str:
     extra = ""
     if "top1_agreement" in row.extra:
         extra = f" top1={row.extra['top1_agreement']:.3f}"
+    if "protocol" in row.extra:
+        extra += f" protocol={row.extra['protocol']}"
     return (f"[eval] {row.task:<10} {row.policy:<16} {row.compression:>4.1f}x "
             f"{row.metric}={row.score:.4f}{extra} kept={row.kept_fraction:.3f} "
             f"kv={row.kv_bytes / 1024:.0f}KiB ({row.seconds:.1f}s)")

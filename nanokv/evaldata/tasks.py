@@ -9,6 +9,9 @@ greedy decode should produce (it starts with a space, e.g. ``" 31415"``); score 
 :func:`score`.
 
 Tasks
+The retrieval samples (passkey, multikey_needle) end with their question, ``meta["question"]``
+(the prompt's last line), so an evaluation can compress the context before it.
+
 - passkey (KVQuant / LongLoRA format): header, the filler "The grass is green. ..." repeated, the
   needle "The pass key is N. Remember it. N is the pass key." on its own line at the given depth
   (fraction of filler sentences before it), and the query "What is the pass key? The pass key is".
@@ -172,7 +175,8 @@ def passkey_sample(tokenizer: Tokenizer, context_tokens: int, depth: float | Non
     prompt, used, slots, n = _fit(tokenizer, context_tokens, [PASSKEY_HEADER], [(d, needle)],
                                   [PASSKEY_QUERY])
     return TaskSample("passkey", prompt, f" {key}", seed, context_tokens, used,
-                      depth=slots[0] / n if n else 0.0, meta={"needle": needle, "passkey": key})
+                      depth=slots[0] / n if n else 0.0,
+                      meta={"needle": needle, "passkey": key, "question": PASSKEY_QUERY})
 
 
 def _key_name(rng: random.Random, used: set[str]) -> str:
@@ -210,7 +214,7 @@ def multikey_needle_sample(tokenizer: Tokenizer, context_tokens: int, num_needle
     return TaskSample("multikey_needle", prompt, f" {values[target]}", seed, context_tokens,
                       used_tokens, depth=slots[target] / n if n else 0.0,
                       meta={"keys": keys, "values": values, "target": target,
-                            "needle": needles[target][1]})
+                            "needle": needles[target][1], "question": query})
 
 
 def _hex(rng: random.Random, n: int) -> str:
