@@ -55,7 +55,16 @@ class LLMEngine:
             from nanokv.distributed.executor import TensorParallelExecutor
 
             self.executor = TensorParallelExecutor(config)
+        try:
+            self._build(config, parts)
+        except BaseException:
+            self.close()  # the other ranks must not outlive a failed start
+            raise
 
+    def _build(self, config: EngineConfig, parts) -> None:
+        """Load the model (this rank's shard), plan and build the KV cache, the block manager,
+        scheduler, runner and policies; report."""
+        tp_size = config.tensor_parallel_size
         loaded = load_model(config.model, config.dtype, config.device,
                             tokenizer_path=config.tokenizer,
                             skip_tokenizer_init=config.skip_tokenizer_init,

@@ -91,6 +91,10 @@ def test_killed_rank_fails_the_run_within_a_time_limit(tmp_path):
     path = build_tiny_model(str(tmp_path / "odd-vocab"), "qwen3", seed=2, tokenizer=False,
                             vocab_size=321)
     prompts = workload(1, 4)
+    # a start that fails after the ranks were spawned stops them and leaves the group
+    with pytest.raises(ValueError, match="cannot hold one request"):
+        LLM(path, skip_tokenizer_init=True, tensor_parallel_size=2,
+            **{**OPTIONS, "num_kv_blocks": 2})
     one = LLM(path, skip_tokenizer_init=True, **OPTIONS)
     expected = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
     llm = LLM(path, skip_tokenizer_init=True, tensor_parallel_size=2, **OPTIONS)
