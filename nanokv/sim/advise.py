@@ -6,10 +6,16 @@ the engine sizes it from an explicit `kv_cache_memory`: the KV cache kind's spec
 num_blocks = (memory - fixed) // bytes_per_block. The step model prices the KV bytes each step
 reads at the same bytes per token, so a smaller KV dtype both holds more and reads less.
 
+Each candidate is simulated twice: at the trace's own arrival times (the latency view: TTFT,
+TPOT, hit rate at the offered load) and with its arrivals compressed until requests queue for
+most of the run: what it serves while requests wait is its capacity, the request rate it can
+sustain. Below saturation every candidate serves the offered load, so candidates are ranked by
+capacity (requests/s, to 3 significant digits), then by TTFT p90 at the offered load.
+
 The sweep is staged, not a full product: block size x KV dtype first, then max_num_seqs for the
-best of those, then KV policies (compression, pool-pressure eviction) on the best; candidates are
-ranked by output throughput, then TTFT p90. Policies change what the model attends to (see
-docs/results/policies): they are only recommended when they win clearly, with that caveat.
+best of those, then KV policies (compression, pool-pressure eviction) on the best. Policies
+change what the model attends to (see docs/results/policies): they are only recommended when
+they win clearly, with that caveat.
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ from nanokv.cache.registry import kv_cache_settings
 from nanokv.sim.simulator import SimConfig, SimResult, Simulator
 from nanokv.sim.step_model import DeviceSpec, LinearStepModel, ModelShape, RooflineStepModel
 from nanokv.sim.trace import TraceRecord
+
+SATURATING = (8.0, 64.0, 512.0)  # arrival-time compressions tried until requests queue
+SATURATED_FRACTION = 0.5  # of the run's duration with requests waiting
 
 
 @dataclass(frozen=True)
@@ -50,7 +59,17 @@ class Outcome:
     num_blocks: int
     bytes_per_token: float
     bytes_per_block: int
-    result: SimResult
+    result: SimResult  # at the trace's arrival times
+    saturated: SimResult | None = None  # arrivals compressed `compression` times
+    compression: float | None = None
+
+    @property
+    def capacity_req_s(self) -> float | None:
+        return None if self.saturated is None else self.saturated.capacity_req_s
+
+    @property
+    def capacity_tok_s(self) -> float | None:
+        return None if self.saturated is None else self.saturated.capacity_tok_s
 
 
 @dataclass(frozen=True)
@@ -68,6 +87,7 @@ class AdviseSettings:
     compressions: tuple[float, ...] = (0.5, 0.75)
     eviction_ratios: tuple[float, ...] = (0.2,)
     default_max_num_seqs: int = 256
+    admission: str = "arrival"  # or "recorded" (a served trace's own step boundaries)
 
 
 def kv_cost(model: ModelShape, kv_dtype: str, block_size: int, max_num_seqs: int,
@@ -80,7 +100,16 @@ def kv_cost(model: ModelShape, kv_dtype: str, block_size: int, max_num_seqs: int
     return spec.bytes_per_block, spec.fixed_bytes
 
 
-def evaluate(records: list[TraceRecord], s: AdviseSettings, c: Candidate) -> Outcome:
+def compress_arrivals(records: list[TraceRecord], factor: float) -> list[TraceRecord]:
+    """The same requests in the same order, arriving `factor` times faster."""
+    t0 = min(r.t for r in records)
+    return [replace(r, t=t0 + (r.t - t0) / factor) for r in records]
+
+
+def evaluate(records: list[TraceRecord], s: AdviseSettings, c: Candidate,
+             capacity: bool = False) -> Outcome:
+    """Simulate `c` on the trace; `capacity`: also with its arrivals compressed (x8, x64, x512:
+    the first where requests wait for half the run or more) to measure its capacity."""
     per_block, fixed = kv_cost(s.model, c.kv_dtype, c.block_size, c.max_num_seqs,
                                s.compute_dtype)
     num_blocks = (s.kv_memory - fixed) // per_block
@@ -94,16 +123,29 @@ def evaluate(records: list[TraceRecord], s: AdviseSettings, c: Candidate) -> Out
     cfg = SimConfig(block_size=c.block_size, num_blocks=int(num_blocks),
                     max_num_seqs=c.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                     max_model_len=s.max_model_len, bytes_per_block=per_block,
-                    compression_ratio=c.compression_ratio, eviction_ratio=c.eviction_ratio)
-    return Outcome(c, int(num_blocks), per_token, per_block, Simulator(records, cfg, step).run())
+                    compression_ratio=c.compression_ratio, eviction_ratio=c.eviction_ratio,
+                    admission=s.admission)
+    out = Outcome(c, int(num_blocks), per_token, per_block, Simulator(records, cfg, step).run())
+    if capacity:
+        cfg = replace(cfg, admission="arrival")  # compressed arrivals: no recorded steps
+        for factor in SATURATING:
+            sat = Simulator(compress_arrivals(records, factor), cfg, step).run()
+            out.saturated, out.compression = sat, factor
+            if sat.saturated_s >= SATURATED_FRACTION * sat.duration_s:
+                break
+    return out
+
+
+def _sig3(x: float) -> float:
+    return round(x, 2 - int(math.floor(math.log10(max(abs(x), 1e-9)))))
 
 
 def _key(o: Outcome):
     r = o.result
-    # throughput first (to 3 significant digits: closer is a tie), then TTFT p90, preemptions
-    digits = 2 - int(math.floor(math.log10(max(r.output_tok_s, 1e-9))))
-    return (-round(r.output_tok_s, digits),
-            r.ttft_s["p90"] or 0.0, r.preemptions)
+    # capacity first (3 significant digits: closer is a tie), then TTFT p90 at the offered
+    # load, then output throughput there, preemptions
+    return (-_sig3(o.capacity_req_s or 0.0), r.ttft_s["p90"] or 0.0,
+            -_sig3(r.output_tok_s), r.preemptions)
 
 
 def sweep(records: list[TraceRecord], s: AdviseSettings, progress=None) -> list[Outcome]:
@@ -116,7 +158,7 @@ def sweep(records: list[TraceRecord], s: AdviseSettings, progress=None) -> list[
     def run(c: Candidate) -> Outcome | None:
         if c not in done:
             try:
-                done[c] = evaluate(records, s, c)
+                done[c] = evaluate(records, s, c, capacity=True)
             except ValueError as e:
                 if progress:
                     progress(f"skipped {c}: {e}")
@@ -144,16 +186,20 @@ def line(o: Outcome) -> str:
     c, r = o.candidate, o.result
     ttft = r.ttft_s["p90"]
     tpot = r.tpot_s["p50"]
+    cap = o.capacity_req_s
     return (f"bs {c.block_size:4d} {c.kv_dtype:8s} seqs {c.max_num_seqs:4d} {c.policy:17s} "
-            f"blocks {o.num_blocks:7d} hit {r.prefix_hit_rate:.3f} out {r.output_tok_s:8.0f} "
+            f"blocks {o.num_blocks:7d} capacity {cap or math.nan:7.2f} req/s "
+            f"hit {r.prefix_hit_rate:.3f} out {r.output_tok_s:8.0f} "
             f"tok/s ttft90 {ttft if ttft is not None else math.nan:7.3f} s tpot50 "
             f"{(tpot or math.nan) * 1e3:6.1f} ms run {r.mean_running:5.1f}/{r.peak_running:4d} "
             f"preempt {r.preemptions}")
 
 
-HEADER = ("| rank | block | KV dtype | B/token | max_num_seqs | policy | blocks | hit rate | "
-          "output tok/s | TTFT p50 / p90 s | TPOT p50 ms | running mean / peak | peak KV use | "
-          "preemptions | evictions (prefix_lru / preemption / policy) | KV MiB / request p50 |")
+HEADER = ("| rank | block | KV dtype | B/token | max_num_seqs | policy | blocks | "
+          "capacity req/s | capacity out tok/s | bound at capacity | hit rate at capacity | "
+          "hit rate | output tok/s | TTFT p50 / p90 s | TPOT p50 ms | running mean / peak | "
+          "peak KV use | preemptions | evictions (prefix_lru / preemption / policy) | "
+          "KV MiB / request p50 |")
 
 
 def table(outcomes: list[Outcome], limit: int | None = None) -> str:
@@ -161,9 +207,13 @@ def table(outcomes: list[Outcome], limit: int | None = None) -> str:
     for i, o in enumerate(outcomes[:limit] if limit else outcomes, 1):
         c, r = o.candidate, o.result
         ev = r.evicted_blocks
+        sat = o.saturated
         rows.append(
             f"| {i} | {c.block_size} | {c.kv_dtype} | {o.bytes_per_token:.0f} | "
-            f"{c.max_num_seqs} | {c.policy} | {o.num_blocks} | {r.prefix_hit_rate:.3f} | "
+            f"{c.max_num_seqs} | {c.policy} | {o.num_blocks} | {_f(o.capacity_req_s)} | "
+            f"{_f(o.capacity_tok_s, digits=0)} | "
+            f"{bound_by(sat, c.max_num_seqs) if sat else '-'} | "
+            f"{_f(sat.prefix_hit_rate if sat else None, digits=3)} | {r.prefix_hit_rate:.3f} | "
             f"{r.output_tok_s:.0f} | {_f(r.ttft_s['p50'])} / {_f(r.ttft_s['p90'])} | "
             f"{_f(r.tpot_s['p50'], 1e3, 1)} | {r.mean_running:.1f} / {r.peak_running} | "
             f"{r.peak_kv_usage:.2f} | {r.preemptions} | {ev.get('prefix_lru', 0)} / "
@@ -184,13 +234,13 @@ def recommend(outcomes: list[Outcome]) -> str:
     caveat = ""
     if best.candidate.policy != "full" and full:
         f = full[0]
-        gain = best.result.output_tok_s / f.result.output_tok_s - 1
+        gain = (best.capacity_req_s or 0.0) / (f.capacity_req_s or 1e-12) - 1
         if gain < 0.10:
             pick = f
-            caveat = (f" {best.candidate.policy} would add only {gain:.0%} throughput, not "
+            caveat = (f" {best.candidate.policy} would add only {gain:.0%} capacity, not "
                       f"worth what it removes from the context.")
         else:
-            caveat = (f" It uses a KV policy ({best.candidate.policy}): +{gain:.0%} throughput "
+            caveat = (f" It uses a KV policy ({best.candidate.policy}): +{gain:.0%} capacity "
                       f"over the best full cache, at a cost in quality to check with "
                       f"`nanokv eval` (the design document: at most 4x for code or maths).")
     c, r = pick.candidate, pick.result
@@ -199,9 +249,14 @@ def recommend(outcomes: list[Outcome]) -> str:
                   and o.candidate.policy == "full"]
     bs_hits = ", ".join(f"{o.candidate.block_size}: {o.result.prefix_hit_rate:.2f}"
                         for o in sorted(same_dtype, key=lambda o: o.candidate.block_size))
+    sat = pick.saturated
+    bound = (f", bound by {bound_by(sat, c.max_num_seqs)}, peak KV use "
+             f"{sat.peak_kv_usage:.2f}" if sat else "")
     why = [f"block size {c.block_size}, kv_cache_dtype {c.kv_dtype}, max_num_seqs "
-           f"{c.max_num_seqs}, policy {c.policy}: {r.output_tok_s:.0f} output tok/s, "
-           f"TTFT p90 {_f(r.ttft_s['p90'])} s, hit rate {r.prefix_hit_rate:.2f}, "
+           f"{c.max_num_seqs}, policy {c.policy}: capacity {_f(pick.capacity_req_s)} req/s "
+           f"({_f(pick.capacity_tok_s, digits=0)} output tok/s{bound}); at the offered load "
+           f"({r.requests_per_s:.1f} req/s served): TTFT p90 {_f(r.ttft_s['p90'])} s, TPOT "
+           f"p50 {_f(r.tpot_s['p50'], 1e3, 1)} ms, hit rate {r.prefix_hit_rate:.2f}, "
            f"{pick.num_blocks} blocks ({pick.bytes_per_token:.0f} B/token), running "
            f"{r.mean_running:.0f} on average (peak {r.peak_running}), "
            f"{r.preemptions} preemptions."]
@@ -270,9 +325,11 @@ def bottleneck_table(rows: list[tuple[float, SimResult]], max_num_seqs: int) -> 
 
 def bound_by(r: SimResult, max_num_seqs: int) -> str:
     """What limits the batch: the KV pool (preemptions, or full while fewer than max_num_seqs
-    run), max_num_seqs, or nothing (the offered load is served)."""
+    run), max_num_seqs, max_num_batched_tokens, or nothing (the offered load is served)."""
     if r.preemptions > 0 or (r.peak_kv_usage > 0.97 and r.peak_running < max_num_seqs):
         return "KV pool"
     if r.peak_running >= max_num_seqs:
         return "max_num_seqs"
+    if r.saturated_s > 0:  # requests waited with sequences and blocks to spare
+        return "token budget"
     return "-"

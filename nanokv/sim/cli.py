@@ -38,6 +38,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-model", default=None, metavar="FILE",
                    help="a fitted step model (nanokv bench --step-model-out) instead of "
                         "--device")
+    p.add_argument("--step-log", default=None, metavar="FILE",
+                   help="fit the step model to a served run's step log (nanokv serve "
+                        "--trace-steps) instead of --device")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="default: min(the model's, 8192)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -72,6 +75,9 @@ def add_advise_parser(sub, add_engine_args=None, engine_options=None) -> None:
     s.add_argument("--max-num-seqs-sim", dest="max_num_seqs", type=int, default=256)
     s.add_argument("--compression-ratio", type=float, default=None)
     s.add_argument("--eviction-ratio", type=float, default=None)
+    s.add_argument("--admission", choices=("arrival", "recorded"), default="arrival",
+                   help="arrival: requests join the first step after they arrive (default); "
+                        "recorded: at the step the serving engine added them (a served trace)")
     s.set_defaults(func=cmd_simulate)
 
 
@@ -87,8 +93,14 @@ def _load(args):
     model = ModelShape.load(args.model_config)
     max_len = args.max_model_len or min(model.max_position_embeddings, 8192)
     fitted = device = None
+    if args.step_model and args.step_log:
+        raise ValueError("give --step-model or --step-log, not both")
     if args.step_model:
         fitted = LinearStepModel.load(args.step_model)
+    elif args.step_log:
+        from nanokv.sim.step_log import fit_step_log, read_step_log
+
+        fitted = fit_step_log(read_step_log(args.step_log), f"step log {args.step_log}")
     elif args.device not in DEVICES:
         raise ValueError(f"--device must be one of {sorted(DEVICES)}, got {args.device!r}")
     else:
@@ -115,7 +127,10 @@ def _load(args):
 def cmd_simulate(args: argparse.Namespace) -> int:
     from nanokv.sim.advise import Candidate, evaluate
 
+    from dataclasses import replace
+
     records, settings, _ = _load(args)
+    settings = replace(settings, admission=args.admission)
     c = Candidate(args.block_size, args.kv_cache_dtype, args.max_num_seqs,
                   args.compression_ratio, args.eviction_ratio)
     o = evaluate(records, settings, c)
@@ -161,7 +176,10 @@ def cmd_advise(args: argparse.Namespace) -> int:
         with open(os.path.join(args.out, "advise.json"), "w", encoding="utf-8") as f:
             json.dump({"source": src, "outcomes": [
                 {"candidate": asdict(o.candidate), "num_blocks": o.num_blocks,
-                 "bytes_per_token": o.bytes_per_token, **o.result.summary()}
+                 "bytes_per_token": o.bytes_per_token, "capacity_req_s": o.capacity_req_s,
+                 "capacity_tok_s": o.capacity_tok_s, "arrivals_compressed": o.compression,
+                 "at_capacity": o.saturated.summary() if o.saturated else None,
+                 **o.result.summary()}
                 for o in outcomes],
                 "rates": [{"rate": rate, **r.summary()} for rate, r in rows]},
                 f, indent=1, default=str)

@@ -148,6 +148,11 @@ class SimResult:
     output_tok_s: float
     total_tok_s: float
     requests_per_s: float
+    # while requests wait (the batch is full: max_num_seqs or the KV pool), what is served:
+    # the configuration's capacity, if the run was saturated long enough to measure it
+    saturated_s: float = 0.0
+    capacity_req_s: float | None = None
+    capacity_tok_s: float | None = None
     requests: list[RequestResult] = field(default_factory=list, repr=False)
 
     def summary(self) -> dict:
@@ -156,7 +161,8 @@ class SimResult:
             "prefix_hit_rate", "hit_rate_by_class", "peak_running", "mean_running",
             "peak_kv_usage", "mean_kv_usage", "preemptions", "recomputed_tokens",
             "evicted_blocks", "kv_bytes_per_request", "ttft_s", "tpot_s", "e2e_s",
-            "output_tok_s", "total_tok_s", "requests_per_s")}
+            "output_tok_s", "total_tok_s", "requests_per_s", "saturated_s", "capacity_req_s",
+            "capacity_tok_s")}
         d["step_model"] = self.step_model
         return d
 
@@ -168,7 +174,10 @@ def _pcts(values: list[float]) -> dict[str, float | None]:
 class Simulator:
     def __init__(self, records: list[TraceRecord], config: SimConfig, step_model: StepModel,
                  record_decisions: bool = False,
-                 step_times: dict[int, float] | None = None) -> None:
+                 step_times: dict[int, float] | None = None, load_profile=None) -> None:
+        """step_times: a served run's turn times by step (recorded admission only);
+        load_profile: a `nanokv.sim.step_log.LoadProfile` scaling the model's step times by the
+        machine's measured slowdown at the simulated time (validation on a shared machine)."""
         if not records:
             raise ValueError("the trace is empty")
         recorded = config.admission == "recorded"
@@ -187,6 +196,7 @@ class Simulator:
         self.records = sorted(records, key=(lambda r: (r.step, r.order)) if recorded
                               else (lambda r: r.t))
         self.step_times = step_times
+        self.load_profile = load_profile
         self.config = config
         self.step_model = step_model
         self.bm = BlockManager(config.num_blocks, bs, config.enable_prefix_caching)
@@ -199,13 +209,15 @@ class Simulator:
         self.features: list[StepFeatures] | None = [] if record_decisions else None
         self.first_step = self.records[0].step if recorded else 0  # served run's step index
 
-    def _step_time(self, f: StepFeatures, step: int) -> float:
+    def _step_time(self, f: StepFeatures, step: int, now: float) -> float:
         if self.step_times is not None:
             try:
                 return self.step_times[self.first_step + step]
             except KeyError:
                 raise ValueError(f"the step log has no step {self.first_step + step}: the "
                                  f"replay left the served run's steps") from None
+        if self.load_profile is not None:
+            return self.step_model.step_time(f) * self.load_profile.factor(now)
         return self.step_model.step_time(f)
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -223,6 +235,7 @@ class Simulator:
         recorded = cfg.admission == "recorded"
         running_area = usage_area = 0.0
         peak_running, peak_usage = 0, 0.0
+        sat = [0.0, 0, 0]  # seconds with requests waiting, requests finished, tokens sampled
         while i < n or sched.has_unfinished:
             while i < n and (records[i].step <= self.first_step + steps if recorded
                              else records[i].t <= now):
@@ -255,7 +268,7 @@ class Simulator:
             if out.is_empty:  # nothing fits and nothing runs: cannot happen after add_request
                 raise RuntimeError("the scheduler made no progress with requests waiting")
             features = StepFeatures.of(out.scheduled)
-            dt = self._step_time(features, steps)
+            dt = self._step_time(features, steps, now)
             steps += 1
             if self.decisions is not None:
                 self.decisions.append(([(s.request_id, s.num_tokens) for s in out.scheduled],
@@ -276,7 +289,12 @@ class Simulator:
                     t = tokens[s.request_id]
                     sampled[s.request_id] = t[r.num_tokens] if r.num_tokens < len(t) else 0
             stepped = [requests[s.request_id] for s in out.scheduled]
+            saturated = bool(sched.waiting)
             progressed = sched.update_from_output(out, RunnerOutput(sampled))
+            if saturated:
+                sat[0] += dt
+                sat[1] += sum(r.is_finished for r in progressed)
+                sat[2] += len(sampled)
             for r in progressed:
                 first_token.setdefault(r.request_id, now)
                 if r.is_finished:
@@ -312,13 +330,16 @@ class Simulator:
                         tokens, now, records[i].t if i < n else math.inf, steps)
                 steps += k
                 nrun = len(sched.running)
+                if sched.waiting:  # running is full: every fast-forwarded step is saturated
+                    sat[0] += elapsed
+                    sat[2] += k * nrun
                 running_area += nrun * elapsed
                 usage_area += self.bm.usage * elapsed
                 now += elapsed
             if len(self.bm.stats.evicted_block_lifetimes) > 4096:
                 self.bm.stats.evicted_block_lifetimes.clear()
         return self._result(done, rejected, steps, records[0].t, running_area, usage_area,
-                            peak_running, peak_usage, time.perf_counter() - wall0)
+                            peak_running, peak_usage, time.perf_counter() - wall0, sat)
 
     def _fast_forward(self, tokens: dict[str, list[int]], now: float, next_arrival: float,
                       steps: int, max_steps: float = math.inf) -> tuple[int, float]:
@@ -362,7 +383,7 @@ class Simulator:
                 break
             need += new_blocks[j + 1]
             f = StepFeatures(nrun, nrun, nrun, ctx + j * nrun, 0, 0)
-            elapsed += self._step_time(f, steps + j)
+            elapsed += self._step_time(f, steps + j, now + elapsed)
             j += 1
             if self.decisions is not None:
                 self.decisions.append(([(r.request_id, 1) for r in running], []))
@@ -416,7 +437,7 @@ class Simulator:
 
     # ---- summary ---------------------------------------------------------------------------
     def _result(self, done, rejected, steps, t0, running_area, usage_area, peak_running,
-                peak_usage, wall) -> SimResult:
+                peak_usage, wall, sat) -> SimResult:
         cfg = self.config
         end = max((r.finish for r in done), default=t0)
         duration = max(end - t0, 1e-12)
@@ -452,4 +473,6 @@ class Simulator:
             e2e_s=_pcts([r.finish - r.arrival for r in done]),
             output_tok_s=out_tokens / duration,
             total_tok_s=(out_tokens + queries) / duration,
-            requests_per_s=len(done) / duration, requests=done)
+            requests_per_s=len(done) / duration, saturated_s=sat[0],
+            capacity_req_s=sat[1] / sat[0] if sat[0] > 0 else None,
+            capacity_tok_s=sat[2] / sat[0] if sat[0] > 0 else None, requests=done)

@@ -147,3 +147,35 @@ def summary(entries: list[StepLogEntry]) -> dict:
             "peak_running": max(e.running for e in entries),
             "preemptions": sum(e.preempted for e in entries)}
 
+
+
+@dataclass(frozen=True)
+class LoadProfile:
+    """How much slower than a step model the machine ran, by window of the trace's clock: on a
+    machine shared with other work, step times swing by several times within seconds, which no
+    model of the step's shape can predict. Replaying this profile separates that swing from the
+    simulator's own error (validation); it says nothing about another machine."""
+
+    start: float
+    window: float
+    factors: tuple[float, ...]
+
+    def factor(self, t: float) -> float:
+        i = int((t - self.start) // self.window)
+        return self.factors[min(max(i, 0), len(self.factors) - 1)]
+
+
+def load_profile(entries: list[StepLogEntry], model, window: float = 1.0) -> LoadProfile:
+    """Measured turn time / `model`'s time over each window's steps (1.0 where none ran)."""
+    if window <= 0:
+        raise ValueError(f"window must be > 0, got {window}")
+    times = turn_times(entries)
+    start = entries[0].t
+    sums: dict[int, list[float]] = {}
+    for e in entries:
+        s = sums.setdefault(int((e.t - start) // window), [0.0, 0.0])
+        s[0] += times[e.step]
+        s[1] += model.step_time(e.features)
+    n = max(sums) + 1
+    return LoadProfile(start, window, tuple(
+        sums[i][0] / sums[i][1] if i in sums and sums[i][1] > 0 else 1.0 for i in range(n)))

@@ -98,15 +98,19 @@ class LinearStepModel(StepModel):
         return cls(**d)
 
     @classmethod
-    def fit(cls, samples: list[tuple[StepFeatures, float]], source: str = "") -> LinearStepModel:
-        """Non-negative least squares over (features, seconds) samples, relative error
-        weighted (short decode steps count as much as long prefill steps)."""
+    def fit(cls, samples: list[tuple[StepFeatures, float]], source: str = "",
+            relative: bool = False) -> LinearStepModel:
+        """Non-negative least squares over (features, seconds) samples. Unweighted by default:
+        with the per-step term kept, the fitted times of the samples add up to the measured
+        total, which is what throughput and queueing depend on (on a shared machine the
+        relative-error fit follows the fast steps and predicts a fraction of the busy time).
+        `relative`: weight by 1 / seconds (short steps count as much as long ones)."""
         if len(samples) < len(FEATURE_NAMES):
             raise ValueError(f"need at least {len(FEATURE_NAMES)} timed steps to fit, got "
                              f"{len(samples)}")
         x = np.array([f.vector() for f, _ in samples], dtype=np.float64)
         y = np.array([t for _, t in samples], dtype=np.float64)
-        w = 1.0 / np.maximum(y, 1e-6)
+        w = 1.0 / np.maximum(y, 1e-6) if relative else np.ones_like(y)
         coef = _nnls(x * w[:, None], y * w)
         return cls(*coef.tolist(), source=source)
 

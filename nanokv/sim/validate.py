@@ -2,11 +2,22 @@
 
     python -m nanokv.sim.validate --out docs/results/advisor
 
-1. times `nanokv bench` steps on this machine and fits a step model (`StepRecorder`);
-2. starts `nanokv serve models/nanokv-tiny --trace-file ...` (small pool, block size 16) and
-   sends a mixed chat + RAG workload open-loop at its arrival times (token-id prompts,
-   `ignore_eos`, so lengths are the workload's), polling /metrics for the running batch;
-3. replays the server's own trace through the simulator with the same settings and compares.
+1. a calibration run: `nanokv serve --trace-file --trace-steps` under another seed of the same
+   workload, right before the measured run (same machine load); a step model is fitted to its
+   step log;
+2. the measured run: the server writes its trace and step log while a mixed chat + RAG workload
+   is sent open-loop at its arrival times (token-id prompts, `ignore_eos`, so lengths are the
+   workload's);
+3. the trace is replayed five ways and compared with what the server measured:
+   recorded    the server's own step boundaries (admission="recorded") and turn times: checks
+               the replay's accounting (every step's shape must equal the served one);
+   same-run    recorded step boundaries, step model fitted to this run's step log;
+   predicted   arrival-time admission (what `nanokv advise` does), same-run step model;
+   +load       as predicted, the model's step times scaled by the machine's measured slowdown in
+               each second of the run (`LoadProfile`: the other work on a shared machine);
+   calibrated  arrival-time admission, step model of the calibration run.
+
+`--replay-only` recomputes the tables from the files an earlier run left in --out.
 """
 
 from __future__ import annotations
@@ -15,17 +26,15 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from nanokv.metrics.stats import percentile
 from nanokv.sim.simulator import SimConfig, Simulator
-from nanokv.sim.step_model import LinearStepModel, StepRecorder
+from nanokv.sim.step_log import fit_step_log, load_profile, read_step_log, turn_times
 from nanokv.sim.synthetic import WorkloadShape, generate_requests
 from nanokv.sim.trace import read_trace
 
@@ -51,35 +60,12 @@ def workload(n: int, rate: float, seed: int, vocab: int) -> list[tuple[float, li
             for t, p, out, cls in items]
 
 
-def fit_step_model(seed: int) -> LinearStepModel:
-    from nanokv.benchmark.run import run_bench
-
-    recorders: list[StepRecorder] = []
-    opts = {k: v for k, v in ENGINE.items()}
-    run_bench(MODEL, opts, 64, (96, 640), (16, 48), seed, verbose=False, progress=False,
-              on_engine_ready=lambda e: recorders.append(StepRecorder(e)))
-    return recorders[0].fit(source=f"nanokv bench, shipped model, {len(recorders[0].samples)} "
-                                   f"steps")
-
-
-async def drive(port: int, items, stop_poll: list) -> tuple[int, list[str]]:
+async def drive(port: int, items) -> list[str]:
     import httpx
 
-    peak = 0
     errors: list[str] = []
-    base = f"http://127.0.0.1:{port}"
-    async with httpx.AsyncClient(base_url=base, timeout=600,
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600,
                                  limits=httpx.Limits(max_connections=1000)) as client:
-        async def poll():
-            nonlocal peak
-            while not stop_poll:
-                r = await client.get("/metrics")
-                m = re.search(r"^nanokv:num_requests_running\{[^}]*\} ([0-9.e+]+)$", r.text,
-                              re.M)
-                if m:
-                    peak = max(peak, int(float(m.group(1))))
-                await asyncio.sleep(0.02)
-
         async def one(t0: float, t: float, prompt: list[int], out: int, cls: str):
             await asyncio.sleep(max(0.0, t0 + t - time.monotonic()))
             r = await client.post("/v1/completions", headers={"X-Request-Class": cls}, json={
@@ -88,21 +74,22 @@ async def drive(port: int, items, stop_poll: list) -> tuple[int, list[str]]:
             if r.status_code != 200:
                 errors.append(f"{r.status_code} {r.text[:200]}")
 
-        poller = asyncio.create_task(poll())
         t0 = time.monotonic()
         await asyncio.gather(*(one(t0, t, p, o, c) for t, p, o, c in items))
-        stop_poll.append(True)
-        await poller
-    return peak, errors
+    return errors
 
 
-def serve_and_trace(items, trace_path: str, port: int) -> tuple[int, list[str]]:
+def serve_and_trace(items, trace_path: str, steps_path: str, port: int) -> list[str]:
+    for path in (trace_path, steps_path):
+        if os.path.exists(path):
+            os.remove(path)
     flags = []
     for k, v in ENGINE.items():
         flags += [f"--{k.replace('_', '-')}", str(v)]
     cmd = [sys.executable, "-m", "nanokv.cli", "serve", MODEL, "--port", str(port),
-           "--trace-file", trace_path, "--request-classes", "chat,rag", "--no-access-log",
-           "--max-waiting", "4096", "--log-level", "warning", *flags]
+           "--trace-file", trace_path, "--trace-steps", steps_path,
+           "--request-classes", "chat,rag", "--no-access-log", "--max-waiting", "4096",
+           "--log-level", "warning", *flags]
     proc = subprocess.Popen(cmd, cwd=ROOT)
     try:
         import httpx
@@ -116,13 +103,13 @@ def serve_and_trace(items, trace_path: str, port: int) -> tuple[int, list[str]]:
             time.sleep(0.1)
         else:
             raise RuntimeError("the server did not start")
-        return asyncio.run(drive(port, items, []))
+        return asyncio.run(drive(port, items))
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
 
 
-def real_metrics(records) -> dict:
+def real_metrics(records, log) -> dict:
     t0 = min(r.t for r in records)
     end = max(r.t + r.e2e_s for r in records)
     out = sum(r.output_len for r in records)
@@ -139,78 +126,126 @@ def real_metrics(records) -> dict:
     return {"prefix_hit_rate": sum(r.cached for r in records) / q,
             "hit_rate_by_class": {c: h / n for c, (h, n) in sorted(by_cls.items())},
             "preemptions": sum(r.preemptions for r in records),
+            "peak_running": max(e.running for e in log), "num_steps": len(log),
             "output_tok_s": out / (end - t0), "duration_s": end - t0,
             "ttft_s": {f"p{p}": percentile(ttfts, p) for p in (50, 90, 99)},
             "tpot_s": {f"p{p}": percentile(tpots, p) for p in (50, 90, 99)},
             "e2e_s": {f"p{p}": percentile(e2e, p) for p in (50, 90, 99)}}
 
 
-def compare(real: dict, sim: dict) -> list[tuple[str, float, float, str]]:
-    rows = [("prefix hit rate", real["prefix_hit_rate"], sim["prefix_hit_rate"], "equal"),
-            ("preemptions", real["preemptions"], sim["preemptions"], "equal"),
-            ("peak running", real["peak_running"], sim["peak_running"], "equal"),
-            ("output tok/s", real["output_tok_s"], sim["output_tok_s"], "15%")]
-    for key in ("ttft_s", "tpot_s", "e2e_s"):
-        for p in ("p50", "p90"):
-            rows.append((f"{key[:-2].upper()} {p} (s)", real[key][p], sim[key][p], "15%"))
-    for c in real["hit_rate_by_class"]:
-        rows.append((f"hit rate {c}", real["hit_rate_by_class"][c],
-                     sim["hit_rate_by_class"].get(c, float("nan")), "equal"))
-    return rows
+ROWS = [("prefix hit rate", "prefix_hit_rate", None, "equal"),
+        ("preemptions", "preemptions", None, "equal"),
+        ("peak running", "peak_running", None, "equal"),
+        ("engine steps", "num_steps", None, "-"),
+        ("output tok/s", "output_tok_s", None, "15%"),
+        ("TTFT p50 (s)", "ttft_s", "p50", "15%"), ("TTFT p90 (s)", "ttft_s", "p90", "15%"),
+        ("TPOT p50 (s)", "tpot_s", "p50", "15%"), ("TPOT p90 (s)", "tpot_s", "p90", "15%"),
+        ("E2E p50 (s)", "e2e_s", "p50", "15%"), ("E2E p90 (s)", "e2e_s", "p90", "15%")]
 
 
-def verdict(real: float, sim: float, target: str) -> str:
-    if target == "equal":
-        return "equal" if abs(real - sim) < 1e-9 else f"differs by {sim - real:+.4g}"
+def _get(d: dict, key: str, sub: str | None):
+    v = d[key]
+    return v[sub] if sub else v
+
+
+def cell(real: float, sim: float, target: str) -> str:
+    if target in ("equal", "-"):
+        if abs(real - sim) < 1e-9:
+            return f"{sim:.4g} (equal)"
+        diff = sim - real
+        return f"{sim:.4g} ({diff:+.4g})"
     err = sim / real - 1 if real else float("inf")
-    return f"{err:+.1%} ({'within' if abs(err) <= 0.15 else 'OUTSIDE'} 15%)"
+    return f"{sim:.4g} ({err:+.1%}{'' if abs(err) <= 0.15 else ' OUTSIDE'})"
+
+
+def table(real: dict, sims: dict[str, dict]) -> str:
+    names = list(sims)
+    lines = ["| metric | real `nanokv serve` | " + " | ".join(names) + " | target |",
+             "|---" * (len(names) + 3) + "|"]
+    for label, key, sub, target in ROWS:
+        r = _get(real, key, sub)
+        cells = [cell(r, _get(sims[n], key, sub), target) for n in names]
+        lines.append(f"| {label} | {r:.4g} | " + " | ".join(cells) + f" | {target} |")
+    for c in real["hit_rate_by_class"]:
+        r = real["hit_rate_by_class"][c]
+        cells = [cell(r, sims[n]["hit_rate_by_class"].get(c, float("nan")), "equal")
+                 for n in names]
+        lines.append(f"| hit rate {c} | {r:.4g} | " + " | ".join(cells) + " | equal |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-requests", type=int, default=300)
     ap.add_argument("--rate", type=float, default=12.0)
+    ap.add_argument("--calibration-requests", type=int, default=150)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=8321)
     ap.add_argument("--out", default="docs/results/advisor")
+    ap.add_argument("--tag", default="", help="suffix of the output files")
+    ap.add_argument("--replay-only", action="store_true",
+                    help="do not serve: replay the trace and step logs already in --out")
+    ap.add_argument("--load-window", type=float, default=1.0,
+                    help="seconds per window of the measured load profile (default 1)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
 
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(MODEL).vocab_size
+    out = lambda name: os.path.join(args.out, name.format(args.tag))  # noqa: E731
+    # 1. calibration run, right before the measured one
+    calib_items = workload(args.calibration_requests, args.rate, args.seed + 1000, vocab)
+    calib_steps = out("calibration_steps{}.jsonl")
+    if not args.replay_only:
+        serve_and_trace(calib_items, out("calibration_trace{}.jsonl"), calib_steps, args.port)
+    calibrated = fit_step_log(read_step_log(calib_steps),
+                              f"calibration run before, {args.calibration_requests} requests")
+    # 2. the measured run
     items = workload(args.num_requests, args.rate, args.seed, vocab)
-    step = fit_step_model(args.seed)
-    print(f"[validate] {step.describe()}", file=sys.stderr)
-    trace_path = os.path.join(args.out, "validation_trace.jsonl")
-    if os.path.exists(trace_path):
-        os.remove(trace_path)
-    with tempfile.TemporaryDirectory():
-        peak, errors = serve_and_trace(items, trace_path, args.port)
-    records = read_trace(trace_path)
-    real = real_metrics(records)
-    real["peak_running"] = peak
-    cfg = SimConfig(block_size=ENGINE["block_size"], num_blocks=ENGINE["num_kv_blocks"],
-                    max_num_seqs=ENGINE["max_num_seqs"],
-                    max_num_batched_tokens=ENGINE["max_num_batched_tokens"],
-                    max_model_len=ENGINE["max_model_len"], check_invariants=True)
-    result = Simulator(records, cfg, step).run()
-    sim = result.summary()
-    rows = compare(real, sim)
-    with open(os.path.join(args.out, "step_model.json"), "w", encoding="utf-8") as f:
-        f.write(step.to_json() + "\n")
-    with open(os.path.join(args.out, "validation.json"), "w", encoding="utf-8") as f:
+    trace_path, steps_path = out("validation_trace{}.jsonl"), out("validation_steps{}.jsonl")
+    errors = [] if args.replay_only else serve_and_trace(items, trace_path, steps_path,
+                                                         args.port + 1)
+    records, log = read_trace(trace_path), read_step_log(steps_path)
+    real = real_metrics(records, log)
+    same_run = fit_step_log(log, f"this run's step log, {len(log)} steps")
+    # 3. replays
+    base = dict(block_size=ENGINE["block_size"], num_blocks=ENGINE["num_kv_blocks"],
+                max_num_seqs=ENGINE["max_num_seqs"],
+                max_num_batched_tokens=ENGINE["max_num_batched_tokens"],
+                max_model_len=ENGINE["max_model_len"])
+    recorded = SimConfig(**base, admission="recorded")
+    arrival = SimConfig(**base, check_invariants=True)
+    replay = Simulator(records, recorded, same_run, record_decisions=True,
+                       step_times=turn_times(log))
+    runs = {"recorded": replay.run(),
+            "same-run": Simulator(records, recorded, same_run).run(),
+            "predicted": Simulator(records, arrival, same_run).run(),
+            "+load": Simulator(records, arrival, same_run,
+                               load_profile=load_profile(log, same_run, args.load_window)).run(),
+            "calibrated": Simulator(records, arrival, calibrated).run()}
+    mismatched = sum(a != b.features for a, b in zip(replay.features, log)) + abs(
+        len(replay.features) - len(log))
+    sims = {name: r.summary() for name, r in runs.items()}
+    text = table(real, sims)
+    print(text)
+    models = {"same-run": same_run.describe(), "calibrated": calibrated.describe()}
+    with open(out("step_model{}.json"), "w", encoding="utf-8") as f:
+        f.write(same_run.to_json() + "\n")
+    with open(out("step_model_calibration{}.json"), "w", encoding="utf-8") as f:
+        f.write(calibrated.to_json() + "\n")
+    with open(out("validation{}.json"), "w", encoding="utf-8") as f:
         json.dump({"engine": ENGINE, "num_requests": len(records), "rate": args.rate,
-                   "errors": errors, "real": real, "sim": sim}, f, indent=1, default=str)
-    lines = [f"| metric | real `nanokv serve` | simulated | target | result |",
-             "|---|---|---|---|---|"]
-    for name, r, s, target in rows:
-        lines.append(f"| {name} | {r:.4g} | {s:.4g} | {target} | {verdict(r, s, target)} |")
-    table = "\n".join(lines)
-    print(table)
-    with open(os.path.join(args.out, "validation_table.md"), "w", encoding="utf-8") as f:
-        f.write(f"{len(records)} requests at {args.rate:g} req/s, engine {ENGINE}, "
-                f"step model: {step.describe()}; errors: {len(errors)}\n\n{table}\n")
+                   "seed": args.seed, "errors": errors, "step_models": models,
+                   "steps_differing_from_served": mismatched, "real": real, "sim": sims},
+                  f, indent=1, default=str)
+    with open(out("validation_table{}.md"), "w", encoding="utf-8") as f:
+        f.write(f"{len(records)} requests at {args.rate:g} req/s (seed {args.seed}), engine "
+                f"{ENGINE}; errors: {len(errors)}; recorded replay: {mismatched} of {len(log)} "
+                f"steps differ in shape from the served run's\n\n"
+                f"- same-run / predicted: {models['same-run']}\n"
+                f"- calibrated: {models['calibrated']}\n\n{text}\n")
+    print(f"steps differing from the served run: {mismatched}; models: {models}")
     return 0
 
 

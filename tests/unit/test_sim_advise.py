@@ -80,3 +80,28 @@ def test_advise_cli(tmp_path, capsys):
     assert "Recommendation" in text and "| rank |" in text and "bound by" in text
     assert (out / "block_size.png").stat().st_size > 0
     assert json.loads((out / "advise.json").read_text())["outcomes"]
+
+
+def test_advise_ranks_by_capacity_below_saturation():
+    """At 2 req/s both max_num_seqs serve the whole load; with a step time that does not grow
+    with the batch, 32 sequences serve about 4x what 8 do, and rank first."""
+    from nanokv.sim.advise import compress_arrivals
+
+    shape = WorkloadShape(system_prompts=2, system_len=(64, 128), user_len=(8, 32),
+                          output_len=(16, 48), max_model_len=1024)
+    recs = generate("chat", 200, rate=2.0, seed=0, shape=shape)
+    fast = compress_arrivals(recs, 8.0)
+    assert [r.hashes for r in fast] == [r.hashes for r in recs]
+    assert fast[-1].t - fast[0].t == pytest.approx((recs[-1].t - recs[0].t) / 8)
+    s = AdviseSettings(model=ModelShape.from_hf_config(LLAMA3_8B), kv_memory=8 * 2**30,
+                       fitted=LinearStepModel(step=0.01), max_model_len=1024,
+                       block_sizes=(16,), kv_dtypes=("auto",), max_num_seqs=(8, 32),
+                       compressions=(), eviction_ratios=(), default_max_num_seqs=8)
+    outcomes = sweep(recs, s)
+    by_seqs = {o.candidate.max_num_seqs: o for o in outcomes}
+    assert by_seqs[8].result.requests_per_s == pytest.approx(
+        by_seqs[32].result.requests_per_s, rel=0.05)  # the offered load: no difference
+    assert outcomes[0].candidate.max_num_seqs == 32
+    assert by_seqs[32].capacity_req_s > 3 * by_seqs[8].capacity_req_s
+    for o in outcomes:
+        assert o.saturated.saturated_s >= 0.5 * o.saturated.duration_s

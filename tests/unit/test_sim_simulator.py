@@ -145,3 +145,38 @@ def test_latency_by_hand():
     assert r.ttft == pytest.approx(0.1 + 0.2)
     assert r.tpot == pytest.approx(0.11)
     assert res.output_tok_s == pytest.approx(4 / (0.3 + 3 * 0.11))
+
+
+def test_capacity_by_hand():
+    """A burst of 40 distinct requests, 4 at a time, 10 outputs each, 10 ms a step: each wave of
+    4 takes 10 steps, so 40 req/s and 400 output tok/s while requests wait (the last wave runs
+    with nobody waiting and is not counted)."""
+    recs = [_rec(0.0, [1000 * (i + 1) + j for j in range(16)], 10) for i in range(40)]
+    for ff in (False, True):
+        res = Simulator(recs, SimConfig(block_size=16, num_blocks=64, max_num_seqs=4,
+                                        fast_forward=ff),
+                        LinearStepModel(step=0.01)).run()
+        assert res.saturated_s == pytest.approx(9 * 10 * 0.01)
+        assert res.capacity_req_s == pytest.approx(40.0)
+        assert res.capacity_tok_s == pytest.approx(400.0)
+    alone = Simulator(recs[:1], SimConfig(block_size=16, num_blocks=64), STEP).run()
+    assert alone.saturated_s == 0 and alone.capacity_req_s is None
+
+
+def test_load_profile_scales_step_times_by_window():
+    from nanokv.sim.step_log import StepLogEntry, load_profile
+    from nanokv.sim.step_model import StepFeatures
+
+    model = LinearStepModel(step=0.1)
+    f = StepFeatures(1, 1, 1, 10, 0, 0)
+    # 0-1 s: steps take 0.2 s (2x the model), 1-2 s: 0.1 s, then idle, 3-4 s: 0.3 s
+    log = [StepLogEntry(k, t, d, k < 6, f, 1, 0) for k, (t, d) in enumerate(
+        [(0.0, 0.2), (0.2, 0.2), (0.4, 0.2), (0.6, 0.2), (0.8, 0.2), (1.0, 0.1), (1.1, 0.1)])]
+    log.append(StepLogEntry(7, 3.0, 0.3, False, f, 1, 0))
+    prof = load_profile(log, model, window=1.0)
+    assert prof.factors == pytest.approx((2.0, 1.0, 1.0, 3.0))
+    assert [prof.factor(t) for t in (-5, 3.5, 99)] == pytest.approx([2.0, 3.0, 3.0])
+    rec = _rec(0.0, list(range(1, 21)), 4)  # 4 steps of 0.1 s x 2 (all in the first second)
+    res = Simulator([rec], SimConfig(block_size=16, num_blocks=8), model,
+                    load_profile=prof).run()
+    assert res.requests[0].finish == pytest.approx(0.8)
