@@ -1,8 +1,9 @@
 """Optional parts of nanokv and the pip extras that install them.
 
 `pip install nanokv` installs the engine (torch, transformers, tokenizers, safetensors, numpy);
-the server, the load tester and the evaluation plots need more. `require` checks an extra's
-modules before work starts and says which extra to install instead of a bare ImportError.
+the server, the load tester, the evaluation plots and replicas on Ray Serve need more. `require`
+checks an extra's modules before work starts and says which extra to install instead of a bare
+ImportError.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import importlib.util
 EXTRAS: dict[str, tuple[str, ...]] = {
     "serve": ("fastapi", "uvicorn", "prometheus_client", "httpx"),
     "eval": ("matplotlib",),
+    "ray": ("ray",),  # nanokv serve --replicas (nanokv/replicas); its server needs [serve] too
 }
 
 

@@ -71,6 +71,9 @@ def add_serve_parser(subparsers, add_engine_args, engine_options) -> None:
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="server log level (default info)")
     s.add_argument("--no-access-log", action="store_true", help="do not log every request")
+    from nanokv.replicas.cli import add_replica_args
+
+    add_replica_args(p)
     p.set_defaults(func=lambda args: cmd_serve(args, engine_options),
                    model_default=p.get_default("model"))
 
@@ -110,6 +113,13 @@ def cmd_serve(args: argparse.Namespace, engine_options) -> int:
         request_classes=tuple(c.strip() for c in args.request_classes.split(",") if c.strip()),
         trace_file=args.trace_file, trace_steps_file=args.trace_steps)
 
+    if args.replicas is not None:  # N engines on Ray Serve (nanokv/replicas)
+        from nanokv.extras import require
+        from nanokv.replicas.cli import check_replica_args, serve_replicas
+
+        check_replica_args(args)
+        require("ray", "nanokv serve --replicas")
+        return serve_replicas(args, model, settings, engine_options(args))
     engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_options(args)))
     for line in engine.startup_lines:
         print(f"[nanokv] {line}", file=sys.stderr)

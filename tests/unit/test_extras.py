@@ -68,7 +68,8 @@ def test_pyproject_extras_cover_the_checked_modules():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     optional = project["optional-dependencies"]
     for extra, modules in extras.EXTRAS.items():
-        names = {req.split(">")[0].split("=")[0].split("<")[0].strip().replace("-", "_").lower()
+        names = {req.split(">")[0].split("=")[0].split("<")[0].split("[")[0].strip()
+                 .replace("-", "_").lower()
                  for req in optional[extra]}
         assert set(modules) <= names, (extra, modules, names)
     assert not any("==" in req for req in project["dependencies"])  # ranges; pins: constraints

@@ -1,0 +1,95 @@
+"""`nanokv serve MODEL --replicas N`: the server's flags, N engine replicas on Ray Serve.
+
+The flags are added to `nanokv serve` (nanokv/server/cli.py calls `add_replica_args` and hands
+over to `serve_replicas` when --replicas is given); importing this module does not import Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+ROUTER_CHOICES = ("affinity", "pow2")
+
+
+def add_replica_args(p: argparse.ArgumentParser) -> None:
+    r = p.add_argument_group("replicas (Ray Serve; needs the [ray] extra)")
+    r.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="serve N engine replicas on Ray Serve behind one OpenAI endpoint, "
+                        "routed by prefix-cache affinity (default: one engine, no Ray)")
+    r.add_argument("--router", choices=ROUTER_CHOICES, default="affinity",
+                   help="affinity: the replica whose prefix cache holds the longest prefix of "
+                        "the prompt, the least loaded one when load is unbalanced; pow2: Ray "
+                        "Serve's default power-of-two choices (default affinity)")
+    r.add_argument("--replica-cpus", type=float, default=1.0,
+                   help="Ray CPUs per replica; also its engine's --num-threads unless given "
+                        "(default 1)")
+    r.add_argument("--imbalance-threshold", type=int, default=4,
+                   help="ongoing requests by which the busiest replica may exceed the idlest "
+                        "before affinity yields to load (default 4)")
+    r.add_argument("--routing-stats-period", type=float, default=2.0,
+                   help="seconds between the replicas' reports of their cached block hashes "
+                        "(default 2)")
+    r.add_argument("--metrics-port", type=int, default=None,
+                   help="replica of rank i serves its /metrics on this port + i, for "
+                        "Prometheus (default: off)")
+    r.add_argument("--ray-address", default=None,
+                   help="join this Ray cluster (default: $RAY_ADDRESS, else a local one)")
+    r.add_argument("--ray-num-cpus", type=int, default=None,
+                   help="CPUs of the local Ray cluster started when no address is given "
+                        "(default: all)")
+
+
+def check_replica_args(args: argparse.Namespace) -> None:
+    if args.replicas is None:
+        return
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if not args.replica_cpus > 0:
+        raise ValueError(f"--replica-cpus must be > 0, got {args.replica_cpus}")
+    if args.imbalance_threshold < 0:
+        raise ValueError(f"--imbalance-threshold must be >= 0, got {args.imbalance_threshold}")
+    if not args.routing_stats_period > 0:
+        raise ValueError(f"--routing-stats-period must be > 0, got "
+                         f"{args.routing_stats_period}")
+    if args.metrics_port is not None and not 0 < args.metrics_port < 65536 - args.replicas:
+        raise ValueError(f"--metrics-port must leave room for {args.replicas} ports below "
+                         f"65536, got {args.metrics_port}")
+
+
+def serve_replicas(args: argparse.Namespace, model: str, settings, engine_kwargs: dict) -> int:
+    """Start (or join) Ray, deploy, serve until SIGTERM / Ctrl-C, then shut Serve down."""
+    import os
+
+    import ray
+    from ray import serve
+
+    from nanokv.replicas.deployment import build_replica_app
+
+    check_replica_args(args)
+    app = build_replica_app(model, engine_kwargs, settings, args.replicas, router=args.router,
+                            replica_cpus=args.replica_cpus, metrics_port=args.metrics_port,
+                            metrics_host=args.host,
+                            routing_stats_period_s=args.routing_stats_period,
+                            imbalance_threshold=args.imbalance_threshold)
+    address = args.ray_address or os.environ.get("RAY_ADDRESS")
+    ray.init(address=address, num_cpus=None if address else args.ray_num_cpus,
+             include_dashboard=False)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.run(app, name="nanokv", route_prefix="/")
+        ports = (f"; replica metrics on ports {args.metrics_port}.."
+                 f"{args.metrics_port + args.replicas - 1}" if args.metrics_port else "")
+        print(f"[nanokv] serving {settings.model_name!r} on http://{args.host}:{args.port} with "
+              f"{args.replicas} replicas, router {args.router}{ports}", file=sys.stderr,
+              flush=True)
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0

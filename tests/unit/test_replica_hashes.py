@@ -1,0 +1,93 @@
+"""The router's prefix prediction (nanokv/replicas/prefix_hashes.py) equals the prefix cache's
+hit, block for block: same chained hashes, extra keys (KV dtype, cache salt) and look-up cap.
+No Ray needed; the `nanokv serve --replicas` flags and the missing-extra message too."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+import nanokv.cli as cli
+from nanokv import LLM, SamplingParams
+from nanokv import extras
+from nanokv.replicas.prefix_hashes import (HashSpec, PromptTokenizer, matched_blocks,
+                                           prompt_block_hashes)
+from nanokv.server.chat import ChatRenderer
+
+ROOT = Path(__file__).resolve().parents[2]
+BS = 16
+
+
+def served_hit(llm: LLM, ids: list[int], salt: str | None = None) -> int:
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1), cache_salt=salt,
+                       use_tqdm=False)[0]
+    return out.num_cached_tokens
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_predicted_hit_is_the_served_hit(tiny_llama, kv_cache_dtype):
+    llm = LLM(tiny_llama, num_kv_blocks=64, block_size=BS, max_model_len=512,
+              kv_cache_dtype=kv_cache_dtype)
+    spec = HashSpec.from_engine(llm.engine)
+    cached = llm.engine.block_manager.cached
+    base = [(7 * i) % 250 + 3 for i in range(5 * BS + 3)]
+    assert served_hit(llm, base) == 0
+    cases = [(base[:3 * BS + 5] + [1, 2, 3], None),  # shares 3 full blocks
+             (base, None),  # the whole prompt cached: the last token is still computed
+             (base[:4 * BS], None),  # ends on a block boundary: 3 blocks looked up
+             (base[:2 * BS] + [9] * BS, None),
+             (base, "tenant-a"),  # another namespace: nothing
+             (base + [5], "tenant-a")]  # same namespace, once it is cached
+    for ids, salt in cases:
+        predicted = matched_blocks(prompt_block_hashes(ids, spec, salt), set(cached)) * BS
+        assert predicted == served_hit(llm, ids, salt), (len(ids), salt)
+    assert spec.extra_keys == llm.engine.block_manager.extra_keys
+    assert (("kv_dtype", "torch.float32") in spec.extra_keys)
+
+
+def test_prompt_tokenizer_matches_the_server_tokenization(tiny_llama):
+    llm = LLM(tiny_llama, num_kv_blocks=16, block_size=BS, max_model_len=256)
+    tok = llm.engine.tokenizer
+    prompts = PromptTokenizer(tok)
+    messages = [{"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "def add(a, b):"}]
+    ids, salt = prompts.token_ids("/v1/chat/completions", json.dumps(
+        {"model": "m", "messages": messages, "cache_salt": "s1"}).encode())
+    text = ChatRenderer(tok).render(messages, True)
+    assert ids == list(tok.encode(text, add_special_tokens=False)) and salt == "s1"
+    ids, salt = prompts.token_ids("/v1/completions", json.dumps(
+        {"model": "m", "prompt": "def add(a, b):"}).encode())
+    assert ids == list(tok.encode("def add(a, b):", add_special_tokens=True)) and salt is None
+    several = b'{"model": "m", "prompt": [[4, 5], [6]]}'  # several prompts: the first routes
+    assert prompts.token_ids("/v1/completions", several) == ([4, 5], None)
+    # what the server rejects, or has no prompt, is routed by load (None)
+    for path, body in [("/v1/completions", b"{not json"), ("/v1/completions", b'{"x": 1}'),
+                       ("/v1/models", b""), ("/v1/chat/completions", b'{"messages": []}')]:
+        assert prompts.token_ids(path, body) is None
+    assert PromptTokenizer(tok, max_prompt_chars=3).token_ids(
+        "/v1/completions", b'{"model": "m", "prompt": "four"}') is None
+
+
+def test_no_prefix_caching_predicts_nothing():
+    spec = HashSpec(BS, (), enabled=False)
+    assert prompt_block_hashes(list(range(100)), spec) == []
+    assert prompt_block_hashes([], HashSpec(BS, (), True)) == []
+    assert matched_blocks([1, 2, 3], {1, 3}) == 1
+
+
+def test_serve_replicas_flags_and_missing_extra(monkeypatch, capsys):
+    model = str(ROOT / "models" / "nanokv-tiny")
+    assert cli.main(["serve", model, "--replicas", "0"]) == 2
+    assert "--replicas must be >= 1" in capsys.readouterr().err
+    assert cli.main(["serve", model, "--replicas", "2", "--replica-cpus", "0"]) == 2
+    assert "--replica-cpus must be > 0" in capsys.readouterr().err
+    real = importlib.util.find_spec
+    monkeypatch.setattr(extras.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "ray" else real(name, *a))
+    assert cli.main(["serve", model, "--replicas", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "nanokv serve --replicas needs the [ray] extra (missing: ray)" in err
+    assert "pip install 'nanokv[ray]'" in err
