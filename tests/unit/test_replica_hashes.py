@@ -91,3 +91,20 @@ def test_serve_replicas_flags_and_missing_extra(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "nanokv serve --replicas needs the [ray] extra (missing: ray)" in err
     assert "pip install 'nanokv[ray]'" in err
+
+
+def test_replica_prometheus_config_and_dashboard_row():
+    import shutil
+    import subprocess
+
+    dash = json.loads((ROOT / "deploy" / "grafana" / "nanokv-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    assert any("by (replica)" in e for e in exprs)
+    assert "replica" in {v["name"] for v in dash["templating"]["list"]}
+    tool = shutil.which("promtool")
+    if tool is None:
+        pytest.skip("promtool not installed")
+    prom = ROOT / "deploy" / "prometheus"
+    r = subprocess.run([tool, "check", "config", "prometheus-replicas.yml"], cwd=prom,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
