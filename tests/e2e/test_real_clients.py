@@ -249,5 +249,8 @@ def test_big_prompt_does_not_stall_other_clients(server):
     assert "tokens" in r.json()["error"]["message"]  # it was tokenized, then refused
     if result["seconds"] > 1.5:  # long enough to have stalled the others before
         assert completed >= 3, (completed, result["seconds"])
-        assert max(latencies) < 1.0, (max(latencies), result["seconds"])
+        # a stall would hold another client for most of the big prompt's time; on a busy
+        # machine a small request alone may take a second
+        assert max(latencies) < max(1.0, result["seconds"] / 3), (max(latencies),
+                                                                   result["seconds"])
     server.wait_idle()
