@@ -134,11 +134,41 @@ def turn_times(entries: list[StepLogEntry]) -> dict[int, float]:
     return out
 
 
-def fit_step_log(entries: list[StepLogEntry], source: str = "") -> LinearStepModel:
-    """A linear step model fitted to a served run's own turn times."""
+def fit_step_log(entries: list[StepLogEntry], source: str = "",
+                 load_window: float | None = 2.0, iterations: int = 20) -> LinearStepModel:
+    """A linear step model fitted to a served run's own turn times.
+
+    On a machine shared with other work the turn times carry the machine's slowdown of the
+    moment, and it is confounded with the step's shape (the batch fills up exactly while the
+    machine is slow). With `load_window`, the model and a slowdown factor per window of that
+    many seconds are fitted together (alternating: the model to the times divided by their
+    window's factor, each factor as measured / modelled over its window), and the model is
+    then scaled so that its times add up to the measured busy time: the machine's average
+    speed, the step's shape from the variation within windows. `load_profile` gives the
+    factors back relative to the returned model."""
     times = turn_times(entries)
-    samples = [(e.features, times[e.step]) for e in entries]
-    return LinearStepModel.fit(samples, source or f"served run, {len(samples)} steps")
+    y = [times[e.step] for e in entries]
+    source = source or f"served run, {len(entries)} steps"
+    if load_window is None:
+        return LinearStepModel.fit(list(zip((e.features for e in entries), y)), source)
+    if load_window <= 0:
+        raise ValueError(f"load_window must be > 0, got {load_window}")
+    start = entries[0].t
+    win = [int((e.t - start) // load_window) for e in entries]
+    factor = [1.0] * (max(win) + 1)
+    for _ in range(iterations):
+        model = LinearStepModel.fit([(e.features, t / factor[w])
+                                     for e, t, w in zip(entries, y, win)], source)
+        pred = [model.step_time(e.features) for e in entries]
+        sums = [[0.0, 0.0] for _ in factor]
+        for t, p, w in zip(y, pred, win):
+            sums[w][0] += t
+            sums[w][1] += p
+        factor = [m / p if p > 0 else 1.0 for m, p in sums]
+    k = sum(y) / max(sum(pred), 1e-12)
+    return LinearStepModel(model.step * k, model.token * k, model.seq * k,
+                           model.decode_context * k, model.prefill_pair * k,
+                           f"{source}, load fitted per {load_window:g} s")
 
 
 def summary(entries: list[StepLogEntry]) -> dict:
@@ -165,7 +195,7 @@ class LoadProfile:
         return self.factors[min(max(i, 0), len(self.factors) - 1)]
 
 
-def load_profile(entries: list[StepLogEntry], model, window: float = 1.0) -> LoadProfile:
+def load_profile(entries: list[StepLogEntry], model, window: float = 2.0) -> LoadProfile:
     """Measured turn time / `model`'s time over each window's steps (1.0 where none ran)."""
     if window <= 0:
         raise ValueError(f"window must be > 0, got {window}")

@@ -11,10 +11,11 @@
 3. the trace is replayed five ways and compared with what the server measured:
    recorded    the server's own step boundaries (admission="recorded") and turn times: checks
                the replay's accounting (every step's shape must equal the served one);
-   same-run    recorded step boundaries, step model fitted to this run's step log;
+   same-run    recorded step boundaries, step model fitted to this run's step log (together
+               with the machine's slowdown per 2 s window, `fit_step_log`; the model alone);
    predicted   arrival-time admission (what `nanokv advise` does), same-run step model;
-   +load       as predicted, the model's step times scaled by the machine's measured slowdown in
-               each second of the run (`LoadProfile`: the other work on a shared machine);
+   +load       as predicted, each step's time scaled by the machine's slowdown in that window
+               (`LoadProfile`: the other work on a shared machine, replayed);
    calibrated  arrival-time admission, step model of the calibration run.
 
 `--replay-only` recomputes the tables from the files an earlier run left in --out.
@@ -185,8 +186,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="", help="suffix of the output files")
     ap.add_argument("--replay-only", action="store_true",
                     help="do not serve: replay the trace and step logs already in --out")
-    ap.add_argument("--load-window", type=float, default=1.0,
-                    help="seconds per window of the measured load profile (default 1)")
+    ap.add_argument("--load-window", type=float, default=2.0,
+                    help="seconds per window of the machine's measured slowdown, fitted with "
+                         "the step model and replayed by +load (default 2)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
 
@@ -200,15 +202,19 @@ def main(argv=None) -> int:
     if not args.replay_only:
         serve_and_trace(calib_items, out("calibration_trace{}.jsonl"), calib_steps, args.port)
     calibrated = fit_step_log(read_step_log(calib_steps),
-                              f"calibration run before, {args.calibration_requests} requests")
+                              f"calibration run before, {args.calibration_requests} requests",
+                              args.load_window)
     # 2. the measured run
     items = workload(args.num_requests, args.rate, args.seed, vocab)
     trace_path, steps_path = out("validation_trace{}.jsonl"), out("validation_steps{}.jsonl")
-    errors = [] if args.replay_only else serve_and_trace(items, trace_path, steps_path,
-                                                         args.port + 1)
+    if args.replay_only:
+        with open(out("validation{}.json"), encoding="utf-8") as f:
+            errors = json.load(f)["errors"]
+    else:
+        errors = serve_and_trace(items, trace_path, steps_path, args.port + 1)
     records, log = read_trace(trace_path), read_step_log(steps_path)
     real = real_metrics(records, log)
-    same_run = fit_step_log(log, f"this run's step log, {len(log)} steps")
+    same_run = fit_step_log(log, f"this run's step log, {len(log)} steps", args.load_window)
     # 3. replays
     base = dict(block_size=ENGINE["block_size"], num_blocks=ENGINE["num_kv_blocks"],
                 max_num_seqs=ENGINE["max_num_seqs"],

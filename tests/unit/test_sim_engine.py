@@ -110,3 +110,24 @@ def test_recorded_admission_needs_the_step_fields():
                   LinearStepModel())
     with pytest.raises(ValueError, match="admission"):
         SimConfig(block_size=16, num_blocks=8, admission="later")
+
+
+def test_simulate_cli_fits_the_step_log(tiny_llama, tmp_path, capsys):
+    import json
+
+    from nanokv.cli import main
+
+    engine = LLM(tiny_llama, **ENGINE).engine
+    trace, steps = str(tmp_path / "t.jsonl"), str(tmp_path / "s.jsonl")
+    writer = TraceWriter(trace, steps_path=steps)
+    _serve(engine, _workload(engine.hf_config.vocab_size, 2), writer)
+    writer.close()
+    rc = main(["simulate", "--trace", trace, "--step-log", steps, "--admission", "recorded",
+               "--model-config", tiny_llama, "--kv-memory", "4MiB", "--block-size", "16",
+               "--kv-cache-dtype", "auto", "--compute-dtype", "float32",
+               "--max-num-seqs-sim", "4", "--max-num-batched-tokens", "48",
+               "--max-model-len", "256"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["num_requests"] == len(read_trace(trace))
+    assert out["step_model"].startswith(f"fitted (step log {steps}")
