@@ -68,27 +68,36 @@ def reconstruction_chunks(context_ids: list[int], chunk_size: int, first_prompt:
 
 
 def chunk_scores(queries: torch.Tensor, keys: torch.Tensor, chunk_keys: torch.Tensor,
-                 start: int, end: int, n_sink: int, scale: float) -> torch.Tensor:
+                 start: int, end: int, n_sink: int, scale: float,
+                 rows_per_block: int = 1024) -> torch.Tensor:
     """KVzip scores of context slots [start, end) from one chunk's queries.
 
     queries [T, Hq, D] (post-RoPE, the chunk's tokens), keys [n, Hkv, D] (the cache), chunk_keys
     [T, Hkv, D] (the chunk's own keys) -> [Hkv, end - start]: max over queries and GQA group of the
-    softmax over sinks + slots [start, end) + the chunk's own keys (causal).
+    softmax over sinks + slots [start, end) + the chunk's own keys (causal). Queries are taken
+    `rows_per_block` at a time (the logits of a block stay small).
     """
     t, hq, d = queries.shape
     hkv = keys.shape[1]
     group = hq // hkv
     sink = min(n_sink, start)
+    width = end - start
     subset = torch.cat([keys[:sink], keys[start:end], chunk_keys]).float()  # [S, Hkv, D]
-    q = (queries.float() * scale).view(t, hkv, group, d)
-    q = q.permute(1, 2, 0, 3).reshape(hkv, group * t, d)  # [Hkv, g * T, D]
-    logits = torch.bmm(q, subset.permute(1, 2, 0))  # [Hkv, g * T, S]
-    logits = logits.view(hkv, group, t, -1)  # [Hkv, g, T, S]
-    own = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)  # [T, T] future
-    logits[..., -t:].masked_fill_(own, float("-inf"))
-    # max_t softmax(x_t)_i = exp(max_t (x_t,i - logsumexp(x_t))): no [.., T, S] softmax
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [Hkv, g, T, 1]
-    best = (logits[..., sink:sink + end - start] - lse).amax(dim=(1, 2))  # [Hkv, e - s]
+    subset_t = subset.permute(1, 2, 0)  # [Hkv, D, S]
+    prefix = sink + width  # keys before the chunk's own
+    q = (queries.float() * scale).view(t, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, g, T, D]
+    best = torch.full((hkv, width), float("-inf"), device=queries.device)
+    for r0 in range(0, t, rows_per_block):
+        r1 = min(t, r0 + rows_per_block)
+        rows = q[:, :, r0:r1].reshape(hkv, group * (r1 - r0), d)  # [Hkv, g * rb, D]
+        logits = torch.bmm(rows, subset_t).view(hkv, group, r1 - r0, -1)  # [Hkv, g, rb, S]
+        # query r sees the chunk's own keys 0..r: mask the later ones
+        own = torch.arange(t, device=q.device) > torch.arange(r0, r1, device=q.device)[:, None]
+        logits[..., prefix:].masked_fill_(own, float("-inf"))  # own: [rb, T]
+        # max_r softmax(x_r)_i = exp(max_r (x_r,i - logsumexp(x_r))): no softmax materialised
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [Hkv, g, rb, 1]
+        block = (logits[..., sink:prefix] - lse).amax(dim=(1, 2))  # [Hkv, e - s]
+        best = torch.maximum(best, block)
     return best.exp()
 
 
