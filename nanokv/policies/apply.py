@@ -56,15 +56,20 @@ def plan_compression(policy: KVPolicy, layers: Sequence[tuple[torch.Tensor, torc
     (decode reselect); q_windows: per layer the last W queries `[W, Hq, D]` after RoPE, W =
     min(policy.observation_window or num_slots, num_slots), required when policy.needs_attention;
     scale: the attention scale; positions: `[num_slots]` RoPE positions (optional);
-    layer_scores: per layer `[Hkv, num_slots]`, required when policy.needs_reconstruction.
+    layer_scores: per layer `[Hkv, num_slots]`, required when policy.needs_reconstruction
+    (such a policy may then set the layers' budgets from them: `scored_layer_budgets`).
     Per-layer budgets (PyramidKV) leave layers with different lengths: layer l then holds only
     slots [0, layer_num_slots[l]) of the shared table, so this raises unless
     allow_ragged_layers=True (the engine then gives each layer its own table of layer slices,
     `nanokv.cache.layer_slices`, and frees the blocks no layer needs).
     """
     num_layers = len(layers)
-    budgets = (policy.layer_budgets(num_slots, num_layers) if budget is None
-               else [min(budget, num_slots)] * num_layers)
+    if budget is not None:
+        budgets = [min(budget, num_slots)] * num_layers
+    elif policy.needs_reconstruction and layer_scores is not None:
+        budgets = policy.scored_layer_budgets(layer_scores, num_slots)  # may follow the scores
+    else:
+        budgets = policy.layer_budgets(num_slots, num_layers)
     if len(set(budgets)) > 1 and not allow_ragged_layers:
         raise ValueError(f"policy {policy.name!r} gives layers different budgets {budgets}; the "
                          f"engine needs per-layer slot masks (allow_ragged_layers=True)")

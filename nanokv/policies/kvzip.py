@@ -18,8 +18,13 @@ Score of context slot i in chunk [s, e), per KV head (`chunk_scores`, as KVzip's
 slots [s, e), the chunk's own tokens (causal)}, then the max over the chunk's queries and over the
 query heads of the KV head's group. The first `n_sink` slots are always kept.
 
-Budgets: each KV head keeps its top C slots (uniform over heads and layers, the paged cache's
-contract); `per_head=False` keeps one set per layer by the mean over KV heads.
+Budgets: each KV head keeps its top C slots; `per_head=False` keeps one set per layer by the mean
+over KV heads. `layer_budgets="scores"` (kvpress's KVzip default, `layerwise=False`) spends the
+request's L x C slots across layers by score: the L x Hkv x C best (layer, head, slot) scores of
+the whole cache say how many slots each layer gets (C_l = its count / Hkv, then rounded so they
+sum to L x C); within a layer every KV head keeps its top C_l (the paged cache holds the same
+count for every head of a layer, so the per-head part of kvpress's allocation is not taken). The
+engine then gives the request per-layer block tables (PyramidKV's layer slices).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from nanokv.validation import check_choice, check_int
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 REPEAT_NEXT_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
 CONTEXTS = ("full", "prefix")
+LAYER_BUDGETS = ("uniform", "scores")
 
 
 @dataclass(frozen=True)
@@ -112,16 +118,18 @@ class KVzip(ScoredPolicy):
     """
 
     needs_reconstruction = True
+    per_layer_budgets = True  # with layer_budgets="scores"; "uniform" keeps one count for all
 
     def __init__(self, *, budget=None, compression_ratio=None, block_size=None,
                  chunk_size: int = 2048, context: str = "full", n_sink: int = 4,
                  window: int = 0, per_head: bool = True, repeat_prompt: str = REPEAT_PROMPT,
                  repeat_next_prompt: str = REPEAT_NEXT_PROMPT, suffix: str = "\n",
-                 prev_tail: int = 8) -> None:
+                 prev_tail: int = 8, layer_budgets: str = "uniform") -> None:
         super().__init__(budget=budget, compression_ratio=compression_ratio,
                          block_size=block_size, per_head=per_head, n_sink=n_sink)
         check_int("chunk_size", chunk_size, 1)
         check_choice("context", context, CONTEXTS)
+        check_choice("layer_budgets", layer_budgets, LAYER_BUDGETS)
         check_int("window", window, 0)
         check_int("prev_tail", prev_tail, 0)
         for name, text in (("repeat_prompt", repeat_prompt),
@@ -135,6 +143,7 @@ class KVzip(ScoredPolicy):
         self.repeat_next_prompt = repeat_next_prompt
         self.suffix = suffix
         self.prev_tail = prev_tail
+        self.layer_budget_mode = layer_budgets
         self._check_budget_option()
 
     @property
@@ -153,6 +162,34 @@ class KVzip(ScoredPolicy):
             raise ValueError(f"the step budget of {max_chunk_tokens} tokens cannot hold the "
                              f"{overhead} tokens of KVzip's repeat prompt plus one context token")
         return reconstruction_chunks(context_ids, size, first, nxt, suffix, self.prev_tail)
+
+    def scored_layer_budgets(self, scores: list[torch.Tensor], num_tokens: int) -> list[int]:
+        """Each layer's budget C_l from the reconstruction scores (per layer [Hkv, n]); uniform
+        unless layer_budgets="scores" (module doc). Protected slots count in every layer."""
+        c = self.resolve_budget(num_tokens)
+        num_layers = len(scores)
+        if self.layer_budget_mode == "uniform" or c >= num_tokens:
+            return [c] * num_layers
+        hkv = scores[0].shape[0]
+        protected = self.protected_mask(num_tokens, c).to(scores[0].device)  # [n]
+        free = torch.stack([s.float().masked_fill(protected, float("-inf"))
+                            for s in scores])  # [L, Hkv, n]
+        extra = c - int(protected.sum())  # free slots per layer on average
+        k = extra * num_layers * hkv
+        top = torch.topk(free.flatten(), k).indices // (hkv * num_tokens)  # layer of each
+        share = torch.bincount(top, minlength=num_layers).double() / hkv  # [L] free slots
+        share = share.clamp(max=num_tokens - int(protected.sum()))
+        base = share.floor().long()
+        # largest remainders first, so the layers' free slots sum to L x extra
+        left = extra * num_layers - int(base.sum())
+        order = torch.argsort(share - base, descending=True, stable=True)
+        for layer in order.tolist():
+            if left <= 0:
+                break
+            if base[layer] < num_tokens - int(protected.sum()):
+                base[layer] += 1
+                left -= 1
+        return [int(b) + int(protected.sum()) for b in base]
 
     def head_scores(self, kv: LayerKV) -> torch.Tensor:
         if kv.scores is None:

@@ -96,14 +96,16 @@ def test_chunks_fit_the_step_budget(tiny_qwen3, monkeypatch):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("per_head", [True, False])
-def test_engine_keeps_what_kvzip_chose(tiny_model, monkeypatch, per_head):
+@pytest.mark.parametrize("per_head,layer_budgets", [(True, "uniform"), (False, "uniform"),
+                                                     (True, "scores")])
+def test_engine_keeps_what_kvzip_chose(tiny_model, monkeypatch, per_head, layer_budgets):
     captured = capture_scores(monkeypatch)
     events = record_selections(monkeypatch)
     prompt = prompt_of(75, seed=6)
     budget = 28
     llm = LLM(tiny_model, block_size=16, max_model_len=256, kv_policy="kvzip", kv_budget=budget,
-              kv_policy_options={"chunk_size": 32, "per_head": per_head, "window": 3})
+              kv_policy_options={"chunk_size": 32, "per_head": per_head, "window": 3,
+                                 "layer_budgets": layer_budgets})
     engine = llm.engine
     engine.add_request(prompt, GREEDY, request_id="a")
     free_before = engine.block_manager.num_free_blocks
@@ -112,13 +114,24 @@ def test_engine_keeps_what_kvzip_chose(tiny_model, monkeypatch, per_head):
     (computed, kept), = events
     assert computed == len(prompt)
     protected = edge_mask(len(prompt), 4, 3)
+    budgets = policy.scored_layer_budgets(scores, len(prompt))
+    assert sum(budgets) == budget * len(scores)
+    if layer_budgets == "uniform":
+        assert budgets == [budget] * len(scores)
+    else:  # the L x Hkv x (C - protected) best scores of the cache, counted per layer
+        free = torch.stack(scores).masked_fill(protected, float("-inf"))  # [L, Hkv, n]
+        k = (budget - 7) * free.shape[0] * free.shape[1]
+        threshold = free.flatten().sort(descending=True).values[k - 1]
+        counts = [int((f >= threshold).sum()) / f.shape[0] + 7 for f in free]
+        assert all(abs(b - c) <= 1 for b, c in zip(budgets, counts, strict=True))
+        assert len(set(budgets)) > 1  # these scores do spread the layers apart
     for layer, layer_scores in enumerate(scores):
         ranked = layer_scores if per_head else layer_scores.mean(0)
-        assert torch.equal(kept[layer], select_with_protected(ranked, budget, protected))
+        assert torch.equal(kept[layer], select_with_protected(ranked, budgets[layer], protected))
     # the greedy tokens are HF's with each layer and head seeing exactly the kept slots
     hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     assert outs["a"].token_ids == hf_greedy_with_visibility(hf, prompt, events, 6)
-    assert outs["a"].kv_slots_at_finish == budget + 5
+    assert outs["a"].kv_slots_at_finish == budget + 5  # the mean over layers
     # scratch blocks of the pass went back: everything is free again
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert free_before <= engine.block_manager.num_blocks
