@@ -10,7 +10,8 @@ Each candidate is simulated twice: at the trace's own arrival times (the latency
 TPOT, hit rate at the offered load) and with its arrivals compressed until requests queue for
 most of the run: what it serves while requests wait is its capacity, the request rate it can
 sustain. Below saturation every candidate serves the offered load, so candidates are ranked by
-capacity (requests/s, to 3 significant digits), then by TTFT p90 at the offered load.
+capacity (requests/s, in steps of 2%), then by TPOT p50 while saturated, then by TTFT p90 at
+the offered load.
 
 The sweep is staged, not a full product: block size x KV dtype first, then max_num_seqs for the
 best of those, then KV policies (compression, pool-pressure eviction) on the best. Policies
@@ -136,16 +137,17 @@ def evaluate(records: list[TraceRecord], s: AdviseSettings, c: Candidate,
     return out
 
 
-def _sig3(x: float) -> float:
-    return round(x, 2 - int(math.floor(math.log10(max(abs(x), 1e-9)))))
+CAPACITY_STEP = 1.02  # capacities in the same 2% step tie
 
 
 def _key(o: Outcome):
-    r = o.result
-    # capacity first (3 significant digits: closer is a tie), then TTFT p90 at the offered
-    # load, then output throughput there, preemptions
-    return (-_sig3(o.capacity_req_s or 0.0), r.ttft_s["p90"] or 0.0,
-            -_sig3(r.output_tok_s), r.preemptions)
+    r, sat = o.result, o.saturated
+    # capacity first (in steps of 2%: closer is a tie), then the per-token latency while
+    # saturated (a larger batch that adds 0.4% throughput for twice the TPOT loses), then TTFT
+    # p90 at the offered load, preemptions
+    step = math.floor(math.log(max(o.capacity_req_s or 0.0, 1e-9)) / math.log(CAPACITY_STEP))
+    return (-step, (sat.tpot_s["p50"] if sat else None) or 0.0, r.ttft_s["p90"] or 0.0,
+            r.preemptions)
 
 
 def sweep(records: list[TraceRecord], s: AdviseSettings, progress=None) -> list[Outcome]:
@@ -196,7 +198,8 @@ def line(o: Outcome) -> str:
 
 
 HEADER = ("| rank | block | KV dtype | B/token | max_num_seqs | policy | blocks | "
-          "capacity req/s | capacity out tok/s | bound at capacity | hit rate at capacity | "
+          "capacity req/s | capacity out tok/s | bound at capacity | TPOT p50 ms at capacity | "
+          "hit rate at capacity | "
           "hit rate | output tok/s | TTFT p50 / p90 s | TPOT p50 ms | running mean / peak | "
           "peak KV use | preemptions | evictions (prefix_lru / preemption / policy) | "
           "KV MiB / request p50 |")
@@ -213,6 +216,7 @@ def table(outcomes: list[Outcome], limit: int | None = None) -> str:
             f"{c.max_num_seqs} | {c.policy} | {o.num_blocks} | {_f(o.capacity_req_s)} | "
             f"{_f(o.capacity_tok_s, digits=0)} | "
             f"{bound_by(sat, c.max_num_seqs) if sat else '-'} | "
+            f"{_f(sat.tpot_s['p50'] if sat else None, 1e3, 1)} | "
             f"{_f(sat.prefix_hit_rate if sat else None, digits=3)} | {r.prefix_hit_rate:.3f} | "
             f"{r.output_tok_s:.0f} | {_f(r.ttft_s['p50'])} / {_f(r.ttft_s['p90'])} | "
             f"{_f(r.tpot_s['p50'], 1e3, 1)} | {r.mean_running:.1f} / {r.peak_running} | "
@@ -244,9 +248,9 @@ def recommend(outcomes: list[Outcome]) -> str:
                       f"over the best full cache, at a cost in quality to check with "
                       f"`nanokv eval` (the design document: at most 4x for code or maths).")
     c, r = pick.candidate, pick.result
+    seqs = _stage1_seqs(outcomes, c.max_num_seqs)  # the block-size stage's max_num_seqs
     same_dtype = [o for o in outcomes if o.candidate.kv_dtype == c.kv_dtype
-                  and o.candidate.max_num_seqs == c.max_num_seqs
-                  and o.candidate.policy == "full"]
+                  and o.candidate.max_num_seqs == seqs and o.candidate.policy == "full"]
     bs_hits = ", ".join(f"{o.candidate.block_size}: {o.result.prefix_hit_rate:.2f}"
                         for o in sorted(same_dtype, key=lambda o: o.candidate.block_size))
     sat = pick.saturated
@@ -254,14 +258,16 @@ def recommend(outcomes: list[Outcome]) -> str:
              f"{sat.peak_kv_usage:.2f}" if sat else "")
     why = [f"block size {c.block_size}, kv_cache_dtype {c.kv_dtype}, max_num_seqs "
            f"{c.max_num_seqs}, policy {c.policy}: capacity {_f(pick.capacity_req_s)} req/s "
-           f"({_f(pick.capacity_tok_s, digits=0)} output tok/s{bound}); at the offered load "
+           f"({_f(pick.capacity_tok_s, digits=0)} output tok/s{bound}, TPOT p50 "
+           f"{_f(sat.tpot_s['p50'] if sat else None, 1e3, 1)} ms); at the offered load "
            f"({r.requests_per_s:.1f} req/s served): TTFT p90 {_f(r.ttft_s['p90'])} s, TPOT "
            f"p50 {_f(r.tpot_s['p50'], 1e3, 1)} ms, hit rate {r.prefix_hit_rate:.2f}, "
            f"{pick.num_blocks} blocks ({pick.bytes_per_token:.0f} B/token), running "
            f"{r.mean_running:.0f} on average (peak {r.peak_running}), "
            f"{r.preemptions} preemptions."]
     if bs_hits:
-        why.append(f"Hit rate by block size ({c.kv_dtype}): {bs_hits} (only full blocks are "
+        why.append(f"Hit rate by block size ({c.kv_dtype}, max_num_seqs {seqs}): {bs_hits} "
+                   f"(only full blocks are "
                    f"shared, so smaller blocks catch more of each shared prefix).")
     return " ".join(why) + caveat
 

@@ -66,28 +66,39 @@ def generate_requests(workload: str, num_requests: int, rate: float, seed: int =
                       shape: WorkloadShape | None = None) -> list[tuple]:
     """(arrival, prompt ids, output ids, class, extra) of each request, by arrival. Ids are
     segment ids (large); `nanokv.sim.validate` maps them into a real vocabulary."""
+    items: list[tuple] = []
+    _build(workload, num_requests, rate, seed, shape, lambda *item: items.append(item))
+    return sorted(items, key=lambda item: item[0])
+
+
+def _build(workload, num_requests, rate, seed, shape, emit) -> None:
     if workload not in WORKLOADS:
         raise ValueError(f"workload must be one of {list(WORKLOADS)}, got {workload!r}")
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
     if not rate > 0:
         raise ValueError(f"rate must be > 0 requests/s, got {rate}")
-    shape = shape or WorkloadShape()
     build = {"chat": _chat, "rag": _rag, "sessions": _sessions}[workload]
-    items = build(num_requests, rate, random.Random(seed), _Segments(), shape)
-    return sorted(items, key=lambda item: item[0])
+    build(num_requests, rate, random.Random(seed), _Segments(), shape or WorkloadShape(), emit)
 
 
 def generate(workload: str, num_requests: int, rate: float, seed: int = 0,
              shape: WorkloadShape | None = None,
              hash_block_size: int = DEFAULT_HASH_BLOCK_SIZE) -> list[TraceRecord]:
-    """`num_requests` records of the named shape, sorted by arrival."""
+    """`num_requests` records of the named shape, sorted by arrival (each request is hashed as
+    it is made: only the hashes are kept)."""
     hasher = BlockHasher(hash_block_size, key=b"nanokv-synthetic")
-    return [TraceRecord(t=round(t, 6), prompt_len=len(prompt), output_len=len(output),
-                        hashes=hasher.chain(prompt + output), hash_block_size=hash_block_size,
-                        cls=cls, extra=extra)
-            for t, prompt, output, cls, extra in generate_requests(workload, num_requests, rate,
-                                                                   seed, shape)]
+    records: list[tuple[float, TraceRecord]] = []
+
+    def emit(t, prompt, output, cls, extra):
+        records.append((t, TraceRecord(
+            t=round(t, 6), prompt_len=len(prompt), output_len=len(output),
+            hashes=hasher.chain(prompt + output), hash_block_size=hash_block_size, cls=cls,
+            extra=extra)))
+
+    _build(workload, num_requests, rate, seed, shape, emit)
+    records.sort(key=lambda item: item[0])
+    return [r for _, r in records]
 
 
 def _lengths(rng: random.Random, r: tuple[int, int]) -> int:
@@ -100,24 +111,23 @@ def _fit(prompt: list[int], out_len: int, max_len: int) -> tuple[list[int], int]
     return prompt[:max_len - 1 - out_len], out_len
 
 
-def _chat(n, rate, rng, seg, shape):
+def _chat(n, rate, rng, seg, shape, emit):
     weights = _zipf_weights(shape.system_prompts, shape.zipf_s)
     sys_lens = [_lengths(rng, shape.system_len) for _ in range(shape.system_prompts)]
-    t, items = 0.0, []
+    t = 0.0
     for _ in range(n):
         t += rng.expovariate(rate)
         k = rng.choices(range(shape.system_prompts), weights)[0]
         prompt = seg.named(("sys", k), sys_lens[k]) + seg.fresh(_lengths(rng, shape.user_len))
         prompt, out = _fit(prompt, _lengths(rng, shape.output_len), shape.max_model_len)
-        items.append((t, prompt, seg.fresh(out), f"chat/sys{k}", {}))
-    return items
+        emit(t, prompt, seg.fresh(out), f"chat/sys{k}", {})
 
 
-def _rag(n, rate, rng, seg, shape):
+def _rag(n, rate, rng, seg, shape, emit):
     weights = _zipf_weights(shape.documents, shape.zipf_s)
     doc_lens = [_lengths(rng, shape.document_len) for _ in range(shape.documents)]
     system = seg.named(("sys", 0), _lengths(rng, shape.system_len))
-    t, items = 0.0, []
+    t = 0.0
     for _ in range(n):
         t += rng.expovariate(rate)
         docs: list[int] = []
@@ -130,16 +140,15 @@ def _rag(n, rate, rng, seg, shape):
             prompt += seg.named(("doc", d), doc_lens[d])
         prompt += seg.fresh(_lengths(rng, shape.user_len))
         prompt, out = _fit(prompt, _lengths(rng, shape.output_len), shape.max_model_len)
-        items.append((t, prompt, seg.fresh(out), "rag", {"top_doc": docs[0]}))
-    return items
+        emit(t, prompt, seg.fresh(out), "rag", {"top_doc": docs[0]})
 
 
-def _sessions(n, rate, rng, seg, shape):
+def _sessions(n, rate, rng, seg, shape, emit):
     weights = _zipf_weights(shape.system_prompts, shape.zipf_s)
     sys_lens = [_lengths(rng, shape.system_len) for _ in range(shape.system_prompts)]
     mean_turns = (shape.turns[0] + shape.turns[1]) / 2
-    t_start, items, sid = 0.0, [], 0
-    while len(items) < n:
+    t_start, made, sid = 0.0, 0, 0
+    while made < n:
         t_start += rng.expovariate(rate / mean_turns)
         k = rng.choices(range(shape.system_prompts), weights)[0]
         history = list(seg.named(("sys", k), sys_lens[k]))
@@ -147,12 +156,12 @@ def _sessions(n, rate, rng, seg, shape):
         for turn in range(_lengths(rng, shape.turns)):
             prompt = history + seg.fresh(_lengths(rng, shape.user_len))
             out_len = _lengths(rng, shape.output_len)
-            if len(prompt) + out_len >= shape.max_model_len or len(items) >= n:
+            if len(prompt) + out_len >= shape.max_model_len or made >= n:
                 break
             output = seg.fresh(out_len)
             cls = "sessions/first" if turn == 0 else "sessions/followup"
-            items.append((t, prompt, output, cls, {"session": sid, "turn": turn}))
+            emit(t, prompt, output, cls, {"session": sid, "turn": turn})
+            made += 1
             history = prompt + output
             t += rng.expovariate(1.0 / shape.think_time_s)
         sid += 1
-    return items
