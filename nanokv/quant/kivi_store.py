@@ -44,11 +44,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
 import torch
 
 from nanokv.cache.kv_pool import KVLayout
 from nanokv.quant.packing import pack, packed_dim, unpack
+from nanokv.quant.staging import BlockStaging
 from nanokv.quant.store import BufferSpec, QuantizedKVStore, Rope, WritePlan, as_list
 
 KIVI_BITS = (2, 4)
@@ -122,10 +122,7 @@ class KIVIStore(QuantizedKVStore):
         self.num_staging_blocks = num_staging_blocks
         self._allocate(self.buffer_specs())
         self.buffers["staging_index"].fill_(-1)
-        # host bookkeeping (no device sync on the hot path)
-        self._fill = np.zeros(num_blocks, dtype=np.int64)  # slots written since slot 0
-        self._row = np.full(num_blocks, -1, dtype=np.int64)  # staging row or -1
-        self._free_rows = list(range(num_staging_blocks - 1, -1, -1))
+        self.staging = BlockStaging(num_blocks, self.block_size, num_staging_blocks, "kivi")
 
     @classmethod
     def from_settings(cls, layout: KVLayout, num_blocks: int, device: torch.device | str,
@@ -188,7 +185,7 @@ class KIVIStore(QuantizedKVStore):
 
     @property
     def num_free_staging_blocks(self) -> int:
-        return len(self._free_rows)
+        return self.staging.num_free_rows
 
     # ---- writing -----------------------------------------------------------------------------
     def plan_write(self, slot_mapping: Sequence[int] | torch.Tensor,
@@ -196,63 +193,19 @@ class KIVIStore(QuantizedKVStore):
         slots, pos = as_list(slot_mapping), as_list(positions)
         if len(slots) != len(pos):
             raise ValueError(f"{len(slots)} slots but {len(pos)} positions")
-        bsz, rows_total = self.block_size, self.num_staging_blocks
-        groups: dict[int, list[int]] = {}  # block -> its tokens, in batch order
-        for t, s in enumerate(slots):
-            groups.setdefault(s // bsz, []).append(t)
-        starts = {}  # validate everything before touching any state
-        for b, toks in groups.items():
-            fill = 0 if slots[toks[0]] % bsz == 0 else int(self._fill[b])  # slot 0: fresh
-            got = [slots[t] % bsz for t in toks]
-            if got != list(range(fill, fill + len(toks))):
-                raise RuntimeError(f"block {b}: slots {got} written out of order; it holds "
-                                   f"{fill} slots (blocks fill in slot order; slot 0 restarts)")
-            if fill and self._row[b] < 0:
-                raise RuntimeError(f"block {b} has {fill} slots but no staged residual "
-                                   f"(released while in use?)")
-            starts[b] = fill
-        need = sum(1 for b, toks in groups.items()
-                   if starts[b] + len(toks) < bsz and self._row[b] < 0)
-        freed = sum(1 for b, toks in groups.items()
-                    if starts[b] + len(toks) == bsz and self._row[b] >= 0)
-        if need > len(self._free_rows) + freed:
-            raise RuntimeError(f"kivi: all {rows_total} staging blocks are in use ({need} more "
-                               f"needed for partial blocks): raise num_staging_blocks "
-                               f"(>= running requests) or call release() when blocks are freed")
+        step = self.staging.plan(slots)  # validates before anything changes
         base = super().plan_write(slots, pos)
-        completing, partial = [], []
-        for b, toks in groups.items():
-            self._fill[b] = starts[b] + len(toks)
-            (completing if self._fill[b] == bsz else partial).append((b, toks, starts[b]))
-        stage_rows: dict[int, int] = {}
-        quant_blocks, quant_src, stage_src, stage_dst = [], [], [], []
-        for b, toks, fill in completing:  # first: their staging rows become free
-            row = int(self._row[b])
-            quant_blocks.append(b)
-            quant_src.append([row * bsz + j for j in range(fill)]
-                             + [rows_total * bsz + t for t in toks])
-            if row >= 0:
-                self._free_rows.append(row)
-                self._row[b] = -1
-                stage_rows[b] = -1
-        for b, toks, _ in partial:
-            row = int(self._row[b])
-            if row < 0:
-                row = self._free_rows.pop()
-                self._row[b] = row
-                stage_rows[b] = row
-            stage_src += toks
-            stage_dst += [row * bsz + slots[t] % bsz for t in toks]
         dev, long = self.device, torch.long
-        if stage_rows:
-            self.buffers["staging_index"][torch.tensor(list(stage_rows), device=dev)] = \
-                torch.tensor(list(stage_rows.values()), dtype=torch.int32, device=dev)
+        if step.row_changes:
+            self.buffers["staging_index"][torch.tensor(list(step.row_changes), device=dev)] = \
+                torch.tensor(list(step.row_changes.values()), dtype=torch.int32, device=dev)
         return KIVIWritePlan(
             base.slot_mapping, base.positions,
-            stage_src=torch.tensor(stage_src, dtype=long, device=dev),
-            stage_dst=torch.tensor(stage_dst, dtype=long, device=dev),
-            quant_blocks=torch.tensor(quant_blocks, dtype=long, device=dev),
-            quant_src=torch.tensor(quant_src, dtype=long, device=dev).view(-1, bsz))
+            stage_src=torch.tensor(step.stage_src, dtype=long, device=dev),
+            stage_dst=torch.tensor(step.stage_dst, dtype=long, device=dev),
+            quant_blocks=torch.tensor(step.quant_blocks, dtype=long, device=dev),
+            quant_src=torch.tensor(step.quant_src, dtype=long, device=dev).view(
+                -1, self.block_size))
 
     def write(self, layer: int, plan: KIVIWritePlan, k: torch.Tensor, v: torch.Tensor) -> None:
         heads, dim = self.layout.num_kv_heads, self.layout.head_dim
@@ -286,15 +239,7 @@ class KIVIStore(QuantizedKVStore):
 
     # ---- block lifetime ----------------------------------------------------------------------
     def release(self, block_ids: Sequence[int]) -> None:
-        dropped = []
-        for b in block_ids:
-            row = int(self._row[b])
-            if row >= 0:
-                self._free_rows.append(row)
-                self._row[b] = -1
-                dropped.append(b)
-            if self._fill[b] < self.block_size:  # partial: content is gone; full ones stay
-                self._fill[b] = 0
+        dropped = self.staging.release(block_ids)
         if dropped:
             self.buffers["staging_index"][torch.tensor(dropped, device=self.device)] = -1
 
@@ -302,26 +247,14 @@ class KIVIStore(QuantizedKVStore):
         pairs = list(pairs)
         if not pairs:
             return
-        staged_src = [(s, d) for s, d in pairs if self._row[s] >= 0]
-        need = sum(1 for _, d in staged_src if self._row[d] < 0)
-        if need > len(self._free_rows):
-            raise RuntimeError(f"kivi copy_blocks needs {need} staging blocks, "
-                               f"{len(self._free_rows)} are free")
-        super().copy_blocks(pairs)  # codes, statistics, positions (staging_index: fixed below)
-        for s, d in pairs:
-            self._fill[d] = self._fill[s]
-            if self._row[d] >= 0 and self._row[s] < 0:  # dst had staging, src has none
-                self._free_rows.append(int(self._row[d]))
-                self._row[d] = -1
-        for s, d in staged_src:  # a partial source: the copy gets its own staged residual
-            if self._row[d] < 0:
-                self._row[d] = self._free_rows.pop()
+        row_copies = self.staging.copy(pairs)  # raises, changing nothing, when rows run short
+        super().copy_blocks(pairs)  # codes, statistics, positions (staging_index: below)
+        for src, dst in row_copies:  # a partial source: the copy gets its own staged residual
             for name in ("staging_k", "staging_v"):
-                stage = self.buffers[name]
-                stage[:, int(self._row[d])] = stage[:, int(self._row[s])]
+                self.buffers[name][:, dst] = self.buffers[name][:, src]
         touched = torch.tensor([d for _, d in pairs], device=self.device)
         self.buffers["staging_index"][touched] = torch.tensor(
-            [int(self._row[d]) for _, d in pairs], dtype=torch.int32, device=self.device)
+            [int(self.staging.row[d]) for _, d in pairs], dtype=torch.int32, device=self.device)
 
     # ---- reading -----------------------------------------------------------------------------
     def read_blocks(self, layer: int, block_ids: torch.Tensor, rope: Rope | None = None):

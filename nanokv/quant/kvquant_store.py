@@ -49,6 +49,7 @@ from nanokv.quant.kvquant import (
     outlier_capacity,
 )
 from nanokv.quant.packing import pack, packed_dim, unpack
+from nanokv.quant.staging import BlockStaging
 from nanokv.quant.store import BufferSpec, QuantizedKVStore, Rope, WritePlan, as_list
 
 logger = logging.getLogger("nanokv")
@@ -92,10 +93,9 @@ class KVQuantStore(QuantizedKVStore):
         self.buffers["staging_index"].fill_(-1)
         self.buffers["sink_slot"].fill_(-1)
         # host bookkeeping (no device sync on the hot path)
-        self._fill = np.zeros(num_blocks, dtype=np.int64)  # slots written since slot 0
-        self._row = np.full(num_blocks, -1, dtype=np.int64)  # staging row or -1
-        self._sink = np.full((num_blocks, self.num_sinks), -1, dtype=np.int64)
-        self._free_rows = list(range(self.num_staging_blocks - 1, -1, -1))
+        self.staging = BlockStaging(num_blocks, self.block_size, self.num_staging_blocks,
+                                    "kvquant", staged=staged)
+        self._sink = np.full((num_blocks, self.num_sinks), -1, dtype=np.int64)  # slot of pos p
 
     # ---- the KV cache kind -----------------------------------------------------------------
     # unpacked codes, codebook lookups and sinks make its decode read heavier than int8's
@@ -206,35 +206,11 @@ class KVQuantStore(QuantizedKVStore):
         slots, pos = as_list(slot_mapping), as_list(positions)
         if len(slots) != len(pos):
             raise ValueError(f"{len(slots)} slots but {len(pos)} positions")
-        bsz, n_sink, rows_total = self.block_size, self.num_sinks, self.num_staging_blocks
-        groups: dict[int, list[int]] = {}  # block -> its tokens, in batch order
-        for t, s in enumerate(slots):
-            groups.setdefault(s // bsz, []).append(t)
-        # validate everything before touching any state
-        starts = {}
-        for b, toks in groups.items():
-            fill = 0 if slots[toks[0]] % bsz == 0 else int(self._fill[b])  # slot 0: fresh
-            got = [slots[t] % bsz for t in toks]
-            if got != list(range(fill, fill + len(toks))):
-                raise RuntimeError(f"block {b}: slots {got} written out of order; it holds "
-                                   f"{fill} slots (blocks fill in slot order; slot 0 restarts)")
-            if self.staged and fill and fill + len(toks) == bsz and self._row[b] < 0:
-                raise RuntimeError(f"block {b} has {fill} slots but no staged keys "
-                                   f"(released while in use?)")
-            starts[b] = fill
-        if self.staged:
-            need = sum(1 for b, toks in groups.items()
-                       if starts[b] + len(toks) < bsz and self._row[b] < 0)
-            freed = sum(1 for b, toks in groups.items()
-                        if starts[b] + len(toks) == bsz and self._row[b] >= 0)
-            if need > len(self._free_rows) + freed:
-                raise RuntimeError(f"all {rows_total} staging blocks are in use: raise "
-                                   f"num_staging_blocks (>= running requests) or call release() "
-                                   f"when blocks are freed")
+        bsz, n_sink = self.block_size, self.num_sinks
+        step = self.staging.plan(slots)  # validates before anything changes
         base = super().plan_write(slots, pos)
-        completing, partial, sink_src, sink_dst, fresh = [], [], [], [], []
-        for b, toks in groups.items():
-            fill = starts[b]
+        sink_src, sink_dst, fresh = [], [], []
+        for b, toks, fill in step.completing + step.partial:
             if fill == 0:  # a fresh block: forget its old sinks
                 self._sink[b] = -1
                 fresh.append(b)
@@ -243,46 +219,28 @@ class KVQuantStore(QuantizedKVStore):
                     self._sink[b, pos[t]] = slots[t] % bsz
                     sink_src.append(t)
                     sink_dst.append(b * n_sink + pos[t])
-            self._fill[b] = fill + len(toks)
-            (completing if self._fill[b] == bsz else partial).append((b, toks, fill))
-        stage_rows: dict[int, int] = {}
-        quant_blocks, quant_src, quant_valid, stage_src, stage_dst = [], [], [], [], []
+        quant_valid = []  # sink slots are left out of a filling block's key statistics
         if self.staged:
-            for b, toks, fill in completing:  # first: their staging rows become free
-                row = int(self._row[b])
-                quant_blocks.append(b)
-                quant_src.append([row * bsz + j for j in range(fill)]
-                                 + [rows_total * bsz + t for t in toks])
+            for b, _, _ in step.completing:
                 sinks = set(self._sink[b].tolist())
                 quant_valid.append([j not in sinks for j in range(bsz)])
-                if row >= 0:
-                    self._free_rows.append(row)
-                    self._row[b] = -1
-                    stage_rows[b] = -1
-            for b, toks, _ in partial:
-                row = int(self._row[b])
-                if row < 0:
-                    row = self._free_rows.pop()
-                    self._row[b] = row
-                    stage_rows[b] = row
-                stage_src += toks
-                stage_dst += [row * bsz + slots[t] % bsz for t in toks]
         dev, long = self.device, torch.long
         if fresh and n_sink:
             self.buffers["sink_slot"][torch.tensor(fresh, device=dev)] = -1
         if sink_dst:
             self.buffers["sink_slot"].view(-1)[torch.tensor(sink_dst, device=dev)] = \
                 torch.tensor([slots[t] % bsz for t in sink_src], dtype=torch.int16, device=dev)
-        if stage_rows:
-            self.buffers["staging_index"][torch.tensor(list(stage_rows), device=dev)] = \
-                torch.tensor(list(stage_rows.values()), dtype=torch.int32, device=dev)
+        if step.row_changes:
+            self.buffers["staging_index"][torch.tensor(list(step.row_changes), device=dev)] = \
+                torch.tensor(list(step.row_changes.values()), dtype=torch.int32, device=dev)
+        quant_blocks = step.quant_blocks if self.staged else []
         return KVQuantWritePlan(
             base.slot_mapping, base.positions,
             token_valid=base.positions >= n_sink,
-            stage_src=torch.tensor(stage_src, dtype=long, device=dev),
-            stage_dst=torch.tensor(stage_dst, dtype=long, device=dev),
+            stage_src=torch.tensor(step.stage_src, dtype=long, device=dev),
+            stage_dst=torch.tensor(step.stage_dst, dtype=long, device=dev),
             quant_blocks=torch.tensor(quant_blocks, dtype=long, device=dev),
-            quant_src=torch.tensor(quant_src, dtype=long, device=dev).view(-1, bsz),
+            quant_src=torch.tensor(step.quant_src, dtype=long, device=dev).view(-1, bsz),
             quant_valid=torch.tensor(quant_valid, dtype=torch.bool, device=dev).view(-1, bsz),
             sink_src=torch.tensor(sink_src, dtype=long, device=dev),
             sink_dst=torch.tensor(sink_dst, dtype=long, device=dev))
@@ -331,15 +289,7 @@ class KVQuantStore(QuantizedKVStore):
             dst.index_copy_(0, index, value.to(dst.dtype))
 
     def release(self, block_ids: Sequence[int]) -> None:
-        dropped = []
-        for b in block_ids:
-            row = int(self._row[b])
-            if row >= 0:
-                self._free_rows.append(row)
-                self._row[b] = -1
-                dropped.append(b)
-            if self._fill[b] < self.block_size:  # partial: content is gone; full ones stay
-                self._fill[b] = 0
+        dropped = self.staging.release(block_ids)
         if dropped:
             self.buffers["staging_index"][torch.tensor(dropped, device=self.device)] = -1
 
@@ -350,29 +300,20 @@ class KVQuantStore(QuantizedKVStore):
         pairs = list(pairs)
         if not pairs:
             return
-        staged_src = [(s, d) for s, d in pairs if self._row[s] >= 0]
-        need = sum(1 for _, d in staged_src if self._row[d] < 0)
-        if need > len(self._free_rows):
-            raise RuntimeError(f"copy_blocks needs {need} staging blocks, "
-                               f"{len(self._free_rows)} are free")
+        row_copies = self.staging.copy(pairs)  # raises, changing nothing, when rows run short
         super().copy_blocks(pairs)
         for s, d in pairs:
-            self._fill[d], self._sink[d] = self._fill[s], self._sink[s]
-            if self._row[d] >= 0 and self._row[s] < 0:  # dst had staging, src is full
-                self._free_rows.append(int(self._row[d]))
-                self._row[d] = -1
-        for s, d in staged_src:  # a partial source: the copy gets its own staged keys
-            if self._row[d] < 0:
-                self._row[d] = self._free_rows.pop()
-            stage = self.buffers["staging_k"]
-            stage[:, int(self._row[d])] = stage[:, int(self._row[s])]
+            self._sink[d] = self._sink[s]
+        stage = self.buffers["staging_k"]
+        for src, dst in row_copies:  # a partial source: the copy gets its own staged keys
+            stage[:, dst] = stage[:, src]
         touched = torch.tensor([d for _, d in pairs], device=self.device)
         self.buffers["staging_index"][touched] = torch.tensor(
-            [int(self._row[d]) for _, d in pairs], dtype=torch.int32, device=self.device)
+            [int(self.staging.row[d]) for _, d in pairs], dtype=torch.int32, device=self.device)
 
     @property
     def num_free_staging_blocks(self) -> int:
-        return len(self._free_rows)
+        return self.staging.num_free_rows
 
     # ---- reading -----------------------------------------------------------------------------
     def read_blocks(self, layer: int, block_ids: torch.Tensor, rope: Rope | None = None):
