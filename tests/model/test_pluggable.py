@@ -12,10 +12,9 @@ import nanokv.attention.selector as selector
 import nanokv.cache.registry as kv_registry
 from nanokv import LLM, SamplingParams
 from nanokv.attention.torch_paged import TorchPagedBackend
-from nanokv.quant.attention import reference_quantized_attention
 from nanokv.quant.pertoken_store import Int8KVStore
-from nanokv.utils import cdiv
-from test_quant_engine import CHUNKED, GREEDY, PREEMPT, PROMPTS, assert_all_free, run, tokens
+from test_quant_engine import (CHUNKED, GREEDY, PREEMPT, PROMPTS, assert_all_free,
+                               checking_attention, run, tokens)
 
 HERE = sys.modules[__name__].__name__
 
@@ -69,28 +68,8 @@ def test_a_new_attention_backend_is_one_registry_line(tiny_llama, monkeypatch):
 # ---- KIVI, registered like any store -------------------------------------------------------------
 @pytest.mark.parametrize("bits", [2, 4])
 def test_kivi_attention_equals_dequantize_then_dense(tiny_model, monkeypatch, bits):
-    real = quantized_backend_module.quantized_paged_attention
     checked = {"decode": 0, "prefill_past": 0}
-
-    def checking(q, k, v, k_store, store, layer, meta, plan, scale, rope):
-        out = real(q, k, v, k_store, store, layer, meta, plan, scale, rope)
-        bs = store.block_size
-        for i in range(meta.num_decode_tokens):
-            context = int(meta.decode_mask[i].sum())
-            table = meta.decode_block_tables[i][:cdiv(context, bs)]
-            ref = reference_quantized_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], store, layer,
-                                                table, context - 1, scale, rope)
-            torch.testing.assert_close(out[i:i + 1], ref, atol=2e-5, rtol=1e-4)
-            checked["decode"] += 1
-        for seq in meta.prefills:
-            sl = slice(seq.query_start, seq.query_start + seq.query_len)
-            past = seq.context_len - seq.query_len
-            ref = reference_quantized_attention(q[sl], k[sl], v[sl], store, layer,
-                                                seq.block_table, past, scale, rope)
-            torch.testing.assert_close(out[sl], ref, atol=2e-5, rtol=1e-4)
-            checked["prefill_past"] += past > 0
-        return out
-
+    checking = checking_attention(checked)
     monkeypatch.setattr(quantized_backend_module, "quantized_paged_attention", checking)
     engine, outs = run(tiny_model, kv_cache_dtype="kivi", kv_quant_bits=bits, max_num_seqs=4,
                        **CHUNKED)

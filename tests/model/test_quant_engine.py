@@ -97,9 +97,11 @@ def test_near_lossless_quantized_greedy_equals_float(tiny_model, tmp_path, kv, s
 
 
 # ---- kvquant 4-bit: every attention call == dequantize-then-dense over the store -----------------
-def test_kvquant_attention_equals_dequantize_then_dense(tiny_model, monkeypatch):
+def checking_attention(checked: dict):
+    """The PyTorch attention over a store, wrapped to compare every call with the
+    dequantize-then-dense reference; counts decodes and prefill chunks with a past in
+    `checked`."""
     real = quantized_backend_module.quantized_paged_attention
-    checked = {"decode": 0, "prefill_past": 0}
 
     def checking(q, k, v, k_store, store, layer, meta, plan, scale, rope):
         out = real(q, k, v, k_store, store, layer, meta, plan, scale, rope)
@@ -119,6 +121,13 @@ def test_kvquant_attention_equals_dequantize_then_dense(tiny_model, monkeypatch)
             torch.testing.assert_close(out[sl], ref, atol=2e-5, rtol=1e-4)
             checked["prefill_past"] += past > 0
         return out
+
+    return checking
+
+
+def test_kvquant_attention_equals_dequantize_then_dense(tiny_model, monkeypatch):
+    checked = {"decode": 0, "prefill_past": 0}
+    checking = checking_attention(checked)
 
     monkeypatch.setattr(quantized_backend_module, "quantized_paged_attention", checking)
     engine, outs = run(tiny_model, kv_cache_dtype="kvquant", kv_quant_bits=4, max_num_seqs=4,
