@@ -89,6 +89,7 @@ class AdviseSettings:
     eviction_ratios: tuple[float, ...] = (0.2,)
     default_max_num_seqs: int = 256
     admission: str = "arrival"  # or "recorded" (a served trace's own step boundaries)
+    num_blocks: int | None = None  # a served run's pool, instead of kv_memory's
 
 
 def kv_cost(model: ModelShape, kv_dtype: str, block_size: int, max_num_seqs: int,
@@ -113,7 +114,7 @@ def evaluate(records: list[TraceRecord], s: AdviseSettings, c: Candidate,
     the first where requests wait for half the run or more) to measure its capacity."""
     per_block, fixed = kv_cost(s.model, c.kv_dtype, c.block_size, c.max_num_seqs,
                                s.compute_dtype)
-    num_blocks = (s.kv_memory - fixed) // per_block
+    num_blocks = s.num_blocks or (s.kv_memory - fixed) // per_block
     if num_blocks < 1:
         raise ValueError(f"{c}: {s.kv_memory / 2**30:.1f} GiB holds no block after "
                          f"{fixed / 2**30:.1f} GiB of fixed cost")

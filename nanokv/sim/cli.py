@@ -75,6 +75,9 @@ def add_advise_parser(sub, add_engine_args=None, engine_options=None) -> None:
     s.add_argument("--max-num-seqs-sim", dest="max_num_seqs", type=int, default=256)
     s.add_argument("--compression-ratio", type=float, default=None)
     s.add_argument("--eviction-ratio", type=float, default=None)
+    s.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="the pool in blocks (a served run's --num-kv-blocks) instead of what "
+                        "--kv-memory holds")
     s.add_argument("--admission", choices=("arrival", "recorded"), default="arrival",
                    help="arrival: requests join the first step after they arrive (default); "
                         "recorded: at the step the serving engine added them (a served trace)")
@@ -130,7 +133,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     records, settings, _ = _load(args)
-    settings = replace(settings, admission=args.admission)
+    if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
+        raise ValueError(f"--num-kv-blocks must be >= 1, got {args.num_kv_blocks}")
+    settings = replace(settings, admission=args.admission, num_blocks=args.num_kv_blocks)
     c = Candidate(args.block_size, args.kv_cache_dtype, args.max_num_seqs,
                   args.compression_ratio, args.eviction_ratio)
     o = evaluate(records, settings, c)

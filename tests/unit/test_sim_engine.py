@@ -122,12 +122,17 @@ def test_simulate_cli_fits_the_step_log(tiny_llama, tmp_path, capsys):
     writer = TraceWriter(trace, steps_path=steps)
     _serve(engine, _workload(engine.hf_config.vocab_size, 2), writer)
     writer.close()
+    records = read_trace(trace)
     rc = main(["simulate", "--trace", trace, "--step-log", steps, "--admission", "recorded",
-               "--model-config", tiny_llama, "--kv-memory", "4MiB", "--block-size", "16",
+               "--model-config", tiny_llama, "--kv-memory", "4MiB", "--num-kv-blocks", "16",
+               "--block-size", "16",
                "--kv-cache-dtype", "auto", "--compute-dtype", "float32",
                "--max-num-seqs-sim", "4", "--max-num-batched-tokens", "48",
                "--max-model-len", "256"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["num_requests"] == len(read_trace(trace))
+    assert out["num_requests"] == len(records) and out["num_blocks"] == 16
+    assert out["preemptions"] == engine.scheduler.num_preemptions
+    assert out["prefix_hit_rate"] == pytest.approx(
+        sum(r.cached for r in records) / sum(r.prompt_len for r in records))
     assert out["step_model"].startswith(f"fitted (step log {steps}")
