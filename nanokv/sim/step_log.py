@@ -171,14 +171,6 @@ def fit_step_log(entries: list[StepLogEntry], source: str = "",
                            f"{source}, load fitted per {load_window:g} s")
 
 
-def summary(entries: list[StepLogEntry]) -> dict:
-    times = turn_times(entries)
-    return {"steps": len(entries), "busy_seconds": sum(times.values()),
-            "peak_running": max(e.running for e in entries),
-            "preemptions": sum(e.preempted for e in entries)}
-
-
-
 @dataclass(frozen=True)
 class LoadProfile:
     """How much slower than a step model the machine ran, by window of the trace's clock: on a
