@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-WORKLOAD_PY = Path(__file__).resolve().parents[1] / "nanokv" / "benchmark" / "workload.py"
+WORKLOAD_PY = Path(__file__).resolve().parents[1] / "nanokv" / "workloads" / "workload.py"
 
 
 def load_workload_module():

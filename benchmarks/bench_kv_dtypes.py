@@ -19,7 +19,7 @@ For each kv_cache_dtype setting (auto = the float32 pool, int8, fp8_e4m3, fp8_e5
         --kv-cache-memory 64MiB --prompt-len 1536 --output-len 128 --repeats 3 \\
         --kv-quant-config docs/results/kvquant/kv_calibration.json --out docs/results/kvquant
 
-Random token-id prompts (nanokv.benchmark.workload, seeded), ignore_eos, prefix caching off,
+Random token-id prompts (nanokv.workloads.workload, seeded), ignore_eos, prefix caching off,
 float32 compute, one process, settings run one after the other.
 """
 
@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nanokv import LLM, SamplingParams  # noqa: E402
-from nanokv.benchmark.workload import make_workload  # noqa: E402
+from nanokv.workloads.workload import make_workload  # noqa: E402
 from nanokv.cache.kv_cache import KVCacheOptions  # noqa: E402
 from nanokv.cache.layout import KVLayout  # noqa: E402
 from nanokv.cache.registry import kv_cache_settings  # noqa: E402

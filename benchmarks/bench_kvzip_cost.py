@@ -15,7 +15,7 @@ import json
 import time
 
 from nanokv import LLM, SamplingParams
-from nanokv.evaldata import tasks
+from nanokv.eval import tasks
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nanokv import LLM, SamplingParams  # noqa: E402
-from nanokv.benchmark.workload import make_workload  # noqa: E402
+from nanokv.workloads.workload import make_workload  # noqa: E402
 
 # (label, kv_policy, options); compression is applied to every policy but "full"/"pool"
 SETTINGS = [

@@ -17,11 +17,11 @@ import sys
 import time
 from pathlib import Path
 
-WORKLOAD_PY = Path(__file__).resolve().parents[1] / "nanokv" / "benchmark" / "workload.py"
+WORKLOAD_PY = Path(__file__).resolve().parents[1] / "nanokv" / "workloads" / "workload.py"
 
 
 def load_workload_module():
-    """Load nanokv/benchmark/workload.py by path (the nanokv package is not installed here)."""
+    """Load nanokv/workloads/workload.py by path (the nanokv package is not installed here)."""
     spec = importlib.util.spec_from_file_location("nanokv_bench_workload", WORKLOAD_PY)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look the module up while building classes

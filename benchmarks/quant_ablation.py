@@ -8,7 +8,7 @@ For each setting one engine is started (`LLM(model, kv_cache_dtype=..., ...)`) a
                as one chunk that reads that context back dequantized and is scored teacher-forced
                (the scored tokens attend to each other with their own fresh K/V, as the engine's
                prefill does). Also KL(float32 || setting) and top-1 agreement on those tokens.
-  passkey      `nanokv.evaldata.tasks.passkey_sample` (the harness's retrieval task), greedy.
+  passkey      `nanokv.eval.tasks.passkey_sample` (the harness's retrieval task), greedy.
   bits/element every byte the setting's KV cache holds per block (codes, scales / zero-points,
                codebooks, outlier values + indices, sinks, slot positions; kvquant's fixed
                staging excluded, shown apart) * 8 / (block_size * 2 * L * Hkv * D).

@@ -9,7 +9,7 @@ Run with a separate virtual environment (kvpress pins transformers < 5.3), not t
         --presses kvzip,snapkv,streaming,knorm --compressions 2,4 --protocols whole,question \
         --num-samples 30 --eval-seed 881000 --out docs/results/policies/kvpress.jsonl
 
-The prompts are `nanokv.evaldata.tasks.passkey_sample` (loaded by path: nanokv is not installed
+The prompts are `nanokv.eval.tasks.passkey_sample` (loaded by path: nanokv is not installed
 there) with the harness's lengths and seeds, so `nanokv eval --tasks passkey --eval-seed S
 --context-tokens N --protocol P` scores the same prompts. Protocols: "whole" prefills the prompt
 but its last token under the press, then the last token and the answer on the compressed cache;
@@ -27,11 +27,11 @@ import sys
 import time
 from pathlib import Path
 
-TASKS_PY = Path(__file__).resolve().parents[1] / "nanokv" / "evaldata" / "tasks.py"
+TASKS_PY = Path(__file__).resolve().parents[1] / "nanokv" / "eval" / "tasks.py"
 
 
 def load_tasks():
-    spec = importlib.util.spec_from_file_location("nanokv_evaldata_tasks", TASKS_PY)
+    spec = importlib.util.spec_from_file_location("nanokv_eval_tasks", TASKS_PY)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look the module up while building classes
     spec.loader.exec_module(mod)

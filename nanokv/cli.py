@@ -122,7 +122,7 @@ def _model_note(model_dir: str) -> str | None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from nanokv.benchmark.run import run_bench
+    from nanokv.workloads.run import run_bench
 
     recorders = []
 

@@ -63,5 +63,5 @@ out = json.load(urllib.request.urlopen(req, timeout=60))
 assert out["usage"]["completion_tokens"] == 8, out
 print("[check_wheel] completion:", repr(out["choices"][0]["text"]))
 EOF
-"$BIN/python" -m nanokv.benchmark.loadtest --url "$URL" --concurrency 2 --duration 2
+"$BIN/python" -m nanokv.workloads.loadtest --url "$URL" --concurrency 2 --duration 2
 say "ok: $(basename "$WHEEL") works outside the repo"

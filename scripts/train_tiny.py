@@ -2,10 +2,10 @@
 """Train nanokv-tiny: a small Qwen3-format decoder + byte-level BPE tokenizer, fully offline.
 
 Data (all generated or read locally, seeded):
-  * natural text: the Python standard library's own source (nanokv.evaldata.corpus training split;
+  * natural text: the Python standard library's own source (nanokv.eval.corpus training split;
     the held-out split, ~5% of files chosen by sha1 of the relative path, is never trained on and
     is used for perplexity);
-  * synthetic long-context retrieval tasks from nanokv.evaldata.tasks: passkey, multi-key needle,
+  * synthetic long-context retrieval tasks from nanokv.eval.tasks: passkey, multi-key needle,
     JSON key-value lookup, variable tracking.
 
 Each step is one batch of ``--tokens-per-step`` tokens at one sequence length L drawn from a
@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nanokv.evaldata import corpus, tasks  # noqa: E402
+from nanokv.eval import corpus, tasks  # noqa: E402
 
 EOS = "<|endoftext|>"
 # Qwen2-style pre-tokenizer regex: digits one by one, letters with an optional leading char.
@@ -566,14 +566,14 @@ These numbers were produced by `scripts/train_tiny.py` at the end of training an
 ## Data (all local, seeded with `--seed {a["seed"]}`)
 
 * **Natural text**: the Python {sys.version.split()[0]} standard library's `*.py` files
-  (`nanokv.evaldata.corpus`): every file under `sysconfig.get_paths()['stdlib']` except
+  (`nanokv.eval.corpus`): every file under `sysconfig.get_paths()['stdlib']` except
   `site-packages` and the test suites (directories `test`, `tests`, `idle_test`);
   {r["training_files"]} training files = {r["training_tokens_available"]:,} tokens. Files are
   joined with `<|endoftext|>`; a training row is a random window of that stream.
 * **Held out** (never trained on, not even by the tokenizer): a file is held out when
   `int(sha1(relpath).hexdigest(), 16) % 20 == 0` (`relpath` relative to the stdlib root, POSIX).
   {len(r["heldout_files"])} files: {held}.
-* **Synthetic long-context tasks** (`nanokv.evaldata.tasks`, pure functions of a seed):
+* **Synthetic long-context tasks** (`nanokv.eval.tasks`, pure functions of a seed):
   passkey (weight {tw["passkey"]}; the KVQuant/LongLoRA format: filler "The grass is
   green. The sky is blue. The sun is yellow. Here we go. There and back again." repeated, needle
   "The pass key is N. Remember it. N is the pass key." at a uniformly random
@@ -635,7 +635,7 @@ non-overlapping 1024-token windows, each window scored from an empty cache.
 # {train_what}; checkpoints and logs go to its --workdir, resumable with --resume
 {r["command"]}
 # tests of the data builders
-pytest tests/unit/test_evaldata.py
+pytest tests/unit/test_eval_tasks.py
 ```
 
 ```python

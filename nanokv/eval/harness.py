@@ -1,6 +1,6 @@
 """Evaluation harness: tasks x KV policies x compression, on the shipped model or any HF dir.
 
-Tasks (data generated at run time, seeded; see nanokv/evaldata):
+Tasks (data generated at run time, seeded; see nanokv/eval):
   passkey          exact match of the pass key, needle at a random depth
   multikey         multi-key needle in a haystack, exact match of the queried number
   perplexity       held-out stdlib text: the first `context_fraction` of each window is the
@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from nanokv.evaldata import corpus, tasks
+from nanokv.eval import corpus, tasks
 
 TASKS = ("passkey", "multikey", "perplexity", "kl")
 PROTOCOLS = ("whole", "question")

@@ -63,9 +63,9 @@ def load_texts(paths: list[str] | None, min_chars: int) -> tuple[str, str]:
         return "\n\n".join(Path(p).read_text(encoding="utf-8", errors="replace")
                            for p in paths), ",".join(paths)
     try:
-        from nanokv.evaldata.corpus import heldout_files, read_text
+        from nanokv.eval.corpus import heldout_files, read_text
     except ImportError:  # pragma: no cover - the corpus module ships with nanokv
-        raise ValueError("no --text given and nanokv.evaldata.corpus is unavailable") from None
+        raise ValueError("no --text given and nanokv.eval.corpus is unavailable") from None
     parts, size = [], 0
     for path in heldout_files():
         parts.append(read_text(path))

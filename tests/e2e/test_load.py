@@ -8,7 +8,7 @@ import asyncio
 
 import httpx
 
-from nanokv.benchmark.loadtest import run_load
+from nanokv.workloads.loadtest import run_load
 from servers import MODEL_NAME
 
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from nanokv.benchmark.run import run_bench
-from nanokv.benchmark.workload import make_workload
+from nanokv.workloads.run import run_bench
+from nanokv.workloads.workload import make_workload
 from nanokv.cli import main
 from tiny_models import VOCAB
 

@@ -4,7 +4,7 @@ import pytest
 
 import nanokv.engine.policy_runner as runner_module
 from nanokv.eval.harness import EvalSettings, heldout_windows, run_eval
-from nanokv.evaldata import tasks
+from nanokv.eval import tasks
 from tiny_models import build_tiny_model
 
 

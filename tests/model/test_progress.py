@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from nanokv import LLM, SamplingParams
-from nanokv.benchmark.run import run_bench
+from nanokv.workloads.run import run_bench
 from nanokv.eval.harness import EvalSettings, run_eval
 from tiny_models import build_tiny_model
 

@@ -13,7 +13,7 @@ import pytest
 
 import nanokv.cli as cli
 from nanokv import extras
-from nanokv.benchmark import loadtest
+from nanokv.workloads import loadtest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,7 +80,7 @@ def test_pyproject_extras_cover_the_checked_modules():
 def test_engine_and_cli_import_without_any_extra():
     blocked = sorted({m for mods in extras.EXTRAS.values() for m in mods})
     code = (f"import sys\nfor m in {blocked!r}: sys.modules[m] = None\n"
-            "import nanokv, nanokv.cli, nanokv.benchmark.run, nanokv.eval.harness\n"
+            "import nanokv, nanokv.cli, nanokv.workloads.run, nanokv.eval.harness\n"
             "nanokv.cli.build_parser().parse_args(['serve', 'm'])\n"
             "print('ok')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -1,4 +1,4 @@
-"""Tests for the synthetic benchmark workload (nanokv/benchmark/workload.py)."""
+"""Tests for the synthetic benchmark workload (nanokv/workloads/workload.py)."""
 
 import dataclasses
 import importlib.util
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from nanokv.benchmark.workload import BenchRequest, BenchResult, make_workload, summarize
+from nanokv.workloads.workload import BenchRequest, BenchResult, make_workload, summarize
 
-WORKLOAD_PY = Path(__file__).resolve().parents[2] / "nanokv" / "benchmark" / "workload.py"
+WORKLOAD_PY = Path(__file__).resolve().parents[2] / "nanokv" / "workloads" / "workload.py"
 
 
 def test_deterministic_in_seed():

@@ -7,7 +7,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from nanokv.benchmark.workload import BenchResult, make_workload, summarize
+from nanokv.workloads.workload import BenchResult, make_workload, summarize
 
 
 def run_bench(model: str, options: dict, num_requests: int, prompt_len: tuple[int, int],

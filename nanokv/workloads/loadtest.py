@@ -2,7 +2,7 @@
 streaming completions for a fixed time, then stop by themselves. A client of the server, not
 part of it; it needs the [serve] extra (httpx, prometheus_client).
 
-    python -m nanokv.benchmark.loadtest --url http://127.0.0.1:8000 --concurrency 8 --duration 30
+    python -m nanokv.workloads.loadtest --url http://127.0.0.1:8000 --concurrency 8 --duration 30
 
 Every request ends in exactly one of: completed, refused (503), failed (any other error) or
 hung (no answer within --request-timeout). Latencies come from the client's side: TTFT from
@@ -195,7 +195,7 @@ async def wait_idle(client, base_url: str, headers: dict, timeout: float) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nanokv.benchmark.loadtest",
+    p = argparse.ArgumentParser(prog="python -m nanokv.workloads.loadtest",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     p.add_argument("--model", default=None, help="model name (default: the server's first)")

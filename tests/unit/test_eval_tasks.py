@@ -1,11 +1,11 @@
-"""Fast checks of nanokv.evaldata: seeded tasks and the deterministic stdlib split."""
+"""Fast checks of nanokv.eval: seeded tasks and the deterministic stdlib split."""
 
 from __future__ import annotations
 
 import pytest
 
-from nanokv.evaldata import corpus, tasks
-from nanokv.evaldata.tasks import (
+from nanokv.eval import corpus, tasks
+from nanokv.eval.tasks import (
     PASSKEY_QUERY,
     count_tokens,
     kv_lookup_sample,
