@@ -151,6 +151,10 @@ def test_pure_scores_and_chunks():
     subset = torch.cat([keys[:1], keys[2:5], own])  # [5, 2, 4]
     p = ((q[0, :, None, :] * subset.transpose(0, 1)).sum(-1) * 0.5).softmax(-1)  # [2, 5]
     torch.testing.assert_close(got, p[:, 1:4])
+    # queries taken a few rows at a time give the same scores (GQA group of 2, 7 queries)
+    q, own = torch.randn(7, 4, 4), torch.randn(7, 2, 4)
+    whole = chunk_scores(q, keys, own, 1, 6, n_sink=2, scale=0.5)
+    torch.testing.assert_close(chunk_scores(q, keys, own, 1, 6, 2, 0.5, rows_per_block=3), whole)
 
 
 def test_options_and_where_it_runs(tiny_qwen3):
