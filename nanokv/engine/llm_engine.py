@@ -220,7 +220,7 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self.policies.relieve_pressure(self.scheduler.running)
+        self.policies.relieve_pressure(self.scheduler.running, self.scheduler.blocks_to_admit)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []

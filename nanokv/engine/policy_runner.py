@@ -257,16 +257,24 @@ class PolicyRunner:
                 request.captured_queries = []
 
     # ---- pool pressure -------------------------------------------------------------------------
-    def relieve_pressure(self, running: list[Request]) -> int:
+    def relieve_pressure(self, running: list[Request],
+                         blocks_to_admit: Callable[[], int] | None = None) -> int:
         """Pool-pressure mode: free the least important blocks across running requests while
-        usage is above 1 - eviction_ratio. Returns the number of blocks freed."""
+        usage is above 1 - eviction_ratio, or until the blocks the first waiting request needs
+        are free (`blocks_to_admit()`, asked only when there are candidates; only when they can
+        free that many). Returns the number of blocks freed."""
         bm = self.block_manager
         candidates = [r for r in running if r.kv_policy is not None and r.compressed
                       and r.kv_budget is None and r.kv_policy.pool_pressure]
         if not candidates:
             return 0
         policy = candidates[0].kv_policy
-        if bm.usage <= 1 - policy.eviction_ratio:
+        blocks_to_admit = blocks_to_admit() if blocks_to_admit is not None else 0
+        evictable = sum(max(0, len(r.block_table) - 2) for r in candidates)  # not 0, not newest
+        if bm.num_free_blocks >= blocks_to_admit or bm.num_free_blocks + evictable < \
+                blocks_to_admit:
+            blocks_to_admit = 0  # admission is not blocked, or eviction cannot unblock it
+        if bm.usage <= 1 - policy.eviction_ratio and not blocks_to_admit:
             return 0
         t0 = time.perf_counter()
         scores = []
@@ -280,7 +288,7 @@ class PolicyRunner:
             scores.append(torch.stack(per_layer))  # [L, nb]
         freed = 0
         for request, indices in zip(candidates, policy.pool_evictions(
-                scores, bm.num_used_blocks, bm.num_blocks)):
+                scores, bm.num_used_blocks, bm.num_blocks, blocks_to_admit)):
             if indices:
                 bm.free_blocks_at(request, list(indices))
                 request.num_evicted_tokens += self.block_size * len(indices)

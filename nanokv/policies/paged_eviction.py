@@ -19,7 +19,9 @@ layers: the engine passes every layer's block scores `[L, nb]`, combined by `lay
 Pool-pressure mode (`pool_evictions`, for a policy run without a budget): when pool usage >
 1 - eviction_ratio, free blocks of several requests until usage <= 1 - eviction_ratio, so the
 least important blocks across the batch go before any request has to be preempted (and
-recomputed whole). Importance is normalised
+recomputed whole). The same when a waiting request's prompt is larger than the free blocks
+(`min_free_blocks`): without that, a prompt larger than the headroom left by eviction_ratio
+would never be admitted while the running requests hold the rest. Importance is normalised
 (`normalize`): "request_minmax" (default) maps each request's evictable block scores to [0, 1]
 (a request whose evictable blocks all score the same gets 0), "pool_max" divides by the largest
 evictable block score in the pool. Blocks are taken in ascending normalised importance, those below
@@ -79,15 +81,19 @@ def block_scores_from_tokens(scores: torch.Tensor, block_size: int,
 def select_pool_evictions(block_scores: Sequence[torch.Tensor], num_used_blocks: int,
                           num_total_blocks: int, eviction_ratio: float = 0.2,
                           importance_threshold: float = 0.1, normalize: str = "request_minmax",
-                          sweep_below_threshold: bool = False) -> list[list[int]]:
+                          sweep_below_threshold: bool = False,
+                          min_free_blocks: int = 0) -> list[list[int]]:
     """Blocks to free under pool pressure, per request (ascending block-table indices).
 
     block_scores[r]: request r's block scores `[nb_r]` (layers already combined), its newest block
-    last. Does nothing unless num_used_blocks / num_total_blocks > 1 - eviction_ratio; then frees
-    until used <= (1 - eviction_ratio) * total (or no candidate is left). See the module docstring.
+    last. Does nothing unless num_used_blocks / num_total_blocks > 1 - eviction_ratio or fewer
+    than `min_free_blocks` are free (a waiting request needs them to be admitted); then frees
+    until used <= (1 - eviction_ratio) * total and at least min_free_blocks are free (or no
+    candidate is left). See the module docstring.
     """
     check_choice("normalize", normalize, NORMALIZATIONS)
-    limit = int((1 - eviction_ratio) * num_total_blocks + 1e-9)
+    limit = min(int((1 - eviction_ratio) * num_total_blocks + 1e-9),
+                num_total_blocks - min_free_blocks)
     result: list[list[int]] = [[] for _ in block_scores]
     if num_used_blocks <= limit:
         return result
@@ -217,9 +223,10 @@ class PagedEviction(KVPolicy):
 
     # ---- pool pressure -------------------------------------------------------------------------
     def pool_evictions(self, block_scores: Sequence[torch.Tensor], num_used_blocks: int,
-                       num_total_blocks: int) -> list[list[int]]:
+                       num_total_blocks: int, min_free_blocks: int = 0) -> list[list[int]]:
         """`select_pool_evictions` with this policy's options; `[L, nb]` entries are combined."""
         combined = [self.combine_layers(s) for s in block_scores]
         return select_pool_evictions(combined, num_used_blocks, num_total_blocks,
                                      self.eviction_ratio, self.importance_threshold,
-                                     self.normalize, self.sweep_below_threshold)
+                                     self.normalize, self.sweep_below_threshold,
+                                     min_free_blocks)

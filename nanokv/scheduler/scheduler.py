@@ -130,6 +130,22 @@ class Scheduler:
         scheduled.sort(key=lambda s: not s.is_decode)  # decodes first, then prefill chunks
         return SchedulerOutput(scheduled, [r.request_id for r in preempted])
 
+    def blocks_to_admit(self) -> int:
+        """Free blocks the first waiting request needs to be admitted and compute its whole
+        prompt (and one more token) without preempting anyone, prefix hits counted; 0 when
+        nothing waits or the batch is full."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return 0
+        bm, request = self.block_manager, self.waiting[0]
+        hits, hit_tokens = bm.get_computed_blocks(request)
+        limit = self._hit_limit(request)
+        if limit is not None and hit_tokens > limit:
+            hits = hits[:limit // bm.block_size]
+            hit_tokens = len(hits) * bm.block_size
+        in_free_queue = sum(1 for b in hits if b.ref_cnt == 0)  # taken from the free blocks
+        return (bm.num_new_blocks_needed(request, request.num_tokens - hit_tokens + 1, len(hits))
+                + in_free_queue)
+
     @staticmethod
     def _hit_limit(request: Request) -> int | None:
         """Most prefix-cache tokens a request may take: a KV policy compresses at its point

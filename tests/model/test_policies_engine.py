@@ -210,3 +210,51 @@ def test_delayed_compression_scores_with_the_last_window(tiny_llama, monkeypatch
     lengths = {len(p) for p in prompts}
     assert any(n not in lengths for n, _ in seen)  # some compaction ran after its prompt's end
     llm.engine.check_invariants()
+
+
+def _peak_running(llm, prompts, params) -> int:
+    engine, peak = llm.engine, 0
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+        peak = max(peak, len(engine.scheduler.running))
+        engine.check_invariants()
+    return peak
+
+
+def test_pool_pressure_admits_a_prompt_larger_than_the_headroom(tiny_llama):
+    """60 blocks of 16, eviction at 80% (12 blocks of headroom), prompts of 16 blocks: the full
+    cache runs 3 at once, and so did pool pressure while it only evicted down to 80%. Now it
+    frees the least important blocks of the running requests until the waiting prompt fits:
+    more run at once, and nobody is preempted."""
+    prompts = [prompt_of(250, seed=40 + i) for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    opts = dict(block_size=16, max_model_len=512, num_kv_blocks=60, skip_tokenizer_init=True,
+                max_num_batched_tokens=512)
+    full = LLM(tiny_llama, **opts)
+    full_peak = _peak_running(full, prompts, params)
+    llm = LLM(tiny_llama, **opts, kv_policy="paged_eviction",
+              kv_policy_options={"eviction_ratio": 0.2, "importance_threshold": 0.1})
+    peak = _peak_running(llm, prompts, params)
+    engine = llm.engine
+    assert full_peak == 3
+    assert peak > full_peak
+    assert engine.scheduler.num_preemptions == 0
+    assert engine.block_manager.stats.evicted_blocks["policy"] > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_blocks_to_admit_counts_prefix_hits(tiny_llama):
+    """What the first waiting request needs: its prompt's blocks (and one more token's) less
+    the cached prefix it will take, plus the cached blocks it takes out of the free queue."""
+    llm = LLM(tiny_llama, block_size=16, max_model_len=256, skip_tokenizer_init=True)
+    engine = llm.engine
+    prompt = prompt_of(100, seed=5)
+    assert engine.scheduler.blocks_to_admit() == 0  # nothing waits
+    engine.add_request(prompt, GREEDY)
+    assert engine.scheduler.blocks_to_admit() == 7  # ceil(101 / 16)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request(prompt + [3, 4], GREEDY)  # 6 full cached blocks, now free, are hits
+    assert engine.scheduler.blocks_to_admit() == 1 + 6

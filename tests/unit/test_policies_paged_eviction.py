@@ -183,6 +183,15 @@ def test_pool_pressure_frees_the_least_important_blocks_down_to_the_target():
     assert everything == [[1, 2, 3], [1, 2], [], [1]]
 
 
+def test_pool_pressure_frees_what_a_waiting_prompt_needs():
+    # 15 of 20 used (75%, under the 80% target) but a waiting prompt needs 7 free: free 2,
+    # least important first (importance 0 in every request: request order breaks the tie)
+    assert select_pool_evictions(SCORES, 15, 20, min_free_blocks=7) == [[1], [1], [], []]
+    assert select_pool_evictions(SCORES, 15, 20, min_free_blocks=5) == [[], [], [], []]
+    # both rules: the stricter target wins (18 used: 80% asks for 2, 5 free asks for 3)
+    assert select_pool_evictions(SCORES, 18, 20, min_free_blocks=5) == [[1], [1], [], [1]]
+
+
 def test_pool_evictions_combine_layers_with_the_policy_options():
     p = make_policy("paged_eviction", block_size=4, eviction_ratio=0.5)
     two_layers = [torch.stack([s, s * 100]) for s in SCORES[:2]]  # same ranking in both layers
