@@ -70,17 +70,6 @@ def greedy(model, ids, split: int, press, max_new: int) -> list[int]:
     return tokens
 
 
-def context_length(tokenizer, sample, full: list[int]) -> int:
-    """The prompt's tokens before its question (as the harness's question protocol)."""
-    context = tokenizer.encode(sample.prompt[:-len(sample.meta["question"])])
-    common = 0
-    for a, b in zip(full, context):
-        if a != b:
-            break
-        common += 1
-    return max(1, min(common, len(full) - 1))
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="kvpress presses on nanokv's passkey prompts")
     ap.add_argument("--model", required=True)
@@ -115,7 +104,8 @@ def main(argv=None) -> int:
             hits = 0
             for x in samples:
                 ids = tokenizer.encode(x.prompt)
-                split = len(ids) - 1 if protocol == "whole" else context_length(tokenizer, x, ids)
+                split = (len(ids) - 1 if protocol == "whole"
+                         else tasks.context_length(tokenizer, x, ids))
                 press = (None if press_name == "full"
                          else make_press(press_name, 1.0 - 1.0 / compression))
                 out = greedy(model, torch.tensor([ids]), split, press, max_new)

@@ -17,7 +17,8 @@ import torch
 
 from nanokv.attention.backend import AttentionBackend
 from nanokv.attention.common import CommonAttentionMetadata
-from nanokv.layers.attention import AttentionMetadata, PrefillSeq
+from nanokv.attention.torch_paged import kernel_metadata
+from nanokv.layers.attention import AttentionMetadata
 from nanokv.layers.native_attention import DecodeRuns, NativeKernelUnavailable, build_decode_runs
 from nanokv.layers.native_quant_attention import (
     ELEMENT_KINDS,
@@ -90,15 +91,9 @@ class NativeQuantizedBackend(AttentionBackend):
         if common.per_layer is not None:
             raise RuntimeError("per-layer block tables need the float KV pool")
         prefill_meta = None
-        if common.prefills:
-            dev = self.device
-            prefill_meta = AttentionMetadata(
-                slot_mapping=torch.tensor(common.slot_mapping, dtype=torch.long, device=dev),
-                num_decode_tokens=0, decode_block_tables=None, decode_mask=None,
-                prefills=[PrefillSeq(p.query_start, p.query_len, p.context_len,
-                                     torch.tensor(p.block_table, dtype=torch.long, device=dev))
-                          for p in common.prefills],
-                write_cache=False)
+        if common.prefills:  # the PyTorch path fills the prefill rows only
+            prefill_meta = kernel_metadata(common, self.device, common.write_plan.slot_mapping)
+            prefill_meta.num_decode_tokens = 0
         step = NativeQuantStep(common.write_plan, common.num_decode_tokens, prefill_meta)
         if common.num_decodes:
             past = [c - 1 for c in common.decode_context_lens]  # the new token comes fresh

@@ -10,8 +10,8 @@ import torch
 
 from nanokv.attention.backend import AttentionBackend
 from nanokv.attention.common import CommonAttentionMetadata
-from nanokv.attention.torch_paged import padded_decode_tables
-from nanokv.layers.attention import AttentionMetadata, PrefillSeq
+from nanokv.attention.torch_paged import kernel_metadata, padded_decode_tables
+from nanokv.layers.attention import AttentionMetadata
 from nanokv.quant.attention import quantized_paged_attention
 from nanokv.quant.store import QuantizedKVStore
 
@@ -35,18 +35,11 @@ class QuantizedTorchBackend(AttentionBackend):
     def build(self, common: CommonAttentionMetadata) -> StoreStep:
         if common.per_layer is not None:
             raise RuntimeError("per-layer block tables need the float KV pool")
-        dev = self.device
-        prefills = [PrefillSeq(p.query_start, p.query_len, p.context_len,
-                               torch.tensor(p.block_table, dtype=torch.long, device=dev))
-                    for p in common.prefills]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(common.slot_mapping, dtype=torch.long, device=dev),
-            num_decode_tokens=common.num_decode_tokens, decode_block_tables=None,
-            decode_mask=None, prefills=prefills, write_cache=False)
+        meta = kernel_metadata(common, self.device, common.write_plan.slot_mapping)
         if common.num_decodes:
             meta.decode_block_tables, meta.decode_mask = padded_decode_tables(
                 common.decode_block_tables, common.decode_context_lens,
-                self.kv_cache.block_size, dev)
+                self.kv_cache.block_size, self.device)
         return StoreStep(meta, common.write_plan)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

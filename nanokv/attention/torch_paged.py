@@ -44,20 +44,16 @@ class TorchPagedBackend(AttentionBackend):
 
     # ---- metadata ------------------------------------------------------------------------------
     def build(self, common: CommonAttentionMetadata) -> PoolStep:
-        if common.per_layer is not None:
+        if common.per_layer is not None:  # each layer writes its own slices: its own slots
             return PoolStep(None, [self._kernel_metadata(c) for c in common.per_layer],
                             common.write_plan)
-        return PoolStep(self._kernel_metadata(common), None, common.write_plan)
+        # the pool's write plan is the step's slot mapping as a tensor: not made twice
+        return PoolStep(self._kernel_metadata(common, common.write_plan), None,
+                        common.write_plan)
 
-    def _kernel_metadata(self, c: CommonAttentionMetadata) -> AttentionMetadata:
-        dev = self.device
-        prefills = [PrefillSeq(p.query_start, p.query_len, p.context_len,
-                               torch.tensor(p.block_table, dtype=torch.long, device=dev))
-                    for p in c.prefills]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(c.slot_mapping, dtype=torch.long, device=dev),
-            num_decode_tokens=c.num_decode_tokens, decode_block_tables=None, decode_mask=None,
-            prefills=prefills, write_cache=False)
+    def _kernel_metadata(self, c: CommonAttentionMetadata,
+                         slot_mapping: torch.Tensor | None = None) -> AttentionMetadata:
+        meta = kernel_metadata(c, self.device, slot_mapping)
         if c.num_decodes:
             self._decode_metadata(meta, c)
         return meta
@@ -82,6 +78,21 @@ class TorchPagedBackend(AttentionBackend):
             self.kv_cache.write_layer(layer, step.write_plan, k, v, k_pre)
             k_cache, v_cache = self.kv_cache.layer(layer)
         return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+
+
+def kernel_metadata(c: CommonAttentionMetadata, device: torch.device,
+                    slot_mapping: torch.Tensor | None = None) -> AttentionMetadata:
+    """The PyTorch kernels' metadata of a step's prefill chunks (decodes: the backend's choice),
+    the step's K/V written by the caller. slot_mapping: the step's slots as a tensor when the
+    caller has one (a write plan's), else made here."""
+    if slot_mapping is None:
+        slot_mapping = torch.tensor(c.slot_mapping, dtype=torch.long, device=device)
+    prefills = [PrefillSeq(p.query_start, p.query_len, p.context_len,
+                           torch.tensor(p.block_table, dtype=torch.long, device=device))
+                for p in c.prefills]
+    return AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=c.num_decode_tokens,
+                             decode_block_tables=None, decode_mask=None, prefills=prefills,
+                             write_cache=False)
 
 
 def padded_decode_tables(tables: list[list[int]], context_lens: list[int], block_size: int,

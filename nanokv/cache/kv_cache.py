@@ -73,6 +73,8 @@ class KVCache(ABC):
     """K/V of every layer for `num_blocks` blocks of `layout.block_size` slots."""
 
     supports_layer_slices: ClassVar[bool] = False
+    # True: a policy's extra scoring forward pass (KVzip's reconstruction) can run over it
+    supports_reconstruction: ClassVar[bool] = False
     engine_options: ClassVar[frozenset[str]] = frozenset()  # read beyond kv_cache_dtype
     # True: `apply_plan` re-writes kept tokens from the view's dense copies, so the blocks a
     # compaction drops can be freed before it; False: it moves slots inside the cache itself
@@ -158,6 +160,14 @@ class KVCache(ABC):
         """Raise ValueError when this cache cannot serve the policy (where they meet)."""
         if policy.per_layer_budgets and not self.supports_layer_slices:
             raise_layer_slices_needed(policy.name)
+        if policy.needs_reconstruction and not self.supports_reconstruction:
+            raise_reconstruction_unsupported(policy.name)
+
+
+def raise_reconstruction_unsupported(policy_name: str) -> None:
+    raise ValueError(f"kv_policy {policy_name!r} scores the cache with an extra forward pass, "
+                     f"which needs the float KV pool (kv_cache_dtype 'auto') and "
+                     f"tensor_parallel_size 1")
 
 
 def raise_layer_slices_needed(policy_name: str) -> None:

@@ -22,6 +22,7 @@ __all__ = ["KVLayout", "KVPool"]
 
 class KVPool(KVCache):
     supports_layer_slices = True
+    supports_reconstruction = True
     rewrites_from_copies = False  # compaction moves slots inside the pool: free the tail after
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str) -> None:

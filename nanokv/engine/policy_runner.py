@@ -34,8 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from nanokv.cache.block_manager import BlockManager
-from nanokv.cache.kv_cache import KVCache
-from nanokv.cache.kv_pool import KVPool
+from nanokv.cache.kv_cache import KVCache, raise_reconstruction_unsupported
 from nanokv.policies.apply import decode_block_to_evict, plan_compression
 from nanokv.policies.base import KVPolicy, LayerKV, PolicyConfig
 from nanokv.policies.compaction import gather_request_kv
@@ -84,10 +83,8 @@ class PolicyRunner:
         policy = config.build(block_size=self.block_size)
         self.kv_cache.check_policy(policy)
         if policy.needs_reconstruction:
-            if self.scoring is None or not isinstance(self.kv_cache, KVPool):
-                raise ValueError(f"kv_policy {policy.name!r} scores the cache with an extra "
-                                 f"forward pass, which needs the float KV pool (kv_cache_dtype "
-                                 f"'auto') and tensor_parallel_size 1")
+            if self.scoring is None:  # no scoring pass across tensor-parallel ranks
+                raise_reconstruction_unsupported(policy.name)
             if self.scoring.encode is None:
                 raise ValueError(f"kv_policy {policy.name!r} needs a tokenizer for its repeat "
                                  f"prompt (not skip_tokenizer_init)")

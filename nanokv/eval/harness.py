@@ -162,17 +162,7 @@ class _Run:
     def context_length(self, sample) -> int:
         """Tokens of the prompt before its question (the part the "question" protocol
         compresses): the prompt's tokens that the context alone encodes to."""
-        question = sample.meta["question"]
-        if not sample.prompt.endswith(question):
-            raise ValueError("the sample's prompt does not end with its question")
-        full = self.tokenizer.encode(sample.prompt)
-        context = self.tokenizer.encode(sample.prompt[:-len(question)])
-        common = 0
-        for a, b in zip(full, context):
-            if a != b:
-                break
-            common += 1
-        return max(1, min(common, len(full) - 1))
+        return tasks.context_length(self.tokenizer, sample)
 
     def continuation_logits(self, windows: list[list[int]], use_tqdm=False):
         """Logits over the scored part of each window, with the context compressed first."""

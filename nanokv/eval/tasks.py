@@ -315,6 +315,24 @@ TASKS: dict[str, Callable[..., TaskSample]] = {
 }
 
 
+def context_length(tokenizer: Tokenizer, sample: TaskSample,
+                   prompt_ids: list[int] | None = None) -> int:
+    """Tokens of a retrieval prompt before its question (what the "question" protocol
+    compresses): the prompt's leading tokens that the context alone encodes to, at least 1 and
+    at most all but the last. prompt_ids: the prompt's tokens, when the caller has them."""
+    question = sample.meta["question"]
+    if not sample.prompt.endswith(question):
+        raise ValueError("the sample's prompt does not end with its question")
+    full = tokenizer.encode(sample.prompt) if prompt_ids is None else prompt_ids
+    context = tokenizer.encode(sample.prompt[:-len(question)])
+    common = 0
+    for a, b in zip(full, context):
+        if a != b:
+            break
+        common += 1
+    return max(1, min(common, len(full) - 1))
+
+
 def score(sample: TaskSample, generated: str) -> float:
     """Exact-match score in [0, 1] of a generated continuation.
 

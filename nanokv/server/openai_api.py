@@ -238,6 +238,22 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
                            param="tokens", code="invalid_value")
         return {"prompt": await server.decode(body.tokens)}
 
+    async def final_response(streams, raw: Request, head: dict, body, content):
+        """A non-streamed answer: every choice run to its end; `content(output, logprobs)`
+        gives a choice's endpoint-specific fields (text or message, and logprobs)."""
+        try:
+            finals, logprobs = await server.run_to_end(streams, raw)
+        except ClientGone:
+            return Response(status_code=499)
+        choices = []
+        for i, (o, lps) in enumerate(zip(finals, logprobs)):
+            choice = {"index": i, **content(o, lps), "finish_reason": o.finish_reason,
+                      "stop_reason": o.outputs[0].stop_reason}
+            if body.return_token_ids:
+                choice.update(token_ids=o.token_ids, prompt_token_ids=o.prompt_token_ids)
+            choices.append(choice)
+        return {**head, "choices": choices, "usage": usage(finals, body.num_choices)}
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
         server.check_request(body)
@@ -265,20 +281,9 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
             return EngineStreamingResponse(
                 stream_events(server.events(streams), len(streams), head, body, False,
                               server.token_text), streams)
-        try:
-            finals, logprobs = await server.run_to_end(streams, raw)
-        except ClientGone:
-            return Response(status_code=499)
-        choices = []
-        for i, (o, lps) in enumerate(zip(finals, logprobs)):
-            choice = {"index": i, "text": o.text,
-                      "logprobs": completion_logprobs(lps, server.token_text)
-                      if body.num_logprobs is not None else None,
-                      "finish_reason": o.finish_reason, "stop_reason": o.outputs[0].stop_reason}
-            if body.return_token_ids:
-                choice.update(token_ids=o.token_ids, prompt_token_ids=o.prompt_token_ids)
-            choices.append(choice)
-        return {**head, "choices": choices, "usage": usage(finals, body.num_choices)}
+        return await final_response(streams, raw, head, body, lambda o, lps: {
+            "text": o.text, "logprobs": completion_logprobs(lps, server.token_text)
+            if body.num_logprobs is not None else None})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
@@ -301,17 +306,7 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
             return EngineStreamingResponse(
                 stream_events(server.events(streams), len(streams), head, body, True,
                               server.token_text), streams)
-        try:
-            finals, logprobs = await server.run_to_end(streams, raw)
-        except ClientGone:
-            return Response(status_code=499)
-        choices = []
-        for i, (o, lps) in enumerate(zip(finals, logprobs)):
-            choice = {"index": i, "message": {"role": "assistant", "content": o.text},
-                      "logprobs": chat_logprobs(lps, server.token_text)
-                      if body.num_logprobs is not None else None,
-                      "finish_reason": o.finish_reason, "stop_reason": o.outputs[0].stop_reason}
-            if body.return_token_ids:
-                choice.update(token_ids=o.token_ids, prompt_token_ids=o.prompt_token_ids)
-            choices.append(choice)
-        return {**head, "choices": choices, "usage": usage(finals, body.num_choices)}
+        return await final_response(streams, raw, head, body, lambda o, lps: {
+            "message": {"role": "assistant", "content": o.text},
+            "logprobs": chat_logprobs(lps, server.token_text)
+            if body.num_logprobs is not None else None})
