@@ -123,3 +123,17 @@ def test_prompts_reach_kivi_from_the_cli(tiny_llama, capsys):
     assert rc == 0
     assert "KV cache dtype kivi" in capsys.readouterr().err
     assert PROMPTS  # the shared prompts import cleanly
+
+
+def test_padded_decode_batch_equals_per_request_decode(tiny_llama):
+    """The PyTorch backend's CUDA decode (one padded, masked batch over gathered blocks) run on
+    CPU: the same greedy tokens as the CPU path (each request over its own blocks), with prefix
+    hits, chunked prefill and preemption."""
+    for scenario in (CHUNKED, PREEMPT):
+        _, ref = run(tiny_llama, **scenario, attention_backend="torch")
+        llm = LLM(tiny_llama, skip_tokenizer_init=True, block_size=16, attention_backend="torch",
+                  **scenario)
+        llm.engine.attention_backend.per_request_decode = False  # what CUDA runs
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+        assert_all_free(llm.engine)
