@@ -60,7 +60,8 @@ def _validate(layout: KVLayout, bits: int, group_size: int, num_staging_blocks: 
         return isinstance(x, int) and not isinstance(x, bool)
 
     if not is_int(bits) or bits not in KIVI_BITS:
-        raise ValueError(f"kivi bits must be one of {list(KIVI_BITS)}, got {bits!r}")
+        raise ValueError(f"kivi (kv_quant_bits): bits must be one of {list(KIVI_BITS)}, "
+                         f"got {bits!r}")
     dim = layout.head_dim
     if not is_int(group_size) or group_size < 1 or dim % group_size:
         allowed = [g for g in range(1, dim + 1) if dim % g == 0]
