@@ -14,6 +14,24 @@ Each backend says why it cannot serve a KV cache on a device (`why_not`): None w
 else (reason, structural) where structural means "not made for this cache or device" (no
 warning when auto passes it over) rather than "made for it but not usable here" (a failed build,
 an unsupported dtype: auto warns).
+
+CUDA graphs for decode (a backend that sets `supports_cuda_graphs = True`):
+
+    meta = backend.graph_decode_metadata(max_batch, max_blocks)   # once, before capture
+    # per step, before replaying the graph captured for a batch of `batch` rows:
+    backend.fill_graph_decode(meta, common, batch)
+    out = backend.forward(layer, q, k, v, k_pre, meta, scale)      # the captured call
+
+`graph_decode_metadata` makes static device tensors for a decode-only step of up to `max_batch`
+requests, each with up to `max_blocks` blocks: at least slot_mapping [max_batch] int64,
+block_tables [max_batch, max_blocks] int32 and context_lens [max_batch] int32, plus whatever the
+backend's forward needs; `num_rows` (the batch being run) is a field of the metadata, set by
+`fill_graph_decode`. `fill_graph_decode` copies the step's decode addressing into those tensors
+in place (rows from len(common.decode_context_lens) up to `batch` are padding: slot -1 and
+context length 0, so they write nothing and attend to nothing, output zeros) and sets any per-step
+state the write path needs, without allocating. `forward` with such metadata does no host
+synchronisation (no .item(), .tolist(), value-dependent shapes or grids): its launches depend
+only on (batch, max_blocks) and constants fixed at construction.
 """
 
 from __future__ import annotations
@@ -29,6 +47,7 @@ from nanokv.attention.common import CommonAttentionMetadata
 class AttentionBackend(ABC):
     name: ClassVar[str] = ""  # the attention_backend option that selects it
     description: ClassVar[str] = ""  # for the start-up log
+    supports_cuda_graphs: ClassVar[bool] = False  # graph_decode_metadata / fill_graph_decode
 
     def __init__(self, kv_cache, device: torch.device) -> None:
         self.kv_cache = kv_cache
@@ -47,3 +66,11 @@ class AttentionBackend(ABC):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_pre: torch.Tensor, metadata, scale: float) -> torch.Tensor:
         """Write the layer's new K/V, attend; returns [T, Hq, D]."""
+
+    def graph_decode_metadata(self, max_batch: int, max_blocks: int):
+        """Static device tensors for decode-only steps of up to max_batch rows (module doc)."""
+        raise NotImplementedError(f"attention backend {self.name!r} does not support CUDA graphs")
+
+    def fill_graph_decode(self, meta, common: CommonAttentionMetadata, batch: int) -> None:
+        """Copy the step's decode addressing into `meta` in place, rows up to `batch` padded."""
+        raise NotImplementedError(f"attention backend {self.name!r} does not support CUDA graphs")
