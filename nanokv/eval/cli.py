@@ -37,6 +37,12 @@ def add_eval_parser(sub, add_engine_args, engine_options) -> None:
                    help="retrieval tasks: 'whole' compresses the whole prompt; 'question' "
                         "compresses the context, then computes the question on the compressed "
                         "cache (kvpress's pipeline)")
+    p.add_argument("--passkey-format", default="classic",
+                   help="passkey haystack and needle wording: 'classic' (KVQuant/LongLoRA "
+                        "filler and wording, keys up to 50000), 'trained' or 'held_out' (a "
+                        "random haystack and wording per sample from the formats a model may "
+                        "train on / the ones kept out of training), or HAYSTACK/WORDING, e.g. "
+                        "story/secret_code (see nanokv/eval/passkey_formats.py)")
     p.add_argument("--depth", type=float, default=None,
                    help="needle depth in [0, 1] for passkey/multikey (default: random per sample)")
     p.add_argument("--policy-options", default="{}",
@@ -65,6 +71,7 @@ def run(args: argparse.Namespace, engine_options) -> int:
         retrieval_context_tokens=args.retrieval_context_tokens,
         ppl_windows=args.ppl_windows, context_fraction=args.context_fraction,
         seed=args.eval_seed, depth=args.depth, protocol=args.protocol,
+        passkey_format=args.passkey_format,
         policy_options=policy_options,
         engine_options=opts)
     rows = run_eval(settings, log=lambda line: print(line, file=sys.stderr))

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from nanokv.eval import corpus, tasks
+from nanokv.eval import corpus, passkey_formats, tasks
 
 TASKS = ("passkey", "multikey", "perplexity", "kl")
 PROTOCOLS = ("whole", "question")
@@ -49,6 +49,9 @@ class EvalSettings:
     seed: int = 0
     depth: float | None = None  # needle depth in [0, 1] for the retrieval tasks; None: random
     protocol: str = "whole"  # retrieval: "whole" prompt compressed, or "question" left out
+    # passkey haystack and wording (nanokv.eval.passkey_formats): "classic", "trained",
+    # "held_out" or HAYSTACK/WORDING
+    passkey_format: str = "classic"
     policy_options: dict = field(default_factory=dict)  # policy name -> its options
     engine_options: dict = field(default_factory=dict)
 
@@ -77,6 +80,7 @@ class EvalSettings:
             raise ValueError(f"depth must be None (random) or in [0, 1], got {self.depth!r}")
         if not self.policies:
             raise ValueError("at least one policy is needed ('full' is the uncompressed cache)")
+        passkey_formats.parse_format(self.passkey_format)
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
 
@@ -138,10 +142,15 @@ class _Run:
         from nanokv import SamplingParams
 
         s = self.settings
-        build = tasks.passkey_sample if task == "passkey" else tasks.multikey_needle_sample
         ctx = s.retrieval_context_tokens or s.context_tokens
-        samples = [build(self.tokenizer, ctx - 16, depth=s.depth, seed=s.seed + i)
-                   for i in range(s.num_samples)]
+        if task == "passkey":
+            samples = [tasks.passkey_sample(self.tokenizer, ctx - 16, depth=s.depth,
+                                            seed=s.seed + i, fmt=s.passkey_format)
+                       for i in range(s.num_samples)]
+        else:
+            samples = [tasks.multikey_needle_sample(self.tokenizer, ctx - 16, depth=s.depth,
+                                                    seed=s.seed + i)
+                       for i in range(s.num_samples)]
         longest = max(len(self.tokenizer.encode(x.answer)) for x in samples)
         params = SamplingParams(temperature=0, max_tokens=longest + 2)
         t0 = time.perf_counter()

@@ -32,6 +32,8 @@ import string
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from nanokv.eval import passkey_formats as formats
+
 PASSKEY_FILLER = (
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 )
@@ -106,7 +108,7 @@ def _check(context_tokens: int, seed: int, depth: float | None) -> None:
 
 
 def _render(head: list[str], sentences: list[str], needles: list[tuple[float, str]],
-            tail: list[str]) -> tuple[str, list[int]]:
+            tail: list[str], joiner: str = " ") -> tuple[str, list[int]]:
     """Lines: head, filler segments with each needle on its own line, tail.
 
     A needle at depth d goes after round(d * n) of the n filler sentences. Returns the text and
@@ -119,18 +121,19 @@ def _render(head: list[str], sentences: list[str], needles: list[tuple[float, st
     start = 0
     for i in order:
         if slots[i] > start:
-            lines.append(" ".join(sentences[start:slots[i]]))
+            lines.append(joiner.join(sentences[start:slots[i]]))
             start = slots[i]
         lines.append(needles[i][1])
     if start < n:
-        lines.append(" ".join(sentences[start:]))
+        lines.append(joiner.join(sentences[start:]))
     lines.extend(tail)
     return "\n".join(lines), slots
 
 
 def _fit(tokenizer: Tokenizer, context_tokens: int, head: list[str],
          needles: list[tuple[float, str]], tail: list[str],
-         filler: tuple[str, ...] = FILLER_SENTENCES) -> tuple[str, int, list[int], int]:
+         filler: tuple[str, ...] = FILLER_SENTENCES,
+         joiner: str = " ") -> tuple[str, int, list[int], int]:
     """Choose the number of filler sentences so the prompt fills ``context_tokens``.
 
     Returns (prompt, prompt_tokens, needle slots, filler sentence count). Raises ValueError when
@@ -140,7 +143,7 @@ def _fit(tokenizer: Tokenizer, context_tokens: int, head: list[str],
         return [filler[i % len(filler)] for i in range(n)]
 
     def length(n: int) -> tuple[str, int, list[int]]:
-        text, slots = _render(head, sentences(n), needles, tail)
+        text, slots = _render(head, sentences(n), needles, tail, joiner)
         return text, count_tokens(tokenizer, text), slots
 
     text, base, slots = length(0)
@@ -148,7 +151,7 @@ def _fit(tokenizer: Tokenizer, context_tokens: int, head: list[str],
         raise ValueError(
             f"context_tokens={context_tokens} is too small: the prompt without filler already "
             f"takes {base} tokens")
-    per_cycle = max(1, count_tokens(tokenizer, " ".join(filler)))
+    per_cycle = max(1, count_tokens(tokenizer, joiner.join(filler)))
     per_sentence = per_cycle / len(filler)
     n = max(0, int((context_tokens - base) / per_sentence))
     text, used, slots = length(n)
@@ -165,18 +168,29 @@ def _fit(tokenizer: Tokenizer, context_tokens: int, head: list[str],
 
 
 def passkey_sample(tokenizer: Tokenizer, context_tokens: int, depth: float | None = None,
-                   seed: int = 0) -> TaskSample:
-    """Passkey retrieval; ``depth`` None draws it uniformly from the seed."""
+                   seed: int = 0, fmt: str = "classic") -> TaskSample:
+    """Passkey retrieval; ``depth`` None draws it uniformly from the seed. ``fmt``: the haystack
+    and wording (`nanokv.eval.passkey_formats`; "classic" is the KVQuant / LongLoRA task)."""
     _check(context_tokens, seed, depth)
     rng = random.Random(seed)
-    key = rng.randint(1, PASSKEY_MAX)
+    if fmt == "classic":  # the draws of the task as it always was: same samples per seed
+        haystack, wording, key_max = "grass", "pass_key", formats.CLASSIC_KEY_MAX
+    else:
+        haystack, wording, key_max = formats.choose(fmt, random.Random(f"format:{seed}"))
+    key = rng.randint(1, key_max)
     d = rng.random() if depth is None else depth
-    needle = f"The pass key is {key}. Remember it. {key} is the pass key."
-    prompt, used, slots, n = _fit(tokenizer, context_tokens, [PASSKEY_HEADER], [(d, needle)],
-                                  [PASSKEY_QUERY])
+    words = formats.WORDINGS[wording]
+    needle = words.needle.format(key=key)
+    if haystack == "grass":
+        filler, joiner = FILLER_SENTENCES, " "
+    else:
+        filler, joiner = formats.haystack_units(haystack, random.Random(f"haystack:{seed}"))
+    prompt, used, slots, n = _fit(tokenizer, context_tokens, [words.header], [(d, needle)],
+                                  [words.query], filler, joiner)
     return TaskSample("passkey", prompt, f" {key}", seed, context_tokens, used,
                       depth=slots[0] / n if n else 0.0,
-                      meta={"needle": needle, "passkey": key, "question": PASSKEY_QUERY})
+                      meta={"needle": needle, "passkey": key, "question": words.query,
+                            "format": fmt, "haystack": haystack, "wording": wording})
 
 
 def _key_name(rng: random.Random, used: set[str]) -> str:
