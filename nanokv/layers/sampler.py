@@ -6,24 +6,35 @@ temperature, then min_p on the tempered distribution, then top-k and top-p. Log-
 those of the model's raw distribution (vLLM's default `raw_logprobs`): what the model thought,
 not what the sampling settings made of it.
 
-Sampled rows are drawn together by inverse-CDF sampling: one uniform u per row and the first
-token whose cumulative probability (float64) exceeds u * total. That is one random number per
-row where a multinomial (the exponential race inside torch.multinomial) draws one per vocabulary
-entry (an order of magnitude faster for a large vocabulary; figures in docs/results/engine).
-`sample_row_reference` is the per-row softmax + multinomial it replaces, and `apply_penalties`
-is written token by token in the tests as the oracle of the vectorised version.
+All rows are sampled on the logits' device at once (`batch_sampling.py`): per-row parameter
+tensors, one upload of them, and one transfer back of the token ids (with the requested
+log-probabilities packed beside them): one host synchronisation per step. Sampled rows are drawn
+by inverse CDF: one uniform u per row and the first token whose cumulative probability (float64)
+exceeds u * total, one random number per row where a multinomial draws one per vocabulary entry.
+`Sampler.sample_reference` is the same draw row by row on the host with `apply_penalties` and
+`filter_logits` (the oracle of the batched path, token for token), `sample_row_reference` the
+per-row softmax + multinomial (the oracle of the distribution), `token_logprobs` the host
+reference of the log-probabilities.
 
-A request with a seed draws token i with a uniform from a generator seeded by (seed, i), so its
-output does not depend on what else is in the batch, nor on preemption. Requests without a seed
-share the engine's generator.
+A request with a seed draws token i with a uniform from a generator seeded by (seed, i) (drawn on
+the host, S numbers a step, uploaded with the parameters), so its output does not depend on what
+else is in the batch, nor on preemption, nor on the device. Requests without a seed share the
+engine's generator.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from nanokv.layers.batch_sampling import (
+    RowParams,
+    apply_penalties_batch,
+    draw,
+    logprob_parts,
+)
 from nanokv.sampling_params import SamplingParams
 
 # (prompt token ids, output token ids) of a row: what the penalties look at
@@ -60,45 +71,67 @@ class Sampler:
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                output_indices: list[int],
                histories: list[History | None] | None = None) -> SamplerOutput:
-        """logits: [N, vocab]; histories[i] is needed where params[i].has_penalties."""
+        """logits: [N, vocab] on the model's device; histories[i] is needed where
+        params[i].has_penalties. All rows on the device at once; one transfer back."""
         raw = logits
-        penalised = [i for i, p in enumerate(params) if p.has_penalties]
-        if penalised:
-            if histories is None:
-                raise ValueError("penalties need each row's (prompt, output) token ids")
-            logits = logits.float().clone()
-            for i in penalised:
-                logits[i] = apply_penalties(logits[i], params[i], *histories[i])
-        tokens = logits.argmax(dim=-1).tolist()
+        logits = apply_penalties_batch(logits, params, histories)
+        tokens = logits.argmax(dim=-1)  # [N]: the greedy rows' tokens
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
-            self._sample_rows(logits, params, output_indices, rows, tokens)
-        return SamplerOutput(tokens, token_logprobs(raw, params, tokens))
+            rp = RowParams.build(params, rows, self._uniforms(params, output_indices, rows),
+                                 logits.shape[1], logits.device)
+            tokens = tokens.index_copy(0, rp.rows, draw(logits, rp))
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        top = max((params[i].logprobs for i in lp_rows), default=0)
+        parts = [tokens.double()]
+        if lp_rows:
+            parts += logprob_parts(raw, tokens, lp_rows, top)
+        host = torch.cat(parts).cpu()  # the step's one device -> host transfer
+        n = len(params)
+        token_ids = host[:n].long().tolist()
+        return SamplerOutput(token_ids, _unpack_logprobs(host[n:], params, lp_rows, top,
+                                                         token_ids))
 
-    def _sample_rows(self, logits: torch.Tensor, params: list[SamplingParams],
-                     output_indices: list[int], rows: list[int], tokens: list[int]) -> None:
-        temps = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32)
-        scaled = logits[rows].float().cpu() / temps[:, None]  # [S, vocab]
-        for j, i in enumerate(rows):
-            p = params[i]
-            if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
-                scaled[j] = filter_logits(scaled[j], p.top_k, p.top_p, p.min_p)
-        cdf = scaled.softmax(-1).double().cumsum_(-1)  # [S, vocab], non-decreasing
-        u = torch.rand(len(rows), 1, generator=self.generator, dtype=torch.float64)  # [S, 1]
+    def _uniforms(self, params: list[SamplingParams], output_indices: list[int],
+                  rows: list[int]) -> np.ndarray:
+        """One uniform per sampled row [S] float64: the engine's generator gives all S (so the
+        unseeded stream does not depend on which rows have seeds), a seeded row's is replaced
+        by its own (seed, output index) draw."""
+        u = torch.rand(len(rows), generator=self.generator, dtype=torch.float64)  # [S]
         for j, i in enumerate(rows):
             if params[i].seed is not None:
                 u[j] = torch.rand(1, generator=self._request_generator(params[i],
                                                                        output_indices[i]),
                                   dtype=torch.float64)
-        # first index with cdf > u * total: a zero-probability token never has cdf rising there
-        picks = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # [S, 1]
-        picks = picks.clamp_max_(cdf.shape[1] - 1).view(-1).tolist()
-        for j, i in enumerate(rows):
-            tokens[i] = picks[j]
+        return u.numpy()
 
     @staticmethod
     def _request_generator(p: SamplingParams, index: int) -> torch.Generator:
         return torch.Generator().manual_seed((p.seed * 1_000_003 + index) % (2**63))
+
+    def sample_reference(self, logits: torch.Tensor, params: list[SamplingParams],
+                         output_indices: list[int],
+                         histories: list[History | None] | None = None) -> list[int]:
+        """Row by row on the host with `apply_penalties` and `filter_logits`, the same uniforms
+        as `sample` draws: the oracle the batched device path is tested against, token for
+        token."""
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        u = self._uniforms(params, output_indices, rows) if rows else None
+        tokens = []
+        for i, p in enumerate(params):
+            row = logits[i].float().cpu()
+            if p.has_penalties:
+                row = apply_penalties(row, p, *histories[i])
+            if p.greedy:
+                tokens.append(int(row.argmax()))
+                continue
+            temp = torch.tensor(p.temperature, dtype=torch.float32)
+            row = filter_logits(row / temp, p.top_k, p.top_p, p.min_p)
+            cdf = row.softmax(-1).double().cumsum(-1)  # [vocab]
+            pick = torch.searchsorted(cdf, torch.tensor([u[rows.index(i)]]) * cdf[-1],
+                                      right=True)
+            tokens.append(min(int(pick), cdf.shape[0] - 1))
+        return tokens
 
     def sample_row_reference(self, logits: torch.Tensor, p: SamplingParams, index: int,
                              history: History | None = None) -> int:
@@ -113,6 +146,22 @@ class Sampler:
         probs = logits.softmax(-1).cpu()
         gen = self._request_generator(p, index) if p.seed is not None else self.generator
         return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def _unpack_logprobs(host: torch.Tensor, params: list[SamplingParams], rows: list[int],
+                     top: int, tokens: list[int]) -> list[TokenLogprobs | None]:
+    """The host side of `logprob_parts`: host holds value [L], rank [L], then the top values
+    and ids [L * top] each."""
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    n = len(rows)
+    values, ranks = host[:n].tolist(), host[n:2 * n].long().tolist()
+    top_values = host[2 * n:2 * n + n * top].view(n, top).tolist()  # [L, top]
+    top_ids = host[2 * n + n * top:].long().view(n, top).tolist()
+    for j, i in enumerate(rows):
+        k = params[i].logprobs
+        out[i] = TokenLogprobs(tokens[i], values[j], ranks[j],
+                               list(zip(top_ids[j][:k], top_values[j][:k])))
+    return out
 
 
 def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_token_ids: list[int],

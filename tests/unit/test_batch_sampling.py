@@ -1,0 +1,132 @@
+"""The batched device sampler against the per-row host references: the same tokens for the same
+seeds in mixed batches, seeded rows independent of their batch, per-row filters and penalties
+equal to `filter_logits` / `apply_penalties`, log-probabilities equal to `token_logprobs`."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from nanokv.layers.batch_sampling import RowParams, apply_penalties_batch, filter_logits_batch
+from nanokv.layers.sampler import Sampler, apply_penalties, filter_logits, token_logprobs
+from nanokv.sampling_params import SamplingParams
+
+VOCAB = 300
+
+
+def random_params(rng: random.Random) -> SamplingParams:
+    """One of the mixes a server sees: greedy or tempered, filters, penalties, seeds."""
+    kind = rng.choice(["greedy", "temp", "top_k", "top_p", "min_p", "all", "penalties"])
+    kw: dict = {}
+    if kind == "greedy":
+        kw["temperature"] = 0
+    else:
+        kw["temperature"] = rng.choice([0.3, 0.7, 1.0, 1.6])
+    if kind in ("top_k", "all"):
+        kw["top_k"] = rng.choice([1, 5, 40, VOCAB + 10])
+    if kind in ("top_p", "all"):
+        kw["top_p"] = rng.choice([0.1, 0.5, 0.9])
+    if kind in ("min_p", "all"):
+        kw["min_p"] = rng.choice([0.01, 0.1, 0.4])
+    if kind in ("penalties", "all") or rng.random() < 0.2:
+        kw["repetition_penalty"] = rng.choice([1.0, 0.8, 1.3])
+        kw["frequency_penalty"] = rng.choice([0.0, 0.5, -0.4])
+        kw["presence_penalty"] = rng.choice([0.0, 0.7])
+    if rng.random() < 0.5:
+        kw["seed"] = rng.randrange(1000)
+    if rng.random() < 0.2:
+        kw["logprobs"] = rng.choice([0, 3])
+    return SamplingParams(**kw)
+
+
+def random_batch(seed: int, n: int):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    logits = torch.randn(n, VOCAB) * 3  # [N, vocab]
+    params = [random_params(rng) for _ in range(n)]
+    indices = [rng.randrange(50) for _ in range(n)]
+    histories = [([rng.randrange(VOCAB) for _ in range(rng.randrange(1, 30))],
+                  [rng.randrange(VOCAB) for _ in range(rng.randrange(0, 20))])
+                 for _ in range(n)]
+    return logits, params, indices, histories
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batched_equals_per_row_reference(seed):
+    logits, params, indices, histories = random_batch(seed, 24)
+    for engine_seed in (0, 11):  # unseeded rows draw from the engine's generator in both
+        got = Sampler(engine_seed).sample(logits, params, indices, histories).token_ids
+        ref = Sampler(engine_seed).sample_reference(logits, params, indices, histories)
+        assert got == ref
+    assert any(not p.greedy for p in params) and any(p.has_penalties for p in params)
+
+
+def test_seeded_row_does_not_depend_on_its_batch():
+    logits, params, indices, histories = random_batch(7, 16)
+    mine = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, min_p=0.02, seed=4242,
+                          repetition_penalty=1.2)
+    row = torch.randn(VOCAB) * 3
+    history = ([1, 2, 3], [4, 4])
+    alone = [Sampler(s).sample(row[None], [mine], [9], [history]).token_ids[0]
+             for s in (0, 1)]
+    for place in (0, 5, 16):  # first, middle, last; different neighbours, different generator
+        lg = torch.cat([logits[:place], row[None], logits[place:]])
+        ps = params[:place] + [mine] + params[place:]
+        ix = indices[:place] + [9] + indices[place:]
+        hs = histories[:place] + [history] + histories[place:]
+        assert Sampler(place).sample(lg, ps, ix, hs).token_ids[place] == alone[0]
+    assert alone[0] == alone[1]
+    # and the draws do vary with the output index (the seed is not a constant token)
+    draws = {Sampler(0).sample(row[None], [mine], [i], [history]).token_ids[0]
+             for i in range(40)}
+    assert len(draws) > 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_filters_equal_filter_logits_row_by_row(seed):
+    logits, params, _, _ = random_batch(100 + seed, 20)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    rp = RowParams.build(params, rows, np.zeros(len(rows)), VOCAB, torch.device("cpu"))
+    scaled = logits[rows] / rp.temperature  # [S, vocab]
+    got = torch.isfinite(filter_logits_batch(scaled, rp))
+    for j, i in enumerate(rows):
+        p = params[i]
+        ref = torch.isfinite(filter_logits(scaled[j], p.top_k, p.top_p, p.min_p))
+        assert torch.equal(got[j], ref), (i, p)
+
+
+def test_penalties_equal_apply_penalties_row_by_row():
+    logits, params, _, histories = random_batch(3, 30)
+    got = apply_penalties_batch(logits, params, histories)
+    for i, p in enumerate(params):
+        ref = apply_penalties(logits[i], p, *histories[i]) if p.has_penalties else logits[i]
+        assert torch.equal(got[i], ref), i
+    # token ids beyond the vocabulary (a larger tokenizer) are ignored, as in the reference
+    p = SamplingParams(repetition_penalty=2.0, frequency_penalty=1.0)
+    out = apply_penalties_batch(logits[:1], [p], [([VOCAB + 3, 1], [VOCAB + 5, 2])])
+    assert torch.equal(out[0], apply_penalties(logits[0], p, [VOCAB + 3, 1], [VOCAB + 5, 2]))
+
+
+def test_penalties_without_history_raise():
+    p = SamplingParams(presence_penalty=0.5)
+    with pytest.raises(ValueError, match="penalties need"):
+        Sampler(0).sample(torch.randn(1, VOCAB), [p], [0], None)
+
+
+def test_logprobs_equal_the_host_reference():
+    logits, params, indices, histories = random_batch(9, 24)
+    params = [SamplingParams(**{**p.__dict__, "logprobs": k})
+              for p, k in zip(params, [None, 0, 2, 5] * 6)]
+    out = Sampler(0).sample(logits, params, indices, histories)
+    ref = token_logprobs(logits, params, out.token_ids)
+    for got, want in zip(out.logprobs, ref):
+        if want is None:
+            assert got is None
+            continue
+        assert (got.token_id, got.rank) == (want.token_id, want.rank)
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-6)
+        assert [t for t, _ in got.top] == [t for t, _ in want.top]
+        assert [v for _, v in got.top] == pytest.approx([v for _, v in want.top], abs=1e-6)
