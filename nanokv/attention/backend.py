@@ -47,6 +47,9 @@ from nanokv.attention.common import CommonAttentionMetadata
 class AttentionBackend(ABC):
     name: ClassVar[str] = ""  # the attention_backend option that selects it
     description: ClassVar[str] = ""  # for the start-up log
+    # True: it dequantizes the blocks it reads into transient buffers (the memory plan reserves
+    # the KV cache spec's decode scratch for them); False: it reads the cache in place
+    dequantizes_blocks: ClassVar[bool] = False
     supports_cuda_graphs: ClassVar[bool] = False  # graph_decode_metadata / fill_graph_decode
 
     def __init__(self, kv_cache, device: torch.device) -> None:

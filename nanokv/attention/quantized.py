@@ -25,6 +25,7 @@ class StoreStep:
 class QuantizedTorchBackend(AttentionBackend):
     name = "torch"
     description = "PyTorch over the quantized store (dequantize, then attend)"
+    dequantizes_blocks = True
 
     @classmethod
     def why_not(cls, kv_cache, device: torch.device) -> tuple[str, bool] | None:

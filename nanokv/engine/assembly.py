@@ -4,6 +4,9 @@
                     policy, the attention backend name: every compatibility check, before any
                     weight is loaded
     plan_kv_cache   the kind's spec against the memory budget -> KVCachePlan (plain data)
+    build_kv_cache  the plan, the allocated KV cache and the attention backend chosen for it
+                    (the one choice; the plan reserves decode scratch only for a backend that
+                    dequantizes the blocks it reads)
     startup_report  what the engine logs at start-up
 
 `LLMEngine.__init__` calls these and builds the parts from their results.
@@ -12,17 +15,25 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
-from nanokv.attention.selector import backend_names
+from nanokv.attention.backend import AttentionBackend
+from nanokv.attention.selector import backend_names, select_backend
 from nanokv.cache.kv_cache import KVCache, KVCacheOptions, KVCacheSpec, raise_layer_slices_needed
 from nanokv.cache.layout import KVLayout
 from nanokv.cache.registry import kv_cache_settings
 from nanokv.config import EngineConfig
 from nanokv.distributed.support import check_tensor_parallel
-from nanokv.engine.kv_cache_plan import KVCachePlan, budget_blocks, estimate_activation_bytes
+from nanokv.engine.kv_cache_plan import (
+    KVBudget,
+    KVCachePlan,
+    budget_blocks,
+    estimate_activation_bytes,
+    kv_budget,
+)
 from nanokv.worker.profiler import measure_activation_bytes
 from nanokv.policies.base import PolicyConfig, policy_class
 from nanokv.utils import cdiv, head_dim_of
@@ -83,25 +94,34 @@ def scaled_spec(spec: KVCacheSpec, copies: int) -> KVCacheSpec:
                        spec.fixed_bytes * copies, spec.scratch_bytes_per_block * copies)
 
 
-def plan_kv_cache(config: EngineConfig, spec: KVCacheSpec, model, hf_config,
-                  device: torch.device, dtype: torch.dtype, max_model_len_given: bool
-                  ) -> KVCachePlan:
-    """Blocks from num_kv_blocks or the memory budget; max_model_len lowered to the pool when
-    it was not given (a ValueError when it was and one request cannot fit)."""
+def measure_kv_budget(config: EngineConfig, model, hf_config, device: torch.device,
+                      dtype: torch.dtype) -> KVBudget | None:
+    """The KV cache's byte budget (once: free memory drops when the cache is allocated); None
+    when num_kv_blocks gives the block count."""
+    if config.num_kv_blocks is not None:
+        return None
+    activation = measure_activation_bytes(model, config.max_num_batched_tokens, device)
+    if activation is None:
+        activation = (estimate_activation_bytes(hf_config, config.max_num_batched_tokens,
+                                                config.max_num_seqs, dtype), "estimated")
+    budget = kv_budget(device=device, kv_cache_memory=config.kv_cache_memory,
+                       fraction=config.kv_cache_memory_fraction, activation_bytes=activation[0])
+    return replace(budget, source=f"{budget.source}; peak activations "
+                                  f"{activation[0] / 2**20:.0f} MiB, {activation[1]}")
+
+
+def plan_kv_cache(config: EngineConfig, spec: KVCacheSpec, budget: KVBudget | None,
+                  max_model_len_given: bool, reserve_scratch: bool) -> KVCachePlan:
+    """Blocks from num_kv_blocks or the budget (decode scratch reserved per block when
+    `reserve_scratch`: see `budget_blocks`); max_model_len lowered to the pool when it was not
+    given (a ValueError when it was and one request cannot fit)."""
     bs = config.block_size
     blocks_per_seq = cdiv(config.max_model_len, bs)
-    if config.num_kv_blocks is not None:
+    if budget is None:
         num_blocks, source = config.num_kv_blocks, "num_kv_blocks"
     else:
-        activation = measure_activation_bytes(model, config.max_num_batched_tokens, device)
-        if activation is None:
-            activation = (estimate_activation_bytes(hf_config, config.max_num_batched_tokens,
-                                                    config.max_num_seqs, dtype), "estimated")
-        num_blocks, source = budget_blocks(
-            spec, device=device, kv_cache_memory=config.kv_cache_memory,
-            fraction=config.kv_cache_memory_fraction, activation_bytes=activation[0],
-            max_useful_blocks=config.max_num_seqs * blocks_per_seq)
-        source += f"; peak activations {activation[0] / 2**20:.0f} MiB, {activation[1]}"
+        num_blocks, source = budget_blocks(spec, budget, reserve_scratch=reserve_scratch,
+                                           max_useful_blocks=config.max_num_seqs * blocks_per_seq)
     max_model_len = config.max_model_len
     if num_blocks < blocks_per_seq:
         fit = num_blocks * bs
@@ -113,6 +133,26 @@ def plan_kv_cache(config: EngineConfig, spec: KVCacheSpec, model, hf_config,
                        fit)
         max_model_len = fit
     return KVCachePlan(spec, num_blocks, bs, max_model_len, source)
+
+
+def build_kv_cache(config: EngineConfig, spec: KVCacheSpec, budget: KVBudget | None,
+                   max_model_len_given: bool, create: Callable[[int], KVCache],
+                   device: torch.device
+                   ) -> tuple[KVCachePlan, KVCache, type[AttentionBackend], str]:
+    """Plan the pool, allocate it (`create(num_blocks)`) and choose the attention backend: the
+    one place it is chosen. The plan first gives the decode scratch's bytes to blocks (a backend
+    that reads the codes in place needs none); when the chosen backend dequantizes the blocks it
+    reads and that changes the block count, the cache is planned and allocated again, with the
+    scratch reserved (the choice stays: same kind, same settings, same device)."""
+    plan = plan_kv_cache(config, spec, budget, max_model_len_given, reserve_scratch=False)
+    kv_cache = create(plan.num_blocks)
+    backend_class, why = select_backend(config.attention_backend, kv_cache, device)
+    if backend_class.dequantizes_blocks:
+        reserved = plan_kv_cache(config, spec, budget, max_model_len_given, reserve_scratch=True)
+        if reserved.num_blocks != plan.num_blocks:
+            del kv_cache  # freed before the smaller one is allocated
+            plan, kv_cache = reserved, create(reserved.num_blocks)
+    return plan, kv_cache, backend_class, why
 
 
 def startup_report(config: EngineConfig, model, device: torch.device, dtype_note: str,

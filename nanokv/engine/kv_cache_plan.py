@@ -61,37 +61,53 @@ def estimate_activation_bytes(cfg, num_tokens: int, num_seqs: int, dtype: torch.
     return 2 * num_tokens * per_token * elem + logits
 
 
-def budget_blocks(spec: KVCacheSpec, *, device: torch.device, kv_cache_memory: int | None,
-                  fraction: float, activation_bytes: int, max_useful_blocks: int
-                  ) -> tuple[int, str]:
-    """Blocks of the spec that fit the budget after its fixed bytes; without an explicit
-    kv_cache_memory the spec's decode scratch is reserved next to each block. Returns the
-    count and how the budget was found."""
+@dataclass(frozen=True)
+class KVBudget:
+    """The bytes the KV cache may take, found once before anything is allocated."""
+
+    nbytes: int
+    source: str  # how it was found (printed at start-up)
+    explicit: bool  # kv_cache_memory: transient decode buffers come out of other memory
+
+
+def kv_budget(*, device: torch.device, kv_cache_memory: int | None, fraction: float,
+              activation_bytes: int) -> KVBudget:
+    """kv_cache_memory, or a fraction of the free memory after peak activations."""
     if kv_cache_memory is not None:
-        budget, source = kv_cache_memory, "kv_cache_memory"
-    elif device.type == "cuda":
+        return KVBudget(kv_cache_memory, "kv_cache_memory", True)
+    if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * fraction) - activation_bytes
-        source = f"{fraction:.2f} x free GPU memory - peak activations"
-    else:
-        budget = int((available_host_memory() - activation_bytes) * fraction)
-        source = f"{fraction:.2f} x (available RAM - peak activations)"
-        if budget > CPU_DEFAULT_MAX_KV_BYTES:  # RAM is shared with everything else on a host
-            budget = CPU_DEFAULT_MAX_KV_BYTES
-            source += f", capped at {CPU_DEFAULT_MAX_KV_BYTES / 2**30:g} GiB on CPU"
-    scratch = 0 if kv_cache_memory is not None else spec.scratch_bytes_per_block
+        return KVBudget(int(free * fraction) - activation_bytes,
+                        f"{fraction:.2f} x free GPU memory - peak activations", False)
+    budget = int((available_host_memory() - activation_bytes) * fraction)
+    source = f"{fraction:.2f} x (available RAM - peak activations)"
+    if budget > CPU_DEFAULT_MAX_KV_BYTES:  # RAM is shared with everything else on a host
+        budget = CPU_DEFAULT_MAX_KV_BYTES
+        source += f", capped at {CPU_DEFAULT_MAX_KV_BYTES / 2**30:g} GiB on CPU"
+    return KVBudget(budget, source, False)
+
+
+def budget_blocks(spec: KVCacheSpec, budget: KVBudget, *, reserve_scratch: bool,
+                  max_useful_blocks: int) -> tuple[int, str]:
+    """Blocks of the spec that fit the budget after its fixed bytes. With `reserve_scratch`
+    (the attention backend dequantizes the blocks it reads) and a budget taken from free memory,
+    the spec's decode scratch is reserved next to each block; a backend that reads the codes in
+    place needs none, and those bytes hold blocks. Returns the count and how it was found."""
+    source = budget.source
+    scratch = spec.scratch_bytes_per_block if reserve_scratch and not budget.explicit else 0
     if scratch:
         source += " - decode dequantization buffers"
     if spec.fixed_bytes:
         source += f" - {spec.fixed_bytes / 2**20:.1f} MiB fixed store cost"
-    num_blocks = max(0, budget - spec.fixed_bytes) // (spec.bytes_per_block + scratch)
-    if kv_cache_memory is None and num_blocks > max_useful_blocks:
+    num_blocks = max(0, budget.nbytes - spec.fixed_bytes) // (spec.bytes_per_block + scratch)
+    if not budget.explicit and num_blocks > max_useful_blocks:
         num_blocks = max_useful_blocks
         source += f", capped at max_num_seqs full-length requests ({max_useful_blocks} blocks)"
     if num_blocks < 1:
         fixed = f" after the store's fixed {spec.fixed_bytes} bytes" if spec.fixed_bytes else ""
-        raise ValueError(f"the KV budget of {budget} bytes holds no block of "
-                         f"{spec.bytes_per_block} bytes{fixed}; raise kv_cache_memory or lower "
-                         f"block_size" + (" (or max_num_seqs: the store stages one partial block "
-                                          "per running request)" if spec.fixed_bytes else ""))
+        raise ValueError(f"the KV budget of {budget.nbytes} bytes holds no block of "
+                         f"{spec.bytes_per_block + scratch} bytes{fixed}; raise kv_cache_memory "
+                         f"or lower block_size" + (" (or max_num_seqs: the store stages one "
+                                                   "partial block per running request)"
+                                                   if spec.fixed_bytes else ""))
     return num_blocks, source

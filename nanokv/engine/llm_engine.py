@@ -10,11 +10,16 @@ import logging
 
 import torch
 
-from nanokv.attention.selector import select_backend
 from nanokv.cache.block_manager import BlockManager
 from nanokv.cache.layout import KVLayout
 from nanokv.config import EngineConfig
-from nanokv.engine.assembly import plan_kv_cache, resolve_parts, scaled_spec, startup_report
+from nanokv.engine.assembly import (
+    build_kv_cache,
+    measure_kv_budget,
+    resolve_parts,
+    scaled_spec,
+    startup_report,
+)
 from nanokv.engine.detokenizer import update_text
 from nanokv.engine.policy_runner import PolicyRunner, ScoringPass
 from nanokv.worker.cpu_memory import tune_glibc_malloc
@@ -88,15 +93,15 @@ class LLMEngine:
                 self.executor.profile(config.max_num_batched_tokens)
             if self.device.type == "cpu":  # the ranks' pools share the host's memory budget
                 plan_spec = scaled_spec(spec, tp_size)
-        self.kv_cache_plan = plan_kv_cache(config, plan_spec, self.model, cfg, self.device,
-                                           self.dtype, parts.max_model_len_given)
-        config.max_model_len = self.kv_cache_plan.max_model_len
+        budget = measure_kv_budget(config, self.model, cfg, self.device, self.dtype)
 
-        self.kv_cache = parts.kv_cache_class.create(
-            self.layout, self.kv_cache_plan.num_blocks, self.device, parts.kv_cache_settings,
-            rotary=self.model.rotary)
-        backend_class, backend_why = select_backend(config.attention_backend, self.kv_cache,
-                                                    self.device)
+        def create(num_blocks: int):
+            return parts.kv_cache_class.create(self.layout, num_blocks, self.device,
+                                               parts.kv_cache_settings, rotary=self.model.rotary)
+
+        self.kv_cache_plan, self.kv_cache, backend_class, backend_why = build_kv_cache(
+            config, plan_spec, budget, parts.max_model_len_given, create, self.device)
+        config.max_model_len = self.kv_cache_plan.max_model_len
         self.attention_backend = backend_class(self.kv_cache, self.device)
         kv_cache = self.kv_cache  # what the block manager and the policies act on
         if self.executor is not None:  # every rank's, through rank 0's
