@@ -1,0 +1,29 @@
+"""The engine's Scheduler with a lighter hand-over to the (absent) model runner."""
+
+from __future__ import annotations
+
+from nanokv.request import Request
+from nanokv.scheduler.scheduler import Scheduler
+
+
+class ReplayScheduled:
+    """The part of a ScheduledRequest the simulator and the step model read (the real one also
+    copies token ids and block tables for the model runner, which no one reads here)."""
+
+    __slots__ = ("request_id", "num_tokens", "start_slot", "sample", "is_decode")
+
+    def __init__(self, request_id: str, num_tokens: int, start_slot: int, sample: bool):
+        self.request_id = request_id
+        self.num_tokens = num_tokens
+        self.start_slot = start_slot
+        self.sample = sample
+        self.is_decode = num_tokens == 1 and start_slot > 0
+
+
+class SimScheduler(Scheduler):
+    """The engine's Scheduler; only the step's hand-over to the runner is lighter."""
+
+    def _scheduled(self, request: Request, num_new: int) -> ReplayScheduled:
+        start = request.num_computed_tokens
+        return ReplayScheduled(request.request_id, num_new, request.num_cached_slots,
+                               start + num_new == request.num_tokens)
