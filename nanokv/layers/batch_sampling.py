@@ -15,17 +15,9 @@ import numpy as np
 import torch
 
 from nanokv.sampling_params import SamplingParams
+from nanokv.transfer import upload
 
 History = tuple[list[int], list[int]]
-
-
-def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """One host -> device copy that does not wait for the device's queued work (a blocking
-    copy would synchronise the stream)."""
-    tensor = torch.from_numpy(array)
-    if device.type == "cpu":
-        return tensor
-    return tensor.to(device, non_blocking=True)
 
 
 @dataclass

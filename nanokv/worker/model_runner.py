@@ -1,9 +1,11 @@
 """Turns a SchedulerOutput into one forward pass and sampled tokens.
 
 Prepares the flattened batch (input ids, positions) and the step's common attention description
-(slot mapping, block tables, context lengths), which the engine's attention backend shapes into
-its own metadata; runs the model; computes logits only for rows that sample; samples. The queries
-KV policies asked for come back from the model and are returned per request.
+(slot mapping, block tables, context lengths) with array operations, uploaded once
+(`step_inputs.py`), which the engine's attention backend shapes into its own metadata; runs the
+model (a decode-only step through a CUDA graph where `cuda_graph.py` applies); computes logits
+only for rows that sample; samples on the device (one transfer back). The queries KV policies
+asked for come back from the model and are returned per request.
 
 Under tensor parallelism every rank runs `execute` on the same SchedulerOutput (its share of the
 heads); logits and captured queries are gathered on rank 0, which alone samples.
@@ -13,21 +15,27 @@ from __future__ import annotations
 
 import torch
 
-from nanokv.attention.common import CommonAttentionMetadata, PrefillChunk, StepAttention
+from nanokv.attention.common import StepAttention
 from nanokv.layers.sampler import Sampler
 from nanokv.sampling_params import SamplingParams
 from nanokv.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from nanokv.utils import cdiv
+from nanokv.worker.cuda_graph import DecodeGraphs
+from nanokv.worker.step_inputs import StepInputs, build_step_inputs
 
 _SCORING_PARAMS = SamplingParams(temperature=0, max_tokens=1)
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache, attention_backend, device: torch.device,
-                 seed: int, tp=None) -> None:
+                 seed: int, tp=None, enforce_eager: bool = True, max_num_seqs: int = 1,
+                 max_model_len: int = 1) -> None:
         """kv_cache: the engine's `KVCache`; attention_backend: the `AttentionBackend` chosen at
         start-up (it reads and writes `kv_cache`); tp: this rank's
-        `nanokv.distributed.parallel_state.TensorParallel` (None without tensor parallelism)."""
+        `nanokv.distributed.parallel_state.TensorParallel` (None without tensor parallelism);
+        enforce_eager False: decode steps through CUDA graphs where they apply (CUDA, a backend
+        that supports them, no tensor parallelism), captured here for up to max_num_seqs
+        requests of up to max_model_len tokens."""
         self.tp = tp
         self.model = model
         self.kv_cache = kv_cache
@@ -36,11 +44,23 @@ class ModelRunner:
         self.block_size = kv_cache.layout.block_size
         self.num_pool_blocks = kv_cache.num_blocks
         self.sampler = Sampler(seed)
+        self.graphs: DecodeGraphs | None = None
+        if (not enforce_eager and device.type == "cuda" and tp is None
+                and attention_backend.supports_cuda_graphs):
+            self.graphs = DecodeGraphs(model, attention_backend, device, max_num_seqs,
+                                       cdiv(max_model_len, self.block_size))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        input_ids, positions, step, sample_rows, capture = self.prepare(sched)
-        hidden, q_rows = self.model(input_ids, positions, step)  # [T, hidden]
+        inputs = self.inputs(sched)
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            hidden, q_rows, capture = self.graphs.run(inputs), None, []  # [n, hidden]
+        else:
+            step = StepAttention(self.backend, self.backend.build(inputs.common),
+                                 inputs.capture_rows)
+            hidden, q_rows = self.model(inputs.input_ids, inputs.positions, step)  # [T, hidden]
+            capture = inputs.capture
+        sample_rows = inputs.sample_rows
         if self.tp is not None and q_rows is not None:  # every rank's heads, on rank 0
             q_rows = [self.tp.gather(q, dim=1) for q in q_rows]  # each [Tc, Hq, D]
             if not self.tp.is_first:
@@ -49,8 +69,11 @@ class ModelRunner:
         captured = self._split_captured(q_rows, capture)
         if not sample_rows:
             return RunnerOutput({}, prompt_logits, captured)
-        rows = torch.tensor(sample_rows, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])  # [N, vocab]
+        if len(sample_rows) == hidden.shape[0]:  # every row samples (a decode step)
+            logits = self.model.compute_logits(hidden)  # [N, vocab]
+        else:
+            rows = torch.tensor(sample_rows).to(self.device, non_blocking=True)
+            logits = self.model.compute_logits(hidden[rows])  # [N, vocab]
         if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
             return RunnerOutput({}, prompt_logits, captured)
         sampled = [s for s in sched.scheduled if s.sample]
@@ -77,11 +100,11 @@ class ModelRunner:
         s = ScheduledRequest("#scoring", list(token_ids), start_position, start_slot, block_table,
                              sample=False, params=_SCORING_PARAMS, output_index=0,
                              capture_from=start_position)
-        input_ids, positions, step, _, _ = self.prepare(SchedulerOutput([s]))
-        _, q_rows = self.model(input_ids, positions, step)  # per layer [T, Hq, D]
-        bs = self.block_size
-        slots = torch.tensor([block_table[j // bs] * bs + j % bs
-                              for j in range(start_slot, start_slot + n)], device=self.device)
+        inputs = self.inputs(SchedulerOutput([s]))
+        step = StepAttention(self.backend, self.backend.build(inputs.common),
+                             inputs.capture_rows)
+        _, q_rows = self.model(inputs.input_ids, inputs.positions, step)  # per layer [T, Hq, D]
+        slots = inputs.slots
         keys = []
         for layer in range(self.kv_cache.layout.num_layers):
             k_cache, _ = self.kv_cache.layer(layer)  # [num_blocks, B, Hkv, D]
@@ -99,74 +122,12 @@ class ModelRunner:
             start += s.num_tokens
         return out
 
-    def prepare(self, sched: SchedulerOutput):
-        """Input ids [T], positions [T], the step's StepAttention, the rows that sample, and the
-        query capture [(request id, first row, end row)]."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        sample_rows: list[int] = []
-        capture: list[tuple[str, int, int]] = []
-        for s in sched.scheduled:
-            start, n = len(input_ids), s.num_tokens
-            input_ids += s.token_ids
-            positions += range(s.start_position, s.start_position + n)
-            if s.sample:
-                sample_rows.append(start + n - 1)
-            if s.capture_from is not None and s.start_position + n > s.capture_from:
-                first = max(0, s.capture_from - s.start_position)
-                capture.append((s.request_id, start + first, start + n))
-        num_decode = sum(1 for s in sched.scheduled if s.is_decode)
-        if any(not s.is_decode for s in sched.scheduled[:num_decode]):
-            raise RuntimeError("decodes must come first in the batch")
-        if any(s.layer_tables is not None for s in sched.scheduled):
-            per_layer = [self._common(sched.scheduled, num_decode, layer)
-                         for layer in range(self.kv_cache.layout.num_layers)]
-            # each layer addresses its own slices; the slot positions are kept at layer 0's
-            # slot, as a pool slot
-            pool_slots = self.num_pool_blocks * bs
-            common = CommonAttentionMetadata(
-                [slot % pool_slots for slot in per_layer[0].slot_mapping], num_decode, [], [], [],
-                per_layer=per_layer)
-        else:
-            common = self._common(sched.scheduled, num_decode, layer=None)
-        common.write_plan = self.kv_cache.begin_step(common.slot_mapping, positions)
-        capture_rows = None
-        if capture:
-            capture_rows = torch.cat([torch.arange(a, b) for _, a, b in capture]).to(self.device)
-        step = StepAttention(self.backend, self.backend.build(common), capture_rows)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return ids, pos, step, sample_rows, capture
-
-    def _common(self, scheduled: list[ScheduledRequest], num_decode: int,
-                layer: int | None) -> CommonAttentionMetadata:
-        """The step's addressing: shared by all layers (layer None), or layer `layer`'s in flat
-        layer-slice ids (a request with per-layer tables uses its own; the others their shared
-        table, offset to this layer)."""
-        bs = self.block_size
-        offset = 0 if layer is None else layer * self.num_pool_blocks
-        slots: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillChunk] = []
-        for s in scheduled:
-            start, n = len(slots), s.num_tokens
-            if layer is not None and s.layer_tables is not None:
-                table, first = s.layer_tables[layer], s.layer_start_slots[layer]
-            else:
-                table, first = s.block_table, s.start_slot
-                if offset:
-                    table = [b + offset for b in table]
-            context = first + n
-            table = table[:cdiv(context, bs)]
-            slots += [table[j // bs] * bs + j % bs for j in range(first, context)]
-            if s.is_decode:
-                decode_tables.append(table)
-                decode_lens.append(context)
-            else:
-                prefills.append(PrefillChunk(start, n, context, table))
-        return CommonAttentionMetadata(slots, num_decode, decode_tables, decode_lens, prefills)
+    def inputs(self, sched: SchedulerOutput) -> StepInputs:
+        """The step's inputs on the device, the KV cache's step begun (`common.write_plan`)."""
+        inputs = build_step_inputs(sched.scheduled, self.block_size, self.num_pool_blocks,
+                                   self.kv_cache.layout.num_layers, self.device)
+        inputs.common.write_plan = self.kv_cache.begin_step(inputs.slots, inputs.positions)
+        return inputs
 
     @staticmethod
     def _split_captured(q_rows: list[torch.Tensor] | None,

@@ -1,0 +1,94 @@
+"""The step's inputs built with arrays against the per-token list construction they replace."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from nanokv.sampling_params import SamplingParams
+from nanokv.scheduler.output import ScheduledRequest
+from nanokv.utils import cdiv
+from nanokv.worker.step_inputs import build_step_inputs, common_reference
+
+BS, POOL, LAYERS = 16, 64, 3
+
+
+def random_step(seed: int, per_layer: bool = False) -> list[ScheduledRequest]:
+    """Decodes first, then prefill chunks; slots differ from positions (evicted caches), tables
+    longer than needed (the runner trims them)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(rng.randrange(1, 9)):
+        decode = i < 3 and rng.random() < 0.8 and (not out or out[-1].is_decode)
+        n = 1 if decode else rng.randrange(1, 40)
+        first = rng.randrange(1, 100) if decode else rng.choice([0, rng.randrange(0, 60)])
+        table = rng.sample(range(POOL), cdiv(first + n, BS) + rng.randrange(3))
+        s = ScheduledRequest(f"r{i}", [rng.randrange(500) for _ in range(n)],
+                             first + rng.randrange(0, 30), first, table, sample=rng.random() < .7,
+                             params=SamplingParams(), output_index=0,
+                             capture_from=rng.choice([None, first + n // 2]))
+        if per_layer and rng.random() < 0.5:
+            firsts = [max(0, first - rng.randrange(0, 20)) if l else first for l in range(LAYERS)]
+            s.layer_start_slots = firsts
+            s.layer_tables = [[l * POOL + b for b in rng.sample(range(POOL), cdiv(f + n, BS))]
+                              for l, f in enumerate(firsts)]
+        out.append(s)
+    out.sort(key=lambda s: not s.is_decode)
+    return out
+
+
+def assert_same_common(got, want) -> None:
+    assert got.slot_mapping == want.slot_mapping
+    assert got.num_decode_tokens == want.num_decode_tokens
+    assert got.decode_block_tables == want.decode_block_tables
+    assert got.decode_context_lens == want.decode_context_lens
+    assert got.prefills == want.prefills
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_arrays_equal_the_per_token_lists(seed):
+    scheduled = random_step(seed)
+    inputs = build_step_inputs(scheduled, BS, POOL, LAYERS, torch.device("cpu"))
+    want = common_reference(scheduled, BS, POOL, None)
+    assert_same_common(inputs.common, want)
+    assert inputs.slots.tolist() == want.slot_mapping
+    assert inputs.input_ids.tolist() == [t for s in scheduled for t in s.token_ids]
+    assert inputs.positions.tolist() == [p for s in scheduled for p in
+                                         range(s.start_position, s.start_position + s.num_tokens)]
+    ends = list(torch.tensor([s.num_tokens for s in scheduled]).cumsum(0).tolist())
+    assert inputs.sample_rows == [e - 1 for e, s in zip(ends, scheduled) if s.sample]
+    rows = [] if inputs.capture_rows is None else inputs.capture_rows.tolist()
+    want_rows = []
+    start = 0
+    for s in scheduled:
+        if s.capture_from is not None:
+            want_rows += [start + j for j in range(s.num_tokens)
+                          if s.start_position + j >= s.capture_from]
+        start += s.num_tokens
+    assert rows == want_rows
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_per_layer_tables_equal_the_per_token_lists(seed):
+    scheduled = random_step(seed, per_layer=True)
+    if all(s.layer_tables is None for s in scheduled):
+        scheduled[-1].layer_tables = [[l * POOL + b for b in scheduled[-1].block_table]
+                                      for l in range(LAYERS)]
+        scheduled[-1].layer_start_slots = [scheduled[-1].start_slot] * LAYERS
+    inputs = build_step_inputs(scheduled, BS, POOL, LAYERS, torch.device("cpu"))
+    for layer in range(LAYERS):
+        assert_same_common(inputs.common.per_layer[layer],
+                           common_reference(scheduled, BS, POOL, layer))
+    layer0 = common_reference(scheduled, BS, POOL, 0).slot_mapping
+    assert inputs.common.slot_mapping == [s % (POOL * BS) for s in layer0]
+    assert inputs.slots.tolist() == inputs.common.slot_mapping
+
+
+def test_decodes_must_come_first():
+    prefill = ScheduledRequest("p", [1, 2], 0, 0, [5], True, SamplingParams(), 0)
+    decode = ScheduledRequest("d", [3], 7, 7, [6], True, SamplingParams(), 0)
+    with pytest.raises(RuntimeError, match="decodes must come first"):
+        build_step_inputs([prefill, decode], BS, POOL, LAYERS,
+                          torch.device("cpu"))
