@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nanokv.eval import corpus, tasks  # noqa: E402
+from nanokv.eval import corpus, passkey_formats, tasks  # noqa: E402
 
 EOS = "<|endoftext|>"
 # Qwen2-style pre-tokenizer regex: digits one by one, letters with an optional leading char.
@@ -179,9 +179,11 @@ def length_choices(progress: float, max_context: int) -> list[int]:
 
 
 def synthetic_row(tok, rng: random.Random, L: int, task_weights: dict[str, float] = TASK_WEIGHTS,
-                  early_frac: float = 0.0, early_depth: float = 0.25):
+                  early_frac: float = 0.0, early_depth: float = 0.25,
+                  passkey_format: str = "classic"):
     """One task row. A share `early_frac` of passkey rows puts the needle in the first
-    `early_depth` of the prompt (uniformly there); the rest draw the depth uniformly."""
+    `early_depth` of the prompt (uniformly there); the rest draw the depth uniformly. Passkey rows
+    are drawn in `passkey_format` (nanokv.eval.passkey_formats; trained formats only)."""
     name = rng.choices(list(task_weights), weights=list(task_weights.values()))[0]
     ctx = rng.randint(max(L // 2, 80), L - 24)
     seed = rng.randrange(2**31)
@@ -189,19 +191,21 @@ def synthetic_row(tok, rng: random.Random, L: int, task_weights: dict[str, float
     early = early_frac > 0 and rng.random() < early_frac
     depth = rng.uniform(0.0, early_depth) if early else None
     try:
-        s = _task(tok, rng, name, ctx, seed, depth)
+        s = _task(tok, rng, name, ctx, seed, depth, passkey_format)
     except ValueError:  # too many needles for a short context: fall back to a passkey
         try:
-            name, s = "passkey", tasks.passkey_sample(tok, ctx, depth=depth, seed=seed)
+            name, s = "passkey", tasks.passkey_sample(tok, ctx, depth=depth, seed=seed,
+                                                      fmt=passkey_format)
         except ValueError as e:
             raise ValueError(f"training rows of {L} tokens are too short for the task prompts "
                              f"with this tokenizer ({e}); use longer --lengths") from None
     return name, encode(tok, s.prompt), encode(tok, s.answer)
 
 
-def _task(tok, rng: random.Random, name: str, ctx: int, seed: int, depth: float | None = None):
+def _task(tok, rng: random.Random, name: str, ctx: int, seed: int, depth: float | None = None,
+          passkey_format: str = "classic"):
     if name == "passkey":
-        s = tasks.passkey_sample(tok, ctx, depth=depth, seed=seed)
+        s = tasks.passkey_sample(tok, ctx, depth=depth, seed=seed, fmt=passkey_format)
     elif name == "multikey_needle":
         s = tasks.multikey_needle_sample(
             tok, ctx, num_needles=rng.randint(2, 6), seed=seed, value_digits=rng.choice([5, 6, 7])
@@ -291,7 +295,8 @@ def make_batch(
             cat[b, 1:] = 3
         else:
             _, p, a = synthetic_row(tok, rng, L, args.task_weights,
-                                    args.early_needle_frac, args.early_needle_depth)
+                                    args.early_needle_frac, args.early_needle_depth,
+                                    args.passkey_format)
             seq = (p + a + [eos_id])[:L]
             ids[b, : len(seq)] = torch.tensor(seq)
             cat[b, 1 : len(p)] = 1
@@ -319,11 +324,12 @@ def loss_terms(logits: torch.Tensor, ids: torch.Tensor, cat: torch.Tensor):
 
 
 @torch.no_grad()
-def passkey_accuracy(model, tok, ctx: int, n: int, device, eos_id: int) -> tuple[float, list]:
+def passkey_accuracy(model, tok, ctx: int, n: int, device, eos_id: int,
+                     fmt: str = "classic") -> tuple[float, list]:
     model.eval()
     hits, fails = 0, []
     for i in range(n):
-        s = tasks.passkey_sample(tok, ctx, seed=EVAL_SEED_BASE + ctx * 100_000 + i)
+        s = tasks.passkey_sample(tok, ctx, seed=EVAL_SEED_BASE + ctx * 100_000 + i, fmt=fmt)
         x = torch.tensor([encode(tok, s.prompt)], device=device)
         out = model.generate(
             x,
@@ -736,6 +742,20 @@ def parse_task_weights(text: str) -> dict[str, float]:
     return weights
 
 
+def training_format(value: str) -> str:
+    """A passkey format that may be trained on: classic, trained, or HAYSTACK/WORDING of the
+    trained split."""
+    fmt = passkey_formats.parse_format(value)
+    if fmt == "held_out" or ("/" in fmt and (
+            fmt.split("/")[0] in passkey_formats.HELD_OUT_HAYSTACKS
+            or fmt.split("/")[1] in passkey_formats.HELD_OUT_WORDINGS)):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} uses a held-out haystack or wording ({passkey_formats.HELD_OUT_HAYSTACKS},"
+            f" {passkey_formats.HELD_OUT_WORDINGS}): those are kept out of training for the "
+            f"evaluation; use 'classic', 'trained' or a trained HAYSTACK/WORDING")
+    return fmt
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -824,6 +844,21 @@ def parse_args(argv=None):
         default=dict(TASK_WEIGHTS),
         help="share of each synthetic task among task rows, e.g. "
         "passkey=0.55,multikey_needle=0.2,kv_lookup=0.15,variable_tracking=0.1",
+    )
+    p.add_argument(
+        "--passkey-format",
+        type=training_format,
+        default="classic",
+        help="format of the passkey training rows (nanokv.eval.passkey_formats): 'classic', "
+        "'trained' (a random trained haystack and wording per row) or HAYSTACK/WORDING of the "
+        "trained split; held-out formats are refused (they are kept for evaluation)",
+    )
+    p.add_argument(
+        "--eval-formats",
+        type=lambda v: [passkey_formats.parse_format(f.strip()) for f in v.split(",") if f.strip()],
+        default=["held_out"],
+        help="comma-separated passkey formats also evaluated at 2k tokens (in-training and "
+        "final evaluations; the per-length table stays the classic format)",
     )
     p.add_argument(
         "--early-needle-frac",
@@ -1035,17 +1070,22 @@ def main(argv=None) -> None:
                     accs[ctx], fails = passkey_accuracy(
                         model, tok, ctx, args.eval_samples, device, eos_id
                     )
+            by_format = {fmt: passkey_accuracy(model, tok, min(2048, args.max_context),
+                                               args.eval_samples, device, eos_id, fmt)[0]
+                         for fmt in args.eval_formats}
             ppl, _ = perplexity(model, held_ids, 1024, device, max_tokens=32 * 1024)
             history.append(
                 {
                     "step": step,
                     "train_minutes": round(train_seconds / 60, 2),
                     "passkey": accs,
+                    "passkey_2k_by_format": by_format,
                     "heldout_ppl_32k": round(ppl, 3),
                 }
             )
             log(
-                f"EVAL step {step}: passkey {accs} (n={args.eval_samples}) held-out ppl "
+                f"EVAL step {step}: passkey {accs} (n={args.eval_samples}), at 2k by format "
+                f"{by_format}, held-out ppl "
                 f"(first 32k tokens) {ppl:.2f}; 2k failures {fails}"
             )
             save_ckpt(ckpt, model, opt, step, train_seconds, history)
@@ -1067,6 +1107,12 @@ def main(argv=None) -> None:
             acc, fails = passkey_accuracy(model, tok, ctx, args.final_samples, device, eos_id)
             final[ctx] = acc
             log(f"passkey @{ctx}: {acc:.3f} (n={args.final_samples}) failures {fails}")
+    final_by_format = {}
+    for fmt in args.eval_formats:
+        ctx = min(2048, args.max_context)
+        final_by_format[fmt], fails = passkey_accuracy(model, tok, ctx, args.final_samples,
+                                                       device, eos_id, fmt)
+        log(f"passkey @{ctx} in format {fmt}: {final_by_format[fmt]:.3f} failures {fails}")
     ppl, n_tok = perplexity(model, held_ids, 1024, device)
     log(f"held-out perplexity {ppl:.3f} over {n_tok:,} tokens ({len(held_files)} files)")
     samples = [
@@ -1086,6 +1132,7 @@ def main(argv=None) -> None:
         "vocab_size": tok.get_vocab_size(),
         "passkey_accuracy": {str(k): v for k, v in final.items()},
         "passkey_samples_per_length": args.final_samples,
+        "passkey_2k_by_format": final_by_format,
         "passkey_eval_seeds": f"{EVAL_SEED_BASE} + ctx*100000 + i, i < {args.final_samples}",
         "heldout_perplexity": round(ppl, 3),
         "heldout_tokens": n_tok,

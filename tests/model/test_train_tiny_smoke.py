@@ -22,7 +22,8 @@ def trained(tmp_path_factory) -> Path:
     cmd = [sys.executable, str(ROOT / "scripts" / "train_tiny.py"), "--workdir", str(work),
            "--out", str(out), "--steps", "3", "--max-minutes", "2", "--lengths", "512",
            "--tokens-per-step", "1024", "--induction-warmup", "1", "--induction-len", "32",
-           "--early-needle-frac", "0.5", "--eval-every", "100000", "--final-samples", "1",
+           "--early-needle-frac", "0.5", "--passkey-format", "trained",
+           "--eval-formats", "held_out,story/pass_key", "--eval-every", "100000", "--final-samples", "1",
            "--threads", "2", "--vocab", "512", "--hidden", "32", "--intermediate", "64",
            "--layers", "2", "--heads", "2", "--kv-heads", "1", "--head-dim", "16"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -39,6 +40,8 @@ def test_export_has_weights_tokenizer_results_and_card(trained):
     assert set(results["passkey_accuracy"]) == {"512", "1024", "2048"}
     assert results["heldout_perplexity"] > 1 and results["heldout_tokens"] > 10_000
     assert results["args"]["early_needle_frac"] == 0.5
+    assert results["args"]["passkey_format"] == "trained"
+    assert set(results["passkey_2k_by_format"]) == {"held_out", "story/pass_key"}
     card = (trained / "README.md").read_text()
     assert "Passkey target (>= 0.95 at 2048 tokens) NOT met" in card
     assert "in 0.5 of passkey rows uniformly in the first 0.25 of the prompt" in card

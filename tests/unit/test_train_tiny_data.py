@@ -75,3 +75,27 @@ def test_make_batch_is_deterministic_and_labels_the_answer(train_tiny, tok):
 def test_bad_fractions_are_rejected(train_tiny):
     with pytest.raises(SystemExit):
         train_tiny.parse_args(["--early-needle-frac", "1.5"])
+
+
+def test_trained_format_rows_use_only_trained_haystacks_and_wordings(train_tiny, tok):
+    from nanokv.eval import passkey_formats as formats
+
+    rng = random.Random(3)
+    wordings = set()
+    for _ in range(60):
+        name, prompt, answer = train_tiny.synthetic_row(tok, rng, 768, {"passkey": 1.0},
+                                                        passkey_format="trained")
+        text, key = tok.decode(prompt), tok.decode(answer).strip()
+        found = [w for w, words in formats.WORDINGS.items()
+                 if words.needle.format(key=key) in text]
+        assert len(found) == 1, text[:300]
+        wordings.add(found[0])
+    assert wordings == set(formats.TRAINED_WORDINGS)
+
+
+@pytest.mark.parametrize("fmt", ["held_out", "story/pass_key", "grass/secret_code"])
+def test_held_out_formats_cannot_be_trained_on(train_tiny, fmt):
+    with pytest.raises(SystemExit):
+        train_tiny.parse_args(["--passkey-format", fmt])
+    assert train_tiny.parse_args(["--passkey-format", "code/passcode"]).passkey_format == \
+        "code/passcode"
