@@ -150,7 +150,8 @@ def dense_reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     vd = vd.repeat_interleave(group, dim=1)
     scores = torch.einsum("lhd,shd->hls", qd, kd) * scale  # [Hq, L, S]
     past = total - length
-    allowed = torch.arange(total)[None, :] <= torch.arange(length)[:, None] + past
+    cols = torch.arange(total, device=q.device)
+    allowed = cols[None, :] <= torch.arange(length, device=q.device)[:, None] + past  # [L, S]
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = scores.softmax(-1)
     return torch.einsum("hls,shd->lhd", probs, vd).to(q.dtype)  # [L, Hq, D]
