@@ -37,7 +37,7 @@ grep -q "pip install 'nanokv\[serve\]'" err.txt || exit 1
   --attention-backend native
 ls "$NANOKV_CACHE_DIR"/*.so >/dev/null || { say "the decode kernel was not built"; exit 1; }
 "$BIN/nanokv" calibrate --model "$MODEL" --num-samples 2 --eval-samples 2 --seq-len 256 \
-  --block-size 64 --output calib.json
+  --eval-seq-len 512 --block-size 64 --output calib.json
 "$BIN/nanokv" generate --model "$MODEL" --kv-cache-dtype kvquant --kv-quant-config calib.json \
   --block-size 64 --prompt "import os" --max-tokens 8
 

@@ -11,7 +11,11 @@ pre-RoPE keys, per-token values, nuq codebooks, dense-and-sparse outliers, atten
     kvquant_store.py   KVQuantStore (staging of partial blocks, sparse outliers, sinks)
     registry.py        kv_cache_dtype -> store (make_kv_store, store_memory)
     attention.py       paged attention over a store + its dequantize-then-dense oracle
-    calibrate.py       offline calibration (Fisher, thresholds, codebooks, perplexity rule)
+    calibrate.py       offline calibration (Fisher, thresholds, codebooks), then the rule
+    precision_rule.py  the cheapest precision within a relative perplexity (and KL) bound
+    engine_measure.py  candidates measured on the engine's own store (decode-like protocol)
+    simulated_measure.py  the fast estimate: quantization simulated inside the HF model
+    scoring.py         perplexity, KL and top-1 of a candidate's logits on scored windows
     calibration_file.py  the calibration JSON (schema, loader with validation)
     cli.py             `nanokv calibrate`
 """

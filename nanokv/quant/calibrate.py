@@ -8,13 +8,14 @@
 3. Per-layer codebooks for keys and values at each width (2, 3, 4 bits): Fisher-weighted k-means
    on the values normalised exactly as the store normalises them (blocks of `block_size` tokens,
    keys per channel, values per token, outliers and sinks left out).
-4. Perplexity on separate evaluation sequences, the K/V quantized and dequantized inside the
-   model by hooks (`fake_quantize_sequence`, the store's own code), then the precision rule
-   (`choose_precision`; 4 bits first, more bits only where quality suffers, since 4 bits is
-   where KVQuant's published quality holds and each step up costs memory): the lowest
-   candidate width (default: 4 bits only) whose perplexity rises
-   by at most `max_ppl_increase`; else per-layer mixed precision (the most sensitive layers at 8
-   bits, one by one); else int8; else full precision.
+4. Each precision candidate measured on held-out windows other than the calibration's, then the
+   precision rule (nanokv/quant/precision_rule.py: the cheapest candidate within a relative
+   perplexity bound and, optionally, a KL bound). `measure`: "engine" runs the nanokv engine with
+   the candidate's real store in the decode-like protocol (nanokv/quant/engine_measure.py);
+   "simulated" is the fast estimate: K/V quantized and dequantized inside the Hugging Face model
+   by hooks (`fake_quantize_sequence`, the store's own code), every position of a window in one
+   forward pass, so each token also reads its own block quantized; "both" decides on the engine's
+   numbers and records the simulated estimate beside each.
 """
 
 from __future__ import annotations
@@ -25,12 +26,16 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from nanokv.quant.calibration_file import Calibration, Candidate, Decision, Trial
+from nanokv.quant.calibration_file import Calibration, Candidate
 from nanokv.quant.codebook import fisher_kmeans
-from nanokv.quant.codec import LayerCodec, fake_quantize_sequence
-from nanokv.quant.int8 import dequantize_int8, quantize_int8
-from nanokv.quant.kvquant import KVQUANT_BITS, SPARSE_DTYPES, normalized_values
-from nanokv.utils import head_dim_of
+from nanokv.quant.engine_measure import EngineMeasure, check_chunk_size
+from nanokv.quant.kvquant import KVQUANT_BITS, normalized_values
+from nanokv.quant.precision_rule import (Acceptance, Measurement, check_max_kl,
+                                         check_max_ppl_increase, choose_precision, make_trial)
+from nanokv.quant.scoring import ScoredWindows, check_context_fraction
+from nanokv.quant.simulated_measure import SimulatedMeasure, as_heads, kv_heads, kv_modules
+
+MEASURES = ("engine", "simulated", "both")
 
 
 @dataclass
@@ -42,7 +47,11 @@ class CalibrationSettings:
     num_sink_tokens: int = 1
     per_channel_keys: bool = True
     nuq: bool = True
-    max_ppl_increase: float = 0.2
+    max_ppl_increase: float = 3.0  # percent of the baseline perplexity
+    max_kl: float | None = None  # nats per scored token; None: no KL bound
+    measure: str = "engine"  # engine | simulated | both (decided on the engine's)
+    chunk_size: int = 32  # engine measure: tokens per prefill step
+    context_fraction: float = 0.75  # of each evaluation window: context before scored tokens
     kmeans_iters: int = 50
     max_kmeans_samples: int = 1_000_000
     seed: int = 0
@@ -60,44 +69,30 @@ class CalibrationSettings:
             raise ValueError("block_size and kmeans_iters must be >= 1, num_sink_tokens >= 0")
         if not 0 <= self.outlier_fraction <= 0.2:
             raise ValueError(f"outlier_fraction must be in [0, 0.2], got {self.outlier_fraction}")
-        if self.max_ppl_increase < 0:
-            raise ValueError("max_ppl_increase must be >= 0")
+        check_max_ppl_increase(self.max_ppl_increase)
+        check_max_kl(self.max_kl)
+        if self.measure not in MEASURES:
+            raise ValueError(f"measure must be one of {list(MEASURES)}, got {self.measure!r}")
+        check_chunk_size(self.chunk_size)
+        check_context_fraction(self.context_fraction)
 
-
-def kv_modules(model) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
-    """(module whose output is the cached pre-RoPE key, v_proj) per decoder layer."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__}: expected model.model.layers[i].self_attn")
-    out = []
-    for layer in layers:
-        attn = layer.self_attn
-        out.append((getattr(attn, "k_norm", None) or attn.k_proj, attn.v_proj))
-    return out
-
-
-def _heads(model) -> tuple[int, int]:
-    cfg = model.config
-    dim = head_dim_of(cfg)
-    return cfg.num_key_value_heads, dim
-
-
-def _as_heads(x: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
-    return x.reshape(x.shape[0], x.shape[1], heads, dim)  # [b, s, H, D]
+    @property
+    def acceptance(self) -> Acceptance:
+        return Acceptance(self.max_ppl_increase, self.max_kl)
 
 
 def collect_activations(model, ids: torch.Tensor) -> list[dict[str, torch.Tensor]]:
     """Per layer: 'key', 'value' [N, S, H, D] and their Fisher 'key_fisher', 'value_fisher'."""
-    heads, dim = _heads(model)
+    heads, dim = kv_heads(model)
     mods = kv_modules(model)
     acts = [{"key": [], "value": [], "key_fisher": [], "value_fisher": []} for _ in mods]
     handles = []
 
     def capture(layer: int, kind: str):
         def hook(_module, _inputs, output):
-            acts[layer][kind].append(_as_heads(output.detach(), heads, dim).cpu())
+            acts[layer][kind].append(as_heads(output.detach(), heads, dim).cpu())
             output.register_hook(lambda g: acts[layer][kind + "_fisher"].append(
-                _as_heads(g.detach().float() ** 2, heads, dim).cpu()))
+                as_heads(g.detach().float() ** 2, heads, dim).cpu()))
         return hook
 
     for layer, (k_mod, v_mod) in enumerate(mods):
@@ -170,121 +165,11 @@ def learn_codebooks(acts: list[dict], thresholds: torch.Tensor | None,
     return books
 
 
-def simulate(model, candidate: Candidate, calib: Calibration, settings: CalibrationSettings):
-    """Install hooks that quantize-dequantize K (pre-RoPE) and V as the candidate stores them.
-    Returns the hook handles (remove them when done)."""
-    heads, dim = _heads(model)
-    handles = []
-    if candidate.kv_cache_dtype == "auto":
-        return handles
-    widths = candidate.layer_bits or (candidate.bits,) * calib.num_layers
-    sparse = SPARSE_DTYPES["float16"]
-    for layer, (k_mod, v_mod) in enumerate(kv_modules(model)):
-        bits = widths[layer]
-        if candidate.kv_cache_dtype == "int8":
-            fn = _int8_fn
-        elif bits is None:
-            continue
-        else:
-            books = calib.codebooks.get(bits) if settings.nuq else None
-            codec = LayerCodec(
-                bits=bits, per_channel_keys=settings.per_channel_keys,
-                outlier_fraction=settings.outlier_fraction, sparse_dtype=sparse,
-                key_codebook=None if books is None else torch.tensor(books[0][layer]),
-                value_codebook=None if books is None else torch.tensor(books[1][layer]),
-                key_thresholds=None if calib.key_thresholds is None
-                else calib.key_thresholds[layer])
-            fn = _kvquant_fn(codec, settings)
-        for kind, mod in (("key", k_mod), ("value", v_mod)):
-            def hook(_m, _i, out, fn=fn, kind=kind):
-                x = _as_heads(out, heads, dim)
-                return fn(x.float(), kind).to(out.dtype).reshape(out.shape)
-            handles.append(mod.register_forward_hook(hook))
-    return handles
-
-
-def _int8_fn(x: torch.Tensor, kind: str) -> torch.Tensor:
-    return dequantize_int8(*quantize_int8(x))
-
-
-def _kvquant_fn(codec: LayerCodec, settings: CalibrationSettings):
-    def fn(x: torch.Tensor, kind: str) -> torch.Tensor:
-        return fake_quantize_sequence(x, codec, kind, settings.block_size,
-                                      settings.num_sink_tokens)
-    return fn
-
-
-@torch.no_grad()
-def perplexity(model, ids: torch.Tensor) -> float:
-    """exp(mean next-token NLL) over the rows of ids [N, S]."""
-    total, count = 0.0, 0
-    for row in ids:
-        x = row.unsqueeze(0)
-        n = x.shape[1] - 1
-        total += float(model(input_ids=x, labels=x).loss) * n
-        count += n
-    return math.exp(total / max(1, count))
-
-
-def choose_precision(evaluate: Callable[[Candidate], float], num_layers: int,
-                     candidate_bits: tuple[int, ...], max_increase: float
-                     ) -> tuple[Decision, list[Trial], float]:
-    """The precision rule of the module docstring (the cheapest precision whose perplexity stays
-    within `max_increase`). Returns (decision, trials, baseline perplexity)."""
-    trials: list[Trial] = []
-
-    def run(c: Candidate) -> float:
-        ppl = evaluate(c)
-        base = trials[0].perplexity if trials else ppl
-        trials.append(Trial(c, ppl, ppl - base))
-        return ppl - base
-
-    run(Candidate("auto"))
-    base = trials[0].perplexity
-    passed = None
-    for bits in sorted(candidate_bits, reverse=True):  # 4 first; lower widths while they pass
-        if run(Candidate("kvquant", bits)) > max_increase:
-            break
-        passed = trials[-1]
-    if passed is not None:
-        return (Decision(passed.candidate, passed.perplexity, passed.delta,
-                         f"{passed.candidate.bits}-bit raises perplexity by {passed.delta:.4f} "
-                         f"<= {max_increase}"), trials, base)
-    low = max(candidate_bits)
-    failed = trials[1]
-    sensitivity = []
-    for layer in range(num_layers):
-        probe = tuple(low if i == layer else None for i in range(num_layers))
-        sensitivity.append(run(Candidate("kvquant", low, probe)))
-    widths = [low] * num_layers
-    order = sorted(range(num_layers), key=lambda i: -sensitivity[i])
-    for layer in order[:-1]:  # all layers at 8 bits is the int8 fallback below
-        widths[layer] = 8
-        if run(Candidate("kvquant", low, tuple(widths))) <= max_increase:
-            t = trials[-1]
-            return (Decision(t.candidate, t.perplexity, t.delta,
-                             f"{low}-bit raises perplexity by {failed.delta:.4f} > "
-                             f"{max_increase}; mixed: layers "
-                             f"{sorted(order[:order.index(layer) + 1])}"
-                             f" at 8 bits raise it by {t.delta:.4f}"), trials, base)
-    if run(Candidate("int8")) <= max_increase:
-        t = trials[-1]
-        return (Decision(t.candidate, t.perplexity, t.delta,
-                         f"{low}-bit raises perplexity by {failed.delta:.4f} > {max_increase} "
-                         f"and no per-layer mix passes; int8 raises it by {t.delta:.4f}"),
-                trials, base)
-    t = trials[0]
-    return (Decision(t.candidate, t.perplexity, 0.0,
-                     f"no quantized setting stays within {max_increase}: full precision"),
-            trials, base)
-
-
-def calibrate(model, calib_ids: torch.Tensor, eval_ids: torch.Tensor,
-              settings: CalibrationSettings | None = None, model_path: str = "",
-              text_name: str = "", log: Callable[[str], None] = lambda s: None) -> Calibration:
-    """Calibrate `model` (HF, float32, eval mode) on calib_ids [N, S]; decide on eval_ids."""
-    settings = settings or CalibrationSettings()
-    heads, dim = _heads(model)
+def fit(model, calib_ids: torch.Tensor, settings: CalibrationSettings, model_path: str = "",
+        text_name: str = "", eval_tokens: int = 0,
+        log: Callable[[str], None] = lambda s: None) -> Calibration:
+    """Steps 1-3: thresholds and codebooks from calib_ids [N, S]; no decision yet."""
+    heads, dim = kv_heads(model)
     log(f"collecting activations and Fisher information on {calib_ids.numel()} tokens")
     acts = collect_activations(model, calib_ids)
     thresholds = None
@@ -296,21 +181,44 @@ def calibrate(model, calib_ids: torch.Tensor, eval_ids: torch.Tensor,
     saved = asdict(settings)
     saved.update(candidate_bits=list(settings.candidate_bits),
                  codebook_bits=list(settings.codebook_bits), calib_tokens=calib_ids.numel(),
-                 eval_tokens=eval_ids.numel(), text=text_name)
-    calib = Calibration(model_path, len(kv_modules(model)), heads, dim, saved, books,
-                        thresholds, math.nan)
+                 eval_tokens=eval_tokens, text=text_name)
+    return Calibration(model_path, len(kv_modules(model)), heads, dim, saved, books, thresholds,
+                       math.nan)
 
-    def evaluate(candidate: Candidate) -> float:
-        handles = simulate(model, candidate, calib, settings)
-        try:
-            ppl = perplexity(model, eval_ids)
-        finally:
-            for h in handles:
-                h.remove()
-        log(f"perplexity {ppl:.4f}: {candidate}")
-        return ppl
+
+def calibrate(model, calib_ids: torch.Tensor, eval_windows, settings: CalibrationSettings |
+              None = None, model_path: str = "", text_name: str = "",
+              engine_options: dict | None = None, log: Callable[[str], None] = lambda s: None,
+              on_window: Callable[[], None] = lambda: None) -> Calibration:
+    """Calibrate `model` (HF, float32, eval mode) on calib_ids [N, S]; decide on eval_windows
+    (token lists of one length, other tokens than the calibration's). `model_path`: the model
+    directory the engine measure starts its engines from; `engine_options`: passed to them
+    (nanokv/quant/engine_measure.py sets the ones the protocol needs)."""
+    settings = settings or CalibrationSettings()
+    windows = ScoredWindows.of(eval_windows, settings.context_fraction)
+    calib = fit(model, calib_ids, settings, model_path, text_name,
+                len(windows.windows) * windows.length, log)
+    simulated = SimulatedMeasure(model, calib, settings, windows, on_window)
+    measure = simulated
+    if settings.measure != "simulated":
+        if not model_path:
+            raise ValueError("the engine measure needs model_path (the model directory)")
+        measure = EngineMeasure(model_path, calib, windows, settings.chunk_size, engine_options,
+                                on_window)
+
+    def evaluate(candidate: Candidate) -> Measurement:
+        m = measure(candidate)
+        log(f"{settings.measure if settings.measure != 'both' else 'engine'}: perplexity "
+            f"{m.perplexity:.4f} KL {m.kl:.5f}: {candidate}")
+        return m
 
     decision, trials, base = choose_precision(evaluate, calib.num_layers,
-                                              settings.candidate_bits, settings.max_ppl_increase)
+                                              settings.candidate_bits, settings.acceptance)
+    if settings.measure == "both":
+        sim_base = simulated(Candidate("auto")).perplexity
+        for t in trials:
+            t.simulated = make_trial(t.candidate, simulated(t.candidate), sim_base)
+            log(f"simulated: perplexity {t.simulated.perplexity:.4f} KL "
+                f"{t.simulated.kl:.5f}: {t.candidate}")
     calib.baseline_perplexity, calib.trials, calib.decision = base, trials, decision
     return calib

@@ -8,24 +8,31 @@ Schema (format "nanokv-kv-calibration", version 1); every list is per layer:
   "settings": {"block_size": int, "outlier_fraction": float, "num_sink_tokens": int,
                "per_channel_keys": bool, "pre_rope_keys": bool (optional, default true: the
                ablation switch; false stores keys after RoPE), "nuq": bool,
-               "max_ppl_increase": float,
-               "candidate_bits": [int], "calib_tokens": int, "eval_tokens": int,
-               "text": str},
+               "max_ppl_increase": float (percent), "max_kl": float | null,
+               "measure": "engine" | "simulated" | "both", "chunk_size": int,
+               "context_fraction": float, "candidate_bits": [int], "calib_tokens": int,
+               "eval_tokens": int, "text": str},
   "codebooks": {"2": {"keys": [[4 floats] x L], "values": [[4 floats] x L]},
                 "3": {... 8 floats ...}, "4": {... 16 floats ...}},     (sorted, in [-1, 1])
   "key_outlier_thresholds": {"lower": [[[D floats] x H] x L], "upper": same} | null,
   "perplexity": {"baseline": float,
                  "trials": [{"kv_cache_dtype": str, "bits": int | null,
                              "layer_bits": [int | null] | null, "perplexity": float,
-                             "delta": float}]},
+                             "delta": float, "increase_percent": float, "kl": float,
+                             "top1": float,
+                             "simulated": {"perplexity", "delta", "increase_percent", "kl",
+                                           "top1"} (optional: --measure both)}]},
   "decision": {"kv_cache_dtype": "kvquant" | "int8" | "auto", "bits": int | null,
                "layer_bits": [int] | null, "perplexity": float, "delta": float,
-               "reason": str}
+               "increase_percent": float, "kl": float, "reason": str}
 }
 
-Perplexities are SIMULATED: keys (before RoPE) and values quantized and dequantized inside the
-Hugging Face model exactly as the store would hold them (full blocks quantized, the trailing
-partial block and the sinks in full precision); int8 is simulated before RoPE as well.
+How the perplexities were measured is settings.measure: "engine" runs the nanokv engine with each
+candidate's KV store (nanokv/quant/engine_measure.py); "simulated" quantizes and dequantizes keys
+(before RoPE) and values inside the Hugging Face model as the store would hold them (full blocks
+quantized, the trailing partial block and the sinks in full precision; int8 simulated before RoPE
+as well); "both" decides on the engine's and records the simulated estimate beside each trial.
+Files written before these fields existed (max_ppl_increase absolute, no KL) still load.
 """
 
 from __future__ import annotations
@@ -61,7 +68,18 @@ class Candidate:
 class Trial:
     candidate: Candidate
     perplexity: float
-    delta: float
+    delta: float  # perplexity - the baseline's
+    increase: float = math.nan  # delta in percent of the baseline
+    kl: float = math.nan  # mean KL(full precision || candidate) per scored token, nats
+    top1: float = math.nan  # share of scored tokens with full precision's argmax
+    simulated: Trial | None = None  # with measure "both": the simulated estimate beside it
+
+    def to_dict(self) -> dict:
+        out = {"perplexity": self.perplexity, "delta": self.delta,
+               "increase_percent": self.increase, "kl": self.kl, "top1": self.top1}
+        if self.simulated is not None:
+            out["simulated"] = self.simulated.to_dict()
+        return out
 
 
 @dataclass
@@ -70,6 +88,8 @@ class Decision:
     perplexity: float
     delta: float
     reason: str
+    increase: float = math.nan  # percent of the baseline perplexity
+    kl: float = math.nan
 
 
 @dataclass
@@ -134,10 +154,11 @@ class Calibration:
             "key_outlier_thresholds": None if t is None else {
                 "lower": t[:, 0].tolist(), "upper": t[:, 1].tolist()},
             "perplexity": {"baseline": self.baseline_perplexity,
-                           "trials": [{**tr.candidate.to_dict(), "perplexity": tr.perplexity,
-                                       "delta": tr.delta} for tr in self.trials]},
+                           "trials": [{**tr.candidate.to_dict(), **tr.to_dict()}
+                                      for tr in self.trials]},
             "decision": None if d is None else {**d.candidate.to_dict(),
                                                 "perplexity": d.perplexity, "delta": d.delta,
+                                                "increase_percent": d.increase, "kl": d.kl,
                                                 "reason": d.reason},
         }
 
@@ -206,8 +227,11 @@ def from_json(data: dict, where: str = "calibration") -> Calibration:
         thresholds = torch.stack([lo, hi], dim=1)  # [L, 2, H, D]
     ppl = data.get("perplexity") or {}
     need(isinstance(ppl.get("baseline"), (int, float)), "perplexity.baseline missing")
-    trials = [Trial(_candidate(tr, layers, where), float(tr["perplexity"]), float(tr["delta"]))
-              for tr in ppl.get("trials", [])]
+    trials = []
+    for tr in ppl.get("trials", []):
+        cand = _candidate(tr, layers, where)
+        sim = tr.get("simulated")
+        trials.append(_trial(cand, tr, where, None if sim is None else _trial(cand, sim, where)))
     decision = None
     d = data.get("decision")
     if d is not None:
@@ -216,10 +240,29 @@ def from_json(data: dict, where: str = "calibration") -> Calibration:
              "decision.layer_bits must not keep layers in full precision")
         need(cand.kv_cache_dtype != "kvquant" or cand.bits in books or not settings.get("nuq"),
              f"decision bits {cand.bits} has no codebook")
-        decision = Decision(cand, float(d.get("perplexity", math.nan)),
-                            float(d.get("delta", math.nan)), str(d.get("reason", "")))
+        decision = Decision(cand, _number(d, "perplexity"), _number(d, "delta"),
+                            str(d.get("reason", "")), _number(d, "increase_percent"),
+                            _number(d, "kl"))
     return Calibration(str(model.get("path", "")), layers, heads, dim, settings, books,
                        thresholds, float(ppl["baseline"]), trials, decision)
+
+
+def _number(d: dict, key: str, where: str = "calibration") -> float:
+    """d[key] as a float (NaN when absent: files from before the field)."""
+    value = d.get(key, math.nan)
+    if value is None:
+        return math.nan
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where}: {key} must be a number, got {value!r}")
+    return float(value)
+
+
+def _trial(cand: Candidate, tr: dict, where: str, simulated: Trial | None = None) -> Trial:
+    if not isinstance(tr, dict) or "perplexity" not in tr or "delta" not in tr:
+        raise ValueError(f"{where}: each trial needs perplexity and delta")
+    return Trial(cand, _number(tr, "perplexity", where), _number(tr, "delta", where),
+                 _number(tr, "increase_percent", where), _number(tr, "kl", where),
+                 _number(tr, "top1", where), simulated)
 
 
 def _candidate(d: dict, layers: int, where: str) -> Candidate:

@@ -284,8 +284,9 @@ def test_calibrate_cli_then_engine_loads_the_file(tiny_llama, tmp_path, capsys, 
     text.write_text("".join(TOKENIZER_TEXT))
     out = tmp_path / "calib.json"
     rc = cli_main(["calibrate", "--model", tiny_llama, "--text", str(text), "--block-size", "16",
-                   "--seq-len", "64", "--num-samples", "2", "--eval-samples", "1", "--bits", "4",
-                   "--codebook-bits", "4", "--kmeans-iters", "5", "--max-ppl-increase", "1000",
+                   "--seq-len", "64", "--num-samples", "2", "--eval-samples", "1",
+                   "--eval-seq-len", "64", "--chunk-size", "16", "--bits", "4",
+                   "--codebook-bits", "4", "--kmeans-iters", "5", "--max-ppl-increase", "100",
                    "--output", str(out), "--json"])
     assert rc == 0
     decision = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

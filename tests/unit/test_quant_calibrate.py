@@ -9,44 +9,48 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanokv.quant.calibrate import CalibrationSettings, calibrate, choose_precision
+from nanokv.quant.calibrate import CalibrationSettings, calibrate
 from nanokv.quant.calibration_file import Candidate, load_calibration
 from nanokv.quant.kvquant_store import KVQuantStore
+from nanokv.quant.precision_rule import Acceptance, Measurement, choose_precision
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def fake_evaluator(table):
-    """Perplexity from a rule: base 10 + the cost of each layer's precision."""
-    def evaluate(c: Candidate) -> float:
+    """Perplexity from a rule: base 10 + the cost of each layer's precision (8 bits: free)."""
+    def ppl(c: Candidate) -> float:
         if c.kv_cache_dtype == "auto":
             return 10.0
         if c.kv_cache_dtype == "int8":
             return 10.0 + table["int8"]
         widths = c.layer_bits or (c.bits,) * len(table["layers"])
-        return 10.0 + sum(0.0 if w is None else table["layers"][i].get(w, 0.0)
-                          for i, w in enumerate(widths))
-    return evaluate
+        return 10.0 + sum(table["layers"][i].get(w, 0.0) for i, w in enumerate(widths))
+    return lambda c: Measurement(ppl(c), 0.0)
+
+
+LIMIT = Acceptance(2.0)  # +2% of perplexity 10: +0.2
 
 
 def test_rule_keeps_4bit_when_it_passes():
     ev = fake_evaluator({"int8": 0.01, "layers": [{4: 0.05}, {4: 0.1}]})
-    d, trials, base = choose_precision(ev, 2, (4,), 0.2)
+    d, trials, base = choose_precision(ev, 2, (4,), LIMIT)
     assert (d.candidate.kv_cache_dtype, d.candidate.bits, d.candidate.layer_bits) == \
         ("kvquant", 4, None)
     assert base == 10.0 and len(trials) == 2 and d.delta == pytest.approx(0.15)
+    assert d.increase == pytest.approx(1.5)
 
 
 def test_rule_takes_the_lowest_passing_candidate():
     ev = fake_evaluator({"int8": 0.0, "layers": [{4: 0.01, 3: 0.05, 2: 0.5}] * 2})
-    d, _, _ = choose_precision(ev, 2, (2, 3, 4), 0.2)
+    d, _, _ = choose_precision(ev, 2, (2, 3, 4), LIMIT)
     assert (d.candidate.bits, d.candidate.layer_bits) == (3, None)
 
 
 def test_rule_falls_back_to_mixed_precision_most_sensitive_layer_first():
     layers = [{2: 0.05}, {2: 0.9}, {2: 0.1}]  # layer 1 is the sensitive one
     ev = fake_evaluator({"int8": 0.01, "layers": layers})
-    d, _, _ = choose_precision(ev, 3, (2,), 0.2)
+    d, _, _ = choose_precision(ev, 3, (2,), LIMIT)
     assert d.candidate.kv_cache_dtype == "kvquant"
     assert d.candidate.layer_bits == (2, 8, 2) and d.delta <= 0.2
     assert "mixed" in d.reason
@@ -54,9 +58,9 @@ def test_rule_falls_back_to_mixed_precision_most_sensitive_layer_first():
 
 def test_rule_falls_back_to_int8_then_full_precision():
     layers = [{2: 0.5}, {2: 0.5}]
-    d, _, _ = choose_precision(fake_evaluator({"int8": 0.1, "layers": layers}), 2, (2,), 0.2)
+    d, _, _ = choose_precision(fake_evaluator({"int8": 0.1, "layers": layers}), 2, (2,), LIMIT)
     assert d.candidate.kv_cache_dtype == "int8"
-    d, _, _ = choose_precision(fake_evaluator({"int8": 0.3, "layers": layers}), 2, (2,), 0.2)
+    d, _, _ = choose_precision(fake_evaluator({"int8": 0.3, "layers": layers}), 2, (2,), LIMIT)
     assert d.candidate.kv_cache_dtype == "auto" and d.delta == 0.0
 
 
@@ -69,22 +73,26 @@ def tiny(tmp_path_factory):
 
 
 def test_calibration_on_tiny_model_falls_back_when_2bit_breaks_the_limit(tiny, tmp_path):
+    """Through the engine (the default measure): 2-bit breaks +0.5% on this random model."""
     path, model = tiny
     ids = torch.randint(0, 320, (6, 64), generator=torch.Generator().manual_seed(0))
     settings = CalibrationSettings(candidate_bits=(2,), codebook_bits=(2, 4), block_size=16,
-                                   max_ppl_increase=0.2, kmeans_iters=20)
-    calib = calibrate(model, ids[:4], ids[4:], settings, model_path=path)
+                                   max_ppl_increase=0.5, kmeans_iters=20, chunk_size=16,
+                                   context_fraction=0.5)
+    calib = calibrate(model, ids[:4], ids[4:].tolist(), settings, model_path=path)
     two_bit = [t for t in calib.trials
                if t.candidate == Candidate("kvquant", 2)]
-    assert two_bit and two_bit[0].delta > 0.2  # 2-bit breaks the limit on this model
+    assert two_bit and two_bit[0].increase > 0.5  # 2-bit breaks the limit on this model
     d = calib.decision
     assert not (d.candidate.kv_cache_dtype == "kvquant" and d.candidate.layer_bits is None)
-    assert d.delta <= 0.2
+    assert d.increase <= 0.5
     # the file round-trips and gives a config a store accepts
     out = tmp_path / "calib.json"
     calib.save(out)
     loaded = load_calibration(out)
     assert loaded.decision.candidate == d.candidate
+    assert [(t.candidate, t.perplexity, t.increase, t.kl) for t in loaded.trials] == \
+        [(t.candidate, t.perplexity, t.increase, t.kl) for t in calib.trials]
     assert loaded.codebooks == calib.codebooks
     torch.testing.assert_close(loaded.key_thresholds, calib.key_thresholds)
     cfg = loaded.kvquant_config(bits=4)
@@ -143,7 +151,10 @@ def test_calibrate_cli_parser_is_wired():
     args = parser.parse_args(["calibrate", "--model", "m", "--bits", "4", "3", "--seq-len", "64",
                               "--output", "x.json", "--block-size", "16"])
     assert args.bits == [4, 3] and args.block_size == 16 and callable(args.func)
-    calib_ids, eval_ids = token_batches(list(range(300)), 2, 1, 64)
-    assert calib_ids.shape == (2, 64) and eval_ids.shape == (1, 64)
+    assert (args.measure, args.chunk_size, args.max_ppl_increase) == ("engine", 32, 3.0)
+    # evaluation windows first, the calibration tokens after them (no overlap)
+    calib_ids, windows = token_batches(list(range(300)), 2, 64, 1, 100)
+    assert calib_ids.shape == (2, 64) and windows == [list(range(100))]
+    assert calib_ids[0, 0] == 100
     with pytest.raises(ValueError, match="tokens"):
-        token_batches(list(range(10)), 2, 1, 64)
+        token_batches(list(range(10)), 2, 64, 1, 64)
