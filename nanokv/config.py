@@ -118,6 +118,11 @@ class EngineConfig:
     kv_quant_config: str | None = _opt(
         None, "kvquant calibration JSON written by `nanokv calibrate` (codebooks, key outlier "
               "thresholds, per-layer widths)", metavar="FILE")
+    enforce_eager: bool = _opt(
+        False, "run every step eagerly: no CUDA graphs for decode steps (on CUDA, decode-only "
+               "steps replay a graph captured per batch-size bucket at start-up when the "
+               "attention backend supports it and tensor parallelism is off; CPU runs are "
+               "always eager)")
     tensor_parallel_size: int = _opt(
         1, "processes the model is split over (heads, MLP, vocabulary and KV heads), started by "
            "the engine: gloo on CPU, one GPU each (NCCL) on CUDA; the model's KV heads must "
@@ -154,7 +159,8 @@ class EngineConfig:
             check_int("num_kv_blocks", self.num_kv_blocks, 1)
         check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "skip_tokenizer_init"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "skip_tokenizer_init",
+                     "enforce_eager"):
             check_bool(name, getattr(self, name))
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")

@@ -116,7 +116,9 @@ class LLMEngine:
                                    config.enable_chunked_prefill)
         self.runner = ModelRunner(self.model, self.kv_cache, self.attention_backend, self.device,
                                   config.seed, tp=None if self.executor is None
-                                  else self.executor.tp)
+                                  else self.executor.tp, enforce_eager=config.enforce_eager,
+                                  max_num_seqs=config.max_num_seqs,
+                                  max_model_len=config.max_model_len)
         if self.executor is not None:
             self.runner = self.executor.runner(self.runner)
         scoring = None  # a policy's extra forward pass (KVzip): one process only
