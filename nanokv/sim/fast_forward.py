@@ -2,12 +2,12 @@
 
 After a step of decodes only (every running request, nobody preempted) with no admission
 possible (nobody waiting, or max_num_seqs running), the next steps are the same decodes until a
-request finishes, a request arrives (unless max_num_seqs run: it only queues), or the blocks
-they need run short (preemption) or cross the pool-pressure limit; with recorded admission,
-until the step a request is added before (`max_steps` from now). Those steps are applied in one
-go: each request's tokens are appended and `allocate_slots` gives it the blocks of all of them
-in one call (the same blocks taken from the free queue and the same prefix-cache entries
-registered, only in another order between requests).
+request finishes, a request arrives (unless max_num_seqs run: it only queues), a client aborts
+one, or the blocks they need run short (preemption) or cross the pool-pressure limit; with
+recorded admission, until the step a request is added or aborted before. Those steps are
+applied in one go: each request's tokens are appended and `allocate_slots` gives it the blocks
+of all of them in one call (the same blocks taken from the free queue and the same prefix-cache
+entries registered, only in another order between requests).
 """
 
 from __future__ import annotations
@@ -24,11 +24,14 @@ from nanokv.sim.step_model import StepFeatures
 def fast_forward(sched: Scheduler, clock: StepClock, tokens: dict[str, list[int]], now: float,
                  next_arrival: float, steps: int, max_steps: float = math.inf,
                  eviction_ratio: float | None = None,
-                 on_step: Callable[[list, StepFeatures], None] | None = None
+                 on_step: Callable[[list, StepFeatures], None] | None = None,
+                 next_abort: float = math.inf, max_abort_steps: float = math.inf
                  ) -> tuple[int, float]:
     """Apply the decode steps that can run unchanged from simulated time `now` (the replay's
-    step `steps` next); returns (steps applied, seconds they took). `on_step(decisions,
-    features)` sees each of them (tests against the engine)."""
+    step `steps` next), stopping before the step that starts at or after `next_arrival` or
+    `next_abort`, and after at most `max_steps` (the next admission, recorded) and
+    `max_abort_steps` (the next abort, recorded) steps; returns (steps applied, seconds they
+    took). `on_step(decisions, features)` sees each of them (tests against the engine)."""
     bm = sched.block_manager
     bs = bm.block_size
     running = sched.running
@@ -51,9 +54,10 @@ def fast_forward(sched: Scheduler, clock: StepClock, tokens: dict[str, list[int]
     nrun = len(running)
     if nrun >= sched.max_num_seqs:  # arrivals only queue: no admission is attempted
         next_arrival = max_steps = math.inf
-    k = int(min(k, max_steps))
+    k = int(min(k, max_steps, max_abort_steps))
+    next_event = min(next_arrival, next_abort)
     elapsed, j, need = 0.0, 0, 0
-    while j < k and now + elapsed < next_arrival:
+    while j < k and now + elapsed < next_event:
         if need + new_blocks[j + 1] > spare:
             break
         need += new_blocks[j + 1]

@@ -22,6 +22,7 @@ class RequestResult:
     finish: float
     peak_blocks: int
     preemptions: int
+    aborted: bool = False  # its client aborted it at `finish`
 
     @property
     def ttft(self) -> float | None:
@@ -29,9 +30,13 @@ class RequestResult:
 
     @property
     def tpot(self) -> float | None:
-        if self.first_token is None or self.output_len < 2:
+        if self.first_token is None or self.output_len < 2 or self.aborted:
             return None
         return (self.finish - self.first_token) / (self.output_len - 1)
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.aborted else self.finish - self.arrival
 
 
 @dataclass
@@ -40,6 +45,7 @@ class SimResult:
     step_model: str
     num_requests: int
     num_rejected: int
+    num_aborted: int  # by their clients (counted in num_requests)
     num_steps: int
     duration_s: float  # first arrival to last finish, simulated
     wall_s: float  # how long the simulation took
@@ -69,7 +75,7 @@ class SimResult:
 
     def summary(self) -> dict:
         d = {k: getattr(self, k) for k in (
-            "num_requests", "num_rejected", "num_steps", "duration_s", "wall_s",
+            "num_requests", "num_rejected", "num_aborted", "num_steps", "duration_s", "wall_s",
             "prefix_hit_rate", "hit_rate_by_class", "peak_running", "mean_running",
             "peak_kv_usage", "mean_kv_usage", "preemptions", "recomputed_tokens",
             "evicted_blocks", "kv_bytes_per_request", "ttft_s", "tpot_s", "e2e_s",
@@ -128,7 +134,8 @@ class RunTally:
         sat_s, sat_tok = self.saturated_s, self.saturated_tokens
         return SimResult(
             config=cfg, step_model=step_model, num_requests=len(done),
-            num_rejected=self.rejected, num_steps=num_steps, duration_s=duration, wall_s=wall,
+            num_rejected=self.rejected, num_aborted=sum(r.aborted for r in done),
+            num_steps=num_steps, duration_s=duration, wall_s=wall,
             prefix_hit_rate=hits / queries if queries else math.nan,
             hit_rate_by_class={c: h / q for c, (h, q) in sorted(by_cls.items()) if q},
             hit_rate_over_time=[(t0 + k * cfg.window_s, h / q)
@@ -142,7 +149,7 @@ class RunTally:
                                   "p90": percentile(kv, 90) or 0.0},
             ttft_s=_pcts([r.ttft for r in done if r.ttft is not None]),
             tpot_s=_pcts([r.tpot for r in done if r.tpot is not None]),
-            e2e_s=_pcts([r.finish - r.arrival for r in done]),
+            e2e_s=_pcts([r.e2e for r in done if r.e2e is not None]),
             output_tok_s=out_tokens / duration,
             total_tok_s=(out_tokens + queries) / duration,
             requests_per_s=len(done) / duration, saturated_s=sat_s,

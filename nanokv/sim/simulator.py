@@ -18,9 +18,17 @@ added it before, in the same order, so every scheduling decision, hit and preemp
 server's (the clock waits for a request's arrival if the modelled steps ran ahead of it).
 `step_times` (step index -> seconds, from the step log) replaces the model in that mode.
 
-Where a replay can still differ from the real run: requests aborted by clients (replayed to
-their recorded length), requests not in the trace (aborted before they were added), and the
-step times, which come from the model.
+Client aborts. A request the trace records as aborted runs towards its own `max_tokens` and is
+aborted (its blocks freed, as `Scheduler.abort` does in the server) before the step the server
+aborted it before (recorded admission: so it has produced exactly the recorded tokens), or at
+the first loop turn at or after its recorded abort time (arrival admission: the client's
+patience; a request the replay finishes earlier is not aborted). Aborted requests count in the
+hit rate and the output tokens, and in TTFT if they got a first token, but not in TPOT nor E2E
+(their end is the client's, not the server's).
+
+Where a replay can still differ from the real run with recorded admission: none of the
+scheduling (requests the server never added are not in the trace: they never touched the block
+manager); the step times, which come from the model.
 """
 
 from __future__ import annotations
@@ -79,12 +87,26 @@ class Simulator:
             [] if record_decisions else None)
         self.features: list[StepFeatures] | None = [] if record_decisions else None
         self.first_step = self.records[0].step if recorded else 0  # served run's step index
+        for r in self.records:
+            if r.aborted and recorded and r.abort_step is None:
+                raise ValueError("admission='recorded' needs each aborted request's abort_step "
+                                 "(nanokv serve --trace-file writes it)")
+        # (when, request index) of the client aborts: the served step (recorded) or the time
+        self.aborts = sorted((r.abort_step if recorded else r.abort_t, i)
+                             for i, r in enumerate(self.records) if r.aborted)
         self.clock = StepClock(step_model, step_times, load_profile, self.first_step)
 
     def _log_step(self, decisions: list[tuple[str, int]], features: StepFeatures,
                   preempted: list[str] | None = None) -> None:
         self.decisions.append((decisions, preempted or []))
         self.features.append(features)
+
+    @staticmethod
+    def _request_result(rec: TraceRecord, r: Request, first_token: float | None, now: float,
+                        aborted: bool) -> RequestResult:
+        return RequestResult(rec.cls, rec.t, r.num_prompt_tokens, r.num_output_tokens,
+                             max(0, r.num_cached_tokens), first_token, now, r.peak_blocks,
+                             r.num_preemptions, aborted)
 
     # ---- the loop ------------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -98,7 +120,9 @@ class Simulator:
         tally = RunTally()
         steps = 0
         now, i, n = records[0].t, 0, len(records)
+        aborts, a = self.aborts, 0
         recorded = cfg.admission == "recorded"
+        log = self._log_step if self.decisions is not None else None
         while i < n or sched.has_unfinished:
             while i < n and (records[i].step <= self.first_step + steps if recorded
                              else records[i].t <= now):
@@ -107,9 +131,9 @@ class Simulator:
                     now = max(now, rec.t)
                 rid = str(i)
                 toks = replay_token_ids(rec, i)
+                limit = rec.max_tokens if rec.aborted and rec.max_tokens else rec.output_len
                 request = Request(rid, toks[:rec.prompt_len],
-                                  SamplingParams(max_tokens=max(1, rec.output_len),
-                                                 ignore_eos=True),
+                                  SamplingParams(max_tokens=max(1, limit), ignore_eos=True),
                                   cache_salt=rec.salt, arrival_time=rec.t)
                 try:
                     sched.add_request(request)
@@ -119,6 +143,16 @@ class Simulator:
                     tokens[rid] = toks
                     meta[rid] = rec
                 i += 1
+            while a < len(aborts) and (aborts[a][0] <= self.first_step + steps if recorded
+                                       else aborts[a][0] <= now):
+                rid = str(aborts[a][1])
+                a += 1
+                request = sched.abort(rid) if rid in meta else None  # else finished first
+                if request is not None:
+                    tokens.pop(rid)
+                    compressed.discard(rid)
+                    tally.done.append(self._request_result(
+                        meta.pop(rid), request, first_token.pop(rid, None), now, True))
             if not sched.has_unfinished:
                 if i < n:
                     now = max(now, records[i].t)
@@ -154,10 +188,8 @@ class Simulator:
                     rec = meta.pop(r.request_id)
                     del tokens[r.request_id]
                     compressed.discard(r.request_id)
-                    tally.done.append(RequestResult(
-                        rec.cls, rec.t, r.num_prompt_tokens, r.num_output_tokens,
-                        max(0, r.num_cached_tokens), first_token.pop(r.request_id), now,
-                        r.peak_blocks, r.num_preemptions))
+                    tally.done.append(self._request_result(
+                        rec, r, first_token.pop(r.request_id), now, False))
             if cfg.compression_ratio is not None:
                 for r in stepped:
                     if (not r.is_finished and r.request_id not in compressed
@@ -175,14 +207,17 @@ class Simulator:
                          or all(r.request_id in compressed for r in sched.running))
                     and (cfg.eviction_ratio is None
                          or bm.usage <= 1 - cfg.eviction_ratio)):
-                if recorded:
-                    next_arrival = math.inf
-                    limit = (records[i].step - self.first_step - steps) if i < n else math.inf
+                next_abort = aborts[a][0] if a < len(aborts) else math.inf
+                if recorded:  # until the next step a request is added or aborted before
+                    served = self.first_step + steps
+                    k, elapsed = fast_forward(
+                        sched, self.clock, tokens, now, math.inf, steps,
+                        records[i].step - served if i < n else math.inf, cfg.eviction_ratio,
+                        log, max_abort_steps=next_abort - served)
                 else:
-                    next_arrival, limit = records[i].t if i < n else math.inf, math.inf
-                k, elapsed = fast_forward(
-                    sched, self.clock, tokens, now, next_arrival, steps, limit,
-                    cfg.eviction_ratio, self._log_step if self.decisions is not None else None)
+                    k, elapsed = fast_forward(
+                        sched, self.clock, tokens, now, records[i].t if i < n else math.inf,
+                        steps, math.inf, cfg.eviction_ratio, log, next_abort=next_abort)
                 steps += k
                 # running is full when anyone waits: every fast-forwarded step is saturated
                 nrun = len(sched.running)

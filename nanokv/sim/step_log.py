@@ -4,11 +4,14 @@
 
     {"step": 812, "t": 31.204518, "dur": 0.021433, "busy": true, "tokens": 9, "seqs": 8,
      "decodes": 8, "decode_context": 2931, "prefill_pairs": 0, "prefill_context": 0,
-     "running": 8, "preempted": 0}
+     "running": 8, "preempted": 0, "added": 1, "finished": 2, "step_dur": 0.019870}
 
 `t` is the turn's start on the trace's clock (the request lines' `t`), `dur` the whole loop turn
 (adding the turn's requests, the step, delivering its outputs, metrics), `busy` whether requests
-were left unfinished at its end (then the next turn starts at once). The request lines carry the
+were left unfinished at its end (then the next turn starts at once). `added` and `finished`
+count the requests the turn added and ended (finished or aborted), `step_dur` is the engine
+step's own share of the turn (the rest is the server's: admission, delivery, metrics, and any
+HTTP work the event loop did meanwhile on the same core). The request lines carry the
 step they were added before (`step`) and the order of admission (`order`), so a replay can add
 each request exactly where the server did (`SimConfig(admission="recorded")`).
 
@@ -34,35 +37,46 @@ class StepLogEntry:
     features: StepFeatures
     running: int  # requests running after the step was scheduled
     preempted: int
+    added: int = 0  # requests the turn added (before the step)
+    finished: int = 0  # requests the turn ended
+    step_dur: float | None = None  # the engine step alone, seconds (logs before it: None)
 
     def to_json(self) -> str:
         f = self.features
-        return json.dumps({"step": self.step, "t": round(self.t, 6), "dur": round(self.dur, 6),
-                           "busy": self.busy, "tokens": f.num_tokens, "seqs": f.num_seqs,
-                           "decodes": f.num_decodes, "decode_context": f.decode_context,
-                           "prefill_pairs": f.prefill_pairs,
-                           "prefill_context": f.prefill_context, "running": self.running,
-                           "preempted": self.preempted}, separators=(",", ":"))
+        d = {"step": self.step, "t": round(self.t, 6), "dur": round(self.dur, 6),
+             "busy": self.busy, "tokens": f.num_tokens, "seqs": f.num_seqs,
+             "decodes": f.num_decodes, "decode_context": f.decode_context,
+             "prefill_pairs": f.prefill_pairs, "prefill_context": f.prefill_context,
+             "running": self.running, "preempted": self.preempted, "added": self.added,
+             "finished": self.finished}
+        if self.step_dur is not None:
+            d["step_dur"] = round(self.step_dur, 6)
+        return json.dumps(d, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, line: str) -> StepLogEntry:
         d = json.loads(line)
         f = StepFeatures(d["tokens"], d["seqs"], d["decodes"], d["decode_context"],
                          d["prefill_pairs"], d["prefill_context"])
+        step_dur = d.get("step_dur")
         return cls(int(d["step"]), float(d["t"]), float(d["dur"]), bool(d["busy"]), f,
-                   int(d["running"]), int(d["preempted"]))
+                   int(d["running"]), int(d["preempted"]), int(d.get("added", 0)),
+                   int(d.get("finished", 0)), None if step_dur is None else float(step_dur))
 
 
 class StepLogWriter:
-    """Wraps an engine's `scheduler.schedule` (on the instance) to see each step's shape; the
-    server's loop calls `begin_turn` / `end_turn` around every turn and `admitted` for every
-    request it adds. Engine thread only."""
+    """Wraps an engine's `scheduler.schedule` and `step` (on the instance) to see each step's
+    shape and time; the server's loop calls `begin_turn` / `end_turn` around every turn,
+    `admitted` for every request it adds and `ended` for every request that ends. Engine thread
+    only."""
 
     def __init__(self, path: str | None, start: float) -> None:
         self.start = start  # the trace's clock: time.monotonic() at 0
         self.step = 0  # index of the next step
         self.order = 0  # admissions so far
         self._turn_t = 0.0
+        self._added = self._ended = 0
+        self._step_dur: float | None = None
         self._pending: tuple[StepFeatures, int, int] | None = None
         self._file = None
         if path is not None:
@@ -71,8 +85,9 @@ class StepLogWriter:
             except OSError as e:
                 raise ValueError(f"cannot open the step log {path!r}: {e}") from e
 
-    def attach(self, scheduler) -> None:
-        schedule = scheduler.schedule
+    def attach(self, engine) -> None:
+        scheduler = engine.scheduler
+        schedule, step = scheduler.schedule, engine.step
 
         def logged_schedule():
             out = schedule()
@@ -81,15 +96,30 @@ class StepLogWriter:
                                  len(out.preempted_request_ids))
             return out
 
+        def timed_step():
+            t0 = time.monotonic()
+            try:
+                return step()
+            finally:
+                self._step_dur = time.monotonic() - t0
+
         scheduler.schedule = logged_schedule
+        engine.step = timed_step
 
     def begin_turn(self) -> None:
         self._turn_t = time.monotonic()
+        self._added = self._ended = 0
+        self._step_dur = None
 
     def admitted(self) -> tuple[int, int]:
         """(the step this request is added before, its admission order)."""
         self.order += 1
+        self._added += 1
         return self.step, self.order - 1
+
+    def ended(self) -> None:
+        """A request finished or was aborted in this turn."""
+        self._ended += 1
 
     def end_turn(self, busy: bool) -> None:
         if self._pending is None:
@@ -99,7 +129,8 @@ class StepLogWriter:
         end = time.monotonic()
         if self._file is not None:
             entry = StepLogEntry(self.step, self._turn_t - self.start, end - self._turn_t,
-                                 busy, features, running, preempted)
+                                 busy, features, running, preempted, self._added,
+                                 self._ended, self._step_dur)
             self._file.write(entry.to_json() + "\n")
             self._file.flush()
         self.step += 1

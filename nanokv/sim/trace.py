@@ -15,6 +15,11 @@ writers are therefore not comparable. `salt` is a digest of the request's `cache
 `step` and `order` say where the engine added the request (the step it was added before, counted
 as in the step log `nanokv/sim/step_log.py`, and its admission order).
 
+A request its client aborted (a disconnect, a timeout) has `finish` "abort", `output_len` the
+tokens produced until then, and `abort_t` (when the server processed the abort, on the trace's
+clock), `abort_step` (the step it was aborted before) and `max_tokens` (what it would have run
+to): a replay frees its blocks at that step (recorded admission) or time (arrival admission).
+
 Any block size that is a multiple of `hash_block_size` can be replayed exactly: two requests share
 their first k coarse blocks iff they share the fine hash at the k-th coarse boundary (chaining).
 `replay_token_ids` turns a record back into token ids with exactly that property.
@@ -29,6 +34,8 @@ import threading
 import time
 from array import array
 from dataclasses import asdict, dataclass, field
+
+from nanokv.request import RequestStatus
 
 DEFAULT_HASH_BLOCK_SIZE = 16  # the finest block size the engine accepts
 TOKEN_ID_BITS = 62  # replayed token ids stay positive int64 (the block manager hashes int64s)
@@ -50,6 +57,9 @@ class TraceRecord:
     preemptions: int | None = None
     step: int | None = None  # the serving engine's step it was added before (step log)
     order: int | None = None  # its admission order in that engine
+    abort_t: float | None = None  # a client abort: when the server processed it
+    abort_step: int | None = None  # a client abort: the step it came before
+    max_tokens: int | None = None  # a client abort: the request's output limit
     extra: dict = field(default_factory=dict)  # generator metadata (session id, turn ...)
 
     def __post_init__(self) -> None:
@@ -60,6 +70,16 @@ class TraceRecord:
         if len(self.hashes) > full:
             raise ValueError(f"{len(self.hashes)} block hashes for {full} full blocks of "
                              f"{self.hash_block_size} tokens")
+        if self.abort_t is not None and self.abort_t < self.t:
+            raise ValueError(f"a request cannot be aborted (abort_t {self.abort_t}) before it "
+                             f"arrived (t {self.t})")
+        if self.max_tokens is not None and self.max_tokens < max(1, self.output_len):
+            raise ValueError(f"max_tokens {self.max_tokens} is below the {self.output_len} "
+                             f"tokens the request produced")
+
+    @property
+    def aborted(self) -> bool:
+        return self.abort_t is not None
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -128,7 +148,7 @@ class TraceWriter:
 
     def attach(self, engine) -> None:
         """Count the engine's steps (and log their shapes when a step log is written)."""
-        self.steps.attach(engine.scheduler)
+        self.steps.attach(engine)
 
     def begin_turn(self) -> None:
         self.steps.begin_turn()
@@ -142,9 +162,11 @@ class TraceWriter:
     def record(self, request, request_class: str = "default") -> None:
         """A finished `nanokv.request.Request` (its prompt and output token ids)."""
         step, order = self._admitted.pop(request.request_id, (None, None))
+        self.steps.ended()
         m = request.metrics
         tokens = request.prompt_token_ids + request.output_token_ids
         end = m.finished_time or time.monotonic()
+        aborted = request.status is RequestStatus.FINISHED_ABORTED
         rec = TraceRecord(
             t=round(m.arrival_time - self.start, 6), prompt_len=request.num_prompt_tokens,
             output_len=request.num_output_tokens,
@@ -154,7 +176,10 @@ class TraceWriter:
             cached=max(0, request.num_cached_tokens),
             ttft_s=None if m.ttft is None else round(m.ttft, 6),
             e2e_s=round(end - m.arrival_time, 6), preemptions=request.num_preemptions,
-            step=step, order=order)
+            step=step, order=order,
+            abort_t=round(end - self.start, 6) if aborted else None,
+            abort_step=self.steps.step if aborted else None,
+            max_tokens=request.params.max_tokens if aborted else None)
         line = rec.to_json() + "\n"
         with self._lock:
             self._file.write(line)

@@ -81,3 +81,74 @@ def test_step_log_accounts_for_every_token(traced):
     assert all(r.step in steps for r in records)
     assert sorted(r.order for r in records) == list(range(len(records)))
     assert max(e.running for e in log) == 1  # sent one after another
+
+
+def test_client_aborts_are_traced_and_replay_exactly(tiny_llama, tmp_path):
+    """One request at a time. A streaming client disconnects mid-answer; a second client gives up
+    while its request still waits behind it. The trace marks both aborted (when, before which
+    step, the tokens produced, max_tokens), and the recorded replay aborts them before those
+    steps, so every replayed step has the served step's shape; replayed as if they had run to
+    the tokens they had, the waiting one would be computed and the steps would differ."""
+    from dataclasses import replace
+
+    from nanokv.sim.simulator import SimConfig, Simulator
+    from nanokv.sim.step_log import turn_times
+    from nanokv.sim.step_model import LinearStepModel
+
+    trace, steps = str(tmp_path / "trace.jsonl"), str(tmp_path / "steps.jsonl")
+    s = start_in_process(tiny_llama, step_delay=0.01, num_kv_blocks=64, max_model_len=512,
+                         max_num_seqs=1,
+                         settings=dict(trace_file=trace, trace_steps_file=steps))
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 150, "temperature": 0,
+            "ignore_eos": True}
+    try:
+        engine = s.app.state.server.async_engine.engine
+        with httpx.Client(base_url=s.url, timeout=60) as c:
+            with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                assert r.status_code == 200, r.read()
+                chunks = 0
+                for line in r.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunks += 1
+                    if chunks == 3:  # queued behind the stream: its client gives up first
+                        with pytest.raises(httpx.ReadTimeout):
+                            c.post("/v1/completions", timeout=0.2,
+                                   json={**body, "prompt": PROMPT + "And then?"})
+                    if chunks == 6:
+                        break  # leaving the block closes the connection mid-stream
+            s.wait_idle()
+            after = c.post("/v1/completions", json={**body, "max_tokens": 3})
+            assert after.status_code == 200, after.text
+        s.wait_idle()
+    finally:
+        stop_server(s)
+    records, log = read_trace(trace), read_step_log(steps)
+    assert [r.finish for r in records] == ["abort", "abort", "length"]
+    streamed, queued, last = records
+    for r in (streamed, queued):
+        assert r.aborted and r.max_tokens == 150
+        assert r.t < r.abort_t <= r.t + r.e2e_s + 1e-6
+        assert r.step <= r.abort_step <= log[-1].step
+    assert 6 <= streamed.output_len < 150 and streamed.step < streamed.abort_step
+    assert queued.output_len == 0 and queued.ttft_s is None
+    assert streamed.abort_t > queued.abort_t  # the queued client gave up first
+    assert last.cached >= 192  # the aborted stream's prompt blocks stayed cached
+    sched, bm = engine.scheduler, engine.block_manager
+    cfg = SimConfig(block_size=bm.block_size, num_blocks=bm.num_blocks,
+                    max_num_seqs=sched.max_num_seqs,
+                    max_num_batched_tokens=sched.max_num_batched_tokens,
+                    max_model_len=sched.max_model_len, admission="recorded")
+    for ff in (False, True):
+        sim = Simulator(records, replace(cfg, fast_forward=ff, check_invariants=not ff),
+                        LinearStepModel(step=1e-3), record_decisions=True,
+                        step_times=turn_times(log))
+        res = sim.run()
+        assert sim.features == [e.features for e in log]
+        assert res.num_aborted == 2 and res.num_requests == 3
+        assert sorted((r.arrival, r.output_len, r.cached) for r in res.requests) == sorted(
+            (r.t, r.output_len, r.cached) for r in records)
+    plain = [replace(r, abort_t=None, abort_step=None, max_tokens=None) for r in records]
+    sim = Simulator(plain, cfg, LinearStepModel(step=1e-3), record_decisions=True)
+    sim.run()
+    assert len(sim.features) > len(log)  # the queued request's prefill was never served

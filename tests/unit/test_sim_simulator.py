@@ -4,10 +4,12 @@ and the block manager's invariants."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from nanokv.cache.block_manager import BlockManager
+from nanokv.metrics.stats import percentile
 from nanokv.request import Request
 from nanokv.sampling_params import SamplingParams
 from nanokv.scheduler.output import RunnerOutput
@@ -180,3 +182,45 @@ def test_load_profile_scales_step_times_by_window():
     res = Simulator([rec], SimConfig(block_size=16, num_blocks=8), model,
                     load_profile=prof).run()
     assert res.requests[0].finish == pytest.approx(0.8)
+
+
+def test_client_abort_by_hand():
+    """Arrival admission, 0.1 s per step. A (20-token prompt, max_tokens 50) is aborted at
+    0.25 s: the turn at 0.3 s aborts it after 3 tokens (steps at 0-0.1-0.2-0.3) and frees its
+    blocks, so B, which needs the whole pool, runs from 0.3 s instead of waiting for A's 50
+    tokens. C's abort time comes after it finished: it is not aborted."""
+    model = LinearStepModel(step=0.1)
+    a = _rec(0.0, list(range(1, 21)), 3)
+    a.abort_t, a.max_tokens = 0.25, 50
+    b = _rec(0.05, list(range(100, 180)), 2)  # 80 + 2 tokens: 6 blocks of 16
+    c = _rec(5.0, list(range(300, 310)), 2)
+    c.abort_t, c.max_tokens = 9.0, 2
+    cfg = SimConfig(block_size=16, num_blocks=6, max_num_seqs=4, check_invariants=True)
+    for ff in (False, True):
+        res = Simulator([a, b, c], replace(cfg, fast_forward=ff, check_invariants=not ff),
+                        model).run()
+        ra, rb, rc = sorted(res.requests, key=lambda r: r.arrival)
+        assert res.num_aborted == 1 and ra.aborted and not rb.aborted and not rc.aborted
+        assert ra.output_len == 3 and ra.finish == pytest.approx(0.3)
+        assert ra.ttft == pytest.approx(0.1) and ra.tpot is None and ra.e2e is None
+        assert rb.first_token == pytest.approx(0.4) and rb.finish == pytest.approx(0.5)
+        assert rc.output_len == 2 and rc.finish == pytest.approx(5.2)
+        assert res.e2e_s["p50"] == pytest.approx(percentile([0.45, 0.2], 50))
+        assert res.preemptions == 0
+    # without the abort A holds 2 of the 6 blocks until its 50th token: B waits 5 s for it
+    plain = Simulator([replace(a, abort_t=None, max_tokens=None, output_len=50,
+                               hashes=a.hashes), b, c], cfg, model).run()
+    assert sorted(plain.requests, key=lambda r: r.arrival)[1].first_token > 4.9
+
+
+def test_abort_fields_are_checked():
+    with pytest.raises(ValueError, match="before it arrived"):
+        TraceRecord(t=1.0, prompt_len=4, output_len=0, hashes=[], abort_t=0.5, max_tokens=4)
+    with pytest.raises(ValueError, match="max_tokens"):
+        TraceRecord(t=1.0, prompt_len=4, output_len=5, hashes=[], abort_t=2.0, max_tokens=4)
+    rec = TraceRecord(t=0.0, prompt_len=20, output_len=2, hashes=["ab" * 8], step=0, order=0,
+                      abort_t=1.0, max_tokens=8)
+    with pytest.raises(ValueError, match="abort_step"):
+        Simulator([rec], SimConfig(block_size=16, num_blocks=8, admission="recorded"), STEP)
+    again = TraceRecord.from_json(rec.to_json())
+    assert again == rec and again.aborted
