@@ -1,0 +1,105 @@
+"""A torch-profiler look at a few decode steps on CUDA, with the decode graphs and without (the same
+engine, its graphs set aside): wall time per step, GPU time by kernel, kernel launches per step.
+
+    PYTHONPATH=. python scripts/gpu_profile_decode.py --model DIR --out OUT_DIR
+
+`--requests` requests with `--prompt-len`-token random prompts are prefilled, then `--steps`
+decode-only steps are profiled each way. Writes OUT_DIR/profile_decode.json (the figures) and
+OUT_DIR/profile_decode_{graphs,eager}.txt (the profiler's tables); exits 2 without CUDA
+(`--device cpu`: a dry run of the script's own logic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from nanokv import LLM, SamplingParams
+
+
+def sync(engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def decode_steps(engine, steps: int) -> list[float]:
+    """Wall seconds of `steps` decode-only engine steps (each ends with its token ids on the
+    host)."""
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        sync(engine)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def profiled(engine, steps: int, table_path: Path) -> dict:
+    activities = [ProfilerActivity.CPU]
+    if engine.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        times = decode_steps(engine, steps)
+    events = prof.key_averages()
+    sort = "cuda_time_total" if engine.device.type == "cuda" else "cpu_time_total"
+    table_path.write_text(events.table(sort_by=sort, row_limit=40))
+    launches = {e.key: e.count for e in events
+                if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch",
+                             "cuLaunchKernelEx", "cudaLaunchKernelExC")}
+    gpu_us = sum(e.self_device_time_total for e in events
+                 if e.device_type == torch.autograd.DeviceType.CUDA)
+    return {"step_wall_ms": [round(t * 1e3, 2) for t in times],
+            "gpu_ms_per_step": round(gpu_us / 1e3 / steps, 2),
+            "launch_calls_per_step": {k: v / steps for k, v in launches.items()}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    llm = LLM(args.model, device=args.device,
+              dtype="bfloat16" if args.device == "cuda" else "float32", skip_tokenizer_init=True,
+              max_num_seqs=args.requests, max_num_batched_tokens=16384, max_model_len=4096)
+    engine = llm.engine
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=4000 - args.prompt_len, ignore_eos=True)
+    vocab = engine.hf_config.vocab_size
+    for _ in range(args.requests):
+        engine.add_request([rng.randrange(vocab) for _ in range(args.prompt_len)], params)
+    while engine.scheduler.waiting or any(  # prefill everything first
+            r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+        engine.step()
+    decode_steps(engine, 3)  # warm
+    result = {"model": args.model, "requests": args.requests, "prompt_len": args.prompt_len,
+              "backend": engine.attention_backend.name,
+              "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
+    graphs = engine.runner.graphs
+    if graphs is not None:
+        result["graphs"] = profiled(engine, args.steps, out / "profile_decode_graphs.txt")
+        engine.runner.graphs = None
+    result["eager"] = profiled(engine, args.steps, out / "profile_decode_eager.txt")
+    engine.runner.graphs = graphs
+    (out / "profile_decode.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
