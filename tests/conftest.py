@@ -11,6 +11,12 @@ from tiny_models import build_tiny_model  # noqa: E402
 # tiny models gain nothing from a second thread, and OpenMP threads spin badly on a busy machine
 torch.set_num_threads(1)
 
+# Without a GPU the Triton kernels' tests (tests/unit/test_triton_attention.py) run in Triton's
+# interpreter, which must be on before triton is first imported: so here. With a GPU they compile.
+# Nothing else changes: "auto" never picks the Triton backend off CUDA.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:

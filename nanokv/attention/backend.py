@@ -51,6 +51,9 @@ class AttentionBackend(ABC):
     # the KV cache spec's decode scratch for them); False: it reads the cache in place
     dequantizes_blocks: ClassVar[bool] = False
     supports_cuda_graphs: ClassVar[bool] = False  # graph_decode_metadata / fill_graph_decode
+    # device types on which "auto" may choose it (None: any); a name still selects it elsewhere
+    # when why_not allows (the Triton backend on CPU under the interpreter, for tests)
+    auto_devices: ClassVar[tuple[str, ...] | None] = None
 
     def __init__(self, kv_cache, device: torch.device) -> None:
         self.kv_cache = kv_cache

@@ -18,6 +18,7 @@ from nanokv.attention.backend import AttentionBackend
 logger = logging.getLogger("nanokv")
 
 _BACKENDS = (  # preference order
+    "nanokv.attention.triton_paged:TritonPagedBackend",
     "nanokv.attention.native_cpu:NativeCPUBackend",
     "nanokv.attention.torch_paged:TorchPagedBackend",
     "nanokv.attention.native_quantized:NativeQuantizedBackend",
@@ -44,6 +45,9 @@ def select_backend(requested: str, kv_cache, device: torch.device
     reasons: list[str] = []
     for cls in backend_classes():
         if requested not in ("auto", cls.name):
+            continue
+        if requested == "auto" and cls.auto_devices is not None \
+                and device.type not in cls.auto_devices:
             continue
         why = cls.why_not(kv_cache, device)
         if why is None:

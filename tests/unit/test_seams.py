@@ -98,7 +98,7 @@ def test_one_backend_per_cache_and_device():
         select_backend("native", store, torch.device("cuda"))
     with pytest.raises(ValueError, match="CPUs only"):
         select_backend("native", pool, torch.device("cuda"))
-    assert backend_names() == ["auto", "native", "torch"]
+    assert backend_names() == ["auto", "native", "torch", "triton"]
 
 
 def nanokv_imports(module: str, seen: set[str] | None = None) -> set[str]:

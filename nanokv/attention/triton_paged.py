@@ -1,0 +1,176 @@
+"""Triton kernels over the paged KV cache, read in place (`nanokv/kernels/triton/`), on CUDA.
+
+Per layer: one kernel writes the step's K/V at their slots (quantizing for int8 / fp8 stores),
+one decode kernel (flash-decoding: request x KV head x split, each over its own context length
+only, then a merge of the splits) and one prefill kernel for all prefill chunks of the step
+(variable lengths, cached prefix + causal own tokens, GQA). Nothing is gathered into padded
+copies and nothing dequantized to memory. Serves the float pool (float32 / bfloat16 / float16)
+and the int8 / fp8 (e4m3, e5m2) stores with keys kept after RoPE.
+
+CUDA graphs: `supports_cuda_graphs`; decode-only steps run from static metadata
+(`graph_decode_metadata` / `fill_graph_decode`, the contract in `backend.py`) with launches
+that depend only on the batch size and max_blocks.
+
+Runs on CUDA; on CPU only under Triton's interpreter (TRITON_INTERPRET=1 before the kernels are
+imported; the tests), and "auto" never chooses it there. Tested in the interpreter against the
+dense reference (tests/unit/test_triton_attention.py); it has not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from functools import cache
+
+import torch
+
+from nanokv.attention.backend import AttentionBackend
+from nanokv.attention.common import CommonAttentionMetadata
+from nanokv.attention.native_quantized import pertoken_format
+from nanokv.attention.triton_metadata import (
+    TritonStep,
+    build_step,
+    fill_graph_step,
+    graph_step,
+)
+from nanokv.cache.kv_pool import KVPool
+from nanokv.kernels.triton.paged_kv import FLOAT, FORMATS, PagedKV
+from nanokv.quant.pertoken_store import FP8KVStore, Int8KVStore
+from nanokv.utils import cdiv
+
+POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_SPLITS = 16
+
+
+def interpreter_on() -> bool:
+    """TRITON_INTERPRET set: the kernels run on CPU tensors in Triton's interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@cache
+def triton_unavailable() -> str | None:
+    """Why Triton cannot be imported here, or None."""
+    try:
+        importlib.import_module("triton")
+    except Exception as e:  # not installed, or a broken install
+        return f"triton is not importable ({type(e).__name__}: {e})"
+    return None
+
+
+def kv_format_of(kv_cache) -> int | None:
+    """The kernels' KV_FORMAT for this cache, or None when they cannot read it."""
+    if isinstance(kv_cache, KVPool):
+        return FLOAT if kv_cache.layout.dtype in POOL_DTYPES else None
+    fmt = pertoken_format(kv_cache)
+    if fmt is None or kv_cache.pre_rope_keys:
+        return None
+    quantize = type(kv_cache)._quantize  # the kernels quantize as these stores do
+    if quantize not in (Int8KVStore._quantize, FP8KVStore._quantize):
+        return None
+    return FORMATS[fmt]
+
+
+class TritonPagedBackend(AttentionBackend):
+    name = "triton"
+    description = "Triton paged attention (decode, prefill and KV write kernels, in place)"
+    supports_cuda_graphs = True
+    auto_devices = ("cuda",)
+    # tiles (powers of two); GPU-sized, the interpreter tests call the kernels with smaller ones
+    tile_n = 64  # keys per tile
+    block_m = 32  # query tokens per prefill tile (times the GQA group's heads)
+    num_warps = 4
+
+    def __init__(self, kv_cache, device: torch.device) -> None:
+        super().__init__(kv_cache, device)
+        # import here: the kernels read TRITON_INTERPRET when they are defined
+        from nanokv.kernels.triton import decode, kv_write, prefill
+
+        self._decode, self._write, self._prefill = decode, kv_write, prefill
+        self.kv_format = kv_format_of(kv_cache)
+        self.block_size = kv_cache.layout.block_size
+        self.num_kv_heads = kv_cache.layout.num_kv_heads
+        # decode programs to aim for (request x KV head x split): two waves of the GPU
+        self.target_programs = (2 * torch.cuda.get_device_properties(device).multi_processor_count
+                                if device.type == "cuda" else 1)
+        self._layers: dict[int, PagedKV] = {}
+
+    @classmethod
+    def why_not(cls, kv_cache, device: torch.device) -> tuple[str, bool] | None:
+        if device.type != "cuda" and not (device.type == "cpu" and interpreter_on()):
+            return (f"it runs on CUDA GPUs (device {device.type}; on CPU only under "
+                    f"TRITON_INTERPRET=1)"), True
+        if kv_format_of(kv_cache) is None:
+            dtype = getattr(kv_cache, "kv_cache_dtype", "?")
+            return (f"its kernels read the float pool (float32, bfloat16, float16) and the int8 "
+                    f"and fp8 stores with keys after RoPE (the cache is {dtype})"), True
+        why = triton_unavailable()
+        if why is not None:
+            return why, False
+        return None
+
+    # ---- metadata ------------------------------------------------------------------------------
+    def decode_splits(self, rows: int, max_context: int) -> int:
+        """Splits of each decode's context: enough programs to fill the GPU, no more splits than
+        key tiles of the longest context, at most MAX_SPLITS. Depends only on its arguments."""
+        wanted = cdiv(self.target_programs, max(1, rows * self.num_kv_heads))
+        return max(1, min(wanted, cdiv(max_context, self.tile_n), MAX_SPLITS))
+
+    def build(self, common: CommonAttentionMetadata) -> TritonStep:
+        if common.per_layer is not None:  # each layer its own slices of the flat pool
+            if self.kv_format != FLOAT:
+                raise RuntimeError("per-layer block tables need the float KV pool")
+            layers = [build_step(c, self.device, self.block_m, None, self.decode_splits,
+                                 flat_layers=True) for c in common.per_layer]
+            return TritonStep(layers[0].slot_mapping, 0, layers[0].block_tables,
+                              layers[0].context_lens, 1, per_layer=layers)
+        plan = common.write_plan
+        slots = plan if isinstance(plan, torch.Tensor) else getattr(plan, "slot_mapping", None)
+        return build_step(common, self.device, self.block_m, slots, self.decode_splits)
+
+    def graph_decode_metadata(self, max_batch: int, max_blocks: int) -> TritonStep:
+        return graph_step(max_batch, max_blocks, self.device)
+
+    def fill_graph_decode(self, meta: TritonStep, common: CommonAttentionMetadata,
+                          batch: int) -> None:
+        max_blocks = meta.block_tables.shape[1]
+        fill_graph_step(meta, common, batch,
+                        self.decode_splits(batch, max_blocks * self.block_size))
+
+    # ---- one layer -----------------------------------------------------------------------------
+    def paged_kv(self, layer: int, flat_layers: bool = False) -> PagedKV:
+        """The layer's cache as the kernels read it (or all layers as flat slices)."""
+        key = -1 if flat_layers else layer
+        if key not in self._layers:
+            cache = self.kv_cache
+            if flat_layers:
+                self._layers[key] = PagedKV(*cache.flat_layers())
+            elif self.kv_format == FLOAT:
+                self._layers[key] = PagedKV(*cache.layer(layer))
+            else:
+                buf = cache.buffers
+                self._layers[key] = PagedKV(buf["k_codes"][layer], buf["v_codes"][layer],
+                                            buf["k_scales"][layer], buf["v_scales"][layer],
+                                            self.kv_format)
+        return self._layers[key]
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_pre: torch.Tensor, step: TritonStep, scale: float) -> torch.Tensor:
+        if step.per_layer is not None:
+            step = step.per_layer[layer]
+        kv = self.paged_kv(layer, step.flat_layers)
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        rows = q.shape[0]
+        self._write.write_kv(k, v, step.slot_mapping[:rows], kv)
+        out = torch.empty_like(q)
+        nd = step.num_rows
+        if nd:
+            self._decode.decode_attention(
+                q[:nd], k[:nd], v[:nd], kv, step.block_tables[:nd], step.context_lens[:nd],
+                out[:nd], scale, step.num_splits, self.tile_n, self.num_warps)
+        chunks = step.prefill
+        if chunks is not None:
+            self._prefill.prefill_attention(
+                q, k, v, kv, chunks.query_start, chunks.query_len, chunks.context_lens,
+                chunks.block_tables, chunks.work_chunk, chunks.work_row, out, scale,
+                self.block_m, self.tile_n, self.num_warps)
+        return out

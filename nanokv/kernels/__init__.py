@@ -1,0 +1,1 @@
+"""GPU kernels, by the language they are written in (`triton/`)."""

@@ -1,0 +1,15 @@
+"""Triton kernels over the paged KV cache, read and written in place (the `triton` attention
+backend, `nanokv/attention/triton_paged.py`).
+
+    paged_kv.py            PagedKV: one layer's cache as the kernels see it (no Triton import)
+    codes.py               int8 / fp8 codes <-> values, in registers (exact, round half to even)
+    paged_tile.py          a tile of a request's tokens through its block table; the online softmax
+    kv_write.py            the step's K/V to their slots (quantized on the way for codes)
+    decode.py              flash-decoding: (request, KV head, split) programs, then the merge
+    prefill.py             all prefill chunks of a step in one launch (cached prefix + causal)
+    interpreter_compat.py  Triton 3.6's interpreter with numpy >= 2.4 (runtime loop bounds)
+
+Importing a kernel module imports Triton and defines the kernels; with TRITON_INTERPRET=1 set
+before that, they run in Triton's interpreter on CPU tensors (how the tests check them against
+the dense reference). Tile sizes are constexpr arguments of the launchers.
+"""

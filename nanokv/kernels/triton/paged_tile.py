@@ -1,0 +1,89 @@
+"""The pieces the decode and prefill kernels share: reading one tile of a request's cached
+tokens through its block table, in place, and folding a tile of keys/values into the online
+softmax state.
+
+A cache tensor is the pool's per-layer view [num_blocks, block_size, Hkv, D] (float elements or
+uint8 codes, the head dim contiguous); scales are [num_blocks, block_size, Hkv] float32. Token t
+of a request lives in block `table[t // BLOCK_SIZE]` at slot `t % BLOCK_SIZE`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanokv.kernels.triton import interpreter_compat
+from nanokv.kernels.triton.codes import code_values
+
+interpreter_compat.apply()  # the kernels' runtime loop bounds under TRITON_INTERPRET=1
+
+
+@triton.jit
+def load_paged_rows(cache_ptr, table_ptr, t, t_mask, kv_head, stride_cb, stride_cs, stride_ch,
+                    d, d_mask, BLOCK_SIZE: tl.constexpr, KV_FORMAT: tl.constexpr):
+    """Tokens t [N] of one request (block-table row at table_ptr), one KV head ->
+    [N, D_PAD]: the pool's elements, or the codes' float32 values (scale not applied)."""
+    blk = tl.load(table_ptr + t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+    row = blk * stride_cb + (t % BLOCK_SIZE) * stride_cs + kv_head * stride_ch  # [N]
+    x = tl.load(cache_ptr + row[:, None] + d[None, :], mask=t_mask[:, None] & d_mask[None, :],
+                other=0)
+    if KV_FORMAT != 0:
+        x = code_values(x, KV_FORMAT)
+    return x
+
+
+@triton.jit
+def load_paged_scales(scale_ptr, table_ptr, t, t_mask, kv_head, stride_sb, stride_ss,
+                      BLOCK_SIZE: tl.constexpr):
+    """The per-token scales [N] float32 of tokens t (0 where masked)."""
+    blk = tl.load(table_ptr + t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+    return tl.load(scale_ptr + blk * stride_sb + (t % BLOCK_SIZE) * stride_ss + kv_head,
+                   mask=t_mask, other=0.0)
+
+
+@triton.jit
+def attend_tile(q, k, v, k_scale, v_scale, col_mask, m_i, l_i, acc, qk_scale,
+                SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Fold one tile into the online softmax of rows q [R, D_PAD] (in DOT_DTYPE).
+
+    k, v: [N, D_PAD] (values before their scale when SCALED: k_scale, v_scale [N]);
+    col_mask: [R, N] or [1, N], the keys each row may see; m_i, l_i: [R] running max (log2
+    units) and sum; acc: [R, D_PAD] float32. qk_scale = softmax scale * log2(e).
+    Returns (m_i, l_i, acc)."""
+    kd = k.to(DOT_DTYPE)
+    if DOT_DTYPE == tl.float32:  # exact products, not TF32
+        s = tl.dot(q, tl.trans(kd), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(kd))
+    if SCALED:
+        s = s * k_scale[None, :]
+    s = tl.where(col_mask, s * qk_scale, float("-inf"))  # [R, N]
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if SCALED:
+        p = p * v_scale[None, :]
+    pv = p.to(DOT_DTYPE)
+    vd = v.to(DOT_DTYPE)
+    if DOT_DTYPE == tl.float32:
+        acc = acc * alpha[:, None] + tl.dot(pv, vd, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(pv, vd)
+    return m_new, l_i, acc
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def dot_dtype(kernel, dtype: torch.dtype):
+    """The type the kernels multiply in for a model in `dtype`: the model's own on a GPU;
+    float32 for bfloat16 in the interpreter, whose dot cannot multiply bfloat16 (it would
+    multiply the bit patterns), so there the probabilities are not rounded to bfloat16."""
+    if dtype not in _TL_DTYPES:
+        raise ValueError(f"q must be float32, bfloat16 or float16, got {dtype}")
+    if dtype == torch.bfloat16 and not isinstance(kernel, triton.runtime.JITFunction):
+        return tl.float32
+    return _TL_DTYPES[dtype]

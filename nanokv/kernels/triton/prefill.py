@@ -1,0 +1,142 @@
+"""Prefill attention for every prefill chunk of a step in one launch (variable lengths).
+
+Each chunk c has query rows [query_start[c], query_start[c] + query_len[c]) of the batch and
+context_len[c] cached slots after this step; its first past = context_len - query_len slots are
+its cached prefix, read in place through its block table, and its own tokens attend causally to
+each other with their fresh K/V (rows of k, v; for the float pool equal to what was just
+written, for codes the full-precision values, as the quantized reference does).
+
+Grid (work item, KV head): a work item is (chunk, first row of a tile of BLOCK_M query tokens),
+listed by the caller (`nanokv.attention.triton_metadata.prefill_work`); a program takes those
+tokens times all query heads of its GQA group as the rows of one tile, so K/V tiles are read
+once per group.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanokv.kernels.triton.paged_kv import PagedKV
+from nanokv.kernels.triton.paged_tile import (
+    attend_tile,
+    dot_dtype,
+    load_paged_rows,
+    load_paged_scales,
+)
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(
+        q_ptr, stride_qt, stride_qh, k_ptr, v_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+        k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, stride_ch,
+        k_scale_ptr, v_scale_ptr, stride_sb, stride_ss,
+        table_ptr, stride_table, query_start_ptr, query_len_ptr, context_ptr,
+        work_chunk_ptr, work_row_ptr, out_ptr, stride_ot, stride_oh, qk_scale,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr,
+        D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+        TILE_N: tl.constexpr, KV_FORMAT: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    work = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    chunk = tl.load(work_chunk_ptr + work).to(tl.int64)
+    row0 = tl.load(work_row_ptr + work)
+    query_start = tl.load(query_start_ptr + chunk)
+    query_len = tl.load(query_len_ptr + chunk)
+    past = tl.load(context_ptr + chunk) - query_len
+
+    r = tl.arange(0, BLOCK_M * G_PAD)  # rows: token-major, the group's heads inside
+    tok = row0 + r // G_PAD  # [R] token of the chunk
+    g = r % G_PAD
+    d = tl.arange(0, D_PAD)
+    d_mask = d < HEAD_DIM
+    row_mask = (tok < query_len) & (g < GROUP)
+    q_row = (query_start + tok).to(tl.int64) * stride_qt + (kv_head * GROUP + g) * stride_qh
+    q = tl.load(q_ptr + q_row[:, None] + d[None, :], mask=row_mask[:, None] & d_mask[None, :],
+                other=0.0).to(DOT_DTYPE)  # [R, D_PAD]
+
+    m_i = tl.full([BLOCK_M * G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M * G_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M * G_PAD, D_PAD], tl.float32)
+
+    # the cached prefix: every row sees all of it
+    table = table_ptr + chunk * stride_table
+    for start in range(0, past, TILE_N):
+        t = start + tl.arange(0, TILE_N)
+        t_mask = t < past
+        k = load_paged_rows(k_cache_ptr, table, t, t_mask, kv_head, stride_cb, stride_cs,
+                            stride_ch, d, d_mask, BLOCK_SIZE, KV_FORMAT)
+        v = load_paged_rows(v_cache_ptr, table, t, t_mask, kv_head, stride_cb, stride_cs,
+                            stride_ch, d, d_mask, BLOCK_SIZE, KV_FORMAT)
+        k_scale = 1.0
+        v_scale = 1.0
+        if KV_FORMAT != 0:
+            k_scale = load_paged_scales(k_scale_ptr, table, t, t_mask, kv_head, stride_sb,
+                                        stride_ss, BLOCK_SIZE)
+            v_scale = load_paged_scales(v_scale_ptr, table, t, t_mask, kv_head, stride_sb,
+                                        stride_ss, BLOCK_SIZE)
+        m_i, l_i, acc = attend_tile(q, k, v, k_scale, v_scale, t_mask[None, :], m_i, l_i, acc,
+                                    qk_scale, KV_FORMAT != 0, DOT_DTYPE)
+
+    # the chunk's own tokens, causal: token i sees own tokens j <= i
+    own_end = tl.minimum(query_len, row0 + BLOCK_M)
+    for start in range(0, own_end, TILE_N):
+        j = start + tl.arange(0, TILE_N)
+        j_mask = j < own_end
+        kv_row = (query_start + j).to(tl.int64)  # [TILE_N]
+        jd_mask = j_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + kv_row[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
+                    mask=jd_mask, other=0.0)
+        v = tl.load(v_ptr + kv_row[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
+                    mask=jd_mask, other=0.0)
+        causal = j_mask[None, :] & (j[None, :] <= tok[:, None])  # [R, TILE_N]
+        m_i, l_i, acc = attend_tile(q, k, v, 1.0, 1.0, causal, m_i, l_i, acc, qk_scale,
+                                    False, DOT_DTYPE)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_row = (query_start + tok).to(tl.int64) * stride_ot + (kv_head * GROUP + g) * stride_oh
+    tl.store(out_ptr + o_row[:, None] + d[None, :], out, mask=row_mask[:, None] & d_mask[None, :])
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV,
+                      query_start: torch.Tensor, query_len: torch.Tensor,
+                      context_lens: torch.Tensor, block_tables: torch.Tensor,
+                      work_chunk: torch.Tensor, work_row: torch.Tensor, out: torch.Tensor,
+                      scale: float, block_m: int = 64, tile_n: int = 64,
+                      num_warps: int = 4) -> None:
+    """q, out: [T, Hq, D]; k, v: [T, Hkv, D] (after RoPE, the step's fresh K/V); per chunk
+    (int32 [C]): query_start, query_len, context_lens (cached slots after this step) and
+    block_tables [C, max_blocks]; work_chunk, work_row: [W] int32 (`prefill_work` with the
+    same block_m). Writes out's rows of the chunks."""
+    num_q_heads, dim = q.shape[1], q.shape[2]
+    heads = kv.num_kv_heads
+    if dim != kv.head_dim or num_q_heads % heads or k.shape != (q.shape[0], heads, dim) \
+            or v.shape != k.shape or out.shape != q.shape:
+        raise ValueError(f"q, out must be [T, a multiple of {heads}, {kv.head_dim}] and k, v "
+                         f"[T, {heads}, {kv.head_dim}], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(out.shape)}")
+    if any(x.stride(-1) != 1 for x in (q, k, v, out)) or block_tables.stride(1) != 1:
+        raise ValueError("q, k, v, out need a contiguous head dim, block tables contiguous rows")
+    tensors = (query_start, query_len, context_lens, block_tables, work_chunk, work_row)
+    if any(t.dtype != torch.int32 for t in tensors):
+        raise ValueError("the chunk and work tensors must be int32")
+    group = num_q_heads // heads
+    g_pad = triton.next_power_of_2(group)
+    if block_m < 1 or block_m & (block_m - 1) or block_m * g_pad < 16 \
+            or tile_n < 16 or tile_n & (tile_n - 1):
+        raise ValueError(f"block_m must be a power of two with block_m * {g_pad} >= 16 and "
+                         f"tile_n a power of two >= 16, got {block_m} and {tile_n}")
+    num_work = work_chunk.shape[0]
+    if num_work == 0:
+        return
+    k_scales, v_scales = kv.scale_tensors()
+    _prefill_kernel[(num_work, heads)](
+        q, q.stride(0), q.stride(1), k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kv.k, kv.v, *kv.cache_strides(), k_scales, v_scales, *kv.scale_strides(),
+        block_tables, block_tables.stride(0), query_start, query_len, context_lens,
+        work_chunk, work_row, out, out.stride(0), out.stride(1), scale * LOG2E,
+        GROUP=group, HEAD_DIM=dim, G_PAD=g_pad, D_PAD=max(16, triton.next_power_of_2(dim)),
+        BLOCK_SIZE=kv.block_size, BLOCK_M=block_m, TILE_N=tile_n, KV_FORMAT=kv.kv_format,
+        DOT_DTYPE=dot_dtype(_prefill_kernel, q.dtype), num_warps=num_warps)

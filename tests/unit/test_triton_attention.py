@@ -1,0 +1,362 @@
+"""The Triton paged-attention backend (`nanokv/kernels/triton/`, backend `triton`) against
+independent oracles: the KV write against the stores' own PyTorch writes (bit for bit), the code
+formats against PyTorch's casts, attention against dense attention over what the cache holds
+(`dense_reference_attention`, and `reference_quantized_attention` for int8 / fp8 codes). Block
+sizes 16 and 64, contexts ending mid-block, GQA ratios 1, 2 and 8, decodes of different lengths
+with several splits next to prefill chunks with and without a cached prefix, padded rows, the
+CUDA-graph metadata, the backend choice, and greedy decoding through the engine.
+
+On a CUDA machine the kernels compile and run on the GPU; without one they run in Triton's
+interpreter on CPU (TRITON_INTERPRET=1, set by tests/conftest.py before triton is imported).
+"""
+
+import logging
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from nanokv.attention import triton_paged  # noqa: E402
+from nanokv.attention.common import CommonAttentionMetadata, PrefillChunk  # noqa: E402
+from nanokv.attention.quantized import QuantizedTorchBackend  # noqa: E402
+from nanokv.attention.selector import select_backend  # noqa: E402
+from nanokv.attention.torch_paged import TorchPagedBackend  # noqa: E402
+from nanokv.attention.triton_paged import TritonPagedBackend  # noqa: E402
+from nanokv.cache.kv_pool import KVLayout, KVPool  # noqa: E402
+from nanokv.kernels.triton import codes as kernel_codes  # noqa: E402
+from nanokv.kernels.triton.kv_write import write_kv  # noqa: E402
+from nanokv.kernels.triton.paged_kv import FORMATS  # noqa: E402
+from nanokv.layers.attention import dense_reference_attention  # noqa: E402
+from nanokv.quant import make_kv_store  # noqa: E402
+from nanokv.quant.attention import reference_quantized_attention  # noqa: E402
+from nanokv.quant.kivi_store import KIVIStore  # noqa: E402
+from nanokv.utils import cdiv  # noqa: E402
+
+CPU = torch.device("cpu")
+DEVICE = torch.device("cuda") if torch.cuda.is_available() else CPU
+if DEVICE.type == "cpu" and not triton_paged.interpreter_on():
+    pytest.skip("the Triton kernels need a GPU or TRITON_INTERPRET=1 before triton is imported "
+                "(tests/conftest.py sets it)", allow_module_level=True)
+HKV = 2
+
+
+# ---- the code formats ----------------------------------------------------------------------------
+def _codes_probe(codes_ptr, values_ptr, y_ptr, encoded_ptr, n, KV_FORMAT: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    c = tl.load(codes_ptr + i, mask=m, other=0)
+    tl.store(values_ptr + i, kernel_codes.code_values(c, KV_FORMAT), mask=m)
+    y = tl.load(y_ptr + i, mask=m, other=0.0)
+    tl.store(encoded_ptr + i, kernel_codes.encode_codes(y, KV_FORMAT), mask=m)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_codes_equal_torch_casts(kind):
+    """Every code decodes to PyTorch's value of it; encoding rounds as PyTorch's casts do, on
+    every representable value, every midpoint between neighbours (ties to even), subnormals,
+    +-0 and random values."""
+    gen = torch.Generator().manual_seed(3)
+    if kind == "int8":
+        fmax = 127.0
+        codes = torch.arange(-127, 128, dtype=torch.int8).view(torch.uint8)
+        values = codes.view(torch.int8).float()
+    else:
+        dt = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kind]
+        fmax = float(torch.finfo(dt).max)
+        codes = torch.arange(256, dtype=torch.uint8)
+        codes = codes[codes.view(dt).float().isfinite()]
+        values = codes.view(dt).float()
+    grid = values.unique().sort().values
+    y = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, torch.tensor([0.0, -0.0]),
+                   (torch.rand(3000, generator=gen) * 2 - 1) * fmax,
+                   (torch.rand(1000, generator=gen) * 2 - 1) * 1e-3])
+    n = max(codes.numel(), y.numel())
+    codes = torch.cat([codes, codes[:1].repeat(n - codes.numel())])
+    y = torch.cat([y, y[:1].repeat(n - y.numel())])
+    got_values = torch.empty(n, device=DEVICE)
+    got_codes = torch.empty(n, dtype=torch.uint8, device=DEVICE)
+    triton.jit(_codes_probe)[(cdiv(n, 1024),)](codes.to(DEVICE), got_values, y.to(DEVICE),
+                                               got_codes, n, KV_FORMAT=FORMATS[kind], BLOCK=1024)
+    got_values, got_codes = got_values.cpu(), got_codes.cpu()
+    if kind == "int8":
+        want_values = codes.view(torch.int8).float()
+        want_codes = torch.round(y).clamp(-127, 127).to(torch.int8).view(torch.uint8)
+    else:
+        want_values, want_codes = codes.view(dt).float(), y.to(dt).view(torch.uint8)
+    assert torch.equal(got_values, want_values)
+    assert torch.equal(got_codes, want_codes)
+
+
+# ---- the KV write --------------------------------------------------------------------------------
+def make_cache(kind, head_dim, block_size, num_blocks, num_layers=1):
+    dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
+    lay = KVLayout(num_layers, HKV, head_dim, block_size, dtype)
+    if kind in ("float32", "bfloat16"):
+        return KVPool(lay, num_blocks, DEVICE)
+    return make_kv_store(kind, lay, num_blocks, DEVICE)
+
+
+def cache_tensors(cache):
+    if isinstance(cache, KVPool):
+        return {"kv": cache.kv}
+    return cache.buffers
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2"])
+def test_write_equals_the_stores_write_and_skips_padded_slots(kind):
+    gen = torch.Generator().manual_seed(1)
+    dim, bs, n = 24, 16, 13
+    ours, theirs = make_cache(kind, dim, bs, 4, 2), make_cache(kind, dim, bs, 4, 2)
+    for name, buf in cache_tensors(ours).items():  # the same old content, partly overwritten
+        buf.copy_(torch.randint(0, 200, buf.shape, generator=gen).to(buf.dtype).to(DEVICE))
+        cache_tensors(theirs)[name].copy_(buf)
+    dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
+    k = (torch.randn(n, HKV, dim, generator=gen) * 3).to(dtype)
+    v = torch.randn(n, HKV, dim, generator=gen).to(DEVICE, dtype)
+    k[2, 1] = 0  # a zero row: scale 0, codes 0
+    fmax = {"int8": 127.0, "fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}.get(kind)
+    if fmax is not None:  # scale exactly 1: ties and subnormals reach the rounding as they are
+        k[3, 0, 0] = fmax
+        k[3, 0, 1:] = (torch.arange(dim - 1) - 11.5) / (1 if kind == "int8" else 8)
+    k = k.to(DEVICE)
+    slots = torch.randperm(4 * bs, generator=gen)[:n].to(DEVICE)
+    slots[[4, 9]] = -1  # padded rows
+    real = slots >= 0
+    plan = theirs.begin_step(slots[real].tolist(), list(range(int(real.sum()))))
+    theirs.write_layer(1, plan, k[real], v[real], k[real])
+    write_kv(k, v, slots, TritonPagedBackend(ours, DEVICE).paged_kv(1))
+    for name, buf in cache_tensors(theirs).items():
+        assert torch.equal(cache_tensors(ours)[name], buf), name
+
+
+# ---- attention through the backend ---------------------------------------------------------------
+def new_backend(cache, tile_n=16, block_m=16, target_programs=64):
+    backend = TritonPagedBackend(cache, DEVICE)
+    backend.tile_n, backend.block_m = tile_n, block_m  # small tiles: several per context
+    backend.target_programs = target_programs  # several decode splits
+    return backend
+
+
+def run_step(cache, backend, q, k, v, slots, decode_tables, decode_lens, prefills):
+    common = CommonAttentionMetadata(slots, len(decode_lens), decode_tables, decode_lens,
+                                     list(prefills))
+    common.write_plan = cache.begin_step(slots, list(range(len(slots))))
+    meta = backend.build(common)
+    return backend.forward(0, q, k, v, k, meta, q.shape[-1] ** -0.5), meta
+
+
+def reference(cache, q, k_new, v_new, table, past):
+    """Dense attention over the first `past` slots the cache holds, then the fresh K/V."""
+    scale = q.shape[-1] ** -0.5
+    if not isinstance(cache, KVPool):
+        return reference_quantized_attention(q, k_new, v_new, cache, 0, table, past, scale)
+    heads, dim = k_new.shape[1:]
+    k_cache, v_cache = cache.layer(0)
+    ids = torch.tensor(table, dtype=torch.long, device=DEVICE)
+    k_past = k_cache[ids].reshape(-1, heads, dim)[:past]  # [past, Hkv, D]
+    v_past = v_cache[ids].reshape(-1, heads, dim)[:past]
+    return dense_reference_attention(q, torch.cat([k_past, k_new]), torch.cat([v_past, v_new]),
+                                     scale)
+
+
+def slots_of(table, first, count, bs):
+    return [table[j // bs] * bs + j % bs for j in range(first, first + count)]
+
+
+DECODE_LENS = {16: [1, 2, 15, 16, 17, 40], 64: [1, 5, 64, 65, 100]}
+CASES = [  # (cache, block size, query heads over 2 KV heads: GQA 1, 2, 8, head dim)
+    ("float32", 16, 2, 32), ("float32", 64, 4, 32), ("float32", 16, 16, 24),
+    ("bfloat16", 64, 4, 64),
+    ("int8", 16, 4, 32), ("int8", 64, 16, 32), ("fp8_e4m3", 16, 2, 32),
+    ("fp8_e4m3", 64, 4, 32), ("fp8_e5m2", 16, 16, 32),
+]
+
+
+@pytest.mark.parametrize("kind,bs,hq,dim", CASES)
+def test_prefill_and_decode_equal_dense_reference(kind, bs, hq, dim):
+    """Step 1: every request's prompt as prefill chunks of one launch. Step 2: each request
+    decodes its next token (contexts ending mid-block, several splits), one request continues
+    its prompt over its cached prefix, a new request starts."""
+    rng, gen = random.Random(bs + hq), torch.Generator().manual_seed(bs * hq)
+    lens = DECODE_LENS[bs]
+    cont_past, cont_new, fresh = 30, 15, 19
+    all_lens = lens + [cont_past + cont_new, fresh]
+    cache = make_cache(kind, dim, bs, sum(cdiv(n, bs) for n in all_lens) + 2)
+    blocks = list(range(cache.num_blocks))
+    rng.shuffle(blocks)
+    tables = [[blocks.pop() for _ in range(cdiv(n, bs))] for n in all_lens]
+    dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
+    backend = new_backend(cache)
+
+    def tokens(n, heads):
+        x = torch.randn(n, heads, dim, generator=gen)
+        x[torch.rand(x.shape, generator=gen) < 0.01] *= 8  # some large entries
+        return x.to(device=DEVICE, dtype=dtype)
+
+    def check(out, ref):
+        tol = dict(atol=3e-2, rtol=3e-2) if dtype == torch.bfloat16 else dict(atol=2e-5,
+                                                                               rtol=1e-4)
+        torch.testing.assert_close(out.float(), ref.float(), **tol)
+
+    # step 1: the decoding requests' pasts and the continued request's first part
+    firsts = [n - 1 for n in lens] + [cont_past]
+    chunks, slots, start = [], [], 0
+    for i, m in enumerate(firsts):
+        if m:
+            chunks.append(PrefillChunk(start, m, m, tables[i][:cdiv(m, bs)]))
+            slots += slots_of(tables[i], 0, m, bs)
+            start += m
+    q, k, v = tokens(start, hq) * 2, tokens(start, HKV), tokens(start, HKV)
+    out, _ = run_step(cache, backend, q, k, v, slots, [], [], chunks)
+    for c in chunks:
+        rows = slice(c.query_start, c.query_start + c.query_len)
+        check(out[rows], reference(cache, q[rows], k[rows], v[rows], c.block_table, 0))
+
+    # step 2: decodes first, then the continued request, then a new one
+    nd, cont = len(lens), len(lens)
+    slots = [slots_of(t, n - 1, 1, bs)[0] for t, n in zip(tables, lens)]
+    slots += slots_of(tables[cont], cont_past, cont_new, bs) + slots_of(tables[-1], 0, fresh, bs)
+    chunks = [PrefillChunk(nd, cont_new, cont_past + cont_new, tables[cont]),
+              PrefillChunk(nd + cont_new, fresh, fresh, tables[-1])]
+    total = len(slots)
+    q, k, v = tokens(total, hq) * 3, tokens(total, HKV), tokens(total, HKV)  # peaked softmax
+    out, meta = run_step(cache, backend, q, k, v, slots, tables[:nd], lens, chunks)
+    assert meta.num_splits > 1
+    for i, n in enumerate(lens):
+        check(out[i:i + 1], reference(cache, q[i:i + 1], k[i:i + 1], v[i:i + 1], tables[i],
+                                      n - 1))
+    for c, past in zip(chunks, (cont_past, 0)):
+        rows = slice(c.query_start, c.query_start + c.query_len)
+        check(out[rows], reference(cache, q[rows], k[rows], v[rows], c.block_table, past))
+
+
+@pytest.mark.parametrize("kind", ["float32", "int8"])
+def test_graph_metadata_padded_batch_equals_the_unpadded_step(kind):
+    """graph_decode_metadata + fill_graph_decode + forward over a batch padded past the step's
+    decodes: the real rows equal the eager step's, the padded rows are zeros and write
+    nothing; the next step refills the same tensors in place."""
+    gen, bs, dim, hq = torch.Generator().manual_seed(5), 16, 32, 4
+    eager_cache, graph_cache = make_cache(kind, dim, bs, 8), make_cache(kind, dim, bs, 8)
+    past = torch.randn(8 * bs, HKV, dim, generator=gen).to(DEVICE)
+    for cache in (eager_cache, graph_cache):  # the same cached past in every slot
+        every = list(range(8 * bs))
+        cache.write_layer(0, cache.begin_step(every, every), past, past * 0.5, past)
+    eager, graph = new_backend(eager_cache), new_backend(graph_cache)
+    meta = graph.graph_decode_metadata(max_batch=8, max_blocks=4)
+    assert meta.slot_mapping.shape == (8,) and meta.slot_mapping.dtype == torch.int64
+    assert meta.block_tables.shape == (8, 4) and meta.block_tables.dtype == torch.int32
+    assert meta.context_lens.shape == (8,) and meta.context_lens.dtype == torch.int32
+    storage = (meta.slot_mapping.data_ptr(), meta.block_tables.data_ptr(),
+               meta.context_lens.data_ptr())
+    tables = [[7, 2], [4, 0], [1, 5, 3]]
+    for lens, batch in (([3, 17, 40], 5), ([4, 18], 3)):  # the second: fewer rows, same tensors
+        n = len(lens)
+        slots = [t[(c - 1) // bs] * bs + (c - 1) % bs for t, c in zip(tables, lens)]
+        q = torch.randn(batch, hq, dim, generator=gen).to(DEVICE)
+        k = torch.randn(batch, HKV, dim, generator=gen).to(DEVICE)
+        v = torch.randn(batch, HKV, dim, generator=gen).to(DEVICE)
+        want, _ = run_step(eager_cache, eager, q[:n], k[:n], v[:n], slots, tables[:n], lens, [])
+        graph_cache.begin_step(slots, lens)
+        graph.fill_graph_decode(meta, CommonAttentionMetadata(slots, n, tables[:n], lens, []),
+                                batch)
+        assert (meta.slot_mapping.data_ptr(), meta.block_tables.data_ptr(),
+                meta.context_lens.data_ptr()) == storage
+        assert meta.num_rows == batch
+        assert meta.slot_mapping[n:batch].tolist() == [-1] * (batch - n)
+        assert meta.context_lens[n:batch].tolist() == [0] * (batch - n)
+        got = graph.forward(0, q, k, v, k, meta, dim ** -0.5)
+        torch.testing.assert_close(got[:n], want, atol=1e-5, rtol=1e-4)
+        assert torch.equal(got[n:], torch.zeros_like(got[n:]))
+        for name, buf in cache_tensors(eager_cache).items():  # padded rows wrote nothing
+            assert torch.equal(cache_tensors(graph_cache)[name], buf), name
+
+
+def test_graph_metadata_rejects_what_it_cannot_hold():
+    cache = make_cache("float32", 32, 16, 8)
+    backend = new_backend(cache)
+    meta = backend.graph_decode_metadata(4, 2)
+    with pytest.raises(ValueError, match="between the step's 2 decodes and max_batch 4"):
+        backend.fill_graph_decode(meta, CommonAttentionMetadata([1, 2], 2, [[0], [1]], [1, 1],
+                                                                []), 1)
+    with pytest.raises(ValueError, match="more than the graph's max_blocks 2"):
+        backend.fill_graph_decode(meta, CommonAttentionMetadata([1], 1, [[0, 1, 2]], [40], []),
+                                  2)
+    with pytest.raises(ValueError, match="decodes only"):
+        backend.fill_graph_decode(meta, CommonAttentionMetadata(
+            [1, 2], 1, [[0]], [1], [PrefillChunk(1, 1, 1, [2])]), 2)
+    with pytest.raises(ValueError, match="needs metadata from graph_decode_metadata"):
+        backend.fill_graph_decode(backend.build(CommonAttentionMetadata(
+            [1], 1, [[0]], [2], [], write_plan=torch.tensor([1]))), None, 1)
+    with pytest.raises(ValueError, match="max_batch and max_blocks must be >= 1"):
+        backend.graph_decode_metadata(0, 2)
+
+
+# ---- the choice --------------------------------------------------------------------------------
+def test_backend_choice(monkeypatch, caplog):
+    """auto on CPU keeps the C kernels even under the interpreter; on CUDA it picks Triton for
+    the float pool, int8 and fp8 (keys after RoPE), not for other stores; without Triton it
+    says why and falls back."""
+    from nanokv.attention.native_cpu import NativeCPUBackend
+    from nanokv.attention.native_quantized import NativeQuantizedBackend
+    from nanokv.layers.native_attention import NativeKernelUnavailable, load_decode_kernel
+
+    cuda = torch.device("cuda")
+    lay = KVLayout(1, HKV, 32, 16, torch.float32)
+    pool = KVPool(lay, 4, CPU)
+    int8 = make_kv_store("int8", lay, 4)
+    try:
+        load_decode_kernel()
+        native = True
+    except NativeKernelUnavailable:
+        native = False
+    assert select_backend("auto", pool, CPU)[0] is (NativeCPUBackend if native
+                                                    else TorchPagedBackend)
+    if native:
+        assert select_backend("auto", int8, CPU)[0] is NativeQuantizedBackend
+    if DEVICE.type == "cpu":  # the interpreter
+        assert select_backend("triton", pool, CPU)[0] is TritonPagedBackend
+    for cache in (pool, int8, make_kv_store("fp8_e5m2", lay, 4),
+                  KVPool(KVLayout(1, HKV, 32, 16, torch.bfloat16), 4, CPU)):
+        assert select_backend("auto", cache, cuda)[0] is TritonPagedBackend
+    kivi = KIVIStore.from_settings(lay, 4, CPU, num_staging_blocks=1)
+    pre_rope = make_kv_store("int8", lay, 4, pre_rope_keys=True)
+    for cache in (kivi, pre_rope):
+        assert select_backend("auto", cache, cuda)[0] is QuantizedTorchBackend
+        reason, structural = TritonPagedBackend.why_not(cache, cuda)
+        assert structural and "keys after RoPE" in reason
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    reason, structural = TritonPagedBackend.why_not(pool, CPU)
+    assert structural and "CUDA" in reason
+    monkeypatch.setattr(triton_paged, "triton_unavailable",
+                        lambda: "triton is not importable (ModuleNotFoundError)")
+    reason, structural = TritonPagedBackend.why_not(pool, cuda)
+    assert not structural and "not importable" in reason
+    with caplog.at_level(logging.WARNING, logger="nanokv"):
+        assert select_backend("auto", pool, cuda)[0] is TorchPagedBackend
+    assert "triton not used (triton is not importable" in caplog.text
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_engine_greedy_tokens_equal_the_default_backend(tiny_llama, kv_cache_dtype):
+    """Chunked prefill next to decodes, through the engine: the same greedy tokens as the
+    backend auto picks on CPU (the PyTorch path on a GPU, where auto is this one)."""
+    from nanokv import LLM, SamplingParams
+
+    prompts = [list(range(1, 30)), list(range(5, 22))]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    reference_backend = "auto" if DEVICE.type == "cpu" else "torch"
+    tokens = {}
+    for backend in (reference_backend, "triton"):
+        llm = LLM(tiny_llama, skip_tokenizer_init=True, block_size=16, num_kv_blocks=16,
+                  max_num_batched_tokens=24, max_num_seqs=2, attention_backend=backend,
+                  kv_cache_dtype=kv_cache_dtype)
+        tokens[backend] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if backend == "triton":
+            assert type(llm.engine.attention_backend) is TritonPagedBackend
+    assert tokens["triton"] == tokens[reference_backend]
