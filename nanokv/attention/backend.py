@@ -31,7 +31,10 @@ in place (rows from len(common.decode_context_lens) up to `batch` are padding: s
 context length 0, so they write nothing and attend to nothing, output zeros) and sets any per-step
 state the write path needs, without allocating. `forward` with such metadata does no host
 synchronisation (no .item(), .tolist(), value-dependent shapes or grids): its launches depend
-only on (batch, max_blocks) and constants fixed at construction.
+only on (batch, max_blocks) and constants fixed at construction. One metadata object may serve
+graphs of several batch sizes (each graph reads the first `batch` rows of the same tensors).
+Kernels may compile on their first call for a shape (Triton does): run fill + forward once for
+each batch size outside the capture (a warm-up) before capturing it.
 """
 
 from __future__ import annotations
