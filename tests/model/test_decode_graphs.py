@@ -177,3 +177,21 @@ def test_graphs_need_cuda_and_a_backend_that_supports_them(tiny_llama):
     backend = ReferenceGraphBackend(runner.kv_cache, runner.device)
     with pytest.raises(ValueError, match="need a CUDA device"):
         DecodeGraphs(runner.model, backend, runner.device, 4, 8, capture=True)
+
+
+def test_triton_backend_through_static_buffers_equals_hf(tiny_llama):
+    """The Triton backend's side of the graph contract (under Triton's interpreter on CPU)."""
+    triton_paged = pytest.importorskip("nanokv.attention.triton_paged")
+    if not triton_paged.interpreter_on() or triton_paged.triton_unavailable():
+        pytest.skip("the Triton backend runs on CPU only under TRITON_INTERPRET=1 with triton")
+    prompts, lengths = prompts_and_lengths(0, 3, 6)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    hf = load_hf(tiny_llama)
+    expected = [hf_greedy(hf, p, n)[0] for p, n in zip(prompts, lengths)]
+    llm = LLM(tiny_llama, block_size=BLOCK, max_model_len=MAX_LEN, max_num_seqs=8,
+              attention_backend="triton")
+    runner = llm.engine.runner
+    runner.graphs = DecodeGraphs(runner.model, runner.backend, runner.device, 8,
+                                 cdiv(MAX_LEN, BLOCK), capture=False)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert runner.graphs.num_graph_steps > 0 and runner.graphs.padded_rows > 0
