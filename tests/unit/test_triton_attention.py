@@ -135,7 +135,7 @@ def test_write_equals_the_stores_write_and_skips_padded_slots(kind):
 
 
 # ---- attention through the backend ---------------------------------------------------------------
-def new_backend(cache, tile_n=16, block_m=16, target_programs=64):
+def new_backend(cache, tile_n=32, block_m=32, target_programs=64):
     backend = TritonPagedBackend(cache, DEVICE)
     backend.tile_n, backend.block_m = tile_n, block_m  # small tiles: several per context
     backend.target_programs = target_programs  # several decode splits
@@ -274,6 +274,37 @@ def test_graph_metadata_padded_batch_equals_the_unpadded_step(kind):
         assert torch.equal(got[n:], torch.zeros_like(got[n:]))
         for name, buf in cache_tensors(eager_cache).items():  # padded rows wrote nothing
             assert torch.equal(cache_tensors(graph_cache)[name], buf), name
+
+
+def test_per_layer_block_tables_address_flat_layer_slices():
+    """A step with per-layer block tables (each layer its own slices and context lengths, in
+    flat layer-slice ids): each layer's output equals dense attention over its own slices."""
+    gen, bs, dim, hq, nb = torch.Generator().manual_seed(7), 16, 32, 4, 6
+    pool = make_cache("float32", dim, bs, nb, num_layers=2)
+    k_flat, v_flat = pool.flat_layers()  # [2 * nb, bs, Hkv, D]
+    k_flat.copy_(torch.randn(k_flat.shape, generator=gen))
+    v_flat.copy_(torch.randn(v_flat.shape, generator=gen))
+    # layer 0 kept 20 and 33 slots of the two requests, layer 1 (slices nb..) 9 and 40
+    layer_tables = [[[0, 3], [5, 1, 2]], [[nb + 4], [nb + 0, nb + 2, nb + 5]]]
+    layer_lens = [[20, 33], [9, 40]]
+    backend = new_backend(pool)
+    per_layer = []
+    for tables, lens in zip(layer_tables, layer_lens):
+        slots = slots_of(tables[0], lens[0] - 1, 1, bs) + slots_of(tables[1], lens[1] - 1, 1, bs)
+        per_layer.append(CommonAttentionMetadata(slots, 2, tables, lens, []))
+    meta = backend.build(CommonAttentionMetadata([0, 0], 2, [], [], [], per_layer=per_layer))
+    for layer, (tables, lens) in enumerate(zip(layer_tables, layer_lens)):
+        q = torch.randn(2, hq, dim, generator=gen).to(DEVICE)
+        k = torch.randn(2, HKV, dim, generator=gen).to(DEVICE)
+        v = torch.randn(2, HKV, dim, generator=gen).to(DEVICE)
+        out = backend.forward(layer, q, k, v, k, meta, dim ** -0.5)
+        for i, (table, n) in enumerate(zip(tables, lens)):
+            ids = torch.tensor(table, device=DEVICE)
+            keys = k_flat[ids].reshape(-1, HKV, dim)[:n]  # the new token's slot included
+            values = v_flat[ids].reshape(-1, HKV, dim)[:n]
+            assert torch.equal(keys[-1], k[i]) and torch.equal(values[-1], v[i])  # written
+            ref = dense_reference_attention(q[i:i + 1], keys, values, dim ** -0.5)
+            torch.testing.assert_close(out[i:i + 1], ref, atol=2e-5, rtol=1e-4)
 
 
 def test_graph_metadata_rejects_what_it_cannot_hold():
