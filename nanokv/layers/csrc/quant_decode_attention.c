@@ -2,15 +2,21 @@
  * request over that request's cached slots, the step's own token attended with its fresh
  * float32 K/V (as `nanokv.quant.attention.reference_quantized_attention` does).
  *
- * Same pass as decode_attention.c: slots in tiles of TILE, an online softmax per query head, one
- * OpenMP work item per request with all its heads. A slot's row (all KV heads) is dequantized
- * into a small per-thread float buffer (Hkv x D floats, stays in L1), its key rotated there when
- * the store keeps keys before RoPE, then dotted with the query heads of each KV head (GQA: one
- * dequantization per KV head, reused by its query heads); values the same way into the
- * accumulator. Dequantized rows never go to memory beyond that buffer.
+ * One pass with an online softmax, as decode_attention.c, one OpenMP work item per request.
+ * Slots are taken in tiles of TILE = 16; inside a tile, one KV head at a time:
+ *   1. its keys for the tile's slots are decoded into kt [TILE, D] (per-thread, L1-sized: 8 KiB
+ *      at D = 128), rotated there when the store keeps keys before RoPE;
+ *   2. the scores of its query heads (GQA: the group shares the decoded keys), all TILE slots
+ *      of a head at once: one accumulator per slot over D, then the 16 sums reduced together
+ *      (a shuffle tree, 15 adds for 16 dot products instead of a reduction each);
+ *   3. the online softmax of those heads over the tile (a vector exp on the guarded paths);
+ *   4. its values decoded into vt [TILE, D], added to the heads' accumulators, a column chunk
+ *      at a time in registers over the tile's slots.
+ * Decoded rows never leave the per-thread buffers. Plain C the compiler vectorises, plus
+ * AVX-512 paths where they pay (guarded: the plain C builds and runs everywhere).
  *
- * Plain C the compiler vectorises (no intrinsics): the fp8 / fp16 / bf16 decodes are bit shifts
- * and one multiply by a power of two, exact for normal and subnormal numbers.
+ * The fp8 / fp16 / bf16 decodes are bit shifts and one multiply by a power of two, exact for
+ * normal and subnormal numbers.
  *
  * Two entry points:
  *   pertoken_decode_attention  int8 / fp8 e4m3 / fp8 e5m2 codes, a float32 scale per token and
@@ -75,27 +81,32 @@ static inline int64_t load_index(const void *p, int64_t i, int64_t bytes) {
     return ((const int32_t *)p)[i];
 }
 
-/* ---- the online softmax, shared --------------------------------------------------------------- */
+/* ---- the online softmax over tiles, shared ---------------------------------------------------- */
 typedef struct {
     float *acc;    /* [Hq, D] running P @ V */
     float *scores; /* [Hq, TILE] */
     float *m, *l;  /* [Hq] running max and sum of exp */
-    float *krow;   /* [Hkv, D] one dequantized key row */
-    float *vrow;   /* [TILE, Hkv, D] the tile's dequantized values (L2) */
+    float *kt;     /* [TILE, D] one KV head's decoded keys of the tile */
+    float *vt;     /* [TILE, D] its decoded values */
+    /* per slot of the tile: a key's score is ks[t] * (q . kt[t]); a value is
+     * va[t] * vt[t] + vb[t] (the per-token scales and offsets, applied once per slot) */
+    float ks[TILE], va[TILE], vb[TILE];
 } Softmax;
 
-static int softmax_alloc(Softmax *s, int64_t Hq, int64_t Hkv, int64_t D) {
+static int softmax_alloc(Softmax *s, int64_t Hq, int64_t D) {
     s->acc = malloc(sizeof(float) * Hq * D);
     s->scores = malloc(sizeof(float) * Hq * TILE);
     s->m = malloc(sizeof(float) * Hq);
     s->l = malloc(sizeof(float) * Hq);
-    s->krow = malloc(sizeof(float) * Hkv * D);
-    s->vrow = malloc(sizeof(float) * TILE * Hkv * D);
-    return s->acc && s->scores && s->m && s->l && s->krow && s->vrow;
+    /* zeroed: rows past a partial tile are read (their scores are never used) */
+    s->kt = calloc(TILE * D, sizeof(float));
+    s->vt = calloc(TILE * D, sizeof(float));
+    for (int t = 0; t < TILE; t++) { s->ks[t] = 1.f; s->va[t] = 1.f; s->vb[t] = 0.f; }
+    return s->acc && s->scores && s->m && s->l && s->kt && s->vt;
 }
 
 static void softmax_free(Softmax *s) {
-    free(s->acc); free(s->scores); free(s->m); free(s->l); free(s->krow); free(s->vrow);
+    free(s->acc); free(s->scores); free(s->m); free(s->l); free(s->kt); free(s->vt);
 }
 
 static void softmax_reset(Softmax *s, int64_t Hq, int64_t D) {
@@ -103,9 +114,8 @@ static void softmax_reset(Softmax *s, int64_t Hq, int64_t D) {
     memset(s->acc, 0, sizeof(float) * Hq * D);
 }
 
-/* a . b over D floats. The vector paths (guarded: plain C elsewhere) end with a shuffle tree;
- * compilers reduce an `omp simd` sum through the stack with one scalar add per lane, which
- * costs as much as the products at D = 128. */
+/* a . b over D floats (the vector path ends with a shuffle tree: compilers reduce an
+ * `omp simd` sum through the stack, one scalar add per lane) */
 static inline float dot(const float *a, const float *b, int64_t D) {
 #if defined(__AVX512F__)
     if (D % 32 == 0) {
@@ -136,23 +146,108 @@ static inline float dot(const float *a, const float *b, int64_t D) {
     return acc;
 }
 
-/* scores[:, t] = q . krow for every query head (krow: [Hkv, D]) */
-static inline void score_row(Softmax *s, const float *qb, const float *krow, int64_t t,
-                             int64_t Hq, int64_t Hkv, int64_t D) {
-    const int64_t group = Hq / Hkv;
-    for (int64_t h = 0; h < Hq; h++)
-        s->scores[h * TILE + t] = dot(qb + h * D, krow + (h / group) * D, D);
+#if defined(__AVX512F__)
+/* lane t of the result = the sum of the lanes of v[t], for 16 vectors: four levels of pairwise
+ * lane exchanges and adds. The tree leaves sums in bit-reversed order, so the inputs are taken
+ * bit-reversed. */
+static inline __m512 sum16(const __m512 *v) {
+    static const int rev[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+    const __m512i lo1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    const __m512i hi1 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                          30, 31);
+    const __m512i lo2 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    const __m512i hi2 = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30,
+                                          31);
+    const __m512i lo3 = _mm512_setr_epi32(0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+    const __m512i hi3 = _mm512_setr_epi32(2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30,
+                                          31);
+    const __m512i lo4 = _mm512_setr_epi32(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+    const __m512i hi4 = _mm512_setr_epi32(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15,
+                                          31);
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) {
+        const __m512 x = v[rev[2 * i]], y = v[rev[2 * i + 1]];
+        a[i] = _mm512_add_ps(_mm512_permutex2var_ps(x, lo1, y), _mm512_permutex2var_ps(x, hi1, y));
+    }
+    for (int i = 0; i < 4; i++)
+        b[i] = _mm512_add_ps(_mm512_permutex2var_ps(a[2 * i], lo2, a[2 * i + 1]),
+                             _mm512_permutex2var_ps(a[2 * i], hi2, a[2 * i + 1]));
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_permutex2var_ps(b[2 * i], lo3, b[2 * i + 1]),
+                             _mm512_permutex2var_ps(b[2 * i], hi3, b[2 * i + 1]));
+    return _mm512_add_ps(_mm512_permutex2var_ps(c[0], lo4, c[1]),
+                         _mm512_permutex2var_ps(c[0], hi4, c[1]));
 }
 
-/* fold the tile's n scores into the running max / sum; scores become the tile's P */
-static inline void softmax_tile(Softmax *s, int64_t n, int64_t Hq, int64_t D) {
-    for (int64_t h = 0; h < Hq; h++) {
+/* e^x for x <= 0 (Cephes' expf: x = n ln2 + r, a degree-5 polynomial in r, times 2^n); within
+ * 2 ulp of expf */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* scores[h, t] = ks[t] * (q_h . rows[t]) for the query heads [h0, h0 + group) and the tile's
+ * slots (rows: [TILE, D], all TILE rows readable; scores past n are never used) */
+static inline void score_tile(Softmax *s, const float *qb, const float *rows, int64_t h0,
+                              int64_t group, int64_t n, int64_t D) {
+#if defined(__AVX512F__)
+    if (D % 16 == 0) {
+        for (int64_t h = h0; h < h0 + group; h++) {
+            const float *qh = qb + h * D;
+            __m512 acc[TILE];
+            for (int t = 0; t < TILE; t++) acc[t] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d += 16) {
+                const __m512 qv = _mm512_loadu_ps(qh + d);
+                #pragma GCC unroll 16
+                for (int t = 0; t < TILE; t++)
+                    acc[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows + t * D + d), acc[t]);
+            }
+            _mm512_storeu_ps(s->scores + h * TILE,
+                             _mm512_mul_ps(sum16(acc), _mm512_loadu_ps(s->ks)));
+        }
+        return;
+    }
+#endif
+    for (int64_t h = h0; h < h0 + group; h++)
+        for (int64_t t = 0; t < n; t++)
+            s->scores[h * TILE + t] = s->ks[t] * dot(qb + h * D, rows + t * D, D);
+}
+
+/* fold the tile's n scores of heads [h0, h0 + group) into their running max / sum; the scores
+ * become the tile's P */
+static inline void softmax_tile(Softmax *s, int64_t h0, int64_t group, int64_t n, int64_t D) {
+    for (int64_t h = h0; h < h0 + group; h++) {
         float *sc = s->scores + h * TILE;
-        float mx = s->m[h];
-        for (int64_t t = 0; t < n; t++) mx = sc[t] > mx ? sc[t] : mx;
+        float mx = s->m[h], sum = 0.f;
+#if defined(__AVX512F__)
+        if (TILE == 16) {
+            const __mmask16 live = (__mmask16)((1u << n) - 1u);
+            const __m512 x = _mm512_maskz_loadu_ps(live, sc);
+            const float tile_max = _mm512_mask_reduce_max_ps(live, x);
+            mx = tile_max > mx ? tile_max : mx;
+            const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(x,
+                                                                        _mm512_set1_ps(mx))));
+            _mm512_storeu_ps(sc, p);
+            sum = _mm512_reduce_add_ps(p);
+        } else
+#endif
+        {
+            for (int64_t t = 0; t < n; t++) mx = sc[t] > mx ? sc[t] : mx;
+            for (int64_t t = 0; t < n; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
+        }
         const float corr = expf(s->m[h] - mx);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; t++) { sc[t] = expf(sc[t] - mx); sum += sc[t]; }
         s->l[h] = s->l[h] * corr + sum;
         s->m[h] = mx;
         if (corr != 1.f) {
@@ -163,37 +258,28 @@ static inline void softmax_tile(Softmax *s, int64_t n, int64_t Hq, int64_t D) {
     }
 }
 
-/* acc += P[:, t] * vrow (vrow: [Hkv, D]) */
-static inline void accumulate_row(Softmax *s, const float *vrow, int64_t t, int64_t Hq,
-                                  int64_t Hkv, int64_t D) {
-    const int64_t group = Hq / Hkv;
-    for (int64_t h = 0; h < Hq; h++) {
-        const float p = s->scores[h * TILE + t], *vr = vrow + (h / group) * D;
+/* acc_h += sum_t P[h, t] * (va[t] * rows[t] + vb[t]) (rows: [n, D] at a row stride) for heads
+ * [h0, h0 + group): the accumulator of a head stays in registers over the tile's slots on the
+ * guarded vector paths (a column chunk at a time) */
+static inline void accumulate_tile(Softmax *s, const float *rows, int64_t stride, int64_t h0,
+                                   int64_t group, int64_t n, int64_t D) {
+    float pa[TILE];
+    for (int64_t h = h0; h < h0 + group; h++) {
+        float *ph = s->scores + h * TILE;
+        float pb = 0.f;
+        for (int64_t t = 0; t < n; t++) { pb += ph[t] * s->vb[t]; pa[t] = ph[t] * s->va[t]; }
         float *ah = s->acc + h * D;
-        #pragma omp simd
-        for (int64_t d = 0; d < D; d++) ah[d] += p * vr[d];
-    }
-}
-
-/* acc += P[:, :n] @ vtile (vtile: [n, Hkv, D]): the accumulator of a head stays in registers
- * over the tile's slots on the guarded vector paths (a column chunk at a time) */
-static inline void accumulate_tile(Softmax *s, const float *vtile, int64_t n, int64_t Hq,
-                                   int64_t Hkv, int64_t D) {
-    const int64_t row = Hkv * D;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-    const int64_t group = Hq / Hkv;
-#endif
 #if defined(__AVX512F__)
-    if (D % 64 == 0) {
-        for (int64_t h = 0; h < Hq; h++) {
-            const float *vh = vtile + (h / group) * D, *ph = s->scores + h * TILE;
-            float *ah = s->acc + h * D;
+        if (D % 64 == 0) {
+            const __m512 bias = _mm512_set1_ps(pb);
             for (int64_t d = 0; d < D; d += 64) {
-                __m512 a0 = _mm512_loadu_ps(ah + d), a1 = _mm512_loadu_ps(ah + d + 16);
-                __m512 a2 = _mm512_loadu_ps(ah + d + 32), a3 = _mm512_loadu_ps(ah + d + 48);
+                __m512 a0 = _mm512_add_ps(_mm512_loadu_ps(ah + d), bias);
+                __m512 a1 = _mm512_add_ps(_mm512_loadu_ps(ah + d + 16), bias);
+                __m512 a2 = _mm512_add_ps(_mm512_loadu_ps(ah + d + 32), bias);
+                __m512 a3 = _mm512_add_ps(_mm512_loadu_ps(ah + d + 48), bias);
                 for (int64_t t = 0; t < n; t++) {
-                    const __m512 p = _mm512_set1_ps(ph[t]);
-                    const float *v = vh + t * row + d;
+                    const __m512 p = _mm512_set1_ps(pa[t]);
+                    const float *v = rows + t * stride + d;
                     a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v), a0);
                     a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16), a1);
                     a2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 32), a2);
@@ -202,20 +288,19 @@ static inline void accumulate_tile(Softmax *s, const float *vtile, int64_t n, in
                 _mm512_storeu_ps(ah + d, a0); _mm512_storeu_ps(ah + d + 16, a1);
                 _mm512_storeu_ps(ah + d + 32, a2); _mm512_storeu_ps(ah + d + 48, a3);
             }
+            continue;
         }
-        return;
-    }
 #elif defined(__AVX2__) && defined(__FMA__)
-    if (D % 32 == 0) {
-        for (int64_t h = 0; h < Hq; h++) {
-            const float *vh = vtile + (h / group) * D, *ph = s->scores + h * TILE;
-            float *ah = s->acc + h * D;
+        if (D % 32 == 0) {
+            const __m256 bias = _mm256_set1_ps(pb);
             for (int64_t d = 0; d < D; d += 32) {
-                __m256 a0 = _mm256_loadu_ps(ah + d), a1 = _mm256_loadu_ps(ah + d + 8);
-                __m256 a2 = _mm256_loadu_ps(ah + d + 16), a3 = _mm256_loadu_ps(ah + d + 24);
+                __m256 a0 = _mm256_add_ps(_mm256_loadu_ps(ah + d), bias);
+                __m256 a1 = _mm256_add_ps(_mm256_loadu_ps(ah + d + 8), bias);
+                __m256 a2 = _mm256_add_ps(_mm256_loadu_ps(ah + d + 16), bias);
+                __m256 a3 = _mm256_add_ps(_mm256_loadu_ps(ah + d + 24), bias);
                 for (int64_t t = 0; t < n; t++) {
-                    const __m256 p = _mm256_set1_ps(ph[t]);
-                    const float *v = vh + t * row + d;
+                    const __m256 p = _mm256_set1_ps(pa[t]);
+                    const float *v = rows + t * stride + d;
                     a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), a0);
                     a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), a1);
                     a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), a2);
@@ -224,19 +309,39 @@ static inline void accumulate_tile(Softmax *s, const float *vtile, int64_t n, in
                 _mm256_storeu_ps(ah + d, a0); _mm256_storeu_ps(ah + d + 8, a1);
                 _mm256_storeu_ps(ah + d + 16, a2); _mm256_storeu_ps(ah + d + 24, a3);
             }
+            continue;
         }
-        return;
-    }
 #endif
-    for (int64_t t = 0; t < n; t++) accumulate_row(s, vtile + t * row, t, Hq, Hkv, D);
+        #pragma omp simd
+        for (int64_t d = 0; d < D; d++) ah[d] += pb;
+        for (int64_t t = 0; t < n; t++) {
+            const float p = pa[t], *v = rows + t * stride;
+            #pragma omp simd
+            for (int64_t d = 0; d < D; d++) ah[d] += p * v[d];
+        }
+    }
 }
 
 /* the step's own token: one more tile of one slot, its K/V fresh in float32 */
 static void attend_fresh(Softmax *s, const float *qb, const float *kn, const float *vn,
                          int64_t Hq, int64_t Hkv, int64_t D) {
-    score_row(s, qb, kn, 0, Hq, Hkv, D);
-    softmax_tile(s, 1, Hq, D);
-    accumulate_row(s, vn, 0, Hq, Hkv, D);
+    const int64_t group = Hq / Hkv;
+    for (int64_t g = 0; g < Hkv; g++) {
+        for (int64_t h = g * group; h < (g + 1) * group; h++)
+            s->scores[h * TILE] = dot(qb + h * D, kn + g * D, D);
+        /* one live slot: the plain softmax path */
+        for (int64_t h = g * group; h < (g + 1) * group; h++) {
+            float *sc = s->scores + h * TILE;
+            const float mx = sc[0] > s->m[h] ? sc[0] : s->m[h];
+            const float corr = expf(s->m[h] - mx);
+            sc[0] = expf(sc[0] - mx);
+            s->l[h] = s->l[h] * corr + sc[0];
+            s->m[h] = mx;
+            float *ah = s->acc + h * D;
+            #pragma omp simd
+            for (int64_t d = 0; d < D; d++) ah[d] = ah[d] * corr + sc[0] * vn[g * D + d];
+        }
+    }
 }
 
 static void softmax_finish(const Softmax *s, float *ob, int64_t Hq, int64_t D) {
@@ -246,40 +351,47 @@ static void softmax_finish(const Softmax *s, float *ob, int64_t Hq, int64_t D) {
     }
 }
 
-/* ---- RoPE (rotate-half, as nanokv.layers.rotary) on a dequantized key row ------------------ */
-static inline void rope_row(float *row, const float *cos, const float *sin, int64_t rot_dim,
-                            int64_t Hkv, int64_t D) {
+/* one KV head's tile: scores of its query heads against kt, softmax, values vt added */
+static inline void head_tile_keys(Softmax *s, const float *qb, int64_t g, int64_t group,
+                                  int64_t n, int64_t D) {
+    score_tile(s, qb, s->kt, g * group, group, n, D);
+    softmax_tile(s, g * group, group, n, D);
+}
+
+/* The tile loops visit a KV head at a time, so they read each slot's row in pieces a row apart,
+ * which the hardware prefetchers do not follow: the next tile's rows are requested ahead (into
+ * L2), in address order. */
+static inline void prefetch_rows(const uint8_t *first, int64_t nbytes) {
+    for (int64_t off = 0; off < nbytes; off += 64) __builtin_prefetch(first + off, 0, 2);
+}
+
+/* ---- RoPE (rotate-half, as nanokv.layers.rotary) on a decoded key row of one head --------- */
+static inline void rope_head(float *x, const float *cos, const float *sin, int64_t rot_dim) {
     const int64_t half = rot_dim / 2;
-    for (int64_t h = 0; h < Hkv; h++) {
-        float *x = row + h * D;
-        #pragma omp simd
-        for (int64_t d = 0; d < half; d++) {
-            const float a = x[d], b = x[d + half];
-            x[d] = a * cos[d] - b * sin[d];
-            x[d + half] = b * cos[d + half] + a * sin[d + half];
-        }
+    #pragma omp simd
+    for (int64_t d = 0; d < half; d++) {
+        const float a = x[d], b = x[d + half];
+        x[d] = a * cos[d] - b * sin[d];
+        x[d + half] = b * cos[d + half] + a * sin[d + half];
     }
 }
 
 /* ==== int8 / fp8 per-token codes ============================================================= */
 enum { FMT_INT8 = 0, FMT_E4M3 = 1, FMT_E5M2 = 2 };
 
-static inline void pertoken_row(float *row, const uint8_t *codes, const float *scales,
-                                int64_t Hkv, int64_t D, int fmt) {
-    for (int64_t h = 0; h < Hkv; h++) {
-        const uint8_t *c = codes + h * D;
-        const float sc = scales[h];
-        float *x = row + h * D;
-        if (fmt == FMT_INT8) {
-            #pragma omp simd
-            for (int64_t d = 0; d < D; d++) x[d] = (float)(int8_t)c[d] * sc;
-        } else if (fmt == FMT_E4M3) {
-            #pragma omp simd
-            for (int64_t d = 0; d < D; d++) x[d] = e4m3_to_f32(c[d]) * sc;
-        } else {
-            #pragma omp simd
-            for (int64_t d = 0; d < D; d++) x[d] = e5m2_to_f32(c[d]) * sc;
-        }
+/* x = decode(codes) over one head's D channels (the token's scale is applied once per slot:
+ * to its score, to its weight in P @ V; RoPE is linear, so it commutes with the scale) */
+static inline void pertoken_head(float *restrict x, const uint8_t *restrict c, int64_t D,
+                                 int fmt) {
+    if (fmt == FMT_INT8) {
+        #pragma omp simd
+        for (int64_t d = 0; d < D; d++) x[d] = (float)(int8_t)c[d];
+    } else if (fmt == FMT_E4M3) {
+        #pragma omp simd
+        for (int64_t d = 0; d < D; d++) x[d] = e4m3_to_f32(c[d]);
+    } else {
+        #pragma omp simd
+        for (int64_t d = 0; d < D; d++) x[d] = e5m2_to_f32(c[d]);
     }
 }
 
@@ -290,11 +402,11 @@ static inline __attribute__((always_inline)) int pertoken_impl(
         const int32_t *slot_positions, const float *cos, const float *sin, int64_t rot_dim,
         int64_t num_requests, int64_t Hq, int64_t Hkv, int64_t D, int fmt) {
     int failed = 0;
-    const int64_t row = Hkv * D;
+    const int64_t row = Hkv * D, group = Hq / Hkv;
     #pragma omp parallel
     {
         Softmax s;
-        if (!softmax_alloc(&s, Hq, Hkv, D)) {
+        if (!softmax_alloc(&s, Hq, D)) {
             #pragma omp atomic write
             failed = 1;
         }
@@ -306,26 +418,32 @@ static inline __attribute__((always_inline)) int pertoken_impl(
             for (int64_t r = run_ptr[b]; r < run_ptr[b + 1]; r++) {
                 const int64_t start = run_start[r], len = run_len[r];
                 for (int64_t t0 = 0; t0 < len; t0 += TILE) {
-                    const int64_t n = len - t0 < TILE ? len - t0 : TILE;
-                    for (int64_t t = 0; t < n; t++) {
-                        const int64_t slot = start + t0 + t;
-                        float *kr = s.krow;
-                        pertoken_row(kr, k_codes + slot * row, k_scales + slot * Hkv, Hkv, D,
-                                     fmt);
-                        if (rot_dim) {
-                            const int64_t pos = slot_positions[slot] < 0 ? 0 : slot_positions[slot];
-                            rope_row(kr, cos + pos * rot_dim, sin + pos * rot_dim, rot_dim, Hkv,
-                                     D);
+                    const int64_t n = len - t0 < TILE ? len - t0 : TILE, first = start + t0;
+                    const int64_t ahead = len - t0 - n < TILE ? len - t0 - n : TILE;
+                    for (int64_t g = 0; g < Hkv; g++) {
+                        for (int64_t t = 0; t < ahead; t++) {
+                            prefetch_rows(k_codes + (first + n + t) * row + g * D, D);
+                            prefetch_rows(v_codes + (first + n + t) * row + g * D, D);
                         }
-                        score_row(&s, qb, kr, t, Hq, Hkv, D);
+                        for (int64_t t = 0; t < n; t++) {
+                            const int64_t slot = first + t;
+                            float *x = s.kt + t * D;
+                            s.ks[t] = k_scales[slot * Hkv + g];
+                            pertoken_head(x, k_codes + slot * row + g * D, D, fmt);
+                            if (rot_dim) {
+                                const int64_t pos = slot_positions[slot] < 0
+                                                    ? 0 : slot_positions[slot];
+                                rope_head(x, cos + pos * rot_dim, sin + pos * rot_dim, rot_dim);
+                            }
+                        }
+                        head_tile_keys(&s, qb, g, group, n, D);
+                        for (int64_t t = 0; t < n; t++) {
+                            const int64_t slot = first + t;
+                            s.va[t] = v_scales[slot * Hkv + g];
+                            pertoken_head(s.vt + t * D, v_codes + slot * row + g * D, D, fmt);
+                        }
+                        accumulate_tile(&s, s.vt, D, g * group, group, n, D);
                     }
-                    softmax_tile(&s, n, Hq, D);
-                    for (int64_t t = 0; t < n; t++) {
-                        const int64_t slot = start + t0 + t;
-                        pertoken_row(s.vrow + t * row, v_codes + slot * row,
-                                     v_scales + slot * Hkv, Hkv, D, fmt);
-                    }
-                    accumulate_tile(&s, s.vrow, n, Hq, Hkv, D);
                 }
             }
             attend_fresh(&s, qb, k_new + b * row, v_new + b * row, Hq, Hkv, D);
@@ -440,46 +558,76 @@ static inline void lookup_row(float *restrict x, const uint8_t *restrict c,
     for (; d < D; d++) x[d] = lut[c[d]];
 }
 
-/* x = lut[c] * half + off per channel (per-channel statistics) */
-static inline void centroid_row(float *restrict x, const uint8_t *restrict c,
-                                const float *restrict lut, int64_t bits,
-                                const float *restrict half, const float *restrict off,
-                                int64_t D) {
+/* x = lut[codes] over one head's D channels (p: its packed codes; c: D bytes of scratch); 4-bit
+ * codes are split and looked up in registers on the AVX-512 path */
+static inline void decode_codes(float *restrict x, const uint8_t *restrict p,
+                                const float *restrict lut, int64_t bits, int64_t D,
+                                uint8_t *restrict c) {
+#if defined(__AVX512F__)
+    if (bits == 4 && D % 32 == 0) {
+        float t16[16];
+        memcpy(t16, lut, sizeof t16);
+        const __m512 table = _mm512_loadu_ps(t16);
+        const __m128i low4 = _mm_set1_epi8(0x0F);
+        for (int64_t d = 0; d < D; d += 32) {  /* 16 bytes: channel 2i in the low nibble */
+            const __m128i b = _mm_loadu_si128((const __m128i *)(p + d / 2));
+            const __m128i lo = _mm_and_si128(b, low4);
+            const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+            const __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi);
+            _mm512_storeu_ps(x + d, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(c0), table));
+            _mm512_storeu_ps(x + d + 16, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(c1), table));
+        }
+        return;
+    }
+#endif
+    unpack_codes(p, bits, D, c);
     lookup_row(x, c, lut, bits, D);
-    #pragma omp simd
-    for (int64_t d = 0; d < D; d++) x[d] = x[d] * half[d] + off[d];
 }
 
 /* per-thread scratch of the KVQuant kernel beyond the softmax */
 typedef struct {
     uint8_t *codes;             /* [D] */
     float *k_off, *k_half;      /* [Hkv, D] the block's per-channel key statistics */
-    int64_t *first, *next;      /* per-slot lists of the block's key outliers: [B], [Hkv * cap] */
-    int64_t *o_pos;             /* [Hkv * cap] h * D + channel */
+    int64_t *first, *next;      /* the block's key outliers listed per (slot, head):
+                                   [B * Hkv], [Hkv * cap] */
+    int64_t *o_ch;              /* [Hkv * cap] channel */
     float *o_val;               /* [Hkv * cap] */
 } KVQuantScratch;
 
-/* one slot's dequantized row (all KV heads) of a per-token side (values; keys without
- * per-channel statistics) */
-static void per_token_row(const KVQuantLayer *L, const KVQuantSide *S, int64_t blk, int64_t t,
-                          float *row, uint8_t *codes) {
-    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim;
-    for (int64_t h = 0; h < Hkv; h++) {
-        const int64_t i = (blk * B + t) * Hkv + h;  /* (block, slot, head) */
-        unpack_codes(S->codes + i * S->packed, S->bits, D, codes);
-        const float off = f16_to_f32(S->offset[i]), half = f16_to_f32(S->half[i]);
-        float *restrict x = row + h * D;
-        lookup_row(x, codes, S->lut, S->bits, D);
-        #pragma omp simd
-        for (int64_t d = 0; d < D; d++) x[d] = x[d] * half + off;
-        for (int64_t j = 0; j < S->cap; j++) {
-            const int64_t ch = load_index(S->oidx, i * S->cap + j, S->idx_bytes);
-            if (ch >= 0 && ch < D) x[ch] = load_any(S->oval, i * S->cap + j, L->sparse_kind);
-        }
+static inline void load_head(float *x, const void *src, int64_t base, int64_t D, int64_t kind) {
+    if (kind == 2) {
+        memcpy(x, (const float *)src + base, sizeof(float) * D);
+    } else {
+        for (int64_t d = 0; d < D; d++) x[d] = load_any(src, base + d, kind);
     }
 }
 
-/* the block's per-channel key statistics and its outliers listed by slot */
+/* one head's row (block blk, slot t, head h) of a per-token side (values; keys without
+ * per-channel statistics) */
+static void per_token_head(const KVQuantLayer *L, const KVQuantSide *S, int64_t blk, int64_t t,
+                           int64_t h, float *restrict x, uint8_t *codes) {
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim;
+    const int64_t i = (blk * B + t) * Hkv + h;  /* (block, slot, head) */
+    decode_codes(x, S->codes + i * S->packed, S->lut, S->bits, D, codes);
+    const float off = f16_to_f32(S->offset[i]), half = f16_to_f32(S->half[i]);
+    #pragma omp simd
+    for (int64_t d = 0; d < D; d++) x[d] = x[d] * half + off;
+    for (int64_t j = 0; j < S->cap; j++) {
+        const int64_t ch = load_index(S->oidx, i * S->cap + j, S->idx_bytes);
+        if (ch >= 0 && ch < D) x[ch] = load_any(S->oval, i * S->cap + j, L->sparse_kind);
+    }
+}
+
+/* a sink slot's full-precision row replaces the decoded one */
+static inline void sink_head(const KVQuantLayer *L, const void *sink, int64_t blk, int64_t t,
+                             int64_t h, float *x) {
+    const int64_t Hkv = L->num_kv_heads, D = L->head_dim;
+    for (int64_t p = 0; p < L->num_sinks; p++)
+        if (L->sink_slot[blk * L->num_sinks + p] == t)
+            load_head(x, sink, ((blk * L->num_sinks + p) * Hkv + h) * D, D, L->sparse_kind);
+}
+
+/* the block's per-channel key statistics and its outliers listed by (slot, head) */
 static void key_block_setup(const KVQuantLayer *L, int64_t blk, KVQuantScratch *w) {
     const KVQuantSide *S = &L->k;
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim;
@@ -488,66 +636,47 @@ static void key_block_setup(const KVQuantLayer *L, int64_t blk, KVQuantScratch *
         w->k_off[i] = f16_to_f32(off[i]);
         w->k_half[i] = f16_to_f32(half[i]);
     }
-    for (int64_t t = 0; t < B; t++) w->first[t] = -1;
+    for (int64_t i = 0; i < B * Hkv; i++) w->first[i] = -1;
     int64_t n = 0;
     for (int64_t h = 0; h < Hkv; h++) {
         const int64_t base = (blk * Hkv + h) * S->cap;
         for (int64_t j = 0; j < S->cap; j++) {
             const int64_t idx = load_index(S->oidx, base + j, S->idx_bytes);
             if (idx < 0 || idx >= B * D) continue;
-            const int64_t t = idx / D;
-            w->o_pos[n] = h * D + idx % D;
+            const int64_t at = idx / D * Hkv + h;  /* (slot, head) */
+            w->o_ch[n] = idx % D;
             w->o_val[n] = load_any(S->oval, base + j, L->sparse_kind);
-            w->next[n] = w->first[t];
-            w->first[t] = n++;
+            w->next[n] = w->first[at];
+            w->first[at] = n++;
         }
     }
 }
 
-static void key_row(const KVQuantLayer *L, int64_t blk, int64_t t, int64_t staged, float *row,
-                    KVQuantScratch *w) {
+static void key_head(const KVQuantLayer *L, int64_t blk, int64_t t, int64_t h, int64_t staged,
+                     float *restrict x, KVQuantScratch *w) {
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim;
     const KVQuantSide *S = &L->k;
     if (staged >= 0) {  /* a partial block: its keys in full precision */
-        const int64_t base = ((staged * B + t) * Hkv) * D;
-        if (L->staging_kind == 2) {
-            memcpy(row, (const float *)L->staging + base, sizeof(float) * Hkv * D);
-        } else {
-            for (int64_t i = 0; i < Hkv * D; i++) row[i] = load_any(L->staging, base + i,
-                                                                     L->staging_kind);
-        }
+        load_head(x, L->staging, ((staged * B + t) * Hkv + h) * D, D, L->staging_kind);
         return;
     }
     if (!S->per_channel) {
-        per_token_row(L, S, blk, t, row, w->codes);
+        per_token_head(L, S, blk, t, h, x, w->codes);
     } else {
-        for (int64_t h = 0; h < Hkv; h++) {
-            unpack_codes(S->codes + ((blk * B + t) * Hkv + h) * S->packed, S->bits, D, w->codes);
-            centroid_row(row + h * D, w->codes, S->lut, S->bits, w->k_half + h * D,
-                         w->k_off + h * D, D);
-        }
-        for (int64_t e = w->first[t]; e >= 0; e = w->next[e]) row[w->o_pos[e]] = w->o_val[e];
+        decode_codes(x, S->codes + ((blk * B + t) * Hkv + h) * S->packed, S->lut, S->bits, D,
+                     w->codes);
+        const float *restrict half = w->k_half + h * D, *restrict off = w->k_off + h * D;
+        #pragma omp simd
+        for (int64_t d = 0; d < D; d++) x[d] = x[d] * half[d] + off[d];
+        for (int64_t e = w->first[t * Hkv + h]; e >= 0; e = w->next[e]) x[w->o_ch[e]] = w->o_val[e];
     }
-    for (int64_t p = 0; p < L->num_sinks; p++) {
-        if (L->sink_slot[blk * L->num_sinks + p] == t) {
-            const int64_t base = (blk * L->num_sinks + p) * Hkv * D;
-            for (int64_t i = 0; i < Hkv * D; i++) row[i] = load_any(S->sink, base + i,
-                                                                    L->sparse_kind);
-        }
-    }
+    sink_head(L, S->sink, blk, t, h, x);
 }
 
-static void value_row(const KVQuantLayer *L, int64_t blk, int64_t t, float *row,
-                      KVQuantScratch *w) {
-    const int64_t Hkv = L->num_kv_heads, D = L->head_dim;
-    per_token_row(L, &L->v, blk, t, row, w->codes);
-    for (int64_t p = 0; p < L->num_sinks; p++) {
-        if (L->sink_slot[blk * L->num_sinks + p] == t) {
-            const int64_t base = (blk * L->num_sinks + p) * Hkv * D;
-            for (int64_t i = 0; i < Hkv * D; i++) row[i] = load_any(L->v.sink, base + i,
-                                                                    L->sparse_kind);
-        }
-    }
+static void value_head(const KVQuantLayer *L, int64_t blk, int64_t t, int64_t h,
+                       float *restrict x, KVQuantScratch *w) {
+    per_token_head(L, &L->v, blk, t, h, x, w->codes);
+    sink_head(L, L->v.sink, blk, t, h, x);
 }
 
 /* Request b's cached slots: the first past[b] slots of its blocks blk_ids[blk_ptr[b] ..
@@ -556,7 +685,7 @@ int kvquant_decode_attention(const KVQuantLayer *L, const float *q, const float 
                              const float *v_new, float *out, const int64_t *blk_ptr,
                              const int64_t *blk_ids, const int64_t *past, int64_t num_requests) {
     const int64_t Hq = L->num_q_heads, Hkv = L->num_kv_heads, D = L->head_dim;
-    const int64_t B = L->block_size, row = Hkv * D;
+    const int64_t B = L->block_size, row = Hkv * D, group = Hq / Hkv;
     const int64_t ocap = L->k.per_channel ? Hkv * L->k.cap : 0;
     int failed = 0;
     #pragma omp parallel
@@ -566,12 +695,12 @@ int kvquant_decode_attention(const KVQuantLayer *L, const float *q, const float 
         w.codes = malloc(D + 8);
         w.k_off = malloc(sizeof(float) * row);
         w.k_half = malloc(sizeof(float) * row);
-        w.first = malloc(sizeof(int64_t) * B);
+        w.first = malloc(sizeof(int64_t) * B * Hkv);
         w.next = malloc(sizeof(int64_t) * (ocap + 1));
-        w.o_pos = malloc(sizeof(int64_t) * (ocap + 1));
+        w.o_ch = malloc(sizeof(int64_t) * (ocap + 1));
         w.o_val = malloc(sizeof(float) * (ocap + 1));
-        if (!softmax_alloc(&s, Hq, Hkv, D) || !w.codes || !w.k_off || !w.k_half || !w.first
-                || !w.next || !w.o_pos || !w.o_val) {
+        if (!softmax_alloc(&s, Hq, D) || !w.codes || !w.k_off || !w.k_half || !w.first
+                || !w.next || !w.o_ch || !w.o_val) {
             #pragma omp atomic write
             failed = 1;
         }
@@ -588,20 +717,28 @@ int kvquant_decode_attention(const KVQuantLayer *L, const float *q, const float 
                 if (L->k.per_channel && staged < 0) key_block_setup(L, blk, &w);
                 for (int64_t t0 = 0; t0 < len; t0 += TILE) {
                     const int64_t n = len - t0 < TILE ? len - t0 : TILE;
-                    for (int64_t t = 0; t < n; t++) {
-                        float *kr = s.krow;
-                        key_row(L, blk, t0 + t, staged, kr, &w);
-                        if (L->rot_dim) {
-                            int64_t pos = L->slot_positions[blk * B + t0 + t];
-                            pos = pos < 0 ? 0 : pos;
-                            rope_row(kr, L->cos + pos * L->rot_dim, L->sin + pos * L->rot_dim,
-                                     L->rot_dim, Hkv, D);
+                    const int64_t ahead = len - t0 - n < TILE ? len - t0 - n : TILE;
+                    for (int64_t g = 0; g < Hkv; g++) {
+                        for (int64_t t = 0; t < ahead; t++) {
+                            const int64_t i = (blk * B + t0 + n + t) * Hkv + g;
+                            prefetch_rows(L->k.codes + i * L->k.packed, L->k.packed);
+                            prefetch_rows(L->v.codes + i * L->v.packed, L->v.packed);
                         }
-                        score_row(&s, qb, kr, t, Hq, Hkv, D);
+                        for (int64_t t = 0; t < n; t++) {
+                            float *x = s.kt + t * D;
+                            key_head(L, blk, t0 + t, g, staged, x, &w);
+                            if (L->rot_dim) {
+                                int64_t pos = L->slot_positions[blk * B + t0 + t];
+                                pos = pos < 0 ? 0 : pos;
+                                rope_head(x, L->cos + pos * L->rot_dim, L->sin + pos * L->rot_dim,
+                                          L->rot_dim);
+                            }
+                        }
+                        head_tile_keys(&s, qb, g, group, n, D);
+                        for (int64_t t = 0; t < n; t++) value_head(L, blk, t0 + t, g,
+                                                                   s.vt + t * D, &w);
+                        accumulate_tile(&s, s.vt, D, g * group, group, n, D);
                     }
-                    softmax_tile(&s, n, Hq, D);
-                    for (int64_t t = 0; t < n; t++) value_row(L, blk, t0 + t, s.vrow + t * row, &w);
-                    accumulate_tile(&s, s.vrow, n, Hq, Hkv, D);
                 }
             }
             attend_fresh(&s, qb, k_new + b * row, v_new + b * row, Hq, Hkv, D);
@@ -609,7 +746,7 @@ int kvquant_decode_attention(const KVQuantLayer *L, const float *q, const float 
         }
         softmax_free(&s);
         free(w.codes); free(w.k_off); free(w.k_half); free(w.first); free(w.next);
-        free(w.o_pos); free(w.o_val);
+        free(w.o_ch); free(w.o_val);
     }
     return failed ? -1 : 0;
 }
