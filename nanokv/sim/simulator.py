@@ -43,6 +43,7 @@ from nanokv.scheduler.output import RunnerOutput
 from nanokv.sim.fast_forward import fast_forward
 from nanokv.sim.policy_effects import compress, relieve_pressure
 from nanokv.sim.replay_scheduler import SimScheduler
+from nanokv.sim.server_overhead import ServerOverhead
 from nanokv.sim.sim_config import SimConfig
 from nanokv.sim.sim_result import RequestResult, RunTally, SimResult
 from nanokv.sim.step_clock import StepClock
@@ -55,10 +56,13 @@ __all__ = ["RequestResult", "SimConfig", "SimResult", "Simulator"]
 class Simulator:
     def __init__(self, records: list[TraceRecord], config: SimConfig, step_model: StepModel,
                  record_decisions: bool = False,
-                 step_times: dict[int, float] | None = None, load_profile=None) -> None:
+                 step_times: dict[int, float] | None = None, load_profile=None,
+                 overhead: ServerOverhead | None = None) -> None:
         """step_times: a served run's turn times by step (recorded admission only);
         load_profile: a `nanokv.sim.step_log.LoadProfile` scaling the model's step times by the
-        machine's measured slowdown at the simulated time (validation on a shared machine)."""
+        machine's measured slowdown at the simulated time (validation on a shared machine);
+        overhead: the server's time outside the engine step, fitted from a step log (the
+        model is then the engine step's alone)."""
         if not records:
             raise ValueError("the trace is empty")
         recorded = config.admission == "recorded"
@@ -94,7 +98,7 @@ class Simulator:
         # (when, request index) of the client aborts: the served step (recorded) or the time
         self.aborts = sorted((r.abort_step if recorded else r.abort_t, i)
                              for i, r in enumerate(self.records) if r.aborted)
-        self.clock = StepClock(step_model, step_times, load_profile, self.first_step)
+        self.clock = StepClock(step_model, step_times, load_profile, self.first_step, overhead)
 
     def _log_step(self, decisions: list[tuple[str, int]], features: StepFeatures,
                   preempted: list[str] | None = None) -> None:
@@ -118,7 +122,7 @@ class Simulator:
         first_token: dict[str, float] = {}
         compressed: set[str] = set()
         tally = RunTally()
-        steps = 0
+        steps = added = ended = 0  # requests added and ended in the turn (server overhead)
         now, i, n = records[0].t, 0, len(records)
         aborts, a = self.aborts, 0
         recorded = cfg.admission == "recorded"
@@ -142,6 +146,7 @@ class Simulator:
                 else:
                     tokens[rid] = toks
                     meta[rid] = rec
+                    added += 1
                 i += 1
             while a < len(aborts) and (aborts[a][0] <= self.first_step + steps if recorded
                                        else aborts[a][0] <= now):
@@ -149,6 +154,7 @@ class Simulator:
                 a += 1
                 request = sched.abort(rid) if rid in meta else None  # else finished first
                 if request is not None:
+                    ended += 1
                     tokens.pop(rid)
                     compressed.discard(rid)
                     tally.done.append(self._request_result(
@@ -165,13 +171,14 @@ class Simulator:
             if out.is_empty:  # nothing fits and nothing runs: cannot happen after add_request
                 raise RuntimeError("the scheduler made no progress with requests waiting")
             features = StepFeatures.of(out.scheduled)
-            dt = self.clock.step_time(features, steps, now)
+            stamp_dt, post_dt = self.clock.turn(features, steps, now, added)
             steps += 1
             if self.decisions is not None:
                 self._log_step([(s.request_id, s.num_tokens) for s in out.scheduled], features,
                                list(out.preempted_request_ids))
             nrun, usage = len(sched.running), bm.usage
-            now += dt
+            turn_start = now
+            now += stamp_dt  # the outputs' time
             requests = sched.requests
             sampled = {}
             for s in out.scheduled:
@@ -180,16 +187,21 @@ class Simulator:
                     t = tokens[s.request_id]
                     sampled[s.request_id] = t[r.num_tokens] if r.num_tokens < len(t) else 0
             stepped = [requests[s.request_id] for s in out.scheduled]
-            tally.steps(nrun, usage, dt, bool(sched.waiting), len(sampled))
+            saturated = bool(sched.waiting)
             progressed = sched.update_from_output(out, RunnerOutput(sampled))
             for r in progressed:
                 first_token.setdefault(r.request_id, now)
                 if r.is_finished:
+                    ended += 1
                     rec = meta.pop(r.request_id)
                     del tokens[r.request_id]
                     compressed.discard(r.request_id)
                     tally.done.append(self._request_result(
                         rec, r, first_token.pop(r.request_id), now, False))
+            post_dt += self.clock.ended(ended, turn_start)
+            now += post_dt
+            tally.steps(nrun, usage, stamp_dt + post_dt, saturated, len(sampled))
+            added = ended = 0
             if cfg.compression_ratio is not None:
                 for r in stepped:
                     if (not r.is_finished and r.request_id not in compressed

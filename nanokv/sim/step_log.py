@@ -4,19 +4,23 @@
 
     {"step": 812, "t": 31.204518, "dur": 0.021433, "busy": true, "tokens": 9, "seqs": 8,
      "decodes": 8, "decode_context": 2931, "prefill_pairs": 0, "prefill_context": 0,
-     "running": 8, "preempted": 0, "added": 1, "finished": 2, "step_dur": 0.019870}
+     "running": 8, "preempted": 0, "added": 1, "finished": 2, "pre": 0.000210,
+     "step_dur": 0.019870}
 
 `t` is the turn's start on the trace's clock (the request lines' `t`), `dur` the whole loop turn
 (adding the turn's requests, the step, delivering its outputs, metrics), `busy` whether requests
 were left unfinished at its end (then the next turn starts at once). `added` and `finished`
-count the requests the turn added and ended (finished or aborted), `step_dur` is the engine
-step's own share of the turn (the rest is the server's: admission, delivery, metrics, and any
-HTTP work the event loop did meanwhile on the same core). The request lines carry the
-step they were added before (`step`) and the order of admission (`order`), so a replay can add
-each request exactly where the server did (`SimConfig(admission="recorded")`).
+count the requests the turn added and ended (finished or aborted), `pre` is the time from the
+turn's start to the engine step's, `step_dur` the engine step's own time (the outputs are
+stamped at its end); the rest of the turn is the server's: delivery, metrics, and whatever HTTP
+work the event loop did meanwhile on the same core (`nanokv/sim/server_overhead.py`).
 
-From this log a step model is fitted to the run it will predict (`fit_step_log`): the same
-machine, the same load from other processes, the same server overheads.
+The request lines carry the step they were added before (`step`) and the order of admission
+(`order`), so a replay can add each request exactly where the server did
+(`SimConfig(admission="recorded")`).
+
+From this log a step model is fitted: of the whole turn (`fit_step_log`), or of the engine step
+alone (`fit_engine_step`) next to the server's overhead (`fit_server_overhead`).
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ class StepLogEntry:
     preempted: int
     added: int = 0  # requests the turn added (before the step)
     finished: int = 0  # requests the turn ended
-    step_dur: float | None = None  # the engine step alone, seconds (logs before it: None)
+    pre: float | None = None  # turn start to the engine step's start (older logs: None)
+    step_dur: float | None = None  # the engine step alone, seconds (older logs: None)
 
     def to_json(self) -> str:
         f = self.features
@@ -49,7 +54,8 @@ class StepLogEntry:
              "prefill_pairs": f.prefill_pairs, "prefill_context": f.prefill_context,
              "running": self.running, "preempted": self.preempted, "added": self.added,
              "finished": self.finished}
-        if self.step_dur is not None:
+        if self.pre is not None and self.step_dur is not None:
+            d["pre"] = round(self.pre, 6)
             d["step_dur"] = round(self.step_dur, 6)
         return json.dumps(d, separators=(",", ":"))
 
@@ -58,10 +64,11 @@ class StepLogEntry:
         d = json.loads(line)
         f = StepFeatures(d["tokens"], d["seqs"], d["decodes"], d["decode_context"],
                          d["prefill_pairs"], d["prefill_context"])
-        step_dur = d.get("step_dur")
+        pre, step_dur = d.get("pre"), d.get("step_dur")
         return cls(int(d["step"]), float(d["t"]), float(d["dur"]), bool(d["busy"]), f,
                    int(d["running"]), int(d["preempted"]), int(d.get("added", 0)),
-                   int(d.get("finished", 0)), None if step_dur is None else float(step_dur))
+                   int(d.get("finished", 0)), None if pre is None else float(pre),
+                   None if step_dur is None else float(step_dur))
 
 
 class StepLogWriter:
@@ -76,6 +83,7 @@ class StepLogWriter:
         self.order = 0  # admissions so far
         self._turn_t = 0.0
         self._added = self._ended = 0
+        self._step_t: float | None = None
         self._step_dur: float | None = None
         self._pending: tuple[StepFeatures, int, int] | None = None
         self._file = None
@@ -97,11 +105,11 @@ class StepLogWriter:
             return out
 
         def timed_step():
-            t0 = time.monotonic()
+            self._step_t = time.monotonic()
             try:
                 return step()
             finally:
-                self._step_dur = time.monotonic() - t0
+                self._step_dur = time.monotonic() - self._step_t
 
         scheduler.schedule = logged_schedule
         engine.step = timed_step
@@ -109,7 +117,7 @@ class StepLogWriter:
     def begin_turn(self) -> None:
         self._turn_t = time.monotonic()
         self._added = self._ended = 0
-        self._step_dur = None
+        self._step_t = self._step_dur = None
 
     def admitted(self) -> tuple[int, int]:
         """(the step this request is added before, its admission order)."""
@@ -130,7 +138,8 @@ class StepLogWriter:
         if self._file is not None:
             entry = StepLogEntry(self.step, self._turn_t - self.start, end - self._turn_t,
                                  busy, features, running, preempted, self._added,
-                                 self._ended, self._step_dur)
+                                 self._ended, None if self._step_t is None
+                                 else self._step_t - self._turn_t, self._step_dur)
             self._file.write(entry.to_json() + "\n")
             self._file.flush()
         self.step += 1
@@ -232,3 +241,15 @@ def load_profile(entries: list[StepLogEntry], model, window: float = 2.0) -> Loa
     n = max(sums) + 1
     return LoadProfile(start, window, tuple(
         sums[i][0] / sums[i][1] if i in sums and sums[i][1] > 0 else 1.0 for i in range(n)))
+
+
+def fit_engine_step(entries: list[StepLogEntry], source: str = "") -> LinearStepModel:
+    """A linear step model of the engine step alone (`step_dur`), for use with the server's
+    overhead fitted to the same log (`nanokv.sim.server_overhead.fit_server_overhead`)."""
+    timed = [(e.features, e.step_dur) for e in entries if e.step_dur is not None]
+    if len(timed) < len(entries):
+        raise ValueError(f"{len(entries) - len(timed)} of {len(entries)} steps lack 'step_dur' "
+                         f"(a step log written before it was logged): fit_step_log fits the "
+                         f"whole turn instead")
+    return LinearStepModel.fit(timed, source or f"engine steps of a served run, {len(timed)} "
+                                                f"steps")

@@ -104,14 +104,19 @@ def test_fast_forward_is_exact_with_arrivals_over_time():
                     shape=WorkloadShape(system_len=(64, 256), user_len=(8, 64),
                                         output_len=(8, 96), think_time_s=0.5,
                                         max_model_len=2048))
+    from nanokv.sim.server_overhead import ServerOverhead
+
     cfg = dict(block_size=32, num_blocks=200, max_num_seqs=8, max_model_len=2048)
-    slow = Simulator(recs, SimConfig(**cfg, fast_forward=False), STEP, record_decisions=True)
-    fast = Simulator(recs, SimConfig(**cfg), STEP, record_decisions=True)
-    a, b = slow.run(), fast.run()
-    assert slow.decisions == fast.decisions
-    assert a.summary() | {"wall_s": 0} == b.summary() | {"wall_s": 0} or (
-        a.prefix_hit_rate == b.prefix_hit_rate and a.ttft_s == pytest.approx(b.ttft_s)
-        and a.tpot_s == pytest.approx(b.tpot_s) and a.preemptions == b.preemptions)
+    for overhead in (None, ServerOverhead(1e-3, 2e-3, 5e-4, 1e-4, 3e-3)):
+        slow = Simulator(recs, SimConfig(**cfg, fast_forward=False), STEP,
+                         record_decisions=True, overhead=overhead)
+        fast = Simulator(recs, SimConfig(**cfg), STEP, record_decisions=True,
+                         overhead=overhead)
+        a, b = slow.run(), fast.run()
+        assert slow.decisions == fast.decisions
+        assert a.summary() | {"wall_s": 0} == b.summary() | {"wall_s": 0} or (
+            a.prefix_hit_rate == b.prefix_hit_rate and a.ttft_s == pytest.approx(b.ttft_s)
+            and a.tpot_s == pytest.approx(b.tpot_s) and a.preemptions == b.preemptions)
 
 
 @pytest.mark.parametrize("policy", [{}, {"compression_ratio": 0.5}, {"eviction_ratio": 0.3}])
@@ -224,3 +229,41 @@ def test_abort_fields_are_checked():
         Simulator([rec], SimConfig(block_size=16, num_blocks=8, admission="recorded"), STEP)
     again = TraceRecord.from_json(rec.to_json())
     assert again == rec and again.aborted
+
+
+def test_server_overhead_fit_and_replay_by_hand():
+    """Turns generated from known costs: the fit recovers them (the oracle is the generator).
+    Replayed alone, a request's first token comes after the turn's pre part (1 ms + 2 ms for
+    the request added) and the step; the post part (0.5 ms + 0.1 ms/seq, + 3 ms when a request
+    ends) delays the next turn, not the stamps."""
+    from nanokv.sim.server_overhead import ServerOverhead, fit_server_overhead
+    from nanokv.sim.step_log import StepLogEntry, fit_engine_step, turn_times
+    from nanokv.sim.step_model import StepFeatures
+
+    truth = ServerOverhead(pre_s=1e-3, pre_added_s=2e-3, post_s=5e-4, post_seq_s=1e-4,
+                           post_ended_s=3e-3)
+    engine = LinearStepModel(step=4e-3, token=1e-4, seq=2e-4)
+    rng = random.Random(0)
+    log, t = [], 0.0
+    for k in range(200):
+        seqs, added, ended = rng.randint(1, 8), rng.choice((0, 0, 1, 2)), rng.choice((0, 0, 1))
+        f = StepFeatures(seqs + rng.randint(0, 60), seqs, seqs, 0, 0, 0)
+        step = engine.step_time(f)
+        turn = truth.pre(added) + step + truth.post(seqs, ended)
+        log.append(StepLogEntry(k, t, turn, True, f, seqs, 0, added, ended,
+                                truth.pre(added), step))
+        t += turn
+    fitted = fit_server_overhead(log, turn_times(log))
+    for name in ("pre_s", "pre_added_s", "post_s", "post_seq_s", "post_ended_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-9)
+    model = fit_engine_step(log)
+    assert (model.step, model.token, model.seq) == pytest.approx((4e-3, 1e-4, 2e-4))
+    rec = _rec(0.0, list(range(1, 21)), 3)  # a 20-token prefill, then 2 decodes
+    res = Simulator([rec], SimConfig(block_size=16, num_blocks=8), engine,
+                    overhead=truth).run()
+    (r,) = res.requests
+    prefill, decode = engine.step_time(StepFeatures(20, 1)), engine.step_time(StepFeatures(1, 1))
+    assert r.ttft == pytest.approx(3e-3 + prefill)
+    between = 6e-4 + 1e-3 + decode  # post of one turn, pre of the next (nothing added), step
+    assert r.finish == pytest.approx(3e-3 + prefill + 2 * between)
+    assert res.duration_s == pytest.approx(r.finish)
