@@ -29,6 +29,7 @@ import torch
 from nanokv.cache.kv_cache import KVCacheOptions
 from nanokv.cache.layout import KVLayout
 from nanokv.cache.registry import kv_cache_settings
+from nanokv.sim.server_overhead import ServerOverhead
 from nanokv.sim.simulator import SimConfig, SimResult, Simulator
 from nanokv.sim.step_model import DeviceSpec, LinearStepModel, ModelShape, RooflineStepModel
 from nanokv.sim.trace import TraceRecord
@@ -79,6 +80,7 @@ class AdviseSettings:
     kv_memory: int  # bytes for the KV cache
     device: DeviceSpec | None = None  # roofline step model ...
     fitted: LinearStepModel | None = None  # ... or one measured here (nanokv bench)
+    overhead: ServerOverhead | None = None  # the server's time outside steps (a step log)
     compute_dtype: torch.dtype = torch.bfloat16
     max_model_len: int = 8192
     max_num_batched_tokens: int = 8192
@@ -127,11 +129,13 @@ def evaluate(records: list[TraceRecord], s: AdviseSettings, c: Candidate,
                     max_model_len=s.max_model_len, bytes_per_block=per_block,
                     compression_ratio=c.compression_ratio, eviction_ratio=c.eviction_ratio,
                     admission=s.admission)
-    out = Outcome(c, int(num_blocks), per_token, per_block, Simulator(records, cfg, step).run())
+    out = Outcome(c, int(num_blocks), per_token, per_block,
+                  Simulator(records, cfg, step, overhead=s.overhead).run())
     if capacity:
         cfg = replace(cfg, admission="arrival")  # compressed arrivals: no recorded steps
         for factor in SATURATING:
-            sat = Simulator(compress_arrivals(records, factor), cfg, step).run()
+            sat = Simulator(compress_arrivals(records, factor), cfg, step,
+                            overhead=s.overhead).run()
             out.saturated, out.compression = sat, factor
             if sat.saturated_s >= SATURATED_FRACTION * sat.duration_s:
                 break

@@ -39,8 +39,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="a fitted step model (nanokv bench --step-model-out) instead of "
                         "--device")
     p.add_argument("--step-log", default=None, metavar="FILE",
-                   help="fit the step model to a served run's step log (nanokv serve "
-                        "--trace-steps) instead of --device")
+                   help="fit the step model and the server's time around each step to a "
+                        "served run's step log (nanokv serve --trace-steps) instead of "
+                        "--device")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="default: min(the model's, 8192)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -95,15 +96,23 @@ def _load(args):
 
     model = ModelShape.load(args.model_config)
     max_len = args.max_model_len or min(model.max_position_embeddings, 8192)
-    fitted = device = None
+    fitted = device = overhead = None
     if args.step_model and args.step_log:
         raise ValueError("give --step-model or --step-log, not both")
     if args.step_model:
         fitted = LinearStepModel.load(args.step_model)
     elif args.step_log:
-        from nanokv.sim.step_log import fit_step_log, read_step_log
+        from nanokv.sim.server_overhead import fit_server_overhead
+        from nanokv.sim.step_log import (fit_engine_step, fit_step_log, read_step_log,
+                                         turn_times)
 
-        fitted = fit_step_log(read_step_log(args.step_log), f"step log {args.step_log}")
+        log = read_step_log(args.step_log)
+        if all(e.step_dur is not None and e.pre is not None for e in log):
+            # the engine step and the server's time around it, each from what it depends on
+            fitted = fit_engine_step(log, f"step log {args.step_log}")
+            overhead = fit_server_overhead(log, turn_times(log))
+        else:  # a log without the split: whole turns, the machine's load fitted per window
+            fitted = fit_step_log(log, f"step log {args.step_log}")
     elif args.device not in DEVICES:
         raise ValueError(f"--device must be one of {sorted(DEVICES)}, got {args.device!r}")
     else:
@@ -120,7 +129,7 @@ def _load(args):
         if args.save_trace:
             write_trace(args.save_trace, records)
     settings = AdviseSettings(model=model, kv_memory=parse_memory(args.kv_memory),
-                              device=device, fitted=fitted,
+                              device=device, fitted=fitted, overhead=overhead,
                               compute_dtype=getattr(torch, args.compute_dtype),
                               max_model_len=max_len,
                               max_num_batched_tokens=args.max_num_batched_tokens)

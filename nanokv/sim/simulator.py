@@ -237,6 +237,9 @@ class Simulator:
                 now += elapsed
             if len(bm.stats.evicted_block_lifetimes) > 4096:
                 bm.stats.evicted_block_lifetimes.clear()
-        return tally.result(cfg, self.step_model.describe(), steps, records[0].t,
+        described = self.step_model.describe()
+        if self.clock.overhead is not None:
+            described += f"; {self.clock.overhead.describe()}"
+        return tally.result(cfg, described, steps, records[0].t,
                             sched.num_preemptions, sched.num_recomputed_tokens,
                             dict(bm.stats.evicted_blocks), time.perf_counter() - wall0)

@@ -1,0 +1,154 @@
+"""The validation section of docs/results/advisor/README.md, written from the JSON files that
+`nanokv.sim.validate` leaves there (between the markers below; the rest of the README is kept).
+
+    python -m nanokv.sim.validation_report docs/results/advisor
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+
+BEGIN = "<!-- validation:begin (written by python -m nanokv.sim.validation_report) -->"
+END = "<!-- validation:end -->"
+TARGET = 0.15
+COLUMNS = ("recorded", "same-run", "calibrated", "no overhead", "+3% steps")
+EXACT = [("prefix hit rate", "prefix_hit_rate", None), ("preemptions", "preemptions", None),
+         ("peak running", "peak_running", None)]
+TIMED = [("output tok/s", "output_tok_s", None, 1),
+         ("TTFT p50 ms", "ttft_s", "p50", 1e3), ("TTFT p90 ms", "ttft_s", "p90", 1e3),
+         ("TPOT p50 ms", "tpot_s", "p50", 1e3), ("TPOT p90 ms", "tpot_s", "p90", 1e3),
+         ("E2E p50 ms", "e2e_s", "p50", 1e3), ("E2E p90 ms", "e2e_s", "p90", 1e3)]
+
+
+def _get(d: dict, key: str, sub: str | None):
+    return d[key][sub] if sub else d[key]
+
+
+def _num(v: float) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def errors(run: dict, column: str) -> dict[str, float]:
+    """Relative error (simulated / real - 1) of each timed metric in one column."""
+    out = {}
+    for label, key, sub, _ in TIMED:
+        real, sim = _get(run["real"], key, sub), _get(run["sim"][column], key, sub)
+        if real and sim is not None:
+            out[label] = sim / real - 1
+    return out
+
+
+def run_table(run: dict) -> str:
+    lines = ["| metric | real | " + " | ".join(COLUMNS) + " |",
+             "|---" * (len(COLUMNS) + 2) + "|"]
+    for label, key, sub in EXACT:
+        real = _get(run["real"], key, sub)
+        cells = [_num(_get(run["sim"][c], key, sub)) for c in COLUMNS]
+        lines.append(f"| {label} | {_num(real)} | " + " | ".join(cells) + " |")
+    for label, key, sub, scale in TIMED:
+        real = _get(run["real"], key, sub)
+        cells = []
+        for c in COLUMNS:
+            sim = _get(run["sim"][c], key, sub)
+            err = sim / real - 1
+            mark = "" if abs(err) <= TARGET else " **x**"
+            cells.append(f"{sim * scale:.3g} ({err:+.0%}){mark}")
+        lines.append(f"| {label} | {real * scale:.3g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def load_table(runs: list[dict]) -> str:
+    lines = ["| run | offered req/s | calibrated capacity | load avg (mean / max) | "
+             "server's share of its core | others on that core (mean / max) | disturbed |",
+             "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        m = r["load_monitor"]
+        if not m.get("windows"):
+            lines.append(f"| {_name(r)} | {r['rate']:.1f} | {r['capacity_req_s']:.1f} | - | - "
+                         f"| - | not measured |")
+            continue
+        lines.append(
+            f"| {_name(r)} | {r['rate']:.1f} | {r['capacity_req_s']:.1f} | "
+            f"{m['loadavg_1m_mean']:.2f} / {m['loadavg_1m_max']:.2f} | "
+            f"{m['server_share_mean']:.0%} | {m['others_share_mean']:.1%} / "
+            f"{m['others_share_max']:.1%} | {'**yes**' if m['disturbed'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def _name(r: dict) -> str:
+    return f"seed {r['seed']}, {r['load']:.0%} load"
+
+
+def verdict(runs: list[dict], column: str) -> str:
+    total = within = 0
+    misses = []
+    for r in runs:
+        for label, err in errors(r, column).items():
+            total += 1
+            if abs(err) <= TARGET:
+                within += 1
+            else:
+                misses.append(f"{_name(r)}: {label} {err:+.0%}")
+    text = f"**{column}**: {within} of {total} timed metrics within 15%"
+    return text + (f"; misses: {'; '.join(misses)}." if misses else ".")
+
+
+def report(out_dir: str) -> str:
+    runs = []
+    for path in sorted(glob.glob(os.path.join(out_dir, "validation_seed*_u*.json"))):
+        with open(path, encoding="utf-8") as f:
+            runs.append(json.load(f))
+    if not runs:
+        raise ValueError(f"{out_dir} holds no validation_seed*_u*.json (run "
+                         f"python -m nanokv.sim.validate first)")
+    runs.sort(key=lambda r: (r["load"], r["seed"]))
+    disturbed = [r for r in runs if r["load_monitor"].get("disturbed")]
+    parts = ["### Machine load during the runs", "",
+             "Other processes' share of the server's core is the core's busy time minus the "
+             "server process's CPU time, per 2 s window; a run where it passes 5% in any window "
+             "is flagged as disturbed.", "", load_table(runs), ""]
+    if disturbed:
+        parts += [f"**{len(disturbed)} of {len(runs)} runs were disturbed** by other processes "
+                  f"on the server's core: their timing errors include that load, which no step "
+                  f"model predicts.", ""]
+    parts += ["### Verdict (timed metrics: output tok/s, TTFT / TPOT / E2E p50 and p90)", ""]
+    for column in ("calibrated", "same-run", "no overhead", "+3% steps", "recorded"):
+        parts.append(f"- {verdict(runs, column)}")
+    exact = all(r["sim"]["recorded"][k] == r["real"][k] for r in runs
+                for k in ("prefix_hit_rate", "preemptions", "peak_running"))
+    shapes = sum(r["steps_differing_from_served"] for r in runs)
+    parts += [f"- recorded admission: hit rate, preemptions and peak running "
+              f"{'equal to the real run in every run' if exact else '**not all equal**'}; "
+              f"{shapes} of {sum(r['steps'] for r in runs)} replayed steps differ in shape "
+              f"from the served ones.", ""]
+    for r in runs:
+        models = r["models"]["calibrated"]
+        parts += [f"### {_name(r)}: {r['rate']:.1f} req/s, {r['num_requests']} requests, "
+                  f"{r['steps']} steps, {len(r['errors'])} errors", "",
+                  f"Calibrated: {models['engine_step']}; {models['server']}. "
+                  f"Same-run: {r['models']['same-run']['engine_step']}; "
+                  f"{r['models']['same-run']['server']}.", "", run_table(r), ""]
+    return "\n".join(parts)
+
+
+def write_report(out_dir: str) -> str:
+    path = os.path.join(out_dir, "README.md")
+    text = report(out_dir)
+    with open(path, encoding="utf-8") as f:
+        readme = f.read()
+    if BEGIN not in readme or END not in readme:
+        raise ValueError(f"{path} lacks the markers {BEGIN!r} ... {END!r}")
+    head, rest = readme.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+    return path
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m nanokv.sim.validation_report DIR")
+    print(write_report(sys.argv[1]))

@@ -1,0 +1,90 @@
+"""The validation's machinery without serving: the load monitor's readings against the kernel's
+own accounting, the report's verdicts from hand-made runs, and the option checks."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from nanokv.sim import machine_load, validation_report
+from nanokv.sim.machine_load import LoadWindow
+
+
+def test_process_cpu_time_matches_the_kernels_accounting():
+    end = time.process_time() + 0.3
+    while time.process_time() < end:  # burn CPU so that the readings move
+        pass
+    t = os.times()
+    got = machine_load._proc_cpu_seconds(os.getpid())
+    assert got == pytest.approx(t.user + t.system, abs=0.05)
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    a = machine_load._core_busy_seconds(cpu)
+    assert machine_load._core_busy_seconds(cpu) >= a > 0
+    with pytest.raises(ValueError, match="cpu"):
+        machine_load._core_busy_seconds(10_000)
+
+
+def test_monitor_samples_windows_and_the_summary_flags_other_load():
+    with machine_load.LoadMonitor(os.getpid(), sorted(os.sched_getaffinity(0))[0],
+                                  window=0.1) as m:
+        time.sleep(0.35)
+    assert len(m.windows) >= 2 and all(w.seconds > 0 for w in m.windows)
+    quiet = [LoadWindow(0, 2, 0.5, 0.98, 1.0, 0.02), LoadWindow(2, 2, 0.6, 1.0, 1.0, 0.0)]
+    s = machine_load.summarize(quiet)
+    assert s["disturbed"] is False and s["others_share_max"] == 0.02
+    assert s["server_share_mean"] == pytest.approx(0.99)
+    busy = quiet + [LoadWindow(4, 2, 3.0, 0.6, 1.0, 0.4)]
+    assert machine_load.summarize(busy)["disturbed"] is True
+    assert machine_load.summarize([])["disturbed"] is None
+    with pytest.raises(ValueError, match="window"):
+        machine_load.LoadMonitor(os.getpid(), 0, window=0)
+
+
+def _run(ttft_real: float, ttft_sim: float) -> dict:
+    metrics = {"prefix_hit_rate": 0.5, "preemptions": 1, "peak_running": 8,
+               "output_tok_s": 100.0, "ttft_s": {"p50": ttft_real, "p90": 2.0},
+               "tpot_s": {"p50": 0.01, "p90": 0.02}, "e2e_s": {"p50": 1.0, "p90": 3.0}}
+    sim = dict(metrics, ttft_s={"p50": ttft_sim, "p90": 2.0})
+    return {"seed": 0, "load": 0.7, "rate": 14.0, "capacity_req_s": 20.0, "num_requests": 9,
+            "steps": 50, "errors": [], "steps_differing_from_served": 0,
+            "load_monitor": machine_load.summarize([LoadWindow(0, 2, 0.5, 1.0, 1.0, 0.0)]),
+            "models": {"calibrated": {"engine_step": "m", "server": "s"},
+                       "same-run": {"engine_step": "m", "server": "s"}},
+            "real": metrics, "sim": {c: sim for c in validation_report.COLUMNS}}
+
+
+def test_report_marks_misses_beyond_15_percent(tmp_path):
+    import json
+
+    for name, run in (("validation_seed0_u70.json", _run(1.0, 1.10)),
+                      ("validation_seed1_u70.json", _run(1.0, 1.20))):
+        run["seed"] = int(name[15])
+        (tmp_path / name).write_text(json.dumps(run))
+    (tmp_path / "README.md").write_text(f"head\n{validation_report.BEGIN}\nold\n"
+                                        f"{validation_report.END}\ntail\n")
+    validation_report.write_report(str(tmp_path))
+    text = (tmp_path / "README.md").read_text()
+    assert text.startswith("head\n") and text.endswith("tail\n") and "\nold\n" not in text
+    assert "**calibrated**: 13 of 14 timed metrics within 15%; misses: seed 1, 70% load: " \
+           "TTFT p50 ms +20%." in text
+    assert "| TTFT p50 ms | 1e+03 |" in text and "1.1e+03 (+10%) |" in text
+    assert "1.2e+03 (+20%) **x** |" in text
+    assert "equal to the real run in every run" in text
+
+
+def test_validate_rejects_bad_options():
+    from nanokv.sim.validate import main
+
+    with pytest.raises(ValueError, match="--seeds takes integers"):
+        main(["--seeds", "one"])
+    with pytest.raises(ValueError, match="loads must be > 0"):
+        main(["--loads", "0"])
+    with pytest.raises(ValueError, match="num-requests must be >= 10"):
+        main(["--num-requests", "3"])
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    with pytest.raises(ValueError, match="must differ"):
+        main(["--server-cpu", str(cpu), "--client-cpu", str(cpu)])
+    with pytest.raises(ValueError, match="not one of"):
+        main(["--server-cpu", "10000"])
