@@ -22,7 +22,8 @@ History = tuple[list[int], list[int]]
 
 @dataclass
 class RowParams:
-    """Per sampled row (S of them), on the device."""
+    """Per sampled row (S of them), on the device, and which of them each filter applies to
+    (positions in [0, S); None when no row asked for that filter)."""
 
     rows: torch.Tensor  # [S] int64, the rows of the logits that sample
     temperature: torch.Tensor  # [S, 1] float32
@@ -30,31 +31,44 @@ class RowParams:
     top_p: torch.Tensor  # [S, 1] float32 (1: off)
     min_p: torch.Tensor  # [S, 1] float32 (0: off)
     uniforms: torch.Tensor  # [S, 1] float64, one draw per row
-    # host flags: skip a filter no row asked for
-    any_top_k: bool
-    any_top_p: bool
-    any_min_p: bool
+    min_p_rows: torch.Tensor | None
+    top_k_rows: torch.Tensor | None
+    top_p_rows: torch.Tensor | None
+    max_top_k: int  # the largest top_k among top_k_rows
 
     @classmethod
     def build(cls, params: list[SamplingParams], rows: list[int], uniforms: np.ndarray,
               vocab: int, device: torch.device) -> RowParams:
         """uniforms: [S] float64, drawn by the caller (the seed contract lives there)."""
         s = len(rows)
-        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in (params[i] for i in rows)]
-        host = np.empty((6, s), dtype=np.float64)  # one buffer, one upload
-        host[0] = rows
-        host[1] = top_k
-        host[2] = [params[i].temperature for i in rows]
-        host[3] = [params[i].top_p for i in rows]
-        host[4] = [params[i].min_p for i in rows]
-        host[5] = uniforms
-        dev = upload(host, device)  # [6, S]
-        f32 = dev[2:5].float()  # [3, S]; rounded as a float32 parameter tensor would be
-        return cls(rows=dev[0].long(), temperature=f32[0, :, None], top_k=dev[1].long(),
-                   top_p=f32[1, :, None], min_p=f32[2, :, None], uniforms=dev[5, :, None],
-                   any_top_k=any(k < vocab for k in top_k),
-                   any_top_p=any(params[i].top_p < 1.0 for i in rows),
-                   any_min_p=any(params[i].min_p > 0.0 for i in rows))
+        ps = [params[i] for i in rows]
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in ps]
+        subsets = [[j for j, p in enumerate(ps) if p.min_p > 0.0],
+                   [j for j, k in enumerate(top_k) if k < vocab],
+                   [j for j, p in enumerate(ps) if p.top_p < 1.0]]
+        host = np.empty(6 * s + sum(len(x) for x in subsets), dtype=np.float64)  # one upload
+        table = host[:6 * s].reshape(6, s)  # [6, S]
+        table[0] = rows
+        table[1] = top_k
+        table[2] = [p.temperature for p in ps]
+        table[3] = [p.top_p for p in ps]
+        table[4] = [p.min_p for p in ps]
+        table[5] = uniforms
+        start = 6 * s
+        for subset in subsets:
+            host[start:start + len(subset)] = subset
+            start += len(subset)
+        dev = upload(host, device)
+        params_dev = dev[:6 * s].view(6, s)
+        f32 = params_dev[2:5].float()  # [3, S]; rounded as a float32 parameter tensor would be
+        index, start = [], 6 * s
+        for subset in subsets:
+            index.append(dev[start:start + len(subset)].long() if subset else None)
+            start += len(subset)
+        return cls(rows=params_dev[0].long(), temperature=f32[0, :, None],
+                   top_k=params_dev[1].long(), top_p=f32[1, :, None], min_p=f32[2, :, None],
+                   uniforms=params_dev[5, :, None], min_p_rows=index[0], top_k_rows=index[1],
+                   top_p_rows=index[2], max_top_k=max((top_k[j] for j in subsets[1]), default=0))
 
 
 def apply_penalties_batch(logits: torch.Tensor, params: list[SamplingParams],
@@ -105,33 +119,35 @@ def apply_penalties_batch(logits: torch.Tensor, params: list[SamplingParams],
 
 
 def filter_logits_batch(scaled: torch.Tensor, rp: RowParams) -> torch.Tensor:
-    """min_p, then top-k, then top-p, each row with its own parameters, as `filter_logits` does
-    row by row. scaled: [S, vocab] (tempered) -> masked to -inf outside each row's set."""
-    if rp.any_min_p:
-        probs = scaled.softmax(-1)  # [S, vocab]
-        scaled = scaled.masked_fill(probs < rp.min_p * probs.amax(-1, keepdim=True),
-                                    float("-inf"))
-    if not (rp.any_top_k or rp.any_top_p):
-        return scaled
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [S, vocab] each
-    if rp.any_top_k:
-        kth = sorted_logits.gather(1, (rp.top_k - 1)[:, None])  # [S, 1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-        # what sorting the masked row gives: its tail below the k-th value is -inf
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    if rp.any_top_p:
-        sorted_probs = sorted_logits.softmax(-1)  # [S, vocab]
+    """min_p, then top-k, then top-p, each on the rows that asked with their own parameters, as
+    `filter_logits` does row by row. scaled: [S, vocab] (tempered, changed in place) -> masked
+    to -inf outside each row's set."""
+    inf = float("-inf")
+    if rp.min_p_rows is not None:
+        sub = scaled.index_select(0, rp.min_p_rows)  # [m, vocab]
+        probs = sub.softmax(-1)
+        cut = rp.min_p.index_select(0, rp.min_p_rows) * probs.amax(-1, keepdim=True)  # [m, 1]
+        scaled.index_copy_(0, rp.min_p_rows, sub.masked_fill_(probs < cut, inf))
+    if rp.top_k_rows is not None:
+        sub = scaled.index_select(0, rp.top_k_rows)  # [k, vocab]
+        best = torch.topk(sub, rp.max_top_k, dim=-1).values  # [k, max_top_k], descending
+        kth = best.gather(1, (rp.top_k.index_select(0, rp.top_k_rows) - 1)[:, None])  # [k, 1]
+        scaled.index_copy_(0, rp.top_k_rows, sub.masked_fill_(sub < kth, inf))
+    if rp.top_p_rows is not None:
+        sub = scaled.index_select(0, rp.top_p_rows)  # [p, vocab]
+        sorted_logits, order = sub.sort(dim=-1, descending=True)  # [p, vocab] each
+        sorted_probs = sorted_logits.softmax(-1)
         # drop a token when the mass before it already reaches top_p (the first always stays)
-        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= rp.top_p
-        drop_sorted &= rp.top_p < 1.0  # rows without top-p keep everything
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        scaled = scaled.masked_fill(drop, float("-inf"))
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= rp.top_p.index_select(
+            0, rp.top_p_rows)
+        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+        scaled.index_copy_(0, rp.top_p_rows, sub.masked_fill_(drop, inf))
     return scaled
 
 
 def draw(logits: torch.Tensor, rp: RowParams) -> torch.Tensor:
     """The sampled rows' tokens by inverse CDF. logits: [N, vocab] -> [S] int64 (device)."""
-    scaled = logits[rp.rows].float() / rp.temperature  # [S, vocab]
+    scaled = logits.index_select(0, rp.rows).float().div_(rp.temperature)  # [S, vocab]
     scaled = filter_logits_batch(scaled, rp)
     cdf = scaled.softmax(-1).double().cumsum_(-1)  # [S, vocab], non-decreasing
     # first index with cdf > u * total: a zero-probability token never has cdf rising there

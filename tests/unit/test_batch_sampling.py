@@ -91,7 +91,7 @@ def test_filters_equal_filter_logits_row_by_row(seed):
     rows = [i for i, p in enumerate(params) if not p.greedy]
     rp = RowParams.build(params, rows, np.zeros(len(rows)), VOCAB, torch.device("cpu"))
     scaled = logits[rows] / rp.temperature  # [S, vocab]
-    got = torch.isfinite(filter_logits_batch(scaled, rp))
+    got = torch.isfinite(filter_logits_batch(scaled.clone(), rp))
     for j, i in enumerate(rows):
         p = params[i]
         ref = torch.isfinite(filter_logits(scaled[j], p.top_k, p.top_p, p.min_p))
