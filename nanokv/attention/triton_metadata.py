@@ -11,19 +11,17 @@ import numpy as np
 import torch
 
 from nanokv.attention.common import CommonAttentionMetadata
-from nanokv.utils import cdiv
 
 
 @dataclass
 class PrefillChunks:
-    """The step's prefill chunks (int32, [C] each) and the kernel's work items ([W])."""
+    """The step's prefill chunks (int32, [C] each)."""
 
     query_start: torch.Tensor
     query_len: torch.Tensor
     context_lens: torch.Tensor  # cached slots after this step
     block_tables: torch.Tensor  # [C, max_blocks]
-    work_chunk: torch.Tensor  # the chunk of each tile of block_m query tokens
-    work_row: torch.Tensor  # its first query row in the chunk
+    max_query_len: int  # the longest chunk's (the kernel's grid)
 
 
 @dataclass
@@ -53,18 +51,7 @@ def padded_rows(tables: list[list[int]], extra: list[int] | None = None) -> np.n
     return out
 
 
-def prefill_work(query_lens: list[int], block_m: int) -> tuple[list[int], list[int]]:
-    """The prefill kernel's work items for chunks of these query lengths: (chunk index, first
-    row) of each tile of block_m query tokens."""
-    chunks, rows = [], []
-    for c, n in enumerate(query_lens):
-        for tile in range(cdiv(n, block_m)):
-            chunks.append(c)
-            rows.append(tile * block_m)
-    return chunks, rows
-
-
-def build_step(common: CommonAttentionMetadata, device: torch.device, block_m: int,
+def build_step(common: CommonAttentionMetadata, device: torch.device,
                slot_mapping: torch.Tensor | None, splits, flat_layers: bool = False
                ) -> TritonStep:
     """The step's tensors; `splits(rows, max_context)` gives the decode split count;
@@ -78,10 +65,8 @@ def build_step(common: CommonAttentionMetadata, device: torch.device, block_m: i
     parts.append(decode.reshape(-1))  # [nd, width + 1]
     if chunks:
         lens = [p.query_len for p in chunks]
-        work_chunk, work_row = prefill_work(lens, block_m)
         parts += [np.array([p.query_start for p in chunks], np.int32), np.array(lens, np.int32),
-                  np.array([p.context_len for p in chunks], np.int32),
-                  np.array(work_chunk, np.int32), np.array(work_row, np.int32)]
+                  np.array([p.context_len for p in chunks], np.int32)]
         tables = padded_rows([p.block_table for p in chunks])
         parts.append(tables.reshape(-1))
     packed = torch.from_numpy(np.concatenate(parts)).to(device)
@@ -93,8 +78,8 @@ def build_step(common: CommonAttentionMetadata, device: torch.device, block_m: i
     prefill = None
     if chunks:
         c = len(chunks)
-        prefill = PrefillChunks(views[1], views[2], views[3], views[6].view(c, -1), views[4],
-                                views[5])
+        prefill = PrefillChunks(views[1], views[2], views[3], views[4].view(c, -1),
+                                max(p.query_len for p in chunks))
     max_context = max(common.decode_context_lens, default=0)
     return TritonStep(slot_mapping, nd, decode_view[:, :-1], decode_view[:, -1],
                       splits(nd, max_context) if nd else 1, prefill, flat_layers)

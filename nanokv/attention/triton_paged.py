@@ -75,9 +75,6 @@ class TritonPagedBackend(AttentionBackend):
     description = "Triton paged attention (decode, prefill and KV write kernels, in place)"
     supports_cuda_graphs = True
     auto_devices = ("cuda",)
-    # tiles (powers of two); GPU-sized, the interpreter tests call the kernels with smaller ones
-    tile_n = 64  # keys per tile
-    block_m = 32  # query tokens per prefill tile (times the GQA group's heads)
     num_warps = 4
 
     def __init__(self, kv_cache, device: torch.device) -> None:
@@ -89,10 +86,19 @@ class TritonPagedBackend(AttentionBackend):
         self.kv_format = kv_format_of(kv_cache)
         self.block_size = kv_cache.layout.block_size
         self.num_kv_heads = kv_cache.layout.num_kv_heads
+        # keys per tile, and rows of a prefill tile (query tokens x the GQA group's heads)
+        self.tile_n, self.block_rows = self.tiles_for(kv_cache.layout.dtype)
         # decode programs to aim for (request x KV head x split): two waves of the GPU
         self.target_programs = (2 * torch.cuda.get_device_properties(device).multi_processor_count
                                 if device.type == "cuda" else 1)
         self._layers: dict[int, PagedKV] = {}
+
+    @staticmethod
+    def tiles_for(dtype: torch.dtype) -> tuple[int, int]:
+        """(tile_n, block_rows) for a model in `dtype`: 64 x 64 for 16-bit floats; 32 x 32 for
+        float32, whose exact (non tensor-core) dot needs more registers (what
+        scripts/compile_triton_kernels.py reports for sm_90: no spills at these sizes)."""
+        return (32, 32) if dtype == torch.float32 else (64, 64)
 
     @classmethod
     def why_not(cls, kv_cache, device: torch.device) -> tuple[str, bool] | None:
@@ -119,13 +125,13 @@ class TritonPagedBackend(AttentionBackend):
         if common.per_layer is not None:  # each layer its own slices of the flat pool
             if self.kv_format != FLOAT:
                 raise RuntimeError("per-layer block tables need the float KV pool")
-            layers = [build_step(c, self.device, self.block_m, None, self.decode_splits,
-                                 flat_layers=True) for c in common.per_layer]
+            layers = [build_step(c, self.device, None, self.decode_splits, flat_layers=True)
+                      for c in common.per_layer]
             return TritonStep(layers[0].slot_mapping, 0, layers[0].block_tables,
                               layers[0].context_lens, 1, per_layer=layers)
         plan = common.write_plan
         slots = plan if isinstance(plan, torch.Tensor) else getattr(plan, "slot_mapping", None)
-        return build_step(common, self.device, self.block_m, slots, self.decode_splits)
+        return build_step(common, self.device, slots, self.decode_splits)
 
     def graph_decode_metadata(self, max_batch: int, max_blocks: int) -> TritonStep:
         return graph_step(max_batch, max_blocks, self.device)
@@ -171,6 +177,6 @@ class TritonPagedBackend(AttentionBackend):
         if chunks is not None:
             self._prefill.prefill_attention(
                 q, k, v, kv, chunks.query_start, chunks.query_len, chunks.context_lens,
-                chunks.block_tables, chunks.work_chunk, chunks.work_row, out, scale,
-                self.block_m, self.tile_n, self.num_warps)
+                chunks.block_tables, chunks.max_query_len, out, scale, self.block_rows,
+                self.tile_n, self.num_warps)
         return out

@@ -135,9 +135,9 @@ def test_write_equals_the_stores_write_and_skips_padded_slots(kind):
 
 
 # ---- attention through the backend ---------------------------------------------------------------
-def new_backend(cache, tile_n=32, block_m=32, target_programs=64):
+def new_backend(cache, tile_n=32, block_rows=32, target_programs=64):
     backend = TritonPagedBackend(cache, DEVICE)
-    backend.tile_n, backend.block_m = tile_n, block_m  # small tiles: several per context
+    backend.tile_n, backend.block_rows = tile_n, block_rows  # small tiles: several per context
     backend.target_programs = target_programs  # several decode splits
     return backend
 

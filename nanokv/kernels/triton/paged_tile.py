@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from nanokv.kernels.triton import interpreter_compat
 from nanokv.kernels.triton.codes import code_values
@@ -84,6 +85,6 @@ def dot_dtype(kernel, dtype: torch.dtype):
     multiply the bit patterns), so there the probabilities are not rounded to bfloat16."""
     if dtype not in _TL_DTYPES:
         raise ValueError(f"q must be float32, bfloat16 or float16, got {dtype}")
-    if dtype == torch.bfloat16 and not isinstance(kernel, triton.runtime.JITFunction):
+    if dtype == torch.bfloat16 and isinstance(kernel, InterpretedFunction):
         return tl.float32
     return _TL_DTYPES[dtype]

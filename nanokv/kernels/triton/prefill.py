@@ -6,10 +6,9 @@ its cached prefix, read in place through its block table, and its own tokens att
 each other with their fresh K/V (rows of k, v; for the float pool equal to what was just
 written, for codes the full-precision values, as the quantized reference does).
 
-Grid (work item, KV head): a work item is (chunk, first row of a tile of BLOCK_M query tokens),
-listed by the caller (`nanokv.attention.triton_metadata.prefill_work`); a program takes those
-tokens times all query heads of its GQA group as the rows of one tile, so K/V tiles are read
-once per group.
+Grid (query tile, chunk, KV head): a program takes BLOCK_M query tokens of its chunk times all
+query heads of its GQA group as the rows of one tile, so K/V tiles are read once per group; the
+grid covers the longest chunk, tiles past a shorter chunk's end return at once.
 """
 
 from __future__ import annotations
@@ -35,16 +34,17 @@ def _prefill_kernel(
         k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, stride_ch,
         k_scale_ptr, v_scale_ptr, stride_sb, stride_ss,
         table_ptr, stride_table, query_start_ptr, query_len_ptr, context_ptr,
-        work_chunk_ptr, work_row_ptr, out_ptr, stride_ot, stride_oh, qk_scale,
+        out_ptr, stride_ot, stride_oh, qk_scale,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr,
         D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
         TILE_N: tl.constexpr, KV_FORMAT: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    work = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    chunk = tl.load(work_chunk_ptr + work).to(tl.int64)
-    row0 = tl.load(work_row_ptr + work)
-    query_start = tl.load(query_start_ptr + chunk)
+    row0 = tl.program_id(0) * BLOCK_M
+    chunk = tl.program_id(1).to(tl.int64)
+    kv_head = tl.program_id(2)
     query_len = tl.load(query_len_ptr + chunk)
+    if row0 >= query_len:
+        return
+    query_start = tl.load(query_start_ptr + chunk)
     past = tl.load(context_ptr + chunk) - query_len
 
     r = tl.arange(0, BLOCK_M * G_PAD)  # rows: token-major, the group's heads inside
@@ -103,13 +103,13 @@ def _prefill_kernel(
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV,
                       query_start: torch.Tensor, query_len: torch.Tensor,
                       context_lens: torch.Tensor, block_tables: torch.Tensor,
-                      work_chunk: torch.Tensor, work_row: torch.Tensor, out: torch.Tensor,
-                      scale: float, block_m: int = 64, tile_n: int = 64,
-                      num_warps: int = 4) -> None:
+                      max_query_len: int, out: torch.Tensor, scale: float, block_rows: int = 64,
+                      tile_n: int = 64, num_warps: int = 4) -> None:
     """q, out: [T, Hq, D]; k, v: [T, Hkv, D] (after RoPE, the step's fresh K/V); per chunk
     (int32 [C]): query_start, query_len, context_lens (cached slots after this step) and
-    block_tables [C, max_blocks]; work_chunk, work_row: [W] int32 (`prefill_work` with the
-    same block_m). Writes out's rows of the chunks."""
+    block_tables [C, max_blocks]; max_query_len: the longest chunk's (a host int). A program
+    takes block_rows rows (query tokens x the GQA group's heads). Writes out's rows of the
+    chunks."""
     num_q_heads, dim = q.shape[1], q.shape[2]
     heads = kv.num_kv_heads
     if dim != kv.head_dim or num_q_heads % heads or k.shape != (q.shape[0], heads, dim) \
@@ -119,24 +119,25 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Pag
                          f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(out.shape)}")
     if any(x.stride(-1) != 1 for x in (q, k, v, out)) or block_tables.stride(1) != 1:
         raise ValueError("q, k, v, out need a contiguous head dim, block tables contiguous rows")
-    tensors = (query_start, query_len, context_lens, block_tables, work_chunk, work_row)
+    tensors = (query_start, query_len, context_lens, block_tables)
     if any(t.dtype != torch.int32 for t in tensors):
-        raise ValueError("the chunk and work tensors must be int32")
+        raise ValueError("the chunk tensors must be int32")
+    for size in (block_rows, tile_n):
+        if size < 16 or size & (size - 1):
+            raise ValueError(f"block_rows and tile_n must be powers of two >= 16, got "
+                             f"{block_rows} and {tile_n}")
     group = num_q_heads // heads
     g_pad = triton.next_power_of_2(group)
-    if block_m < 1 or block_m & (block_m - 1) or block_m * g_pad < 16 \
-            or tile_n < 16 or tile_n & (tile_n - 1):
-        raise ValueError(f"block_m must be a power of two with block_m * {g_pad} >= 16 and "
-                         f"tile_n a power of two >= 16, got {block_m} and {tile_n}")
-    num_work = work_chunk.shape[0]
-    if num_work == 0:
+    block_m = max(1, block_rows // g_pad)  # query tokens per program
+    num_chunks = query_len.shape[0]
+    if num_chunks == 0 or max_query_len < 1:
         return
     k_scales, v_scales = kv.scale_tensors()
-    _prefill_kernel[(num_work, heads)](
+    _prefill_kernel[(triton.cdiv(max_query_len, block_m), num_chunks, heads)](
         q, q.stride(0), q.stride(1), k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv.k, kv.v, *kv.cache_strides(), k_scales, v_scales, *kv.scale_strides(),
         block_tables, block_tables.stride(0), query_start, query_len, context_lens,
-        work_chunk, work_row, out, out.stride(0), out.stride(1), scale * LOG2E,
+        out, out.stride(0), out.stride(1), scale * LOG2E,
         GROUP=group, HEAD_DIM=dim, G_PAD=g_pad, D_PAD=max(16, triton.next_power_of_2(dim)),
         BLOCK_SIZE=kv.block_size, BLOCK_M=block_m, TILE_N=tile_n, KV_FORMAT=kv.kv_format,
         DOT_DTYPE=dot_dtype(_prefill_kernel, q.dtype), num_warps=num_warps)

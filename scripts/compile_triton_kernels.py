@@ -1,0 +1,167 @@
+"""Compile every Triton kernel variant the `triton` attention backend launches, for a CUDA GPU
+target, on a machine without one (Triton's compiler and its bundled ptxas need no driver).
+
+The interpreter (how the tests run the kernels on CPU) checks their logic but not what only the
+compiler sees: types across branches and loops, tl.dot's shapes and operand types, constexpr
+use, register and shared-memory limits. This runs the backend's launchers on CPU tensors with the
+kernels replaced by recorders, then compiles each recorded launch to a cubin.
+
+    .venv/bin/python scripts/compile_triton_kernels.py [--arch 90] [--quick]
+
+Shapes: Qwen3-0.6B's attention (16 query heads, 8 KV heads, head dim 128, block size 16) in
+bfloat16 over the float pool and the int8 / fp8 stores, plus a float32 pool with GQA 8 and head
+dim 64 (the dot in IEEE float32). Exits non-zero on the first failure, naming the variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("unset TRITON_INTERPRET: this compiles the kernels, it does not interpret them")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from nanokv.kernels.triton import decode, kv_write, prefill  # noqa: E402
+from nanokv.kernels.triton.paged_kv import FORMATS, PagedKV  # noqa: E402
+
+_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+          torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64"}
+
+
+class Recorder:
+    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` records the launch."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.launches: list[tuple[tuple, dict]] = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((args, kwargs))
+
+
+def signature(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, dict]:
+    """(signature, constexprs, attributes, options) of one recorded launch, specialised as
+    Triton's launcher does: pointers 16-byte aligned and integers divisible by 16 marked so."""
+    names = kernel.arg_names
+    constexprs = {p.name: kwargs[p.name] for p in kernel.params if p.is_constexpr}
+    sig, attrs = {}, {}
+    for i, (name, value) in enumerate(zip(names, args)):
+        aligned = False
+        if isinstance(value, torch.Tensor):
+            sig[name] = "*" + _TYPES[value.dtype]
+            aligned = value.data_ptr() % 16 == 0
+        elif isinstance(value, bool):
+            sig[name] = "i1"
+        elif isinstance(value, int):
+            sig[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+            aligned = value % 16 == 0
+        elif isinstance(value, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{name}: {type(value).__name__}")
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    for name in constexprs:
+        sig[name] = "constexpr"
+    options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
+    return sig, constexprs, attrs, options
+
+
+def resource_usage(cubin: bytes) -> str:
+    """Registers, stack and local memory (spills) per thread, from the bundled cuobjdump."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True,
+                                  check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return "resources ?"
+    found = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", text))
+    return f"regs {found.get('REG', '?')} stack {found.get('STACK', '?')} " \
+           f"local {found.get('LOCAL', '?')}"
+
+
+def caches(dtype: torch.dtype, heads: int, dim: int, block_size: int, num_blocks: int = 8):
+    """The float pool's layer view and each code format's, as the backend builds them."""
+    shape = (num_blocks, block_size, heads, dim)
+    out = {"float": PagedKV(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))}
+    for name, fmt in FORMATS.items():
+        codes = torch.zeros(shape, dtype=torch.uint8)
+        scales = torch.zeros(shape[:3])
+        out[name] = PagedKV(codes, codes.clone(), scales, scales.clone(), fmt)
+    return out
+
+
+def record(dtype, hq, hkv, dim, block_size, quick: bool) -> None:
+    """Run the launchers as the backend does (its tile sizes), on CPU tensors."""
+    from nanokv.attention.triton_paged import TritonPagedBackend as B
+
+    t, rows = 40, 4
+    tile_n, block_rows = B.tiles_for(dtype)
+    q = torch.zeros(t, hq, dim, dtype=dtype)
+    k = torch.zeros(t, hkv, dim, dtype=dtype)
+    i32 = torch.zeros(8, dtype=torch.int32)
+    tables = torch.zeros(rows, 4, dtype=torch.int32)
+    for name, kv in caches(dtype, hkv, dim, block_size).items():
+        if quick and name not in ("float", "int8"):
+            continue
+        kv_write.write_kv(k, k, torch.zeros(t, dtype=torch.long), kv)
+        out = torch.empty_like(q)
+        for splits in (1, 4):
+            decode.decode_attention(q[:rows], k[:rows], k[:rows], kv, tables, i32[:rows],
+                                    out[:rows], 0.1, splits, tile_n, B.num_warps)
+        prefill.prefill_attention(q, k, k, kv, i32[:2], i32[:2], i32[:2], tables[:2], 20, out,
+                                  0.1, block_rows, tile_n, B.num_warps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10")
+    parser.add_argument("--quick", action="store_true", help="bfloat16 float pool and int8 only")
+    args = parser.parse_args()
+    recorders = {}
+    for module, name in ((decode, "_decode_split_kernel"), (decode, "_decode_merge_kernel"),
+                         (prefill, "_prefill_kernel"), (kv_write, "_write_kv_kernel")):
+        recorders[name] = Recorder(getattr(module, name))
+        setattr(module, name, recorders[name])
+    record(torch.bfloat16, 16, 8, 128, 16, args.quick)
+    if not args.quick:
+        record(torch.float32, 16, 2, 64, 64, quick=True)
+    target = GPUTarget("cuda", args.arch, 32)
+    seen = set()
+    for name, rec in recorders.items():
+        for launch_args, kwargs in rec.launches:
+            sig, constexprs, attrs, options = signature(rec.kernel, launch_args, kwargs)
+            key = (name, tuple(sorted(sig.items())), tuple(sorted(map(str, constexprs.items()))))
+            if key in seen:
+                continue
+            seen.add(key)
+            what = (f"{name} {', '.join(f'{k}={v}' for k, v in constexprs.items())} "
+                    f"({', '.join(v for v in sig.values() if v.startswith('*'))})")
+            start = time.time()
+            try:
+                compiled = triton.compile(ASTSource(rec.kernel, sig, constexprs, attrs),
+                                          target=target, options=options)
+            except Exception as e:
+                print(f"FAILED {what}\n{type(e).__name__}: {e}", file=sys.stderr)
+                sys.exit(1)
+            print(f"ok {time.time() - start:4.1f}s  {resource_usage(compiled.asm['cubin'])}  "
+                  f"shared {compiled.metadata.shared} B  {what}")
+    print(f"{len(seen)} variants compiled for sm_{args.arch}")
+
+
+if __name__ == "__main__":
+    main()
