@@ -30,10 +30,12 @@ def random_step(seed: int, per_layer: bool = False) -> list[ScheduledRequest]:
                              params=SamplingParams(), output_index=0,
                              capture_from=rng.choice([None, first + n // 2]))
         if per_layer and rng.random() < 0.5:
-            firsts = [max(0, first - rng.randrange(0, 20)) if l else first for l in range(LAYERS)]
+            firsts = [max(0, first - rng.randrange(0, 20)) if layer else first
+                      for layer in range(LAYERS)]
             s.layer_start_slots = firsts
-            s.layer_tables = [[l * POOL + b for b in rng.sample(range(POOL), cdiv(f + n, BS))]
-                              for l, f in enumerate(firsts)]
+            s.layer_tables = [[layer * POOL + b
+                               for b in rng.sample(range(POOL), cdiv(f + n, BS))]
+                              for layer, f in enumerate(firsts)]
         out.append(s)
     out.sort(key=lambda s: not s.is_decode)
     return out
@@ -74,8 +76,8 @@ def test_arrays_equal_the_per_token_lists(seed):
 def test_per_layer_tables_equal_the_per_token_lists(seed):
     scheduled = random_step(seed, per_layer=True)
     if all(s.layer_tables is None for s in scheduled):
-        scheduled[-1].layer_tables = [[l * POOL + b for b in scheduled[-1].block_table]
-                                      for l in range(LAYERS)]
+        scheduled[-1].layer_tables = [[layer * POOL + b for b in scheduled[-1].block_table]
+                                      for layer in range(LAYERS)]
         scheduled[-1].layer_start_slots = [scheduled[-1].start_slot] * LAYERS
     inputs = build_step_inputs(scheduled, BS, POOL, LAYERS, torch.device("cpu"))
     for layer in range(LAYERS):
