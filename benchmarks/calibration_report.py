@@ -1,12 +1,13 @@
 """Run `nanokv calibrate` and write its output, trials and decision as Markdown.
 
     .venv/bin/python benchmarks/calibration_report.py --out docs/results/kvquant -- \\
-        --model models/nanokv-tiny --bits 4 3 2 --block-size 128 --num-threads 1
+        --model models/nanokv-tiny --bits 4 3 2 --block-size 128 --num-threads 1 --measure both
 
 Everything after `--` goes to `nanokv calibrate` unchanged, except --output, which this script
 sets to OUT/kv_calibration.json. Writes OUT/calibration.md (the command, its verbatim output,
-a table of every perplexity it measured with the delta against the 0.2 rule, the decision);
---append TITLE adds the run as a section to an existing calibration.md.
+a table of every candidate measured: perplexity, increase over full precision in percent, KL and
+top-1, the simulated estimate beside the engine's with --measure both, and whether it is within
+the bound; the decision); --append TITLE adds the run as a section to an existing calibration.md.
 """
 
 from __future__ import annotations
@@ -23,20 +24,57 @@ from pathlib import Path
 def _log(stderr: str) -> str:
     """The calibrate log without progress bars."""
     return "\n".join(line for line in stderr.replace("\r", "\n").splitlines()
-                     if line.strip() and "it/s]" not in line and "Loading weights" not in line)
+                     if line.strip() and not line.startswith("calibrate")
+                     and "it/s]" not in line and "Loading weights" not in line)
+
+
+def _fmt(t: dict) -> str:
+    return f"{t['perplexity']:.4f} | {t['increase_percent']:+.3f}% | {t['kl']:.5f}"
 
 
 def trials_table(data: dict) -> str:
-    limit = data["settings"].get("max_ppl_increase", 0.2)
-    lines = ["| kv_cache_dtype | bits | layer_bits | perplexity | Δ vs full precision | "
-             f"within +{limit:g} |", "|---|---|---|---|---|---|"]
-    for t in data["perplexity"]["trials"]:
-        layer_bits = "-" if t["layer_bits"] is None else str(t["layer_bits"]).replace(
-            "None", "full")
-        ok = "-" if t["kv_cache_dtype"] == "auto" else ("yes" if t["delta"] <= limit else "no")
-        lines.append(f"| {t['kv_cache_dtype']} | {t['bits'] or '-'} | {layer_bits} | "
-                     f"{t['perplexity']:.4f} | {t['delta']:+.4f} | {ok} |")
+    settings = data["settings"]
+    limit = settings["max_ppl_increase"]
+    max_kl = settings.get("max_kl")
+    bound = f"+{limit:g}%" + ("" if max_kl is None else f", KL <= {max_kl:g}")
+    trials = data["perplexity"]["trials"]
+    both = any("simulated" in t for t in trials)
+    measure = "engine" if settings["measure"] == "both" else settings["measure"]
+    head = "| kv_cache_dtype | bits | layer_bits | "
+    sep = "|---|---|---|"
+    if both:
+        head += "simulated perplexity | simulated increase | simulated KL | "
+        sep += "---|---|---|"
+    head += (f"{measure} perplexity | {measure} increase | {measure} KL | {measure} top-1 | "
+             f"within {bound} ({measure}) |")
+    sep += "---|---|---|---|---|"
+    lines = [head, sep]
+    for t in trials:
+        layer_bits = "-" if t["layer_bits"] is None else str(t["layer_bits"])
+        ok = "-"
+        if t["kv_cache_dtype"] != "auto":
+            ok = "yes" if (t["increase_percent"] <= limit
+                           and (max_kl is None or t["kl"] <= max_kl)) else "no"
+        sim = f"{_fmt(t['simulated'])} | " if both else ""
+        lines.append(f"| {t['kv_cache_dtype']} | {t['bits'] or '-'} | {layer_bits} | {sim}"
+                     f"{_fmt(t)} | {t['top1']:.3f} | {ok} |")
     return "\n".join(lines)
+
+
+def protocol(settings: dict) -> str:
+    engine = ("Engine: one nanokv engine per candidate with its real KV store; each window is "
+              f"prefilled in chunks of {settings['chunk_size']} tokens (max_num_batched_tokens), "
+              "one window at a time, so every chunk reads the earlier chunks back from the store "
+              "as decoding does (kvquant: full blocks quantized, the partial block's keys in "
+              "full-precision staging). ")
+    simulated = ("Simulated: K/V quantized and dequantized inside the Hugging Face model by "
+                 "hooks (the store's codec), each window in one forward pass, so every token "
+                 "also reads its own block quantized. ")
+    text = {"engine": engine, "simulated": simulated, "both": engine + simulated}
+    return (text[settings["measure"]] + "Scored: the tokens after the first "
+            f"{settings['context_fraction']:.0%} of each window; KL(full precision || "
+            "candidate) and top-1 agreement against the same measure's full-precision "
+            "distributions on those tokens.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,25 +106,32 @@ def main(argv: list[str] | None = None) -> int:
     shown = ".venv/bin/nanokv calibrate " + " ".join(shlex.quote(a) for a in cal_args)
     head = (["", f"# {args.append}", ""] if args.append
             else ["# `nanokv calibrate` on the shipped model", ""])
+    st = data["settings"]
+    windows = st["eval_tokens"] // st.get("eval_seq_len", st["eval_tokens"])
     md = [*head,
           f"Model `{data['model']['path']}` ({data['model']['num_layers']} layers, "
           f"{data['model']['num_kv_heads']} KV heads of {data['model']['head_dim']}); "
-          f"calibration {data['settings']['calib_tokens']} tokens, perplexity on "
-          f"{data['settings']['eval_tokens']} other tokens of `{data['settings']['text']}`; "
-          f"block size {data['settings']['block_size']}, outliers "
-          f"{data['settings']['outlier_fraction']:g}, sinks "
-          f"{data['settings']['num_sink_tokens']}, nuq {data['settings']['nuq']}. "
-          "Perplexities are simulated by calibration (K/V quantized and dequantized inside the "
-          "Hugging Face model as the store holds them; see nanokv/quant/calibration_file.py).",
-          "", "The rule: the lowest candidate width whose perplexity rises by at most "
-          f"{data['settings']['max_ppl_increase']:g} (widths tried from 4 down while they pass); "
-          "else per-layer mixed precision (most sensitive layers at 8 bits); else int8; else "
-          "full precision.", "",
+          f"calibration {st['calib_tokens']} tokens; candidates measured on "
+          f"{st['eval_tokens']} other tokens of `{st['text']}`"
+          + (f" ({windows} windows of {st['eval_seq_len']})" if "eval_seq_len" in st else "")
+          + f"; block size {st['block_size']}, outliers {st['outlier_fraction']:g}, sinks "
+          f"{st['num_sink_tokens']}, nuq {st['nuq']}. Measure `{st['measure']}`"
+          + (" (the decision uses the engine's numbers)" if st["measure"] == "both" else "")
+          + f". {protocol(st)}", "",
+          "The rule (nanokv/quant/precision_rule.py): the lowest candidate width whose "
+          f"perplexity rises by at most {st['max_ppl_increase']:g}% of the full-precision "
+          "baseline" + ("" if st.get("max_kl") is None else f" and whose KL is at most "
+                        f"{st['max_kl']:g}") + " (widths tried from the highest down while "
+          "they pass); else per-layer mixed precision (each layer's sensitivity: its "
+          + ("perplexity increase" if st.get("max_kl") is None else "KL")
+          + " alone at the highest width, the others at 8 bits; the most sensitive layers to 8 "
+          "bits one by one); else int8; else full precision.", "",
           "## Decision", "",
           f"**kv_cache_dtype {d['kv_cache_dtype']}, bits {d['bits']}, layer_bits "
-          f"{d['layer_bits']}**: perplexity {d['perplexity']:.4f} ({d['delta']:+.4f}). "
+          f"{d['layer_bits']}**: perplexity {d['perplexity']:.4f} "
+          f"({d['increase_percent']:+.3f}%, {d['delta']:+.4f}), KL {d['kl']:.5f}. "
           f"Reason: {d['reason']}.", "",
-          "## Every perplexity it measured", "", trials_table(data), "",
+          "## Every candidate it measured", "", trials_table(data), "",
           f"Calibration file: `{args.name}` (load with `--kv-cache-dtype kvquant "
           f"--kv-quant-config {output}`).", "",
           "## Command and output", "", "```bash", shown, "```", "", "```",

@@ -198,6 +198,7 @@ def calibrate(model, calib_ids: torch.Tensor, eval_windows, settings: Calibratio
     windows = ScoredWindows.of(eval_windows, settings.context_fraction)
     calib = fit(model, calib_ids, settings, model_path, text_name,
                 len(windows.windows) * windows.length, log)
+    calib.settings.update(eval_windows=len(windows.windows), eval_seq_len=windows.length)
     simulated = SimulatedMeasure(model, calib, settings, windows, on_window)
     measure = simulated
     if settings.measure != "simulated":

@@ -11,7 +11,8 @@ Schema (format "nanokv-kv-calibration", version 1); every list is per layer:
                "max_ppl_increase": float (percent), "max_kl": float | null,
                "measure": "engine" | "simulated" | "both", "chunk_size": int,
                "context_fraction": float, "candidate_bits": [int], "calib_tokens": int,
-               "eval_tokens": int, "text": str},
+               "eval_tokens": int, "eval_windows": int, "eval_seq_len": int,
+               "text": str},
   "codebooks": {"2": {"keys": [[4 floats] x L], "values": [[4 floats] x L]},
                 "3": {... 8 floats ...}, "4": {... 16 floats ...}},     (sorted, in [-1, 1])
   "key_outlier_thresholds": {"lower": [[[D floats] x H] x L], "upper": same} | null,

@@ -9,9 +9,11 @@ near perplexity 100 the same absolute bound is a 0.2% change, below the measurem
 
 Order (4 bits first: KVQuant's quality point; more bits only where quality suffers):
   1. uniform widths from the highest candidate width down while they pass: the lowest passing;
-  2. else per-layer mixed precision at the highest width: each layer's sensitivity is the increase
-     with that layer alone at that width and every other layer at 8 bits; the most sensitive
-     layers go to 8 bits one by one until the setting passes (all layers at 8 bits is step 3);
+  2. else per-layer mixed precision at the highest width: each layer's sensitivity is measured
+     with that layer alone at that width and every other layer at 8 bits (its perplexity
+     increase, or its KL when a KL bound is set: the steadier signal, since a layer's errors
+     can cancel in the mean NLL while moving the distributions); the most sensitive layers go
+     to 8 bits one by one until the setting passes (all layers at 8 bits is step 3);
   3. else int8;
   4. else full precision.
 The rule sees only measurements (`evaluate(candidate) -> Measurement`); where they come from
@@ -119,8 +121,9 @@ def choose_precision(evaluate: Callable[[Candidate], Measurement], num_layers: i
     why = f"{high}-bit: {_summary(failed)}, over {bound}"
     sensitivity = []
     for layer in range(num_layers):
-        probe = tuple(high if i == layer else 8 for i in range(num_layers))
-        sensitivity.append(run(Candidate("kvquant", high, probe)).increase)
+        probe = run(Candidate("kvquant", high,
+                              tuple(high if i == layer else 8 for i in range(num_layers))))
+        sensitivity.append(probe.increase if acceptance.max_kl is None else probe.kl)
     widths = [high] * num_layers
     order = sorted(range(num_layers), key=lambda i: -sensitivity[i])
     for k, layer in enumerate(order[:-1]):  # all layers at 8 bits is the int8 fallback below

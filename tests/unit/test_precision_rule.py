@@ -19,9 +19,10 @@ def random_table(rng: random.Random, layers: int, widths: tuple[int, ...]) -> di
     base = rng.uniform(5, 200)
     table = {AUTO: Measurement(base, 0.0)}
 
-    def noisy(increase: float) -> Measurement:
+    def noisy(increase: float) -> Measurement:  # KL drawn apart: it may rank layers otherwise
         ppl = base * (1 + increase / 100)
-        return Measurement(ppl, max(0.0, increase / 100 * rng.uniform(0.005, 0.05)))
+        return Measurement(ppl, max(0.0, increase / 100 * rng.uniform(0.0, 0.05)
+                                    + rng.uniform(-0.002, 0.004)))
 
     for w in widths:
         table[Candidate("kvquant", w)] = noisy(rng.uniform(-0.5, 12) * (5 - w))
@@ -54,7 +55,9 @@ def oracle(table: dict, layers: int, widths: tuple[int, ...], acc: Acceptance) -
     def probe(layer: int) -> Candidate:
         return Candidate("kvquant", high, tuple(high if i == layer else 8 for i in range(layers)))
 
-    sensitivity = [table[probe(i)].perplexity for i in range(layers)]
+    # sensitivity: the probe's perplexity, or its KL when the KL is bounded
+    sensitivity = [table[probe(i)].perplexity if acc.max_kl is None else table[probe(i)].kl
+                   for i in range(layers)]
     ranked = sorted(range(layers), key=lambda i: (-sensitivity[i], i))
     mixes = [Candidate("kvquant", high, tuple(8 if i in ranked[:k] else high
                                                for i in range(layers)))
