@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from nanokv.attention.common import CommonAttentionMetadata
+from nanokv.transfer import upload
 
 
 @dataclass
@@ -57,7 +58,7 @@ def build_step(common: CommonAttentionMetadata, device: torch.device,
     """The step's tensors; `splits(rows, max_context)` gives the decode split count;
     slot_mapping: the step's slots as a device tensor when the caller has one."""
     if slot_mapping is None:
-        slot_mapping = torch.tensor(common.slot_mapping, dtype=torch.long, device=device)
+        slot_mapping = upload(np.asarray(common.slot_mapping, dtype=np.int64), device)
     nd = common.num_decodes
     chunks = common.prefills
     parts = []  # int32 arrays, packed into one upload
@@ -69,7 +70,7 @@ def build_step(common: CommonAttentionMetadata, device: torch.device,
                   np.array([p.context_len for p in chunks], np.int32)]
         tables = padded_rows([p.block_table for p in chunks])
         parts.append(tables.reshape(-1))
-    packed = torch.from_numpy(np.concatenate(parts)).to(device)
+    packed = upload(np.concatenate(parts), device)  # one copy, no wait for queued work
     views, start = [], 0
     for part in parts:
         views.append(packed[start:start + part.size])
@@ -121,7 +122,8 @@ def fill_graph_step(meta: TritonStep, common: CommonAttentionMetadata, batch: in
     host[:n, width] = common.decode_context_lens
     slots = np.full(batch, -1, dtype=np.int64)
     slots[:n] = common.slot_mapping
-    meta.graph_buffer[:batch].copy_(torch.from_numpy(host))
-    meta.slot_mapping[:batch].copy_(torch.from_numpy(slots))
+    # pageable sources: staged at once, the copies do not wait for the device's queued work
+    meta.graph_buffer[:batch].copy_(torch.from_numpy(host), non_blocking=True)
+    meta.slot_mapping[:batch].copy_(torch.from_numpy(slots), non_blocking=True)
     meta.num_rows = batch
     meta.num_splits = num_splits
