@@ -1,0 +1,173 @@
+"""One layer's attention step on CUDA: the Triton backend (paged cache read in place) against the
+PyTorch backend (blocks gathered into padded copies, masked SDPA), measured in the same run.
+
+Shapes: Qwen3-0.6B's attention (16 query heads, 8 KV heads, head dim 128), block size 16,
+bfloat16, the issue's workload: --requests decodes with contexts drawn from 200..2048 tokens
+(prompt 100-1024 plus output 100-1024), and a prefill step of --prefill-chunks chunks of
+--chunk-len tokens, half of them over a cached prefix. Caches: the float pool, and int8 / fp8
+stores (the PyTorch path dequantizes the blocks it reads). Each timing covers the backend's
+`build` (the step's metadata, once per step) plus one layer's `forward` (write + attention);
+median of --repeats rounds after a warm-up, every method once per round in turn. Reported
+alongside: the decode's effective read bandwidth (the KV bytes the requests' contexts hold /
+time).
+
+    PYTHONPATH=. python benchmarks/bench_triton_attention.py --out docs/results/gpu
+
+`--device cpu` with TRITON_INTERPRET=1 dry-runs the script's logic on tiny shapes (no figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from nanokv.attention.common import CommonAttentionMetadata, PrefillChunk  # noqa: E402
+from nanokv.attention.quantized import QuantizedTorchBackend  # noqa: E402
+from nanokv.attention.torch_paged import TorchPagedBackend  # noqa: E402
+from nanokv.attention.triton_paged import TritonPagedBackend  # noqa: E402
+from nanokv.cache.kv_pool import KVLayout, KVPool  # noqa: E402
+from nanokv.quant import make_kv_store  # noqa: E402
+from nanokv.utils import cdiv  # noqa: E402
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fns: dict, repeats: int, device: torch.device) -> dict:
+    """Median seconds per call, rounds taking every fn in turn after one warm-up each."""
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def make_cache(kind: str, layout: KVLayout, num_blocks: int, device: torch.device):
+    if kind == "auto":
+        return KVPool(layout, num_blocks, device)
+    return make_kv_store(kind, layout, num_blocks, device)
+
+
+def step_fn(backend_cls, cache, common, q, k, v, device):
+    backend = backend_cls(cache, device)
+    scale = q.shape[-1] ** -0.5
+
+    def run():
+        common.write_plan = cache.begin_step(common.slot_mapping, common.slot_mapping)
+        backend.forward(0, q, k, v, k, backend.build(common), scale)
+    return run
+
+
+def decode_step(args, rng, num_blocks) -> tuple[CommonAttentionMetadata, int]:
+    """Requests with random contexts in their own shuffled blocks; returns the step and the
+    number of cached tokens it reads."""
+    blocks = list(range(num_blocks))
+    rng.shuffle(blocks)
+    lens = [rng.randint(args.min_context, args.max_context) for _ in range(args.requests)]
+    tables = [[blocks.pop() for _ in range(cdiv(n, args.block_size))] for n in lens]
+    slots = [t[(n - 1) // args.block_size] * args.block_size + (n - 1) % args.block_size
+             for t, n in zip(tables, lens)]
+    return CommonAttentionMetadata(slots, len(lens), tables, lens, []), sum(lens)
+
+
+def prefill_step(args, rng, num_blocks) -> CommonAttentionMetadata:
+    blocks = list(range(num_blocks))
+    rng.shuffle(blocks)
+    bs, n = args.block_size, args.chunk_len
+    chunks, slots = [], []
+    for c in range(args.prefill_chunks):
+        past = n if c % 2 else 0  # half continue a prompt over their cached prefix
+        table = [blocks.pop() for _ in range(cdiv(past + n, bs))]
+        chunks.append(PrefillChunk(c * n, n, past + n, table))
+        slots += [table[j // bs] * bs + j % bs for j in range(past, past + n)]
+    return CommonAttentionMetadata(slots, 0, [], [], chunks)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--min-context", type=int, default=200)
+    p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument("--prefill-chunks", type=int, default=16)
+    p.add_argument("--chunk-len", type=int, default=512)
+    p.add_argument("--q-heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-dtypes", nargs="+", default=["auto", "int8", "fp8_e4m3"])
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--out", default=None, help="directory for triton_attention.{json,md}")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device (--device cpu with TRITON_INTERPRET=1 dry-runs the logic)")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("on CPU the Triton kernels need TRITON_INTERPRET=1")
+    rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    layout = KVLayout(1, args.kv_heads, args.head_dim, args.block_size, dtype)
+    per_request = cdiv(args.max_context, args.block_size)
+    num_blocks = max(args.requests * per_request, args.prefill_chunks * 2 * cdiv(
+        args.chunk_len, args.block_size)) + 1
+    decode, tokens = decode_step(args, rng, num_blocks)
+    prefill = prefill_step(args, rng, num_blocks)
+
+    def qkv(t):
+        shapes = ((t, args.q_heads), (t, args.kv_heads), (t, args.kv_heads))
+        return [torch.randn(*s, args.head_dim, generator=gen).to(device, dtype) for s in shapes]
+
+    rows = []
+    for kind in args.kv_dtypes:
+        cache = make_cache(kind, layout, num_blocks, device)
+        elem = 1 if kind != "auto" else torch.empty(0, dtype=dtype).element_size()
+        read = 2 * tokens * args.kv_heads * (args.head_dim * elem + (4 if kind != "auto" else 0))
+        reference = TorchPagedBackend if kind == "auto" else QuantizedTorchBackend
+        for name, common in (("decode", decode), ("prefill", prefill)):
+            q, k, v = qkv(len(common.slot_mapping))
+            fns = {"torch": step_fn(reference, cache, common, q, k, v, device),
+                   "triton": step_fn(TritonPagedBackend, cache, common, q, k, v, device)}
+            t = timed(fns, args.repeats, device)
+            row = {"kv_cache_dtype": kind, "step": name, "torch_ms": t["torch"] * 1e3,
+                   "triton_ms": t["triton"] * 1e3, "speedup": t["torch"] / t["triton"]}
+            if name == "decode":
+                row["triton_read_GBps"] = read / t["triton"] / 1e9
+            rows.append(row)
+            print(json.dumps(row))
+    lines = ["| KV cache | step | PyTorch ms | Triton ms | speed-up | Triton decode read GB/s |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        gbps = f"{r['triton_read_GBps']:.0f}" if "triton_read_GBps" in r else "-"
+        lines.append(f"| {r['kv_cache_dtype']} | {r['step']} | {r['torch_ms']:.3f} | "
+                     f"{r['triton_ms']:.3f} | {r['speedup']:.2f}x | {gbps} |")
+    print("\n".join(lines))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = {"argv": sys.argv[1:], "device": torch.cuda.get_device_name(device)
+                if device.type == "cuda" else "cpu (interpreter)", "torch": torch.__version__}
+        (out / "triton_attention.json").write_text(json.dumps({"meta": meta, "rows": rows},
+                                                              indent=1))
+        (out / "triton_attention.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
