@@ -270,7 +270,13 @@ def test_graph_metadata_padded_batch_equals_the_unpadded_step(kind):
         assert meta.num_rows == batch
         assert meta.slot_mapping[n:batch].tolist() == [-1] * (batch - n)
         assert meta.context_lens[n:batch].tolist() == [0] * (batch - n)
-        got = graph.forward(0, q, k, v, k, meta, dim ** -0.5)
+        if DEVICE.type == "cuda":  # no host synchronisation in a graph step's forward
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = graph.forward(0, q, k, v, k, meta, dim ** -0.5)
+        finally:
+            if DEVICE.type == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
         torch.testing.assert_close(got[:n], want, atol=1e-5, rtol=1e-4)
         assert torch.equal(got[n:], torch.zeros_like(got[n:]))
         for name, buf in cache_tensors(eager_cache).items():  # padded rows wrote nothing
