@@ -51,20 +51,21 @@ class Recorder:
 
 def signature(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, dict]:
     """(signature, constexprs, attributes, options) of one recorded launch, specialised as
-    Triton's launcher does: pointers 16-byte aligned and integers divisible by 16 marked so."""
+    Triton's launcher does: pointers 16-byte aligned and integers divisible by 16 marked so
+    (unless the kernel opts out for that argument)."""
     names = kernel.arg_names
     constexprs = {p.name: kwargs[p.name] for p in kernel.params if p.is_constexpr}
     sig, attrs = {}, {}
     for i, (name, value) in enumerate(zip(names, args)):
-        aligned = False
+        aligned, param = False, kernel.params[i]
         if isinstance(value, torch.Tensor):
             sig[name] = "*" + _TYPES[value.dtype]
-            aligned = value.data_ptr() % 16 == 0
+            aligned = value.data_ptr() % 16 == 0 and not param.do_not_specialize_on_alignment
         elif isinstance(value, bool):
             sig[name] = "i1"
         elif isinstance(value, int):
             sig[name] = "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
-            aligned = value % 16 == 0
+            aligned = value % 16 == 0 and not param.do_not_specialize
         elif isinstance(value, float):
             sig[name] = "fp32"
         else:

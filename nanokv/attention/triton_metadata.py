@@ -63,13 +63,13 @@ def build_step(common: CommonAttentionMetadata, device: torch.device,
     chunks = common.prefills
     parts = []  # int32 arrays, packed into one upload
     decode = padded_rows(common.decode_block_tables, common.decode_context_lens)
-    parts.append(decode.reshape(-1))  # [nd, width + 1]
+    parts.append(decode.reshape(-1))  # [nd * (width + 1)]
     if chunks:
         lens = [p.query_len for p in chunks]
         parts += [np.array([p.query_start for p in chunks], np.int32), np.array(lens, np.int32),
                   np.array([p.context_len for p in chunks], np.int32)]
         tables = padded_rows([p.block_table for p in chunks])
-        parts.append(tables.reshape(-1))
+        parts.append(tables.reshape(-1))  # [C * max_blocks]
     packed = upload(np.concatenate(parts), device)  # one copy, no wait for queued work
     views, start = [], 0
     for part in parts:
@@ -79,7 +79,8 @@ def build_step(common: CommonAttentionMetadata, device: torch.device,
     prefill = None
     if chunks:
         c = len(chunks)
-        prefill = PrefillChunks(views[1], views[2], views[3], views[4].view(c, -1),
+        prefill = PrefillChunks(views[1], views[2], views[3],
+                                views[4].view(c, -1),  # [C, max_blocks]
                                 max(p.query_len for p in chunks))
     max_context = max(common.decode_context_lens, default=0)
     return TritonStep(slot_mapping, nd, decode_view[:, :-1], decode_view[:, -1],

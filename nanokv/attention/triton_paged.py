@@ -39,7 +39,7 @@ from nanokv.quant.pertoken_store import FP8KVStore, Int8KVStore
 from nanokv.utils import cdiv
 
 POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MAX_SPLITS = 16
+MAX_SPLITS = 16  # nanokv.kernels.triton.decode.MAX_SPLITS (not imported: that imports Triton)
 
 
 def interpreter_on() -> bool:

@@ -11,7 +11,9 @@ reference does (`nanokv.quant.attention`); for the float pool it equals what was
 A request with context length 0 (a padded row) attends to nothing and outputs zeros.
 
 No host synchronisation: the grid depends only on (rows, KV heads, num_splits); each program
-reads its row's context length on the device.
+reads its row's context length on the device. Values that change from step to step (the split
+count, the block tables' width and where they sit) are not compile-time specialisations, so a
+running engine compiles each kernel once per cache format, not once per batch shape.
 """
 
 from __future__ import annotations
@@ -29,24 +31,26 @@ from nanokv.kernels.triton.paged_tile import (
 )
 
 LOG2E = 1.4426950408889634
+MAX_SPLITS = 16
+_PER_STEP = ["table_ptr", "stride_table", "context_ptr", "stride_context", "num_splits"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_STEP, do_not_specialize_on_alignment=_PER_STEP)
 def _decode_split_kernel(
         q_ptr, stride_qt, stride_qh, k_ptr, v_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
         k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, stride_ch,
         k_scale_ptr, v_scale_ptr, stride_sb, stride_ss,
         table_ptr, stride_table, context_ptr, stride_context,
         out_ptr, stride_ot, stride_oh, part_m_ptr, part_l_ptr, part_acc_ptr, qk_scale,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr,
+        num_splits, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr,
         D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, KV_FORMAT: tl.constexpr, DOT_DTYPE: tl.constexpr):
+        DIRECT_OUT: tl.constexpr, KV_FORMAT: tl.constexpr, DOT_DTYPE: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context = tl.load(context_ptr + b * stride_context)
     past = tl.maximum(context - 1, 0)  # cached tokens; the last one is the step's own
-    per_split = tl.cdiv(tl.cdiv(past, NUM_SPLITS), TILE_N) * TILE_N
+    per_split = tl.cdiv(tl.cdiv(past, num_splits), TILE_N) * TILE_N
     lo = split * per_split
     hi = tl.minimum(lo + per_split, past)
 
@@ -87,29 +91,29 @@ def _decode_split_kernel(
         m_i, l_i, acc = attend_tile(q, k, v, k_scale, v_scale, t_mask[None, :], m_i, l_i, acc,
                                     qk_scale, KV_FORMAT != 0, DOT_DTYPE)
 
-    if NUM_SPLITS == 1:
+    if DIRECT_OUT:  # one split: the output itself
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + b * stride_ot + q_head[:, None] * stride_oh + d[None, :], out,
                  mask=g_mask[:, None] & d_mask[None, :])
     else:
-        # partials [rows, Hq, NUM_SPLITS] (m, l) and [rows, Hq, NUM_SPLITS, D_PAD] (acc)
-        part = (b * (tl.num_programs(1) * GROUP) + q_head) * NUM_SPLITS + split  # [G_PAD]
+        # partials [rows, Hq, num_splits] (m, l) and [rows, Hq, num_splits, D_PAD] (acc)
+        part = (b * (tl.num_programs(1) * GROUP) + q_head) * num_splits + split  # [G_PAD]
         tl.store(part_m_ptr + part, m_i, mask=g_mask)
         tl.store(part_l_ptr + part, l_i, mask=g_mask)
         tl.store(part_acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=g_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ot, stride_oh,
-                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr):
+                         num_splits, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                         S_PAD: tl.constexpr):
     """One (row, query head): the splits' (m, l, acc) merged; zeros when no split saw a token."""
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, S_PAD)
     d = tl.arange(0, D_PAD)
-    s_mask = s < NUM_SPLITS
-    part = (b * tl.num_programs(1) + head) * NUM_SPLITS + s  # [S_PAD]
+    s_mask = s < num_splits
+    part = (b * tl.num_programs(1) + head) * num_splits + s  # [S_PAD]
     m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
     l_s = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
     acc = tl.load(part_acc_ptr + part[:, None] * D_PAD + d[None, :], mask=s_mask[:, None],
@@ -148,15 +152,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Page
         q, q.stride(0), q.stride(1), k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv.k, kv.v, *kv.cache_strides(), k_scales, v_scales, *kv.scale_strides(),
         block_tables, block_tables.stride(0), context_lens, context_lens.stride(0),
-        out, out.stride(0), out.stride(1), part_m, part_l, parts, scale * LOG2E,
+        out, out.stride(0), out.stride(1), part_m, part_l, parts, scale * LOG2E, num_splits,
         GROUP=group, HEAD_DIM=dim, G_PAD=max(16, triton.next_power_of_2(group)), D_PAD=d_pad,
-        BLOCK_SIZE=kv.block_size, TILE_N=tile_n, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=kv.block_size, TILE_N=tile_n, DIRECT_OUT=num_splits == 1,
         KV_FORMAT=kv.kv_format, DOT_DTYPE=dot_dtype(_decode_split_kernel, q.dtype),
         num_warps=num_warps)
     if num_splits > 1:
         _decode_merge_kernel[(rows, num_q_heads)](
-            part_m, part_l, parts, out, out.stride(0), out.stride(1), HEAD_DIM=dim, D_PAD=d_pad,
-            NUM_SPLITS=num_splits, S_PAD=triton.next_power_of_2(num_splits))
+            part_m, part_l, parts, out, out.stride(0), out.stride(1), num_splits, HEAD_DIM=dim,
+            D_PAD=d_pad, S_PAD=MAX_SPLITS)
 
 
 def _check(q, k, v, out, kv: PagedKV, block_tables, context_lens, num_splits, tile_n) -> None:
@@ -177,6 +181,6 @@ def _check(q, k, v, out, kv: PagedKV, block_tables, context_lens, num_splits, ti
         raise ValueError("block_tables and context_lens must be int32")
     if block_tables.stride(1) != 1:
         raise ValueError("block table rows must be contiguous")
-    if num_splits < 1 or tile_n < 16 or tile_n & (tile_n - 1):
-        raise ValueError(f"num_splits must be >= 1 and tile_n a power of two >= 16, got "
-                         f"{num_splits} and {tile_n}")
+    if not 1 <= num_splits <= MAX_SPLITS or tile_n < 16 or tile_n & (tile_n - 1):
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}] and tile_n a power of two "
+                         f">= 16, got {num_splits} and {tile_n}")

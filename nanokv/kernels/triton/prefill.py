@@ -26,9 +26,11 @@ from nanokv.kernels.triton.paged_tile import (
 )
 
 LOG2E = 1.4426950408889634
+# per-step values (where the packed step tensors sit, the tables' width): not specialised on
+_PER_STEP = ["table_ptr", "stride_table", "query_start_ptr", "query_len_ptr", "context_ptr"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_STEP, do_not_specialize_on_alignment=_PER_STEP)
 def _prefill_kernel(
         q_ptr, stride_qt, stride_qh, k_ptr, v_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
         k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, stride_ch,
