@@ -35,7 +35,8 @@ def _store_rows(x, cache_ptr, scale_ptr, elem, scale_elem, mask, row_mask,
         tl.store(scale_ptr + scale_elem, scale, mask=row_mask)
 
 
-@triton.jit(do_not_specialize=["num_rows"])  # T * Hkv: a new value every step
+# per step: the row count (T * Hkv), and where the slots sit (a view into the step's upload)
+@triton.jit(do_not_specialize=["num_rows"], do_not_specialize_on_alignment=["slot_ptr"])
 def _write_kv_kernel(k_ptr, v_ptr, stride_kt, stride_kh, stride_vt, stride_vh, slot_ptr,
                      num_rows, k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, stride_ch,
                      k_scale_ptr, v_scale_ptr, stride_sb, stride_ss,
