@@ -112,6 +112,11 @@ class TritonPagedBackend(AttentionBackend):
         why = triton_unavailable()
         if why is not None:
             return why, False
+        if device.type == "cuda" and torch.cuda.is_available():
+            capability = torch.cuda.get_device_capability(device)
+            if capability < (8, 0):  # bfloat16 dots, the tiles' shared memory
+                return (f"it needs a GPU of compute capability 8.0 or newer (this one has "
+                        f"{capability[0]}.{capability[1]})"), False
         return None
 
     # ---- metadata ------------------------------------------------------------------------------
