@@ -11,9 +11,11 @@ CUDA graphs: `supports_cuda_graphs`; decode-only steps run from static metadata
 (`graph_decode_metadata` / `fill_graph_decode`, the contract in `backend.py`) with launches
 that depend only on the batch size and max_blocks.
 
-Runs on CUDA; on CPU only under Triton's interpreter (TRITON_INTERPRET=1 before the kernels are
-imported; the tests), and "auto" never chooses it there. Tested in the interpreter against the
-dense reference (tests/unit/test_triton_attention.py); it has not yet run on a GPU.
+Runs on CUDA (compute capability 8.0+); on CPU only under Triton's interpreter (TRITON_INTERPRET=1
+set before triton is first imported: the tests), and "auto" never chooses it there. Tested in the
+interpreter against the dense reference (tests/unit/test_triton_attention.py), and compiled for
+sm_90 without a GPU (scripts/compile_triton_kernels.py: no register spills); it has not yet run
+on a GPU, so nothing about its speed is measured.
 """
 
 from __future__ import annotations
