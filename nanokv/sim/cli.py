@@ -110,7 +110,7 @@ def _load(args):
         if all(e.step_dur is not None and e.pre is not None for e in log):
             # the engine step and the server's time around it, each from what it depends on
             fitted = fit_engine_step(log, f"step log {args.step_log}")
-            overhead = fit_server_overhead(log, turn_times(log))
+            overhead = fit_server_overhead(log, turn_times(log), fitted)
         else:  # a log without the split: whole turns, the machine's load fitted per window
             fitted = fit_step_log(log, f"step log {args.step_log}")
     elif args.device not in DEVICES:

@@ -25,13 +25,15 @@ def fast_forward(sched: Scheduler, clock: StepClock, tokens: dict[str, list[int]
                  next_arrival: float, steps: int, max_steps: float = math.inf,
                  eviction_ratio: float | None = None,
                  on_step: Callable[[list, StepFeatures], None] | None = None,
-                 next_abort: float = math.inf, max_abort_steps: float = math.inf
-                 ) -> tuple[int, float]:
+                 next_abort: float = math.inf, max_abort_steps: float = math.inf,
+                 arrivals_take_time: bool = False) -> tuple[int, float]:
     """Apply the decode steps that can run unchanged from simulated time `now` (the replay's
     step `steps` next), stopping before the step that starts at or after `next_arrival` or
     `next_abort`, and after at most `max_steps` (the next admission, recorded) and
     `max_abort_steps` (the next abort, recorded) steps; returns (steps applied, seconds they
-    took). `on_step(decisions, features)` sees each of them (tests against the engine)."""
+    took). `on_step(decisions, features)` sees each of them (tests against the engine).
+    `arrivals_take_time`: adding a request costs the turn time even when it only queues (a
+    fitted server overhead), so arrivals stop the run even while max_num_seqs run."""
     bm = sched.block_manager
     bs = bm.block_size
     running = sched.running
@@ -52,8 +54,8 @@ def fast_forward(sched: Scheduler, clock: StepClock, tokens: dict[str, list[int]
         for j in range(len(r.block_table) * bs - cs + 1, k + 1, bs):
             new_blocks[j] += 1
     nrun = len(running)
-    if nrun >= sched.max_num_seqs:  # arrivals only queue: no admission is attempted
-        next_arrival = max_steps = math.inf
+    if nrun >= sched.max_num_seqs and not arrivals_take_time:
+        next_arrival = max_steps = math.inf  # arrivals only queue: no admission is attempted
     k = int(min(k, max_steps, max_abort_steps))
     next_event = min(next_arrival, next_abort)
     elapsed, j, need = 0.0, 0, 0

@@ -229,7 +229,8 @@ class Simulator:
                 else:
                     k, elapsed = fast_forward(
                         sched, self.clock, tokens, now, records[i].t if i < n else math.inf,
-                        steps, math.inf, cfg.eviction_ratio, log, next_abort=next_abort)
+                        steps, math.inf, cfg.eviction_ratio, log, next_abort=next_abort,
+                        arrivals_take_time=self.clock.overhead is not None)
                 steps += k
                 # running is full when anyone waits: every fast-forwarded step is saturated
                 nrun = len(sched.running)

@@ -5,15 +5,17 @@
     {"step": 812, "t": 31.204518, "dur": 0.021433, "busy": true, "tokens": 9, "seqs": 8,
      "decodes": 8, "decode_context": 2931, "prefill_pairs": 0, "prefill_context": 0,
      "running": 8, "preempted": 0, "added": 1, "finished": 2, "pre": 0.000210,
-     "step_dur": 0.019870}
+     "step_dur": 0.019870, "step_cpu": 0.019530}
 
 `t` is the turn's start on the trace's clock (the request lines' `t`), `dur` the whole loop turn
 (adding the turn's requests, the step, delivering its outputs, metrics), `busy` whether requests
 were left unfinished at its end (then the next turn starts at once). `added` and `finished`
 count the requests the turn added and ended (finished or aborted), `pre` is the time from the
 turn's start to the engine step's, `step_dur` the engine step's own time (the outputs are
-stamped at its end); the rest of the turn is the server's: delivery, metrics, and whatever HTTP
-work the event loop did meanwhile on the same core (`nanokv/sim/server_overhead.py`).
+stamped at its end) and `step_cpu` the engine thread's CPU time in it (without what other
+threads and processes took of the core meanwhile); the rest of the turn is the server's:
+delivery, metrics, and the HTTP work the event loop did meanwhile on the same core
+(`nanokv/sim/server_overhead.py`).
 
 The request lines carry the step they were added before (`step`) and the order of admission
 (`order`), so a replay can add each request exactly where the server did
@@ -45,6 +47,7 @@ class StepLogEntry:
     finished: int = 0  # requests the turn ended
     pre: float | None = None  # turn start to the engine step's start (older logs: None)
     step_dur: float | None = None  # the engine step alone, seconds (older logs: None)
+    step_cpu: float | None = None  # the engine thread's CPU seconds in the step
 
     def to_json(self) -> str:
         f = self.features
@@ -57,6 +60,8 @@ class StepLogEntry:
         if self.pre is not None and self.step_dur is not None:
             d["pre"] = round(self.pre, 6)
             d["step_dur"] = round(self.step_dur, 6)
+        if self.step_cpu is not None:
+            d["step_cpu"] = round(self.step_cpu, 6)
         return json.dumps(d, separators=(",", ":"))
 
     @classmethod
@@ -64,11 +69,11 @@ class StepLogEntry:
         d = json.loads(line)
         f = StepFeatures(d["tokens"], d["seqs"], d["decodes"], d["decode_context"],
                          d["prefill_pairs"], d["prefill_context"])
-        pre, step_dur = d.get("pre"), d.get("step_dur")
+        opt = {k: None if d.get(k) is None else float(d[k])
+               for k in ("pre", "step_dur", "step_cpu")}
         return cls(int(d["step"]), float(d["t"]), float(d["dur"]), bool(d["busy"]), f,
                    int(d["running"]), int(d["preempted"]), int(d.get("added", 0)),
-                   int(d.get("finished", 0)), None if pre is None else float(pre),
-                   None if step_dur is None else float(step_dur))
+                   int(d.get("finished", 0)), **opt)
 
 
 class StepLogWriter:
@@ -85,6 +90,7 @@ class StepLogWriter:
         self._added = self._ended = 0
         self._step_t: float | None = None
         self._step_dur: float | None = None
+        self._step_cpu: float | None = None
         self._pending: tuple[StepFeatures, int, int] | None = None
         self._file = None
         if path is not None:
@@ -105,11 +111,12 @@ class StepLogWriter:
             return out
 
         def timed_step():
-            self._step_t = time.monotonic()
+            self._step_t, cpu = time.monotonic(), time.thread_time()
             try:
                 return step()
             finally:
                 self._step_dur = time.monotonic() - self._step_t
+                self._step_cpu = time.thread_time() - cpu
 
         scheduler.schedule = logged_schedule
         engine.step = timed_step
@@ -117,7 +124,7 @@ class StepLogWriter:
     def begin_turn(self) -> None:
         self._turn_t = time.monotonic()
         self._added = self._ended = 0
-        self._step_t = self._step_dur = None
+        self._step_t = self._step_dur = self._step_cpu = None
 
     def admitted(self) -> tuple[int, int]:
         """(the step this request is added before, its admission order)."""
@@ -139,7 +146,8 @@ class StepLogWriter:
             entry = StepLogEntry(self.step, self._turn_t - self.start, end - self._turn_t,
                                  busy, features, running, preempted, self._added,
                                  self._ended, None if self._step_t is None
-                                 else self._step_t - self._turn_t, self._step_dur)
+                                 else self._step_t - self._turn_t, self._step_dur,
+                                 self._step_cpu)
             self._file.write(entry.to_json() + "\n")
             self._file.flush()
         self.step += 1
@@ -244,9 +252,13 @@ def load_profile(entries: list[StepLogEntry], model, window: float = 2.0) -> Loa
 
 
 def fit_engine_step(entries: list[StepLogEntry], source: str = "") -> LinearStepModel:
-    """A linear step model of the engine step alone (`step_dur`), for use with the server's
-    overhead fitted to the same log (`nanokv.sim.server_overhead.fit_server_overhead`)."""
-    timed = [(e.features, e.step_dur) for e in entries if e.step_dur is not None]
+    """A linear step model of the engine step alone, for use with the server's overhead fitted
+    to the same log (`nanokv.sim.server_overhead.fit_server_overhead`): to the engine thread's
+    CPU time in each step (`step_cpu`) when the log has it, else to the step's wall time. The
+    CPU time leaves out what the server's other threads (HTTP) and other processes took of the
+    core meanwhile; the server's overhead accounts for the first."""
+    timed = [(e.features, e.step_cpu if e.step_cpu is not None else e.step_dur)
+             for e in entries if e.step_dur is not None]
     if len(timed) < len(entries):
         raise ValueError(f"{len(entries) - len(timed)} of {len(entries)} steps lack 'step_dur' "
                          f"(a step log written before it was logged): fit_step_log fits the "

@@ -107,7 +107,7 @@ def test_fast_forward_is_exact_with_arrivals_over_time():
     from nanokv.sim.server_overhead import ServerOverhead
 
     cfg = dict(block_size=32, num_blocks=200, max_num_seqs=8, max_model_len=2048)
-    for overhead in (None, ServerOverhead(1e-3, 2e-3, 5e-4, 1e-4, 3e-3)):
+    for overhead in (None, ServerOverhead(1e-3, 2e-3, 1e-3, 5e-4, 1e-4, 3e-3)):
         slow = Simulator(recs, SimConfig(**cfg, fast_forward=False), STEP,
                          record_decisions=True, overhead=overhead)
         fast = Simulator(recs, SimConfig(**cfg), STEP, record_decisions=True,
@@ -233,37 +233,42 @@ def test_abort_fields_are_checked():
 
 def test_server_overhead_fit_and_replay_by_hand():
     """Turns generated from known costs: the fit recovers them (the oracle is the generator).
-    Replayed alone, a request's first token comes after the turn's pre part (1 ms + 2 ms for
-    the request added) and the step; the post part (0.5 ms + 0.1 ms/seq, + 3 ms when a request
+    The engine thread's CPU time is the step model's; a request's HTTP work (1.5 ms) falls in
+    the turn during which it arrives, inside the step's wall time. Replayed alone, a request's
+    first token comes after the turn's pre part (1 ms + 2 ms for the request added + its
+    1.5 ms of arrival) and the step; the post part (0.5 ms + 0.1 ms/seq, + 3 ms when a request
     ends) delays the next turn, not the stamps."""
     from nanokv.sim.server_overhead import ServerOverhead, fit_server_overhead
     from nanokv.sim.step_log import StepLogEntry, fit_engine_step, turn_times
     from nanokv.sim.step_model import StepFeatures
 
-    truth = ServerOverhead(pre_s=1e-3, pre_added_s=2e-3, post_s=5e-4, post_seq_s=1e-4,
-                           post_ended_s=3e-3)
+    truth = ServerOverhead(pre_s=1e-3, pre_added_s=2e-3, arrival_s=1.5e-3, post_s=5e-4,
+                           post_seq_s=1e-4, post_ended_s=3e-3)
     engine = LinearStepModel(step=4e-3, token=1e-4, seq=2e-4)
     rng = random.Random(0)
+    added = [rng.choice((0, 0, 1, 2)) for _ in range(201)]
     log, t = [], 0.0
     for k in range(200):
-        seqs, added, ended = rng.randint(1, 8), rng.choice((0, 0, 1, 2)), rng.choice((0, 0, 1))
+        seqs, ended = rng.randint(1, 8), rng.choice((0, 0, 1))
         f = StepFeatures(seqs + rng.randint(0, 60), seqs, seqs, 0, 0, 0)
-        step = engine.step_time(f)
-        turn = truth.pre(added) + step + truth.post(seqs, ended)
-        log.append(StepLogEntry(k, t, turn, True, f, seqs, 0, added, ended,
-                                truth.pre(added), step))
+        cpu = engine.step_time(f)
+        step = cpu + truth.arrival_s * added[k + 1]  # the event loop's share of the core
+        pre = truth.pre_s + truth.pre_added_s * added[k]
+        turn = pre + step + truth.post(seqs, ended)
+        log.append(StepLogEntry(k, t, turn, True, f, seqs, 0, added[k], ended, pre, step,
+                                cpu))
         t += turn
-    fitted = fit_server_overhead(log, turn_times(log))
-    for name in ("pre_s", "pre_added_s", "post_s", "post_seq_s", "post_ended_s"):
-        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-9)
     model = fit_engine_step(log)
     assert (model.step, model.token, model.seq) == pytest.approx((4e-3, 1e-4, 2e-4))
+    fitted = fit_server_overhead(log, turn_times(log), model)
+    for name in ("pre_s", "pre_added_s", "arrival_s", "post_s", "post_seq_s", "post_ended_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6, abs=1e-9)
     rec = _rec(0.0, list(range(1, 21)), 3)  # a 20-token prefill, then 2 decodes
     res = Simulator([rec], SimConfig(block_size=16, num_blocks=8), engine,
                     overhead=truth).run()
     (r,) = res.requests
     prefill, decode = engine.step_time(StepFeatures(20, 1)), engine.step_time(StepFeatures(1, 1))
-    assert r.ttft == pytest.approx(3e-3 + prefill)
+    assert r.ttft == pytest.approx(4.5e-3 + prefill)
     between = 6e-4 + 1e-3 + decode  # post of one turn, pre of the next (nothing added), step
-    assert r.finish == pytest.approx(3e-3 + prefill + 2 * between)
+    assert r.finish == pytest.approx(4.5e-3 + prefill + 2 * between)
     assert res.duration_s == pytest.approx(r.finish)
