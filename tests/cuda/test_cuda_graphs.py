@@ -5,6 +5,7 @@ preemption; sampling on the device equals the per-row host reference for seeded 
 from __future__ import annotations
 
 import random
+import warnings
 
 import pytest
 import torch
@@ -72,6 +73,32 @@ def test_seeded_sampling_with_graphs_equals_eager(tiny_llama):
     got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     eager = engine(tiny_llama, enforce_eager=True)
     assert got == [o.token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+
+
+def test_a_graph_decode_step_synchronises_once(tiny_llama):
+    """A decode step through a graph, sampled with seeds, top-k and top-p: the only host
+    synchronisation is the sampled tokens' transfer (CUDA's sync debug mode reports each)."""
+    llm = engine(tiny_llama, enforce_eager=False)
+    graphs = graphs_of(llm)
+    eng = llm.engine
+    prompts, _ = workload(3, 5, 2)
+    for i, p in enumerate(prompts):
+        eng.add_request(p, SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=i,
+                                          max_tokens=30, ignore_eos=True))
+    while graphs.num_graph_steps < 2:  # prefill, then warm decode steps
+        eng.step()
+    torch.cuda.synchronize()
+    before = graphs.num_graph_steps
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            eng.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert graphs.num_graph_steps == before + 1
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= 1, syncs
 
 
 @pytest.mark.parametrize("seed", range(4))
