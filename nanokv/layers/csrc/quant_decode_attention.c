@@ -652,31 +652,90 @@ static void key_block_setup(const KVQuantLayer *L, int64_t blk, KVQuantScratch *
     }
 }
 
+/* the sink index of slot t of block blk, or -1 */
+static inline int64_t sink_of(const KVQuantLayer *L, int64_t blk, int64_t t) {
+    for (int64_t p = 0; p < L->num_sinks; p++)
+        if (L->sink_slot[blk * L->num_sinks + p] == t) return p;
+    return -1;
+}
+
+/* one head's key row, rotated to position `pos` when the store keeps keys before RoPE. The
+ * common case (per-channel statistics, no outlier, no sink) takes the affine map and the
+ * rotation in one pass over the looked-up centroids. */
 static void key_head(const KVQuantLayer *L, int64_t blk, int64_t t, int64_t h, int64_t staged,
-                     float *restrict x, KVQuantScratch *w) {
-    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim;
+                     int64_t pos, float *restrict x, KVQuantScratch *w) {
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
     const KVQuantSide *S = &L->k;
+    const float *cos = L->cos + pos * R, *sin = L->sin + pos * R;
     if (staged >= 0) {  /* a partial block: its keys in full precision */
         load_head(x, L->staging, ((staged * B + t) * Hkv + h) * D, D, L->staging_kind);
-        return;
-    }
-    if (!S->per_channel) {
+    } else if (!S->per_channel) {
         per_token_head(L, S, blk, t, h, x, w->codes);
+        sink_head(L, S->sink, blk, t, h, x);
     } else {
         decode_codes(x, S->codes + ((blk * B + t) * Hkv + h) * S->packed, S->lut, S->bits, D,
                      w->codes);
         const float *restrict half = w->k_half + h * D, *restrict off = w->k_off + h * D;
+        int exact = sink_of(L, blk, t) < 0 && (R == D || R == 0);
+        /* an outlier enters as the centroid value the affine map takes to it (exact to float
+         * rounding), so the row stays one pass */
+        for (int64_t e = w->first[t * Hkv + h]; exact && e >= 0; e = w->next[e]) {
+            const int64_t ch = w->o_ch[e];
+            if (half[ch] == 0.f) exact = 0;
+            else x[ch] = (w->o_val[e] - off[ch]) / half[ch];
+        }
+        if (exact && R == 0) {
+            #pragma omp simd
+            for (int64_t d = 0; d < D; d++) x[d] = x[d] * half[d] + off[d];
+            return;
+        }
+        if (exact) {
+            const int64_t m = R / 2;
+            #pragma omp simd
+            for (int64_t d = 0; d < m; d++) {
+                const float a = x[d] * half[d] + off[d], b = x[d + m] * half[d + m] + off[d + m];
+                x[d] = a * cos[d] - b * sin[d];
+                x[d + m] = b * cos[d + m] + a * sin[d + m];
+            }
+            return;
+        }
+        decode_codes(x, S->codes + ((blk * B + t) * Hkv + h) * S->packed, S->lut, S->bits, D,
+                     w->codes);
         #pragma omp simd
         for (int64_t d = 0; d < D; d++) x[d] = x[d] * half[d] + off[d];
         for (int64_t e = w->first[t * Hkv + h]; e >= 0; e = w->next[e]) x[w->o_ch[e]] = w->o_val[e];
+        sink_head(L, S->sink, blk, t, h, x);
     }
-    sink_head(L, S->sink, blk, t, h, x);
+    if (R) rope_head(x, cos, sin, R);
 }
 
+/* one head's value row as x * (*a) + (*b): the looked-up centroids with the token's scale and
+ * offset left to the P @ V step, or (a row with outliers or a sink) the decoded row itself */
 static void value_head(const KVQuantLayer *L, int64_t blk, int64_t t, int64_t h,
-                       float *restrict x, KVQuantScratch *w) {
-    per_token_head(L, &L->v, blk, t, h, x, w->codes);
-    sink_head(L, L->v.sink, blk, t, h, x);
+                       float *restrict x, float *a, float *b, KVQuantScratch *w) {
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim;
+    const KVQuantSide *S = &L->v;
+    const int64_t i = (blk * B + t) * Hkv + h;  /* (block, slot, head) */
+    const int64_t p = sink_of(L, blk, t);
+    *a = 1.f;
+    *b = 0.f;
+    if (p >= 0) {
+        load_head(x, S->sink, ((blk * L->num_sinks + p) * Hkv + h) * D, D, L->sparse_kind);
+        return;
+    }
+    const float half = f16_to_f32(S->half[i]), off = f16_to_f32(S->offset[i]);
+    if (half == 0.f) {
+        per_token_head(L, S, blk, t, h, x, w->codes);
+        return;
+    }
+    decode_codes(x, S->codes + i * S->packed, S->lut, S->bits, D, w->codes);
+    for (int64_t j = 0; j < S->cap; j++) {  /* as keys: the centroid value mapped to it */
+        const int64_t ch = load_index(S->oidx, i * S->cap + j, S->idx_bytes);
+        if (ch >= 0 && ch < D) x[ch] = (load_any(S->oval, i * S->cap + j, L->sparse_kind) - off)
+                                       / half;
+    }
+    *a = half;
+    *b = off;
 }
 
 /* Request b's cached slots: the first past[b] slots of its blocks blk_ids[blk_ptr[b] ..
@@ -723,20 +782,22 @@ int kvquant_decode_attention(const KVQuantLayer *L, const float *q, const float 
                             const int64_t i = (blk * B + t0 + n + t) * Hkv + g;
                             prefetch_rows(L->k.codes + i * L->k.packed, L->k.packed);
                             prefetch_rows(L->v.codes + i * L->v.packed, L->v.packed);
-                        }
-                        for (int64_t t = 0; t < n; t++) {
-                            float *x = s.kt + t * D;
-                            key_head(L, blk, t0 + t, g, staged, x, &w);
-                            if (L->rot_dim) {
-                                int64_t pos = L->slot_positions[blk * B + t0 + t];
+                            if (L->rot_dim && g == 0) {  /* the next tile's RoPE rows */
+                                int64_t pos = L->slot_positions[blk * B + t0 + n + t];
                                 pos = pos < 0 ? 0 : pos;
-                                rope_head(x, L->cos + pos * L->rot_dim, L->sin + pos * L->rot_dim,
-                                          L->rot_dim);
+                                const int64_t bytes = L->rot_dim * (int64_t)sizeof(float);
+                                prefetch_rows((const uint8_t *)(L->cos + pos * L->rot_dim), bytes);
+                                prefetch_rows((const uint8_t *)(L->sin + pos * L->rot_dim), bytes);
                             }
                         }
+                        for (int64_t t = 0; t < n; t++) {
+                            int64_t pos = L->rot_dim ? L->slot_positions[blk * B + t0 + t] : 0;
+                            pos = pos < 0 ? 0 : pos;
+                            key_head(L, blk, t0 + t, g, staged, pos, s.kt + t * D, &w);
+                        }
                         head_tile_keys(&s, qb, g, group, n, D);
-                        for (int64_t t = 0; t < n; t++) value_head(L, blk, t0 + t, g,
-                                                                   s.vt + t * D, &w);
+                        for (int64_t t = 0; t < n; t++)
+                            value_head(L, blk, t0 + t, g, s.vt + t * D, s.va + t, s.vb + t, &w);
                         accumulate_tile(&s, s.vt, D, g * group, group, n, D);
                     }
                 }
