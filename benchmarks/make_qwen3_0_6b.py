@@ -5,6 +5,11 @@ The shapes are the published Qwen3-0.6B config; the weights are random (seeded),
 float32 safetensors, so no download is needed. No tokenizer: the benchmarks use token ids.
 
     python benchmarks/make_qwen3_0_6b.py --out /tmp/qwen3-0.6b-random
+    python benchmarks/make_qwen3_0_6b.py --layers 8 --out /tmp/qwen3-0.6b-8l-random
+
+--layers keeps the width, heads and vocabulary and stacks fewer decoder layers: a shallower
+Qwen3 shape whose KV cache per token shrinks with the depth (the long-context peer preset of
+benchmarks/run_peers.sh uses 8 layers, so one engine's run fits a few minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -49,13 +54,18 @@ GENERATION_CONFIG = {
 }
 
 
-def build(out: Path, seed: int, init_std: float) -> None:
+def build(
+    out: Path, seed: int, init_std: float, layers: int = QWEN3_0_6B["num_hidden_layers"]
+) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise ValueError(f"layers must be an integer >= 1, got {layers!r}")
     torch.manual_seed(seed)
+    shape = {**QWEN3_0_6B, "num_hidden_layers": layers, "max_window_layers": layers}
     config = Qwen3Config(
-        **QWEN3_0_6B,
+        **shape,
         initializer_range=init_std,
         rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
     )
@@ -95,8 +105,17 @@ def main() -> None:
         default=0.02,
         help="std of the normal init of linear/embedding weights (default 0.02)",
     )
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=QWEN3_0_6B["num_hidden_layers"],
+        help="decoder layers, >= 1 (default 28, the published shape; fewer keeps the width, "
+        "heads and vocabulary)",
+    )
     args = ap.parse_args()
-    build(args.out, args.seed, args.init_std)
+    if args.layers < 1:
+        ap.error(f"--layers must be >= 1, got {args.layers}")
+    build(args.out, args.seed, args.init_std, args.layers)
 
 
 if __name__ == "__main__":

@@ -152,7 +152,8 @@ def _format_result(r) -> str:
     return (f"requests {r.num_requests}, output tokens {r.output_tokens}, "
             f"elapsed {r.elapsed_s:.2f} s\n"
             f"output throughput {r.output_tok_s:.1f} tok/s, total {r.total_tok_s:.1f} tok/s\n"
-            f"median TTFT {ttft}, median TPOT {tpot}, peak KV blocks {r.peak_kv_blocks}")
+            f"median TTFT {ttft}, median TPOT {tpot}, peak KV blocks {r.peak_kv_blocks}, "
+            f"peak running {r.peak_running}, preemptions {r.num_preemptions}")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -38,7 +38,8 @@ def run_bench(model: str, options: dict, num_requests: int, prompt_len: tuple[in
                                     SamplingParams(temperature=temperature,
                                                    max_tokens=r.output_len, ignore_eos=True))
                 for r in workload]
-    peak = 0
+    peak = peak_running = 0
+    preemptions_before = engine.scheduler.num_preemptions
     bar = tqdm(total=len(requests), desc="bench", unit="req", dynamic_ncols=True,
                disable=not progress)
     output_tokens = 0
@@ -48,6 +49,7 @@ def run_bench(model: str, options: dict, num_requests: int, prompt_len: tuple[in
     while engine.has_unfinished_requests():
         outs = engine.step()
         peak = max(peak, engine.block_manager.num_used_blocks)
+        peak_running = max(peak_running, len(engine.scheduler.running))
         if progress:
             output_tokens += sum(len(o.new_token_ids or ()) for o in outs)
             bar.set_postfix_str(f"output {output_tokens / (time.perf_counter() - t0):.1f} "
@@ -58,4 +60,5 @@ def run_bench(model: str, options: dict, num_requests: int, prompt_len: tuple[in
     ttfts = [r.metrics.ttft for r in requests]
     tpots = [r.metrics.tpot(r.num_output_tokens) for r in requests]
     return summarize("nanokv", workload, elapsed, ttfts, [t for t in tpots if t is not None],
-                     peak_kv_blocks=peak)
+                     peak_kv_blocks=peak, peak_running=peak_running,
+                     num_preemptions=engine.scheduler.num_preemptions - preemptions_before)

@@ -91,6 +91,8 @@ class BenchResult:
     ttft_median_s: float | None = None
     tpot_median_s: float | None = None
     peak_kv_blocks: int | None = None
+    peak_running: int | None = None  # most requests running (holding KV) after one engine step
+    num_preemptions: int | None = None  # requests preempted (recomputed) during the timed run
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -117,11 +119,15 @@ def summarize(
     ttfts_s: Iterable[float] | None = None,
     tpots_s: Iterable[float] | None = None,
     peak_kv_blocks: int | None = None,
+    peak_running: int | None = None,
+    num_preemptions: int | None = None,
 ) -> BenchResult:
     """Turn a timed run over ``requests`` into a :class:`BenchResult`.
 
     Output tokens are each request's own ``output_len`` (tokens an engine generated past that
-    are waste and not counted); total tokens add the prompt tokens.
+    are waste and not counted); total tokens add the prompt tokens. ``peak_kv_blocks``,
+    ``peak_running`` and ``num_preemptions`` are what the engine reports, None where it has no
+    such figure.
     """
     if elapsed_s <= 0:
         raise ValueError(f"elapsed_s must be > 0, got {elapsed_s!r}")
@@ -138,4 +144,6 @@ def summarize(
         ttft_median_s=_median(ttfts_s),
         tpot_median_s=_median(tpots_s),
         peak_kv_blocks=peak_kv_blocks,
+        peak_running=peak_running,
+        num_preemptions=num_preemptions,
     )

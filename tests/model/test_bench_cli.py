@@ -26,5 +26,23 @@ def test_bench_cli_json_and_bad_temperature(tiny_llama, capsys):
     assert main(args + ["--temperature", "0.5"]) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["engine"] == "nanokv" and line["output_tokens"] > 0
+    assert line["peak_running"] >= 1 and line["num_preemptions"] == 0
     assert main(args + ["--temperature", "-1"]) == 2
     assert "temperature must be a finite number >= 0" in capsys.readouterr().err
+
+
+def test_bench_reports_peak_running_and_preemptions(tiny_llama):
+    # 3 requests of 40 prompt + 24 output tokens, 16-token blocks: a prompt takes 3 blocks, a
+    # whole request 4 (63 slots; the last sampled token is never computed)
+    def bench(**options):
+        return run_bench(tiny_llama, {"block_size": 16, "max_model_len": 64, **options}, 3,
+                         (40, 40), (24, 24), seed=0, verbose=False, progress=False)
+
+    roomy = bench(num_kv_blocks=12)  # room for all three at full length
+    assert (roomy.peak_running, roomy.num_preemptions) == (3, 0)
+    capped = bench(num_kv_blocks=12, max_num_seqs=2)
+    assert (capped.peak_running, capped.num_preemptions) == (2, 0)
+    # 6 blocks hold two prompts; the first to outgrow its 3rd block evicts the newest request
+    tight = bench(num_kv_blocks=6)
+    assert tight.peak_running == 2 and tight.num_preemptions >= 1
+    assert tight.output_tokens == roomy.output_tokens

@@ -80,7 +80,8 @@ def test_request_is_frozen():
 
 def test_summarize_counts_useful_tokens():
     reqs = [BenchRequest([1, 2, 3], 4), BenchRequest([5] * 7, 6)]
-    res = summarize("x", reqs, elapsed_s=2.0, ttfts_s=[0.1, 0.3, 0.2], tpots_s=[], peak_kv_blocks=9)
+    res = summarize("x", reqs, elapsed_s=2.0, ttfts_s=[0.1, 0.3, 0.2], tpots_s=[], peak_kv_blocks=9,
+                    peak_running=2, num_preemptions=1)
     assert res.num_requests == 2
     assert res.output_tokens == 10
     assert res.total_tokens == 20
@@ -88,7 +89,7 @@ def test_summarize_counts_useful_tokens():
     assert res.total_tok_s == pytest.approx(10.0)
     assert res.ttft_median_s == pytest.approx(0.2)
     assert res.tpot_median_s is None
-    assert res.peak_kv_blocks == 9
+    assert (res.peak_kv_blocks, res.peak_running, res.num_preemptions) == (9, 2, 1)
     with pytest.raises(ValueError):
         summarize("x", reqs, elapsed_s=0.0)
 
@@ -109,6 +110,8 @@ def test_result_json_round_trip():
         "ttft_median_s",
         "tpot_median_s",
         "peak_kv_blocks",
+        "peak_running",
+        "num_preemptions",
     ]
     assert BenchResult.from_json(line) == res
     # Unknown keys from other engines' output are ignored.
