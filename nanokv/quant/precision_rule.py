@@ -56,6 +56,15 @@ class Acceptance:
             return False
         return self.max_kl is None or trial.kl <= self.max_kl
 
+    def violations(self, trial: Trial) -> str:
+        """What a failing trial breaks, e.g. 'perplexity over +3%' or 'KL over 0.005'."""
+        broken = []
+        if trial.increase > self.max_ppl_increase:
+            broken.append(f"perplexity over +{self.max_ppl_increase:g}%")
+        if self.max_kl is not None and trial.kl > self.max_kl:
+            broken.append(f"KL over {self.max_kl:g}")
+        return " and ".join(broken)
+
     def describe(self) -> str:
         kl = "" if self.max_kl is None else f" and KL <= {self.max_kl:g}"
         return f"+{self.max_ppl_increase:g}% perplexity{kl}"
@@ -118,7 +127,7 @@ def choose_precision(evaluate: Callable[[Candidate], Measurement], num_layers: i
         return decide(passed, f"{passed.candidate.bits}-bit: {_summary(passed)}, within {bound}")
     high = max(candidate_bits)
     failed = trials[1]
-    why = f"{high}-bit: {_summary(failed)}, over {bound}"
+    why = f"{high}-bit: {_summary(failed)}: {acceptance.violations(failed)}"
     sensitivity = []
     for layer in range(num_layers):
         probe = run(Candidate("kvquant", high,

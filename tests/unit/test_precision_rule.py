@@ -105,7 +105,8 @@ def test_kl_bound_rejects_a_width_the_perplexity_bound_accepts():
     d, _, _ = choose_precision(table.__getitem__, 1, (4,), Acceptance(3.0))
     assert d.candidate == Candidate("kvquant", 4)
     d, _, _ = choose_precision(table.__getitem__, 1, (4,), Acceptance(3.0, max_kl=0.01))
-    assert d.candidate == INT8 and "KL <= 0.01" in d.reason
+    assert d.candidate == INT8 and "4-bit: +1.00% perplexity" in d.reason
+    assert "KL over 0.01" in d.reason and "perplexity over" not in d.reason
 
 
 @pytest.mark.parametrize("value", [0, -1, 0.0, 100.5, 1000, math.nan, math.inf, True, "3"])
