@@ -16,8 +16,8 @@ interface only:
 
 A kind registers under its `kv_cache_dtype` name in `nanokv/cache/registry.py` and declares, as
 class attributes, what it can do: `supports_layer_slices` (per-layer block tables, which
-per-layer policy budgets need) and `engine_options` (the engine options it reads beyond
-`kv_cache_dtype`).
+per-layer policy budgets need), `begin_step_on_device` (its `begin_step` takes device tensors)
+and `engine_options` (the engine options it reads beyond `kv_cache_dtype`).
 """
 
 from __future__ import annotations
@@ -79,6 +79,9 @@ class KVCache(ABC):
     # True: `apply_plan` re-writes kept tokens from the view's dense copies, so the blocks a
     # compaction drops can be freed before it; False: it moves slots inside the cache itself
     rewrites_from_copies: ClassVar[bool] = False
+    # True: `begin_step` takes the step's slots and positions as device tensors (no host values
+    # needed: the runner's one upload serves it); False: host lists (its bookkeeping reads them)
+    begin_step_on_device: ClassVar[bool] = False
 
     layout: KVLayout
     num_blocks: int

@@ -126,7 +126,12 @@ class ModelRunner:
         """The step's inputs on the device, the KV cache's step begun (`common.write_plan`)."""
         inputs = build_step_inputs(sched.scheduled, self.block_size, self.num_pool_blocks,
                                    self.kv_cache.layout.num_layers, self.device)
-        inputs.common.write_plan = self.kv_cache.begin_step(inputs.slots, inputs.positions)
+        if self.kv_cache.begin_step_on_device:
+            plan = self.kv_cache.begin_step(inputs.slots, inputs.positions)
+        else:  # host bookkeeping: lists, not device tensors read back
+            plan = self.kv_cache.begin_step(inputs.common.slot_mapping,
+                                            inputs.positions_host.tolist())
+        inputs.common.write_plan = plan
         return inputs
 
     @staticmethod

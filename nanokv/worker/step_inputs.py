@@ -33,6 +33,7 @@ class StepInputs:
     sample_rows: list[int]  # rows of the batch whose logits sample
     capture: list[tuple[str, int, int]]  # (request id, first row, end row) of query capture
     capture_rows: torch.Tensor | None  # [Tc] int64 on the device, or None
+    positions_host: np.ndarray | None = None  # [T] int64, the positions before the upload
 
     @property
     def is_decode_only(self) -> bool:
@@ -83,7 +84,8 @@ def build_step_inputs(scheduled: list[ScheduledRequest], block_size: int, num_po
     capture_rows = None
     if capture:
         capture_rows = upload(np.concatenate([np.arange(a, b) for _, a, b in capture]), device)
-    return StepInputs(dev[0], dev[1], dev[2], common, sample_rows, capture, capture_rows)
+    return StepInputs(dev[0], dev[1], dev[2], common, sample_rows, capture, capture_rows,
+                      host[1])
 
 
 def _common(scheduled: list[ScheduledRequest], num_decode: int, lens: np.ndarray,
