@@ -42,15 +42,15 @@ bench() {  # name, seconds, requests, extra flags...
     --max-num-seqs 256 --max-num-batched-tokens 16384 --max-model-len 4096 "$@"
 }
 
-stage parity 60 $PY scripts/cuda_parity.py --out "$OUT"
-stage parity_eager 45 $PY scripts/cuda_parity.py --out "$OUT" --enforce-eager
+stage parity 90 $PY scripts/cuda_parity.py --out "$OUT"
+stage parity_eager 60 $PY scripts/cuda_parity.py --out "$OUT" --enforce-eager
 [ -f "$MODEL/config.json" ] || stage make_model 40 $PY benchmarks/make_qwen3_0_6b.py --out "$MODEL"
 bench bench_256 75 256
-bench bench_256_eager 80 256 --enforce-eager
-bench bench_64 35 64
-bench bench_64_eager 35 64 --enforce-eager
-stage profile 45 $PY scripts/gpu_profile_decode.py --model "$MODEL" --out "$OUT"
-stage suite 120 $PY -m pytest -p no:cacheprovider --continue-on-collection-errors -rfE \
+bench bench_256_eager 75 256 --enforce-eager
+bench bench_64 30 64
+bench bench_64_eager 30 64 --enforce-eager
+stage profile 40 $PY scripts/gpu_profile_decode.py --model "$MODEL" --out "$OUT"
+stage suite 95 $PY -m pytest -p no:cacheprovider --continue-on-collection-errors -rfE \
   tests/cuda tests/unit/test_triton_attention.py tests/model/test_hf_parity.py \
   tests/model/test_decode_graphs.py tests/unit tests/model tests/e2e
 
