@@ -103,14 +103,13 @@ def _load(args):
         fitted = LinearStepModel.load(args.step_model)
     elif args.step_log:
         from nanokv.sim.server_overhead import fit_server_overhead
-        from nanokv.sim.step_log import (fit_engine_step, fit_step_log, read_step_log,
-                                         turn_times)
+        from nanokv.sim.step_log import (fit_engine_step, fit_step_log, read_step_log)
 
         log = read_step_log(args.step_log)
         if all(e.step_dur is not None and e.pre is not None for e in log):
             # the engine step and the server's time around it, each from what it depends on
             fitted = fit_engine_step(log, f"step log {args.step_log}")
-            overhead = fit_server_overhead(log, turn_times(log), fitted)
+            overhead = fit_server_overhead(log, fitted)
         else:  # a log without the split: whole turns, the machine's load fitted per window
             fitted = fit_step_log(log, f"step log {args.step_log}")
     elif args.device not in DEVICES:

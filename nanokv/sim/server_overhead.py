@@ -15,9 +15,12 @@ core during all three. The step model predicts the engine thread's own time in `
     before the stamps  pre_s + (pre_added_s + arrival_s) * requests added
     after them         post_s + post_seq_s * sequences in the step + post_ended_s * requests ended
 
-`pre_*` is fitted to the measured `pre`; the rest to the turn's remaining time (turn - pre -
-modelled step), with `arrival_s` per request that arrived during the turn (its HTTP work; the
-replay charges it to the turn that adds the request, the next one). Non-negative least squares.
+All of it is fitted (non-negative least squares) to the turn's time left by the modelled
+engine step, with `arrival_s` per request that arrived during the turn (its HTTP work; the
+replay charges it to the turn that adds the request, the next one); the per-turn constant is
+split before / after the stamps by the measured `pre`. The turn's time is the server process's
+CPU time where the log has it: the cost of the turn on a core of its own, which other
+processes' load does not inflate.
 """
 
 from __future__ import annotations
@@ -60,11 +63,17 @@ class ServerOverhead:
         return json.dumps({"kind": "server_overhead", **asdict(self)}, indent=1)
 
 
-def fit_server_overhead(entries, turn_seconds: dict[int, float],
-                        engine: StepModel) -> ServerOverhead:
-    """Fit to step log entries that carry `pre` and `step_dur`; `turn_seconds`: each step's
-    turn time (`step_log.turn_times`: to the next turn's start while the server stayed busy);
-    `engine`: the model of the engine step the overhead goes with."""
+def fit_server_overhead(entries, engine: StepModel,
+                        turn_seconds: dict[int, float] | None = None) -> ServerOverhead:
+    """Fit to step log entries that carry `pre` and `step_dur`; `engine`: the model of the
+    engine step the overhead goes with; `turn_seconds`: each step's turn time (default: the
+    server process's CPU time per turn, `step_log.turn_cpu_times`, where the log has it: what
+    the turn costs on a core of its own, without what other processes took of it; else the
+    wall time, `step_log.turn_times`)."""
+    from nanokv.sim.step_log import turn_cpu_times, turn_times
+
+    if turn_seconds is None:
+        turn_seconds = turn_cpu_times(entries) or turn_times(entries)
     timed = [e for e in entries if e.pre is not None and e.step_dur is not None]
     if len(timed) < 6:
         raise ValueError(f"fitting the server's overhead needs at least 6 steps with 'pre' and "
@@ -72,12 +81,15 @@ def fit_server_overhead(entries, turn_seconds: dict[int, float],
     # requests that arrived during a busy turn are the ones the next turn adds
     arrived = [nxt.added if e.busy and nxt.step == e.step + 1 else 0
                for e, nxt in zip(timed, timed[1:])] + [0]
-    pre = np.array([e.pre for e in timed])
-    rest = np.array([max(0.0, turn_seconds[e.step] - e.pre - engine.step_time(e.features))
-                     for e in timed])
     ones = np.ones(len(timed))
-    a = _nnls(np.c_[ones, [e.added for e in timed]], pre)
-    b = _nnls(np.c_[ones, [e.features.num_seqs for e in timed], [e.finished for e in timed],
-                    arrived], rest)
-    return ServerOverhead(float(a[0]), float(a[1]), float(b[3]), float(b[0]), float(b[1]),
-                          float(b[2]))
+    added = [e.added for e in timed]
+    # all of the turn but the modelled engine step: per turn, added, sequence, ended, arrival
+    rest = np.array([max(0.0, turn_seconds[e.step] - engine.step_time(e.features))
+                     for e in timed])
+    c = _nnls(np.c_[ones, added, [e.features.num_seqs for e in timed],
+                    [e.finished for e in timed], arrived], rest)
+    # which part of the per-turn time comes before the stamps: the measured `pre`'s
+    before = _nnls(np.c_[ones, added], np.array([e.pre for e in timed]))[0]
+    pre_s = min(float(c[0]), float(before))
+    return ServerOverhead(pre_s, float(c[1]), float(c[4]), float(c[0]) - pre_s, float(c[2]),
+                          float(c[3]))

@@ -5,7 +5,7 @@
     {"step": 812, "t": 31.204518, "dur": 0.021433, "busy": true, "tokens": 9, "seqs": 8,
      "decodes": 8, "decode_context": 2931, "prefill_pairs": 0, "prefill_context": 0,
      "running": 8, "preempted": 0, "added": 1, "finished": 2, "pre": 0.000210,
-     "step_dur": 0.019870, "step_cpu": 0.019530}
+     "step_dur": 0.019870, "step_cpu": 0.019530, "proc_cpu0": 20.411203, "proc_cpu1": 20.432991}
 
 `t` is the turn's start on the trace's clock (the request lines' `t`), `dur` the whole loop turn
 (adding the turn's requests, the step, delivering its outputs, metrics), `busy` whether requests
@@ -15,7 +15,9 @@ turn's start to the engine step's, `step_dur` the engine step's own time (the ou
 stamped at its end) and `step_cpu` the engine thread's CPU time in it (without what other
 threads and processes took of the core meanwhile); the rest of the turn is the server's:
 delivery, metrics, and the HTTP work the event loop did meanwhile on the same core
-(`nanokv/sim/server_overhead.py`).
+(`nanokv/sim/server_overhead.py`). `proc_cpu0` / `proc_cpu1` are the server process's CPU time
+(all its threads) at the turn's start and end: a turn's CPU time, HTTP work included, without
+what other processes took (`turn_cpu_times`).
 
 The request lines carry the step they were added before (`step`) and the order of admission
 (`order`), so a replay can add each request exactly where the server did
@@ -48,6 +50,8 @@ class StepLogEntry:
     pre: float | None = None  # turn start to the engine step's start (older logs: None)
     step_dur: float | None = None  # the engine step alone, seconds (older logs: None)
     step_cpu: float | None = None  # the engine thread's CPU seconds in the step
+    proc_cpu0: float | None = None  # the server process's CPU seconds at the turn's start
+    proc_cpu1: float | None = None  # ... and at its end
 
     def to_json(self) -> str:
         f = self.features
@@ -60,8 +64,9 @@ class StepLogEntry:
         if self.pre is not None and self.step_dur is not None:
             d["pre"] = round(self.pre, 6)
             d["step_dur"] = round(self.step_dur, 6)
-        if self.step_cpu is not None:
-            d["step_cpu"] = round(self.step_cpu, 6)
+        for k in ("step_cpu", "proc_cpu0", "proc_cpu1"):
+            if getattr(self, k) is not None:
+                d[k] = round(getattr(self, k), 6)
         return json.dumps(d, separators=(",", ":"))
 
     @classmethod
@@ -70,7 +75,7 @@ class StepLogEntry:
         f = StepFeatures(d["tokens"], d["seqs"], d["decodes"], d["decode_context"],
                          d["prefill_pairs"], d["prefill_context"])
         opt = {k: None if d.get(k) is None else float(d[k])
-               for k in ("pre", "step_dur", "step_cpu")}
+               for k in ("pre", "step_dur", "step_cpu", "proc_cpu0", "proc_cpu1")}
         return cls(int(d["step"]), float(d["t"]), float(d["dur"]), bool(d["busy"]), f,
                    int(d["running"]), int(d["preempted"]), int(d.get("added", 0)),
                    int(d.get("finished", 0)), **opt)
@@ -86,7 +91,8 @@ class StepLogWriter:
         self.start = start  # the trace's clock: time.monotonic() at 0
         self.step = 0  # index of the next step
         self.order = 0  # admissions so far
-        self._turn_t = 0.0
+        self._turn_t = self._turn_cpu = 0.0
+        self._cpu_start = time.process_time()
         self._added = self._ended = 0
         self._step_t: float | None = None
         self._step_dur: float | None = None
@@ -123,6 +129,7 @@ class StepLogWriter:
 
     def begin_turn(self) -> None:
         self._turn_t = time.monotonic()
+        self._turn_cpu = time.process_time() - self._cpu_start
         self._added = self._ended = 0
         self._step_t = self._step_dur = self._step_cpu = None
 
@@ -147,7 +154,8 @@ class StepLogWriter:
                                  busy, features, running, preempted, self._added,
                                  self._ended, None if self._step_t is None
                                  else self._step_t - self._turn_t, self._step_dur,
-                                 self._step_cpu)
+                                 self._step_cpu, self._turn_cpu,
+                                 time.process_time() - self._cpu_start)
             self._file.write(entry.to_json() + "\n")
             self._file.flush()
         self.step += 1
@@ -179,6 +187,18 @@ def turn_times(entries: list[StepLogEntry]) -> dict[int, float]:
     for e, nxt in zip(entries, entries[1:] + [None]):
         busy_next = nxt is not None and e.busy and nxt.step == e.step + 1
         out[e.step] = max(nxt.t - e.t, e.dur) if busy_next else e.dur
+    return out
+
+
+def turn_cpu_times(entries: list[StepLogEntry]) -> dict[int, float] | None:
+    """The server process's CPU seconds from each step's turn start to the next turn's start
+    when the server stayed busy, else to the turn's end (None: a log without them)."""
+    if any(e.proc_cpu0 is None or e.proc_cpu1 is None for e in entries):
+        return None
+    out = {}
+    for e, nxt in zip(entries, entries[1:] + [None]):
+        busy_next = nxt is not None and e.busy and nxt.step == e.step + 1
+        out[e.step] = (nxt.proc_cpu0 if busy_next else e.proc_cpu1) - e.proc_cpu0
     return out
 
 

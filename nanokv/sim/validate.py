@@ -175,7 +175,7 @@ class Calibration:
 
     def __init__(self, log) -> None:
         self.engine = fit_engine_step(log, f"calibration run's engine steps, {len(log)} steps")
-        self.overhead = fit_server_overhead(log, turn_times(log), self.engine)
+        self.overhead = fit_server_overhead(log, self.engine)
         self.whole_turn = fit_step_log(log, f"calibration run's turns, {len(log)} steps",
                                        load_window=None)
 
@@ -199,7 +199,7 @@ def replay(records, log, calib: Calibration) -> tuple[dict[str, dict], int, dict
     recorded = Simulator(records, sim_config(admission="recorded"), calib.engine,
                          record_decisions=True, step_times=turn_times(log))
     engine = fit_engine_step(log, f"this run's engine steps, {len(log)} steps")
-    overhead = fit_server_overhead(log, turn_times(log), engine)
+    overhead = fit_server_overhead(log, engine)
     arrival = sim_config(check_invariants=True)
     slower = LoadProfile(0.0, 1e12, (SENSITIVITY,))
     runs = {"recorded": recorded.run(),

@@ -117,6 +117,9 @@ def report(out_dir: str) -> str:
     parts += ["### Verdict (timed metrics: output tok/s, TTFT / TPOT / E2E p50 and p90)", ""]
     for column in ("calibrated", "same-run", "no overhead", "+3% steps", "recorded"):
         parts.append(f"- {verdict(runs, column)}")
+    quiet = [r for r in runs if r["load_monitor"].get("disturbed") is False]
+    if disturbed and quiet:
+        parts.append(f"- undisturbed runs only ({len(quiet)}): {verdict(quiet, 'calibrated')}")
     exact = all(r["sim"]["recorded"][k] == r["real"][k] for r in runs
                 for k in ("prefix_hit_rate", "preemptions", "peak_running"))
     shapes = sum(r["steps_differing_from_served"] for r in runs)
