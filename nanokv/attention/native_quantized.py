@@ -1,12 +1,12 @@
 """C decode kernels that read a quantized store's codes in place (int8, fp8 e4m3 / e5m2,
-KVQuant), on CPU.
+KVQuant, KIVI), on CPU.
 
 Decodes: one pass over each request's cached slots with an online softmax, the step's own token
 attended with its fresh K/V (`nanokv/layers/csrc/quant_decode_attention.c`); no dequantized copy
 of the cache is made. Prefill chunks go through the PyTorch path
 (`nanokv.quant.attention.quantized_paged_attention`): in a long-context decode-heavy run the
 decode steps dominate (docs/results/kvquant/bench.md). Usable on CPU where the kernels build;
-other stores (KIVI) and devices pass to the PyTorch backend.
+other stores and devices pass to the PyTorch backend.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from nanokv.layers.native_quant_attention import (
 )
 from nanokv.quant.attention import quantized_paged_attention
 from nanokv.quant.kvquant import decode as decode_centroids
+from nanokv.quant.kivi_store import KIVIStore
 from nanokv.quant.kvquant_store import KVQuantStore
 from nanokv.quant.pertoken_store import FP8KVStore, Int8KVStore, PerTokenKVStore
 from nanokv.utils import cdiv
@@ -50,13 +51,17 @@ def pertoken_format(store) -> str | None:
     return None
 
 
+# stores read by block table (per-block statistics, partial blocks staged)
+BLOCK_TABLE_STORES = (KVQuantStore, KIVIStore)
+
+
 @dataclass
 class NativeQuantStep:
     write_plan: object
     num_decode_tokens: int
     prefill_meta: AttentionMetadata | None  # the prefill chunks (PyTorch path), None if none
     runs: DecodeRuns | None = None  # per-token stores: cached slots of each decode request
-    blk_ptr: torch.Tensor | None = None  # kvquant: [B + 1] int64 CSR over blk_ids
+    blk_ptr: torch.Tensor | None = None  # kvquant, kivi: [B + 1] int64 CSR over blk_ids
     blk_ids: torch.Tensor | None = None  # [nblk] int64
     past: torch.Tensor | None = None  # [B] int64 cached slots (the new token excluded)
 
@@ -75,11 +80,13 @@ class NativeQuantizedBackend(AttentionBackend):
         if device.type != "cpu":
             return f"it runs on CPUs only (device {device.type})", True
         dtype = getattr(kv_cache, "kv_cache_dtype", None)
-        if not isinstance(kv_cache, KVQuantStore) and pertoken_format(kv_cache) is None:
-            return (f"its kernels read int8, fp8 and kvquant stores (the cache is "
+        if not isinstance(kv_cache, BLOCK_TABLE_STORES) and pertoken_format(kv_cache) is None:
+            return (f"its kernels read int8, fp8, kvquant and kivi stores (the cache is "
                     f"{dtype or 'the float pool'})"), True
-        if isinstance(kv_cache, KVQuantStore) and kv_cache.staging_dtype not in ELEMENT_KINDS:
-            return f"kvquant staging dtype {kv_cache.staging_dtype} is not readable", False
+        if isinstance(kv_cache, BLOCK_TABLE_STORES) \
+                and kv_cache.buffers["staging_k"].dtype not in ELEMENT_KINDS:
+            return (f"{dtype} staging dtype {kv_cache.buffers['staging_k'].dtype} is not "
+                    f"readable"), False
         try:
             load_quant_kernels()
         except NativeKernelUnavailable as e:
@@ -98,7 +105,7 @@ class NativeQuantizedBackend(AttentionBackend):
         if common.num_decodes:
             past = [c - 1 for c in common.decode_context_lens]  # the new token comes fresh
             bs = self.block_size
-            if isinstance(self.kv_cache, KVQuantStore):
+            if isinstance(self.kv_cache, BLOCK_TABLE_STORES):
                 ptr, ids = [0], []
                 for blocks, n in zip(common.decode_block_tables, past):
                     ids += blocks[:cdiv(n, bs)]
@@ -128,8 +135,8 @@ class NativeQuantizedBackend(AttentionBackend):
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                step: NativeQuantStep, scale: float) -> torch.Tensor:
         """q: [B, Hq, D], k (after RoPE), v: [B, Hkv, D] of the decode tokens -> [B, Hq, D]."""
-        if isinstance(self.kv_cache, KVQuantStore):
-            struct = self._kvquant_layer(layer, q.shape[1])
+        if isinstance(self.kv_cache, BLOCK_TABLE_STORES):
+            struct = self._block_layer(layer, q.shape[1])
             return kvquant_decode(struct, q, k, v, step.blk_ptr, step.blk_ids, step.past, scale)
         buf = self.kv_cache.buffers
         return pertoken_decode(q, k, v, pertoken_format(self.kv_cache), buf["k_codes"][layer],
@@ -148,19 +155,51 @@ class NativeQuantizedBackend(AttentionBackend):
             raise RuntimeError("slot positions must be contiguous for the native kernel")
         return store.slot_positions, cos, sin
 
-    def _kvquant_layer(self, layer: int, num_q_heads: int) -> KVQuantLayer:
+    def _block_layer(self, layer: int, num_q_heads: int) -> KVQuantLayer:
         """The layer's C descriptor, built once (the store's buffers never move)."""
-        if layer in self._layers:
-            return self._layers[layer][0]
+        if layer not in self._layers:
+            keep: list[torch.Tensor] = []
+
+            def ptr(t: torch.Tensor) -> int:  # the kernel reads the store's live buffers
+                if not t.is_contiguous():
+                    raise RuntimeError(f"{self.kv_cache.kv_cache_dtype} buffers must be "
+                                       f"contiguous for the native kernel")
+                keep.append(t)
+                return t.data_ptr()
+
+            build = self._kivi_layer if isinstance(self.kv_cache, KIVIStore) \
+                else self._kvquant_layer
+            self._layers[layer] = (build(layer, num_q_heads, ptr), keep)
+        return self._layers[layer][0]
+
+    def _kivi_layer(self, layer: int, num_q_heads: int, ptr) -> KVQuantLayer:
+        """KIVI as the kernel's layout: per-channel keys (min as offset, scale as half, a code's
+        own value as its table entry), per-token values in groups of channels, no outliers or
+        sinks, keys and values of a partial block staged."""
+        store: KIVIStore = self.kv_cache
+        buf, lay = store.buffers, store.layout
+        levels = torch.arange(2 ** store.bits, dtype=torch.float32)  # code -> its value
+
+        def side(name: str, per_channel: bool, groups: int) -> KVQuantSide:
+            codes = buf[f"{name}_codes"][layer]
+            return KVQuantSide(
+                codes=ptr(codes), offset=ptr(buf[f"{name}_min"][layer]),
+                half=ptr(buf[f"{name}_scale"][layer]), oidx=None, oval=None, lut=ptr(levels),
+                sink=None, per_channel=int(per_channel), bits=store.bits,
+                packed=codes.shape[-1], cap=0, idx_bytes=1, groups=groups)
+
+        staging = buf["staging_k"][layer]
+        return KVQuantLayer(
+            k=side("k", True, 1), v=side("v", False, lay.head_dim // store.group_size),
+            sink_slot=None, staging=ptr(staging), staging_v=ptr(buf["staging_v"][layer]),
+            staging_index=ptr(buf["staging_index"]), slot_positions=None, cos=None, sin=None,
+            num_sinks=0, sparse_kind=ELEMENT_KINDS[torch.float32],
+            staging_kind=ELEMENT_KINDS[staging.dtype], rot_dim=0, block_size=store.block_size,
+            num_q_heads=num_q_heads, num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim)
+
+    def _kvquant_layer(self, layer: int, num_q_heads: int, ptr) -> KVQuantLayer:
         store: KVQuantStore = self.kv_cache
         buf, codec, lay = store.buffers, store.codecs[layer], store.layout
-        keep = []
-
-        def ptr(t: torch.Tensor) -> int:  # the kernel reads the store's live buffers
-            if not t.is_contiguous():
-                raise RuntimeError("kvquant buffers must be contiguous for the native kernel")
-            keep.append(t)
-            return t.data_ptr()
 
         def side(name: str, kind: str, per_channel: bool) -> KVQuantSide:
             book = codec.key_codebook if kind == "key" else codec.value_codebook
@@ -173,14 +212,14 @@ class NativeQuantizedBackend(AttentionBackend):
                 oval=ptr(buf[f"{name}_oval{layer}"]), lut=ptr(lut),
                 sink=ptr(buf[f"sink_{name}{layer}"]), per_channel=int(per_channel),
                 bits=codec.bits, packed=buf[f"{name}_codes{layer}"].shape[-1],
-                cap=oidx.shape[-1], idx_bytes=INDEX_BYTES[oidx.dtype])
+                cap=oidx.shape[-1], idx_bytes=INDEX_BYTES[oidx.dtype], groups=1)
 
         rope = self._rope()
         pos, cos, sin = rope if rope is not None else (None, None, None)
-        struct = KVQuantLayer(
+        return KVQuantLayer(
             k=side("k", "key", store.staged), v=side("v", "value", False),
             sink_slot=ptr(buf["sink_slot"]), staging=ptr(buf["staging_k"][layer]),
-            staging_index=ptr(buf["staging_index"]),
+            staging_v=None, staging_index=ptr(buf["staging_index"]),
             slot_positions=None if pos is None else ptr(pos),
             cos=None if cos is None else ptr(cos), sin=None if sin is None else ptr(sin),
             num_sinks=store.num_sinks,
@@ -188,6 +227,4 @@ class NativeQuantizedBackend(AttentionBackend):
             staging_kind=ELEMENT_KINDS[buf["staging_k"].dtype],
             rot_dim=0 if cos is None else cos.shape[-1], block_size=store.block_size,
             num_q_heads=num_q_heads, num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim)
-        self._layers[layer] = (struct, keep)
-        return struct
 

@@ -7,7 +7,8 @@ buffers in place:
   pertoken_decode   int8 / fp8 codes with a float32 scale per token and KV head
                     (`nanokv.quant.pertoken_store`), slots as runs of consecutive pool slots
   kvquant_decode    KVQuant's packed codes, statistics, codebooks, outliers, sinks, staged keys
-                    (`nanokv.quant.kvquant_store`), by block table
+                    (`nanokv.quant.kvquant_store`), by block table; KIVI's
+                    (`nanokv.quant.kivi_store`) through the same descriptor
 
 Both attend each request's cached slots (not the new token) and then the step's own token with
 its fresh float32 K/V, so the result is `reference_quantized_attention`'s.
@@ -43,14 +44,15 @@ class KVQuantSide(ctypes.Structure):
 
     _fields_ = [("codes", _p), ("offset", _p), ("half", _p), ("oidx", _p), ("oval", _p),
                 ("lut", _p), ("sink", _p), ("per_channel", _i64), ("bits", _i64),
-                ("packed", _i64), ("cap", _i64), ("idx_bytes", _i64)]
+                ("packed", _i64), ("cap", _i64), ("idx_bytes", _i64), ("groups", _i64)]
 
 
 class KVQuantLayer(ctypes.Structure):
-    """One KVQuant layer's buffers and shape (mirrors the C struct)."""
+    """One KVQuant (or KIVI) layer's buffers and shape (mirrors the C struct)."""
 
     _fields_ = [("k", KVQuantSide), ("v", KVQuantSide), ("sink_slot", _p), ("staging", _p),
-                ("staging_index", _p), ("slot_positions", _p), ("cos", _p), ("sin", _p),
+                ("staging_v", _p), ("staging_index", _p), ("slot_positions", _p), ("cos", _p),
+                ("sin", _p),
                 ("num_sinks", _i64), ("sparse_kind", _i64), ("staging_kind", _i64),
                 ("rot_dim", _i64), ("block_size", _i64), ("num_q_heads", _i64),
                 ("num_kv_heads", _i64), ("head_dim", _i64)]

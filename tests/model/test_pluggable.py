@@ -72,7 +72,8 @@ def test_kivi_attention_equals_dequantize_then_dense(tiny_model, monkeypatch, bi
     checking = checking_attention(checked)
     monkeypatch.setattr(quantized_backend_module, "quantized_paged_attention", checking)
     engine, outs = run(tiny_model, kv_cache_dtype="kivi", kv_quant_bits=bits, max_num_seqs=4,
-                       **CHUNKED)
+                       attention_backend="torch", **CHUNKED)  # the PyTorch path; the C
+    # kernel's own check: tests/unit/test_native_quant_attention.py
     assert engine.kv_cache.kv_cache_dtype == "kivi" and engine.kv_cache.bits == bits
     assert checked["decode"] > 0 and checked["prefill_past"] > 0
     assert [o.num_cached_tokens for o in outs] == [0, 32, 32, 32]

@@ -1,5 +1,5 @@
 """The quantized C decode kernels (`csrc/quant_decode_attention.c`, backend `native` over int8 /
-fp8 / KVQuant stores) against dequantize-then-dense (`reference_quantized_attention`): every
+fp8 / KVQuant / KIVI stores) against dequantize-then-dense (`reference_quantized_attention`): every
 store, bit widths, codebooks, outliers, sinks, pre-RoPE keys, block sizes 16 and 256, contexts
 that end mid-block, GQA ratios 1, 2 and 8, prefill chunks next to decodes; and the backend
 choice."""
@@ -67,6 +67,9 @@ def make_store(kind, head_dim, block_size, num_blocks, num_requests, staging_dty
     if kind.startswith("kvquant:"):
         store = KVQuantStore(lay, num_blocks, kvquant_config(kind[8:], head_dim),
                              num_staging_blocks=num_requests, staging_dtype=staging_dtype)
+    elif kind.startswith("kivi:"):  # value groups: gcd(32, head_dim) channels, 4 at D = 128
+        store = KIVIStore.from_settings(lay, num_blocks, CPU, bits=int(kind[5:]),
+                                        num_staging_blocks=num_requests)
     else:
         store = make_kv_store(kind, lay, num_blocks)
     store.rotary = RotaryEmbedding(_HFConfig(), head_dim, MAX_POS)
@@ -143,7 +146,7 @@ def scenario(store, hq, lens, rng, gen, chunk=None):
 LENS = {16: [1, 2, 15, 16, 17, 40, 100, 161], 256: [1, 5, 256, 257, 300, 600]}
 STORES = ["int8", "fp8_e4m3", "fp8_e5m2", "kvquant:4bit", "kvquant:3bit-nuq",
           "kvquant:2bit-nuq-thresholds", "kvquant:mixed-8-4",
-          "kvquant:ablation-per-token-post-rope"]
+          "kvquant:ablation-per-token-post-rope", "kivi:2", "kivi:4"]
 
 
 @pytest.mark.parametrize("kind", STORES)
@@ -184,14 +187,14 @@ def test_backend_choice():
     kvq = KVQuantStore(lay, 4, KVQuantConfig(), num_staging_blocks=1)
     assert select_backend("auto", kvq, CPU)[0] is NativeQuantizedBackend
     kivi = KIVIStore.from_settings(lay, 4, CPU, num_staging_blocks=1)
-    assert select_backend("auto", kivi, CPU)[0] is QuantizedTorchBackend  # no kernel: torch
-    with pytest.raises(ValueError, match="int8, fp8 and kvquant"):
-        select_backend("native", kivi, CPU)
+    assert select_backend("auto", kivi, CPU)[0] is NativeQuantizedBackend
+    assert select_backend("torch", kivi, CPU)[0] is QuantizedTorchBackend
 
 
 @pytest.mark.parametrize("kv", [dict(kv_cache_dtype="int8"),
                                 dict(kv_cache_dtype="fp8_e5m2"),
-                                dict(kv_cache_dtype="kvquant", kv_quant_bits=4)])
+                                dict(kv_cache_dtype="kvquant", kv_quant_bits=4),
+                                dict(kv_cache_dtype="kivi", kv_quant_bits=2)])
 def test_engine_decodes_through_the_kernels_equal_the_reference(tiny_model, monkeypatch, kv):
     """In the engine (auto backend, chunked prefill, prefix hits): every decode call of the
     kernels equals dequantize-then-dense over the store."""

@@ -479,23 +479,30 @@ int pertoken_decode_attention(const float *q, const uint8_t *k_codes, const uint
                          num_q_heads, num_kv_heads, head_dim, FMT_E5M2);
 }
 
-/* ==== KVQuant ================================================================================ */
+/* ==== KVQuant and KIVI ======================================================================= *
+ * KIVI (`nanokv.quant.kivi_store`) is read as the same layout: per-channel keys per block
+ * (min as offset, scale as half, the codes' own values as the table), per-token values with
+ * `groups` statistics per head, after-RoPE keys, no outliers or sinks, and both keys and values
+ * of a partial block in staging. */
 typedef struct {
     const uint8_t *codes;      /* [nb, B, Hkv, packed] */
-    const uint16_t *offset;    /* fp16: per channel [nb, Hkv, D]; per token [nb, B, Hkv] */
-    const uint16_t *half;      /* same */
+    const uint16_t *offset;    /* fp16: per channel [nb, Hkv, D]; per token [nb, B, Hkv,
+                                  groups] (KIVI: groups of D / groups channels) */
+    const uint16_t *half;      /* same; a code's value is lut[c] * half + offset */
     const void *oidx;          /* per channel [nb, Hkv, cap] (slot * D + channel); per token
                                   [nb, B, Hkv, cap] (channel); unused: < 0 or out of range */
     const void *oval;          /* same shape, sparse kind */
     const float *lut;          /* [2^bits] centroid of each code (uniform grid or codebook) */
     const void *sink;          /* [nb, N, Hkv, D] sparse kind */
-    int64_t per_channel, bits, packed, cap, idx_bytes;
+    int64_t per_channel, bits, packed, cap, idx_bytes, groups;
 } KVQuantSide;
 
 typedef struct {
     KVQuantSide k, v;
     const int16_t *sink_slot;      /* [nb, N]: slot of position p, -1 none */
     const void *staging;           /* [S, B, Hkv, D] this layer's staged (partial-block) keys */
+    const void *staging_v;         /* same for values (KIVI: the whole partial block waits in
+                                      full precision), NULL when values are never staged */
     const int32_t *staging_index;  /* [nb]: staging row, -1 none */
     const int32_t *slot_positions; /* [nb, B] */
     const float *cos, *sin;        /* [positions, rot_dim] */
@@ -609,9 +616,14 @@ static void per_token_head(const KVQuantLayer *L, const KVQuantSide *S, int64_t 
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim;
     const int64_t i = (blk * B + t) * Hkv + h;  /* (block, slot, head) */
     decode_codes(x, S->codes + i * S->packed, S->lut, S->bits, D, codes);
-    const float off = f16_to_f32(S->offset[i]), half = f16_to_f32(S->half[i]);
-    #pragma omp simd
-    for (int64_t d = 0; d < D; d++) x[d] = x[d] * half + off;
+    const int64_t width = D / S->groups;
+    for (int64_t gi = 0; gi < S->groups; gi++) {
+        const float off = f16_to_f32(S->offset[i * S->groups + gi]);
+        const float half = f16_to_f32(S->half[i * S->groups + gi]);
+        float *restrict xg = x + gi * width;
+        #pragma omp simd
+        for (int64_t d = 0; d < width; d++) xg[d] = xg[d] * half + off;
+    }
     for (int64_t j = 0; j < S->cap; j++) {
         const int64_t ch = load_index(S->oidx, i * S->cap + j, S->idx_bytes);
         if (ch >= 0 && ch < D) x[ch] = load_any(S->oval, i * S->cap + j, L->sparse_kind);
@@ -712,19 +724,24 @@ static void key_head(const KVQuantLayer *L, int64_t blk, int64_t t, int64_t h, i
 /* one head's value row as x * (*a) + (*b): the looked-up centroids with the token's scale and
  * offset left to the P @ V step, or (a row with outliers or a sink) the decoded row itself */
 static void value_head(const KVQuantLayer *L, int64_t blk, int64_t t, int64_t h,
-                       float *restrict x, float *a, float *b, KVQuantScratch *w) {
+                       int64_t staged, float *restrict x, float *a, float *b,
+                       KVQuantScratch *w) {
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim;
     const KVQuantSide *S = &L->v;
     const int64_t i = (blk * B + t) * Hkv + h;  /* (block, slot, head) */
     const int64_t p = sink_of(L, blk, t);
     *a = 1.f;
     *b = 0.f;
+    if (staged >= 0 && L->staging_v) {
+        load_head(x, L->staging_v, ((staged * B + t) * Hkv + h) * D, D, L->staging_kind);
+        return;
+    }
     if (p >= 0) {
         load_head(x, S->sink, ((blk * L->num_sinks + p) * Hkv + h) * D, D, L->sparse_kind);
         return;
     }
     const float half = f16_to_f32(S->half[i]), off = f16_to_f32(S->offset[i]);
-    if (half == 0.f) {
+    if (half == 0.f || S->groups > 1) {
         per_token_head(L, S, blk, t, h, x, w->codes);
         return;
     }
@@ -797,7 +814,8 @@ int kvquant_decode_attention(const KVQuantLayer *L, const float *q, const float 
                         }
                         head_tile_keys(&s, qb, g, group, n, D);
                         for (int64_t t = 0; t < n; t++)
-                            value_head(L, blk, t0 + t, g, s.vt + t * D, s.va + t, s.vb + t, &w);
+                            value_head(L, blk, t0 + t, g, staged, s.vt + t * D, s.va + t,
+                                       s.vb + t, &w);
                         accumulate_tile(&s, s.vt, D, g * group, group, n, D);
                     }
                 }
