@@ -255,17 +255,23 @@ class LoadProfile:
         return self.factors[min(max(i, 0), len(self.factors) - 1)]
 
 
-def load_profile(entries: list[StepLogEntry], model, window: float = 2.0) -> LoadProfile:
-    """Measured turn time / `model`'s time over each window's steps (1.0 where none ran)."""
+def load_profile(entries: list[StepLogEntry], model=None, window: float = 2.0) -> LoadProfile:
+    """Measured turn time / `model`'s time over each window's steps (1.0 where none ran).
+    Without a model: turn wall time / the server process's CPU time in the turns, the slowdown
+    other processes caused, measured rather than fitted (a log with `proc_cpu0/1`)."""
     if window <= 0:
         raise ValueError(f"window must be > 0, got {window}")
     times = turn_times(entries)
+    cpu = turn_cpu_times(entries) if model is None else None
+    if model is None and cpu is None:
+        raise ValueError("a load profile without a model needs a step log with the server's "
+                         "CPU time per turn (proc_cpu0, proc_cpu1)")
     start = entries[0].t
     sums: dict[int, list[float]] = {}
     for e in entries:
         s = sums.setdefault(int((e.t - start) // window), [0.0, 0.0])
         s[0] += times[e.step]
-        s[1] += model.step_time(e.features)
+        s[1] += cpu[e.step] if cpu is not None else model.step_time(e.features)
     n = max(sums) + 1
     return LoadProfile(start, window, tuple(
         sums[i][0] / sums[i][1] if i in sums and sums[i][1] > 0 else 1.0 for i in range(n)))

@@ -23,7 +23,11 @@ For each seed:
    no overhead  as calibrated, but one model of the whole loop turn (`fit_step_log`): what the
                 overhead term changes;
    +3% steps    as calibrated with every turn 3% longer: how strongly each metric reacts to a
-                small error in step time (queueing near capacity amplifies it).
+                small error in step time (queueing near capacity amplifies it);
+   +measured load  as calibrated, every turn stretched by the slowdown the served run measured
+                in its 2 s window (turn wall time / server CPU time): other processes' load
+                replayed, not fitted. A diagnostic for disturbed runs: the prediction is
+                "calibrated".
 
 `--replay-only` recomputes the results from the files an earlier run left in --out; the README
 section is written by `nanokv.sim.validation_report`.
@@ -46,8 +50,8 @@ from nanokv.sim.machine_load import LoadMonitor
 from nanokv.sim.machine_load import summarize as summarize_load
 from nanokv.sim.server_overhead import fit_server_overhead
 from nanokv.sim.simulator import SimConfig, Simulator
-from nanokv.sim.step_log import (LoadProfile, fit_engine_step, fit_step_log, read_step_log,
-                                 turn_times)
+from nanokv.sim.step_log import (LoadProfile, fit_engine_step, fit_step_log, load_profile,
+                                 read_step_log, turn_cpu_times, turn_times)
 from nanokv.sim.synthetic import WorkloadShape, generate_requests
 from nanokv.sim.trace import BlockHasher, TraceRecord, read_trace
 
@@ -208,7 +212,9 @@ def replay(records, log, calib: Calibration) -> tuple[dict[str, dict], int, dict
                                     overhead=calib.overhead).run(),
             "no overhead": Simulator(records, arrival, calib.whole_turn).run(),
             "+3% steps": Simulator(records, arrival, calib.engine, overhead=calib.overhead,
-                                   load_profile=slower).run()}
+                                   load_profile=slower).run(),
+            "+measured load": Simulator(records, arrival, calib.engine, overhead=calib.overhead,
+                                        load_profile=load_profile(log)).run()}
     mismatched = sum(a != b.features for a, b in zip(recorded.features, log)) + abs(
         len(recorded.features) - len(log))
     return ({name: r.summary() for name, r in runs.items()}, mismatched,
@@ -294,11 +300,15 @@ def main(argv=None) -> int:
                 port += 1
             records, log = read_trace(trace_path), read_step_log(steps_path)
             real = real_metrics(records, log)
+            cpu = turn_cpu_times(log)
+            # > 1: the turns took longer than the server's CPU time (others took its core)
+            wall_per_cpu = sum(turn_times(log).values()) / sum(cpu.values()) if cpu else None
             sims, mismatched, same_run = replay(records, log, calib)
             result = {"seed": seed, "load": u, "rate": rate,
                       "capacity_req_s": c_info["capacity_req_s"], "engine": ENGINE,
                       "num_requests": len(records), "errors": errors, "load_monitor": load,
                       "calibration_load": c_info["load"], "steps": len(log),
+                      "wall_per_cpu": wall_per_cpu,
                       "steps_differing_from_served": mismatched,
                       "models": {"calibrated": calib.describe(), "same-run": same_run},
                       "real": real, "sim": sims}

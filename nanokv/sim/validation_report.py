@@ -14,7 +14,7 @@ import sys
 BEGIN = "<!-- validation:begin (written by python -m nanokv.sim.validation_report) -->"
 END = "<!-- validation:end -->"
 TARGET = 0.15
-COLUMNS = ("recorded", "same-run", "calibrated", "no overhead", "+3% steps")
+COLUMNS = ("recorded", "same-run", "calibrated", "no overhead", "+3% steps", "+measured load")
 EXACT = [("prefix hit rate", "prefix_hit_rate", None), ("preemptions", "preemptions", None),
          ("peak running", "peak_running", None)]
 TIMED = [("output tok/s", "output_tok_s", None, 1),
@@ -62,19 +62,22 @@ def run_table(run: dict) -> str:
 
 def load_table(runs: list[dict]) -> str:
     lines = ["| run | offered req/s | calibrated capacity | load avg (mean / max) | "
-             "server's share of its core | others on that core (mean / max) | disturbed |",
-             "|---|---|---|---|---|---|---|"]
+             "server's share of its core | others on that core (mean / max) | "
+             "turn wall / server CPU | disturbed |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in runs:
         m = r["load_monitor"]
+        ratio = "-" if r.get("wall_per_cpu") is None else f"{r['wall_per_cpu']:.2f}"
         if not m.get("windows"):
             lines.append(f"| {_name(r)} | {r['rate']:.1f} | {r['capacity_req_s']:.1f} | - | - "
-                         f"| - | not measured |")
+                         f"| - | {ratio} | not measured |")
             continue
         lines.append(
             f"| {_name(r)} | {r['rate']:.1f} | {r['capacity_req_s']:.1f} | "
             f"{m['loadavg_1m_mean']:.2f} / {m['loadavg_1m_max']:.2f} | "
             f"{m['server_share_mean']:.0%} | {m['others_share_mean']:.1%} / "
-            f"{m['others_share_max']:.1%} | {'**yes**' if m['disturbed'] else 'no'} |")
+            f"{m['others_share_max']:.1%} | {ratio} | "
+            f"{'**yes**' if m['disturbed'] else 'no'} |")
     return "\n".join(lines)
 
 
@@ -109,13 +112,16 @@ def report(out_dir: str) -> str:
     parts = ["### Machine load during the runs", "",
              "Other processes' share of the server's core is the core's busy time minus the "
              "server process's CPU time, per 2 s window; a run where it passes 5% in any window "
-             "is flagged as disturbed.", "", load_table(runs), ""]
+             "is flagged as disturbed. Turn wall / server CPU: the served turns' wall time over "
+             "the server process's CPU time in them (1.00 on a core of its own).", "",
+             load_table(runs), ""]
     if disturbed:
         parts += [f"**{len(disturbed)} of {len(runs)} runs were disturbed** by other processes "
                   f"on the server's core: their timing errors include that load, which no step "
                   f"model predicts.", ""]
     parts += ["### Verdict (timed metrics: output tok/s, TTFT / TPOT / E2E p50 and p90)", ""]
-    for column in ("calibrated", "same-run", "no overhead", "+3% steps", "recorded"):
+    for column in ("calibrated", "same-run", "no overhead", "+3% steps", "+measured load",
+                   "recorded"):
         parts.append(f"- {verdict(runs, column)}")
     quiet = [r for r in runs if r["load_monitor"].get("disturbed") is False]
     if disturbed and quiet:

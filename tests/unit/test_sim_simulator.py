@@ -278,3 +278,19 @@ def test_server_overhead_fit_and_replay_by_hand():
     between = 6e-4 + 1e-3 + decode  # post of one turn, pre of the next (nothing added), step
     assert r.finish == pytest.approx(4.5e-3 + prefill + 2 * between)
     assert res.duration_s == pytest.approx(r.finish)
+
+
+def test_measured_load_profile_is_wall_over_cpu_time():
+    """Without a model the profile is each window's turn wall time over the server's CPU time
+    in those turns: 0-1 s the turns took twice their CPU time, 1-2 s their CPU time."""
+    from nanokv.sim.step_log import StepLogEntry, load_profile
+    from nanokv.sim.step_model import StepFeatures
+
+    f = StepFeatures(1, 1, 1, 10, 0, 0)
+    log, t, cpu = [], 0.0, 0.0
+    for k, (wall, used) in enumerate([(0.2, 0.1)] * 5 + [(0.1, 0.1)] * 10):
+        log.append(StepLogEntry(k, t, wall, True, f, 1, 0, proc_cpu0=cpu, proc_cpu1=cpu + used))
+        t, cpu = t + wall, cpu + used
+    assert load_profile(log, window=1.0).factors == pytest.approx((2.0, 1.0))
+    with pytest.raises(ValueError, match="CPU time"):
+        load_profile([StepLogEntry(0, 0.0, 0.1, False, f, 1, 0)])
