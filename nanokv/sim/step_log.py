@@ -203,8 +203,10 @@ def turn_cpu_times(entries: list[StepLogEntry]) -> dict[int, float] | None:
 
 
 def fit_step_log(entries: list[StepLogEntry], source: str = "",
-                 load_window: float | None = 2.0, iterations: int = 20) -> LinearStepModel:
-    """A linear step model fitted to a served run's own turn times.
+                 load_window: float | None = 2.0, iterations: int = 20,
+                 cpu: bool = False) -> LinearStepModel:
+    """A linear step model fitted to a served run's own turn times (`cpu`: to the server
+    process's CPU time in each turn instead, `turn_cpu_times`; then without load windows).
 
     On a machine shared with other work the turn times carry the machine's slowdown of the
     moment, and it is confounded with the step's shape (the batch fills up exactly while the
@@ -214,10 +216,13 @@ def fit_step_log(entries: list[StepLogEntry], source: str = "",
     then scaled so that its times add up to the measured busy time: the machine's average
     speed, the step's shape from the variation within windows. `load_profile` gives the
     factors back relative to the returned model."""
-    times = turn_times(entries)
+    times = turn_cpu_times(entries) if cpu else turn_times(entries)
+    if times is None:
+        raise ValueError("cpu=True needs a step log with the server's CPU time per turn "
+                         "(proc_cpu0, proc_cpu1)")
     y = [times[e.step] for e in entries]
     source = source or f"served run, {len(entries)} steps"
-    if load_window is None:
+    if load_window is None or cpu:
         return LinearStepModel.fit(list(zip((e.features for e in entries), y)), source)
     if load_window <= 0:
         raise ValueError(f"load_window must be > 0, got {load_window}")

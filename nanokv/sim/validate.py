@@ -20,8 +20,8 @@ For each seed:
                 overhead fitted to this run's own step log (constant over the run);
    calibrated   arrival-time admission, model and overhead of the calibration run: the
                 prediction, and the column the 15% target is judged on;
-   no overhead  as calibrated, but one model of the whole loop turn (`fit_step_log`): what the
-                overhead term changes;
+   no overhead  as calibrated, but one model of the whole loop turn's CPU time (`fit_step_log`):
+                what the overhead term changes;
    +3% steps    as calibrated with every turn 3% longer: how strongly each metric reacts to a
                 small error in step time (queueing near capacity amplifies it);
    +measured load  as calibrated, every turn stretched by the slowdown the served run measured
@@ -181,7 +181,7 @@ class Calibration:
         self.engine = fit_engine_step(log, f"calibration run's engine steps, {len(log)} steps")
         self.overhead = fit_server_overhead(log, self.engine)
         self.whole_turn = fit_step_log(log, f"calibration run's turns, {len(log)} steps",
-                                       load_window=None)
+                                       cpu=True)
 
     def capacity(self, items) -> float:
         """Requests/s the simulator serves while requests wait, for this workload shape."""
