@@ -105,9 +105,14 @@ def kv_cost(model: ModelShape, kv_dtype: str, block_size: int, max_num_seqs: int
 
 
 def compress_arrivals(records: list[TraceRecord], factor: float) -> list[TraceRecord]:
-    """The same requests in the same order, arriving `factor` times faster."""
+    """The same requests in the same order, arriving `factor` times faster (a client that
+    aborted keeps its patience: the abort comes as long after the arrival as before)."""
     t0 = min(r.t for r in records)
-    return [replace(r, t=t0 + (r.t - t0) / factor) for r in records]
+    out = []
+    for r in records:
+        t = t0 + (r.t - t0) / factor
+        out.append(replace(r, t=t, abort_t=None if r.abort_t is None else t + r.abort_t - r.t))
+    return out
 
 
 def evaluate(records: list[TraceRecord], s: AdviseSettings, c: Candidate,

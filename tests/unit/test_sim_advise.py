@@ -93,6 +93,10 @@ def test_advise_ranks_by_capacity_below_saturation():
     fast = compress_arrivals(recs, 8.0)
     assert [r.hashes for r in fast] == [r.hashes for r in recs]
     assert fast[-1].t - fast[0].t == pytest.approx((recs[-1].t - recs[0].t) / 8)
+    recs[5].abort_t, recs[5].max_tokens = recs[5].t + 3.0, 64  # a client's patience: 3 s
+    aborted = compress_arrivals(recs, 8.0)[5]
+    assert aborted.abort_t - aborted.t == pytest.approx(3.0) and aborted.t < recs[5].t
+    recs[5].abort_t = recs[5].max_tokens = None
     s = AdviseSettings(model=ModelShape.from_hf_config(LLAMA3_8B), kv_memory=8 * 2**30,
                        fitted=LinearStepModel(step=0.01), max_model_len=1024,
                        block_sizes=(16,), kv_dtypes=("auto",), max_num_seqs=(8, 32),
