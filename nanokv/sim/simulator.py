@@ -160,6 +160,7 @@ class Simulator:
                     tally.done.append(self._request_result(
                         meta.pop(rid), request, first_token.pop(rid, None), now, True))
             if not sched.has_unfinished:
+                ended = 0  # the server idles: a last abort's work costs no turn
                 if i < n:
                     now = max(now, records[i].t)
                     if recorded:  # the server idled: its next step is that request's
