@@ -17,7 +17,7 @@ mkdir -p "$OUT" runs
 rm -f "$OUT/calibration.md"  # lane B appends to lane A's fresh one
 (
   nice -n 5 $PY benchmarks/calibration_report.py --out "$OUT" -- --model "$MODEL" \
-      --bits 4 3 2 --block-size 128 --num-threads 1
+      --bits 4 3 2 --block-size 128 --num-threads 1 --measure both --max-kl 0.005
   nice -n 5 $PY benchmarks/bench_kv_dtypes.py --model "$MODEL" --kv-cache-memory "$MEM" \
       --prompt-len 1536 --output-len 128 --repeats "$REPEATS" --settings "$BENCH_SETTINGS" \
       --kvquant-repeats "$KVQUANT_REPEATS" --kv-quant-config "$OUT/kv_calibration.json" \
@@ -29,8 +29,8 @@ A=$!
       --passkey-samples "$PASSKEY_SAMPLES"
   for _ in $(seq 90); do [ -f "$OUT/calibration.md" ] && break; sleep 10; done
   nice -n 5 $PY benchmarks/calibration_report.py --out "$OUT" --name kv_calibration_2bit.json \
-      --append "The fallback rule: 2-bit only (--bits 2)" -- --model "$MODEL" --bits 2 \
-      --block-size 128 --num-threads 1
+      --append "The fallback rule with engine numbers: 2-bit only (--bits 2 --max-kl 0.005)" \
+      -- --model "$MODEL" --bits 2 --max-kl 0.005 --block-size 128 --num-threads 1 --measure both
 ) > runs/kvquant_lane_b.log 2>&1 &
 B=$!
 rc=0; wait $A || rc=$?; echo "lane A rc=$rc"
