@@ -35,14 +35,18 @@ def add_calibrate_parser(subparsers, add_engine_args, engine_options) -> argpars
                         "`nanokv eval`'s first perplexity windows, the calibration tokens follow "
                         "them)")
     g.add_argument("--output", default=DEFAULT_OUTPUT, help="calibration JSON to write")
-    g.add_argument("--num-samples", type=int, default=8, help="calibration sequences")
-    g.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence")
+    g.add_argument("--num-samples", type=int, default=8,
+                   help="calibration sequences (default: 8)")
+    g.add_argument("--seq-len", type=int, default=512,
+                   help="tokens per calibration sequence, >= the block size (default: 512)")
     g.add_argument("--eval-samples", type=int, default=8,
-                   help="evaluation windows each candidate is measured on")
-    g.add_argument("--eval-seq-len", type=int, default=2048, help="tokens per evaluation window")
+                   help="evaluation windows each candidate is measured on (default: 8)")
+    g.add_argument("--eval-seq-len", type=int, default=2048,
+                   help="tokens per evaluation window (default: 2048)")
     g.add_argument("--context-fraction", type=float, default=0.75,
-                   help="share of each evaluation window read as context; the tokens after it "
-                        "are scored (as `nanokv eval`'s perplexity task)")
+                   help="share of each evaluation window read as context, in (0, 1); the "
+                        "tokens after it are scored (as `nanokv eval`'s perplexity task; "
+                        "default: 0.75)")
     g.add_argument("--measure", choices=MEASURES, default="engine",
                    help="how candidates are measured. engine: the nanokv engine with the "
                         "candidate's real KV store, decode-like (the window prefilled in chunks "
@@ -57,9 +61,14 @@ def add_calibrate_parser(subparsers, add_engine_args, engine_options) -> argpars
                         "(default: 32)")
     g.add_argument("--bits", type=int, nargs="+", default=[4],
                    help="candidate widths; the lowest passing one is chosen (default: 4)")
-    g.add_argument("--codebook-bits", type=int, nargs="+", default=[2, 3, 4])
-    g.add_argument("--outlier-fraction", type=float, default=0.01)
-    g.add_argument("--num-sink-tokens", type=int, default=1)
+    g.add_argument("--codebook-bits", type=int, nargs="+", default=[2, 3, 4],
+                   help="widths to learn nuq codebooks for, of 2 3 4; must cover --bits "
+                        "(default: 2 3 4)")
+    g.add_argument("--outlier-fraction", type=float, default=0.01,
+                   help="share of key / value entries kept in fp16 as outliers, in [0, 0.2] "
+                        "(default: 0.01)")
+    g.add_argument("--num-sink-tokens", type=int, default=1,
+                   help="first tokens of a request kept in fp16, >= 0 (default: 1)")
     g.add_argument("--max-ppl-increase", type=float, default=3.0, metavar="PERCENT",
                    help="a candidate passes when its perplexity rises by at most this percent "
                         "of the full-precision baseline's, in (0, 100] (default: 3; relative "
@@ -69,7 +78,8 @@ def add_calibrate_parser(subparsers, add_engine_args, engine_options) -> argpars
     g.add_argument("--max-kl", type=float, default=None, metavar="NATS",
                    help="and, when given, its mean KL divergence to the full-precision "
                         "next-token distributions is at most this (nats per scored token, > 0)")
-    g.add_argument("--kmeans-iters", type=int, default=50)
+    g.add_argument("--kmeans-iters", type=int, default=50,
+                   help="Fisher-weighted k-means iterations per codebook (default: 50)")
     g.add_argument("--no-nuq", action="store_true", help="uniform grids instead of codebooks")
     g.add_argument("--per-token-keys", action="store_true", help="ablation: keys per token")
     g.add_argument("--json", action="store_true", help="print the decision as one JSON line")
