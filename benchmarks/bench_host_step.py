@@ -14,6 +14,7 @@ Prints one JSON line of median milliseconds per case:
   sample_greedy   256 greedy rows of a 151,936-token vocabulary
   sample_mixed    256 rows: a quarter greedy, the rest tempered with top-k / top-p / min-p,
                   half of them seeded
+  sample_top_p    256 rows all at temperature 0.6 with top-p 0.95 (one setting for everyone)
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ def main(argv=None) -> None:
                                         top_p=rng.choice([1.0, 0.9]),
                                         min_p=rng.choice([0.0, 0.05]),
                                         seed=rng.choice([None, i])))
+    top_p = [SamplingParams(temperature=0.6, top_p=0.95)] * 256
     indices = list(range(256))
     sampler = Sampler(0)
     result = {"label": args.label,
@@ -107,6 +109,8 @@ def main(argv=None) -> None:
               "sample_greedy": median_ms(lambda: sampler(logits, greedy, indices),
                                          args.repeats),
               "sample_mixed": median_ms(lambda: sampler(logits, mixed, indices),
+                                        max(3, args.repeats // 3)),
+              "sample_top_p": median_ms(lambda: sampler(logits, top_p, indices),
                                         max(3, args.repeats // 3))}
     print(json.dumps(result))
 

@@ -18,12 +18,25 @@ from nanokv.sampling_params import SamplingParams
 from nanokv.transfer import upload
 
 History = tuple[list[int], list[int]]
+ALL_ROWS = slice(None)  # a filter every sampled row asked for
+
+
+def _take(x: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
+    """The rows a filter applies to: x itself for ALL_ROWS, else a gathered copy."""
+    return x if isinstance(rows, slice) else x.index_select(0, rows)
+
+
+def _put(x: torch.Tensor, rows: torch.Tensor | slice, sub: torch.Tensor) -> None:
+    """Write a filter's rows back (nothing to do when it worked on x itself)."""
+    if not isinstance(rows, slice):
+        x.index_copy_(0, rows, sub)
 
 
 @dataclass
 class RowParams:
-    """Per sampled row (S of them), on the device, and which of them each filter applies to
-    (positions in [0, S); None when no row asked for that filter)."""
+    """Per sampled row (S of them), on the device, and which of them each filter applies to:
+    positions in [0, S) as a tensor, ALL_ROWS when every row asked (the filter then works in
+    place, no gathered copy), None when none did."""
 
     rows: torch.Tensor  # [S] int64, the rows of the logits that sample
     temperature: torch.Tensor  # [S, 1] float32
@@ -31,9 +44,9 @@ class RowParams:
     top_p: torch.Tensor  # [S, 1] float32 (1: off)
     min_p: torch.Tensor  # [S, 1] float32 (0: off)
     uniforms: torch.Tensor  # [S, 1] float64, one draw per row
-    min_p_rows: torch.Tensor | None
-    top_k_rows: torch.Tensor | None
-    top_p_rows: torch.Tensor | None
+    min_p_rows: torch.Tensor | slice | None
+    top_k_rows: torch.Tensor | slice | None
+    top_p_rows: torch.Tensor | slice | None
     max_top_k: int  # the largest top_k among top_k_rows
 
     @classmethod
@@ -46,6 +59,10 @@ class RowParams:
         subsets = [[j for j, p in enumerate(ps) if p.min_p > 0.0],
                    [j for j, k in enumerate(top_k) if k < vocab],
                    [j for j, p in enumerate(ps) if p.top_p < 1.0]]
+        max_top_k = max((top_k[j] for j in subsets[1]), default=0)
+        index: list[torch.Tensor | slice | None] = [
+            ALL_ROWS if len(x) == s else None for x in subsets]
+        subsets = [x if len(x) < s else [] for x in subsets]  # only partial subsets travel
         host = np.empty(6 * s + sum(len(x) for x in subsets), dtype=np.float64)  # one upload
         table = host[:6 * s].reshape(6, s)  # [6, S]
         table[0] = rows
@@ -61,14 +78,15 @@ class RowParams:
         dev = upload(host, device)
         params_dev = dev[:6 * s].view(6, s)
         f32 = params_dev[2:5].float()  # [3, S]; rounded as a float32 parameter tensor would be
-        index, start = [], 6 * s
-        for subset in subsets:
-            index.append(dev[start:start + len(subset)].long() if subset else None)
+        start = 6 * s
+        for f, subset in enumerate(subsets):
+            if subset:
+                index[f] = dev[start:start + len(subset)].long()
             start += len(subset)
         return cls(rows=params_dev[0].long(), temperature=f32[0, :, None],
                    top_k=params_dev[1].long(), top_p=f32[1, :, None], min_p=f32[2, :, None],
                    uniforms=params_dev[5, :, None], min_p_rows=index[0], top_k_rows=index[1],
-                   top_p_rows=index[2], max_top_k=max((top_k[j] for j in subsets[1]), default=0))
+                   top_p_rows=index[2], max_top_k=max_top_k)
 
 
 def apply_penalties_batch(logits: torch.Tensor, params: list[SamplingParams],
@@ -124,24 +142,26 @@ def filter_logits_batch(scaled: torch.Tensor, rp: RowParams) -> torch.Tensor:
     to -inf outside each row's set."""
     inf = float("-inf")
     if rp.min_p_rows is not None:
-        sub = scaled.index_select(0, rp.min_p_rows)  # [m, vocab]
+        rows = rp.min_p_rows
+        sub = _take(scaled, rows)  # [m, vocab]
         probs = sub.softmax(-1)
-        cut = rp.min_p.index_select(0, rp.min_p_rows) * probs.amax(-1, keepdim=True)  # [m, 1]
-        scaled.index_copy_(0, rp.min_p_rows, sub.masked_fill_(probs < cut, inf))
+        cut = _take(rp.min_p, rows) * probs.amax(-1, keepdim=True)  # [m, 1]
+        _put(scaled, rows, sub.masked_fill_(probs < cut, inf))
     if rp.top_k_rows is not None:
-        sub = scaled.index_select(0, rp.top_k_rows)  # [k, vocab]
+        rows = rp.top_k_rows
+        sub = _take(scaled, rows)  # [k, vocab]
         best = torch.topk(sub, rp.max_top_k, dim=-1).values  # [k, max_top_k], descending
-        kth = best.gather(1, (rp.top_k.index_select(0, rp.top_k_rows) - 1)[:, None])  # [k, 1]
-        scaled.index_copy_(0, rp.top_k_rows, sub.masked_fill_(sub < kth, inf))
+        kth = best.gather(1, (_take(rp.top_k, rows) - 1)[:, None])  # [k, 1]
+        _put(scaled, rows, sub.masked_fill_(sub < kth, inf))
     if rp.top_p_rows is not None:
-        sub = scaled.index_select(0, rp.top_p_rows)  # [p, vocab]
+        rows = rp.top_p_rows
+        sub = _take(scaled, rows)  # [p, vocab]
         sorted_logits, order = sub.sort(dim=-1, descending=True)  # [p, vocab] each
         sorted_probs = sorted_logits.softmax(-1)
         # drop a token when the mass before it already reaches top_p (the first always stays)
-        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= rp.top_p.index_select(
-            0, rp.top_p_rows)
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= _take(rp.top_p, rows)
         drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
-        scaled.index_copy_(0, rp.top_p_rows, sub.masked_fill_(drop, inf))
+        _put(scaled, rows, sub.masked_fill_(drop, inf))
     return scaled
 
 

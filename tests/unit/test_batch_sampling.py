@@ -130,3 +130,17 @@ def test_logprobs_equal_the_host_reference():
         assert got.logprob == pytest.approx(want.logprob, abs=1e-6)
         assert [t for t, _ in got.top] == [t for t, _ in want.top]
         assert [v for _, v in got.top] == pytest.approx([v for _, v in want.top], abs=1e-6)
+
+
+@pytest.mark.parametrize("kwargs", [dict(top_k=7), dict(top_p=0.6), dict(min_p=0.2),
+                                    dict(top_k=30, top_p=0.8, min_p=0.05)])
+def test_a_filter_every_row_asked_for_equals_the_reference(kwargs):
+    """Every sampled row with the same filter (it then runs in place on the whole batch), next to
+    greedy rows."""
+    torch.manual_seed(5)
+    logits = torch.randn(12, VOCAB) * 3
+    params = [SamplingParams(temperature=0.9, seed=i if i % 2 else None, **kwargs)
+              for i in range(10)] + [SamplingParams(temperature=0)] * 2
+    indices = list(range(12))
+    got = Sampler(3).sample(logits, params, indices).token_ids
+    assert got == Sampler(3).sample_reference(logits, params, indices)
