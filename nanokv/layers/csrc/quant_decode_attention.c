@@ -565,8 +565,8 @@ static inline void lookup_row(float *restrict x, const uint8_t *restrict c,
     for (; d < D; d++) x[d] = lut[c[d]];
 }
 
-/* x = lut[codes] over one head's D channels (p: its packed codes; c: D bytes of scratch); 4-bit
- * codes are split and looked up in registers on the AVX-512 path */
+/* x = lut[codes] over one head's D channels (p: its packed codes; c: D bytes of scratch); 2, 3
+ * and 4-bit codes are split and looked up in registers on the AVX-512 path */
 static inline void decode_codes(float *restrict x, const uint8_t *restrict p,
                                 const float *restrict lut, int64_t bits, int64_t D,
                                 uint8_t *restrict c) {
@@ -583,6 +583,32 @@ static inline void decode_codes(float *restrict x, const uint8_t *restrict p,
             const __m128i c0 = _mm_unpacklo_epi8(lo, hi), c1 = _mm_unpackhi_epi8(lo, hi);
             _mm512_storeu_ps(x + d, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(c0), table));
             _mm512_storeu_ps(x + d + 16, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(c1), table));
+        }
+        return;
+    }
+    if ((bits == 2 || bits == 3) && D % 16 == 0) {
+        /* 16 channels = two words of 8 codes (2 or 3 bytes each); lane j takes its word's
+         * code j % 8 by a per-lane shift */
+        float t16[16] = {0};
+        memcpy(t16, lut, sizeof(float) << bits);
+        const __m512 table = _mm512_loadu_ps(t16);
+        const __m512i shift = _mm512_mullo_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7),
+            _mm512_set1_epi32((int)bits));
+        const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
+        for (int64_t d = 0; d < D; d += 16) {
+            const uint8_t *b = p + d / 8 * bits;  /* 2 * bits bytes */
+            uint32_t w0 = b[0] | (uint32_t)b[1] << 8, w1;
+            if (bits == 2) {
+                w1 = b[2] | (uint32_t)b[3] << 8;
+            } else {
+                w0 |= (uint32_t)b[2] << 16;
+                w1 = b[3] | (uint32_t)b[4] << 8 | (uint32_t)b[5] << 16;
+            }
+            const __m512i words = _mm512_inserti64x4(_mm512_set1_epi32((int)w0),
+                                                     _mm256_set1_epi32((int)w1), 1);
+            const __m512i codes = _mm512_and_si512(_mm512_srlv_epi32(words, shift), mask);
+            _mm512_storeu_ps(x + d, _mm512_permutexvar_ps(codes, table));
         }
         return;
     }
