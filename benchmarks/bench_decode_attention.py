@@ -14,8 +14,9 @@ so other processes' load falls on all alike):
                     whole context costs memory)
 
 Stores are filled through their own write path (KVQuant: real statistics, outliers, sinks,
-staged partial blocks) for the first request; the other requests get copies of its blocks
-(`copy_blocks`) at their own addresses, so every request is read from memory.
+staged partial blocks; KIVI: its partial block staged) for the first request; the other
+requests get copies of its blocks (`copy_blocks`) at their own addresses, so every request is
+read from memory.
 
     .venv/bin/python benchmarks/bench_decode_attention.py --requests 1 16 \\
         --contexts 1024 4096 16384 32768 --max-slots 262144 --repeats 5 --num-threads 2 \\
@@ -28,11 +29,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
 import time
 from functools import partial
+from types import SimpleNamespace
 from pathlib import Path
 
 import torch
@@ -47,18 +50,22 @@ from nanokv.layers.native_attention import build_decode_runs, native_decode_atte
 from nanokv.layers.rotary import RotaryEmbedding  # noqa: E402
 from nanokv.quant import KVQuantConfig, KVQuantStore, make_kv_store  # noqa: E402
 from nanokv.quant.attention import quantized_paged_attention  # noqa: E402
+from nanokv.quant.kivi_store import KIVIStore  # noqa: E402
 from nanokv.utils import cdiv  # noqa: E402
 
 STORES = [("int8", "int8", None), ("fp8_e4m3", "fp8_e4m3", None), ("fp8_e5m2", "fp8_e5m2", None),
           ("kvquant 4-bit", "kvquant", 4), ("kvquant 3-bit", "kvquant", 3),
-          ("kvquant 2-bit", "kvquant", 2)]
+          ("kvquant 2-bit", "kvquant", 2), ("kivi 4-bit", "kivi", 4), ("kivi 2-bit", "kivi", 2)]
+
+
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 
 
 class _RopeConfig:
     rope_parameters = {"rope_type": "default", "rope_theta": 1000000.0}
 
 
-def timed_round_robin(fns: dict, repeats: int) -> dict:
+def timed_round_robin(fns: dict, repeats: int, clock=time.perf_counter) -> dict:
     """Median seconds of each fn over `repeats` rounds after one warm-up each; the rounds take
     every fn in turn, so load from other processes falls on all of them alike."""
     for fn in fns.values():
@@ -66,9 +73,9 @@ def timed_round_robin(fns: dict, repeats: int) -> dict:
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -78,6 +85,9 @@ def make_store(args, dtype: str, bits: int | None, num_blocks: int, num_requests
     if dtype == "kvquant":
         store = KVQuantStore(layout, num_blocks, KVQuantConfig(bits=bits),
                              num_staging_blocks=num_requests + 1)
+    elif dtype == "kivi":
+        store = KIVIStore.from_settings(layout, num_blocks, "cpu", bits=bits,
+                                        num_staging_blocks=num_requests + 1)
     else:
         store = make_kv_store(dtype, layout, num_blocks)
     store.rotary = rotary
@@ -119,8 +129,12 @@ def bench_pair(args, num_requests: int, context: int, rotary, log) -> dict:
     runs = build_decode_runs(tables, lens, bs)
     fns = {"float32": lambda: native_decode_attention(q, k_pool, v_pool, runs, scale)}
     common = CommonAttentionMetadata([0] * num_requests, num_requests, tables, lens, [])
+    # nothing is written in the timed calls: an empty write plan
+    common.write_plan = SimpleNamespace(slot_mapping=torch.empty(0, dtype=torch.long))
     keep = []
     for label, dtype, bits in STORES:
+        if label not in args.stores:
+            continue
         store = make_store(args, dtype, bits, num_blocks, num_requests, rotary)
         fill(store, context, num_requests, gen)
         native = NativeQuantizedBackend(store, torch.device("cpu"))
@@ -131,14 +145,14 @@ def bench_pair(args, num_requests: int, context: int, rotary, log) -> dict:
             fns[f"{label} torch"] = partial(quantized_paged_attention, q, k_new, v_new, None,
                                             store, 0, meta, None, scale, store.rope)
         keep.append(store)
-    row.update(timed_round_robin(fns, args.repeats))
+    row.update(timed_round_robin(fns, args.repeats, CLOCKS[args.clock]))
     log(f"  {num_requests} x {context}: " + ", ".join(
         f"{name} {t * 1e3:.2f} ms" for name, t in row.items() if isinstance(t, float)))
     return row
 
 
 def markdown(rows: list[dict]) -> list[str]:
-    labels = [label for label, _, _ in STORES]
+    labels = [label for label, _, _ in STORES if any(f"{label} native" in r for r in rows)]
     head = "| requests x context | float32 ms | " + " | ".join(
         f"{lb} native ms (vs f32) | {lb} torch ms (vs f32)" for lb in labels) + " |"
     lines = [head, "|" + "---|" * (2 + 2 * len(labels))]
@@ -160,14 +174,26 @@ def main(argv=None) -> None:
     p.add_argument("--max-slots", type=int, default=262144,
                    help="skip (requests, context) pairs with more cached slots than this")
     p.add_argument("--torch-max-slots", type=int, default=65536)
+    p.add_argument("--stores", nargs="+", default=[label for label, _, _ in STORES],
+                   choices=[label for label, _, _ in STORES], metavar="STORE",
+                   help="which stores to time (default: all): "
+                        + ", ".join(repr(label) for label, _, _ in STORES))
     p.add_argument("--q-heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="wall: elapsed time; thread: CPU time of the calling thread (not the "
+                        "time other processes held the core; one thread only: run with "
+                        "OMP_NUM_THREADS=1 --num-threads 1)")
     p.add_argument("--out", default=None, help="directory for decode_attention.{json,md}")
     args = p.parse_args(argv)
+    if args.clock == "thread" and (args.num_threads != 1
+                                   or os.environ.get("OMP_NUM_THREADS") != "1"):
+        p.error("--clock thread measures one thread: use it with --num-threads 1 and "
+                "OMP_NUM_THREADS=1 in the environment")
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     rotary = RotaryEmbedding(_RopeConfig(), args.head_dim, max(args.contexts) + 16)
@@ -184,7 +210,7 @@ def main(argv=None) -> None:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        meta = {"argv": sys.argv[1:], "threads": torch.get_num_threads(),
+        meta = {"argv": sys.argv[1:], "threads": torch.get_num_threads(), "clock": args.clock,
                 "machine": platform.machine(), "total_s": time.perf_counter() - t0}
         (out / "decode_attention.json").write_text(json.dumps({"meta": meta, "rows": rows},
                                                               indent=1))
