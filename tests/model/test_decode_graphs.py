@@ -17,6 +17,7 @@ from nanokv.attention.common import CommonAttentionMetadata
 from nanokv.attention.torch_paged import TorchPagedBackend
 from nanokv.cache.kv_pool import write_slots
 from nanokv.layers.attention import dense_reference_attention
+from nanokv.scheduler.output import ScheduledRequest, SchedulerOutput
 from nanokv.utils import cdiv
 from nanokv.worker.cuda_graph import DecodeGraphs, graph_batch_sizes
 from tiny_models import VOCAB, hf_greedy, load_hf
@@ -158,12 +159,20 @@ def test_eager_when_the_step_does_not_fit(tiny_llama):
     sched = engine.scheduler.schedule()
     assert not graphs.can_run(runner.inputs(sched))
     engine.runner.execute(sched)
-    # not through the engine loop: build a decode step by hand from the prefill's requests
-    from nanokv.scheduler.output import ScheduledRequest, SchedulerOutput
-
+    # not through the engine loop: decode steps built by hand from the prefill's requests
     decodes = [ScheduledRequest(s.request_id, [3], s.num_tokens, s.num_tokens, s.block_table,
                                 True, s.params, 1) for s in sched.scheduled]
     assert graphs.can_run(runner.inputs(SchedulerOutput(decodes)))
+    # a mixed step (decodes, then a prefill chunk) stays eager
+    chunk = ScheduledRequest("p", [1, 2, 3], 0, 0, [7], True, decodes[0].params, 0)
+    assert not graphs.can_run(runner.inputs(SchedulerOutput(decodes + [chunk])))
+    # so do per-layer block tables and query capture
+    pool = runner.num_pool_blocks
+    decodes[1].layer_tables = [[layer * pool + b for b in decodes[1].block_table]
+                               for layer in range(runner.kv_cache.layout.num_layers)]
+    decodes[1].layer_start_slots = [decodes[1].start_slot] * runner.kv_cache.layout.num_layers
+    assert not graphs.can_run(runner.inputs(SchedulerOutput(decodes)))
+    decodes[1].layer_tables = decodes[1].layer_start_slots = None
     decodes[0].capture_from = 0
     assert not graphs.can_run(runner.inputs(SchedulerOutput(decodes)))
 
