@@ -39,13 +39,13 @@ def _proc_cpu_seconds(pid: int) -> float:
 
 
 def _core_busy_seconds(cpu: int) -> float:
-    """Busy (non-idle, non-iowait) time of one core since boot."""
+    """Time one core ran processes (user, nice, system) or was taken by the hypervisor
+    (steal) since boot; interrupt time is left out, as processes' own times leave it out."""
     with open("/proc/stat", encoding="ascii") as f:
         for line in f:
             if line.startswith(f"cpu{cpu} "):
-                v = [int(x) for x in line.split()[1:]]
-                idle = v[3] + (v[4] if len(v) > 4 else 0)
-                return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+                v = [int(x) for x in line.split()[1:]] + [0] * 8
+                return (v[0] + v[1] + v[2] + v[7]) / os.sysconf("SC_CLK_TCK")
     raise ValueError(f"/proc/stat has no cpu{cpu}")
 
 
