@@ -63,21 +63,23 @@ def run_table(run: dict) -> str:
 def load_table(runs: list[dict]) -> str:
     lines = ["| run | offered req/s | calibrated capacity | load avg (mean / max) | "
              "server's share of its core | others on that core (mean / max) | "
-             "turn wall / server CPU | disturbed |",
-             "|---|---|---|---|---|---|---|---|"]
+             "turn wall / server CPU | disturbed | calibration run: others max |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
-        m = r["load_monitor"]
+        m, c = r["load_monitor"], r.get("calibration_load") or {}
         ratio = "-" if r.get("wall_per_cpu") is None else f"{r['wall_per_cpu']:.2f}"
+        calib = "-" if not c.get("windows") else (
+            f"{c['others_share_max']:.1%}{' (**disturbed**)' if c['disturbed'] else ''}")
         if not m.get("windows"):
             lines.append(f"| {_name(r)} | {r['rate']:.1f} | {r['capacity_req_s']:.1f} | - | - "
-                         f"| - | {ratio} | not measured |")
+                         f"| - | {ratio} | not measured | {calib} |")
             continue
         lines.append(
             f"| {_name(r)} | {r['rate']:.1f} | {r['capacity_req_s']:.1f} | "
             f"{m['loadavg_1m_mean']:.2f} / {m['loadavg_1m_max']:.2f} | "
             f"{m['server_share_mean']:.0%} | {m['others_share_mean']:.1%} / "
             f"{m['others_share_max']:.1%} | {ratio} | "
-            f"{'**yes**' if m['disturbed'] else 'no'} |")
+            f"{'**yes**' if m['disturbed'] else 'no'} | {calib} |")
     return "\n".join(lines)
 
 
@@ -123,9 +125,11 @@ def report(out_dir: str) -> str:
     for column in ("calibrated", "same-run", "no overhead", "+3% steps", "+measured load",
                    "recorded"):
         parts.append(f"- {verdict(runs, column)}")
-    quiet = [r for r in runs if r["load_monitor"].get("disturbed") is False]
-    if disturbed and quiet:
-        parts.append(f"- undisturbed runs only ({len(quiet)}): {verdict(quiet, 'calibrated')}")
+    quiet = [r for r in runs if r["load_monitor"].get("disturbed") is False
+             and (r.get("calibration_load") or {}).get("disturbed") is False]
+    if quiet and len(quiet) < len(runs):
+        parts.append(f"- runs whose measured and calibration runs were both undisturbed "
+                     f"({len(quiet)}): {verdict(quiet, 'calibrated')}")
     exact = all(r["sim"]["recorded"][k] == r["real"][k] for r in runs
                 for k in ("prefix_hit_rate", "preemptions", "peak_running"))
     shapes = sum(r["steps_differing_from_served"] for r in runs)
