@@ -39,7 +39,20 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget of one step (default: vLLM's)",
+    )
     ap.add_argument("--kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
+    ap.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="KV cache size in bytes (vLLM's kv_cache_memory_bytes, which its CPU worker "
+        "honours); replaces --kv-cache-gib",
+    )
     ap.add_argument(
         "--compile",
         action="store_true",
@@ -53,12 +66,52 @@ def parse_args(argv=None):
         help="VLLM_CPU_NUM_OF_RESERVED_CPU: cores kept off the worker's OpenMP pool. vLLM "
         "reserves one by default, which on a 2-core machine halves its compute; 0 here.",
     )
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.kv_cache_memory_bytes is not None and args.kv_cache_memory_bytes < 1:
+        ap.error(f"--kv-cache-memory-bytes must be >= 1, got {args.kv_cache_memory_bytes}")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
+        ap.error(f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}")
+    return args
+
+
+class SchedulerWatch:
+    """Peak running requests and preemptions, from the stats vLLM's engine core sends with
+    every step (SchedulerStats.num_running_reqs after the step, IterationStats'
+    preempted requests). Added to the offline engine's stat-logger list, which `LLM` builds
+    when stats are on but takes no loggers of its own for."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.peak_running = 0
+        self.preemptions = 0
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+        if scheduler_stats is not None:
+            self.peak_running = max(self.peak_running, scheduler_stats.num_running_reqs)
+        if iteration_stats is not None:
+            self.preemptions += iteration_stats.num_preempted_reqs
+
+    def log(self) -> None:
+        pass
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def record_sleep_state(self, *args) -> None:
+        pass
+
+    def record_admission_rejection(self, reason: str) -> None:
+        pass
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
+    if args.kv_cache_memory_bytes is None:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
+    else:  # the legacy variable would override kv_cache_memory_bytes
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", str(args.reserved_cpus))
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
 
@@ -67,6 +120,11 @@ def main(argv=None) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    extra = {}
+    if args.kv_cache_memory_bytes is not None:
+        extra["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
+    if args.max_num_batched_tokens is not None:
+        extra["max_num_batched_tokens"] = args.max_num_batched_tokens
     t0 = time.perf_counter()
     llm = LLM(
         model=args.model,
@@ -77,7 +135,19 @@ def main(argv=None) -> None:
         enforce_eager=not args.compile,
         seed=0,
         disable_log_stats=False,  # keeps per-request timestamps (RequestOutput.metrics)
+        **extra,
     )
+    watch = SchedulerWatch()
+    manager = getattr(llm.llm_engine, "logger_manager", None)
+    if manager is not None and isinstance(getattr(manager, "stat_loggers", None), list):
+        manager.stat_loggers.append(watch)
+    else:
+        watch = None
+        print(
+            "[bench_vllm] no stat loggers: peak running and preemptions not reported",
+            file=sys.stderr,
+            flush=True,
+        )
     startup_s = time.perf_counter() - t0
     print(f"[bench_vllm] startup {startup_s:.1f}s", file=sys.stderr, flush=True)
 
@@ -98,8 +168,13 @@ def main(argv=None) -> None:
         [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)] * 2,
         use_tqdm=False,
     )
+    # The warm-up's prompts would be prefix-cache hits in the timed run (nanokv's bench resets
+    # its prefix cache after its warm-up too).
+    llm.reset_prefix_cache()
     print(f"[bench_vllm] warm-up {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
 
+    if watch is not None:
+        watch.reset()
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
@@ -115,7 +190,15 @@ def main(argv=None) -> None:
             if req.output_len > 1 and m.last_token_ts > m.first_token_ts > 0:
                 tpots.append((m.last_token_ts - m.first_token_ts) / (req.output_len - 1))
 
-    result = wl.summarize("vllm", requests, elapsed, ttfts_s=ttfts or None, tpots_s=tpots or None)
+    result = wl.summarize(
+        "vllm",
+        requests,
+        elapsed,
+        ttfts_s=ttfts or None,
+        tpots_s=tpots or None,
+        peak_running=watch.peak_running if watch is not None else None,
+        num_preemptions=watch.preemptions if watch is not None else None,
+    )
     print(result.to_json(), flush=True)
 
 
