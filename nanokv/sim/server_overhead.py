@@ -12,12 +12,15 @@ stream for every output, detokenizing and sending the response) takes its share 
 core during all three. The step model predicts the engine thread's own time in `step`
 (`fit_engine_step`: fitted to its CPU time); `ServerOverhead` predicts the rest of the turn:
 
-    before the stamps  pre_s + (pre_added_s + arrival_s) * requests added
+    before the stamps  pre_s + pre_added_s * requests added
     after them         post_s + post_seq_s * sequences in the step + post_ended_s * requests ended
+                       + arrival_s * requests added that arrived while the server was busy
 
 All of it is fitted (non-negative least squares) to the turn's time left by the modelled
-engine step, with `arrival_s` per request that arrived during the turn (its HTTP work; the
-replay charges it to the turn that adds the request, the next one); the per-turn constant is
+engine step, with `arrival_s` per request that arrived during the turn (its HTTP work, done
+before its arrival is stamped; the replay charges it after the stamps of the turn that adds
+the request, the next one, and not at all when it arrived while the server idled); the
+per-turn constant is
 split before / after the stamps by the measured `pre`. The turn's time is the server process's
 CPU time where the log has it: the cost of the turn on a core of its own, which other
 processes' load does not inflate.
@@ -48,10 +51,11 @@ class ServerOverhead:
                 raise ValueError(f"{name} must be >= 0 seconds, got {v}")
 
     def pre(self, added: int) -> float:
-        return self.pre_s + (self.pre_added_s + self.arrival_s) * added
+        return self.pre_s + self.pre_added_s * added
 
-    def post(self, seqs: int, ended: int) -> float:
-        return self.post_s + self.post_seq_s * seqs + self.post_ended_s * ended
+    def post(self, seqs: int, ended: int, arrived: int = 0) -> float:
+        return (self.post_s + self.post_seq_s * seqs + self.post_ended_s * ended
+                + self.arrival_s * arrived)
 
     def describe(self) -> str:
         return (f"server: {self.pre_s * 1e3:.3f} ms/turn + {self.pre_added_s * 1e3:.3f} ms/added "

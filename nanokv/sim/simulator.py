@@ -123,6 +123,7 @@ class Simulator:
         compressed: set[str] = set()
         tally = RunTally()
         steps = added = ended = 0  # requests added and ended in the turn (server overhead)
+        idled = True  # the server was idle before this turn: its arrivals cost no busy turn
         now, i, n = records[0].t, 0, len(records)
         aborts, a = self.aborts, 0
         recorded = cfg.admission == "recorded"
@@ -161,6 +162,7 @@ class Simulator:
                         meta.pop(rid), request, first_token.pop(rid, None), now, True))
             if not sched.has_unfinished:
                 ended = 0  # the server idles: a last abort's work costs no turn
+                idled = True
                 if i < n:
                     now = max(now, records[i].t)
                     if recorded:  # the server idled: its next step is that request's
@@ -172,7 +174,9 @@ class Simulator:
             if out.is_empty:  # nothing fits and nothing runs: cannot happen after add_request
                 raise RuntimeError("the scheduler made no progress with requests waiting")
             features = StepFeatures.of(out.scheduled)
-            stamp_dt, post_dt = self.clock.turn(features, steps, now, added)
+            stamp_dt, post_dt = self.clock.turn(features, steps, now, added,
+                                                0 if idled else added)
+            idled = False
             steps += 1
             if self.decisions is not None:
                 self._log_step([(s.request_id, s.num_tokens) for s in out.scheduled], features,

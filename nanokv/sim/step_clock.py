@@ -25,10 +25,12 @@ class StepClock:
     def _factor(self, now: float) -> float:
         return 1.0 if self.load_profile is None else self.load_profile.factor(now)
 
-    def turn(self, f: StepFeatures, step: int, now: float, added: int) -> tuple[float, float]:
+    def turn(self, f: StepFeatures, step: int, now: float, added: int,
+             arrived: int = 0) -> tuple[float, float]:
         """(seconds from the turn's start until its outputs are stamped, seconds after that
         before the next turn, without the ended requests' share: `ended`) of the replay's step
-        `step` (features `f`, `added` requests added before it) starting at simulated `now`."""
+        `step` (features `f`, `added` requests added before it, `arrived` of them while the
+        server was busy) starting at simulated `now`."""
         if self.step_times is not None:
             try:
                 return self.step_times[self.first_step + step], 0.0
@@ -39,7 +41,8 @@ class StepClock:
         t = self.model.step_time(f) * k
         if self.overhead is None:
             return t, 0.0
-        return t + self.overhead.pre(added) * k, self.overhead.post(f.num_seqs, 0) * k
+        return (t + self.overhead.pre(added) * k,
+                self.overhead.post(f.num_seqs, 0, arrived) * k)
 
     def ended(self, n: int, now: float) -> float:
         """The server's time for `n` requests ending in a turn (delivery, trace lines)."""

@@ -236,9 +236,11 @@ def test_server_overhead_fit_and_replay_by_hand():
     from CPU times, while other processes stretch every wall time by up to 2x at random.
     The engine thread's CPU time is the step model's; a request's HTTP work (1.5 ms) falls in
     the turn during which it arrives, inside the step's wall time. Replayed alone, a request's
-    first token comes after the turn's pre part (1 ms + 2 ms for the request added + its
-    1.5 ms of arrival) and the step; the post part (0.5 ms + 0.1 ms/seq, + 3 ms when a request
-    ends) delays the next turn, not the stamps."""
+    first token comes after the turn's pre part (1 ms + 2 ms for the request added; it arrived
+    while the server idled: no HTTP work in a turn) and the step; the post part (0.5 ms +
+    0.1 ms/seq, + 3 ms when a request ends) delays the next turn, not the stamps. A second
+    request arriving while the first runs adds its 1.5 ms after the stamps of the turn that
+    adds it."""
     from nanokv.sim.server_overhead import ServerOverhead, fit_server_overhead
     from nanokv.sim.step_log import StepLogEntry, fit_engine_step
     from nanokv.sim.step_model import StepFeatures
@@ -274,10 +276,18 @@ def test_server_overhead_fit_and_replay_by_hand():
                     overhead=truth).run()
     (r,) = res.requests
     prefill, decode = engine.step_time(StepFeatures(20, 1)), engine.step_time(StepFeatures(1, 1))
-    assert r.ttft == pytest.approx(4.5e-3 + prefill)
+    assert r.ttft == pytest.approx(3e-3 + prefill)
     between = 6e-4 + 1e-3 + decode  # post of one turn, pre of the next (nothing added), step
-    assert r.finish == pytest.approx(4.5e-3 + prefill + 2 * between)
+    assert r.finish == pytest.approx(3e-3 + prefill + 2 * between)
     assert res.duration_s == pytest.approx(r.finish)
+    late = _rec(0.001, list(range(500, 520)), 1)  # arrives during the first prefill
+    both = Simulator([rec, late], SimConfig(block_size=16, num_blocks=8), engine,
+                     overhead=truth).run()
+    a, b = sorted(both.requests, key=lambda x: x.arrival)
+    prefill2 = engine.step_time(StepFeatures(21, 2))  # its prefill beside the first's decode
+    assert b.first_token == pytest.approx(3e-3 + prefill + 6e-4 + 3e-3 + prefill2)
+    after = 3e-3 + prefill + 6e-4 + 3e-3 + prefill2 + 7e-4 + 1.5e-3 + 3e-3  # its turn's post
+    assert a.finish == pytest.approx(after + 1e-3 + decode)
 
 
 def test_measured_load_profile_is_wall_over_cpu_time():
