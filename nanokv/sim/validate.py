@@ -40,6 +40,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -104,10 +105,18 @@ async def drive(port: int, items) -> list[str]:
     return errors
 
 
-def serve_and_trace(items, trace_path: str, steps_path: str, port: int,
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_and_trace(items, trace_path: str, steps_path: str, port: int = 0,
                     server_cpu: int = 1) -> tuple[list[str], dict]:
-    """Serve `items` with the server alone on core `server_cpu` (one torch thread); returns the
-    HTTP errors and the machine's load over the run (`machine_load.summarize`)."""
+    """Serve `items` with the server alone on core `server_cpu` (one torch thread) on `port`
+    (0: a free one); returns the HTTP errors and the machine's load over the run
+    (`machine_load.summarize`)."""
+    port = port or free_port()
     for path in (trace_path, steps_path):
         if os.path.exists(path):
             os.remove(path)
@@ -131,6 +140,8 @@ def serve_and_trace(items, trace_path: str, steps_path: str, port: int,
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode} before serving")
         else:
             raise RuntimeError("the server did not start")
         with LoadMonitor(proc.pid, server_cpu) as monitor:
@@ -234,7 +245,8 @@ def main(argv=None) -> int:
                          "steps of every batch size (default 20)")
     ap.add_argument("--server-cpu", type=int, default=1, help="core the server runs on")
     ap.add_argument("--client-cpu", type=int, default=0, help="core the load generator uses")
-    ap.add_argument("--port", type=int, default=8321)
+    ap.add_argument("--port", type=int, default=0,
+                    help="the servers' port (default 0: a free one for each run)")
     ap.add_argument("--out", default="docs/results/advisor")
     ap.add_argument("--replay-only", action="store_true",
                     help="do not serve: replay the traces and step logs already in --out")
@@ -268,7 +280,6 @@ def main(argv=None) -> int:
 
     vocab = AutoConfig.from_pretrained(MODEL).vocab_size
     path = lambda name: os.path.join(args.out, name)  # noqa: E731
-    port = args.port
     for seed in seeds:
         c_trace, c_steps = path(f"calibration_trace_seed{seed}.jsonl"), path(
             f"calibration_steps_seed{seed}.jsonl")
@@ -278,8 +289,7 @@ def main(argv=None) -> int:
         else:
             items = workload(args.calibration_requests, args.calibration_rate, seed + 1000,
                              vocab)
-            errors, load = serve_and_trace(items, c_trace, c_steps, port, args.server_cpu)
-            port += 1
+            errors, load = serve_and_trace(items, c_trace, c_steps, args.port, args.server_cpu)
             c_info = {"rate": args.calibration_rate, "errors": errors, "load": load}
         calib = Calibration(read_step_log(c_steps))
         c_info.update(capacity_req_s=calib.capacity(
@@ -296,8 +306,8 @@ def main(argv=None) -> int:
                 errors, load, rate = old["errors"], old["load_monitor"], old["rate"]
             else:
                 errors, load = serve_and_trace(workload(args.num_requests, rate, seed, vocab),
-                                               trace_path, steps_path, port, args.server_cpu)
-                port += 1
+                                               trace_path, steps_path, args.port,
+                                               args.server_cpu)
             records, log = read_trace(trace_path), read_step_log(steps_path)
             real = real_metrics(records, log)
             cpu = turn_cpu_times(log)
