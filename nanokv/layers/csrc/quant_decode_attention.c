@@ -290,6 +290,21 @@ static inline void accumulate_tile(Softmax *s, const float *rows, int64_t stride
             }
             continue;
         }
+        if (D % 32 == 0) {  /* small heads (the shipped model's 32) */
+            const __m512 bias = _mm512_set1_ps(pb);
+            for (int64_t d = 0; d < D; d += 32) {
+                __m512 a0 = _mm512_add_ps(_mm512_loadu_ps(ah + d), bias);
+                __m512 a1 = _mm512_add_ps(_mm512_loadu_ps(ah + d + 16), bias);
+                for (int64_t t = 0; t < n; t++) {
+                    const __m512 p = _mm512_set1_ps(pa[t]);
+                    const float *v = rows + t * stride + d;
+                    a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v), a0);
+                    a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16), a1);
+                }
+                _mm512_storeu_ps(ah + d, a0); _mm512_storeu_ps(ah + d + 16, a1);
+            }
+            continue;
+        }
 #elif defined(__AVX2__) && defined(__FMA__)
         if (D % 32 == 0) {
             const __m256 bias = _mm256_set1_ps(pb);
