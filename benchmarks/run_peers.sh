@@ -11,7 +11,7 @@
 #   long: the long-context preset, where the KV budget and not the weights bounds how many
 #     requests run at once. Model /tmp/qwen3-0.6b-4l-random (make_qwen3_0_6b.py --layers 4:
 #     the Qwen3-0.6B width, heads and vocabulary, 4 layers, 32 KiB of float32 KV per token),
-#     workload "--num-requests 8 --prompt-len 2048 3072 --output-len 384 512 --seed 0"
+#     workload "--num-requests 8 --prompt-len 2048 3072 --output-len 256 384 --seed 0"
 #     (ignore_eos, greedy), one KV budget in bytes for every engine (KV_BYTES, default 268435456
 #     = 256 MiB: 2-3 such requests in float32, all 8 in int8 or 4-bit), MAX_MODEL_LEN 4096,
 #     MAX_NUM_SEQS 8 (= the requests, so it never binds; nanokv's KVQuant store charges one
@@ -71,7 +71,7 @@ case "$PRESET" in
         MODEL="${MODEL:-/tmp/qwen3-0.6b-4l-random}"
         MAKE_MODEL="benchmarks/make_qwen3_0_6b.py --layers 4 --out $MODEL"
         ENGINES="${ENGINES:-vllm nanokv nanokv-int8 nanokv-kvquant4 nanokv-kvquant4-pe2}"
-        DEFAULT_WORKLOAD="--num-requests 8 --prompt-len 2048 3072 --output-len 384 512 --seed 0" ;;
+        DEFAULT_WORKLOAD="--num-requests 8 --prompt-len 2048 3072 --output-len 256 384 --seed 0" ;;
     *) echo "[run_peers] unknown preset '$PRESET' (short, long)" >&2; exit 2 ;;
 esac
 NANOKV_ARGS="${NANOKV_ARGS:-}"
