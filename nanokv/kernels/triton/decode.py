@@ -23,12 +23,7 @@ import triton
 import triton.language as tl
 
 from nanokv.kernels.triton.paged_kv import PagedKV
-from nanokv.kernels.triton.paged_tile import (
-    attend_tile,
-    dot_dtype,
-    load_paged_rows,
-    load_paged_scales,
-)
+from nanokv.kernels.triton.paged_tile import attend_paged_span, dot_dtype
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
@@ -74,22 +69,10 @@ def _decode_split_kernel(
     acc = tl.where(own, 1.0, 0.0) * v_own[None, :] + tl.zeros([G_PAD, D_PAD], tl.float32)
 
     table = table_ptr + b * stride_table
-    for start in range(lo, hi, TILE_N):
-        t = start + tl.arange(0, TILE_N)
-        t_mask = t < hi
-        k = load_paged_rows(k_cache_ptr, table, t, t_mask, kv_head, stride_cb, stride_cs,
-                            stride_ch, d, d_mask, BLOCK_SIZE, KV_FORMAT)
-        v = load_paged_rows(v_cache_ptr, table, t, t_mask, kv_head, stride_cb, stride_cs,
-                            stride_ch, d, d_mask, BLOCK_SIZE, KV_FORMAT)
-        k_scale = 1.0
-        v_scale = 1.0
-        if KV_FORMAT != 0:
-            k_scale = load_paged_scales(k_scale_ptr, table, t, t_mask, kv_head, stride_sb,
-                                        stride_ss, BLOCK_SIZE)
-            v_scale = load_paged_scales(v_scale_ptr, table, t, t_mask, kv_head, stride_sb,
-                                        stride_ss, BLOCK_SIZE)
-        m_i, l_i, acc = attend_tile(q, k, v, k_scale, v_scale, t_mask[None, :], m_i, l_i, acc,
-                                    qk_scale, KV_FORMAT != 0, DOT_DTYPE)
+    m_i, l_i, acc = attend_paged_span(
+        q, m_i, l_i, acc, lo, hi, table, kv_head, k_cache_ptr, v_cache_ptr, stride_cb,
+        stride_cs, stride_ch, k_scale_ptr, v_scale_ptr, stride_sb, stride_ss, d, d_mask,
+        qk_scale, BLOCK_SIZE, TILE_N, KV_FORMAT, DOT_DTYPE)
 
     if DIRECT_OUT:  # one split: the output itself
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -76,6 +76,33 @@ def attend_tile(q, k, v, k_scale, v_scale, col_mask, m_i, l_i, acc, qk_scale,
     return m_new, l_i, acc
 
 
+@triton.jit
+def attend_paged_span(q, m_i, l_i, acc, lo, hi, table_ptr, kv_head, k_cache_ptr, v_cache_ptr,
+                      stride_cb, stride_cs, stride_ch, k_scale_ptr, v_scale_ptr, stride_sb,
+                      stride_ss, d, d_mask, qk_scale, BLOCK_SIZE: tl.constexpr,
+                      TILE_N: tl.constexpr, KV_FORMAT: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Fold a request's cached tokens [lo, hi) (block-table row at table_ptr, one KV head), read
+    in place tile by tile, into the online softmax of rows q [R, D_PAD], all of which see every
+    one of them (decode's split, prefill's cached prefix). Returns (m_i, l_i, acc)."""
+    for start in range(lo, hi, TILE_N):
+        t = start + tl.arange(0, TILE_N)
+        t_mask = t < hi
+        k = load_paged_rows(k_cache_ptr, table_ptr, t, t_mask, kv_head, stride_cb, stride_cs,
+                            stride_ch, d, d_mask, BLOCK_SIZE, KV_FORMAT)  # [TILE_N, D_PAD]
+        v = load_paged_rows(v_cache_ptr, table_ptr, t, t_mask, kv_head, stride_cb, stride_cs,
+                            stride_ch, d, d_mask, BLOCK_SIZE, KV_FORMAT)
+        k_scale = 1.0
+        v_scale = 1.0
+        if KV_FORMAT != 0:
+            k_scale = load_paged_scales(k_scale_ptr, table_ptr, t, t_mask, kv_head, stride_sb,
+                                        stride_ss, BLOCK_SIZE)
+            v_scale = load_paged_scales(v_scale_ptr, table_ptr, t, t_mask, kv_head, stride_sb,
+                                        stride_ss, BLOCK_SIZE)
+        m_i, l_i, acc = attend_tile(q, k, v, k_scale, v_scale, t_mask[None, :], m_i, l_i, acc,
+                                    qk_scale, KV_FORMAT != 0, DOT_DTYPE)
+    return m_i, l_i, acc
+
+
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
