@@ -128,7 +128,7 @@ def test_client_aborts_are_traced_and_replay_exactly(tiny_llama, tmp_path):
     streamed, queued, last = records
     for r in (streamed, queued):
         assert r.aborted and r.max_tokens == 150
-        assert r.t < r.abort_t <= r.t + r.e2e_s + 1e-6
+        assert r.t < r.abort_t <= r.t + r.e2e_s + 1e-5  # each rounded to 1 us
         assert r.step <= r.abort_step <= log[-1].step
     assert 6 <= streamed.output_len < 150 and streamed.step < streamed.abort_step
     assert queued.output_len == 0 and queued.ttft_s is None
