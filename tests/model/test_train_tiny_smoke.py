@@ -23,7 +23,8 @@ def trained(tmp_path_factory) -> Path:
            "--out", str(out), "--steps", "3", "--max-minutes", "2", "--lengths", "512",
            "--tokens-per-step", "1024", "--induction-warmup", "1", "--induction-len", "32",
            "--early-needle-frac", "0.5", "--passkey-format", "trained",
-           "--eval-formats", "held_out,story/pass_key", "--eval-every", "100000", "--final-samples", "1",
+           "--eval-formats", "held_out,story/pass_key", "--eval-every", "100000",
+           "--final-samples", "1",
            "--threads", "2", "--vocab", "512", "--hidden", "32", "--intermediate", "64",
            "--layers", "2", "--heads", "2", "--kv-heads", "1", "--head-dim", "16"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -23,9 +23,8 @@ import triton
 import triton.language as tl
 
 from nanokv.kernels.triton.paged_kv import PagedKV
-from nanokv.kernels.triton.paged_tile import attend_paged_span, dot_dtype
+from nanokv.kernels.triton.paged_tile import LOG2E, attend_paged_span, dot_dtype
 
-LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
 _PER_STEP = ["table_ptr", "stride_table", "context_ptr", "stride_context", "num_splits"]
 

@@ -19,6 +19,8 @@ from nanokv.kernels.triton.codes import code_values
 
 interpreter_compat.apply()  # the kernels' runtime loop bounds under TRITON_INTERPRET=1
 
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E): the kernels' softmax runs in base 2
+
 
 @triton.jit
 def load_paged_rows(cache_ptr, table_ptr, t, t_mask, kv_head, stride_cb, stride_cs, stride_ch,

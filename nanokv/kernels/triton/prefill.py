@@ -18,9 +18,8 @@ import triton
 import triton.language as tl
 
 from nanokv.kernels.triton.paged_kv import PagedKV
-from nanokv.kernels.triton.paged_tile import attend_paged_span, attend_tile, dot_dtype
+from nanokv.kernels.triton.paged_tile import LOG2E, attend_paged_span, attend_tile, dot_dtype
 
-LOG2E = 1.4426950408889634
 # per-step values (where the packed step tensors sit, the tables' width): not specialised on
 _PER_STEP = ["table_ptr", "stride_table", "query_start_ptr", "query_len_ptr", "context_ptr"]
 
