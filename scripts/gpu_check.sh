@@ -12,6 +12,8 @@
 #   bench_{256,64}[_eager] nano-vLLM's benchmark shape (random prompts 100-1024, outputs
 #                          100-1024, ignore_eos, greedy, bf16) with graphs / --enforce-eager
 #   profile                torch profiler over 3 decode steps at 256 running, graphs and eager
+#   triton_bench           one layer's decode + prefill step, Triton backend vs PyTorch backend
+#                          (float pool, int8, fp8; benchmarks/bench_triton_attention.py)
 #   suite                  the whole test suite on CUDA (CUDA-only tests first)
 # Results are recorded in docs/results/gpu/ with the machine, command and date.
 set -uo pipefail
@@ -50,7 +52,9 @@ bench bench_256_eager 75 256 --enforce-eager
 bench bench_64 30 64
 bench bench_64_eager 30 64 --enforce-eager
 stage profile 40 $PY scripts/gpu_profile_decode.py --model "$MODEL" --out "$OUT"
-stage suite 95 $PY -m pytest -p no:cacheprovider --continue-on-collection-errors -rfE \
+stage triton_bench 25 $PY benchmarks/bench_triton_attention.py --device cuda --repeats 5 \
+  --out "$OUT"
+stage suite 70 $PY -m pytest -p no:cacheprovider --continue-on-collection-errors -rfE \
   tests/cuda tests/unit/test_triton_attention.py tests/model/test_hf_parity.py \
   tests/model/test_decode_graphs.py tests/unit tests/model tests/e2e
 
