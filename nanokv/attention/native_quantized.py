@@ -51,6 +51,13 @@ def pertoken_format(store) -> str | None:
     return None
 
 
+def _halves_equal(table: torch.Tensor) -> bool:
+    """Whether a rotate-half cos / sin table [positions, rot_dim] repeats its first half (as
+    `cat(freqs, freqs)` makes it): the kernel then reads that half only."""
+    half = table.shape[-1] // 2
+    return bool(torch.equal(table[:, :half], table[:, half:]))
+
+
 # stores read by block table (per-block statistics, partial blocks staged)
 BLOCK_TABLE_STORES = (KVQuantStore, KIVIStore)
 
@@ -226,5 +233,6 @@ class NativeQuantizedBackend(AttentionBackend):
             sparse_kind=ELEMENT_KINDS[buf[f"k_oval{layer}"].dtype],
             staging_kind=ELEMENT_KINDS[buf["staging_k"].dtype],
             rot_dim=0 if cos is None else cos.shape[-1], block_size=store.block_size,
-            num_q_heads=num_q_heads, num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim)
+            num_q_heads=num_q_heads, num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim,
+            rope_halves_equal=int(cos is not None and _halves_equal(cos) and _halves_equal(sin)))
 

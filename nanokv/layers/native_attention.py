@@ -91,7 +91,9 @@ def build_library(source_path: Path = SOURCE) -> ctypes.CDLL:
     """Compile a C source of csrc/ (once per source, flags and CPU; cached) and load it."""
     cc = shlex.split(os.environ.get("CC", "cc"))
     source = source_path.read_bytes()
-    key = hashlib.sha256(source + " ".join(cc + FLAGS).encode() + _cpu_key().encode())
+    # the headers next to it are part of what is built (a changed header rebuilds the library)
+    headers = b"".join(h.read_bytes() for h in sorted(source_path.parent.glob("*.h")))
+    key = hashlib.sha256(source + headers + " ".join(cc + FLAGS).encode() + _cpu_key().encode())
     cache = Path(os.environ.get("NANOKV_CACHE_DIR", Path.home() / ".cache" / "nanokv"))
     target = cache / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
     if not target.exists():

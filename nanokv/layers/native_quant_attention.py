@@ -55,7 +55,7 @@ class KVQuantLayer(ctypes.Structure):
                 ("sin", _p),
                 ("num_sinks", _i64), ("sparse_kind", _i64), ("staging_kind", _i64),
                 ("rot_dim", _i64), ("block_size", _i64), ("num_q_heads", _i64),
-                ("num_kv_heads", _i64), ("head_dim", _i64)]
+                ("num_kv_heads", _i64), ("head_dim", _i64), ("rope_halves_equal", _i64)]
 
 
 def load_quant_kernels() -> ctypes.CDLL:

@@ -226,7 +226,13 @@ def _select_outliers(x: torch.Tensor, valid: torch.Tensor, per_channel: bool, ca
         flat = score.permute(0, 2, 1, 3).reshape(n, heads, bsz * dim)  # [n, H, B * D]
         val, idx = flat.topk(min(side, bsz * dim), dim=-1)
         picks.append(torch.where(torch.isinf(val), -1, idx))
-    return torch.cat(picks, dim=-1)  # [n, H, capacity]
+    # an element picked from both ends (ties, as in a constant row) is listed once: every entry
+    # is unique, so a kernel may add each entry's correction without checking for repeats
+    top, bottom = picks
+    listed = torch.zeros(n, heads, bsz * dim + 1, dtype=torch.bool, device=x.device)
+    listed.scatter_(-1, torch.where(top < 0, bsz * dim, top), True)
+    again = listed.gather(-1, torch.where(bottom < 0, bsz * dim, bottom)) & (bottom >= 0)
+    return torch.cat([top, bottom.masked_fill(again, -1)], dim=-1)  # [n, H, capacity]
 
 
 def _index_mask(index: torch.Tensor, shape: torch.Size) -> torch.Tensor:

@@ -230,3 +230,22 @@ def test_engine_decodes_through_the_kernels_equal_the_reference(tiny_model, monk
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert type(llm.engine.attention_backend) is NativeQuantizedBackend
     assert sum(checked) > 0 and all(len(o.token_ids) == 12 for o in outs)
+
+
+def test_kernels_without_avx512_equal_the_reference(tmp_path):
+    """The same checks with the library built without AVX-512 (`CC="cc -mno-avx512f"`): the plain
+    C paths every CPU builds (the block path and the AVX-512 lookups are left out), in a fresh
+    process with its own kernel cache."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, CC="cc -mno-avx512f", NANOKV_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+         "-k", "test_decode_equals_dequantize_then_dense and (kvquant or int8) and not hq-4"],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout
+    built = list(tmp_path.glob("quant_decode_attention-*.so"))
+    assert built, "the kernel was not built in the test's cache"

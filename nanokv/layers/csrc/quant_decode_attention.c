@@ -25,7 +25,11 @@
  *   kvquant_decode_attention   KVQuant's packed 2/3/4/8-bit codes (`nanokv.quant.kvquant_store`):
  *                              per-channel (per block) or per-token statistics in fp16, a
  *                              codebook (uniform or nuq) as a table, sparse outliers, sink
- *                              slots, the partial block's keys from staging; by block table
+ *                              slots, the partial block's keys from staging; by block table.
+ *                              AVX-512 builds take KVQuant's common layout a block at a time
+ *                              with the codes decoded in registers and outliers and sinks as
+ *                              corrections (kvquant_block_avx512.h); other layouts and builds
+ *                              a row at a time (kvquant_row_block)
  * q, out: [B, Hq, D] (q already multiplied by the softmax scale); k_new, v_new: [B, Hkv, D], the
  * step's own token of each request (keys after RoPE). Return: 0, or -1 when scratch allocation
  * failed. */
@@ -523,6 +527,8 @@ typedef struct {
     const float *cos, *sin;        /* [positions, rot_dim] */
     int64_t num_sinks, sparse_kind, staging_kind, rot_dim;
     int64_t block_size, num_q_heads, num_kv_heads, head_dim;
+    int64_t rope_halves_equal;     /* cos[:, d] == cos[:, d + R/2] and so for sin (rotate-half
+                                      tables: cat(freqs, freqs)) */
 } KVQuantLayer;
 
 static inline void unpack_codes(const uint8_t *p, int64_t bits, int64_t D, uint8_t *c) {
@@ -796,14 +802,63 @@ static void value_head(const KVQuantLayer *L, int64_t blk, int64_t t, int64_t h,
     *b = off;
 }
 
+/* one block (its first n slots) of a request's attention, a row at a time: every layout the
+ * stores have (staged keys, per-token keys, value groups, partial RoPE, 8-bit codes); the
+ * reference of the block path */
+static void kvquant_row_block(const KVQuantLayer *L, int64_t blk, int64_t len, const float *qb,
+                              Softmax *s, KVQuantScratch *w) {
+    const int64_t Hkv = L->num_kv_heads, D = L->head_dim, B = L->block_size;
+    const int64_t group = L->num_q_heads / Hkv;
+    const int64_t staged = L->k.per_channel ? L->staging_index[blk] : -1;
+    if (L->k.per_channel && staged < 0) key_block_setup(L, blk, w);
+    for (int64_t t0 = 0; t0 < len; t0 += TILE) {
+        const int64_t n = len - t0 < TILE ? len - t0 : TILE;
+        const int64_t ahead = len - t0 - n < TILE ? len - t0 - n : TILE;
+        for (int64_t g = 0; g < Hkv; g++) {
+            for (int64_t t = 0; t < ahead; t++) {
+                const int64_t i = (blk * B + t0 + n + t) * Hkv + g;
+                prefetch_rows(L->k.codes + i * L->k.packed, L->k.packed);
+                prefetch_rows(L->v.codes + i * L->v.packed, L->v.packed);
+                if (L->rot_dim && g == 0) {  /* the next tile's RoPE rows */
+                    int64_t pos = L->slot_positions[blk * B + t0 + n + t];
+                    pos = pos < 0 ? 0 : pos;
+                    const int64_t bytes = L->rot_dim * (int64_t)sizeof(float);
+                    prefetch_rows((const uint8_t *)(L->cos + pos * L->rot_dim), bytes);
+                    prefetch_rows((const uint8_t *)(L->sin + pos * L->rot_dim), bytes);
+                }
+            }
+            for (int64_t t = 0; t < n; t++) {
+                int64_t pos = L->rot_dim ? L->slot_positions[blk * B + t0 + t] : 0;
+                pos = pos < 0 ? 0 : pos;
+                key_head(L, blk, t0 + t, g, staged, pos, s->kt + t * D, w);
+            }
+            head_tile_keys(s, qb, g, group, n, D);
+            for (int64_t t = 0; t < n; t++)
+                value_head(L, blk, t0 + t, g, staged, s->vt + t * D, s->va + t, s->vb + t, w);
+            accumulate_tile(s, s->vt, D, g * group, group, n, D);
+        }
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include "kvquant_block_avx512.h"
+#define HAVE_BLOCK_PATH 1
+#else
+#define HAVE_BLOCK_PATH 0
+#endif
+
 /* Request b's cached slots: the first past[b] slots of its blocks blk_ids[blk_ptr[b] ..
- * blk_ptr[b + 1]). */
+ * blk_ptr[b + 1]). Blocks go through the block path where it fits (AVX-512 builds; the layout
+ * of `block_path_fits`; keys not staged), else a row at a time. */
 int kvquant_decode_attention(const KVQuantLayer *L, const float *q, const float *k_new,
                              const float *v_new, float *out, const int64_t *blk_ptr,
                              const int64_t *blk_ids, const int64_t *past, int64_t num_requests) {
     const int64_t Hq = L->num_q_heads, Hkv = L->num_kv_heads, D = L->head_dim;
-    const int64_t B = L->block_size, row = Hkv * D, group = Hq / Hkv;
+    const int64_t B = L->block_size, row = Hkv * D;
     const int64_t ocap = L->k.per_channel ? Hkv * L->k.cap : 0;
+#if HAVE_BLOCK_PATH
+    const int block_path = block_path_fits(L);
+#endif
     int failed = 0;
     #pragma omp parallel
     {
@@ -816,8 +871,13 @@ int kvquant_decode_attention(const KVQuantLayer *L, const float *q, const float 
         w.next = malloc(sizeof(int64_t) * (ocap + 1));
         w.o_ch = malloc(sizeof(int64_t) * (ocap + 1));
         w.o_val = malloc(sizeof(float) * (ocap + 1));
-        if (!softmax_alloc(&s, Hq, D) || !w.codes || !w.k_off || !w.k_half || !w.first
-                || !w.next || !w.o_ch || !w.o_val) {
+        int ok = softmax_alloc(&s, Hq, D) && w.codes && w.k_off && w.k_half && w.first && w.next
+                 && w.o_ch && w.o_val;
+#if HAVE_BLOCK_PATH
+        BlockScratch bw = {0};
+        if (block_path) ok = block_scratch_alloc(&bw, Hkv, Hq / Hkv, B, D) && ok;
+#endif
+        if (!ok) {
             #pragma omp atomic write
             failed = 1;
         }
@@ -830,36 +890,15 @@ int kvquant_decode_attention(const KVQuantLayer *L, const float *q, const float 
                 const int64_t blk = blk_ids[j], first_slot = (j - blk_ptr[b]) * B;
                 const int64_t len = past[b] - first_slot < B ? past[b] - first_slot : B;
                 if (len <= 0) break;
-                const int64_t staged = L->k.per_channel ? L->staging_index[blk] : -1;
-                if (L->k.per_channel && staged < 0) key_block_setup(L, blk, &w);
-                for (int64_t t0 = 0; t0 < len; t0 += TILE) {
-                    const int64_t n = len - t0 < TILE ? len - t0 : TILE;
-                    const int64_t ahead = len - t0 - n < TILE ? len - t0 - n : TILE;
-                    for (int64_t g = 0; g < Hkv; g++) {
-                        for (int64_t t = 0; t < ahead; t++) {
-                            const int64_t i = (blk * B + t0 + n + t) * Hkv + g;
-                            prefetch_rows(L->k.codes + i * L->k.packed, L->k.packed);
-                            prefetch_rows(L->v.codes + i * L->v.packed, L->v.packed);
-                            if (L->rot_dim && g == 0) {  /* the next tile's RoPE rows */
-                                int64_t pos = L->slot_positions[blk * B + t0 + n + t];
-                                pos = pos < 0 ? 0 : pos;
-                                const int64_t bytes = L->rot_dim * (int64_t)sizeof(float);
-                                prefetch_rows((const uint8_t *)(L->cos + pos * L->rot_dim), bytes);
-                                prefetch_rows((const uint8_t *)(L->sin + pos * L->rot_dim), bytes);
-                            }
-                        }
-                        for (int64_t t = 0; t < n; t++) {
-                            int64_t pos = L->rot_dim ? L->slot_positions[blk * B + t0 + t] : 0;
-                            pos = pos < 0 ? 0 : pos;
-                            key_head(L, blk, t0 + t, g, staged, pos, s.kt + t * D, &w);
-                        }
-                        head_tile_keys(&s, qb, g, group, n, D);
-                        for (int64_t t = 0; t < n; t++)
-                            value_head(L, blk, t0 + t, g, staged, s.vt + t * D, s.va + t,
-                                       s.vb + t, &w);
-                        accumulate_tile(&s, s.vt, D, g * group, group, n, D);
-                    }
+#if HAVE_BLOCK_PATH
+                if (block_path && L->staging_index[blk] < 0) {
+                    const int64_t next = j + 1 < blk_ptr[b + 1] && past[b] > first_slot + B
+                                         ? blk_ids[j + 1] : -1;
+                    kvquant_block_fast(L, blk, next, len, qb, &s, &bw);
+                    continue;
                 }
+#endif
+                kvquant_row_block(L, blk, len, qb, &s, &w);
             }
             attend_fresh(&s, qb, k_new + b * row, v_new + b * row, Hq, Hkv, D);
             softmax_finish(&s, out + b * Hq * D, Hq, D);
@@ -867,6 +906,9 @@ int kvquant_decode_attention(const KVQuantLayer *L, const float *q, const float 
         softmax_free(&s);
         free(w.codes); free(w.k_off); free(w.k_half); free(w.first); free(w.next);
         free(w.o_ch); free(w.o_val);
+#if HAVE_BLOCK_PATH
+        if (block_path) block_scratch_free(&bw);
+#endif
     }
     return failed ? -1 : 0;
 }

@@ -1,0 +1,445 @@
+/* KVQuant decode attention over a whole block and one KV head at a time, the codes decoded in
+ * registers: the fast path of `kvquant_decode_attention` (AVX-512F/BW). Included by
+ * quant_decode_attention.c after its Softmax, sum16, exp512, the scalar decodes, KVQuantLayer and
+ * rope_head, which it uses; the reference for every result is that file's per-row path
+ * (`kvquant_row_block`), itself checked against dequantize-then-dense.
+ *
+ * The case it takes: per-channel keys (per-block statistics) rotated over the whole head or not
+ * at all, per-token values with one statistic per (slot, head), codes of 2, 3 or 4 bits, head_dim
+ * a multiple of 32, a block whose keys are not staged. Per (block, KV head):
+ *   1. keys: a slot's row is looked up, mapped by the block's per-channel statistics and rotated,
+ *      16 channels and their RoPE partners at a time, in registers, and dotted with the group's
+ *      queries; the dot products of 16 slots are reduced together (sum16);
+ *   2. outliers enter as corrections of the scores they touch: (exact - decoded value) times that
+ *      channel's coefficient in q . RoPE(k) (RoPE is linear); a sink slot's score is recomputed
+ *      from its full-precision row;
+ *   3. the online softmax over the block's scores at once;
+ *   4. values: P @ (lut[codes] * half_t + off_t) = (P * half_t) @ lut[codes] + P . off_t, 32
+ *      channels of up to 8 query heads held in registers across the block's slots;
+ *   5. value outliers and sink rows as corrections of the accumulators.
+ * No decoded row goes to memory and nothing branches per element. */
+
+#define FAST_MAX_HEADS 8 /* query heads whose accumulators are held in registers at once */
+
+typedef struct {
+    float *scores;         /* [Hq, B]: a head's scores of the block's slots, then its P */
+    float *pa;             /* [group, B]: P * the slot's value half-range (0 at a sink slot) */
+    float *k_off, *k_half; /* [Hkv, D]: the block's key statistics */
+    float *row;            /* [D]: a sink's full-precision row */
+    float *v_half, *v_off; /* [B]: the value statistics of the KV head's slots */
+    float *live;           /* [B]: 0 at a sink slot (its row is added apart), else 1 */
+    __m512 *dots;          /* [Hkv * FAST_MAX_HEADS, 16]: one tile's per-slot dot vectors */
+    int16_t *sink_at;      /* [B]: the sink entry of each slot, -1 none */
+} BlockScratch;
+
+static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int64_t B,
+                               int64_t D) {
+    w->scores = malloc(sizeof(float) * Hkv * group * B);
+    w->pa = malloc(sizeof(float) * group * B);
+    w->k_off = malloc(sizeof(float) * Hkv * D);
+    w->k_half = malloc(sizeof(float) * Hkv * D);
+    w->row = malloc(sizeof(float) * D);
+    w->v_half = malloc(sizeof(float) * B);
+    w->v_off = malloc(sizeof(float) * B);
+    w->live = malloc(sizeof(float) * B);
+    w->dots = aligned_alloc(64, sizeof(__m512) * Hkv * FAST_MAX_HEADS * 16);
+    w->sink_at = malloc(sizeof(int16_t) * B);
+    if (w->sink_at) for (int64_t t = 0; t < B; t++) w->sink_at[t] = -1;
+    return w->scores && w->pa && w->k_off && w->k_half && w->row && w->v_half && w->v_off
+           && w->live
+           && w->dots && w->sink_at;
+}
+
+static void block_scratch_free(BlockScratch *w) {
+    free(w->scores); free(w->pa); free(w->k_off); free(w->k_half); free(w->row); free(w->v_half);
+    free(w->v_off); free(w->live); free(w->dots);
+    free(w->sink_at);
+}
+
+/* is the block path valid for this layer (the staging of a block is checked per block) */
+static int block_path_fits(const KVQuantLayer *L) {
+    const KVQuantSide *K = &L->k, *V = &L->v;
+    const int64_t D = L->head_dim, R = L->rot_dim;
+    return K->per_channel && !V->per_channel && V->groups == 1 && K->bits >= 2 && K->bits <= 4
+           && V->bits >= 2 && V->bits <= 4 && D % 32 == 0 && (R == D || R == 0)
+           && L->staging_v == NULL && L->num_q_heads % L->num_kv_heads == 0;
+}
+
+/* the codes of channels [c0, c0 + 16) of a packed row, one per 32-bit lane (c0 % 16 == 0) */
+static inline __m512i codes16(const uint8_t *p, int64_t bits, int64_t c0) {
+    if (bits == 4) {  /* 8 bytes, channel 2i in the low nibble */
+        uint64_t w;
+        memcpy(&w, p + c0 / 2, sizeof w);
+        const __m128i b = _mm_cvtsi64_si128((long long)w), low4 = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+        return _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+    }
+    if (bits == 2) {  /* a 32-bit word, channel j at bits 2j */
+        uint32_t w;
+        memcpy(&w, p + c0 / 4, sizeof w);
+        const __m512i shift = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                                28, 30);
+        return _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)w), shift),
+                                _mm512_set1_epi32(3));
+    }
+    /* 3 bits: two 24-bit little-endian words of eight codes */
+    const uint8_t *b = p + c0 / 8 * 3;
+    const uint32_t w0 = b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16;
+    const uint32_t w1 = b[3] | (uint32_t)b[4] << 8 | (uint32_t)b[5] << 16;
+    const __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32((int)w0)),
+                                             _mm256_set1_epi32((int)w1), 1);
+    const __m512i shift = _mm512_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21, 0, 3, 6, 9, 12, 15, 18,
+                                            21);
+    return _mm512_and_si512(_mm512_srlv_epi32(words, shift), _mm512_set1_epi32(7));
+}
+
+/* one code of a packed row (the layouts of codes16 and unpack_codes) */
+static inline int code_at(const uint8_t *p, int64_t bits, int64_t ch) {
+    if (bits == 4) return (p[ch / 2] >> (4 * (ch & 1))) & 15;
+    if (bits == 2) return (p[ch / 4] >> (2 * (ch & 3))) & 3;
+    const uint8_t *b = p + ch / 8 * 3;
+    const uint32_t w = b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16;
+    return (w >> (3 * (ch & 7))) & 7;
+}
+
+static inline __m512 lut16(const float *lut, int64_t bits) {
+    float t16[16] = {0};
+    memcpy(t16, lut, sizeof(float) << bits);
+    return _mm512_loadu_ps(t16);
+}
+
+/* scores[h * B + t] = q_h . RoPE_pos(t)(lut[codes] * half + off) for the query heads
+ * h = g * group + hh, hh in [h0, h0 + nh), of every KV head g and the block's first n slots.
+ * Slot-major, as the codes lie ([B, Hkv, packed]): one slot's rows of all heads, then the next
+ * (the hardware prefetchers follow that), its RoPE rows read once for all heads; the value rows
+ * are prefetched 16 slots ahead for the per-head value pass. Always inlined with a constant nh
+ * at its call sites, so the dot accumulators stay in registers. */
+static inline __attribute__((always_inline)) void block_key_dots(
+        const KVQuantLayer *L, int64_t blk, int64_t next_blk, int64_t n, const float *qb,
+        int64_t h0, const int nh, BlockScratch *w) {
+    const KVQuantSide *K = &L->k, *V = &L->v;
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
+    const int64_t m = D / 2, bits = K->bits, group = L->num_q_heads / Hkv;
+    /* cos / sin rows of rotate-half tables repeat their first half: read that half only */
+    const int64_t hi = L->rope_halves_equal ? 0 : m;
+    const __m512 lut = lut16(K->lut, bits);
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+        const int64_t nt = n - t0 < 16 ? n - t0 : 16;
+        for (int64_t t = t0; t < t0 + nt; t++) {
+            const int64_t ahead = t + 16 < n ? blk * B + t + 16
+                                  : (next_blk >= 0 ? next_blk * B + t + 16 - n : -1);
+            if (ahead >= 0) prefetch_rows(V->codes + ahead * Hkv * V->packed, Hkv * V->packed);
+            int64_t pos = R ? L->slot_positions[blk * B + t] : 0;
+            pos = pos < 0 ? 0 : pos;
+            const float *cs = L->cos + pos * R, *sn = L->sin + pos * R;
+            for (int64_t g = 0; g < Hkv; g++) {
+                const uint8_t *row = K->codes + ((blk * B + t) * Hkv + g) * K->packed;
+                const float *half = w->k_half + g * D, *off = w->k_off + g * D;
+                const float *q0 = qb + (g * group + h0) * D;
+                __m512 acc[FAST_MAX_HEADS];
+                for (int hh = 0; hh < nh; hh++) acc[hh] = _mm512_setzero_ps();
+                for (int64_t j = 0; j < m; j += 16) {
+                    __m512 a = _mm512_fmadd_ps(_mm512_permutexvar_ps(codes16(row, bits, j), lut),
+                                               _mm512_loadu_ps(half + j), _mm512_loadu_ps(off + j));
+                    __m512 b = _mm512_fmadd_ps(
+                        _mm512_permutexvar_ps(codes16(row, bits, j + m), lut),
+                        _mm512_loadu_ps(half + j + m), _mm512_loadu_ps(off + j + m));
+                    if (R) {  /* rotate-half: (a, b) -> (a cos - b sin, b cos + a sin) */
+                        const __m512 ra = _mm512_fnmadd_ps(
+                            b, _mm512_loadu_ps(sn + j), _mm512_mul_ps(a, _mm512_loadu_ps(cs + j)));
+                        b = _mm512_fmadd_ps(a, _mm512_loadu_ps(sn + j + hi),
+                                            _mm512_mul_ps(b, _mm512_loadu_ps(cs + j + hi)));
+                        a = ra;
+                    }
+                    for (int hh = 0; hh < nh; hh++) {
+                        const float *qh = q0 + hh * D;
+                        acc[hh] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + j), a, acc[hh]);
+                        acc[hh] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + j + m), b, acc[hh]);
+                    }
+                }
+                for (int hh = 0; hh < nh; hh++) w->dots[(g * nh + hh) * 16 + (t - t0)] = acc[hh];
+            }
+        }
+        for (int64_t g = 0; g < Hkv; g++)
+            for (int hh = 0; hh < nh; hh++) {
+                __m512 *v = w->dots + (g * nh + hh) * 16;
+                for (int64_t t = nt; t < 16; t++) v[t] = _mm512_setzero_ps();
+                float sums[16];
+                _mm512_storeu_ps(sums, sum16(v));
+                memcpy(w->scores + (g * group + h0 + hh) * B + t0, sums, sizeof(float) * nt);
+            }
+    }
+}
+
+/* the group's query heads [h0, h0 + nh) of KV head g, nh <= FAST_MAX_HEADS, for the block's
+ * first n slots: acc_h += sum_t pa[h, t] * lut[codes_t] + pb[h] (32 channels at a time) */
+static inline __attribute__((always_inline)) void block_values(
+        const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n, float *acc0, int64_t h0,
+        const int nh, const float *pb, const BlockScratch *w) {
+    const KVQuantSide *V = &L->v;
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, bits = V->bits;
+    const __m512 lut = lut16(V->lut, bits);
+    const uint8_t *rows = V->codes + ((blk * B) * Hkv + g) * V->packed;
+    const int64_t stride = Hkv * V->packed;
+    for (int64_t d = 0; d < D; d += 32) {
+        __m512 a0[FAST_MAX_HEADS], a1[FAST_MAX_HEADS];
+        for (int hh = 0; hh < nh; hh++) {
+            const __m512 bias = _mm512_set1_ps(pb[h0 + hh]);
+            a0[hh] = _mm512_add_ps(_mm512_loadu_ps(acc0 + hh * D + d), bias);
+            a1[hh] = _mm512_add_ps(_mm512_loadu_ps(acc0 + hh * D + d + 16), bias);
+        }
+        for (int64_t t = 0; t < n; t++) {
+            const uint8_t *row = rows + t * stride;
+            const __m512 v0 = _mm512_permutexvar_ps(codes16(row, bits, d), lut);
+            const __m512 v1 = _mm512_permutexvar_ps(codes16(row, bits, d + 16), lut);
+            for (int hh = 0; hh < nh; hh++) {
+                const __m512 p = _mm512_set1_ps(w->pa[(h0 + hh) * B + t]);
+                a0[hh] = _mm512_fmadd_ps(p, v0, a0[hh]);
+                a1[hh] = _mm512_fmadd_ps(p, v1, a1[hh]);
+            }
+        }
+        for (int hh = 0; hh < nh; hh++) {
+            _mm512_storeu_ps(acc0 + hh * D + d, a0[hh]);
+            _mm512_storeu_ps(acc0 + hh * D + d + 16, a1[hh]);
+        }
+    }
+}
+
+#define BLOCK_HEADS_DISPATCH(call, nh) \
+    switch (nh) {                      \
+    case 1: call(1); break;            \
+    case 2: call(2); break;            \
+    case 4: call(4); break;            \
+    case 8: call(8); break;            \
+    default: call(nh); break;          \
+    }
+
+/* the coefficient of pre-RoPE key channel ch in q . RoPE(k) (rotate-half over R channels):
+ * q[ch] cos[ch] + q[ch + m] sin[ch + m] in the first half, q[ch] cos[ch] - q[ch - m] sin[ch - m]
+ * in the second; without a branch (which half an outlier falls in is a coin toss) */
+static inline float rope_coefficient(const float *qh, const float *cs, const float *sn,
+                                     int64_t ch, int64_t R) {
+    if (!R) return qh[ch];
+    const int64_t m = R / 2;
+    return ch < m ? qh[ch] * cs[ch] + qh[ch + m] * sn[ch + m]
+                  : qh[ch] * cs[ch] - qh[ch - m] * sn[ch - m];
+}
+
+/* float16 -> float32 (F16C where built with it) */
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    return f16_to_f32(h);
+#endif
+}
+
+/* load_index / load_any with the element size or kind a constant at the inlined call sites */
+static inline __attribute__((always_inline)) int64_t index_at(const void *p, int64_t i,
+                                                              const int64_t bytes) {
+    if (bytes == 1) return ((const uint8_t *)p)[i];
+    if (bytes == 2) return ((const int16_t *)p)[i];
+    return ((const int32_t *)p)[i];
+}
+
+static inline __attribute__((always_inline)) float element_at(const void *p, int64_t i,
+                                                              const int64_t kind) {
+    if (kind == 0) return half_to_float(((const uint16_t *)p)[i]);
+    if (kind == 1) return bf16_to_f32(((const uint16_t *)p)[i]);
+    return ((const float *)p)[i];
+}
+
+/* The store lists every outlier once (`nanokv.quant.kvquant._select_outliers`), so each entry's
+ * correction is added as it comes. */
+
+/* the block's key outliers of head g as score corrections */
+static inline __attribute__((always_inline)) void key_outliers(
+        const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n, const float *restrict q0,
+        int64_t group, float *restrict sg, const BlockScratch *w, const int64_t idx_bytes,
+        const int64_t kind) {
+    const KVQuantSide *K = &L->k;
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
+    const int64_t base = (blk * Hkv + g) * K->cap, limit = n * D;
+    const int d_shift = __builtin_ctzll((unsigned long long)D);
+    const int d_pow2 = (D & (D - 1)) == 0;  /* slot and channel of an index by a shift */
+    const float *half = w->k_half + g * D, *off = w->k_off + g * D;
+    const uint8_t *rows = K->codes + (blk * B * Hkv + g) * K->packed;
+    const int64_t stride = Hkv * K->packed;
+    for (int64_t j = 0; j < K->cap; j++) {
+        const int64_t idx = index_at(K->oidx, base + j, idx_bytes);
+        if (idx < 0 || idx >= limit) continue;
+        const int64_t t = d_pow2 ? idx >> d_shift : idx / D;
+        const int64_t ch = idx - t * D;
+        const float decoded = fmaf(K->lut[code_at(rows + t * stride, K->bits, ch)], half[ch],
+                                   off[ch]);
+        const float delta = element_at(K->oval, base + j, kind) - decoded;
+        int64_t pos = R ? L->slot_positions[blk * B + t] : 0;
+        pos = pos < 0 ? 0 : pos;
+        const float *cs = L->cos + pos * R, *sn = L->sin + pos * R;
+        for (int64_t hh = 0; hh < group; hh++)
+            sg[hh * B + t] += delta * rope_coefficient(q0 + hh * D, cs, sn, ch, R);
+    }
+}
+
+/* the block's key outliers of head g as score corrections, then its sink slots' exact scores */
+static void block_key_fixes(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
+                            const float *q0, int64_t group, float *sg, BlockScratch *w) {
+    const KVQuantSide *K = &L->k;
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
+    if (K->idx_bytes == 2 && L->sparse_kind == 0)  /* int16 indices, float16 values */
+        key_outliers(L, blk, g, n, q0, group, sg, w, 2, 0);
+    else
+        key_outliers(L, blk, g, n, q0, group, sg, w, K->idx_bytes, L->sparse_kind);
+    for (int64_t p = 0; p < L->num_sinks; p++) {
+        const int64_t t = L->sink_slot[blk * L->num_sinks + p];
+        if (t < 0 || t >= n) continue;
+        load_head(w->row, K->sink, ((blk * L->num_sinks + p) * Hkv + g) * D, D, L->sparse_kind);
+        if (R) {
+            int64_t pos = L->slot_positions[blk * B + t];
+            pos = pos < 0 ? 0 : pos;
+            rope_head(w->row, L->cos + pos * R, L->sin + pos * R, R);
+        }
+        for (int64_t hh = 0; hh < group; hh++)
+            sg[hh * B + t] = dot(q0 + hh * D, w->row, D);
+    }
+}
+
+/* the online softmax of heads [h, h + group) over the block's n scores; scores become P */
+static void block_softmax(Softmax *s, int64_t h, int64_t group, int64_t n, int64_t B,
+                          int64_t D, float *sg) {
+    for (int64_t hh = 0; hh < group; hh++) {
+        float *sc = sg + hh * B;
+        __m512 vmax = _mm512_set1_ps(s->m[h + hh]);
+        for (int64_t t = 0; t < n; t += 16) {
+            const __mmask16 live = n - t >= 16 ? (__mmask16)0xFFFF
+                                               : (__mmask16)((1u << (n - t)) - 1u);
+            vmax = _mm512_mask_max_ps(vmax, live, vmax, _mm512_maskz_loadu_ps(live, sc + t));
+        }
+        const float mx = _mm512_reduce_max_ps(vmax);
+        __m512 vsum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; t += 16) {
+            const __mmask16 live = n - t >= 16 ? (__mmask16)0xFFFF
+                                               : (__mmask16)((1u << (n - t)) - 1u);
+            const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(
+                _mm512_maskz_loadu_ps(live, sc + t), _mm512_set1_ps(mx))));
+            _mm512_mask_storeu_ps(sc + t, live, p);
+            vsum = _mm512_add_ps(vsum, p);
+        }
+        const float corr = expf(s->m[h + hh] - mx);
+        s->l[h + hh] = s->l[h + hh] * corr + _mm512_reduce_add_ps(vsum);
+        s->m[h + hh] = mx;
+        if (corr != 1.f) {
+            float *ah = s->acc + (h + hh) * D;
+            #pragma omp simd
+            for (int64_t d = 0; d < D; d++) ah[d] *= corr;
+        }
+    }
+}
+
+/* the value outliers of non-sink slots as corrections of the accumulators */
+static inline __attribute__((always_inline)) void value_outliers(
+        const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n, float *restrict acc0,
+        int64_t group, const float *restrict sg, const BlockScratch *w, const int64_t idx_bytes,
+        const int64_t kind) {
+    const KVQuantSide *V = &L->v;
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, cap = V->cap;
+    for (int64_t t = 0; t < n; t++) {
+        if (w->sink_at[t] >= 0) continue;
+        const int64_t i = (blk * B + t) * Hkv + g;  /* (block, slot, head) */
+        const uint8_t *row = V->codes + i * V->packed;
+        for (int64_t j = 0; j < cap; j++) {
+            const int64_t ch = index_at(V->oidx, i * cap + j, idx_bytes);
+            if (ch < 0 || ch >= D) continue;
+            const float delta = element_at(V->oval, i * cap + j, kind)
+                                - (V->lut[code_at(row, V->bits, ch)] * w->v_half[t] + w->v_off[t]);
+            for (int64_t hh = 0; hh < group; hh++) acc0[hh * D + ch] += sg[hh * B + t] * delta;
+        }
+    }
+}
+
+/* value outliers of non-sink slots and the sink slots' full-precision rows, added to the
+ * accumulators of heads [h, h + group) */
+static void block_value_fixes(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
+                              float *acc0, int64_t group, const float *sg, BlockScratch *w) {
+    const KVQuantSide *V = &L->v;
+    const int64_t Hkv = L->num_kv_heads, D = L->head_dim;
+    if (V->cap && V->idx_bytes == 1 && L->sparse_kind == 0)  /* uint8 channels, float16 */
+        value_outliers(L, blk, g, n, acc0, group, sg, w, 1, 0);
+    else if (V->cap)
+        value_outliers(L, blk, g, n, acc0, group, sg, w, V->idx_bytes, L->sparse_kind);
+    for (int64_t p = 0; p < L->num_sinks; p++) {
+        const int64_t t = L->sink_slot[blk * L->num_sinks + p];
+        if (t < 0 || t >= n) continue;
+        load_head(w->row, V->sink, ((blk * L->num_sinks + p) * Hkv + g) * D, D, L->sparse_kind);
+        for (int64_t hh = 0; hh < group; hh++) {
+            const float pt = sg[hh * L->block_size + t];
+            float *ah = acc0 + hh * D;
+            #pragma omp simd
+            for (int64_t d = 0; d < D; d++) ah[d] += pt * w->row[d];
+        }
+    }
+}
+
+/* one block (its first n slots, keys not staged) of request b's attention, every KV head;
+ * next_blk: the request's next block (its first rows are prefetched), -1 none */
+static void kvquant_block_fast(const KVQuantLayer *L, int64_t blk, int64_t next_blk, int64_t n,
+                               const float *qb, Softmax *s, BlockScratch *w) {
+    const KVQuantSide *K = &L->k, *V = &L->v;
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim;
+    const int64_t group = L->num_q_heads / Hkv;
+    for (int64_t p = 0; p < L->num_sinks; p++) {
+        const int64_t t = L->sink_slot[blk * L->num_sinks + p];
+        if (t >= 0 && t < n) w->sink_at[t] = (int16_t)p;
+    }
+    /* the block's key statistics, float16 -> float32: [Hkv, D] */
+    const uint16_t *off16 = K->offset + blk * Hkv * D, *half16 = K->half + blk * Hkv * D;
+    for (int64_t d = 0; d < Hkv * D; d += 16) {
+        _mm512_storeu_ps(w->k_off + d,
+                         _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(off16 + d))));
+        _mm512_storeu_ps(w->k_half + d,
+                         _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(half16 + d))));
+    }
+    for (int64_t h0 = 0; h0 < group; h0 += FAST_MAX_HEADS) {
+        const int nh = (int)(group - h0 < FAST_MAX_HEADS ? group - h0 : FAST_MAX_HEADS);
+#define KEY_DOTS(k) block_key_dots(L, blk, next_blk, n, qb, h0, k, w)
+        BLOCK_HEADS_DISPATCH(KEY_DOTS, nh)
+#undef KEY_DOTS
+    }
+    for (int64_t g = 0; g < Hkv; g++) {
+        const float *q0 = qb + g * group * D;
+        float *acc0 = s->acc + g * group * D, *sg = w->scores + g * group * B;
+        block_key_fixes(L, blk, g, n, q0, group, sg, w);
+        block_softmax(s, g * group, group, n, B, D, sg);
+        /* P * the slot's value half-range, and P . offsets per head; sink slots added apart */
+        float pb[64], *pbh = group <= 64 ? pb : malloc(sizeof(float) * group);
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t i = (blk * B + t) * Hkv + g;
+            w->v_half[t] = half_to_float(V->half[i]);
+            w->v_off[t] = half_to_float(V->offset[i]);
+            w->live[t] = w->sink_at[t] < 0 ? 1.f : 0.f;
+        }
+        for (int64_t hh = 0; hh < group; hh++) {
+            const float *ph = sg + hh * B, *live = w->live;
+            float *pah = w->pa + hh * B, sum = 0.f;
+            #pragma omp simd reduction(+:sum)
+            for (int64_t t = 0; t < n; t++) {
+                const float p = ph[t] * live[t];
+                pah[t] = p * w->v_half[t];
+                sum += p * w->v_off[t];
+            }
+            pbh[hh] = sum;
+        }
+        for (int64_t h0 = 0; h0 < group; h0 += FAST_MAX_HEADS) {
+            const int nh = (int)(group - h0 < FAST_MAX_HEADS ? group - h0 : FAST_MAX_HEADS);
+#define VALUES(k) block_values(L, blk, g, n, acc0 + h0 * D, h0, k, pbh, w)
+            BLOCK_HEADS_DISPATCH(VALUES, nh)
+#undef VALUES
+        }
+        if (pbh != pb) free(pbh);
+        block_value_fixes(L, blk, g, n, acc0, group, sg, w);
+    }
+    for (int64_t p = 0; p < L->num_sinks; p++) {
+        const int64_t t = L->sink_slot[blk * L->num_sinks + p];
+        if (t >= 0 && t < n) w->sink_at[t] = -1;
+    }
+}
