@@ -166,6 +166,17 @@ def test_decode_equals_dequantize_then_dense(kind, block_size, hq):
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["kvquant:4bit", "kvquant:2bit-nuq-thresholds"])
+def test_kvquant_block_size_not_a_multiple_of_16(kind):
+    """Blocks of 24 slots (the row path; the block path takes multiples of 16)."""
+    rng, gen = random.Random(2), torch.Generator().manual_seed(2)
+    lens = [1, 23, 24, 25, 70]
+    store = make_store(kind, 64, 24, sum(cdiv(n, 24) for n in lens) + 3, len(lens) + 1)
+    outs, refs = scenario(store, 4, lens, rng, gen, chunk=15)
+    for out, ref in zip(outs, refs):
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
 def test_kvquant_bf16_staging_and_all_slots_staged():
     """Staged (partial-block) keys in bfloat16, and blocks that never fill."""
     rng, gen = random.Random(1), torch.Generator().manual_seed(1)

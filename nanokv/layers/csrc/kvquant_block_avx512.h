@@ -1,23 +1,24 @@
-/* KVQuant decode attention over a whole block and one KV head at a time, the codes decoded in
- * registers: the fast path of `kvquant_decode_attention` (AVX-512F/BW). Included by
- * quant_decode_attention.c after its Softmax, sum16, exp512, the scalar decodes, KVQuantLayer and
- * rope_head, which it uses; the reference for every result is that file's per-row path
- * (`kvquant_row_block`), itself checked against dequantize-then-dense.
+/* KVQuant decode attention a whole block at a time, the codes decoded in registers: the fast
+ * path of `kvquant_decode_attention` (AVX-512F/BW/VL). Included by quant_decode_attention.c after
+ * its Softmax, sum16, exp512, the scalar decodes, KVQuantLayer, load_head and rope_head, which it
+ * uses; the reference for every result is that file's row path (`kvquant_row_block`), itself
+ * checked against dequantize-then-dense.
  *
  * The case it takes: per-channel keys (per-block statistics) rotated over the whole head or not
  * at all, per-token values with one statistic per (slot, head), codes of 2, 3 or 4 bits, head_dim
- * a multiple of 32, a block whose keys are not staged. Per (block, KV head):
- *   1. keys: a slot's row is looked up, mapped by the block's per-channel statistics and rotated,
- *      16 channels and their RoPE partners at a time, in registers, and dotted with the group's
- *      queries; the dot products of 16 slots are reduced together (sum16);
+ * a multiple of 32, block_size a multiple of 16, a block whose keys are not staged. Per block:
+ *   1. keys, all KV heads, by tiles of 16 slots: a slot's row is looked up, mapped by the
+ *      block's per-channel statistics and rotated (16 channels and their RoPE partners at a
+ *      time) in registers and dotted with its group's queries; the dot products of 16 slots are
+ *      reduced together (sum16). Then per KV head:
  *   2. outliers enter as corrections of the scores they touch: (exact - decoded value) times that
- *      channel's coefficient in q . RoPE(k) (RoPE is linear); a sink slot's score is recomputed
- *      from its full-precision row;
+ *      channel's coefficient in q . RoPE(k) (RoPE is linear), 16 entries at a time with gathers
+ *      where the layout allows; a sink slot's score is recomputed from its full-precision row;
  *   3. the online softmax over the block's scores at once;
  *   4. values: P @ (lut[codes] * half_t + off_t) = (P * half_t) @ lut[codes] + P . off_t, 32
  *      channels of up to 8 query heads held in registers across the block's slots;
  *   5. value outliers and sink rows as corrections of the accumulators.
- * No decoded row goes to memory and nothing branches per element. */
+ * No decoded row goes to memory. */
 
 #define FAST_MAX_HEADS 8 /* query heads whose accumulators are held in registers at once */
 
@@ -62,6 +63,7 @@ static int block_path_fits(const KVQuantLayer *L) {
     const int64_t D = L->head_dim, R = L->rot_dim;
     return K->per_channel && !V->per_channel && V->groups == 1 && K->bits >= 2 && K->bits <= 4
            && V->bits >= 2 && V->bits <= 4 && D % 32 == 0 && (R == D || R == 0)
+           && L->block_size % 16 == 0  /* a tile of 16 slots never leaves its block */
            && L->staging_v == NULL && L->num_q_heads % L->num_kv_heads == 0;
 }
 
@@ -108,64 +110,123 @@ static inline __m512 lut16(const float *lut, int64_t bits) {
     return _mm512_loadu_ps(t16);
 }
 
+/* part `part` of `parts` of a block's per-block data (statistics, outlier lists, positions),
+ * prefetched into L2 while the block before it is read: the rows are prefetched tile by tile,
+ * and these arrays are read a head at a time from the block's start */
+static void prefetch_block_data(const KVQuantLayer *L, int64_t blk, int64_t part, int64_t parts) {
+    const KVQuantSide *K = &L->k, *V = &L->v;
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim;
+    const int64_t sparse = L->sparse_kind == 2 ? 4 : 2;
+    const struct { const void *base; int64_t bytes; } region[] = {
+        {K->offset + blk * Hkv * D, Hkv * D * 2},
+        {K->half + blk * Hkv * D, Hkv * D * 2},
+        {(const uint8_t *)K->oidx + blk * Hkv * K->cap * K->idx_bytes, Hkv * K->cap * K->idx_bytes},
+        {(const uint8_t *)K->oval + blk * Hkv * K->cap * sparse, Hkv * K->cap * sparse},
+        {V->offset + blk * B * Hkv, B * Hkv * 2},
+        {V->half + blk * B * Hkv, B * Hkv * 2},
+        {(const uint8_t *)V->oidx + blk * B * Hkv * V->cap * V->idx_bytes,
+         B * Hkv * V->cap * V->idx_bytes},
+        {(const uint8_t *)V->oval + blk * B * Hkv * V->cap * sparse, B * Hkv * V->cap * sparse},
+        {L->slot_positions ? (const void *)(L->slot_positions + blk * B) : NULL, B * 4},
+    };
+    for (size_t r = 0; r < sizeof region / sizeof region[0]; r++) {
+        if (!region[r].base || region[r].bytes <= 0) continue;
+        const int64_t lines = (region[r].bytes + 63) / 64;
+        const int64_t first = lines * part / parts, last = lines * (part + 1) / parts;
+        prefetch_rows((const uint8_t *)region[r].base + first * 64, (last - first) * 64);
+    }
+}
+
 /* scores[h * B + t] = q_h . RoPE_pos(t)(lut[codes] * half + off) for the query heads
  * h = g * group + hh, hh in [h0, h0 + nh), of every KV head g and the block's first n slots.
- * Slot-major, as the codes lie ([B, Hkv, packed]): one slot's rows of all heads, then the next
- * (the hardware prefetchers follow that), its RoPE rows read once for all heads; the value rows
- * are prefetched 16 slots ahead for the per-head value pass. Always inlined with a constant nh
- * at its call sites, so the dot accumulators stay in registers. */
+ * By tiles of 16 slots; in a tile, per KV head, a few slots at a time (SL, so that their dot
+ * accumulators stay in registers) go through the channel pairs (j, j + D/2), each pair's
+ * statistics and query rows loaded once for those slots. The next tile's key and value rows
+ * of all heads are prefetched. Always inlined with a constant nh at its call sites. */
 static inline __attribute__((always_inline)) void block_key_dots(
         const KVQuantLayer *L, int64_t blk, int64_t next_blk, int64_t n, const float *qb,
         int64_t h0, const int nh, BlockScratch *w) {
     const KVQuantSide *K = &L->k, *V = &L->v;
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
     const int64_t m = D / 2, bits = K->bits, group = L->num_q_heads / Hkv;
+    const int64_t stride = Hkv * K->packed;
     /* cos / sin rows of rotate-half tables repeat their first half: read that half only */
     const int64_t hi = L->rope_halves_equal ? 0 : m;
+    enum { SL_MAX = 8 };
+    const int SL = nh <= 2 ? 8 : (nh <= 4 ? 4 : 2);  /* slots whose accumulators are held */
     const __m512 lut = lut16(K->lut, bits);
     for (int64_t t0 = 0; t0 < n; t0 += 16) {
         const int64_t nt = n - t0 < 16 ? n - t0 : 16;
-        for (int64_t t = t0; t < t0 + nt; t++) {
-            const int64_t ahead = t + 16 < n ? blk * B + t + 16
-                                  : (next_blk >= 0 ? next_blk * B + t + 16 - n : -1);
-            if (ahead >= 0) prefetch_rows(V->codes + ahead * Hkv * V->packed, Hkv * V->packed);
-            int64_t pos = R ? L->slot_positions[blk * B + t] : 0;
+        if (next_blk >= 0 && h0 == 0)  /* the next block's data, a share per tile */
+            prefetch_block_data(L, next_blk, t0 / 16, (n + 15) / 16);
+        for (int64_t t = t0 + 16; t < t0 + 32; t++) {  /* the next tile's rows, all heads */
+            const int64_t ahead = t < n ? blk * B + t : (next_blk >= 0 && t - n < B
+                                                        ? next_blk * B + t - n : -1);
+            if (ahead < 0) break;
+            prefetch_rows(K->codes + ahead * stride, stride);
+            prefetch_rows(V->codes + ahead * Hkv * V->packed, Hkv * V->packed);
+            if (R && h0 == 0) {  /* and its RoPE rows (the part that is read) */
+                int64_t pos = L->slot_positions[ahead];
+                pos = pos < 0 ? 0 : pos;
+                const int64_t bytes = (hi ? R : R / 2) * (int64_t)sizeof(float);
+                prefetch_rows((const uint8_t *)(L->cos + pos * R), bytes);
+                prefetch_rows((const uint8_t *)(L->sin + pos * R), bytes);
+            }
+        }
+        const float *cs[16], *sn[16];  /* the tile's RoPE rows (rows past n: position 0) */
+        for (int64_t u = 0; u < 16; u++) {
+            int64_t pos = R && u < nt ? L->slot_positions[blk * B + t0 + u] : 0;
             pos = pos < 0 ? 0 : pos;
-            const float *cs = L->cos + pos * R, *sn = L->sin + pos * R;
-            for (int64_t g = 0; g < Hkv; g++) {
-                const uint8_t *row = K->codes + ((blk * B + t) * Hkv + g) * K->packed;
-                const float *half = w->k_half + g * D, *off = w->k_off + g * D;
-                const float *q0 = qb + (g * group + h0) * D;
-                __m512 acc[FAST_MAX_HEADS];
-                for (int hh = 0; hh < nh; hh++) acc[hh] = _mm512_setzero_ps();
+            cs[u] = L->cos + pos * R;
+            sn[u] = L->sin + pos * R;
+        }
+        for (int64_t g = 0; g < Hkv; g++) {
+            const float *half = w->k_half + g * D, *off = w->k_off + g * D;
+            const float *q0 = qb + (g * group + h0) * D;
+            const uint8_t *rows = K->codes + ((blk * B + t0) * Hkv + g) * K->packed;
+            /* the tile's rows past n are read too (they lie in the block; B % 16 == 0) and
+             * their dots dropped */
+            for (int s0 = 0; s0 < 16; s0 += SL) {
+                __m512 acc[SL_MAX][FAST_MAX_HEADS];
+                for (int u = 0; u < SL; u++)
+                    for (int hh = 0; hh < nh; hh++) acc[u][hh] = _mm512_setzero_ps();
                 for (int64_t j = 0; j < m; j += 16) {
-                    __m512 a = _mm512_fmadd_ps(_mm512_permutexvar_ps(codes16(row, bits, j), lut),
-                                               _mm512_loadu_ps(half + j), _mm512_loadu_ps(off + j));
-                    __m512 b = _mm512_fmadd_ps(
-                        _mm512_permutexvar_ps(codes16(row, bits, j + m), lut),
-                        _mm512_loadu_ps(half + j + m), _mm512_loadu_ps(off + j + m));
-                    if (R) {  /* rotate-half: (a, b) -> (a cos - b sin, b cos + a sin) */
-                        const __m512 ra = _mm512_fnmadd_ps(
-                            b, _mm512_loadu_ps(sn + j), _mm512_mul_ps(a, _mm512_loadu_ps(cs + j)));
-                        b = _mm512_fmadd_ps(a, _mm512_loadu_ps(sn + j + hi),
-                                            _mm512_mul_ps(b, _mm512_loadu_ps(cs + j + hi)));
-                        a = ra;
-                    }
+                    const __m512 ha = _mm512_loadu_ps(half + j), hb = _mm512_loadu_ps(half + j + m);
+                    const __m512 oa = _mm512_loadu_ps(off + j), ob = _mm512_loadu_ps(off + j + m);
+                    __m512 qa[FAST_MAX_HEADS], qz[FAST_MAX_HEADS];
                     for (int hh = 0; hh < nh; hh++) {
-                        const float *qh = q0 + hh * D;
-                        acc[hh] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + j), a, acc[hh]);
-                        acc[hh] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + j + m), b, acc[hh]);
+                        qa[hh] = _mm512_loadu_ps(q0 + hh * D + j);
+                        qz[hh] = _mm512_loadu_ps(q0 + hh * D + j + m);
+                    }
+                    for (int u = 0; u < SL; u++) {
+                        const uint8_t *row = rows + (s0 + u) * stride;
+                        __m512 a = _mm512_fmadd_ps(
+                            _mm512_permutexvar_ps(codes16(row, bits, j), lut), ha, oa);
+                        __m512 b = _mm512_fmadd_ps(
+                            _mm512_permutexvar_ps(codes16(row, bits, j + m), lut), hb, ob);
+                        if (R) {  /* rotate-half: (a, b) -> (a cos - b sin, b cos + a sin) */
+                            const float *c = cs[s0 + u], *sv = sn[s0 + u];
+                            const __m512 ra = _mm512_fnmadd_ps(
+                                b, _mm512_loadu_ps(sv + j), _mm512_mul_ps(a, _mm512_loadu_ps(c + j)));
+                            b = _mm512_fmadd_ps(a, _mm512_loadu_ps(sv + j + hi),
+                                                _mm512_mul_ps(b, _mm512_loadu_ps(c + j + hi)));
+                            a = ra;
+                        }
+                        for (int hh = 0; hh < nh; hh++) {
+                            acc[u][hh] = _mm512_fmadd_ps(qa[hh], a, acc[u][hh]);
+                            acc[u][hh] = _mm512_fmadd_ps(qz[hh], b, acc[u][hh]);
+                        }
                     }
                 }
-                for (int hh = 0; hh < nh; hh++) w->dots[(g * nh + hh) * 16 + (t - t0)] = acc[hh];
+                for (int u = 0; u < SL; u++)
+                    for (int hh = 0; hh < nh; hh++)
+                        w->dots[(g * nh + hh) * 16 + s0 + u] = acc[u][hh];
             }
         }
         for (int64_t g = 0; g < Hkv; g++)
             for (int hh = 0; hh < nh; hh++) {
-                __m512 *v = w->dots + (g * nh + hh) * 16;
-                for (int64_t t = nt; t < 16; t++) v[t] = _mm512_setzero_ps();
                 float sums[16];
-                _mm512_storeu_ps(sums, sum16(v));
+                _mm512_storeu_ps(sums, sum16(w->dots + (g * nh + hh) * 16));
                 memcpy(w->scores + (g * group + h0 + hh) * B + t0, sums, sizeof(float) * nt);
             }
     }
@@ -281,12 +342,100 @@ static inline __attribute__((always_inline)) void key_outliers(
     }
 }
 
+static inline __m512 gather_ps(const float *base, __m512i idx, __mmask16 live) {
+    return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, idx, base, 4);
+}
+
+/* sparse values of 16 entries from p[i .. i + 16) (fewer where `have` says so), as float32 */
+static inline __m512 elements16(const void *p, int64_t i, __mmask16 have, int64_t kind) {
+    if (kind == 2) return _mm512_maskz_loadu_ps(have, (const float *)p + i);
+    const __m256i h = _mm256_maskz_loadu_epi16(have, (const uint16_t *)p + i);
+    if (kind == 0) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* key_outliers, 16 entries at a time with gathers (head_dim a power of two, 2 or 4-bit codes,
+ * int16 / int32 indices): a code is read as the aligned 32-bit word that holds it (rows are
+ * whole words: packed = bits * D / 8 with D % 32 == 0); the score corrections go in one by one,
+ * since two entries may share a slot */
+static void key_outliers16(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
+                           const float *restrict q0, int64_t group, float *restrict sg,
+                           const BlockScratch *w) {
+    const KVQuantSide *K = &L->k;
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
+    const int64_t base = (blk * Hkv + g) * K->cap;
+    const float *half = w->k_half + g * D, *off = w->k_off + g * D;
+    const uint8_t *rows = K->codes + (blk * B * Hkv + g) * K->packed;
+    const int32_t *positions = R ? L->slot_positions + blk * B : NULL;
+    const __m512 lut = lut16(K->lut, K->bits);
+    const __m512i zero = _mm512_setzero_si512(), limit = _mm512_set1_epi32((int)(n * D));
+    const __m512i last_channel = _mm512_set1_epi32((int)(D - 1));
+    const __m512i stride = _mm512_set1_epi32((int)(Hkv * K->packed));
+    const __m512i code_mask = _mm512_set1_epi32((1 << K->bits) - 1);
+    const __m512i half_rot = _mm512_set1_epi32((int)(R / 2)), rot = _mm512_set1_epi32((int)R);
+    const int d_shift = __builtin_ctzll((unsigned long long)D), b_shift = K->bits == 4 ? 2 : 1;
+    float contrib[16];
+    int32_t slot[16];
+    for (int64_t j0 = 0; j0 < K->cap; j0 += 16) {
+        const __mmask16 have = K->cap - j0 >= 16 ? (__mmask16)0xFFFF
+                                                 : (__mmask16)((1u << (K->cap - j0)) - 1u);
+        const __m512i idx = K->idx_bytes == 2
+            ? _mm512_cvtepi16_epi32(_mm256_maskz_loadu_epi16(have, (const int16_t *)K->oidx
+                                                                    + base + j0))
+            : _mm512_maskz_loadu_epi32(have, (const int32_t *)K->oidx + base + j0);
+        const __mmask16 live = have & _mm512_cmpge_epi32_mask(idx, zero)
+                               & _mm512_cmplt_epi32_mask(idx, limit);
+        if (!live) continue;
+        const __m512i t = _mm512_srli_epi32(idx, d_shift);
+        const __m512i ch = _mm512_and_si512(idx, last_channel);
+        const __m512i bit = _mm512_slli_epi32(ch, b_shift);  /* the code's bit in its row */
+        const __m512i byte = _mm512_add_epi32(_mm512_mullo_epi32(t, stride),
+                                              _mm512_slli_epi32(_mm512_srli_epi32(bit, 5), 2));
+        const __m512i word = _mm512_mask_i32gather_epi32(zero, live, byte, rows, 1);
+        const __m512i code = _mm512_and_si512(
+            _mm512_srlv_epi32(word, _mm512_and_si512(bit, _mm512_set1_epi32(31))), code_mask);
+        const __m512 decoded = _mm512_fmadd_ps(_mm512_permutexvar_ps(code, lut),
+                                               gather_ps(half, ch, live), gather_ps(off, ch, live));
+        const __m512 delta = _mm512_maskz_sub_ps(live, elements16(K->oval, base + j0, have,
+                                                                  L->sparse_kind), decoded);
+        __m512 cv = _mm512_set1_ps(1.f), sv = _mm512_setzero_ps();
+        __m512i partner = ch;
+        if (R) {  /* q[ch] cos[ch] +- q[partner] sin[partner] at the slot's position */
+            const __m512i pos = _mm512_max_epi32(
+                _mm512_mask_i32gather_epi32(zero, live, t, positions, 4), zero);
+            const __mmask16 first = _mm512_cmplt_epi32_mask(ch, half_rot);
+            partner = _mm512_mask_blend_epi32(first, _mm512_sub_epi32(ch, half_rot),
+                                              _mm512_add_epi32(ch, half_rot));
+            const __m512 sign = _mm512_mask_blend_ps(first, _mm512_set1_ps(-1.f),
+                                                     _mm512_set1_ps(1.f));
+            const __m512i row = _mm512_mullo_epi32(pos, rot);
+            cv = gather_ps(L->cos, _mm512_add_epi32(row, ch), live);
+            sv = _mm512_mul_ps(sign, gather_ps(L->sin, _mm512_add_epi32(row, partner), live));
+        }
+        _mm512_storeu_si512(slot, t);
+        for (int64_t hh = 0; hh < group; hh++) {
+            const float *qh = q0 + hh * D;
+            const __m512 coef = _mm512_fmadd_ps(gather_ps(qh, ch, live), cv,
+                                                _mm512_mul_ps(gather_ps(qh, partner, live), sv));
+            _mm512_storeu_ps(contrib, _mm512_mul_ps(delta, coef));
+            float *sh = sg + hh * B;
+            for (unsigned m = live; m; m &= m - 1) {
+                const int l = __builtin_ctz(m);
+                sh[slot[l]] += contrib[l];
+            }
+        }
+    }
+}
+
 /* the block's key outliers of head g as score corrections, then its sink slots' exact scores */
 static void block_key_fixes(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
                             const float *q0, int64_t group, float *sg, BlockScratch *w) {
     const KVQuantSide *K = &L->k;
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
-    if (K->idx_bytes == 2 && L->sparse_kind == 0)  /* int16 indices, float16 values */
+    if ((D & (D - 1)) == 0 && (K->bits == 2 || K->bits == 4)
+            && (K->idx_bytes == 2 || K->idx_bytes == 4))
+        key_outliers16(L, blk, g, n, q0, group, sg, w);
+    else if (K->idx_bytes == 2 && L->sparse_kind == 0)  /* int16 indices, float16 values */
         key_outliers(L, blk, g, n, q0, group, sg, w, 2, 0);
     else
         key_outliers(L, blk, g, n, q0, group, sg, w, K->idx_bytes, L->sparse_kind);

@@ -840,7 +840,7 @@ static void kvquant_row_block(const KVQuantLayer *L, int64_t blk, int64_t len, c
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include "kvquant_block_avx512.h"
 #define HAVE_BLOCK_PATH 1
 #else
