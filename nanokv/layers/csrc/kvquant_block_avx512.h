@@ -159,20 +159,8 @@ static inline __attribute__((always_inline)) void block_key_dots(
         const int64_t nt = n - t0 < 16 ? n - t0 : 16;
         if (next_blk >= 0 && h0 == 0)  /* the next block's data, a share per tile */
             prefetch_block_data(L, next_blk, t0 / 16, (n + 15) / 16);
-        for (int64_t t = t0 + 16; t < t0 + 32; t++) {  /* the next tile's rows, all heads */
-            const int64_t ahead = t < n ? blk * B + t : (next_blk >= 0 && t - n < B
-                                                        ? next_blk * B + t - n : -1);
-            if (ahead < 0) break;
-            prefetch_rows(K->codes + ahead * stride, stride);
-            prefetch_rows(V->codes + ahead * Hkv * V->packed, Hkv * V->packed);
-            if (R && h0 == 0) {  /* and its RoPE rows (the part that is read) */
-                int64_t pos = L->slot_positions[ahead];
-                pos = pos < 0 ? 0 : pos;
-                const int64_t bytes = (hi ? R : R / 2) * (int64_t)sizeof(float);
-                prefetch_rows((const uint8_t *)(L->cos + pos * R), bytes);
-                prefetch_rows((const uint8_t *)(L->sin + pos * R), bytes);
-            }
-        }
+        /* the next tile's rows (all heads) and RoPE rows, a share of its slots per KV head */
+        const int64_t share = (16 + Hkv - 1) / Hkv;
         const float *cs[16], *sn[16];  /* the tile's RoPE rows (rows past n: position 0) */
         for (int64_t u = 0; u < 16; u++) {
             int64_t pos = R && u < nt ? L->slot_positions[blk * B + t0 + u] : 0;
@@ -181,6 +169,21 @@ static inline __attribute__((always_inline)) void block_key_dots(
             sn[u] = L->sin + pos * R;
         }
         for (int64_t g = 0; g < Hkv; g++) {
+            for (int64_t t = t0 + 16 + g * share; t < t0 + 16 + (g + 1) * share && t < t0 + 32;
+                 t++) {
+                const int64_t ahead = t < n ? blk * B + t : (next_blk >= 0 && t - n < B
+                                                            ? next_blk * B + t - n : -1);
+                if (ahead < 0) break;
+                prefetch_rows(K->codes + ahead * stride, stride);
+                prefetch_rows(V->codes + ahead * Hkv * V->packed, Hkv * V->packed);
+                if (R && h0 == 0) {  /* the part of the RoPE rows that is read */
+                    int64_t pos = L->slot_positions[ahead];
+                    pos = pos < 0 ? 0 : pos;
+                    const int64_t bytes = (hi ? R : R / 2) * (int64_t)sizeof(float);
+                    prefetch_rows((const uint8_t *)(L->cos + pos * R), bytes);
+                    prefetch_rows((const uint8_t *)(L->sin + pos * R), bytes);
+                }
+            }
             const float *half = w->k_half + g * D, *off = w->k_off + g * D;
             const float *q0 = qb + (g * group + h0) * D;
             const uint8_t *rows = K->codes + ((blk * B + t0) * Hkv + g) * K->packed;
@@ -279,9 +282,13 @@ static inline __attribute__((always_inline)) void block_values(
  * q[ch] cos[ch] + q[ch + m] sin[ch + m] in the first half, q[ch] cos[ch] - q[ch - m] sin[ch - m]
  * in the second; without a branch (which half an outlier falls in is a coin toss) */
 static inline float rope_coefficient(const float *qh, const float *cs, const float *sn,
-                                     int64_t ch, int64_t R) {
+                                     int64_t ch, int64_t R, int64_t halves_equal) {
     if (!R) return qh[ch];
     const int64_t m = R / 2;
+    if (halves_equal) {  /* read the tables' first half only (the lines the key pass read) */
+        return ch < m ? qh[ch] * cs[ch] + qh[ch + m] * sn[ch]
+                      : qh[ch] * cs[ch - m] - qh[ch - m] * sn[ch - m];
+    }
     return ch < m ? qh[ch] * cs[ch] + qh[ch + m] * sn[ch + m]
                   : qh[ch] * cs[ch] - qh[ch - m] * sn[ch - m];
 }
@@ -338,7 +345,8 @@ static inline __attribute__((always_inline)) void key_outliers(
         pos = pos < 0 ? 0 : pos;
         const float *cs = L->cos + pos * R, *sn = L->sin + pos * R;
         for (int64_t hh = 0; hh < group; hh++)
-            sg[hh * B + t] += delta * rope_coefficient(q0 + hh * D, cs, sn, ch, R);
+            sg[hh * B + t] += delta * rope_coefficient(q0 + hh * D, cs, sn, ch, R,
+                                                      L->rope_halves_equal);
     }
 }
 
@@ -409,8 +417,12 @@ static void key_outliers16(const KVQuantLayer *L, int64_t blk, int64_t g, int64_
             const __m512 sign = _mm512_mask_blend_ps(first, _mm512_set1_ps(-1.f),
                                                      _mm512_set1_ps(1.f));
             const __m512i row = _mm512_mullo_epi32(pos, rot);
-            cv = gather_ps(L->cos, _mm512_add_epi32(row, ch), live);
-            sv = _mm512_mul_ps(sign, gather_ps(L->sin, _mm512_add_epi32(row, partner), live));
+            /* rotate-half tables repeat their first half: the pair's lower channel there (the
+             * lines the key pass read) */
+            const __m512i c_at = L->rope_halves_equal ? _mm512_min_epi32(ch, partner) : ch;
+            const __m512i s_at = L->rope_halves_equal ? c_at : partner;
+            cv = gather_ps(L->cos, _mm512_add_epi32(row, c_at), live);
+            sv = _mm512_mul_ps(sign, gather_ps(L->sin, _mm512_add_epi32(row, s_at), live));
         }
         _mm512_storeu_si512(slot, t);
         for (int64_t hh = 0; hh < group; hh++) {
