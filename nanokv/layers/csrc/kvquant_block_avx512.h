@@ -17,7 +17,8 @@
  *   3. the online softmax over the block's scores at once;
  *   4. values: P @ (lut[codes] * half_t + off_t) = (P * half_t) @ lut[codes] + P . off_t, 32
  *      channels of up to 8 query heads held in registers across the block's slots;
- *   5. value outliers and sink rows as corrections of the accumulators.
+ *   5. value outliers and sink rows as corrections of the accumulators (heads of at most 64
+ *      channels: the outliers patched into the value pass in centroid units instead).
  * No decoded row goes to memory. */
 
 #define FAST_MAX_HEADS 8 /* query heads whose accumulators are held in registers at once */
@@ -29,12 +30,14 @@ typedef struct {
     float *row;            /* [D]: a sink's full-precision row */
     float *v_half, *v_off; /* [B]: the value statistics of the KV head's slots */
     float *live;           /* [B]: 0 at a sink slot (its row is added apart), else 1 */
+    int32_t *patch_ch;     /* [B, value cap]: a value outlier's channel, -1 none (small heads) */
+    float *patch_x;        /* [B, value cap]: the value it stands for in centroid units */
     __m512 *dots;          /* [Hkv * FAST_MAX_HEADS, 16]: one tile's per-slot dot vectors */
     int16_t *sink_at;      /* [B]: the sink entry of each slot, -1 none */
 } BlockScratch;
 
 static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int64_t B,
-                               int64_t D) {
+                               int64_t D, int64_t value_cap) {
     w->scores = malloc(sizeof(float) * Hkv * group * B);
     w->pa = malloc(sizeof(float) * group * B);
     w->k_off = malloc(sizeof(float) * Hkv * D);
@@ -43,17 +46,19 @@ static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int6
     w->v_half = malloc(sizeof(float) * B);
     w->v_off = malloc(sizeof(float) * B);
     w->live = malloc(sizeof(float) * B);
+    w->patch_ch = malloc(sizeof(int32_t) * (B * value_cap + 1));
+    w->patch_x = malloc(sizeof(float) * (B * value_cap + 1));
     w->dots = aligned_alloc(64, sizeof(__m512) * Hkv * FAST_MAX_HEADS * 16);
     w->sink_at = malloc(sizeof(int16_t) * B);
     if (w->sink_at) for (int64_t t = 0; t < B; t++) w->sink_at[t] = -1;
     return w->scores && w->pa && w->k_off && w->k_half && w->row && w->v_half && w->v_off
-           && w->live
+           && w->live && w->patch_ch && w->patch_x
            && w->dots && w->sink_at;
 }
 
 static void block_scratch_free(BlockScratch *w) {
     free(w->scores); free(w->pa); free(w->k_off); free(w->k_half); free(w->row); free(w->v_half);
-    free(w->v_off); free(w->live); free(w->dots);
+    free(w->v_off); free(w->live); free(w->patch_ch); free(w->patch_x); free(w->dots);
     free(w->sink_at);
 }
 
@@ -210,7 +215,8 @@ static inline __attribute__((always_inline)) void block_key_dots(
                         if (R) {  /* rotate-half: (a, b) -> (a cos - b sin, b cos + a sin) */
                             const float *c = cs[s0 + u], *sv = sn[s0 + u];
                             const __m512 ra = _mm512_fnmadd_ps(
-                                b, _mm512_loadu_ps(sv + j), _mm512_mul_ps(a, _mm512_loadu_ps(c + j)));
+                                b, _mm512_loadu_ps(sv + j),
+                                _mm512_mul_ps(a, _mm512_loadu_ps(c + j)));
                             b = _mm512_fmadd_ps(a, _mm512_loadu_ps(sv + j + hi),
                                                 _mm512_mul_ps(b, _mm512_loadu_ps(c + j + hi)));
                             a = ra;
@@ -239,7 +245,7 @@ static inline __attribute__((always_inline)) void block_key_dots(
  * first n slots: acc_h += sum_t pa[h, t] * lut[codes_t] + pb[h] (32 channels at a time) */
 static inline __attribute__((always_inline)) void block_values(
         const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n, float *acc0, int64_t h0,
-        const int nh, const float *pb, const BlockScratch *w) {
+        const int nh, const float *pb, const BlockScratch *w, const int64_t patches) {
     const KVQuantSide *V = &L->v;
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, bits = V->bits;
     const __m512 lut = lut16(V->lut, bits);
@@ -252,10 +258,20 @@ static inline __attribute__((always_inline)) void block_values(
             a0[hh] = _mm512_add_ps(_mm512_loadu_ps(acc0 + hh * D + d), bias);
             a1[hh] = _mm512_add_ps(_mm512_loadu_ps(acc0 + hh * D + d + 16), bias);
         }
+        const __m512i lane0 = _mm512_add_epi32(
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+            _mm512_set1_epi32((int)d));
+        const __m512i lane1 = _mm512_add_epi32(lane0, _mm512_set1_epi32(16));
         for (int64_t t = 0; t < n; t++) {
             const uint8_t *row = rows + t * stride;
-            const __m512 v0 = _mm512_permutexvar_ps(codes16(row, bits, d), lut);
-            const __m512 v1 = _mm512_permutexvar_ps(codes16(row, bits, d + 16), lut);
+            __m512 v0 = _mm512_permutexvar_ps(codes16(row, bits, d), lut);
+            __m512 v1 = _mm512_permutexvar_ps(codes16(row, bits, d + 16), lut);
+            for (int64_t j = 0; j < patches; j++) {  /* the row's outliers, in centroid units */
+                const __m512i ch = _mm512_set1_epi32(w->patch_ch[t * patches + j]);
+                const __m512 x = _mm512_set1_ps(w->patch_x[t * patches + j]);
+                v0 = _mm512_mask_mov_ps(v0, _mm512_cmpeq_epi32_mask(lane0, ch), x);
+                v1 = _mm512_mask_mov_ps(v1, _mm512_cmpeq_epi32_mask(lane1, ch), x);
+            }
             for (int hh = 0; hh < nh; hh++) {
                 const __m512 p = _mm512_set1_ps(w->pa[(h0 + hh) * B + t]);
                 a0[hh] = _mm512_fmadd_ps(p, v0, a0[hh]);
@@ -518,13 +534,56 @@ static inline __attribute__((always_inline)) void value_outliers(
     }
 }
 
+/* Small heads (head_dim <= 64: one or two chunks of 32 channels), where value outliers are a
+ * large share (the per-token capacity rounds up: 2 of 32 channels at 1%): each outlier of a live
+ * slot becomes a patch of its row in centroid units, x = (exact - offset) / half-range, put in
+ * place of the looked-up centroid inside the value pass (then P * half * x + P * offset = P *
+ * exact, within float rounding: x uses the row's reciprocal half-range). A row whose half-range
+ * is 0 has no centroid scale: its outliers are added here, as value_outliers does. */
+static inline __attribute__((always_inline)) void value_patches_impl(
+        const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n, float *restrict acc0,
+        int64_t group, const float *restrict sg, BlockScratch *w, const int64_t idx_bytes,
+        const int64_t kind) {
+    const KVQuantSide *V = &L->v;
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, cap = V->cap;
+    int32_t *restrict patch_ch = w->patch_ch;
+    float *restrict patch_x = w->patch_x;
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t i = (blk * B + t) * Hkv + g;  /* (block, slot, head) */
+        const float half = w->v_half[t], off = w->v_off[t];
+        const float inv = half != 0.f ? 1.f / half : 0.f;
+        const int live = w->sink_at[t] < 0;
+        for (int64_t j = 0; j < cap; j++) {
+            const int64_t ch = index_at(V->oidx, i * cap + j, idx_bytes);
+            const float exact = element_at(V->oval, i * cap + j, kind);
+            const int valid = live && ch >= 0 && ch < D;
+            patch_ch[t * cap + j] = valid && half != 0.f ? (int32_t)ch : -1;
+            patch_x[t * cap + j] = (exact - off) * inv;
+            if (valid && half == 0.f)  /* no centroid scale: added here */
+                for (int64_t hh = 0; hh < group; hh++)
+                    acc0[hh * D + ch] += sg[hh * B + t] * (exact - off);
+        }
+    }
+}
+
+static void value_patches(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
+                          float *acc0, int64_t group, const float *sg, BlockScratch *w) {
+    if (L->v.idx_bytes == 1 && L->sparse_kind == 0)  /* uint8 channels, float16 values */
+        value_patches_impl(L, blk, g, n, acc0, group, sg, w, 1, 0);
+    else
+        value_patches_impl(L, blk, g, n, acc0, group, sg, w, L->v.idx_bytes, L->sparse_kind);
+}
+
 /* value outliers of non-sink slots and the sink slots' full-precision rows, added to the
  * accumulators of heads [h, h + group) */
 static void block_value_fixes(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
-                              float *acc0, int64_t group, const float *sg, BlockScratch *w) {
+                              float *acc0, int64_t group, const float *sg, BlockScratch *w,
+                              int patched) {
     const KVQuantSide *V = &L->v;
     const int64_t Hkv = L->num_kv_heads, D = L->head_dim;
-    if (V->cap && V->idx_bytes == 1 && L->sparse_kind == 0)  /* uint8 channels, float16 */
+    if (patched) {
+        /* the outliers went into the value pass (value_patches) */
+    } else if (V->cap && V->idx_bytes == 1 && L->sparse_kind == 0)  /* uint8, float16 */
         value_outliers(L, blk, g, n, acc0, group, sg, w, 1, 0);
     else if (V->cap)
         value_outliers(L, blk, g, n, acc0, group, sg, w, V->idx_bytes, L->sparse_kind);
@@ -590,14 +649,17 @@ static void kvquant_block_fast(const KVQuantLayer *L, int64_t blk, int64_t next_
             }
             pbh[hh] = sum;
         }
+        const int patched = V->cap > 0 && D <= 64;
+        if (patched) value_patches(L, blk, g, n, acc0, group, sg, w);
+        const int64_t patches = patched ? V->cap : 0;
         for (int64_t h0 = 0; h0 < group; h0 += FAST_MAX_HEADS) {
             const int nh = (int)(group - h0 < FAST_MAX_HEADS ? group - h0 : FAST_MAX_HEADS);
-#define VALUES(k) block_values(L, blk, g, n, acc0 + h0 * D, h0, k, pbh, w)
+#define VALUES(k) block_values(L, blk, g, n, acc0 + h0 * D, h0, k, pbh, w, patches)
             BLOCK_HEADS_DISPATCH(VALUES, nh)
 #undef VALUES
         }
         if (pbh != pb) free(pbh);
-        block_value_fixes(L, blk, g, n, acc0, group, sg, w);
+        block_value_fixes(L, blk, g, n, acc0, group, sg, w, patched);
     }
     for (int64_t p = 0; p < L->num_sinks; p++) {
         const int64_t t = L->sink_slot[blk * L->num_sinks + p];

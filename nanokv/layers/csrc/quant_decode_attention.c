@@ -875,7 +875,7 @@ int kvquant_decode_attention(const KVQuantLayer *L, const float *q, const float 
                  && w.o_ch && w.o_val;
 #if HAVE_BLOCK_PATH
         BlockScratch bw = {0};
-        if (block_path) ok = block_scratch_alloc(&bw, Hkv, Hq / Hkv, B, D) && ok;
+        if (block_path) ok = block_scratch_alloc(&bw, Hkv, Hq / Hkv, B, D, L->v.cap) && ok;
 #endif
         if (!ok) {
             #pragma omp atomic write
