@@ -177,6 +177,39 @@ def test_kvquant_block_size_not_a_multiple_of_16(kind):
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("head_dim", [32, 128])  # value outliers patched / corrected
+def test_kvquant_constant_value_rows(head_dim):
+    """Value rows constant over their channels (half-range 0: no centroid scale), some with one
+    large entry, next to ordinary rows; whole blocks, so the block path reads them."""
+    from types import SimpleNamespace
+
+    bs, n, hq = 16, 40, 4
+    lay = KVLayout(1, HKV, head_dim, bs, torch.float32)
+    store = KVQuantStore(lay, 4, KVQuantConfig(bits=4), num_staging_blocks=2)
+    store.rotary = RotaryEmbedding(_HFConfig(), head_dim, MAX_POS)
+    gen = torch.Generator().manual_seed(5)
+    k = torch.randn(n, HKV, head_dim, generator=gen)
+    v = torch.randn(n, HKV, head_dim, generator=gen)
+    v[::3] = v[::3, :, :1]  # constant rows
+    v[::6, :, 5] = 40.0  # ... with one large entry
+    v[1::7, :, 2] = -25.0  # ordinary rows with a large entry
+    slots = list(range(n))
+    store.write(0, store.plan_write(slots, slots), k, v)
+    table, past = [0, 1, 2], n
+    common = CommonAttentionMetadata([0], 1, [table], [past + 1], [])  # + the new token
+    common.write_plan = SimpleNamespace(slot_mapping=torch.empty(0, dtype=torch.long))
+    backend = NativeQuantizedBackend(store, CPU)
+    q = torch.randn(1, hq, head_dim, generator=gen) * 3
+    k_new = torch.randn(1, HKV, head_dim, generator=gen)
+    v_new = torch.randn(1, HKV, head_dim, generator=gen)
+    scale = head_dim ** -0.5
+    out = backend.decode(0, q, k_new, v_new, backend.build(common), scale)
+    ref = reference_quantized_attention(q, k_new, v_new, store, 0, table, past, scale,
+                                        store.rope)
+    assert bool((store.buffers["v_half0"][:2] == 0).any())  # rows without a centroid scale
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
 def test_kvquant_bf16_staging_and_all_slots_staged():
     """Staged (partial-block) keys in bfloat16, and blocks that never fill."""
     rng, gen = random.Random(1), torch.Generator().manual_seed(1)
