@@ -2,7 +2,8 @@
 # The wheel outside the repo: build it, install it into a fresh venv in a temporary directory
 # (versions from constraints.txt, so torch is the CPU 2.13.0 build), and run from there, with
 # nothing of the working tree on the path: a missing extra's message, generate on the shipped
-# model with the C decode kernel built on first use, calibrate + a kvquant engine on its file,
+# model with the C decode kernel built on first use, calibrate + a kvquant engine on its file
+# (through the quantized C kernels, whose sources the wheel must carry, headers included),
 # serve + a completion, and the load tester. Run by .ci/run; about a minute and a half here.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -19,8 +20,10 @@ say() { echo "[check_wheel] $*"; }
 "$PY" -m pip wheel -q --no-deps -w "$WORK/dist" "$ROOT"
 WHEEL=$(ls "$WORK"/dist/nanokv-*.whl)
 "$PY" -m zipfile -l "$WHEEL" > "$WORK/wheel-files.txt"
-grep -q "nanokv/layers/csrc/decode_attention.c" "$WORK/wheel-files.txt" \
-  || { say "the wheel lacks the decode kernel's source"; exit 1; }
+for src in decode_attention.c quant_decode_attention.c kvquant_block_avx512.h; do
+  grep -q "nanokv/layers/csrc/$src" "$WORK/wheel-files.txt" \
+    || { say "the wheel lacks the decode kernels' source $src"; exit 1; }
+done
 "$PY" -m venv "$WORK/venv"
 BIN=$WORK/venv/bin
 "$BIN/pip" install -q -c "$ROOT/constraints.txt" "$WHEEL"
@@ -39,7 +42,9 @@ ls "$NANOKV_CACHE_DIR"/*.so >/dev/null || { say "the decode kernel was not built
 "$BIN/nanokv" calibrate --model "$MODEL" --num-samples 2 --eval-samples 2 --seq-len 256 \
   --eval-seq-len 512 --block-size 64 --output calib.json
 "$BIN/nanokv" generate --model "$MODEL" --kv-cache-dtype kvquant --kv-quant-config calib.json \
-  --block-size 64 --prompt "import os" --max-tokens 8
+  --block-size 64 --prompt "import os" --max-tokens 8 --attention-backend native
+ls "$NANOKV_CACHE_DIR"/quant_decode_attention-*.so >/dev/null \
+  || { say "the quantized decode kernels were not built"; exit 1; }
 
 say "with the [serve] extra"
 "$BIN/pip" install -q -c "$ROOT/constraints.txt" "$WHEEL[serve]"
