@@ -229,18 +229,23 @@ def _select_outliers(x: torch.Tensor, valid: torch.Tensor, per_channel: bool, ca
     # an element picked from both ends (ties, as in a constant row) is listed once: every entry
     # is unique, so a kernel may add each entry's correction without checking for repeats
     top, bottom = picks
-    listed = torch.zeros(n, heads, bsz * dim + 1, dtype=torch.bool, device=x.device)
-    listed.scatter_(-1, torch.where(top < 0, bsz * dim, top), True)
-    again = listed.gather(-1, torch.where(bottom < 0, bsz * dim, bottom)) & (bottom >= 0)
+    listed = _flat_mask(top, bsz * dim)  # [n, H, B * D]
+    again = listed.gather(-1, bottom.clamp_min(0)) & (bottom >= 0)
     return torch.cat([top, bottom.masked_fill(again, -1)], dim=-1)  # [n, H, capacity]
+
+
+def _flat_mask(index: torch.Tensor, size: int) -> torch.Tensor:
+    """Indices [n, H, cap] (< 0 unused) -> bool [n, H, size], True where listed."""
+    n, heads, _ = index.shape
+    flat = torch.zeros(n, heads, size + 1, dtype=torch.bool, device=index.device)
+    flat.scatter_(-1, torch.where(index < 0, size, index), True)  # unused: the dump column
+    return flat[..., :-1]
 
 
 def _index_mask(index: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """Outlier indices [n, H, cap] -> bool mask [n, B, H, D]."""
     n, bsz, heads, dim = shape
-    flat = torch.zeros(n, heads, bsz * dim + 1, dtype=torch.bool, device=index.device)
-    flat.scatter_(-1, torch.where(index < 0, bsz * dim, index), True)
-    return flat[..., :-1].view(n, heads, bsz, dim).permute(0, 2, 1, 3)
+    return _flat_mask(index, bsz * dim).view(n, heads, bsz, dim).permute(0, 2, 1, 3)
 
 
 def quantize_blocks(x: torch.Tensor, valid: torch.Tensor, *, bits: int, per_channel: bool,

@@ -1,8 +1,8 @@
 /* KVQuant decode attention a whole block at a time, the codes decoded in registers: the fast
  * path of `kvquant_decode_attention` (AVX-512F/BW/VL). Included by quant_decode_attention.c after
- * its Softmax, sum16, exp512, the scalar decodes, KVQuantLayer, load_head and rope_head, which it
- * uses; the reference for every result is that file's row path (`kvquant_row_block`), itself
- * checked against dequantize-then-dense.
+ * its Softmax, sum16, exp512, lut16, codes16, the scalar decodes and loads, KVQuantLayer,
+ * load_head and rope_head, which it uses; the reference for every result is that file's row
+ * path (`kvquant_row_block`), itself checked against dequantize-then-dense.
  *
  * The case it takes: per-channel keys (per-block statistics) rotated over the whole head or not
  * at all, per-token values with one statistic per (slot, head), codes of 2, 3 or 4 bits, head_dim
@@ -30,6 +30,7 @@ typedef struct {
     float *row;            /* [D]: a sink's full-precision row */
     float *v_half, *v_off; /* [B]: the value statistics of the KV head's slots */
     float *live;           /* [B]: 0 at a sink slot (its row is added apart), else 1 */
+    float *pb;             /* [group]: P . the slots' value offsets, per query head */
     int32_t *patch_ch;     /* [B, value cap]: a value outlier's channel, -1 none (small heads) */
     float *patch_x;        /* [B, value cap]: the value it stands for in centroid units */
     __m512 *dots;          /* [Hkv * FAST_MAX_HEADS, 16]: one tile's per-slot dot vectors */
@@ -46,19 +47,20 @@ static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int6
     w->v_half = malloc(sizeof(float) * B);
     w->v_off = malloc(sizeof(float) * B);
     w->live = malloc(sizeof(float) * B);
+    w->pb = malloc(sizeof(float) * group);
     w->patch_ch = malloc(sizeof(int32_t) * (B * value_cap + 1));
     w->patch_x = malloc(sizeof(float) * (B * value_cap + 1));
     w->dots = aligned_alloc(64, sizeof(__m512) * Hkv * FAST_MAX_HEADS * 16);
     w->sink_at = malloc(sizeof(int16_t) * B);
     if (w->sink_at) for (int64_t t = 0; t < B; t++) w->sink_at[t] = -1;
     return w->scores && w->pa && w->k_off && w->k_half && w->row && w->v_half && w->v_off
-           && w->live && w->patch_ch && w->patch_x
+           && w->live && w->pb && w->patch_ch && w->patch_x
            && w->dots && w->sink_at;
 }
 
 static void block_scratch_free(BlockScratch *w) {
     free(w->scores); free(w->pa); free(w->k_off); free(w->k_half); free(w->row); free(w->v_half);
-    free(w->v_off); free(w->live); free(w->patch_ch); free(w->patch_x); free(w->dots);
+    free(w->v_off); free(w->live); free(w->pb); free(w->patch_ch); free(w->patch_x); free(w->dots);
     free(w->sink_at);
 }
 
@@ -72,34 +74,6 @@ static int block_path_fits(const KVQuantLayer *L) {
            && L->staging_v == NULL && L->num_q_heads % L->num_kv_heads == 0;
 }
 
-/* the codes of channels [c0, c0 + 16) of a packed row, one per 32-bit lane (c0 % 16 == 0) */
-static inline __m512i codes16(const uint8_t *p, int64_t bits, int64_t c0) {
-    if (bits == 4) {  /* 8 bytes, channel 2i in the low nibble */
-        uint64_t w;
-        memcpy(&w, p + c0 / 2, sizeof w);
-        const __m128i b = _mm_cvtsi64_si128((long long)w), low4 = _mm_set1_epi8(0x0F);
-        const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
-        return _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
-    }
-    if (bits == 2) {  /* a 32-bit word, channel j at bits 2j */
-        uint32_t w;
-        memcpy(&w, p + c0 / 4, sizeof w);
-        const __m512i shift = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
-                                                28, 30);
-        return _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)w), shift),
-                                _mm512_set1_epi32(3));
-    }
-    /* 3 bits: two 24-bit little-endian words of eight codes */
-    const uint8_t *b = p + c0 / 8 * 3;
-    const uint32_t w0 = b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16;
-    const uint32_t w1 = b[3] | (uint32_t)b[4] << 8 | (uint32_t)b[5] << 16;
-    const __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32((int)w0)),
-                                             _mm256_set1_epi32((int)w1), 1);
-    const __m512i shift = _mm512_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21, 0, 3, 6, 9, 12, 15, 18,
-                                            21);
-    return _mm512_and_si512(_mm512_srlv_epi32(words, shift), _mm512_set1_epi32(7));
-}
-
 /* one code of a packed row (the layouts of codes16 and unpack_codes) */
 static inline int code_at(const uint8_t *p, int64_t bits, int64_t ch) {
     if (bits == 4) return (p[ch / 2] >> (4 * (ch & 1))) & 15;
@@ -107,12 +81,6 @@ static inline int code_at(const uint8_t *p, int64_t bits, int64_t ch) {
     const uint8_t *b = p + ch / 8 * 3;
     const uint32_t w = b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16;
     return (w >> (3 * (ch & 7))) & 7;
-}
-
-static inline __m512 lut16(const float *lut, int64_t bits) {
-    float t16[16] = {0};
-    memcpy(t16, lut, sizeof(float) << bits);
-    return _mm512_loadu_ps(t16);
 }
 
 /* part `part` of `parts` of a block's per-block data (statistics, outlier lists, positions),
@@ -309,30 +277,6 @@ static inline float rope_coefficient(const float *qh, const float *cs, const flo
                   : qh[ch] * cs[ch] - qh[ch - m] * sn[ch - m];
 }
 
-/* float16 -> float32 (F16C where built with it) */
-static inline float half_to_float(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    return f16_to_f32(h);
-#endif
-}
-
-/* load_index / load_any with the element size or kind a constant at the inlined call sites */
-static inline __attribute__((always_inline)) int64_t index_at(const void *p, int64_t i,
-                                                              const int64_t bytes) {
-    if (bytes == 1) return ((const uint8_t *)p)[i];
-    if (bytes == 2) return ((const int16_t *)p)[i];
-    return ((const int32_t *)p)[i];
-}
-
-static inline __attribute__((always_inline)) float element_at(const void *p, int64_t i,
-                                                              const int64_t kind) {
-    if (kind == 0) return half_to_float(((const uint16_t *)p)[i]);
-    if (kind == 1) return bf16_to_f32(((const uint16_t *)p)[i]);
-    return ((const float *)p)[i];
-}
-
 /* The store lists every outlier once (`nanokv.quant.kvquant._select_outliers`), so each entry's
  * correction is added as it comes. */
 
@@ -350,13 +294,13 @@ static inline __attribute__((always_inline)) void key_outliers(
     const uint8_t *rows = K->codes + (blk * B * Hkv + g) * K->packed;
     const int64_t stride = Hkv * K->packed;
     for (int64_t j = 0; j < K->cap; j++) {
-        const int64_t idx = index_at(K->oidx, base + j, idx_bytes);
+        const int64_t idx = load_index(K->oidx, base + j, idx_bytes);
         if (idx < 0 || idx >= limit) continue;
         const int64_t t = d_pow2 ? idx >> d_shift : idx / D;
         const int64_t ch = idx - t * D;
         const float decoded = fmaf(K->lut[code_at(rows + t * stride, K->bits, ch)], half[ch],
                                    off[ch]);
-        const float delta = element_at(K->oval, base + j, kind) - decoded;
+        const float delta = load_any(K->oval, base + j, kind) - decoded;
         int64_t pos = R ? L->slot_positions[blk * B + t] : 0;
         pos = pos < 0 ? 0 : pos;
         const float *cs = L->cos + pos * R, *sn = L->sin + pos * R;
@@ -525,9 +469,9 @@ static inline __attribute__((always_inline)) void value_outliers(
         const int64_t i = (blk * B + t) * Hkv + g;  /* (block, slot, head) */
         const uint8_t *row = V->codes + i * V->packed;
         for (int64_t j = 0; j < cap; j++) {
-            const int64_t ch = index_at(V->oidx, i * cap + j, idx_bytes);
+            const int64_t ch = load_index(V->oidx, i * cap + j, idx_bytes);
             if (ch < 0 || ch >= D) continue;
-            const float delta = element_at(V->oval, i * cap + j, kind)
+            const float delta = load_any(V->oval, i * cap + j, kind)
                                 - (V->lut[code_at(row, V->bits, ch)] * w->v_half[t] + w->v_off[t]);
             for (int64_t hh = 0; hh < group; hh++) acc0[hh * D + ch] += sg[hh * B + t] * delta;
         }
@@ -554,8 +498,8 @@ static inline __attribute__((always_inline)) void value_patches_impl(
         const float inv = half != 0.f ? 1.f / half : 0.f;
         const int live = w->sink_at[t] < 0;
         for (int64_t j = 0; j < cap; j++) {
-            const int64_t ch = index_at(V->oidx, i * cap + j, idx_bytes);
-            const float exact = element_at(V->oval, i * cap + j, kind);
+            const int64_t ch = load_index(V->oidx, i * cap + j, idx_bytes);
+            const float exact = load_any(V->oval, i * cap + j, kind);
             const int valid = live && ch >= 0 && ch < D;
             patch_ch[t * cap + j] = valid && half != 0.f ? (int32_t)ch : -1;
             patch_x[t * cap + j] = (exact - off) * inv;
@@ -611,6 +555,7 @@ static void kvquant_block_fast(const KVQuantLayer *L, int64_t blk, int64_t next_
         const int64_t t = L->sink_slot[blk * L->num_sinks + p];
         if (t >= 0 && t < n) w->sink_at[t] = (int16_t)p;
     }
+    for (int64_t t = 0; t < n; t++) w->live[t] = w->sink_at[t] < 0 ? 1.f : 0.f;
     /* the block's key statistics, float16 -> float32: [Hkv, D] */
     const uint16_t *off16 = K->offset + blk * Hkv * D, *half16 = K->half + blk * Hkv * D;
     for (int64_t d = 0; d < Hkv * D; d += 16) {
@@ -631,12 +576,11 @@ static void kvquant_block_fast(const KVQuantLayer *L, int64_t blk, int64_t next_
         block_key_fixes(L, blk, g, n, q0, group, sg, w);
         block_softmax(s, g * group, group, n, B, D, sg);
         /* P * the slot's value half-range, and P . offsets per head; sink slots added apart */
-        float pb[64], *pbh = group <= 64 ? pb : malloc(sizeof(float) * group);
+        float *pbh = w->pb;
         for (int64_t t = 0; t < n; t++) {
             const int64_t i = (blk * B + t) * Hkv + g;
-            w->v_half[t] = half_to_float(V->half[i]);
-            w->v_off[t] = half_to_float(V->offset[i]);
-            w->live[t] = w->sink_at[t] < 0 ? 1.f : 0.f;
+            w->v_half[t] = f16_to_f32(V->half[i]);
+            w->v_off[t] = f16_to_f32(V->offset[i]);
         }
         for (int64_t hh = 0; hh < group; hh++) {
             const float *ph = sg + hh * B, *live = w->live;
@@ -658,7 +602,6 @@ static void kvquant_block_fast(const KVQuantLayer *L, int64_t blk, int64_t next_
             BLOCK_HEADS_DISPATCH(VALUES, nh)
 #undef VALUES
         }
-        if (pbh != pb) free(pbh);
         block_value_fixes(L, blk, g, n, acc0, group, sg, w, patched);
     }
     for (int64_t p = 0; p < L->num_sinks; p++) {

@@ -35,7 +35,7 @@
  * failed. */
 #include <float.h>
 #include <math.h>
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 #include <stdint.h>
@@ -52,10 +52,15 @@ static inline float bits_to_float(uint32_t u) {
 }
 
 /* IEEE half: exponent and mantissa moved into a float's low exponent bits, then scaled by
- * 2^(127 - 15); also right for subnormals (the float is then subnormal and scales exactly). */
+ * 2^(127 - 15); also right for subnormals (the float is then subnormal and scales exactly).
+ * F16C's conversion where the build has it (the same exact result, one instruction). */
 static inline float f16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
     float mag = bits_to_float((uint32_t)(h & 0x7FFF) << 13) * 0x1p112f;
     return (h & 0x8000) ? -mag : mag;
+#endif
 }
 
 static inline float bf16_to_f32(uint16_t h) { return bits_to_float((uint32_t)h << 16); }
@@ -71,15 +76,18 @@ static inline float e5m2_to_f32(uint8_t c) {
     return (c & 0x80) ? -mag : mag;
 }
 
-/* sparse / staging element kinds: 0 float16, 1 bfloat16, 2 float32 */
-static inline float load_any(const void *p, int64_t i, int64_t kind) {
+/* sparse / staging element kinds: 0 float16, 1 bfloat16, 2 float32 (always inlined: a call
+ * site that passes a constant kind gets that kind's load alone) */
+static inline __attribute__((always_inline)) float load_any(const void *p, int64_t i,
+                                                            int64_t kind) {
     if (kind == 2) return ((const float *)p)[i];
     const uint16_t h = ((const uint16_t *)p)[i];
     return kind == 1 ? bf16_to_f32(h) : f16_to_f32(h);
 }
 
-/* index element sizes 1 (uint8), 2 (int16), 4 (int32) */
-static inline int64_t load_index(const void *p, int64_t i, int64_t bytes) {
+/* index element sizes 1 (uint8), 2 (int16), 4 (int32) (always inlined, as load_any) */
+static inline __attribute__((always_inline)) int64_t load_index(const void *p, int64_t i,
+                                                                int64_t bytes) {
     if (bytes == 1) return ((const uint8_t *)p)[i];
     if (bytes == 2) return ((const int16_t *)p)[i];
     return ((const int32_t *)p)[i];
@@ -552,6 +560,43 @@ static inline void unpack_codes(const uint8_t *p, int64_t bits, int64_t D, uint8
     }
 }
 
+#if defined(__AVX512F__)
+/* a codebook of up to 16 centroids as one register, for table permutes (unused entries 0) */
+static inline __m512 lut16(const float *lut, int64_t bits) {
+    float t16[16] = {0};
+    memcpy(t16, lut, sizeof(float) << bits);
+    return _mm512_loadu_ps(t16);
+}
+
+/* the codes of channels [c0, c0 + 16) of a packed row, one per 32-bit lane (c0 % 16 == 0) */
+static inline __m512i codes16(const uint8_t *p, int64_t bits, int64_t c0) {
+    if (bits == 4) {  /* 8 bytes, channel 2i in the low nibble */
+        uint64_t w;
+        memcpy(&w, p + c0 / 2, sizeof w);
+        const __m128i b = _mm_cvtsi64_si128((long long)w), low4 = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+        return _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+    }
+    if (bits == 2) {  /* a 32-bit word, channel j at bits 2j */
+        uint32_t w;
+        memcpy(&w, p + c0 / 4, sizeof w);
+        const __m512i shift = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                                28, 30);
+        return _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)w), shift),
+                                _mm512_set1_epi32(3));
+    }
+    /* 3 bits: two 24-bit little-endian words of eight codes */
+    const uint8_t *b = p + c0 / 8 * 3;
+    const uint32_t w0 = b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16;
+    const uint32_t w1 = b[3] | (uint32_t)b[4] << 8 | (uint32_t)b[5] << 16;
+    const __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi32((int)w0)),
+                                             _mm256_set1_epi32((int)w1), 1);
+    const __m512i shift = _mm512_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21, 0, 3, 6, 9, 12, 15, 18,
+                                            21);
+    return _mm512_and_si512(_mm512_srlv_epi32(words, shift), _mm512_set1_epi32(7));
+}
+#endif
+
 /* x[d] = lut[c[d]]: codebooks of up to 16 centroids are looked up in registers on the guarded
  * vector paths (a table permute; compilers emit a scalar loop or gathers for this) */
 static inline void lookup_row(float *restrict x, const uint8_t *restrict c,
@@ -560,9 +605,7 @@ static inline void lookup_row(float *restrict x, const uint8_t *restrict c,
     (void)bits;
 #if defined(__AVX512F__)
     if (bits <= 4) {
-        float t16[16] = {0};
-        memcpy(t16, lut, sizeof(float) << bits);
-        const __m512 table = _mm512_loadu_ps(t16);
+        const __m512 table = lut16(lut, bits);
         for (; d + 16 <= D; d += 16) {
             const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + d)));
             _mm512_storeu_ps(x + d, _mm512_permutexvar_ps(idx, table));
@@ -593,9 +636,7 @@ static inline void decode_codes(float *restrict x, const uint8_t *restrict p,
                                 uint8_t *restrict c) {
 #if defined(__AVX512F__)
     if (bits == 4 && D % 32 == 0) {
-        float t16[16];
-        memcpy(t16, lut, sizeof t16);
-        const __m512 table = _mm512_loadu_ps(t16);
+        const __m512 table = lut16(lut, bits);
         const __m128i low4 = _mm_set1_epi8(0x0F);
         for (int64_t d = 0; d < D; d += 32) {  /* 16 bytes: channel 2i in the low nibble */
             const __m128i b = _mm_loadu_si128((const __m128i *)(p + d / 2));
@@ -608,29 +649,9 @@ static inline void decode_codes(float *restrict x, const uint8_t *restrict p,
         return;
     }
     if ((bits == 2 || bits == 3) && D % 16 == 0) {
-        /* 16 channels = two words of 8 codes (2 or 3 bytes each); lane j takes its word's
-         * code j % 8 by a per-lane shift */
-        float t16[16] = {0};
-        memcpy(t16, lut, sizeof(float) << bits);
-        const __m512 table = _mm512_loadu_ps(t16);
-        const __m512i shift = _mm512_mullo_epi32(
-            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7),
-            _mm512_set1_epi32((int)bits));
-        const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
-        for (int64_t d = 0; d < D; d += 16) {
-            const uint8_t *b = p + d / 8 * bits;  /* 2 * bits bytes */
-            uint32_t w0 = b[0] | (uint32_t)b[1] << 8, w1;
-            if (bits == 2) {
-                w1 = b[2] | (uint32_t)b[3] << 8;
-            } else {
-                w0 |= (uint32_t)b[2] << 16;
-                w1 = b[3] | (uint32_t)b[4] << 8 | (uint32_t)b[5] << 16;
-            }
-            const __m512i words = _mm512_inserti64x4(_mm512_set1_epi32((int)w0),
-                                                     _mm256_set1_epi32((int)w1), 1);
-            const __m512i codes = _mm512_and_si512(_mm512_srlv_epi32(words, shift), mask);
-            _mm512_storeu_ps(x + d, _mm512_permutexvar_ps(codes, table));
-        }
+        const __m512 table = lut16(lut, bits);
+        for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_ps(x + d, _mm512_permutexvar_ps(codes16(p, bits, d), table));
         return;
     }
 #endif
