@@ -5,7 +5,8 @@
     {"step": 812, "t": 31.204518, "dur": 0.021433, "busy": true, "tokens": 9, "seqs": 8,
      "decodes": 8, "decode_context": 2931, "prefill_pairs": 0, "prefill_context": 0,
      "running": 8, "preempted": 0, "added": 1, "finished": 2, "pre": 0.000210,
-     "step_dur": 0.019870, "step_cpu": 0.019530, "proc_cpu0": 20.411203, "proc_cpu1": 20.432991}
+     "step_dur": 0.019870, "step_cpu": 0.019530, "proc_cpu0": 20.411203, "proc_cpu1": 20.432991,
+     "probe_cpu": 0.0001912}
 
 `t` is the turn's start on the trace's clock (the request lines' `t`), `dur` the whole loop turn
 (adding the turn's requests, the step, delivering its outputs, metrics), `busy` whether requests
@@ -17,7 +18,10 @@ threads and processes took of the core meanwhile); the rest of the turn is the s
 delivery, metrics, and the HTTP work the event loop did meanwhile on the same core
 (`nanokv/sim/server_overhead.py`). `proc_cpu0` / `proc_cpu1` are the server process's CPU time
 (all its threads) at the turn's start and end: a turn's CPU time, HTTP work included, without
-what other processes took (`turn_cpu_times`).
+what other processes took (`turn_cpu_times`). `probe_cpu` (every `PROBE_EVERY`-th step): the
+CPU time of a fixed piece of work the engine thread ran right after the step
+(`nanokv/sim/speed_work.py`), the machine's speed at that moment (`speed_probe.py`); it is
+part of the turn, not of the step.
 
 The request lines carry the step they were added before (`step`) and the order of admission
 (`order`), so a replay can add each request exactly where the server did
@@ -33,7 +37,10 @@ import json
 import time
 from dataclasses import dataclass
 
+from nanokv.sim.speed_work import speed_work
 from nanokv.sim.step_model import LinearStepModel, StepFeatures
+
+PROBE_EVERY = 4  # steps between two runs of the machine-speed probe
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,7 @@ class StepLogEntry:
     step_cpu: float | None = None  # the engine thread's CPU seconds in the step
     proc_cpu0: float | None = None  # the server process's CPU seconds at the turn's start
     proc_cpu1: float | None = None  # ... and at its end
+    probe_cpu: float | None = None  # CPU seconds of the machine-speed probe after the step
 
     def to_json(self) -> str:
         f = self.features
@@ -67,6 +75,8 @@ class StepLogEntry:
         for k in ("step_cpu", "proc_cpu0", "proc_cpu1"):
             if getattr(self, k) is not None:
                 d[k] = round(getattr(self, k), 6)
+        if self.probe_cpu is not None:
+            d["probe_cpu"] = round(self.probe_cpu, 7)
         return json.dumps(d, separators=(",", ":"))
 
     @classmethod
@@ -75,7 +85,7 @@ class StepLogEntry:
         f = StepFeatures(d["tokens"], d["seqs"], d["decodes"], d["decode_context"],
                          d["prefill_pairs"], d["prefill_context"])
         opt = {k: None if d.get(k) is None else float(d[k])
-               for k in ("pre", "step_dur", "step_cpu", "proc_cpu0", "proc_cpu1")}
+               for k in ("pre", "step_dur", "step_cpu", "proc_cpu0", "proc_cpu1", "probe_cpu")}
         return cls(int(d["step"]), float(d["t"]), float(d["dur"]), bool(d["busy"]), f,
                    int(d["running"]), int(d["preempted"]), int(d.get("added", 0)),
                    int(d.get("finished", 0)), **opt)
@@ -97,6 +107,8 @@ class StepLogWriter:
         self._step_t: float | None = None
         self._step_dur: float | None = None
         self._step_cpu: float | None = None
+        self._probe_cpu: float | None = None
+        self._probe = speed_work() if path is not None else None
         self._pending: tuple[StepFeatures, int, int] | None = None
         self._file = None
         if path is not None:
@@ -123,6 +135,10 @@ class StepLogWriter:
             finally:
                 self._step_dur = time.monotonic() - self._step_t
                 self._step_cpu = time.thread_time() - cpu
+                if self._probe is not None and self.step % PROBE_EVERY == 0:
+                    c0 = time.thread_time()
+                    self._probe()
+                    self._probe_cpu = time.thread_time() - c0
 
         scheduler.schedule = logged_schedule
         engine.step = timed_step
@@ -131,7 +147,7 @@ class StepLogWriter:
         self._turn_t = time.monotonic()
         self._turn_cpu = time.process_time() - self._cpu_start
         self._added = self._ended = 0
-        self._step_t = self._step_dur = self._step_cpu = None
+        self._step_t = self._step_dur = self._step_cpu = self._probe_cpu = None
 
     def admitted(self) -> tuple[int, int]:
         """(the step this request is added before, its admission order)."""
@@ -155,7 +171,7 @@ class StepLogWriter:
                                  self._ended, None if self._step_t is None
                                  else self._step_t - self._turn_t, self._step_dur,
                                  self._step_cpu, self._turn_cpu,
-                                 time.process_time() - self._cpu_start)
+                                 time.process_time() - self._cpu_start, self._probe_cpu)
             self._file.write(entry.to_json() + "\n")
             self._file.flush()
         self.step += 1

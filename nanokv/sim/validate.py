@@ -18,8 +18,12 @@ For each seed:
                 the replay's accounting (every step's shape must equal the served one);
    same-run     arrival-time admission (what `nanokv advise` does), engine-step model and server
                 overhead fitted to this run's own step log (constant over the run);
-   calibrated   arrival-time admission, model and overhead of the calibration run: the
-                prediction, and the column the 15% target is judged on;
+   calibrated   arrival-time admission, model and overhead of the calibration run;
+   calibrated + speed  as calibrated, every turn scaled by the machine's speed in its 2 s
+                window against the calibration run's, measured by the server's speed probe
+                (the same fixed work timed after every 4th step, `speed_probe.py`): the
+                prediction the 15% target is judged on (on this shared machine the speed
+                drifts by 5-30% between runs minutes apart);
    no overhead  as calibrated, but one model of the whole loop turn's CPU time (`fit_step_log`):
                 what the overhead term changes;
    +3% steps    as calibrated with every turn 3% longer: how strongly each metric reacts to a
@@ -51,6 +55,7 @@ from nanokv.sim.machine_load import LoadMonitor
 from nanokv.sim.machine_load import summarize as summarize_load
 from nanokv.sim.server_overhead import fit_server_overhead
 from nanokv.sim.simulator import SimConfig, Simulator
+from nanokv.sim.speed_probe import run_speed_profile
 from nanokv.sim.step_log import (LoadProfile, fit_engine_step, fit_step_log, load_profile,
                                  read_step_log, turn_cpu_times, turn_times)
 from nanokv.sim.synthetic import WorkloadShape, generate_requests
@@ -208,9 +213,11 @@ class Calibration:
                 "whole_turn": self.whole_turn.describe()}
 
 
-def replay(records, log, calib: Calibration) -> tuple[dict[str, dict], int, dict]:
+def replay(records, log, calib: Calibration,
+           speed: LoadProfile | None = None) -> tuple[dict[str, dict], int, dict]:
     """The replays of the module docstring: (summaries by name, steps of the recorded replay
-    whose shape differs from the served one, the same-run models)."""
+    whose shape differs from the served one, the same-run models). `speed`: the machine's
+    measured speed over the run against the calibration run's (`speed_probe.speed_profile`)."""
     recorded = Simulator(records, sim_config(admission="recorded"), calib.engine,
                          record_decisions=True, step_times=turn_times(log))
     engine = fit_engine_step(log, f"this run's engine steps, {len(log)} steps")
@@ -226,6 +233,10 @@ def replay(records, log, calib: Calibration) -> tuple[dict[str, dict], int, dict
                                    load_profile=slower).run(),
             "+measured load": Simulator(records, arrival, calib.engine, overhead=calib.overhead,
                                         load_profile=load_profile(log)).run()}
+    if speed is not None:
+        runs["calibrated + speed"] = Simulator(records, arrival, calib.engine,
+                                               overhead=calib.overhead,
+                                               load_profile=speed).run()
     mismatched = sum(a != b.features for a, b in zip(recorded.features, log)) + abs(
         len(recorded.features) - len(log))
     return ({name: r.summary() for name, r in runs.items()}, mismatched,
@@ -291,7 +302,8 @@ def main(argv=None) -> int:
                              vocab)
             errors, load = serve_and_trace(items, c_trace, c_steps, args.port, args.server_cpu)
             c_info = {"rate": args.calibration_rate, "errors": errors, "load": load}
-        calib = Calibration(read_step_log(c_steps))
+        c_log = read_step_log(c_steps)
+        calib = Calibration(c_log)
         c_info.update(capacity_req_s=calib.capacity(
             workload(args.num_requests, 1.0, seed, vocab)), models=calib.describe())
         with open(path(f"calibration_seed{seed}.json"), "w", encoding="utf-8") as f:
@@ -309,16 +321,18 @@ def main(argv=None) -> int:
                                                trace_path, steps_path, args.port,
                                                args.server_cpu)
             records, log = read_trace(trace_path), read_step_log(steps_path)
+            speed = run_speed_profile(c_log, log)
             real = real_metrics(records, log)
             cpu = turn_cpu_times(log)
             # > 1: the turns took longer than the server's CPU time (others took its core)
             wall_per_cpu = sum(turn_times(log).values()) / sum(cpu.values()) if cpu else None
-            sims, mismatched, same_run = replay(records, log, calib)
+            sims, mismatched, same_run = replay(records, log, calib, speed)
             result = {"seed": seed, "load": u, "rate": rate,
                       "capacity_req_s": c_info["capacity_req_s"], "engine": ENGINE,
                       "num_requests": len(records), "errors": errors, "load_monitor": load,
                       "calibration_load": c_info["load"], "steps": len(log),
                       "wall_per_cpu": wall_per_cpu,
+                      "speed_factors": None if speed is None else list(speed.factors),
                       "steps_differing_from_served": mismatched,
                       "models": {"calibrated": calib.describe(), "same-run": same_run},
                       "real": real, "sim": sims}

@@ -14,7 +14,8 @@ import sys
 BEGIN = "<!-- validation:begin (written by python -m nanokv.sim.validation_report) -->"
 END = "<!-- validation:end -->"
 TARGET = 0.15
-COLUMNS = ("recorded", "same-run", "calibrated", "no overhead", "+3% steps", "+measured load")
+COLUMNS = ("recorded", "same-run", "calibrated", "calibrated + speed", "no overhead",
+           "+3% steps", "+measured load")
 EXACT = [("prefix hit rate", "prefix_hit_rate", None), ("preemptions", "preemptions", None),
          ("peak running", "peak_running", None)]
 TIMED = [("output tok/s", "output_tok_s", None, 1),
@@ -41,17 +42,23 @@ def errors(run: dict, column: str) -> dict[str, float]:
     return out
 
 
+def _columns(run: dict) -> list[str]:
+    """The replays a run has (runs logged before the speed probe lack "calibrated + speed")."""
+    return [c for c in COLUMNS if c in run["sim"]]
+
+
 def run_table(run: dict) -> str:
-    lines = ["| metric | real | " + " | ".join(COLUMNS) + " |",
-             "|---" * (len(COLUMNS) + 2) + "|"]
+    columns = _columns(run)
+    lines = ["| metric | real | " + " | ".join(columns) + " |",
+             "|---" * (len(columns) + 2) + "|"]
     for label, key, sub in EXACT:
         real = _get(run["real"], key, sub)
-        cells = [_num(_get(run["sim"][c], key, sub)) for c in COLUMNS]
+        cells = [_num(_get(run["sim"][c], key, sub)) for c in columns]
         lines.append(f"| {label} | {_num(real)} | " + " | ".join(cells) + " |")
     for label, key, sub, scale in TIMED:
         real = _get(run["real"], key, sub)
         cells = []
-        for c in COLUMNS:
+        for c in columns:
             sim = _get(run["sim"][c], key, sub)
             err = sim / real - 1
             mark = "" if abs(err) <= TARGET else " **x**"
@@ -63,22 +70,25 @@ def run_table(run: dict) -> str:
 def load_table(runs: list[dict]) -> str:
     lines = ["| run | offered req/s | calibrated capacity | load avg (mean / max) | "
              "server's share of its core | others on that core (mean / max) | "
-             "turn wall / server CPU | disturbed | calibration run: others max |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "turn wall / server CPU | machine speed vs calibration (min / mean / max) | "
+             "disturbed | calibration run: others max |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         m, c = r["load_monitor"], r.get("calibration_load") or {}
         ratio = "-" if r.get("wall_per_cpu") is None else f"{r['wall_per_cpu']:.2f}"
+        f = r.get("speed_factors")
+        speed = "-" if not f else f"{min(f):.2f} / {sum(f) / len(f):.2f} / {max(f):.2f}"
         calib = "-" if not c.get("windows") else (
             f"{c['others_share_max']:.1%}{' (**disturbed**)' if c['disturbed'] else ''}")
         if not m.get("windows"):
             lines.append(f"| {_name(r)} | {r['rate']:.1f} | {r['capacity_req_s']:.1f} | - | - "
-                         f"| - | {ratio} | not measured | {calib} |")
+                         f"| - | {ratio} | {speed} | not measured | {calib} |")
             continue
         lines.append(
             f"| {_name(r)} | {r['rate']:.1f} | {r['capacity_req_s']:.1f} | "
             f"{m['loadavg_1m_mean']:.2f} / {m['loadavg_1m_max']:.2f} | "
             f"{m['server_share_mean']:.0%} | {m['others_share_mean']:.1%} / "
-            f"{m['others_share_max']:.1%} | {ratio} | "
+            f"{m['others_share_max']:.1%} | {ratio} | {speed} | "
             f"{'**yes**' if m['disturbed'] else 'no'} | {calib} |")
     return "\n".join(lines)
 
@@ -115,16 +125,20 @@ def report(out_dir: str) -> str:
              "Other processes' share of the server's core is the core's busy time minus the "
              "server process's CPU time, per 2 s window; a run where it passes 5% in any window "
              "is flagged as disturbed. Turn wall / server CPU: the served turns' wall time over "
-             "the server process's CPU time in them (1.00 on a core of its own).", "",
+             "the server process's CPU time in them (1.00 on a core of its own). Machine "
+             "speed: the server's speed probe per 2 s window over the calibration run's "
+             "(above 1: the same work took longer than when the model was fitted; "
+             "`nanokv/sim/speed_probe.py`).", "",
              load_table(runs), ""]
     if disturbed:
         parts += [f"**{len(disturbed)} of {len(runs)} runs were disturbed** by other processes "
                   f"on the server's core: their timing errors include that load, which no step "
                   f"model predicts.", ""]
     parts += ["### Verdict (timed metrics: output tok/s, TTFT / TPOT / E2E p50 and p90)", ""]
-    for column in ("calibrated", "same-run", "no overhead", "+3% steps", "+measured load",
-                   "recorded"):
-        parts.append(f"- {verdict(runs, column)}")
+    for column in ("calibrated + speed", "calibrated", "same-run", "no overhead", "+3% steps",
+                   "+measured load", "recorded"):
+        if all(column in r["sim"] for r in runs):
+            parts.append(f"- {verdict(runs, column)}")
     quiet = [r for r in runs if r["load_monitor"].get("disturbed") is False
              and (r.get("calibration_load") or {}).get("disturbed") is False]
     if quiet and len(quiet) < len(runs):

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from servers import MODEL_NAME, start_in_process, stop_server
 
-from nanokv.sim.step_log import read_step_log
+from nanokv.sim.step_log import PROBE_EVERY, read_step_log
 from nanokv.sim.trace import TraceRecord, read_trace
 
 PROMPT = "The block manager hands out fixed-size blocks of the KV cache. " * 4
@@ -81,6 +81,9 @@ def test_step_log_accounts_for_every_token(traced):
     assert all(r.step in steps for r in records)
     assert sorted(r.order for r in records) == list(range(len(records)))
     assert max(e.running for e in log) == 1  # sent one after another
+    # the machine-speed probe ran after every PROBE_EVERY-th step, and only then
+    assert all((e.probe_cpu is not None) == (e.step % PROBE_EVERY == 0) for e in log)
+    assert all(e.probe_cpu > 0 for e in log if e.probe_cpu is not None)
 
 
 def test_client_aborts_are_traced_and_replay_exactly(tiny_llama, tmp_path):

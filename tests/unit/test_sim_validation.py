@@ -52,6 +52,7 @@ def _run(ttft_real: float, ttft_sim: float) -> dict:
             "load_monitor": machine_load.summarize([LoadWindow(0, 2, 0.5, 1.0, 1.0, 0.0)]),
             "models": {"calibrated": {"engine_step": "m", "server": "s"},
                        "same-run": {"engine_step": "m", "server": "s"}},
+            "speed_factors": [0.9, 1.0, 1.1],
             "real": metrics, "sim": {c: sim for c in validation_report.COLUMNS}}
 
 
@@ -72,6 +73,15 @@ def test_report_marks_misses_beyond_15_percent(tmp_path):
     assert "| TTFT p50 ms | 1e+03 |" in text and "1.1e+03 (+10%) |" in text
     assert "1.2e+03 (+20%) **x** |" in text
     assert "equal to the real run in every run" in text
+    assert "**calibrated + speed**: 13 of 14" in text and "| 0.90 / 1.00 / 1.10 |" in text
+    # runs logged before the speed probe: no such column, no such verdict
+    for name in ("validation_seed0_u70.json", "validation_seed1_u70.json"):
+        run = json.loads((tmp_path / name).read_text())
+        del run["sim"]["calibrated + speed"], run["speed_factors"]
+        (tmp_path / name).write_text(json.dumps(run))
+    validation_report.write_report(str(tmp_path))
+    text = (tmp_path / "README.md").read_text()
+    assert "calibrated + speed" not in text and "**calibrated**: 13 of 14" in text
 
 
 def test_validate_rejects_bad_options():
