@@ -70,6 +70,8 @@ def make_store(kind, head_dim, block_size, num_blocks, num_requests, staging_dty
     elif kind.startswith("kivi:"):  # value groups: gcd(32, head_dim) channels, 4 at D = 128
         store = KIVIStore.from_settings(lay, num_blocks, CPU, bits=int(kind[5:]),
                                         num_staging_blocks=num_requests)
+    elif kind.endswith("-pre-rope"):  # per-token codes of keys before RoPE
+        store = make_kv_store(kind[:-9], lay, num_blocks, pre_rope_keys=True)
     else:
         store = make_kv_store(kind, lay, num_blocks)
     store.rotary = RotaryEmbedding(_HFConfig(), head_dim, MAX_POS)
@@ -144,7 +146,7 @@ def scenario(store, hq, lens, rng, gen, chunk=None):
 
 
 LENS = {16: [1, 2, 15, 16, 17, 40, 100, 161], 256: [1, 5, 256, 257, 300, 600]}
-STORES = ["int8", "fp8_e4m3", "fp8_e5m2", "kvquant:4bit", "kvquant:3bit-nuq",
+STORES = ["int8", "fp8_e4m3", "fp8_e5m2", "int8-pre-rope", "kvquant:4bit", "kvquant:3bit-nuq",
           "kvquant:2bit-nuq-thresholds", "kvquant:mixed-8-4",
           "kvquant:ablation-per-token-post-rope", "kivi:2", "kivi:4"]
 

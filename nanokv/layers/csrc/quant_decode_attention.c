@@ -3,14 +3,16 @@
  * float32 K/V (as `nanokv.quant.attention.reference_quantized_attention` does).
  *
  * One pass with an online softmax, as decode_attention.c, one OpenMP work item per request.
- * Slots are taken in tiles of TILE = 16; inside a tile, one KV head at a time:
- *   1. its keys for the tile's slots are decoded into kt [TILE, D] (per-thread, L1-sized: 8 KiB
- *      at D = 128), rotated there when the store keeps keys before RoPE;
- *   2. the scores of its query heads (GQA: the group shares the decoded keys), all TILE slots
- *      of a head at once: one accumulator per slot over D, then the 16 sums reduced together
- *      (a shuffle tree, 15 adds for 16 dot products instead of a reduction each);
+ * Slots are taken in tiles of TILE = 16:
+ *   1. the tile's keys, every KV head, are decoded into [Hkv, TILE, D] (per-thread: 64 KiB at
+ *      Hkv 8, D 128, in L2), rotated there when the store keeps keys before RoPE, reading the
+ *      codes in address order: a stream the hardware prefetchers follow (per KV head, a row
+ *      apart, left the int8 kernel slower than float32 on an AVX2 EPYC);
+ *   2. per KV head, the scores of its query heads (GQA: the group shares the decoded keys), all
+ *      TILE slots of a head at once: one accumulator per slot over D, then the 16 sums reduced
+ *      together (a shuffle tree, 15 adds for 16 dot products instead of a reduction each);
  *   3. the online softmax of those heads over the tile (a vector exp on the guarded paths);
- *   4. its values decoded into vt [TILE, D], added to the heads' accumulators, a column chunk
+ *   4. the tile's values decoded the same way, added to each head's accumulator, a column chunk
  *      at a time in registers over the tile's slots.
  * Decoded rows never leave the per-thread buffers. Plain C the compiler vectorises, plus
  * AVX-512 paths where they pay (guarded: the plain C builds and runs everywhere).
@@ -98,8 +100,6 @@ typedef struct {
     float *acc;    /* [Hq, D] running P @ V */
     float *scores; /* [Hq, TILE] */
     float *m, *l;  /* [Hq] running max and sum of exp */
-    float *kt;     /* [TILE, D] one KV head's decoded keys of the tile */
-    float *vt;     /* [TILE, D] its decoded values */
     /* per slot of the tile: a key's score is ks[t] * (q . kt[t]); a value is
      * va[t] * vt[t] + vb[t] (the per-token scales and offsets, applied once per slot) */
     float ks[TILE], va[TILE], vb[TILE];
@@ -110,15 +110,12 @@ static int softmax_alloc(Softmax *s, int64_t Hq, int64_t D) {
     s->scores = malloc(sizeof(float) * Hq * TILE);
     s->m = malloc(sizeof(float) * Hq);
     s->l = malloc(sizeof(float) * Hq);
-    /* zeroed: rows past a partial tile are read (their scores are never used) */
-    s->kt = calloc(TILE * D, sizeof(float));
-    s->vt = calloc(TILE * D, sizeof(float));
     for (int t = 0; t < TILE; t++) { s->ks[t] = 1.f; s->va[t] = 1.f; s->vb[t] = 0.f; }
-    return s->acc && s->scores && s->m && s->l && s->kt && s->vt;
+    return s->acc && s->scores && s->m && s->l;
 }
 
 static void softmax_free(Softmax *s) {
-    free(s->acc); free(s->scores); free(s->m); free(s->l); free(s->kt); free(s->vt);
+    free(s->acc); free(s->scores); free(s->m); free(s->l);
 }
 
 static void softmax_reset(Softmax *s, int64_t Hq, int64_t D) {
@@ -208,6 +205,50 @@ static inline __m512 exp512(__m512 x) {
     p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
     return _mm512_scalef_ps(p, n);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* lane t of the result = the sum of the lanes of v[t], for 8 vectors: pairwise horizontal adds
+ * within each 128-bit half, then the two halves added */
+static inline __m256 sum8(const __m256 *v) {
+    const __m256 a01 = _mm256_hadd_ps(v[0], v[1]), a23 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 a45 = _mm256_hadd_ps(v[4], v[5]), a67 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 b03 = _mm256_hadd_ps(a01, a23), b47 = _mm256_hadd_ps(a45, a67);
+    /* b03: lanes 0-3 the sums of v[0..3] over their lanes 0-3, lanes 4-7 over lanes 4-7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(b03, b47, 0x20),
+                         _mm256_permute2f128_ps(b03, b47, 0x31));
+}
+
+/* e^x for x <= 0, as exp512 (Cephes' expf); 2^n by adding n to the exponent bits, so x is
+ * clamped at -86 (2^n stays a normal number: e^-86 = 4e-38 stands for anything smaller) */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-86.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
+}
+
+static inline float hmax256(__m256 x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+static inline float hsum256(__m256 x) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
+}
 #endif
 
 /* scores[h, t] = ks[t] * (q_h . rows[t]) for the query heads [h0, h0 + group) and the tile's
@@ -228,6 +269,26 @@ static inline void score_tile(Softmax *s, const float *qb, const float *rows, in
             }
             _mm512_storeu_ps(s->scores + h * TILE,
                              _mm512_mul_ps(sum16(acc), _mm512_loadu_ps(s->ks)));
+        }
+        return;
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (D % 8 == 0 && TILE == 16) {  /* 8 slots' accumulators at a time (16 registers) */
+        for (int64_t h = h0; h < h0 + group; h++) {
+            const float *qh = qb + h * D;
+            for (int64_t t0 = 0; t0 < n; t0 += 8) {
+                const float *r0 = rows + t0 * D;
+                __m256 acc[8];
+                for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
+                for (int64_t d = 0; d < D; d += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qh + d);
+                    #pragma GCC unroll 8
+                    for (int t = 0; t < 8; t++)
+                        acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r0 + t * D + d), acc[t]);
+                }
+                _mm256_storeu_ps(s->scores + h * TILE + t0,
+                                 _mm256_mul_ps(sum8(acc), _mm256_loadu_ps(s->ks + t0)));
+            }
         }
         return;
     }
@@ -253,6 +314,25 @@ static inline void softmax_tile(Softmax *s, int64_t h0, int64_t group, int64_t n
                                                                         _mm512_set1_ps(mx))));
             _mm512_storeu_ps(sc, p);
             sum = _mm512_reduce_add_ps(p);
+        } else
+#elif defined(__AVX2__) && defined(__FMA__)
+        if (TILE == 16) {
+            const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            const __m256 live0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                _mm256_set1_epi32((int)n), lane));
+            const __m256 live1 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                _mm256_set1_epi32((int)n - 8), lane));
+            const __m256 low = _mm256_set1_ps(-FLT_MAX);
+            const __m256 x0 = _mm256_blendv_ps(low, _mm256_loadu_ps(sc), live0);
+            const __m256 x1 = _mm256_blendv_ps(low, _mm256_loadu_ps(sc + 8), live1);
+            const float tile_max = hmax256(_mm256_max_ps(x0, x1));
+            mx = tile_max > mx ? tile_max : mx;
+            const __m256 m8 = _mm256_set1_ps(mx);
+            const __m256 p0 = _mm256_and_ps(exp256(_mm256_sub_ps(x0, m8)), live0);
+            const __m256 p1 = _mm256_and_ps(exp256(_mm256_sub_ps(x1, m8)), live1);
+            _mm256_storeu_ps(sc, p0);
+            _mm256_storeu_ps(sc + 8, p1);
+            sum = hsum256(_mm256_add_ps(p0, p1));
         } else
 #endif
         {
@@ -378,16 +458,9 @@ static void softmax_finish(const Softmax *s, float *ob, int64_t Hq, int64_t D) {
     }
 }
 
-/* one KV head's tile: scores of its query heads against kt, softmax, values vt added */
-static inline void head_tile_keys(Softmax *s, const float *qb, int64_t g, int64_t group,
-                                  int64_t n, int64_t D) {
-    score_tile(s, qb, s->kt, g * group, group, n, D);
-    softmax_tile(s, g * group, group, n, D);
-}
-
-/* The tile loops visit a KV head at a time, so they read each slot's row in pieces a row apart,
- * which the hardware prefetchers do not follow: the next tile's rows are requested ahead (into
- * L2), in address order. */
+/* The AVX-512 block path visits a KV head at a time, so it reads each slot's row in pieces a
+ * row apart, which the hardware prefetchers do not follow: the next tile's rows are requested
+ * ahead (into L2), in address order. */
 static inline void prefetch_rows(const uint8_t *first, int64_t nbytes) {
     for (int64_t off = 0; off < nbytes; off += 64) __builtin_prefetch(first + off, 0, 2);
 }
@@ -422,6 +495,27 @@ static inline void pertoken_head(float *restrict x, const uint8_t *restrict c, i
     }
 }
 
+/* The tile's rows of every KV head (codes [num_slots, Hkv, D]), decoded in address order into
+ * x [Hkv, TILE, D] with each row's scale in scale [Hkv, TILE]: the pool is read front to back,
+ * as the float32 kernel reads it, which the hardware prefetchers follow (reading a KV head's
+ * rows of the tile a row apart, as the other stores do, left the int8 kernel slower than
+ * float32 on a CPU whose prefetchers did not follow that stride). */
+static inline __attribute__((always_inline)) void pertoken_tile(
+        float *restrict x, float *restrict scale, const uint8_t *codes, const float *scales,
+        int64_t first, int64_t n, int64_t Hkv, int64_t D, int fmt, const int32_t *slot_positions,
+        const float *cos, const float *sin, int64_t rot_dim) {
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t slot = first + t;
+        const int64_t pos = rot_dim && slot_positions[slot] > 0 ? slot_positions[slot] : 0;
+        for (int64_t g = 0; g < Hkv; g++) {
+            float *row = x + (g * TILE + t) * D;
+            scale[g * TILE + t] = scales[slot * Hkv + g];
+            pertoken_head(row, codes + (slot * Hkv + g) * D, D, fmt);
+            if (rot_dim) rope_head(row, cos + pos * rot_dim, sin + pos * rot_dim, rot_dim);
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) int pertoken_impl(
         const float *q, const uint8_t *k_codes, const uint8_t *v_codes, const float *k_scales,
         const float *v_scales, const float *k_new, const float *v_new, float *out,
@@ -433,7 +527,12 @@ static inline __attribute__((always_inline)) int pertoken_impl(
     #pragma omp parallel
     {
         Softmax s;
-        if (!softmax_alloc(&s, Hq, D)) {
+        /* the decoded tile of every KV head: [Hkv, TILE, D] keys, then values (64 KiB at
+         * Hkv 8, D 128: L2, not L1), and their scales [Hkv, TILE] */
+        /* zeroed: score_tile may read the rows past a partial tile (their scores are unused) */
+        float *kv = calloc(Hkv * TILE * D, sizeof(float));
+        float *scale = calloc(Hkv * TILE, sizeof(float));
+        if (!softmax_alloc(&s, Hq, D) || !kv || !scale) {
             #pragma omp atomic write
             failed = 1;
         }
@@ -446,30 +545,18 @@ static inline __attribute__((always_inline)) int pertoken_impl(
                 const int64_t start = run_start[r], len = run_len[r];
                 for (int64_t t0 = 0; t0 < len; t0 += TILE) {
                     const int64_t n = len - t0 < TILE ? len - t0 : TILE, first = start + t0;
-                    const int64_t ahead = len - t0 - n < TILE ? len - t0 - n : TILE;
+                    pertoken_tile(kv, scale, k_codes, k_scales, first, n, Hkv, D, fmt,
+                                  slot_positions, cos, sin, rot_dim);
                     for (int64_t g = 0; g < Hkv; g++) {
-                        for (int64_t t = 0; t < ahead; t++) {
-                            prefetch_rows(k_codes + (first + n + t) * row + g * D, D);
-                            prefetch_rows(v_codes + (first + n + t) * row + g * D, D);
-                        }
-                        for (int64_t t = 0; t < n; t++) {
-                            const int64_t slot = first + t;
-                            float *x = s.kt + t * D;
-                            s.ks[t] = k_scales[slot * Hkv + g];
-                            pertoken_head(x, k_codes + slot * row + g * D, D, fmt);
-                            if (rot_dim) {
-                                const int64_t pos = slot_positions[slot] < 0
-                                                    ? 0 : slot_positions[slot];
-                                rope_head(x, cos + pos * rot_dim, sin + pos * rot_dim, rot_dim);
-                            }
-                        }
-                        head_tile_keys(&s, qb, g, group, n, D);
-                        for (int64_t t = 0; t < n; t++) {
-                            const int64_t slot = first + t;
-                            s.va[t] = v_scales[slot * Hkv + g];
-                            pertoken_head(s.vt + t * D, v_codes + slot * row + g * D, D, fmt);
-                        }
-                        accumulate_tile(&s, s.vt, D, g * group, group, n, D);
+                        memcpy(s.ks, scale + g * TILE, sizeof(float) * n);
+                        score_tile(&s, qb, kv + g * TILE * D, g * group, group, n, D);
+                        softmax_tile(&s, g * group, group, n, D);
+                    }
+                    pertoken_tile(kv, scale, v_codes, v_scales, first, n, Hkv, D, fmt, NULL,
+                                  NULL, NULL, 0);
+                    for (int64_t g = 0; g < Hkv; g++) {
+                        memcpy(s.va, scale + g * TILE, sizeof(float) * n);
+                        accumulate_tile(&s, kv + g * TILE * D, D, g * group, group, n, D);
                     }
                 }
             }
@@ -477,6 +564,8 @@ static inline __attribute__((always_inline)) int pertoken_impl(
             softmax_finish(&s, out + b * Hq * D, Hq, D);
         }
         softmax_free(&s);
+        free(kv);
+        free(scale);
     }
     return failed ? -1 : 0;
 }
@@ -667,6 +756,8 @@ typedef struct {
                                    [B * Hkv], [Hkv * cap] */
     int64_t *o_ch;              /* [Hkv * cap] channel */
     float *o_val;               /* [Hkv * cap] */
+    float *kt, *vt;             /* [Hkv, TILE, D] the tile's decoded keys, values */
+    float *va, *vb;             /* [Hkv, TILE] the values' scales and offsets */
 } KVQuantScratch;
 
 static inline void load_head(float *x, const void *src, int64_t base, int64_t D, int64_t kind) {
@@ -834,29 +925,28 @@ static void kvquant_row_block(const KVQuantLayer *L, int64_t blk, int64_t len, c
     if (L->k.per_channel && staged < 0) key_block_setup(L, blk, w);
     for (int64_t t0 = 0; t0 < len; t0 += TILE) {
         const int64_t n = len - t0 < TILE ? len - t0 : TILE;
-        const int64_t ahead = len - t0 - n < TILE ? len - t0 - n : TILE;
+        /* the tile's rows of every KV head in address order (the codes are [B, Hkv, packed]
+         * per block), as the per-token kernel reads them: a stream the hardware prefetchers
+         * follow */
+        for (int64_t t = 0; t < n; t++) {
+            int64_t pos = L->rot_dim ? L->slot_positions[blk * B + t0 + t] : 0;
+            pos = pos < 0 ? 0 : pos;
+            for (int64_t g = 0; g < Hkv; g++)
+                key_head(L, blk, t0 + t, g, staged, pos, w->kt + (g * TILE + t) * D, w);
+        }
+        for (int64_t g = 0; g < Hkv; g++) {  /* keys come decoded: s->ks stays 1 */
+            score_tile(s, qb, w->kt + g * TILE * D, g * group, group, n, D);
+            softmax_tile(s, g * group, group, n, D);
+        }
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t g = 0; g < Hkv; g++) {
+                const int64_t i = g * TILE + t;
+                value_head(L, blk, t0 + t, g, staged, w->vt + i * D, w->va + i, w->vb + i, w);
+            }
         for (int64_t g = 0; g < Hkv; g++) {
-            for (int64_t t = 0; t < ahead; t++) {
-                const int64_t i = (blk * B + t0 + n + t) * Hkv + g;
-                prefetch_rows(L->k.codes + i * L->k.packed, L->k.packed);
-                prefetch_rows(L->v.codes + i * L->v.packed, L->v.packed);
-                if (L->rot_dim && g == 0) {  /* the next tile's RoPE rows */
-                    int64_t pos = L->slot_positions[blk * B + t0 + n + t];
-                    pos = pos < 0 ? 0 : pos;
-                    const int64_t bytes = L->rot_dim * (int64_t)sizeof(float);
-                    prefetch_rows((const uint8_t *)(L->cos + pos * L->rot_dim), bytes);
-                    prefetch_rows((const uint8_t *)(L->sin + pos * L->rot_dim), bytes);
-                }
-            }
-            for (int64_t t = 0; t < n; t++) {
-                int64_t pos = L->rot_dim ? L->slot_positions[blk * B + t0 + t] : 0;
-                pos = pos < 0 ? 0 : pos;
-                key_head(L, blk, t0 + t, g, staged, pos, s->kt + t * D, w);
-            }
-            head_tile_keys(s, qb, g, group, n, D);
-            for (int64_t t = 0; t < n; t++)
-                value_head(L, blk, t0 + t, g, staged, s->vt + t * D, s->va + t, s->vb + t, w);
-            accumulate_tile(s, s->vt, D, g * group, group, n, D);
+            memcpy(s->va, w->va + g * TILE, sizeof(float) * n);
+            memcpy(s->vb, w->vb + g * TILE, sizeof(float) * n);
+            accumulate_tile(s, w->vt + g * TILE * D, D, g * group, group, n, D);
         }
     }
 }
@@ -892,8 +982,13 @@ int kvquant_decode_attention(const KVQuantLayer *L, const float *q, const float 
         w.next = malloc(sizeof(int64_t) * (ocap + 1));
         w.o_ch = malloc(sizeof(int64_t) * (ocap + 1));
         w.o_val = malloc(sizeof(float) * (ocap + 1));
+        /* zeroed: score_tile may read the rows past a partial tile (their scores are unused) */
+        w.kt = calloc(Hkv * TILE * D, sizeof(float));
+        w.vt = calloc(Hkv * TILE * D, sizeof(float));
+        w.va = calloc(Hkv * TILE, sizeof(float));
+        w.vb = calloc(Hkv * TILE, sizeof(float));
         int ok = softmax_alloc(&s, Hq, D) && w.codes && w.k_off && w.k_half && w.first && w.next
-                 && w.o_ch && w.o_val;
+                 && w.o_ch && w.o_val && w.kt && w.vt && w.va && w.vb;
 #if HAVE_BLOCK_PATH
         BlockScratch bw = {0};
         if (block_path) ok = block_scratch_alloc(&bw, Hkv, Hq / Hkv, B, D, L->v.cap) && ok;
@@ -926,7 +1021,7 @@ int kvquant_decode_attention(const KVQuantLayer *L, const float *q, const float 
         }
         softmax_free(&s);
         free(w.codes); free(w.k_off); free(w.k_half); free(w.first); free(w.next);
-        free(w.o_ch); free(w.o_val);
+        free(w.o_ch); free(w.o_val); free(w.kt); free(w.vt); free(w.va); free(w.vb);
 #if HAVE_BLOCK_PATH
         if (block_path) block_scratch_free(&bw);
 #endif
