@@ -718,8 +718,22 @@ static inline void lookup_row(float *restrict x, const uint8_t *restrict c,
     for (; d < D; d++) x[d] = lut[c[d]];
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* the codes of channels [c0, c0 + 8) of a packed 2 or 3-bit row, one per 32-bit lane
+ * (c0 % 8 == 0): the 8 * bits bits that hold them, shifted per lane */
+static inline __m256i codes8(const uint8_t *p, int64_t bits, int64_t c0) {
+    const uint8_t *b = p + c0 / 8 * bits;
+    uint32_t w = b[0] | (uint32_t)b[1] << 8;
+    if (bits == 3) w |= (uint32_t)b[2] << 16;
+    const __m256i shift = bits == 2 ? _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)
+                                    : _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
+    return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shift),
+                            _mm256_set1_epi32((1 << bits) - 1));
+}
+#endif
+
 /* x = lut[codes] over one head's D channels (p: its packed codes; c: D bytes of scratch); 2, 3
- * and 4-bit codes are split and looked up in registers on the AVX-512 path */
+ * and 4-bit codes are split and looked up in registers on the AVX-512 and AVX2 paths */
 static inline void decode_codes(float *restrict x, const uint8_t *restrict p,
                                 const float *restrict lut, int64_t bits, int64_t D,
                                 uint8_t *restrict c) {
@@ -741,6 +755,34 @@ static inline void decode_codes(float *restrict x, const uint8_t *restrict p,
         const __m512 table = lut16(lut, bits);
         for (int64_t d = 0; d < D; d += 16)
             _mm512_storeu_ps(x + d, _mm512_permutexvar_ps(codes16(p, bits, d), table));
+        return;
+    }
+#elif defined(__AVX2__)
+    if (bits == 4 && D % 32 == 0) {  /* the nibbles split in one register, 32 channels a time */
+        const __m256 lo = _mm256_loadu_ps(lut), hi = _mm256_loadu_ps(lut + 8);
+        const __m128i low4 = _mm_set1_epi8(0x0F);
+        for (int64_t d = 0; d < D; d += 32) {  /* 16 bytes: channel 2i in the low nibble */
+            const __m128i b = _mm_loadu_si128((const __m128i *)(p + d / 2));
+            const __m128i l = _mm_and_si128(b, low4);
+            const __m128i h = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+            const __m128i c[2] = {_mm_unpacklo_epi8(l, h), _mm_unpackhi_epi8(l, h)};
+            for (int j = 0; j < 4; j++) {
+                const __m256i idx = _mm256_cvtepu8_epi32(j & 1 ? _mm_srli_si128(c[j >> 1], 8)
+                                                                : c[j >> 1]);
+                /* bit 3 of the code, moved to the sign bit, picks the upper half */
+                _mm256_storeu_ps(x + d + 8 * j, _mm256_blendv_ps(
+                    _mm256_permutevar8x32_ps(lo, idx), _mm256_permutevar8x32_ps(hi, idx),
+                    _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28))));
+            }
+        }
+        return;
+    }
+    if ((bits == 2 || bits == 3) && D % 8 == 0) {  /* up to 8 centroids: one permute */
+        float t8[8] = {0};
+        memcpy(t8, lut, sizeof(float) << bits);
+        const __m256 table = _mm256_loadu_ps(t8);
+        for (int64_t d = 0; d < D; d += 8)
+            _mm256_storeu_ps(x + d, _mm256_permutevar8x32_ps(table, codes8(p, bits, d)));
         return;
     }
 #endif
@@ -823,6 +865,45 @@ static void key_block_setup(const KVQuantLayer *L, int64_t blk, KVQuantScratch *
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* the centroids of 8 channels of a 4-bit row from their 4 bytes (channel 2i in the low nibble):
+ * the nibbles split, widened to lanes, looked up in the 16-entry table (lo, hi) */
+static inline __m256 lut8_4bit(const uint8_t *p, __m256 lo, __m256 hi) {
+    uint32_t w;
+    memcpy(&w, p, sizeof w);
+    const __m128i b = _mm_cvtsi32_si128((int)w), low4 = _mm_set1_epi8(0x0F);
+    const __m128i c = _mm_unpacklo_epi8(_mm_and_si128(b, low4),
+                                        _mm_and_si128(_mm_srli_epi16(b, 4), low4));
+    const __m256i idx = _mm256_cvtepu8_epi32(c);
+    /* bit 3 of the code, moved to the sign bit, picks the upper half of the table */
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, idx), _mm256_permutevar8x32_ps(hi, idx),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+
+/* a 4-bit key row with per-channel statistics and no outlier: each channel pair (d, d + D/2)
+ * looked up, mapped (c * half + off) and rotated (rotate-half RoPE over all D channels) in
+ * registers, 8 pairs at a time; `hi`: where the second half's cos / sin are (0: the tables
+ * repeat their first half) */
+static inline void key_row_avx2(float *restrict x, const uint8_t *restrict p,
+                                const float *restrict lut, const float *restrict half,
+                                const float *restrict off, const float *restrict cos,
+                                const float *restrict sin, int64_t hi, int64_t D) {
+    const __m256 tlo = _mm256_loadu_ps(lut), thi = _mm256_loadu_ps(lut + 8);
+    const int64_t m = D / 2;
+    for (int64_t d = 0; d < m; d += 8) {
+        const __m256 a = _mm256_fmadd_ps(lut8_4bit(p + d / 2, tlo, thi), _mm256_loadu_ps(half + d),
+                                         _mm256_loadu_ps(off + d));
+        const __m256 b = _mm256_fmadd_ps(lut8_4bit(p + (d + m) / 2, tlo, thi),
+                                         _mm256_loadu_ps(half + d + m),
+                                         _mm256_loadu_ps(off + d + m));
+        const __m256 c0 = _mm256_loadu_ps(cos + d), s0 = _mm256_loadu_ps(sin + d);
+        const __m256 c1 = _mm256_loadu_ps(cos + d + hi), s1 = _mm256_loadu_ps(sin + d + hi);
+        _mm256_storeu_ps(x + d, _mm256_fmsub_ps(a, c0, _mm256_mul_ps(b, s0)));
+        _mm256_storeu_ps(x + d + m, _mm256_fmadd_ps(b, c1, _mm256_mul_ps(a, s1)));
+    }
+}
+#endif
+
 /* the sink index of slot t of block blk, or -1 */
 static inline int64_t sink_of(const KVQuantLayer *L, int64_t blk, int64_t t) {
     for (int64_t p = 0; p < L->num_sinks; p++)
@@ -844,9 +925,17 @@ static void key_head(const KVQuantLayer *L, int64_t blk, int64_t t, int64_t h, i
         per_token_head(L, S, blk, t, h, x, w->codes);
         sink_head(L, S->sink, blk, t, h, x);
     } else {
+        const float *restrict half = w->k_half + h * D, *restrict off = w->k_off + h * D;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+        if (S->bits == 4 && R == D && D % 16 == 0 && w->first[t * Hkv + h] < 0
+            && sink_of(L, blk, t) < 0) {  /* the common row: decoded, mapped, rotated at once */
+            key_row_avx2(x, S->codes + ((blk * B + t) * Hkv + h) * S->packed, S->lut, half,
+                         off, cos, sin, L->rope_halves_equal ? 0 : D / 2, D);
+            return;
+        }
+#endif
         decode_codes(x, S->codes + ((blk * B + t) * Hkv + h) * S->packed, S->lut, S->bits, D,
                      w->codes);
-        const float *restrict half = w->k_half + h * D, *restrict off = w->k_off + h * D;
         int exact = sink_of(L, blk, t) < 0 && (R == D || R == 0);
         /* an outlier enters as the centroid value the affine map takes to it (exact to float
          * rounding), so the row stays one pass */
@@ -861,12 +950,14 @@ static void key_head(const KVQuantLayer *L, int64_t blk, int64_t t, int64_t h, i
             return;
         }
         if (exact) {
-            const int64_t m = R / 2;
+            /* the second half's cos / sin: the first half's when the tables repeat (half the
+             * table bytes read per slot) */
+            const int64_t m = R / 2, hi = L->rope_halves_equal ? 0 : m;
             #pragma omp simd
             for (int64_t d = 0; d < m; d++) {
                 const float a = x[d] * half[d] + off[d], b = x[d + m] * half[d + m] + off[d + m];
                 x[d] = a * cos[d] - b * sin[d];
-                x[d + m] = b * cos[d + m] + a * sin[d + m];
+                x[d + m] = b * cos[d + hi] + a * sin[d + hi];
             }
             return;
         }
