@@ -155,6 +155,29 @@ static inline float dot(const float *a, const float *b, int64_t D) {
     return acc;
 }
 
+/* Cephes' expf for the vector exps: x = n ln2 + r with r = x - n * (LN2_HI + LN2_LO), e^r a
+ * degree-5 polynomial in r, times 2^n */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO -2.12194440e-4f
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+static const float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                  4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+/* n = round(x / ln2) and p = e^r for x = n ln2 + r, in W-bit vectors (W: 512 or 256, the
+ * intrinsics' width; ROUND: that width's round-to-nearest intrinsic) */
+#define EXP_REDUCED(W, T, ROUND, x, n, p) do {                                               \
+        n = ROUND(_mm##W##_mul_ps(x, _mm##W##_set1_ps(EXP_LOG2E)),                           \
+                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);                            \
+        const T r_ = _mm##W##_fnmadd_ps(n, _mm##W##_set1_ps(EXP_LN2_LO),                     \
+                                        _mm##W##_fnmadd_ps(n, _mm##W##_set1_ps(EXP_LN2_HI), x)); \
+        p = _mm##W##_set1_ps(EXP_POLY[0]);                                                   \
+        for (int i_ = 1; i_ < 6; i_++)                                                       \
+            p = _mm##W##_fmadd_ps(p, r_, _mm##W##_set1_ps(EXP_POLY[i_]));                    \
+        p = _mm##W##_fmadd_ps(_mm##W##_mul_ps(p, r_), r_,                                    \
+                              _mm##W##_add_ps(r_, _mm##W##_set1_ps(1.f)));                   \
+    } while (0)
+#endif
+
 #if defined(__AVX512F__)
 /* lane t of the result = the sum of the lanes of v[t], for 16 vectors: four levels of pairwise
  * lane exchanges and adds. The tree leaves sums in bit-reversed order, so the inputs are taken
@@ -188,21 +211,11 @@ static inline __m512 sum16(const __m512 *v) {
                          _mm512_permutex2var_ps(c[0], hi4, c[1]));
 }
 
-/* e^x for x <= 0 (Cephes' expf: x = n ln2 + r, a degree-5 polynomial in r, times 2^n); within
- * 2 ulp of expf */
+/* e^x for x <= 0 (Cephes' expf, EXP_*); within 2 ulp of expf */
 static inline __m512 exp512(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    __m512 n, p;
+    EXP_REDUCED(512, __m512, _mm512_roundscale_ps, x, n, p);
     return _mm512_scalef_ps(p, n);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -221,17 +234,8 @@ static inline __m256 sum8(const __m256 *v) {
  * clamped at -86 (2^n stays a normal number: e^-86 = 4e-38 stands for anything smaller) */
 static inline __m256 exp256(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-86.f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256 n, p;
+    EXP_REDUCED(256, __m256, _mm256_round_ps, x, n, p);
     const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
     return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
 }
