@@ -88,6 +88,28 @@ def deploy(model: str, router: str, engine_kwargs: dict, num_replicas: int = 2,
     app = build_replica_app(model, engine_kwargs, ServerSettings(model_name=model_name),
                             num_replicas, router=router, **app_kwargs)
     serve.run(app, name="nanokv", route_prefix="/")
+    wait_for_replicas(num_replicas)
+
+
+def wait_for_replicas(num_replicas: int, timeout_s: float = 120.0, settle_s: float = 2.0) -> None:
+    """Until the engine deployment has exactly `num_replicas` replicas RUNNING and none starting
+    or stopping (a redeploy's old replicas gone), then `settle_s` more: the ingress learns the
+    new replica set asynchronously, and on a slow machine a run that starts at once can find
+    only one replica routable."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        app = serve.status().applications.get("nanokv")
+        engine = app.deployments.get("EngineReplica") if app else None
+        states = engine.replica_states if engine else {}
+        if states.get("RUNNING", 0) == num_replicas and sum(states.values()) == num_replicas:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the replicas did not all reach RUNNING in {timeout_s:.0f} s: "
+                               f"{states}")
+        time.sleep(0.2)
+    time.sleep(settle_s)
 
 
 def main(argv: list[str] | None = None) -> int:
