@@ -18,6 +18,7 @@ predicted: the probe does the same work whatever the workload.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from statistics import median
 
 from nanokv.sim.step_log import LoadProfile, StepLogEntry
 
@@ -33,12 +34,6 @@ def probe_samples(entries: list[StepLogEntry]) -> list[ProbeSample]:
     return [ProbeSample(e.t, e.probe_cpu) for e in entries if e.probe_cpu is not None]
 
 
-def _median(values: list[float]) -> float:
-    v = sorted(values)
-    n = len(v)
-    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
-
-
 def window_medians(samples: list[ProbeSample], start: float, end: float,
                    window: float = 2.0) -> list[float | None]:
     """The median probe time in each `window` seconds from `start` to `end` (None: no
@@ -52,7 +47,7 @@ def window_medians(samples: list[ProbeSample], start: float, end: float,
         i = int((s.t - start) // window)
         if 0 <= i < len(buckets):
             buckets[i].append(s.cpu_s)
-    return [_median(b) if b else None for b in buckets]
+    return [median(b) if b else None for b in buckets]
 
 
 def reference_time(samples: list[ProbeSample], start: float, end: float,
@@ -73,10 +68,9 @@ def speed_profile(samples: list[ProbeSample], reference: float, start: float, en
     if not reference > 0:
         raise ValueError(f"the reference probe time must be > 0 seconds, got {reference}")
     meds = window_medians(samples, start, end, window)
-    known = [m for m in meds if m is not None]
-    if not known:
+    last = next((m for m in meds if m is not None), None)
+    if last is None:
         raise ValueError("the step log holds no speed-probe sample (probe_cpu) in the run")
-    last = known[0]
     factors = []
     for m in meds:
         last = m if m is not None else last

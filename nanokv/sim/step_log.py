@@ -135,7 +135,9 @@ class StepLogWriter:
             finally:
                 self._step_dur = time.monotonic() - self._step_t
                 self._step_cpu = time.thread_time() - cpu
-                if self._probe is not None and self.step % PROBE_EVERY == 0:
+                # only after a step that gets a log line (not after an empty schedule)
+                if (self._probe is not None and self._pending is not None
+                        and self.step % PROBE_EVERY == 0):
                     c0 = time.thread_time()
                     self._probe()
                     self._probe_cpu = time.thread_time() - c0

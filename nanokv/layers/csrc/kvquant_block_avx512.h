@@ -86,6 +86,13 @@ static inline int code_at(const uint8_t *p, int64_t bits, int64_t ch) {
 /* part `part` of `parts` of a block's per-block data (statistics, outlier lists, positions),
  * prefetched into L2 while the block before it is read: the rows are prefetched tile by tile,
  * and these arrays are read a head at a time from the block's start */
+/* The block path visits a KV head at a time, so it reads each slot's row in pieces a row
+ * apart, which the hardware prefetchers do not follow: the rows it reads next are requested
+ * ahead (into L2), in address order. */
+static inline void prefetch_rows(const uint8_t *first, int64_t nbytes) {
+    for (int64_t off = 0; off < nbytes; off += 64) __builtin_prefetch(first + off, 0, 2);
+}
+
 static void prefetch_block_data(const KVQuantLayer *L, int64_t blk, int64_t part, int64_t parts) {
     const KVQuantSide *K = &L->k, *V = &L->v;
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim;

@@ -462,13 +462,6 @@ static void softmax_finish(const Softmax *s, float *ob, int64_t Hq, int64_t D) {
     }
 }
 
-/* The AVX-512 block path visits a KV head at a time, so it reads each slot's row in pieces a
- * row apart, which the hardware prefetchers do not follow: the next tile's rows are requested
- * ahead (into L2), in address order. */
-static inline void prefetch_rows(const uint8_t *first, int64_t nbytes) {
-    for (int64_t off = 0; off < nbytes; off += 64) __builtin_prefetch(first + off, 0, 2);
-}
-
 /* ---- RoPE (rotate-half, as nanokv.layers.rotary) on a decoded key row of one head --------- */
 static inline void rope_head(float *x, const float *cos, const float *sin, int64_t rot_dim) {
     const int64_t half = rot_dim / 2;
@@ -532,8 +525,8 @@ static inline __attribute__((always_inline)) int pertoken_impl(
     {
         Softmax s;
         /* the decoded tile of every KV head: [Hkv, TILE, D] keys, then values (64 KiB at
-         * Hkv 8, D 128: L2, not L1), and their scales [Hkv, TILE] */
-        /* zeroed: score_tile may read the rows past a partial tile (their scores are unused) */
+         * Hkv 8, D 128: L2, not L1), and their scales [Hkv, TILE]; zeroed: score_tile may read
+         * the rows past a partial tile (their scores are unused) */
         float *kv = calloc(Hkv * TILE * D, sizeof(float));
         float *scale = calloc(Hkv * TILE, sizeof(float));
         if (!softmax_alloc(&s, Hq, D) || !kv || !scale) {
@@ -690,6 +683,26 @@ static inline __m512i codes16(const uint8_t *p, int64_t bits, int64_t c0) {
 }
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* lut[idx] for 8 lanes of a table of up to 16 entries held as its halves (lo, hi): bit 3 of the
+ * index, moved to the sign bit, picks the upper half */
+static inline __m256 lut16_lookup8(__m256 lo, __m256 hi, __m256i idx) {
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, idx), _mm256_permutevar8x32_ps(hi, idx),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+
+/* the centroids of 8 channels of a 4-bit row from their 4 bytes (channel 2i in the low
+ * nibble): the nibbles split, widened to lanes, looked up in the 16-entry table (lo, hi) */
+static inline __m256 lut8_4bit(const uint8_t *p, __m256 lo, __m256 hi) {
+    uint32_t w;
+    memcpy(&w, p, sizeof w);
+    const __m128i b = _mm_cvtsi32_si128((int)w), low4 = _mm_set1_epi8(0x0F);
+    const __m128i c = _mm_unpacklo_epi8(_mm_and_si128(b, low4),
+                                        _mm_and_si128(_mm_srli_epi16(b, 4), low4));
+    return lut16_lookup8(lo, hi, _mm256_cvtepu8_epi32(c));
+}
+#endif
+
 /* x[d] = lut[c[d]]: codebooks of up to 16 centroids are looked up in registers on the guarded
  * vector paths (a table permute; compilers emit a scalar loop or gathers for this) */
 static inline void lookup_row(float *restrict x, const uint8_t *restrict c,
@@ -709,14 +722,9 @@ static inline void lookup_row(float *restrict x, const uint8_t *restrict c,
         float t16[16] = {0};
         memcpy(t16, lut, sizeof(float) << bits);
         const __m256 lo = _mm256_loadu_ps(t16), hi = _mm256_loadu_ps(t16 + 8);
-        for (; d + 8 <= D; d += 8) {
-            const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + d)));
-            const __m256 a = _mm256_permutevar8x32_ps(lo, idx);
-            const __m256 b = _mm256_permutevar8x32_ps(hi, idx);
-            /* bit 3 of the index, moved to the sign bit, picks the upper half */
-            _mm256_storeu_ps(x + d, _mm256_blendv_ps(a, b,
-                                                     _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28))));
-        }
+        for (; d + 8 <= D; d += 8)
+            _mm256_storeu_ps(x + d, lut16_lookup8(
+                lo, hi, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + d)))));
     }
 #endif
     for (; d < D; d++) x[d] = lut[c[d]];
@@ -762,23 +770,9 @@ static inline void decode_codes(float *restrict x, const uint8_t *restrict p,
         return;
     }
 #elif defined(__AVX2__)
-    if (bits == 4 && D % 32 == 0) {  /* the nibbles split in one register, 32 channels a time */
+    if (bits == 4 && D % 8 == 0) {
         const __m256 lo = _mm256_loadu_ps(lut), hi = _mm256_loadu_ps(lut + 8);
-        const __m128i low4 = _mm_set1_epi8(0x0F);
-        for (int64_t d = 0; d < D; d += 32) {  /* 16 bytes: channel 2i in the low nibble */
-            const __m128i b = _mm_loadu_si128((const __m128i *)(p + d / 2));
-            const __m128i l = _mm_and_si128(b, low4);
-            const __m128i h = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
-            const __m128i c[2] = {_mm_unpacklo_epi8(l, h), _mm_unpackhi_epi8(l, h)};
-            for (int j = 0; j < 4; j++) {
-                const __m256i idx = _mm256_cvtepu8_epi32(j & 1 ? _mm_srli_si128(c[j >> 1], 8)
-                                                                : c[j >> 1]);
-                /* bit 3 of the code, moved to the sign bit, picks the upper half */
-                _mm256_storeu_ps(x + d + 8 * j, _mm256_blendv_ps(
-                    _mm256_permutevar8x32_ps(lo, idx), _mm256_permutevar8x32_ps(hi, idx),
-                    _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28))));
-            }
-        }
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(x + d, lut8_4bit(p + d / 2, lo, hi));
         return;
     }
     if ((bits == 2 || bits == 3) && D % 8 == 0) {  /* up to 8 centroids: one permute */
@@ -870,20 +864,6 @@ static void key_block_setup(const KVQuantLayer *L, int64_t blk, KVQuantScratch *
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-/* the centroids of 8 channels of a 4-bit row from their 4 bytes (channel 2i in the low nibble):
- * the nibbles split, widened to lanes, looked up in the 16-entry table (lo, hi) */
-static inline __m256 lut8_4bit(const uint8_t *p, __m256 lo, __m256 hi) {
-    uint32_t w;
-    memcpy(&w, p, sizeof w);
-    const __m128i b = _mm_cvtsi32_si128((int)w), low4 = _mm_set1_epi8(0x0F);
-    const __m128i c = _mm_unpacklo_epi8(_mm_and_si128(b, low4),
-                                        _mm_and_si128(_mm_srli_epi16(b, 4), low4));
-    const __m256i idx = _mm256_cvtepu8_epi32(c);
-    /* bit 3 of the code, moved to the sign bit, picks the upper half of the table */
-    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, idx), _mm256_permutevar8x32_ps(hi, idx),
-                            _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
-}
-
 /* a 4-bit key row with per-channel statistics and no outlier: each channel pair (d, d + D/2)
  * looked up, mapped (c * half + off) and rotated (rotate-half RoPE over all D channels) in
  * registers, 8 pairs at a time; `hi`: where the second half's cos / sin are (0: the tables
