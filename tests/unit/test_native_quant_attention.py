@@ -57,6 +57,7 @@ def kvquant_config(name, head_dim):
             key_outlier_thresholds=thresholds(head_dim), outlier_fraction=0.02,
             num_sink_tokens=3),
         "mixed-8-4": lambda: KVQuantConfig(bits=4, layer_bits=(8, 4)),
+        "per-channel-post-rope": lambda: KVQuantConfig(bits=4, pre_rope_keys=False),
         "ablation-per-token-post-rope": lambda: KVQuantConfig(
             bits=4, per_channel_keys=False, pre_rope_keys=False, num_sink_tokens=0),
     }[name]()
@@ -147,7 +148,7 @@ def scenario(store, hq, lens, rng, gen, chunk=None):
 
 LENS = {16: [1, 2, 15, 16, 17, 40, 100, 161], 256: [1, 5, 256, 257, 300, 600]}
 STORES = ["int8", "fp8_e4m3", "fp8_e5m2", "int8-pre-rope", "kvquant:4bit", "kvquant:3bit-nuq",
-          "kvquant:2bit-nuq-thresholds", "kvquant:mixed-8-4",
+          "kvquant:2bit-nuq-thresholds", "kvquant:mixed-8-4", "kvquant:per-channel-post-rope",
           "kvquant:ablation-per-token-post-rope", "kivi:2", "kivi:4"]
 
 
@@ -278,15 +279,17 @@ def test_engine_decodes_through_the_kernels_equal_the_reference(tiny_model, monk
     assert sum(checked) > 0 and all(len(o.token_ids) == 12 for o in outs)
 
 
-def test_kernels_without_avx512_equal_the_reference(tmp_path):
-    """The same checks with the library built without AVX-512 (`CC="cc -mno-avx512f"`): the plain
-    C paths every CPU builds (the block path and the AVX-512 lookups are left out), in a fresh
+@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx2"])
+def test_kernels_of_narrower_builds_equal_the_reference(tmp_path, flags):
+    """The same checks with the library built without AVX-512 (`CC="cc -mno-avx512f"`: the AVX2
+    paths, the block path's AVX2 kernels among them, on a CPU that has AVX2) and without AVX2
+    (`-mno-avx2`: the plain C paths every CPU builds, KVQuant a row at a time), in a fresh
     process with its own kernel cache."""
     import os
     import subprocess
     import sys
 
-    env = dict(os.environ, CC="cc -mno-avx512f", NANOKV_CACHE_DIR=str(tmp_path))
+    env = dict(os.environ, CC=f"cc {flags}", NANOKV_CACHE_DIR=str(tmp_path))
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
          "-k", "test_decode_equals_dequantize_then_dense and (kvquant or int8) and not hq-4"],

@@ -1,121 +1,7 @@
-/* KVQuant decode attention a whole block at a time, the codes decoded in registers: the fast
- * path of `kvquant_decode_attention` (AVX-512F/BW/VL). Included by quant_decode_attention.c after
- * its Softmax, sum16, exp512, lut16, codes16, the scalar decodes and loads, KVQuantLayer,
- * load_head and rope_head, which it uses; the reference for every result is that file's row
- * path (`kvquant_row_block`), itself checked against dequantize-then-dense.
- *
- * The case it takes: per-channel keys (per-block statistics) rotated over the whole head or not
- * at all, per-token values with one statistic per (slot, head), codes of 2, 3 or 4 bits, head_dim
- * a multiple of 32, block_size a multiple of 16, a block whose keys are not staged. Per block:
- *   1. keys, all KV heads, by tiles of 16 slots: a slot's row is looked up, mapped by the
- *      block's per-channel statistics and rotated (16 channels and their RoPE partners at a
- *      time) in registers and dotted with its group's queries; the dot products of 16 slots are
- *      reduced together (sum16). Then per KV head:
- *   2. outliers enter as corrections of the scores they touch: (exact - decoded value) times that
- *      channel's coefficient in q . RoPE(k) (RoPE is linear), 16 entries at a time with gathers
- *      where the layout allows; a sink slot's score is recomputed from its full-precision row;
- *   3. the online softmax over the block's scores at once;
- *   4. values: P @ (lut[codes] * half_t + off_t) = (P * half_t) @ lut[codes] + P . off_t, 32
- *      channels of up to 8 query heads held in registers across the block's slots;
- *   5. value outliers and sink rows as corrections of the accumulators (heads of at most 64
- *      channels: the outliers patched into the value pass in centroid units instead).
- * No decoded row goes to memory. */
-
-#define FAST_MAX_HEADS 8 /* query heads whose accumulators are held in registers at once */
-
-typedef struct {
-    float *scores;         /* [Hq, B]: a head's scores of the block's slots, then its P */
-    float *pa;             /* [group, B]: P * the slot's value half-range (0 at a sink slot) */
-    float *k_off, *k_half; /* [Hkv, D]: the block's key statistics */
-    float *row;            /* [D]: a sink's full-precision row */
-    float *v_half, *v_off; /* [B]: the value statistics of the KV head's slots */
-    float *live;           /* [B]: 0 at a sink slot (its row is added apart), else 1 */
-    float *pb;             /* [group]: P . the slots' value offsets, per query head */
-    int32_t *patch_ch;     /* [B, value cap]: a value outlier's channel, -1 none (small heads) */
-    float *patch_x;        /* [B, value cap]: the value it stands for in centroid units */
-    __m512 *dots;          /* [Hkv * FAST_MAX_HEADS, 16]: one tile's per-slot dot vectors */
-    int16_t *sink_at;      /* [B]: the sink entry of each slot, -1 none */
-} BlockScratch;
-
-static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int64_t B,
-                               int64_t D, int64_t value_cap) {
-    w->scores = malloc(sizeof(float) * Hkv * group * B);
-    w->pa = malloc(sizeof(float) * group * B);
-    w->k_off = malloc(sizeof(float) * Hkv * D);
-    w->k_half = malloc(sizeof(float) * Hkv * D);
-    w->row = malloc(sizeof(float) * D);
-    w->v_half = malloc(sizeof(float) * B);
-    w->v_off = malloc(sizeof(float) * B);
-    w->live = malloc(sizeof(float) * B);
-    w->pb = malloc(sizeof(float) * group);
-    w->patch_ch = malloc(sizeof(int32_t) * (B * value_cap + 1));
-    w->patch_x = malloc(sizeof(float) * (B * value_cap + 1));
-    w->dots = aligned_alloc(64, sizeof(__m512) * Hkv * FAST_MAX_HEADS * 16);
-    w->sink_at = malloc(sizeof(int16_t) * B);
-    if (w->sink_at) for (int64_t t = 0; t < B; t++) w->sink_at[t] = -1;
-    return w->scores && w->pa && w->k_off && w->k_half && w->row && w->v_half && w->v_off
-           && w->live && w->pb && w->patch_ch && w->patch_x
-           && w->dots && w->sink_at;
-}
-
-static void block_scratch_free(BlockScratch *w) {
-    free(w->scores); free(w->pa); free(w->k_off); free(w->k_half); free(w->row); free(w->v_half);
-    free(w->v_off); free(w->live); free(w->pb); free(w->patch_ch); free(w->patch_x); free(w->dots);
-    free(w->sink_at);
-}
-
-/* is the block path valid for this layer (the staging of a block is checked per block) */
-static int block_path_fits(const KVQuantLayer *L) {
-    const KVQuantSide *K = &L->k, *V = &L->v;
-    const int64_t D = L->head_dim, R = L->rot_dim;
-    return K->per_channel && !V->per_channel && V->groups == 1 && K->bits >= 2 && K->bits <= 4
-           && V->bits >= 2 && V->bits <= 4 && D % 32 == 0 && (R == D || R == 0)
-           && L->block_size % 16 == 0  /* a tile of 16 slots never leaves its block */
-           && L->staging_v == NULL && L->num_q_heads % L->num_kv_heads == 0;
-}
-
-/* one code of a packed row (the layouts of codes16 and unpack_codes) */
-static inline int code_at(const uint8_t *p, int64_t bits, int64_t ch) {
-    if (bits == 4) return (p[ch / 2] >> (4 * (ch & 1))) & 15;
-    if (bits == 2) return (p[ch / 4] >> (2 * (ch & 3))) & 3;
-    const uint8_t *b = p + ch / 8 * 3;
-    const uint32_t w = b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16;
-    return (w >> (3 * (ch & 7))) & 7;
-}
-
-/* part `part` of `parts` of a block's per-block data (statistics, outlier lists, positions),
- * prefetched into L2 while the block before it is read: the rows are prefetched tile by tile,
- * and these arrays are read a head at a time from the block's start */
-/* The block path visits a KV head at a time, so it reads each slot's row in pieces a row
- * apart, which the hardware prefetchers do not follow: the rows it reads next are requested
- * ahead (into L2), in address order. */
-static inline void prefetch_rows(const uint8_t *first, int64_t nbytes) {
-    for (int64_t off = 0; off < nbytes; off += 64) __builtin_prefetch(first + off, 0, 2);
-}
-
-static void prefetch_block_data(const KVQuantLayer *L, int64_t blk, int64_t part, int64_t parts) {
-    const KVQuantSide *K = &L->k, *V = &L->v;
-    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim;
-    const int64_t sparse = L->sparse_kind == 2 ? 4 : 2;
-    const struct { const void *base; int64_t bytes; } region[] = {
-        {K->offset + blk * Hkv * D, Hkv * D * 2},
-        {K->half + blk * Hkv * D, Hkv * D * 2},
-        {(const uint8_t *)K->oidx + blk * Hkv * K->cap * K->idx_bytes, Hkv * K->cap * K->idx_bytes},
-        {(const uint8_t *)K->oval + blk * Hkv * K->cap * sparse, Hkv * K->cap * sparse},
-        {V->offset + blk * B * Hkv, B * Hkv * 2},
-        {V->half + blk * B * Hkv, B * Hkv * 2},
-        {(const uint8_t *)V->oidx + blk * B * Hkv * V->cap * V->idx_bytes,
-         B * Hkv * V->cap * V->idx_bytes},
-        {(const uint8_t *)V->oval + blk * B * Hkv * V->cap * sparse, B * Hkv * V->cap * sparse},
-        {L->slot_positions ? (const void *)(L->slot_positions + blk * B) : NULL, B * 4},
-    };
-    for (size_t r = 0; r < sizeof region / sizeof region[0]; r++) {
-        if (!region[r].base || region[r].bytes <= 0) continue;
-        const int64_t lines = (region[r].bytes + 63) / 64;
-        const int64_t first = lines * part / parts, last = lines * (part + 1) / parts;
-        prefetch_rows((const uint8_t *)region[r].base + first * 64, (last - first) * 64);
-    }
-}
+/* The AVX-512 kernels of the KVQuant block path (kvquant_block.h): key dots by tiles of 16
+ * slots (16 channels and their RoPE partners at a time), key outliers 16 entries at a time with
+ * gathers where the layout allows, the block's online softmax, and values 32 channels at a time.
+ * Included by quant_decode_attention.c after kvquant_block.h, on AVX-512F/BW/VL builds. */
 
 /* scores[h * B + t] = q_h . RoPE_pos(t)(lut[codes] * half + off) for the query heads
  * h = g * group + hh, hh in [h0, h0 + nh), of every KV head g and the block's first n slots.
@@ -135,6 +21,7 @@ static inline __attribute__((always_inline)) void block_key_dots(
     enum { SL_MAX = 8 };
     const int SL = nh <= 2 ? 8 : (nh <= 4 ? 4 : 2);  /* slots whose accumulators are held */
     const __m512 lut = lut16(K->lut, bits);
+    __m512 *dots = (__m512 *)w->dots;  /* [Hkv * nh, 16] */
     for (int64_t t0 = 0; t0 < n; t0 += 16) {
         const int64_t nt = n - t0 < 16 ? n - t0 : 16;
         if (next_blk >= 0 && h0 == 0)  /* the next block's data, a share per tile */
@@ -204,13 +91,13 @@ static inline __attribute__((always_inline)) void block_key_dots(
                 }
                 for (int u = 0; u < SL; u++)
                     for (int hh = 0; hh < nh; hh++)
-                        w->dots[(g * nh + hh) * 16 + s0 + u] = acc[u][hh];
+                        dots[(g * nh + hh) * 16 + s0 + u] = acc[u][hh];
             }
         }
         for (int64_t g = 0; g < Hkv; g++)
             for (int hh = 0; hh < nh; hh++) {
                 float sums[16];
-                _mm512_storeu_ps(sums, sum16(w->dots + (g * nh + hh) * 16));
+                _mm512_storeu_ps(sums, sum16(dots + (g * nh + hh) * 16));
                 memcpy(w->scores + (g * group + h0 + hh) * B + t0, sums, sizeof(float) * nt);
             }
     }
@@ -257,63 +144,6 @@ static inline __attribute__((always_inline)) void block_values(
             _mm512_storeu_ps(acc0 + hh * D + d, a0[hh]);
             _mm512_storeu_ps(acc0 + hh * D + d + 16, a1[hh]);
         }
-    }
-}
-
-#define BLOCK_HEADS_DISPATCH(call, nh) \
-    switch (nh) {                      \
-    case 1: call(1); break;            \
-    case 2: call(2); break;            \
-    case 4: call(4); break;            \
-    case 8: call(8); break;            \
-    default: call(nh); break;          \
-    }
-
-/* the coefficient of pre-RoPE key channel ch in q . RoPE(k) (rotate-half over R channels):
- * q[ch] cos[ch] + q[ch + m] sin[ch + m] in the first half, q[ch] cos[ch] - q[ch - m] sin[ch - m]
- * in the second; without a branch (which half an outlier falls in is a coin toss) */
-static inline float rope_coefficient(const float *qh, const float *cs, const float *sn,
-                                     int64_t ch, int64_t R, int64_t halves_equal) {
-    if (!R) return qh[ch];
-    const int64_t m = R / 2;
-    if (halves_equal) {  /* read the tables' first half only (the lines the key pass read) */
-        return ch < m ? qh[ch] * cs[ch] + qh[ch + m] * sn[ch]
-                      : qh[ch] * cs[ch - m] - qh[ch - m] * sn[ch - m];
-    }
-    return ch < m ? qh[ch] * cs[ch] + qh[ch + m] * sn[ch + m]
-                  : qh[ch] * cs[ch] - qh[ch - m] * sn[ch - m];
-}
-
-/* The store lists every outlier once (`nanokv.quant.kvquant._select_outliers`), so each entry's
- * correction is added as it comes. */
-
-/* the block's key outliers of head g as score corrections */
-static inline __attribute__((always_inline)) void key_outliers(
-        const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n, const float *restrict q0,
-        int64_t group, float *restrict sg, const BlockScratch *w, const int64_t idx_bytes,
-        const int64_t kind) {
-    const KVQuantSide *K = &L->k;
-    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
-    const int64_t base = (blk * Hkv + g) * K->cap, limit = n * D;
-    const int d_shift = __builtin_ctzll((unsigned long long)D);
-    const int d_pow2 = (D & (D - 1)) == 0;  /* slot and channel of an index by a shift */
-    const float *half = w->k_half + g * D, *off = w->k_off + g * D;
-    const uint8_t *rows = K->codes + (blk * B * Hkv + g) * K->packed;
-    const int64_t stride = Hkv * K->packed;
-    for (int64_t j = 0; j < K->cap; j++) {
-        const int64_t idx = load_index(K->oidx, base + j, idx_bytes);
-        if (idx < 0 || idx >= limit) continue;
-        const int64_t t = d_pow2 ? idx >> d_shift : idx / D;
-        const int64_t ch = idx - t * D;
-        const float decoded = fmaf(K->lut[code_at(rows + t * stride, K->bits, ch)], half[ch],
-                                   off[ch]);
-        const float delta = load_any(K->oval, base + j, kind) - decoded;
-        int64_t pos = R ? L->slot_positions[blk * B + t] : 0;
-        pos = pos < 0 ? 0 : pos;
-        const float *cs = L->cos + pos * R, *sn = L->sin + pos * R;
-        for (int64_t hh = 0; hh < group; hh++)
-            sg[hh * B + t] += delta * rope_coefficient(q0 + hh * D, cs, sn, ch, R,
-                                                      L->rope_halves_equal);
     }
 }
 
@@ -406,30 +236,17 @@ static void key_outliers16(const KVQuantLayer *L, int64_t blk, int64_t g, int64_
     }
 }
 
-/* the block's key outliers of head g as score corrections, then its sink slots' exact scores */
-static void block_key_fixes(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
-                            const float *q0, int64_t group, float *sg, BlockScratch *w) {
+/* the block's key outliers of head g as score corrections, 16 at a time where the layout
+ * allows (head_dim a power of two, 2 or 4-bit codes, int16 / int32 indices): 1 if done */
+static int key_outliers_vector(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
+                               const float *q0, int64_t group, float *sg, const BlockScratch *w) {
     const KVQuantSide *K = &L->k;
-    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
-    if ((D & (D - 1)) == 0 && (K->bits == 2 || K->bits == 4)
-            && (K->idx_bytes == 2 || K->idx_bytes == 4))
-        key_outliers16(L, blk, g, n, q0, group, sg, w);
-    else if (K->idx_bytes == 2 && L->sparse_kind == 0)  /* int16 indices, float16 values */
-        key_outliers(L, blk, g, n, q0, group, sg, w, 2, 0);
-    else
-        key_outliers(L, blk, g, n, q0, group, sg, w, K->idx_bytes, L->sparse_kind);
-    for (int64_t p = 0; p < L->num_sinks; p++) {
-        const int64_t t = L->sink_slot[blk * L->num_sinks + p];
-        if (t < 0 || t >= n) continue;
-        load_head(w->row, K->sink, ((blk * L->num_sinks + p) * Hkv + g) * D, D, L->sparse_kind);
-        if (R) {
-            int64_t pos = L->slot_positions[blk * B + t];
-            pos = pos < 0 ? 0 : pos;
-            rope_head(w->row, L->cos + pos * R, L->sin + pos * R, R);
-        }
-        for (int64_t hh = 0; hh < group; hh++)
-            sg[hh * B + t] = dot(q0 + hh * D, w->row, D);
-    }
+    const int64_t D = L->head_dim;
+    if ((D & (D - 1)) != 0 || (K->bits != 2 && K->bits != 4)
+            || (K->idx_bytes != 2 && K->idx_bytes != 4))
+        return 0;
+    key_outliers16(L, blk, g, n, q0, group, sg, w);
+    return 1;
 }
 
 /* the online softmax of heads [h, h + group) over the block's n scores; scores become P */
@@ -461,158 +278,5 @@ static void block_softmax(Softmax *s, int64_t h, int64_t group, int64_t n, int64
             #pragma omp simd
             for (int64_t d = 0; d < D; d++) ah[d] *= corr;
         }
-    }
-}
-
-/* the value outliers of non-sink slots as corrections of the accumulators */
-static inline __attribute__((always_inline)) void value_outliers(
-        const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n, float *restrict acc0,
-        int64_t group, const float *restrict sg, const BlockScratch *w, const int64_t idx_bytes,
-        const int64_t kind) {
-    const KVQuantSide *V = &L->v;
-    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, cap = V->cap;
-    for (int64_t t = 0; t < n; t++) {
-        if (w->sink_at[t] >= 0) continue;
-        const int64_t i = (blk * B + t) * Hkv + g;  /* (block, slot, head) */
-        const uint8_t *row = V->codes + i * V->packed;
-        for (int64_t j = 0; j < cap; j++) {
-            const int64_t ch = load_index(V->oidx, i * cap + j, idx_bytes);
-            if (ch < 0 || ch >= D) continue;
-            const float delta = load_any(V->oval, i * cap + j, kind)
-                                - (V->lut[code_at(row, V->bits, ch)] * w->v_half[t] + w->v_off[t]);
-            for (int64_t hh = 0; hh < group; hh++) acc0[hh * D + ch] += sg[hh * B + t] * delta;
-        }
-    }
-}
-
-/* Small heads (head_dim <= 64: one or two chunks of 32 channels), where value outliers are a
- * large share (the per-token capacity rounds up: 2 of 32 channels at 1%): each outlier of a live
- * slot becomes a patch of its row in centroid units, x = (exact - offset) / half-range, put in
- * place of the looked-up centroid inside the value pass (then P * half * x + P * offset = P *
- * exact, within float rounding: x uses the row's reciprocal half-range). A row whose half-range
- * is 0 has no centroid scale: its outliers are added here, as value_outliers does. */
-static inline __attribute__((always_inline)) void value_patches_impl(
-        const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n, float *restrict acc0,
-        int64_t group, const float *restrict sg, BlockScratch *w, const int64_t idx_bytes,
-        const int64_t kind) {
-    const KVQuantSide *V = &L->v;
-    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, cap = V->cap;
-    int32_t *restrict patch_ch = w->patch_ch;
-    float *restrict patch_x = w->patch_x;
-    for (int64_t t = 0; t < n; t++) {
-        const int64_t i = (blk * B + t) * Hkv + g;  /* (block, slot, head) */
-        const float half = w->v_half[t], off = w->v_off[t];
-        const float inv = half != 0.f ? 1.f / half : 0.f;
-        const int live = w->sink_at[t] < 0;
-        for (int64_t j = 0; j < cap; j++) {
-            const int64_t ch = load_index(V->oidx, i * cap + j, idx_bytes);
-            const float exact = load_any(V->oval, i * cap + j, kind);
-            const int valid = live && ch >= 0 && ch < D;
-            patch_ch[t * cap + j] = valid && half != 0.f ? (int32_t)ch : -1;
-            patch_x[t * cap + j] = (exact - off) * inv;
-            if (valid && half == 0.f)  /* no centroid scale: added here */
-                for (int64_t hh = 0; hh < group; hh++)
-                    acc0[hh * D + ch] += sg[hh * B + t] * (exact - off);
-        }
-    }
-}
-
-static void value_patches(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
-                          float *acc0, int64_t group, const float *sg, BlockScratch *w) {
-    if (L->v.idx_bytes == 1 && L->sparse_kind == 0)  /* uint8 channels, float16 values */
-        value_patches_impl(L, blk, g, n, acc0, group, sg, w, 1, 0);
-    else
-        value_patches_impl(L, blk, g, n, acc0, group, sg, w, L->v.idx_bytes, L->sparse_kind);
-}
-
-/* value outliers of non-sink slots and the sink slots' full-precision rows, added to the
- * accumulators of heads [h, h + group) */
-static void block_value_fixes(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
-                              float *acc0, int64_t group, const float *sg, BlockScratch *w,
-                              int patched) {
-    const KVQuantSide *V = &L->v;
-    const int64_t Hkv = L->num_kv_heads, D = L->head_dim;
-    if (patched) {
-        /* the outliers went into the value pass (value_patches) */
-    } else if (V->cap && V->idx_bytes == 1 && L->sparse_kind == 0)  /* uint8, float16 */
-        value_outliers(L, blk, g, n, acc0, group, sg, w, 1, 0);
-    else if (V->cap)
-        value_outliers(L, blk, g, n, acc0, group, sg, w, V->idx_bytes, L->sparse_kind);
-    for (int64_t p = 0; p < L->num_sinks; p++) {
-        const int64_t t = L->sink_slot[blk * L->num_sinks + p];
-        if (t < 0 || t >= n) continue;
-        load_head(w->row, V->sink, ((blk * L->num_sinks + p) * Hkv + g) * D, D, L->sparse_kind);
-        for (int64_t hh = 0; hh < group; hh++) {
-            const float pt = sg[hh * L->block_size + t];
-            float *ah = acc0 + hh * D;
-            #pragma omp simd
-            for (int64_t d = 0; d < D; d++) ah[d] += pt * w->row[d];
-        }
-    }
-}
-
-/* one block (its first n slots, keys not staged) of request b's attention, every KV head;
- * next_blk: the request's next block (its first rows are prefetched), -1 none */
-static void kvquant_block_fast(const KVQuantLayer *L, int64_t blk, int64_t next_blk, int64_t n,
-                               const float *qb, Softmax *s, BlockScratch *w) {
-    const KVQuantSide *K = &L->k, *V = &L->v;
-    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim;
-    const int64_t group = L->num_q_heads / Hkv;
-    for (int64_t p = 0; p < L->num_sinks; p++) {
-        const int64_t t = L->sink_slot[blk * L->num_sinks + p];
-        if (t >= 0 && t < n) w->sink_at[t] = (int16_t)p;
-    }
-    for (int64_t t = 0; t < n; t++) w->live[t] = w->sink_at[t] < 0 ? 1.f : 0.f;
-    /* the block's key statistics, float16 -> float32: [Hkv, D] */
-    const uint16_t *off16 = K->offset + blk * Hkv * D, *half16 = K->half + blk * Hkv * D;
-    for (int64_t d = 0; d < Hkv * D; d += 16) {
-        _mm512_storeu_ps(w->k_off + d,
-                         _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(off16 + d))));
-        _mm512_storeu_ps(w->k_half + d,
-                         _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(half16 + d))));
-    }
-    for (int64_t h0 = 0; h0 < group; h0 += FAST_MAX_HEADS) {
-        const int nh = (int)(group - h0 < FAST_MAX_HEADS ? group - h0 : FAST_MAX_HEADS);
-#define KEY_DOTS(k) block_key_dots(L, blk, next_blk, n, qb, h0, k, w)
-        BLOCK_HEADS_DISPATCH(KEY_DOTS, nh)
-#undef KEY_DOTS
-    }
-    for (int64_t g = 0; g < Hkv; g++) {
-        const float *q0 = qb + g * group * D;
-        float *acc0 = s->acc + g * group * D, *sg = w->scores + g * group * B;
-        block_key_fixes(L, blk, g, n, q0, group, sg, w);
-        block_softmax(s, g * group, group, n, B, D, sg);
-        /* P * the slot's value half-range, and P . offsets per head; sink slots added apart */
-        float *pbh = w->pb;
-        for (int64_t t = 0; t < n; t++) {
-            const int64_t i = (blk * B + t) * Hkv + g;
-            w->v_half[t] = f16_to_f32(V->half[i]);
-            w->v_off[t] = f16_to_f32(V->offset[i]);
-        }
-        for (int64_t hh = 0; hh < group; hh++) {
-            const float *ph = sg + hh * B, *live = w->live;
-            float *pah = w->pa + hh * B, sum = 0.f;
-            #pragma omp simd reduction(+:sum)
-            for (int64_t t = 0; t < n; t++) {
-                const float p = ph[t] * live[t];
-                pah[t] = p * w->v_half[t];
-                sum += p * w->v_off[t];
-            }
-            pbh[hh] = sum;
-        }
-        const int patched = V->cap > 0 && D <= 64;
-        if (patched) value_patches(L, blk, g, n, acc0, group, sg, w);
-        const int64_t patches = patched ? V->cap : 0;
-        for (int64_t h0 = 0; h0 < group; h0 += FAST_MAX_HEADS) {
-            const int nh = (int)(group - h0 < FAST_MAX_HEADS ? group - h0 : FAST_MAX_HEADS);
-#define VALUES(k) block_values(L, blk, g, n, acc0 + h0 * D, h0, k, pbh, w, patches)
-            BLOCK_HEADS_DISPATCH(VALUES, nh)
-#undef VALUES
-        }
-        block_value_fixes(L, blk, g, n, acc0, group, sg, w, patched);
-    }
-    for (int64_t p = 0; p < L->num_sinks; p++) {
-        const int64_t t = L->sink_slot[blk * L->num_sinks + p];
-        if (t >= 0 && t < n) w->sink_at[t] = -1;
     }
 }

@@ -28,10 +28,10 @@
  *                              per-channel (per block) or per-token statistics in fp16, a
  *                              codebook (uniform or nuq) as a table, sparse outliers, sink
  *                              slots, the partial block's keys from staging; by block table.
- *                              AVX-512 builds take KVQuant's common layout a block at a time
- *                              with the codes decoded in registers and outliers and sinks as
- *                              corrections (kvquant_block_avx512.h); other layouts and builds
- *                              a row at a time (kvquant_row_block)
+ *                              AVX-512 and AVX2 builds take KVQuant's common layout a block at
+ *                              a time with the codes decoded in registers and outliers and
+ *                              sinks as corrections (kvquant_block.h); other layouts and
+ *                              builds a row at a time (kvquant_row_block)
  * q, out: [B, Hq, D] (q already multiplied by the softmax scale); k_new, v_new: [B, Hkv, D], the
  * step's own token of each request (keys after RoPE). Return: 0, or -1 when scratch allocation
  * failed. */
@@ -691,15 +691,35 @@ static inline __m256 lut16_lookup8(__m256 lo, __m256 hi, __m256i idx) {
                             _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
 }
 
-/* the centroids of 8 channels of a 4-bit row from their 4 bytes (channel 2i in the low
- * nibble): the nibbles split, widened to lanes, looked up in the 16-entry table (lo, hi) */
-static inline __m256 lut8_4bit(const uint8_t *p, __m256 lo, __m256 hi) {
+/* a codebook of 2^bits centroids as the halves (lo, hi) of a 16-entry table for centroids8,
+ * repeated to fill it (so the bits above a code in its lane do not matter) */
+static inline void lut_halves8(const float *lut, int64_t bits, __m256 *lo, __m256 *hi) {
+    float t16[16];
+    for (int i = 0; i < 16; i++) t16[i] = lut[i & ((1 << bits) - 1)];
+    *lo = _mm256_loadu_ps(t16);
+    *hi = _mm256_loadu_ps(t16 + 8);
+}
+
+/* lut[codes] of channels [c0, c0 + 8) of a packed 2, 3 or 4-bit row (c0 % 8 == 0; channel i at
+ * bits i * bits of its group's 8 * bits bits, as unpack_codes reads them): those bits broadcast
+ * and shifted per lane, the code left in each lane's low bits with the next codes above it,
+ * which the lookup ignores (the permutes read bits 0-2, the 16-entry blend bit 3, and
+ * lut_halves8's tables repeat) */
+static inline __attribute__((always_inline)) __m256 centroids8(const uint8_t *p, int64_t bits,
+                                                               int64_t c0, __m256 lo, __m256 hi) {
+    const uint8_t *b = p + c0 / 8 * bits;
     uint32_t w;
-    memcpy(&w, p, sizeof w);
-    const __m128i b = _mm_cvtsi32_si128((int)w), low4 = _mm_set1_epi8(0x0F);
-    const __m128i c = _mm_unpacklo_epi8(_mm_and_si128(b, low4),
-                                        _mm_and_si128(_mm_srli_epi16(b, 4), low4));
-    return lut16_lookup8(lo, hi, _mm256_cvtepu8_epi32(c));
+    if (bits == 4) {
+        memcpy(&w, b, sizeof w);
+        const __m256i x = _mm256_srlv_epi32(_mm256_set1_epi32((int)w),
+                                            _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+        return lut16_lookup8(lo, hi, x);
+    }
+    w = b[0] | (uint32_t)b[1] << 8;
+    if (bits == 3) w |= (uint32_t)b[2] << 16;
+    const __m256i shift = bits == 2 ? _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)
+                                    : _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
+    return _mm256_permutevar8x32_ps(lo, _mm256_srlv_epi32(_mm256_set1_epi32((int)w), shift));
 }
 #endif
 
@@ -730,20 +750,6 @@ static inline void lookup_row(float *restrict x, const uint8_t *restrict c,
     for (; d < D; d++) x[d] = lut[c[d]];
 }
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
-/* the codes of channels [c0, c0 + 8) of a packed 2 or 3-bit row, one per 32-bit lane
- * (c0 % 8 == 0): the 8 * bits bits that hold them, shifted per lane */
-static inline __m256i codes8(const uint8_t *p, int64_t bits, int64_t c0) {
-    const uint8_t *b = p + c0 / 8 * bits;
-    uint32_t w = b[0] | (uint32_t)b[1] << 8;
-    if (bits == 3) w |= (uint32_t)b[2] << 16;
-    const __m256i shift = bits == 2 ? _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)
-                                    : _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
-    return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), shift),
-                            _mm256_set1_epi32((1 << bits) - 1));
-}
-#endif
-
 /* x = lut[codes] over one head's D channels (p: its packed codes; c: D bytes of scratch); 2, 3
  * and 4-bit codes are split and looked up in registers on the AVX-512 and AVX2 paths */
 static inline void decode_codes(float *restrict x, const uint8_t *restrict p,
@@ -770,17 +776,10 @@ static inline void decode_codes(float *restrict x, const uint8_t *restrict p,
         return;
     }
 #elif defined(__AVX2__)
-    if (bits == 4 && D % 8 == 0) {
-        const __m256 lo = _mm256_loadu_ps(lut), hi = _mm256_loadu_ps(lut + 8);
-        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(x + d, lut8_4bit(p + d / 2, lo, hi));
-        return;
-    }
-    if ((bits == 2 || bits == 3) && D % 8 == 0) {  /* up to 8 centroids: one permute */
-        float t8[8] = {0};
-        memcpy(t8, lut, sizeof(float) << bits);
-        const __m256 table = _mm256_loadu_ps(t8);
-        for (int64_t d = 0; d < D; d += 8)
-            _mm256_storeu_ps(x + d, _mm256_permutevar8x32_ps(table, codes8(p, bits, d)));
+    if (bits >= 2 && bits <= 4 && D % 8 == 0) {
+        __m256 lo, hi;
+        lut_halves8(lut, bits, &lo, &hi);
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(x + d, centroids8(p, bits, d, lo, hi));
         return;
     }
 #endif
@@ -863,31 +862,6 @@ static void key_block_setup(const KVQuantLayer *L, int64_t blk, KVQuantScratch *
     }
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-/* a 4-bit key row with per-channel statistics and no outlier: each channel pair (d, d + D/2)
- * looked up, mapped (c * half + off) and rotated (rotate-half RoPE over all D channels) in
- * registers, 8 pairs at a time; `hi`: where the second half's cos / sin are (0: the tables
- * repeat their first half) */
-static inline void key_row_avx2(float *restrict x, const uint8_t *restrict p,
-                                const float *restrict lut, const float *restrict half,
-                                const float *restrict off, const float *restrict cos,
-                                const float *restrict sin, int64_t hi, int64_t D) {
-    const __m256 tlo = _mm256_loadu_ps(lut), thi = _mm256_loadu_ps(lut + 8);
-    const int64_t m = D / 2;
-    for (int64_t d = 0; d < m; d += 8) {
-        const __m256 a = _mm256_fmadd_ps(lut8_4bit(p + d / 2, tlo, thi), _mm256_loadu_ps(half + d),
-                                         _mm256_loadu_ps(off + d));
-        const __m256 b = _mm256_fmadd_ps(lut8_4bit(p + (d + m) / 2, tlo, thi),
-                                         _mm256_loadu_ps(half + d + m),
-                                         _mm256_loadu_ps(off + d + m));
-        const __m256 c0 = _mm256_loadu_ps(cos + d), s0 = _mm256_loadu_ps(sin + d);
-        const __m256 c1 = _mm256_loadu_ps(cos + d + hi), s1 = _mm256_loadu_ps(sin + d + hi);
-        _mm256_storeu_ps(x + d, _mm256_fmsub_ps(a, c0, _mm256_mul_ps(b, s0)));
-        _mm256_storeu_ps(x + d + m, _mm256_fmadd_ps(b, c1, _mm256_mul_ps(a, s1)));
-    }
-}
-#endif
-
 /* the sink index of slot t of block blk, or -1 */
 static inline int64_t sink_of(const KVQuantLayer *L, int64_t blk, int64_t t) {
     for (int64_t p = 0; p < L->num_sinks; p++)
@@ -910,14 +884,6 @@ static void key_head(const KVQuantLayer *L, int64_t blk, int64_t t, int64_t h, i
         sink_head(L, S->sink, blk, t, h, x);
     } else {
         const float *restrict half = w->k_half + h * D, *restrict off = w->k_off + h * D;
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-        if (S->bits == 4 && R == D && D % 16 == 0 && w->first[t * Hkv + h] < 0
-            && sink_of(L, blk, t) < 0) {  /* the common row: decoded, mapped, rotated at once */
-            key_row_avx2(x, S->codes + ((blk * B + t) * Hkv + h) * S->packed, S->lut, half,
-                         off, cos, sin, L->rope_halves_equal ? 0 : D / 2, D);
-            return;
-        }
-#endif
         decode_codes(x, S->codes + ((blk * B + t) * Hkv + h) * S->packed, S->lut, S->bits, D,
                      w->codes);
         int exact = sink_of(L, blk, t) < 0 && (R == D || R == 0);
@@ -1026,16 +992,95 @@ static void kvquant_row_block(const KVQuantLayer *L, int64_t blk, int64_t len, c
     }
 }
 
+/* The block path: AVX-512 builds, and AVX2 builds with FMA and F16C (the vector kernels of
+ * kvquant_block_avx512.h / kvquant_block_avx2.h around the shared parts of kvquant_block.h) */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include "kvquant_block_avx512.h"
 #define HAVE_BLOCK_PATH 1
+#include "kvquant_block.h"
+#include "kvquant_block_avx512.h"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HAVE_BLOCK_PATH 1
+#include "kvquant_block.h"
+#include "kvquant_block_avx2.h"
 #else
 #define HAVE_BLOCK_PATH 0
 #endif
 
+#if HAVE_BLOCK_PATH
+/* the block's key outliers of head g as score corrections, then its sink slots' exact scores */
+static void block_key_fixes(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
+                            const float *q0, int64_t group, float *sg, BlockScratch *w) {
+    if (!key_outliers_vector(L, blk, g, n, q0, group, sg, w))
+        key_outliers_scalar(L, blk, g, n, q0, group, sg, w);
+    block_key_sinks(L, blk, g, n, q0, group, sg, w);
+}
+
+/* one block (its first n slots, keys not staged) of request b's attention, every KV head;
+ * next_blk: the request's next block (its first rows are prefetched), -1 none */
+static void kvquant_block_fast(const KVQuantLayer *L, int64_t blk, int64_t next_blk, int64_t n,
+                               const float *qb, Softmax *s, BlockScratch *w) {
+    const KVQuantSide *K = &L->k, *V = &L->v;
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim;
+    const int64_t group = L->num_q_heads / Hkv;
+    for (int64_t p = 0; p < L->num_sinks; p++) {
+        const int64_t t = L->sink_slot[blk * L->num_sinks + p];
+        if (t >= 0 && t < n) w->sink_at[t] = (int16_t)p;
+    }
+    for (int64_t t = 0; t < n; t++) w->live[t] = w->sink_at[t] < 0 ? 1.f : 0.f;
+    /* the block's key statistics, float16 -> float32: [Hkv, D] */
+    const uint16_t *off16 = K->offset + blk * Hkv * D, *half16 = K->half + blk * Hkv * D;
+    block_stats_f32(w->k_off, off16, Hkv * D);
+    block_stats_f32(w->k_half, half16, Hkv * D);
+    for (int64_t h0 = 0; h0 < group; h0 += FAST_MAX_HEADS) {
+        const int nh = (int)(group - h0 < FAST_MAX_HEADS ? group - h0 : FAST_MAX_HEADS);
+#define KEY_DOTS(k) block_key_dots(L, blk, next_blk, n, qb, h0, k, w)
+        BLOCK_HEADS_DISPATCH(KEY_DOTS, nh)
+#undef KEY_DOTS
+    }
+    for (int64_t g = 0; g < Hkv; g++) {
+        const float *q0 = qb + g * group * D;
+        float *acc0 = s->acc + g * group * D, *sg = w->scores + g * group * B;
+        block_key_fixes(L, blk, g, n, q0, group, sg, w);
+        block_softmax(s, g * group, group, n, B, D, sg);
+        /* P * the slot's value half-range, and P . offsets per head; sink slots added apart */
+        float *pbh = w->pb;
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t i = (blk * B + t) * Hkv + g;
+            w->v_half[t] = f16_to_f32(V->half[i]);
+            w->v_off[t] = f16_to_f32(V->offset[i]);
+        }
+        for (int64_t hh = 0; hh < group; hh++) {
+            const float *ph = sg + hh * B, *live = w->live;
+            float *pah = w->pa + hh * B, sum = 0.f;
+            #pragma omp simd reduction(+:sum)
+            for (int64_t t = 0; t < n; t++) {
+                const float p = ph[t] * live[t];
+                pah[t] = p * w->v_half[t];
+                sum += p * w->v_off[t];
+            }
+            pbh[hh] = sum;
+        }
+        const int patched = V->cap > 0 && D <= 64;
+        if (patched) value_patches(L, blk, g, n, acc0, group, sg, w);
+        const int64_t patches = patched ? V->cap : 0;
+        for (int64_t h0 = 0; h0 < group; h0 += FAST_MAX_HEADS) {
+            const int nh = (int)(group - h0 < FAST_MAX_HEADS ? group - h0 : FAST_MAX_HEADS);
+#define VALUES(k) block_values(L, blk, g, n, acc0 + h0 * D, h0, k, pbh, w, patches)
+            BLOCK_HEADS_DISPATCH(VALUES, nh)
+#undef VALUES
+        }
+        block_value_fixes(L, blk, g, n, acc0, group, sg, w, patched);
+    }
+    for (int64_t p = 0; p < L->num_sinks; p++) {
+        const int64_t t = L->sink_slot[blk * L->num_sinks + p];
+        if (t >= 0 && t < n) w->sink_at[t] = -1;
+    }
+}
+#endif
+
 /* Request b's cached slots: the first past[b] slots of its blocks blk_ids[blk_ptr[b] ..
- * blk_ptr[b + 1]). Blocks go through the block path where it fits (AVX-512 builds; the layout
- * of `block_path_fits`; keys not staged), else a row at a time. */
+ * blk_ptr[b + 1]). Blocks go through the block path where it fits (AVX-512 and AVX2 builds;
+ * the layout of `block_path_fits`; keys not staged), else a row at a time. */
 int kvquant_decode_attention(const KVQuantLayer *L, const float *q, const float *k_new,
                              const float *v_new, float *out, const int64_t *blk_ptr,
                              const int64_t *blk_ids, const int64_t *past, int64_t num_requests) {
@@ -1066,7 +1111,8 @@ int kvquant_decode_attention(const KVQuantLayer *L, const float *q, const float 
                  && w.o_ch && w.o_val && w.kt && w.vt && w.va && w.vb;
 #if HAVE_BLOCK_PATH
         BlockScratch bw = {0};
-        if (block_path) ok = block_scratch_alloc(&bw, Hkv, Hq / Hkv, B, D, L->v.cap) && ok;
+        if (block_path) ok = block_scratch_alloc(&bw, Hkv, Hq / Hkv, B, D, L->k.cap,
+                                                           L->v.cap) && ok;
 #endif
         if (!ok) {
             #pragma omp atomic write

@@ -1,0 +1,272 @@
+/* The AVX2 kernels of the KVQuant block path (kvquant_block.h), for CPUs without AVX-512: key
+ * dots by tiles of 8 slots (8 channels and their RoPE partners at a time), the block's online
+ * softmax, and values up to 32 channels at a time; key outliers enter the key pass. Included
+ * by quant_decode_attention.c after kvquant_block.h, on AVX2 + FMA + F16C builds without
+ * AVX-512.
+ *
+ * The key pass reads a tile's rows slot by slot, every KV head of a slot before the next slot:
+ * the codes are [B, Hkv, packed] per block, so this is address order, a stream this class of
+ * CPU's prefetchers follows (a row apart per KV head, as the AVX-512 pass reads, they did
+ * not). */
+
+/* the block's key outliers of its first n slots sorted by slot (a counting sort over every KV
+ * head's list), for the key pass: slot t's are entries [o_start[t], o_start[t + 1]), each with
+ * its KV head and channel (g << 16 | channel) and its exact value (always inlined with constant
+ * index and value sizes) */
+static inline __attribute__((always_inline)) void key_outlier_lists_impl(
+        const KVQuantLayer *L, int64_t blk, int64_t n, BlockScratch *w, const int64_t idx_bytes,
+        const int64_t kind) {
+    const KVQuantSide *K = &L->k;
+    const int64_t Hkv = L->num_kv_heads, D = L->head_dim, limit = n * D;
+    const int d_shift = __builtin_ctzll((unsigned long long)D);
+    const int d_pow2 = (D & (D - 1)) == 0;  /* slot and channel of an index by a shift */
+    int32_t *start = w->o_start;
+    memset(start, 0, sizeof(int32_t) * (n + 1));
+    for (int64_t j = 0; j < Hkv * K->cap; j++) {  /* counts, in start[t + 1] */
+        const int64_t idx = load_index(K->oidx, blk * Hkv * K->cap + j, idx_bytes);
+        if (idx >= 0 && idx < limit) start[(d_pow2 ? idx >> d_shift : idx / D) + 1]++;
+    }
+    for (int64_t t = 0; t < n; t++) start[t + 1] += start[t];
+    for (int64_t g = 0; g < Hkv; g++) {  /* placed with start[t] as slot t's cursor */
+        const int64_t base = (blk * Hkv + g) * K->cap;
+        for (int64_t j = 0; j < K->cap; j++) {
+            const int64_t idx = load_index(K->oidx, base + j, idx_bytes);
+            if (idx < 0 || idx >= limit) continue;
+            const int64_t t = d_pow2 ? idx >> d_shift : idx / D;
+            const int32_t e = start[t]++;
+            w->o_gch[e] = (int32_t)(g << 16 | (idx - t * D));  /* head, channel */
+            w->o_val[e] = load_any(K->oval, base + j, kind);
+        }
+    }
+    for (int64_t t = n; t > 0; t--) start[t] = start[t - 1];  /* the cursors ended one on */
+    start[0] = 0;
+}
+
+static void key_outlier_lists(const KVQuantLayer *L, int64_t blk, int64_t n, BlockScratch *w) {
+    if (L->k.idx_bytes == 2 && L->sparse_kind == 0)  /* int16 indices, float16 values */
+        key_outlier_lists_impl(L, blk, n, w, 2, 0);
+    else
+        key_outlier_lists_impl(L, blk, n, w, L->k.idx_bytes, L->sparse_kind);
+}
+
+/* delta[g * D + ch] = exact - decoded for the key outliers of slot s of every KV head (or 0:
+ * `clear`), from key_outlier_lists */
+static inline __attribute__((always_inline)) void row_deltas(
+        const KVQuantLayer *L, int64_t blk, int64_t s, const int bits, const int clear,
+        const BlockScratch *w, float *restrict delta) {
+    const KVQuantSide *K = &L->k;
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim;
+    const uint8_t *rows = K->codes + (blk * B + s) * Hkv * K->packed;
+    for (int32_t e = w->o_start[s]; e < w->o_start[s + 1]; e++) {
+        const int64_t g = w->o_gch[e] >> 16, ch = w->o_gch[e] & 0xFFFF, at = g * D + ch;
+        delta[at] = clear ? 0.f : w->o_val[e] - fmaf(
+            K->lut[code_at(rows + g * K->packed, bits, ch)], w->k_half[at], w->k_off[at]);
+    }
+}
+
+/* the dots of one tile's slots [t0, t0 + 8) (rows past n read, their dots dropped later) with
+ * the query heads [h0, h0 + nh) of every KV head: slot by slot and KV head by KV head (address
+ * order), the channel pairs (j, j + D/2) of a row looked up, mapped, rotated and dotted with the
+ * nh query rows, two accumulators per head (the a and b halves: shorter dependency chains).
+ * With `outliers`, a row's outliers enter before the rotation as (exact - decoded) added to the
+ * mapped values: `row_deltas` of the next slot are written while this one is read (a vector
+ * load right after scalar stores to its bytes would wait for them), and cleared after it.
+ * Without RoPE the rows "rotate" by cos 1, sin 0 (exact). Always inlined with constant nh,
+ * bits and outliers. */
+static inline __attribute__((always_inline)) void key_tile_dots(
+        const KVQuantLayer *L, int64_t blk, int64_t t0, int64_t n, const float *qb, int64_t h0,
+        const int nh, const int bits, const int outliers, const BlockScratch *w, __m256 *dots) {
+    const KVQuantSide *K = &L->k;
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
+    const int64_t m = D / 2, group = L->num_q_heads / Hkv;
+    const int64_t stride = Hkv * K->packed;
+    /* cos / sin rows of rotate-half tables repeat their first half: read that half only */
+    const int64_t hi = L->rope_halves_equal || !R ? 0 : m;
+    __m256 tlo, thi;
+    lut_halves8(K->lut, bits, &tlo, &thi);
+    for (int64_t u = 0; u < 8; u++) {
+        const int64_t s = t0 + u;  /* the slot; its deltas in half s % 2 of w->delta */
+        float *delta = w->delta + (s & 1) * Hkv * D;
+        if (outliers && s + 1 < n)
+            row_deltas(L, blk, s + 1, bits, 0, w, w->delta + ((s + 1) & 1) * Hkv * D);
+        int64_t pos = R && s < n ? L->slot_positions[blk * B + s] : 0;
+        pos = pos < 0 ? 0 : pos;
+        const float *cs = R ? L->cos + pos * R : w->unit, *sn = R ? L->sin + pos * R : w->unit + D;
+        const uint8_t *slot_rows = K->codes + (blk * B + s) * stride;
+        for (int64_t g = 0; g < Hkv; g++) {
+            const uint8_t *row = slot_rows + g * K->packed;
+            const float *half = w->k_half + g * D, *off = w->k_off + g * D;
+            const float *q0 = qb + (g * group + h0) * D;
+            const float *dg = delta + g * D;
+            __m256 acc_a[FAST_MAX_HEADS], acc_b[FAST_MAX_HEADS];
+            for (int hh = 0; hh < nh; hh++) {
+                acc_a[hh] = _mm256_setzero_ps();
+                acc_b[hh] = _mm256_setzero_ps();
+            }
+            for (int64_t j = 0; j < m; j += 8) {
+                __m256 a = _mm256_fmadd_ps(centroids8(row, bits, j, tlo, thi),
+                                           _mm256_loadu_ps(half + j), _mm256_loadu_ps(off + j));
+                __m256 b = _mm256_fmadd_ps(centroids8(row, bits, j + m, tlo, thi),
+                                           _mm256_loadu_ps(half + j + m),
+                                           _mm256_loadu_ps(off + j + m));
+                if (outliers) {
+                    a = _mm256_add_ps(a, _mm256_loadu_ps(dg + j));
+                    b = _mm256_add_ps(b, _mm256_loadu_ps(dg + j + m));
+                }
+                /* rotate-half: (a, b) -> (a cos - b sin, b cos + a sin) */
+                const __m256 ra = _mm256_fmsub_ps(a, _mm256_loadu_ps(cs + j),
+                                                  _mm256_mul_ps(b, _mm256_loadu_ps(sn + j)));
+                const __m256 rb = _mm256_fmadd_ps(b, _mm256_loadu_ps(cs + j + hi),
+                                                  _mm256_mul_ps(a, _mm256_loadu_ps(sn + j + hi)));
+                for (int hh = 0; hh < nh; hh++) {
+                    acc_a[hh] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + hh * D + j), ra, acc_a[hh]);
+                    acc_b[hh] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + hh * D + j + m), rb,
+                                                acc_b[hh]);
+                }
+            }
+            for (int hh = 0; hh < nh; hh++)
+                dots[(g * nh + hh) * 8 + u] = _mm256_add_ps(acc_a[hh], acc_b[hh]);
+        }
+        if (outliers && s < n) row_deltas(L, blk, s, bits, 1, w, delta);
+    }
+}
+
+/* scores[h * B + t] = q_h . RoPE_pos(t)(lut[codes] * half + off) for the query heads
+ * h = g * group + hh, hh in [h0, h0 + nh), of every KV head g and the block's first n slots, by
+ * tiles of 8 slots (key_tile_dots), the next tile's key and value rows and RoPE rows prefetched.
+ * Always inlined with a constant nh. */
+static inline __attribute__((always_inline)) void block_key_dots(
+        const KVQuantLayer *L, int64_t blk, int64_t next_blk, int64_t n, const float *qb,
+        int64_t h0, const int nh, BlockScratch *w) {
+    const KVQuantSide *K = &L->k, *V = &L->v;
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, R = L->rot_dim;
+    const int64_t group = L->num_q_heads / Hkv, stride = Hkv * K->packed;
+    const int64_t rope_bytes = (L->rope_halves_equal ? R / 2 : R) * (int64_t)sizeof(float);
+    __m256 *dots = (__m256 *)w->dots;  /* [Hkv * nh, 8] */
+    const int64_t tiles = (n + 7) / 8;
+    const int outliers = K->cap > 0;
+    if (outliers && h0 == 0) key_outlier_lists(L, blk, n, w);
+    if (outliers) row_deltas(L, blk, 0, K->bits, 0, w, w->delta);  /* slot 0's */
+    for (int64_t t0 = 0; t0 < n; t0 += 8) {
+        const int64_t nt = n - t0 < 8 ? n - t0 : 8;
+        if (next_blk >= 0 && h0 == 0)  /* the next block's data, a share per tile */
+            prefetch_block_data(L, next_blk, t0 / 8, tiles);
+        /* the next tile's rows (every head: in address order), its RoPE rows */
+        for (int64_t t = t0 + 8; t < t0 + 16; t++) {
+            const int64_t ahead = t < n ? blk * B + t : (next_blk >= 0 && t - n < B
+                                                        ? next_blk * B + t - n : -1);
+            if (ahead < 0) break;
+            prefetch_rows(K->codes + ahead * stride, stride);
+            if (h0 > 0) continue;
+            prefetch_rows(V->codes + ahead * Hkv * V->packed, Hkv * V->packed);
+            if (R) {
+                int64_t pos = L->slot_positions[ahead];
+                pos = pos < 0 ? 0 : pos;
+                prefetch_rows((const uint8_t *)(L->cos + pos * R), rope_bytes);
+                prefetch_rows((const uint8_t *)(L->sin + pos * R), rope_bytes);
+            }
+        }
+#define TILE_DOTS(b, o) key_tile_dots(L, blk, t0, n, qb, h0, nh, b, o, w, dots)
+        switch (K->bits * 2 + outliers) {
+        case 8: TILE_DOTS(4, 0); break;
+        case 9: TILE_DOTS(4, 1); break;
+        case 6: TILE_DOTS(3, 0); break;
+        case 7: TILE_DOTS(3, 1); break;
+        case 4: TILE_DOTS(2, 0); break;
+        default: TILE_DOTS(2, 1); break;
+        }
+#undef TILE_DOTS
+        for (int64_t g = 0; g < Hkv; g++)
+            for (int hh = 0; hh < nh; hh++) {
+                float sums[8];
+                _mm256_storeu_ps(sums, sum8(dots + (g * nh + hh) * 8));
+                memcpy(w->scores + (g * group + h0 + hh) * B + t0, sums, sizeof(float) * nt);
+            }
+    }
+}
+
+/* the group's query heads [h0, h0 + nh) of KV head g, nh <= FAST_MAX_HEADS, for the block's
+ * first n slots: acc_h += sum_t pa[h, t] * lut[codes_t] + pb[h], CV vectors of 8 channels per
+ * head held in registers (32 channels for up to 2 heads, 16 for up to 4, else 8) */
+static inline __attribute__((always_inline)) void block_values(
+        const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n, float *acc0, int64_t h0,
+        const int nh, const float *pb, const BlockScratch *w, const int64_t patches) {
+    enum { CV_MAX = 4 };
+    const int CV = nh <= 2 ? 4 : (nh <= 4 ? 2 : 1);
+    const KVQuantSide *V = &L->v;
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, bits = V->bits;
+    __m256 tlo, thi;
+    lut_halves8(V->lut, bits, &tlo, &thi);
+    const uint8_t *rows = V->codes + ((blk * B) * Hkv + g) * V->packed;
+    const int64_t stride = Hkv * V->packed;
+    for (int64_t d = 0; d < D; d += 8 * CV) {
+        __m256 a[FAST_MAX_HEADS][CV_MAX];
+        for (int hh = 0; hh < nh; hh++) {
+            const __m256 bias = _mm256_set1_ps(pb[h0 + hh]);
+            for (int c = 0; c < CV; c++)
+                a[hh][c] = _mm256_add_ps(_mm256_loadu_ps(acc0 + hh * D + d + 8 * c), bias);
+        }
+        const __m256i lane0 = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                               _mm256_set1_epi32((int)d));
+        for (int64_t t = 0; t < n; t++) {
+            const uint8_t *row = rows + t * stride;
+            __m256 v[CV_MAX];
+            for (int c = 0; c < CV; c++) v[c] = centroids8(row, bits, d + 8 * c, tlo, thi);
+            for (int64_t j = 0; j < patches; j++) {  /* the row's outliers, in centroid units */
+                const __m256i ch = _mm256_set1_epi32(w->patch_ch[t * patches + j]);
+                const __m256 x = _mm256_set1_ps(w->patch_x[t * patches + j]);
+                for (int c = 0; c < CV; c++) {
+                    const __m256i lane = _mm256_add_epi32(lane0, _mm256_set1_epi32(8 * c));
+                    v[c] = _mm256_blendv_ps(v[c], x,
+                                            _mm256_castsi256_ps(_mm256_cmpeq_epi32(lane, ch)));
+                }
+            }
+            for (int hh = 0; hh < nh; hh++) {
+                const __m256 p = _mm256_broadcast_ss(w->pa + (h0 + hh) * B + t);
+                for (int c = 0; c < CV; c++) a[hh][c] = _mm256_fmadd_ps(p, v[c], a[hh][c]);
+            }
+        }
+        for (int hh = 0; hh < nh; hh++)
+            for (int c = 0; c < CV; c++) _mm256_storeu_ps(acc0 + hh * D + d + 8 * c, a[hh][c]);
+    }
+}
+
+/* the key outliers went into the key pass (block_key_dots): 1 */
+static int key_outliers_vector(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
+                               const float *q0, int64_t group, float *sg, const BlockScratch *w) {
+    (void)L; (void)blk; (void)g; (void)n; (void)q0; (void)group; (void)sg; (void)w;
+    return 1;
+}
+
+/* the online softmax of heads [h, h + group) over the block's n scores; scores become P */
+static void block_softmax(Softmax *s, int64_t h, int64_t group, int64_t n, int64_t B,
+                          int64_t D, float *sg) {
+    const int64_t n8 = n / 8 * 8;
+    for (int64_t hh = 0; hh < group; hh++) {
+        float *sc = sg + hh * B;
+        __m256 vmax = _mm256_set1_ps(s->m[h + hh]);
+        for (int64_t t = 0; t < n8; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sc + t));
+        float mx = hmax256(vmax);
+        for (int64_t t = n8; t < n; t++) mx = sc[t] > mx ? sc[t] : mx;
+        const __m256 vmx = _mm256_set1_ps(mx);
+        __m256 vsum = _mm256_setzero_ps();
+        for (int64_t t = 0; t < n8; t += 8) {
+            const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + t), vmx));
+            _mm256_storeu_ps(sc + t, p);
+            vsum = _mm256_add_ps(vsum, p);
+        }
+        float sum = hsum256(vsum);
+        for (int64_t t = n8; t < n; t++) {
+            sc[t] = expf(sc[t] - mx);
+            sum += sc[t];
+        }
+        const float corr = expf(s->m[h + hh] - mx);
+        s->l[h + hh] = s->l[h + hh] * corr + sum;
+        s->m[h + hh] = mx;
+        if (corr != 1.f) {
+            float *ah = s->acc + (h + hh) * D;
+            #pragma omp simd
+            for (int64_t d = 0; d < D; d++) ah[d] *= corr;
+        }
+    }
+}
