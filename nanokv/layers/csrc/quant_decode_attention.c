@@ -15,7 +15,7 @@
  *   4. the tile's values decoded the same way, added to each head's accumulator, a column chunk
  *      at a time in registers over the tile's slots.
  * Decoded rows never leave the per-thread buffers. Plain C the compiler vectorises, plus
- * AVX-512 paths where they pay (guarded: the plain C builds and runs everywhere).
+ * AVX-512 and AVX2 paths where they pay (guarded: the plain C builds and runs everywhere).
  *
  * The fp8 / fp16 / bf16 decodes are bit shifts and one multiply by a power of two, exact for
  * normal and subnormal numbers.
