@@ -15,9 +15,10 @@
  *      per-channel statistics and rotated (a vector of channels and their RoPE partners at a
  *      time) in registers and dotted with its group's queries; the dot products of a tile's
  *      slots are reduced together (sum16 / sum8). Then per KV head:
- *   2. outliers enter as corrections of the scores they touch: (exact - decoded value) times that
- *      channel's coefficient in q . RoPE(k) (RoPE is linear); a sink slot's score is recomputed
- *      from its full-precision row;
+ *   2. key outliers enter as corrections: on AVX-512 of the scores they touch, (exact - decoded
+ *      value) times that channel's coefficient in q . RoPE(k) (RoPE is linear); on AVX2 of the
+ *      mapped values before the rotation, inside the key pass; a sink slot's score is
+ *      recomputed from its full-precision row;
  *   3. the online softmax over the block's scores at once;
  *   4. values: P @ (lut[codes] * half_t + off_t) = (P * half_t) @ lut[codes] + P . off_t, a few
  *      vectors of channels of up to 8 query heads held in registers across the block's slots;
@@ -146,54 +147,6 @@ static void prefetch_block_data(const KVQuantLayer *L, int64_t blk, int64_t part
     default: call(nh); break;          \
     }
 
-/* the coefficient of pre-RoPE key channel ch in q . RoPE(k) (rotate-half over R channels):
- * q[ch] cos[ch] + q[ch + m] sin[ch + m] in the first half, q[ch] cos[ch] - q[ch - m] sin[ch - m]
- * in the second; without a branch (which half an outlier falls in is a coin toss) */
-static inline float rope_coefficient(const float *qh, const float *cs, const float *sn,
-                                     int64_t ch, int64_t R, int64_t halves_equal) {
-    if (!R) return qh[ch];
-    const int64_t m = R / 2;
-    if (halves_equal) {  /* read the tables' first half only (the lines the key pass read) */
-        return ch < m ? qh[ch] * cs[ch] + qh[ch + m] * sn[ch]
-                      : qh[ch] * cs[ch - m] - qh[ch - m] * sn[ch - m];
-    }
-    return ch < m ? qh[ch] * cs[ch] + qh[ch + m] * sn[ch + m]
-                  : qh[ch] * cs[ch] - qh[ch - m] * sn[ch - m];
-}
-
-/* The store lists every outlier once (`nanokv.quant.kvquant._select_outliers`), so each entry's
- * correction is added as it comes. */
-
-/* the block's key outliers of head g as score corrections */
-static inline __attribute__((always_inline)) void key_outliers(
-        const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n, const float *restrict q0,
-        int64_t group, float *restrict sg, const BlockScratch *w, const int64_t idx_bytes,
-        const int64_t kind) {
-    const KVQuantSide *K = &L->k;
-    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
-    const int64_t base = (blk * Hkv + g) * K->cap, limit = n * D;
-    const int d_shift = __builtin_ctzll((unsigned long long)D);
-    const int d_pow2 = (D & (D - 1)) == 0;  /* slot and channel of an index by a shift */
-    const float *half = w->k_half + g * D, *off = w->k_off + g * D;
-    const uint8_t *rows = K->codes + (blk * B * Hkv + g) * K->packed;
-    const int64_t stride = Hkv * K->packed;
-    for (int64_t j = 0; j < K->cap; j++) {
-        const int64_t idx = load_index(K->oidx, base + j, idx_bytes);
-        if (idx < 0 || idx >= limit) continue;
-        const int64_t t = d_pow2 ? idx >> d_shift : idx / D;
-        const int64_t ch = idx - t * D;
-        const float decoded = fmaf(K->lut[code_at(rows + t * stride, K->bits, ch)], half[ch],
-                                   off[ch]);
-        const float delta = load_any(K->oval, base + j, kind) - decoded;
-        int64_t pos = R ? L->slot_positions[blk * B + t] : 0;
-        pos = pos < 0 ? 0 : pos;
-        const float *cs = L->cos + pos * R, *sn = L->sin + pos * R;
-        for (int64_t hh = 0; hh < group; hh++)
-            sg[hh * B + t] += delta * rope_coefficient(q0 + hh * D, cs, sn, ch, R,
-                                                      L->rope_halves_equal);
-    }
-}
-
 /* the value outliers of non-sink slots as corrections of the accumulators */
 static inline __attribute__((always_inline)) void value_outliers(
         const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n, float *restrict acc0,
@@ -289,17 +242,6 @@ static void block_stats_f32(float *restrict dst, const uint16_t *restrict src, i
 #else
     for (int64_t i = 0; i < n; i++) dst[i] = f16_to_f32(src[i]);
 #endif
-}
-
-/* the block's key outliers of head g as score corrections with the scalar walk (the layouts
- * the vector walks do not take) */
-static void key_outliers_scalar(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
-                                const float *q0, int64_t group, float *sg, const BlockScratch *w) {
-    const KVQuantSide *K = &L->k;
-    if (K->idx_bytes == 2 && L->sparse_kind == 0)  /* int16 indices, float16 values */
-        key_outliers(L, blk, g, n, q0, group, sg, w, 2, 0);
-    else
-        key_outliers(L, blk, g, n, q0, group, sg, w, K->idx_bytes, L->sparse_kind);
 }
 
 /* the block's sink slots of head g: their exact scores from the full-precision rows */

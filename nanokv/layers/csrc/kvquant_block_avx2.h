@@ -75,15 +75,14 @@ static inline __attribute__((always_inline)) void row_deltas(
  * bits and outliers. */
 static inline __attribute__((always_inline)) void key_tile_dots(
         const KVQuantLayer *L, int64_t blk, int64_t t0, int64_t n, const float *qb, int64_t h0,
-        const int nh, const int bits, const int outliers, const BlockScratch *w, __m256 *dots) {
+        const int nh, const int bits, const int outliers, __m256 tlo, __m256 thi,
+        const BlockScratch *w, __m256 *dots) {
     const KVQuantSide *K = &L->k;
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
     const int64_t m = D / 2, group = L->num_q_heads / Hkv;
     const int64_t stride = Hkv * K->packed;
     /* cos / sin rows of rotate-half tables repeat their first half: read that half only */
     const int64_t hi = L->rope_halves_equal || !R ? 0 : m;
-    __m256 tlo, thi;
-    lut_halves8(K->lut, bits, &tlo, &thi);
     for (int64_t u = 0; u < 8; u++) {
         const int64_t s = t0 + u;  /* the slot; its deltas in half s % 2 of w->delta */
         float *delta = w->delta + (s & 1) * Hkv * D;
@@ -145,6 +144,8 @@ static inline __attribute__((always_inline)) void block_key_dots(
     __m256 *dots = (__m256 *)w->dots;  /* [Hkv * nh, 8] */
     const int64_t tiles = (n + 7) / 8;
     const int outliers = K->cap > 0;
+    __m256 tlo, thi;  /* the key codebook (key_tile_dots: tlo / thi) */
+    lut_halves8(K->lut, K->bits, &tlo, &thi);
     if (outliers && h0 == 0) key_outlier_lists(L, blk, n, w);
     if (outliers) row_deltas(L, blk, 0, K->bits, 0, w, w->delta);  /* slot 0's */
     for (int64_t t0 = 0; t0 < n; t0 += 8) {
@@ -166,7 +167,7 @@ static inline __attribute__((always_inline)) void block_key_dots(
                 prefetch_rows((const uint8_t *)(L->sin + pos * R), rope_bytes);
             }
         }
-#define TILE_DOTS(b, o) key_tile_dots(L, blk, t0, n, qb, h0, nh, b, o, w, dots)
+#define TILE_DOTS(b, o) key_tile_dots(L, blk, t0, n, qb, h0, nh, b, o, tlo, thi, w, dots)
         switch (K->bits * 2 + outliers) {
         case 8: TILE_DOTS(4, 0); break;
         case 9: TILE_DOTS(4, 1); break;
@@ -231,11 +232,10 @@ static inline __attribute__((always_inline)) void block_values(
     }
 }
 
-/* the key outliers went into the key pass (block_key_dots): 1 */
-static int key_outliers_vector(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
+/* the key outliers went into the key pass (key_tile_dots): nothing to correct */
+static void block_key_outliers(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
                                const float *q0, int64_t group, float *sg, const BlockScratch *w) {
     (void)L; (void)blk; (void)g; (void)n; (void)q0; (void)group; (void)sg; (void)w;
-    return 1;
 }
 
 /* the online softmax of heads [h, h + group) over the block's n scores; scores become P */

@@ -739,9 +739,8 @@ static inline void lookup_row(float *restrict x, const uint8_t *restrict c,
     }
 #elif defined(__AVX2__)
     if (bits <= 4) {
-        float t16[16] = {0};
-        memcpy(t16, lut, sizeof(float) << bits);
-        const __m256 lo = _mm256_loadu_ps(t16), hi = _mm256_loadu_ps(t16 + 8);
+        __m256 lo, hi;
+        lut_halves8(lut, bits, &lo, &hi);
         for (; d + 8 <= D; d += 8)
             _mm256_storeu_ps(x + d, lut16_lookup8(
                 lo, hi, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + d)))));
@@ -1010,8 +1009,7 @@ static void kvquant_row_block(const KVQuantLayer *L, int64_t blk, int64_t len, c
 /* the block's key outliers of head g as score corrections, then its sink slots' exact scores */
 static void block_key_fixes(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
                             const float *q0, int64_t group, float *sg, BlockScratch *w) {
-    if (!key_outliers_vector(L, blk, g, n, q0, group, sg, w))
-        key_outliers_scalar(L, blk, g, n, q0, group, sg, w);
+    block_key_outliers(L, blk, g, n, q0, group, sg, w);
     block_key_sinks(L, blk, g, n, q0, group, sg, w);
 }
 
