@@ -29,6 +29,10 @@ def add_replica_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--imbalance-threshold", type=int, default=4,
                    help="ongoing requests by which the busiest replica may exceed the idlest "
                         "before affinity yields to load (default 4)")
+    r.add_argument("--min-match-ratio", type=float, default=0.1,
+                   help="affinity follows a cached prefix only when it covers at least this "
+                        "fraction of the prompt's blocks (a shared chat-template head does not "
+                        "count); below it, the least loaded replica (0-1, default 0.1)")
     r.add_argument("--routing-stats-period", type=float, default=2.0,
                    help="seconds between the replicas' reports of their cached block hashes "
                         "(default 2)")
@@ -51,6 +55,8 @@ def check_replica_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--replica-cpus must be > 0, got {args.replica_cpus}")
     if args.imbalance_threshold < 0:
         raise ValueError(f"--imbalance-threshold must be >= 0, got {args.imbalance_threshold}")
+    if not 0.0 <= args.min_match_ratio <= 1.0:
+        raise ValueError(f"--min-match-ratio must be in [0, 1], got {args.min_match_ratio}")
     if not args.routing_stats_period > 0:
         raise ValueError(f"--routing-stats-period must be > 0, got "
                          f"{args.routing_stats_period}")
@@ -73,7 +79,8 @@ def serve_replicas(args: argparse.Namespace, model: str, settings, engine_kwargs
                             replica_cpus=args.replica_cpus, metrics_port=args.metrics_port,
                             metrics_host=args.host,
                             routing_stats_period_s=args.routing_stats_period,
-                            imbalance_threshold=args.imbalance_threshold)
+                            imbalance_threshold=args.imbalance_threshold,
+                            min_match_ratio=args.min_match_ratio)
     address = args.ray_address or os.environ.get("RAY_ADDRESS")
     ray.init(address=address, num_cpus=None if address else args.ray_num_cpus,
              include_dashboard=False)

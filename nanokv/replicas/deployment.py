@@ -200,7 +200,7 @@ def build_replica_app(model: str, engine_kwargs: dict, settings: ServerSettings,
                       num_replicas: int, router: str = "affinity", replica_cpus: float = 1,
                       metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
                       routing_stats_period_s: float = 2.0, imbalance_threshold: int = 4,
-                      max_attempts: int = 3):
+                      min_match_ratio: float = 0.1, max_attempts: int = 3):
     """The Serve application (pass it to serve.run)."""
     if router not in ROUTERS:
         raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
@@ -220,11 +220,14 @@ def build_replica_app(model: str, engine_kwargs: dict, settings: ServerSettings,
         max_ongoing_requests=engine_kwargs.get("max_num_seqs", 64) + settings.max_waiting,
         health_check_period_s=2.0)
     if router == "affinity":
-        from nanokv.replicas.router import PrefixAffinityRouter
+        from nanokv.replicas.router import PrefixAffinityRouter, check_min_match_ratio
+
+        check_min_match_ratio(min_match_ratio)  # here, not first in a replica's router
 
         options["request_router_config"] = RequestRouterConfig(
             request_router_class=PrefixAffinityRouter,
-            request_router_kwargs={"imbalance_threshold": imbalance_threshold},
+            request_router_kwargs={"imbalance_threshold": imbalance_threshold,
+                                   "min_match_ratio": min_match_ratio},
             request_routing_stats_period_s=routing_stats_period_s)
     replica = serve.deployment(EngineReplica).options(**options).bind(
         model, engine_kwargs, settings, metrics_port, metrics_host)

@@ -12,9 +12,14 @@ The match is counted in whole blocks, the unit the block manager hits on.
 choose_replicas, per request:
   1. load: ongoing requests per candidate (Serve's queue-length cache, probed when stale);
      if max - min > `imbalance_threshold`, candidates by load, least loaded first;
-  2. else the replicas with the longest match (> 0 blocks) first, least loaded among them;
-  3. no match anywhere: least loaded first; at equal load the one that holds the fewest routed
-     hashes (Ray Serve LLM's "smallest tenant"), then at random.
+  2. else, if the longest match covers at least `min_match_ratio` of the prompt's blocks, the
+     replicas with the longest match first, least loaded among them;
+  3. else (no match worth following: nothing, or only a short head such as the chat template
+     that every user shares): least loaded first; at equal load the one that holds the fewest
+     routed hashes (Ray Serve LLM's "smallest tenant"), then at random.
+Without the ratio in 2, every new user would follow the first one to whichever replica holds
+the shared template block, and one replica would serve (and thrash on) every user. The default,
+0.1, is Ray Serve LLM's PrefixCacheAffinityRouter's match-rate threshold.
 Serve sends to the first rank that accepts (a replica at max_ongoing_requests refuses) and goes
 down the ranks otherwise.
 """
@@ -33,13 +38,16 @@ CACHED_HASHES_KEY = "cached_block_hashes"
 
 
 class PrefixAffinityRouter(RequestRouter):
-    def initialize_state(self, imbalance_threshold: int = 4, routed_ttl_s: float = 60.0,
-                         max_routed_hashes: int = 1 << 16, **kwargs) -> None:
+    def initialize_state(self, imbalance_threshold: int = 4, min_match_ratio: float = 0.1,
+                         routed_ttl_s: float = 60.0, max_routed_hashes: int = 1 << 16,
+                         **kwargs) -> None:
         if imbalance_threshold < 0:
             raise ValueError(f"imbalance_threshold must be >= 0, got {imbalance_threshold}")
+        check_min_match_ratio(min_match_ratio)
         if routed_ttl_s <= 0:
             raise ValueError(f"routed_ttl_s must be > 0, got {routed_ttl_s}")
         self.imbalance_threshold = imbalance_threshold
+        self.min_match_ratio = min_match_ratio
         self.routed_ttl_s = routed_ttl_s
         self.max_routed_hashes = max_routed_hashes
         # replica -> block hash -> time routed (oldest first)
@@ -96,7 +104,7 @@ class PrefixAffinityRouter(RequestRouter):
             return [[r] for r in by_load]
         matches = {r.replica_id: self.match(r, hashes) for r in candidate_replicas}
         best = max(matches.values())
-        if best == 0:
+        if best == 0 or best < self.min_match_ratio * len(hashes):
             self.stats["least_loaded"] += 1
             return [[r] for r in by_load]
         self.stats["affinity"] += 1
@@ -138,6 +146,12 @@ class PrefixAffinityRouter(RequestRouter):
         return load
 
 
+def check_min_match_ratio(ratio: float) -> None:
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"min_match_ratio must be in [0, 1] (a fraction of the prompt's full "
+                         f"blocks), got {ratio!r}")
+
+
 def request_hashes(pending_request: PendingRequest | None) -> list[int]:
     """The prompt's block hashes the ingress attached (ProxiedRequest.block_hashes), if any."""
     if pending_request is None:
@@ -149,4 +163,4 @@ def request_hashes(pending_request: PendingRequest | None) -> list[int]:
     return []
 
 
-__all__ = ["PrefixAffinityRouter", "CACHED_HASHES_KEY", "request_hashes"]
+__all__ = ["PrefixAffinityRouter", "CACHED_HASHES_KEY", "check_min_match_ratio", "request_hashes"]

@@ -75,7 +75,7 @@ def replica_metrics(base_port: int, n: int = 2) -> dict[int, tuple[float, float]
 
 
 def test_affinity_router_hits_more_than_power_of_two(cluster, tiny_llama):
-    requests = user_requests(num_users=8, requests_per_user=4, system_words=25)
+    requests = user_requests(num_users=8, requests_per_user=6, system_words=25)
     runs = {}
     with time_limit(300):
         for router in ("pow2", "affinity"):
@@ -92,9 +92,12 @@ def test_affinity_router_hits_more_than_power_of_two(cluster, tiny_llama):
         assert sum(h for h, _ in per_replica.values()) == runs["affinity"].cached_tokens
         assert sum(q for _, q in per_replica.values()) == runs["affinity"].prompt_tokens
         assert all(q > 0 for _, q in per_replica.values())  # both replicas served
-    # 8 users x ~10-block system prompts do not fit one replica's 72 blocks; 4 users do
-    assert runs["affinity"].hit_rate > 0.5
-    assert runs["affinity"].hit_rate > runs["pow2"].hit_rate + 0.1
+    # 8 users x ~10-block system prompts do not fit one replica's 72 blocks; 4 users do. At most
+    # 0.70: every request after a user's first hits its system prompt's full blocks
+    assert runs["affinity"].hit_rate > 0.6
+    # random routing: each replica sees every user and evicts prefixes before they return
+    # (0.42-0.55 measured here)
+    assert runs["affinity"].hit_rate > runs["pow2"].hit_rate + 0.05
 
 
 def _replica_actor_names() -> list[tuple[str, str]]:
