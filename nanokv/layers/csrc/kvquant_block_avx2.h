@@ -64,10 +64,35 @@ static inline __attribute__((always_inline)) void row_deltas(
     }
 }
 
+/* the 8 channel pairs (j, j + m) of one key row: centroids ca (channels j..j+7) and cb
+ * (j+m..j+m+7) mapped, their outlier deltas added, rotated, dotted with the nh query rows
+ * into the a and b accumulators */
+static inline __attribute__((always_inline)) void key_pairs8(
+        __m256 ca, __m256 cb, int64_t j, int64_t m, int64_t hi, const float *half,
+        const float *off, const float *dg, const float *cs, const float *sn, const float *q0,
+        int64_t D, const int nh, const int outliers, __m256 *acc_a, __m256 *acc_b) {
+    __m256 a = _mm256_fmadd_ps(ca, _mm256_loadu_ps(half + j), _mm256_loadu_ps(off + j));
+    __m256 b = _mm256_fmadd_ps(cb, _mm256_loadu_ps(half + j + m), _mm256_loadu_ps(off + j + m));
+    if (outliers) {
+        a = _mm256_add_ps(a, _mm256_loadu_ps(dg + j));
+        b = _mm256_add_ps(b, _mm256_loadu_ps(dg + j + m));
+    }
+    /* rotate-half: (a, b) -> (a cos - b sin, b cos + a sin) */
+    const __m256 ra = _mm256_fmsub_ps(a, _mm256_loadu_ps(cs + j),
+                                      _mm256_mul_ps(b, _mm256_loadu_ps(sn + j)));
+    const __m256 rb = _mm256_fmadd_ps(b, _mm256_loadu_ps(cs + j + hi),
+                                      _mm256_mul_ps(a, _mm256_loadu_ps(sn + j + hi)));
+    for (int hh = 0; hh < nh; hh++) {
+        acc_a[hh] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + hh * D + j), ra, acc_a[hh]);
+        acc_b[hh] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + hh * D + j + m), rb, acc_b[hh]);
+    }
+}
+
 /* the dots of one tile's slots [t0, t0 + 8) (rows past n read, their dots dropped later) with
  * the query heads [h0, h0 + nh) of every KV head: slot by slot and KV head by KV head (address
- * order), the channel pairs (j, j + D/2) of a row looked up, mapped, rotated and dotted with the
- * nh query rows, two accumulators per head (the a and b halves: shorter dependency chains).
+ * order), the channel pairs (j, j + D/2) of a row looked up (4-bit: 32 channels at a time,
+ * centroids32 with the codebook's byte planes), mapped, rotated and dotted with the nh query
+ * rows, two accumulators per head (the a and b halves: shorter dependency chains).
  * With `outliers`, a row's outliers enter before the rotation as (exact - decoded) added to the
  * mapped values: `row_deltas` of the next slot are written while this one is read (a vector
  * load right after scalar stores to its bytes would wait for them), and cleared after it.
@@ -76,7 +101,7 @@ static inline __attribute__((always_inline)) void row_deltas(
 static inline __attribute__((always_inline)) void key_tile_dots(
         const KVQuantLayer *L, int64_t blk, int64_t t0, int64_t n, const float *qb, int64_t h0,
         const int nh, const int bits, const int outliers, __m256 tlo, __m256 thi,
-        const BlockScratch *w, __m256 *dots) {
+        const __m256i *planes, const BlockScratch *w, __m256 *dots) {
     const KVQuantSide *K = &L->k;
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
     const int64_t m = D / 2, group = L->num_q_heads / Hkv;
@@ -102,27 +127,20 @@ static inline __attribute__((always_inline)) void key_tile_dots(
                 acc_a[hh] = _mm256_setzero_ps();
                 acc_b[hh] = _mm256_setzero_ps();
             }
-            for (int64_t j = 0; j < m; j += 8) {
-                __m256 a = _mm256_fmadd_ps(centroids8(row, bits, j, tlo, thi),
-                                           _mm256_loadu_ps(half + j), _mm256_loadu_ps(off + j));
-                __m256 b = _mm256_fmadd_ps(centroids8(row, bits, j + m, tlo, thi),
-                                           _mm256_loadu_ps(half + j + m),
-                                           _mm256_loadu_ps(off + j + m));
-                if (outliers) {
-                    a = _mm256_add_ps(a, _mm256_loadu_ps(dg + j));
-                    b = _mm256_add_ps(b, _mm256_loadu_ps(dg + j + m));
+            int64_t j = 0;
+            if (bits == 4)
+                for (; j + 32 <= m; j += 32) {
+                    __m256 ca[4], cb[4];
+                    centroids32(row, j, planes, 1, ca);
+                    centroids32(row, j + m, planes, 1, cb);
+                    for (int c = 0; c < 4; c++)
+                        key_pairs8(ca[c], cb[c], j + 8 * c, m, hi, half, off, dg, cs, sn, q0, D,
+                                   nh, outliers, acc_a, acc_b);
                 }
-                /* rotate-half: (a, b) -> (a cos - b sin, b cos + a sin) */
-                const __m256 ra = _mm256_fmsub_ps(a, _mm256_loadu_ps(cs + j),
-                                                  _mm256_mul_ps(b, _mm256_loadu_ps(sn + j)));
-                const __m256 rb = _mm256_fmadd_ps(b, _mm256_loadu_ps(cs + j + hi),
-                                                  _mm256_mul_ps(a, _mm256_loadu_ps(sn + j + hi)));
-                for (int hh = 0; hh < nh; hh++) {
-                    acc_a[hh] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + hh * D + j), ra, acc_a[hh]);
-                    acc_b[hh] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + hh * D + j + m), rb,
-                                                acc_b[hh]);
-                }
-            }
+            for (; j < m; j += 8)
+                key_pairs8(centroids8(row, bits, j, tlo, thi),
+                           centroids8(row, bits, j + m, tlo, thi), j, m, hi, half, off, dg, cs,
+                           sn, q0, D, nh, outliers, acc_a, acc_b);
             for (int hh = 0; hh < nh; hh++)
                 dots[(g * nh + hh) * 8 + u] = _mm256_add_ps(acc_a[hh], acc_b[hh]);
         }
@@ -144,8 +162,10 @@ static inline __attribute__((always_inline)) void block_key_dots(
     __m256 *dots = (__m256 *)w->dots;  /* [Hkv * nh, 8] */
     const int64_t tiles = (n + 7) / 8;
     const int outliers = K->cap > 0;
-    __m256 tlo, thi;  /* the key codebook (key_tile_dots: tlo / thi) */
+    __m256 tlo, thi;  /* the key codebook (key_tile_dots: tlo / thi, 4-bit also planes) */
+    __m256i planes[4];
     lut_halves8(K->lut, K->bits, &tlo, &thi);
+    lut_planes4(K->lut, K->bits, planes);
     if (outliers && h0 == 0) key_outlier_lists(L, blk, n, w);
     if (outliers) row_deltas(L, blk, 0, K->bits, 0, w, w->delta);  /* slot 0's */
     for (int64_t t0 = 0; t0 < n; t0 += 8) {
@@ -167,7 +187,8 @@ static inline __attribute__((always_inline)) void block_key_dots(
                 prefetch_rows((const uint8_t *)(L->sin + pos * R), rope_bytes);
             }
         }
-#define TILE_DOTS(b, o) key_tile_dots(L, blk, t0, n, qb, h0, nh, b, o, tlo, thi, w, dots)
+#define TILE_DOTS(b, o) \
+    key_tile_dots(L, blk, t0, n, qb, h0, nh, b, o, tlo, thi, planes, w, dots)
         switch (K->bits * 2 + outliers) {
         case 8: TILE_DOTS(4, 0); break;
         case 9: TILE_DOTS(4, 1); break;
@@ -196,23 +217,36 @@ static inline __attribute__((always_inline)) void block_values(
     const int CV = nh <= 2 ? 4 : (nh <= 4 ? 2 : 1);
     const KVQuantSide *V = &L->v;
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, bits = V->bits;
+    /* 4-bit, 32 channels: centroids32 without its permutes, the accumulators held in its
+     * channel order (permuted on load, back on store) */
+    const int planar = bits == 4 && CV == 4;
     __m256 tlo, thi;
+    __m256i planes[4];
     lut_halves8(V->lut, bits, &tlo, &thi);
+    lut_planes4(V->lut, bits, planes);
+    const __m256i order = planar ? _mm256_setr_epi32(CENTROIDS32_ORDER)
+                                 : _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i natural = planar ? _mm256_setr_epi32(CENTROIDS32_NATURAL) : order;
     const uint8_t *rows = V->codes + ((blk * B) * Hkv + g) * V->packed;
     const int64_t stride = Hkv * V->packed;
     for (int64_t d = 0; d < D; d += 8 * CV) {
         __m256 a[FAST_MAX_HEADS][CV_MAX];
         for (int hh = 0; hh < nh; hh++) {
             const __m256 bias = _mm256_set1_ps(pb[h0 + hh]);
-            for (int c = 0; c < CV; c++)
+            for (int c = 0; c < CV; c++) {
                 a[hh][c] = _mm256_add_ps(_mm256_loadu_ps(acc0 + hh * D + d + 8 * c), bias);
+                if (planar) a[hh][c] = _mm256_permutevar8x32_ps(a[hh][c], order);
+            }
         }
-        const __m256i lane0 = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                                               _mm256_set1_epi32((int)d));
+        /* the channel of each lane (for the outlier patches) */
+        const __m256i lane0 = _mm256_add_epi32(order, _mm256_set1_epi32((int)d));
         for (int64_t t = 0; t < n; t++) {
             const uint8_t *row = rows + t * stride;
             __m256 v[CV_MAX];
-            for (int c = 0; c < CV; c++) v[c] = centroids8(row, bits, d + 8 * c, tlo, thi);
+            if (planar)
+                centroids32(row, d, planes, 0, v);
+            else
+                for (int c = 0; c < CV; c++) v[c] = centroids8(row, bits, d + 8 * c, tlo, thi);
             for (int64_t j = 0; j < patches; j++) {  /* the row's outliers, in centroid units */
                 const __m256i ch = _mm256_set1_epi32(w->patch_ch[t * patches + j]);
                 const __m256 x = _mm256_set1_ps(w->patch_x[t * patches + j]);
@@ -228,7 +262,9 @@ static inline __attribute__((always_inline)) void block_values(
             }
         }
         for (int hh = 0; hh < nh; hh++)
-            for (int c = 0; c < CV; c++) _mm256_storeu_ps(acc0 + hh * D + d + 8 * c, a[hh][c]);
+            for (int c = 0; c < CV; c++)
+                _mm256_storeu_ps(acc0 + hh * D + d + 8 * c,
+                                 planar ? _mm256_permutevar8x32_ps(a[hh][c], natural) : a[hh][c]);
     }
 }
 
