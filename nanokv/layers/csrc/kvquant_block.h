@@ -49,6 +49,12 @@ typedef struct {
     float *o_val;          /* [Hkv * key cap] */
     float *delta;          /* [2, Hkv, D]: two slots' rows, zero but while in use */
     float *unit;           /* [2, D]: cos 1 and sin 0, the AVX2 key pass's rows without RoPE */
+    /* the AVX-512 planar key pass's operands in its channel order: the request's queries
+     * (made at its first block: pq_ready), the block's key statistics, a tile's RoPE rows */
+    float *pq;             /* [Hq, D] */
+    float *pk_half, *pk_off; /* [Hkv, D] */
+    float *pcos, *psin;    /* [16, D] */
+    int pq_ready;
 } BlockScratch;
 
 static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int64_t B,
@@ -73,16 +79,24 @@ static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int6
     w->delta = calloc(2 * Hkv * D, sizeof(float));
     w->unit = calloc(2 * D, sizeof(float));
     if (w->unit) for (int64_t d = 0; d < D; d++) w->unit[d] = 1.f;
+    w->pq = malloc(sizeof(float) * Hkv * group * D);
+    w->pk_half = malloc(sizeof(float) * Hkv * D);
+    w->pk_off = malloc(sizeof(float) * Hkv * D);
+    w->pcos = malloc(sizeof(float) * 16 * D);
+    w->psin = malloc(sizeof(float) * 16 * D);
+    w->pq_ready = 0;
     return w->scores && w->pa && w->k_off && w->k_half && w->row && w->v_half && w->v_off
            && w->live && w->pb && w->patch_ch && w->patch_x && w->dots && w->sink_at
-           && w->o_start && w->o_gch && w->o_val && w->delta && w->unit;
+           && w->o_start && w->o_gch && w->o_val && w->delta && w->unit && w->pq && w->pk_half
+           && w->pk_off && w->pcos && w->psin;
 }
 
 static void block_scratch_free(BlockScratch *w) {
     free(w->scores); free(w->pa); free(w->k_off); free(w->k_half); free(w->row); free(w->v_half);
     free(w->v_off); free(w->live); free(w->pb); free(w->patch_ch); free(w->patch_x); free(w->dots);
     free(w->sink_at); free(w->o_start); free(w->o_gch); free(w->o_val);
-    free(w->delta); free(w->unit);
+    free(w->delta); free(w->unit); free(w->pq); free(w->pk_half); free(w->pk_off);
+    free(w->pcos); free(w->psin);
 }
 
 /* is the block path valid for this layer (the staging of a block is checked per block) */

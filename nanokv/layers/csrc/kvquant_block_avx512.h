@@ -3,6 +3,216 @@
  * gathers where the layout allows, the block's online softmax, and values 32 channels at a time.
  * Included by quant_decode_attention.c after kvquant_block.h, on AVX-512F/BW/VL builds. */
 
+/* The prefetches of the key pass at tile t0 for KV head g: the next tile's key and value rows
+ * of all heads and their RoPE rows (`rope`: once per tile), a share of its slots per KV head
+ * (no burst), the next block's first rows past the block's end */
+static inline void tile_prefetch(const KVQuantLayer *L, int64_t blk, int64_t next_blk, int64_t n,
+                                 int64_t t0, int64_t g, int64_t share, int rope) {
+    const KVQuantSide *K = &L->k, *V = &L->v;
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, R = L->rot_dim;
+    const int64_t stride = Hkv * K->packed;
+    const int64_t bytes = (L->rope_halves_equal ? R / 2 : R) * (int64_t)sizeof(float);
+    for (int64_t t = t0 + 16 + g * share; t < t0 + 16 + (g + 1) * share && t < t0 + 32; t++) {
+        const int64_t ahead = t < n ? blk * B + t : (next_blk >= 0 && t - n < B
+                                                    ? next_blk * B + t - n : -1);
+        if (ahead < 0) break;
+        prefetch_rows(K->codes + ahead * stride, stride);
+        prefetch_rows(V->codes + ahead * Hkv * V->packed, Hkv * V->packed);
+        if (R && rope) {  /* the part of the RoPE rows that is read */
+            int64_t pos = L->slot_positions[ahead];
+            pos = pos < 0 ? 0 : pos;
+            prefetch_rows((const uint8_t *)(L->cos + pos * R), bytes);
+            prefetch_rows((const uint8_t *)(L->sin + pos * R), bytes);
+        }
+    }
+}
+
+/* a tile's per-slot dot vectors ([Hkv * nh, 16] of __m512) reduced into the scores of its nt
+ * slots, query heads g * group + h0 + hh */
+static inline void tile_scores(const KVQuantLayer *L, int64_t t0, int64_t nt, int64_t h0,
+                               int nh, const __m512 *dots, BlockScratch *w) {
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, group = L->num_q_heads / Hkv;
+    const __mmask16 live = nt == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nt) - 1u);
+    for (int64_t g = 0; g < Hkv; g++)  /* (a masked store: no bounce through a buffer) */
+        for (int hh = 0; hh < nh; hh++)
+            _mm512_mask_storeu_ps(w->scores + (g * group + h0 + hh) * B + t0, live,
+                                  sum16(dots + (g * nh + hh) * 16));
+}
+
+/* Planar order, for 2- and 4-bit codes: a row's 16 bytes widened to one per 32-bit lane hold
+ * C = 16 k channels, k = 8 / bits codes a byte. The codes of a byte's s-th place are a shift
+ * away (s * bits), and the table permute reads an index's low 4 bits only (the table repeats
+ * a 2-bit codebook: lut16_repeated), so no mask: vector s of a chunk [c0, c0 + C) holds channel
+ * c0 + k * l + s in lane l. One widening, k - 1 shifts and k permutes for C channels, where
+ * codes16 takes 7 instructions for 16. A pass that looks codes up this way holds its
+ * per-channel operands (queries, key statistics, RoPE rows, value accumulators) in the same
+ * order, a chunk's natural floats permuted once (planar_in / planar_out). */
+static inline int planar_k(int64_t bits) { return bits == 4 ? 2 : (bits == 2 ? 4 : 0); }
+
+/* entry i of a 16-entry table: lut[i mod 2^bits] */
+static inline __m512 lut16_repeated(const float *lut, int64_t bits) {
+    float t16[16];
+    for (int i = 0; i < 16; i++) t16[i] = lut[i & ((1 << bits) - 1)];
+    return _mm512_loadu_ps(t16);
+}
+
+/* the k vectors of channels [c0, c0 + 16 k) of a packed row (c0 % (16 k) == 0), planar */
+static inline __attribute__((always_inline)) void planar_lookup(
+        const uint8_t *row, int64_t c0, const int k, __m512 lut, __m512 *out) {
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(row + c0 / k)));
+    const int bits = 8 / k;
+    out[0] = _mm512_permutexvar_ps(x, lut);
+    for (int s = 1; s < k; s++)
+        out[s] = _mm512_permutexvar_ps(_mm512_srli_epi32(x, (unsigned)(s * bits)), lut);
+}
+
+/* two-source permutes: the evens / odds of 32 floats, and the interleave of two vectors' lower
+ * / upper halves */
+static const int32_t planar_idx[4][16] = {
+    {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},
+    {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31},
+    {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23},
+    {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31},
+};
+
+/* 16 k natural floats -> k planar vectors (k = 2: evens and odds; k = 4: those twice) */
+static inline __attribute__((always_inline)) void planar_in(const float *src, const int k,
+                                                            __m512 *v) {
+    const __m512i even = _mm512_loadu_si512(planar_idx[0]), odd = _mm512_loadu_si512(planar_idx[1]);
+    const __m512 x0 = _mm512_loadu_ps(src), x1 = _mm512_loadu_ps(src + 16);
+    const __m512 e01 = _mm512_permutex2var_ps(x0, even, x1);
+    const __m512 o01 = _mm512_permutex2var_ps(x0, odd, x1);
+    if (k == 2) {
+        v[0] = e01;
+        v[1] = o01;
+        return;
+    }
+    const __m512 x2 = _mm512_loadu_ps(src + 32), x3 = _mm512_loadu_ps(src + 48);
+    const __m512 e23 = _mm512_permutex2var_ps(x2, even, x3);
+    const __m512 o23 = _mm512_permutex2var_ps(x2, odd, x3);
+    v[0] = _mm512_permutex2var_ps(e01, even, e23);  /* channels 4l */
+    v[1] = _mm512_permutex2var_ps(o01, even, o23);  /* 4l + 1 */
+    v[2] = _mm512_permutex2var_ps(e01, odd, e23);   /* 4l + 2 */
+    v[3] = _mm512_permutex2var_ps(o01, odd, o23);   /* 4l + 3 */
+}
+
+/* the inverse: k planar vectors -> 16 k natural floats */
+static inline __attribute__((always_inline)) void planar_out(float *dst, const int k,
+                                                             const __m512 *v) {
+    const __m512i lo = _mm512_loadu_si512(planar_idx[2]), hi = _mm512_loadu_si512(planar_idx[3]);
+    __m512 e01 = v[0], o01 = v[1], e23, o23;
+    if (k == 4) {
+        e01 = _mm512_permutex2var_ps(v[0], lo, v[2]);
+        e23 = _mm512_permutex2var_ps(v[0], hi, v[2]);
+        o01 = _mm512_permutex2var_ps(v[1], lo, v[3]);
+        o23 = _mm512_permutex2var_ps(v[1], hi, v[3]);
+        _mm512_storeu_ps(dst + 32, _mm512_permutex2var_ps(e23, lo, o23));
+        _mm512_storeu_ps(dst + 48, _mm512_permutex2var_ps(e23, hi, o23));
+    }
+    _mm512_storeu_ps(dst, _mm512_permutex2var_ps(e01, lo, o01));
+    _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(e01, hi, o01));
+}
+
+/* n natural floats (n % (16 k) == 0) -> planar order, in place of dst */
+static inline __attribute__((always_inline)) void planar_copy(
+        float *restrict dst, const float *restrict src, int64_t n, const int k) {
+    for (int64_t c = 0; c < n; c += 16 * k) {
+        __m512 v[4];
+        planar_in(src + c, k, v);
+        for (int s = 0; s < k; s++) _mm512_storeu_ps(dst + c + 16 * s, v[s]);
+    }
+}
+
+/* does the planar key pass take this layer: chunks of C channels pair with their RoPE partners
+ * D / 2 away (D / 2 a multiple of C) */
+static inline int planar_keys_fit(const KVQuantLayer *L) {
+    const int k = planar_k(L->k.bits);
+    return k && (L->head_dim / 2) % (16 * k) == 0;
+}
+
+/* ... and the planar value pass (D a multiple of C, k vectors of nh heads in registers) */
+static inline int planar_values_fit(const KVQuantLayer *L, int nh) {
+    const int k = planar_k(L->v.bits);
+    return k && L->head_dim % (16 * k) == 0 && k * nh <= 16;
+}
+
+/* block_key_dots in planar order (planar_keys_fit): the queries (w->pq), the block's key
+ * statistics (w->pk_half, w->pk_off) and the tile's RoPE rows (w->pcos, w->psin, made here:
+ * [16, D / 2 or D]) permuted; per slot, a chunk's codes widened once */
+static inline __attribute__((always_inline)) void block_key_dots_planar(
+        const KVQuantLayer *L, int64_t blk, int64_t next_blk, int64_t n, int64_t h0,
+        const int nh, const int k, BlockScratch *w) {
+    const KVQuantSide *K = &L->k;
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
+    const int64_t m = D / 2, group = L->num_q_heads / Hkv;
+    const int C = 16 * k;
+    const int64_t stride = Hkv * K->packed;
+    const int64_t hi = L->rope_halves_equal ? 0 : m;  /* where a partner's cos / sin lie */
+    const int64_t rope_len = hi ? D : m;              /* a RoPE row's floats that are read */
+    enum { SL_MAX = 8 };
+    const int SL = nh <= 2 ? 8 : (nh <= 4 ? 4 : 2);
+    const __m512 lut = lut16_repeated(K->lut, K->bits);
+    __m512 *dots = (__m512 *)w->dots;  /* [Hkv * nh, 16] */
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+        const int64_t nt = n - t0 < 16 ? n - t0 : 16;
+        if (next_blk >= 0 && h0 == 0) prefetch_block_data(L, next_blk, t0 / 16, (n + 15) / 16);
+        if (R)  /* the tile's RoPE rows, planar (rows past n: position 0) */
+            for (int64_t u = 0; u < 16; u++) {
+                int64_t pos = u < nt ? L->slot_positions[blk * B + t0 + u] : 0;
+                pos = pos < 0 ? 0 : pos;
+                planar_copy(w->pcos + u * D, L->cos + pos * R, rope_len, k);
+                planar_copy(w->psin + u * D, L->sin + pos * R, rope_len, k);
+            }
+        const int64_t share = (16 + Hkv - 1) / Hkv;
+        for (int64_t g = 0; g < Hkv; g++) {
+            tile_prefetch(L, blk, next_blk, n, t0, g, share, h0 == 0);
+            const float *half = w->pk_half + g * D, *off = w->pk_off + g * D;
+            const float *q0 = w->pq + (g * group + h0) * D;
+            const uint8_t *rows = K->codes + ((blk * B + t0) * Hkv + g) * K->packed;
+            for (int s0 = 0; s0 < 16; s0 += SL) {
+                __m512 acc[SL_MAX][FAST_MAX_HEADS];
+                for (int u = 0; u < SL; u++)
+                    for (int hh = 0; hh < nh; hh++) acc[u][hh] = _mm512_setzero_ps();
+                for (int64_t j = 0; j < m; j += C) {
+#pragma GCC unroll 8
+                    for (int u = 0; u < SL; u++) {
+                        const uint8_t *row = rows + (s0 + u) * stride;
+                        __m512 ca[4], cb[4];
+                        planar_lookup(row, j, k, lut, ca);
+                        planar_lookup(row, j + m, k, lut, cb);
+                        const float *c = w->pcos + (s0 + u) * D, *sv = w->psin + (s0 + u) * D;
+                        for (int sub = 0; sub < k; sub++) {
+                            const int64_t ja = j + 16 * sub, jb = ja + m;
+                            __m512 a = _mm512_fmadd_ps(ca[sub], _mm512_loadu_ps(half + ja),
+                                                       _mm512_loadu_ps(off + ja));
+                            __m512 b = _mm512_fmadd_ps(cb[sub], _mm512_loadu_ps(half + jb),
+                                                       _mm512_loadu_ps(off + jb));
+                            if (R) {  /* rotate-half: (a, b) -> (a cos - b sin, b cos + a sin) */
+                                const __m512 ra = _mm512_fnmadd_ps(
+                                    b, _mm512_loadu_ps(sv + ja),
+                                    _mm512_mul_ps(a, _mm512_loadu_ps(c + ja)));
+                                b = _mm512_fmadd_ps(a, _mm512_loadu_ps(sv + ja + hi),
+                                                    _mm512_mul_ps(b, _mm512_loadu_ps(c + ja + hi)));
+                                a = ra;
+                            }
+                            for (int hh = 0; hh < nh; hh++) {
+                                acc[u][hh] = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + hh * D + ja), a,
+                                                             acc[u][hh]);
+                                acc[u][hh] = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + hh * D + jb), b,
+                                                             acc[u][hh]);
+                            }
+                        }
+                    }
+                }
+                for (int u = 0; u < SL; u++)
+                    for (int hh = 0; hh < nh; hh++)
+                        dots[(g * nh + hh) * 16 + s0 + u] = acc[u][hh];
+            }
+        }
+        tile_scores(L, t0, nt, h0, nh, dots, w);
+    }
+}
+
 /* scores[h * B + t] = q_h . RoPE_pos(t)(lut[codes] * half + off) for the query heads
  * h = g * group + hh, hh in [h0, h0 + nh), of every KV head g and the block's first n slots.
  * By tiles of 16 slots; in a tile, per KV head, a few slots at a time (SL, so that their dot
@@ -12,7 +222,7 @@
 static inline __attribute__((always_inline)) void block_key_dots(
         const KVQuantLayer *L, int64_t blk, int64_t next_blk, int64_t n, const float *qb,
         int64_t h0, const int nh, BlockScratch *w) {
-    const KVQuantSide *K = &L->k, *V = &L->v;
+    const KVQuantSide *K = &L->k;
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
     const int64_t m = D / 2, bits = K->bits, group = L->num_q_heads / Hkv;
     const int64_t stride = Hkv * K->packed;
@@ -36,21 +246,7 @@ static inline __attribute__((always_inline)) void block_key_dots(
             sn[u] = L->sin + pos * R;
         }
         for (int64_t g = 0; g < Hkv; g++) {
-            for (int64_t t = t0 + 16 + g * share; t < t0 + 16 + (g + 1) * share && t < t0 + 32;
-                 t++) {
-                const int64_t ahead = t < n ? blk * B + t : (next_blk >= 0 && t - n < B
-                                                            ? next_blk * B + t - n : -1);
-                if (ahead < 0) break;
-                prefetch_rows(K->codes + ahead * stride, stride);
-                prefetch_rows(V->codes + ahead * Hkv * V->packed, Hkv * V->packed);
-                if (R && h0 == 0) {  /* the part of the RoPE rows that is read */
-                    int64_t pos = L->slot_positions[ahead];
-                    pos = pos < 0 ? 0 : pos;
-                    const int64_t bytes = (hi ? R : R / 2) * (int64_t)sizeof(float);
-                    prefetch_rows((const uint8_t *)(L->cos + pos * R), bytes);
-                    prefetch_rows((const uint8_t *)(L->sin + pos * R), bytes);
-                }
-            }
+            tile_prefetch(L, blk, next_blk, n, t0, g, share, h0 == 0);
             const float *half = w->k_half + g * D, *off = w->k_off + g * D;
             const float *q0 = qb + (g * group + h0) * D;
             const uint8_t *rows = K->codes + ((blk * B + t0) * Hkv + g) * K->packed;
@@ -94,12 +290,7 @@ static inline __attribute__((always_inline)) void block_key_dots(
                         dots[(g * nh + hh) * 16 + s0 + u] = acc[u][hh];
             }
         }
-        for (int64_t g = 0; g < Hkv; g++)
-            for (int hh = 0; hh < nh; hh++) {
-                float sums[16];
-                _mm512_storeu_ps(sums, sum16(dots + (g * nh + hh) * 16));
-                memcpy(w->scores + (g * group + h0 + hh) * B + t0, sums, sizeof(float) * nt);
-            }
+        tile_scores(L, t0, nt, h0, nh, dots, w);
     }
 }
 
@@ -144,6 +335,52 @@ static inline __attribute__((always_inline)) void block_values(
             _mm512_storeu_ps(acc0 + hh * D + d, a0[hh]);
             _mm512_storeu_ps(acc0 + hh * D + d + 16, a1[hh]);
         }
+    }
+}
+
+/* block_values in planar order (planar_values_fit): the accumulators of a chunk of C channels
+ * permuted on load and back on store, a slot's codes widened once per chunk; a patch's channel
+ * compared with each lane's (c0 + k * l + s) */
+static inline __attribute__((always_inline)) void block_values_planar(
+        const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n, float *acc0, int64_t h0,
+        const int nh, const int k, const float *pb, const BlockScratch *w,
+        const int64_t patches) {
+    const KVQuantSide *V = &L->v;
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim;
+    const int C = 16 * k;
+    const __m512 lut = lut16_repeated(V->lut, V->bits);
+    const uint8_t *rows = V->codes + ((blk * B) * Hkv + g) * V->packed;
+    const int64_t stride = Hkv * V->packed;
+    const __m512i lanes = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(k));
+    for (int64_t d = 0; d < D; d += C) {
+        __m512 a[FAST_MAX_HEADS][4], chan[4];
+        for (int hh = 0; hh < nh; hh++) {
+            const __m512 bias = _mm512_set1_ps(pb[h0 + hh]);
+            planar_in(acc0 + hh * D + d, k, a[hh]);
+            for (int sub = 0; sub < k; sub++) a[hh][sub] = _mm512_add_ps(a[hh][sub], bias);
+        }
+        for (int sub = 0; sub < k; sub++)  /* the channel of each lane (for the patches) */
+            chan[sub] = _mm512_castsi512_ps(
+                _mm512_add_epi32(lanes, _mm512_set1_epi32((int)d + sub)));
+        for (int64_t t = 0; t < n; t++) {
+            __m512 v[4];
+            planar_lookup(rows + t * stride, d, k, lut, v);
+            for (int64_t j = 0; j < patches; j++) {  /* the row's outliers, in centroid units */
+                const __m512i ch = _mm512_set1_epi32(w->patch_ch[t * patches + j]);
+                const __m512 x = _mm512_set1_ps(w->patch_x[t * patches + j]);
+                for (int sub = 0; sub < k; sub++)
+                    v[sub] = _mm512_mask_mov_ps(
+                        v[sub], _mm512_cmpeq_epi32_mask(_mm512_castps_si512(chan[sub]), ch), x);
+            }
+            for (int hh = 0; hh < nh; hh++) {
+                const __m512 p = _mm512_set1_ps(w->pa[(h0 + hh) * B + t]);
+                for (int sub = 0; sub < k; sub++)
+                    a[hh][sub] = _mm512_fmadd_ps(p, v[sub], a[hh][sub]);
+            }
+        }
+        for (int hh = 0; hh < nh; hh++) planar_out(acc0 + hh * D + d, k, a[hh]);
     }
 }
 
@@ -328,5 +565,68 @@ static void block_softmax(Softmax *s, int64_t h, int64_t group, int64_t n, int64
             #pragma omp simd
             for (int64_t d = 0; d < D; d++) ah[d] *= corr;
         }
+    }
+}
+
+/* the key pass of a block (its first n slots), every KV head, query heads FAST_MAX_HEADS at a
+ * time: scores into w->scores */
+static void block_key_pass(const KVQuantLayer *L, int64_t blk, int64_t next_blk, int64_t n,
+                           const float *qb, BlockScratch *w) {
+    const int64_t Hkv = L->num_kv_heads, group = L->num_q_heads / Hkv;
+    const int planar = planar_keys_fit(L) ? planar_k(L->k.bits) : 0;  /* its k, 0 none */
+    if (planar) {  /* the operands in planar order: queries once per request, statistics */
+        const int64_t D = L->head_dim;
+#define PLANAR_OPERANDS(k)                                                   \
+        if (!w->pq_ready) planar_copy(w->pq, qb, L->num_q_heads * D, k); \
+        planar_copy(w->pk_half, w->k_half, Hkv * D, k);                  \
+        planar_copy(w->pk_off, w->k_off, Hkv * D, k);
+        if (planar == 2) {
+            PLANAR_OPERANDS(2)
+        } else {
+            PLANAR_OPERANDS(4)
+        }
+#undef PLANAR_OPERANDS
+        w->pq_ready = 1;
+    }
+    for (int64_t h0 = 0; h0 < group; h0 += FAST_MAX_HEADS) {
+        const int nh = (int)(group - h0 < FAST_MAX_HEADS ? group - h0 : FAST_MAX_HEADS);
+#define KEY_DOTS(k) block_key_dots(L, blk, next_blk, n, qb, h0, k, w)
+#define KEY_DOTS_2(k) block_key_dots_planar(L, blk, next_blk, n, h0, k, 2, w)
+#define KEY_DOTS_4(k) block_key_dots_planar(L, blk, next_blk, n, h0, k, 4, w)
+        if (planar == 2) {  /* instances with the code width constant */
+            BLOCK_HEADS_DISPATCH(KEY_DOTS_2, nh)
+        } else if (planar == 4) {
+            BLOCK_HEADS_DISPATCH(KEY_DOTS_4, nh)
+        } else {
+            BLOCK_HEADS_DISPATCH(KEY_DOTS, nh)
+        }
+#undef KEY_DOTS
+#undef KEY_DOTS_2
+#undef KEY_DOTS_4
+    }
+}
+
+/* the value pass of KV head g over a block's first n slots (P already in w->pa, w->pb) into
+ * the accumulators of its query heads, FAST_MAX_HEADS at a time */
+static void block_value_pass(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
+                             float *acc0, const float *pb, const BlockScratch *w,
+                             int64_t patches) {
+    const int64_t D = L->head_dim, group = L->num_q_heads / L->num_kv_heads;
+    for (int64_t h0 = 0; h0 < group; h0 += FAST_MAX_HEADS) {
+        const int nh = (int)(group - h0 < FAST_MAX_HEADS ? group - h0 : FAST_MAX_HEADS);
+#define VALUES(k) block_values(L, blk, g, n, acc0 + h0 * D, h0, k, pb, w, patches)
+#define VALUES_2(k) block_values_planar(L, blk, g, n, acc0 + h0 * D, h0, k, 2, pb, w, patches)
+#define VALUES_4(k) block_values_planar(L, blk, g, n, acc0 + h0 * D, h0, k, 4, pb, w, patches)
+        const int planar = planar_values_fit(L, nh) ? planar_k(L->v.bits) : 0;
+        if (planar == 2) {
+            BLOCK_HEADS_DISPATCH(VALUES_2, nh)
+        } else if (planar == 4) {
+            BLOCK_HEADS_DISPATCH(VALUES_4, nh)
+        } else {
+            BLOCK_HEADS_DISPATCH(VALUES, nh)
+        }
+#undef VALUES
+#undef VALUES_2
+#undef VALUES_4
     }
 }

@@ -538,6 +538,9 @@ static inline __attribute__((always_inline)) int pertoken_impl(
             if (failed) continue;
             softmax_reset(&s, Hq, D);
             const float *qb = q + b * Hq * D;
+#if HAVE_BLOCK_PATH
+            bw.pq_ready = 0;  /* the planar queries are made at the request's first block */
+#endif
             for (int64_t r = run_ptr[b]; r < run_ptr[b + 1]; r++) {
                 const int64_t start = run_start[r], len = run_len[r];
                 for (int64_t t0 = 0; t0 < len; t0 += TILE) {
@@ -1078,12 +1081,7 @@ static void kvquant_block_fast(const KVQuantLayer *L, int64_t blk, int64_t next_
     const uint16_t *off16 = K->offset + blk * Hkv * D, *half16 = K->half + blk * Hkv * D;
     block_stats_f32(w->k_off, off16, Hkv * D);
     block_stats_f32(w->k_half, half16, Hkv * D);
-    for (int64_t h0 = 0; h0 < group; h0 += FAST_MAX_HEADS) {
-        const int nh = (int)(group - h0 < FAST_MAX_HEADS ? group - h0 : FAST_MAX_HEADS);
-#define KEY_DOTS(k) block_key_dots(L, blk, next_blk, n, qb, h0, k, w)
-        BLOCK_HEADS_DISPATCH(KEY_DOTS, nh)
-#undef KEY_DOTS
-    }
+    block_key_pass(L, blk, next_blk, n, qb, w);
     for (int64_t g = 0; g < Hkv; g++) {
         const float *q0 = qb + g * group * D;
         float *acc0 = s->acc + g * group * D, *sg = w->scores + g * group * B;
@@ -1109,13 +1107,7 @@ static void kvquant_block_fast(const KVQuantLayer *L, int64_t blk, int64_t next_
         }
         const int patched = V->cap > 0 && D <= 64;
         if (patched) value_patches(L, blk, g, n, acc0, group, sg, w);
-        const int64_t patches = patched ? V->cap : 0;
-        for (int64_t h0 = 0; h0 < group; h0 += FAST_MAX_HEADS) {
-            const int nh = (int)(group - h0 < FAST_MAX_HEADS ? group - h0 : FAST_MAX_HEADS);
-#define VALUES(k) block_values(L, blk, g, n, acc0 + h0 * D, h0, k, pbh, w, patches)
-            BLOCK_HEADS_DISPATCH(VALUES, nh)
-#undef VALUES
-        }
+        block_value_pass(L, blk, g, n, acc0, pbh, w, patched ? V->cap : 0);
         block_value_fixes(L, blk, g, n, acc0, group, sg, w, patched);
     }
     for (int64_t p = 0; p < L->num_sinks; p++) {
@@ -1170,6 +1162,9 @@ int kvquant_decode_attention(const KVQuantLayer *L, const float *q, const float 
             if (failed) continue;
             softmax_reset(&s, Hq, D);
             const float *qb = q + b * Hq * D;
+#if HAVE_BLOCK_PATH
+            bw.pq_ready = 0;  /* the planar queries are made at the request's first block */
+#endif
             for (int64_t j = blk_ptr[b]; j < blk_ptr[b + 1]; j++) {
                 const int64_t blk = blk_ids[j], first_slot = (j - blk_ptr[b]) * B;
                 const int64_t len = past[b] - first_slot < B ? past[b] - first_slot : B;
