@@ -124,10 +124,11 @@ static inline __attribute__((always_inline)) void planar_copy(
 }
 
 /* does the planar key pass take this layer: chunks of C channels pair with their RoPE partners
- * D / 2 away (D / 2 a multiple of C) */
+ * D / 2 away (D / 2 a multiple of C), or a head is one chunk (D = C, "swap": a channel's
+ * partner lies in its own vector, 8 lanes away) */
 static inline int planar_keys_fit(const KVQuantLayer *L) {
     const int k = planar_k(L->k.bits);
-    return k && (L->head_dim / 2) % (16 * k) == 0;
+    return k && ((L->head_dim / 2) % (16 * k) == 0 || L->head_dim == 16 * k);
 }
 
 /* ... and the planar value pass (D a multiple of C, k vectors of nh heads in registers) */
@@ -141,14 +142,18 @@ static inline int planar_values_fit(const KVQuantLayer *L, int nh) {
  * [16, D / 2 or D]) permuted; per slot, a chunk's codes widened once */
 static inline __attribute__((always_inline)) void block_key_dots_planar(
         const KVQuantLayer *L, int64_t blk, int64_t next_blk, int64_t n, int64_t h0,
-        const int nh, const int k, BlockScratch *w) {
+        const int nh, const int k, const int swap, BlockScratch *w) {
     const KVQuantSide *K = &L->k;
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
     const int64_t m = D / 2, group = L->num_q_heads / Hkv;
     const int C = 16 * k;
     const int64_t stride = Hkv * K->packed;
     const int64_t hi = L->rope_halves_equal ? 0 : m;  /* where a partner's cos / sin lie */
-    const int64_t rope_len = hi ? D : m;              /* a RoPE row's floats that are read */
+    /* a RoPE row's floats that are read: swap reads whole rows, the sines signed (-1 in the
+     * first half: lanes 0-7 of every planar vector) */
+    const int64_t rope_len = swap || hi ? D : m;
+    const __m512 sign = _mm512_setr_ps(-1.f, -1.f, -1.f, -1.f, -1.f, -1.f, -1.f, -1.f, 1.f, 1.f,
+                                       1.f, 1.f, 1.f, 1.f, 1.f, 1.f);
     enum { SL_MAX = 8 };
     const int SL = nh <= 2 ? 8 : (nh <= 4 ? 4 : 2);
     const __m512 lut = lut16_repeated(K->lut, K->bits);
@@ -162,6 +167,11 @@ static inline __attribute__((always_inline)) void block_key_dots_planar(
                 pos = pos < 0 ? 0 : pos;
                 planar_copy(w->pcos + u * D, L->cos + pos * R, rope_len, k);
                 planar_copy(w->psin + u * D, L->sin + pos * R, rope_len, k);
+                if (swap)
+                    for (int sub = 0; sub < k; sub++)
+                        _mm512_storeu_ps(w->psin + u * D + 16 * sub,
+                                         _mm512_mul_ps(_mm512_loadu_ps(w->psin + u * D + 16 * sub),
+                                                       sign));
             }
         const int64_t share = (16 + Hkv - 1) / Hkv;
         for (int64_t g = 0; g < Hkv; g++) {
@@ -173,7 +183,27 @@ static inline __attribute__((always_inline)) void block_key_dots_planar(
                 __m512 acc[SL_MAX][FAST_MAX_HEADS];
                 for (int u = 0; u < SL; u++)
                     for (int hh = 0; hh < nh; hh++) acc[u][hh] = _mm512_setzero_ps();
-                for (int64_t j = 0; j < m; j += C) {
+                if (swap) {  /* one chunk: the whole head, partners 8 lanes away */
+#pragma GCC unroll 8
+                    for (int u = 0; u < SL; u++) {
+                        __m512 cx[4];
+                        planar_lookup(rows + (s0 + u) * stride, 0, k, lut, cx);
+                        const float *c = w->pcos + (s0 + u) * D, *sv = w->psin + (s0 + u) * D;
+                        for (int sub = 0; sub < k; sub++) {
+                            __m512 x = _mm512_fmadd_ps(cx[sub], _mm512_loadu_ps(half + 16 * sub),
+                                                       _mm512_loadu_ps(off + 16 * sub));
+                            if (R)  /* rotate-half: x cos + (partner) (-+ sin) */
+                                x = _mm512_fmadd_ps(
+                                    _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)),
+                                    _mm512_loadu_ps(sv + 16 * sub),
+                                    _mm512_mul_ps(x, _mm512_loadu_ps(c + 16 * sub)));
+                            for (int hh = 0; hh < nh; hh++)
+                                acc[u][hh] = _mm512_fmadd_ps(
+                                    _mm512_loadu_ps(q0 + hh * D + 16 * sub), x, acc[u][hh]);
+                        }
+                    }
+                }
+                for (int64_t j = 0; !swap && j < m; j += C) {
 #pragma GCC unroll 8
                     for (int u = 0; u < SL; u++) {
                         const uint8_t *row = rows + (s0 + u) * stride;
@@ -591,9 +621,16 @@ static void block_key_pass(const KVQuantLayer *L, int64_t blk, int64_t next_blk,
     for (int64_t h0 = 0; h0 < group; h0 += FAST_MAX_HEADS) {
         const int nh = (int)(group - h0 < FAST_MAX_HEADS ? group - h0 : FAST_MAX_HEADS);
 #define KEY_DOTS(k) block_key_dots(L, blk, next_blk, n, qb, h0, k, w)
-#define KEY_DOTS_2(k) block_key_dots_planar(L, blk, next_blk, n, h0, k, 2, w)
-#define KEY_DOTS_4(k) block_key_dots_planar(L, blk, next_blk, n, h0, k, 4, w)
-        if (planar == 2) {  /* instances with the code width constant */
+#define KEY_DOTS_2(k) block_key_dots_planar(L, blk, next_blk, n, h0, k, 2, 0, w)
+#define KEY_DOTS_2_SWAP(k) block_key_dots_planar(L, blk, next_blk, n, h0, k, 2, 1, w)
+#define KEY_DOTS_4(k) block_key_dots_planar(L, blk, next_blk, n, h0, k, 4, 0, w)
+#define KEY_DOTS_4_SWAP(k) block_key_dots_planar(L, blk, next_blk, n, h0, k, 4, 1, w)
+        const int swap = planar && L->head_dim == 16 * planar;
+        if (planar == 2 && swap) {  /* instances with the code width constant */
+            BLOCK_HEADS_DISPATCH(KEY_DOTS_2_SWAP, nh)
+        } else if (planar == 4 && swap) {
+            BLOCK_HEADS_DISPATCH(KEY_DOTS_4_SWAP, nh)
+        } else if (planar == 2) {
             BLOCK_HEADS_DISPATCH(KEY_DOTS_2, nh)
         } else if (planar == 4) {
             BLOCK_HEADS_DISPATCH(KEY_DOTS_4, nh)
@@ -602,7 +639,9 @@ static void block_key_pass(const KVQuantLayer *L, int64_t blk, int64_t next_blk,
         }
 #undef KEY_DOTS
 #undef KEY_DOTS_2
+#undef KEY_DOTS_2_SWAP
 #undef KEY_DOTS_4
+#undef KEY_DOTS_4_SWAP
     }
 }
 
