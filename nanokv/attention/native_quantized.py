@@ -12,6 +12,7 @@ other stores and devices pass to the PyTorch backend.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -26,6 +27,7 @@ from nanokv.layers.native_quant_attention import (
     KVQuantLayer,
     KVQuantSide,
     kvquant_decode,
+    kvquant_read,
     load_quant_kernels,
     pertoken_decode,
 )
@@ -130,8 +132,10 @@ class NativeQuantizedBackend(AttentionBackend):
         store = self.kv_cache
         store.write_layer(layer, step.write_plan, k, v, k_pre)
         if step.prefill_meta is not None:  # fills the prefill rows; decode rows follow
+            read_past = partial(self._read_past, num_q_heads=q.shape[1]) \
+                if isinstance(store, BLOCK_TABLE_STORES) else None
             out = quantized_paged_attention(q, k, v, None, store, layer, step.prefill_meta, None,
-                                            scale, store.rope)
+                                            scale, store.rope, read_past)
         else:
             out = torch.empty_like(q)
         nd = step.num_decode_tokens
@@ -149,6 +153,13 @@ class NativeQuantizedBackend(AttentionBackend):
         return pertoken_decode(q, k, v, pertoken_format(self.kv_cache), buf["k_codes"][layer],
                                buf["v_codes"][layer], buf["k_scales"][layer],
                                buf["v_scales"][layer], step.runs, scale, self._rope())
+
+    def _read_past(self, layer: int, block_table: torch.Tensor, num_slots: int,
+                   num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefill chunk's cached prefix decoded in C (keys after RoPE, values):
+        [num_slots, Hkv, D] each, as the PyTorch path's `read_blocks` gives it."""
+        ids = block_table[:cdiv(num_slots, self.block_size)].to(torch.int64).contiguous()
+        return kvquant_read(self._block_layer(layer, num_q_heads), ids, num_slots)
 
     def _rope(self):
         """(slot positions, cos, sin) when the store keeps keys before RoPE, else None (as the

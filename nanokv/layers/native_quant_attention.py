@@ -74,6 +74,9 @@ def load_quant_kernels() -> ctypes.CDLL:
             lib.kvquant_decode_attention.argtypes = [ctypes.POINTER(KVQuantLayer)] + [_p] * 7 \
                 + [_i64]
             lib.kvquant_decode_attention.restype = ctypes.c_int
+            lib.kvquant_read_blocks.argtypes = [ctypes.POINTER(KVQuantLayer), _p, _i64, _i64,
+                                                _p, _p]
+            lib.kvquant_read_blocks.restype = ctypes.c_int
             _lib = lib
     if _lib is None:
         raise NativeKernelUnavailable(_error)
@@ -126,3 +129,15 @@ def kvquant_decode(layer: KVQuantLayer, q: torch.Tensor, k_new: torch.Tensor,
         ctypes.byref(layer), qs.data_ptr(), kn.data_ptr(), vn.data_ptr(), out.data_ptr(),
         blk_ptr.data_ptr(), blk_ids.data_ptr(), past.data_ptr(), q.shape[0]))
     return out
+
+
+def kvquant_read(layer: KVQuantLayer, blk_ids: torch.Tensor, num_slots: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first num_slots slots of blocks blk_ids (int64) decoded: (keys, values), each
+    [num_slots, Hkv, D] float32, keys after RoPE (what `store.read_blocks` gives, in C)."""
+    shape = (num_slots, layer.num_kv_heads, layer.head_dim)
+    k_out, v_out = torch.empty(shape), torch.empty(shape)
+    _check(load_quant_kernels().kvquant_read_blocks(
+        ctypes.byref(layer), blk_ids.data_ptr(), blk_ids.numel(), num_slots, k_out.data_ptr(),
+        v_out.data_ptr()))
+    return k_out, v_out

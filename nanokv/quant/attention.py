@@ -24,9 +24,11 @@ def rope_from_rotary(rotary: RotaryEmbedding) -> Rope:
 def quantized_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               k_store: torch.Tensor, store: QuantizedKVStore, layer: int,
                               meta: AttentionMetadata, plan: WritePlan | None, scale: float,
-                              rope: Rope | None) -> torch.Tensor:
+                              rope: Rope | None, read_past=None) -> torch.Tensor:
     """q: [T, Hq, D] and k: [T, Hkv, D] after RoPE; v: [T, Hkv, D]; k_store: the keys the store
-    keeps (before RoPE when `store.pre_rope_keys`, else the same as k). Returns [T, Hq, D]."""
+    keeps (before RoPE when `store.pre_rope_keys`, else the same as k). read_past(layer,
+    block_table, num_slots) -> (keys after RoPE, values) [num_slots, Hkv, D] decodes a prefill
+    chunk's cached prefix in place of `store.read_blocks` (a native kernel). Returns [T, Hq, D]."""
     if meta.write_cache:
         store.write(layer, plan, k_store, v)
     rope = rope if store.pre_rope_keys else None
@@ -36,7 +38,7 @@ def quantized_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out[:nd] = _decode(q[:nd], k[:nd], v[:nd], store, layer, meta, scale, rope)
     for seq in meta.prefills:
         sl = slice(seq.query_start, seq.query_start + seq.query_len)
-        out[sl] = _prefill(q[sl], k[sl], v[sl], store, layer, seq, scale, rope)
+        out[sl] = _prefill(q[sl], k[sl], v[sl], store, layer, seq, scale, rope, read_past)
     return out
 
 
@@ -55,7 +57,8 @@ def _decode(q, k, v, store, layer, meta: AttentionMetadata, scale, rope) -> torc
     return o.squeeze(2)  # [B, Hq, D]
 
 
-def _prefill(q, k, v, store, layer, seq: PrefillSeq, scale, rope) -> torch.Tensor:
+def _prefill(q, k, v, store, layer, seq: PrefillSeq, scale, rope, read_past=None
+             ) -> torch.Tensor:
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
     past = seq.context_len - seq.query_len
     if past == 0:
@@ -64,9 +67,13 @@ def _prefill(q, k, v, store, layer, seq: PrefillSeq, scale, rope) -> torch.Tenso
                                            enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)
     heads, dim = k.shape[1], k.shape[2]
-    kc, vc = store.read_blocks(layer, seq.block_table, rope)  # [nb, bs, Hkv, D]
-    kc = torch.cat([kc.reshape(-1, heads, dim)[:past], k.to(kc.dtype)])  # [S, Hkv, D]
-    vc = torch.cat([vc.reshape(-1, heads, dim)[:past], v.to(vc.dtype)])
+    if read_past is None:
+        kc, vc = store.read_blocks(layer, seq.block_table, rope)  # [nb, bs, Hkv, D]
+        kc, vc = kc.reshape(-1, heads, dim)[:past], vc.reshape(-1, heads, dim)[:past]
+    else:
+        kc, vc = read_past(layer, seq.block_table, past)  # [past, Hkv, D]
+    kc = torch.cat([kc, k.to(kc.dtype)])  # [S, Hkv, D]
+    vc = torch.cat([vc, v.to(vc.dtype)])
     rows = torch.arange(seq.query_len, device=q.device).unsqueeze(1)
     cols = torch.arange(seq.context_len, device=q.device).unsqueeze(0)
     o = F.scaled_dot_product_attention(qh, kc.transpose(0, 1).unsqueeze(0),

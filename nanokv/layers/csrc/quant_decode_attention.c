@@ -1043,6 +1043,56 @@ static void kvquant_row_block(const KVQuantLayer *L, int64_t blk, int64_t len, c
     }
 }
 
+/* The first n slots of blocks blk_ids[0 .. nblk) decoded into float32 rows, keys rotated to
+ * their positions when the store keeps them before RoPE: k_out, v_out [n, Hkv, D] (what the
+ * PyTorch path's `read_blocks` gives, for a prefill chunk's cached prefix), a block per work
+ * item, through the row path's key_head / value_head. */
+int kvquant_read_blocks(const KVQuantLayer *L, const int64_t *blk_ids, int64_t nblk, int64_t n,
+                        float *k_out, float *v_out) {
+    const int64_t Hkv = L->num_kv_heads, D = L->head_dim, B = L->block_size;
+    const int64_t ocap = L->k.per_channel ? Hkv * L->k.cap : 0;
+    int failed = 0;
+    #pragma omp parallel
+    {
+        KVQuantScratch w = {0};
+        w.codes = malloc(D + 8);
+        w.k_off = malloc(sizeof(float) * Hkv * D);
+        w.k_half = malloc(sizeof(float) * Hkv * D);
+        w.first = malloc(sizeof(int64_t) * B * Hkv);
+        w.next = malloc(sizeof(int64_t) * (ocap + 1));
+        w.o_ch = malloc(sizeof(int64_t) * (ocap + 1));
+        w.o_val = malloc(sizeof(float) * (ocap + 1));
+        if (!(w.codes && w.k_off && w.k_half && w.first && w.next && w.o_ch && w.o_val)) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t j = 0; j < nblk; j++) {
+            if (failed) continue;
+            const int64_t blk = blk_ids[j], len = n - j * B < B ? n - j * B : B;
+            const int64_t staged = L->k.per_channel ? L->staging_index[blk] : -1;
+            if (L->k.per_channel && staged < 0) key_block_setup(L, blk, &w);
+            for (int64_t t = 0; t < len; t++) {
+                int64_t pos = L->rot_dim ? L->slot_positions[blk * B + t] : 0;
+                pos = pos < 0 ? 0 : pos;
+                float *krow = k_out + (j * B + t) * Hkv * D, *vrow = v_out + (j * B + t) * Hkv * D;
+                for (int64_t g = 0; g < Hkv; g++) {
+                    float a, b, *x = vrow + g * D;
+                    key_head(L, blk, t, g, staged, pos, krow + g * D, &w);
+                    value_head(L, blk, t, g, staged, x, &a, &b, &w);
+                    if (a != 1.f || b != 0.f) {
+                        #pragma omp simd
+                        for (int64_t d = 0; d < D; d++) x[d] = x[d] * a + b;
+                    }
+                }
+            }
+        }
+        free(w.codes); free(w.k_off); free(w.k_half); free(w.first); free(w.next);
+        free(w.o_ch); free(w.o_val);
+    }
+    return failed ? -1 : 0;
+}
+
 /* The block path: AVX-512 builds, and AVX2 builds with FMA and F16C (the vector kernels of
  * kvquant_block_avx512.h / kvquant_block_avx2.h around the shared parts of kvquant_block.h) */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
