@@ -9,8 +9,10 @@ kernels replaced by recorders, then compiles each recorded launch to a cubin.
     .venv/bin/python scripts/compile_triton_kernels.py [--arch 90] [--quick]
 
 Shapes: Qwen3-0.6B's attention (16 query heads, 8 KV heads, head dim 128, block size 16) in
-bfloat16 over the float pool and the int8 / fp8 stores, plus a float32 pool with GQA 8 and head
-dim 64 (the dot in IEEE float32). Exits non-zero on the first failure, naming the variant.
+bfloat16 over the float pool and the int8 / fp8 stores and the KVQuant decode kernel over a
+4-bit store with keys before RoPE (with --quick: one split; else also 2-bit with outliers and
+sinks, and KIVI), plus a float32 pool with GQA 8 and head dim 64 (the dot in IEEE float32).
+Exits non-zero on the first failure, naming the variant.
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from nanokv.kernels.triton import decode, kv_write, prefill  # noqa: E402
+from nanokv.kernels.triton import decode, kv_write, kvquant_decode, prefill  # noqa: E402
 from nanokv.kernels.triton.paged_kv import FORMATS, PagedKV  # noqa: E402
 
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-          torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64"}
+          torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64"}
 
 
 class Recorder:
@@ -128,6 +130,38 @@ def record(dtype, hq, hkv, dim, block_size, quick: bool) -> None:
                                   0.1, block_rows, tile_n, B.num_warps)
 
 
+def record_quant(dtype, hq, hkv, dim, block_size, quick: bool) -> None:
+    """The KVQuant / KIVI decode launcher over CPU stores, as the backend calls it."""
+    from nanokv.attention.triton_quantized import kivi_views, kvquant_views
+    from nanokv.cache.kv_pool import KVLayout
+    from nanokv.layers.rotary import RotaryEmbedding
+    from nanokv.quant import KVQuantConfig, KVQuantStore
+    from nanokv.quant.kivi_store import KIVIStore
+
+    class Rope:
+        rope_parameters = {"rope_type": "default", "rope_theta": 1000000.0}
+
+    lay = KVLayout(1, hkv, dim, block_size, torch.float32)
+    configs = [KVQuantConfig(bits=4)] if quick else [
+        KVQuantConfig(bits=4), KVQuantConfig(bits=2, outlier_fraction=0.02, num_sink_tokens=3)]
+    stores = [KVQuantStore(lay, 8, c, num_staging_blocks=4) for c in configs]
+    for store in stores:
+        store.rotary = RotaryEmbedding(Rope(), dim, 4096)
+    views = [kvquant_views(s, 0, kvquant_decode.QuantLayerViews) for s in stores]
+    if not quick:
+        kivi = KIVIStore.from_settings(lay, 8, "cpu", bits=2, num_staging_blocks=4)
+        views.append(kivi_views(kivi, 0, kvquant_decode.QuantLayerViews))
+    rows = 4
+    q = torch.zeros(rows, hq, dim, dtype=dtype)
+    k = torch.zeros(rows, hkv, dim, dtype=dtype)
+    tables = torch.zeros(rows, 4, dtype=torch.int32)
+    lens = torch.zeros(rows, dtype=torch.int32)
+    for view in views:
+        for splits in ((1,) if quick else (1, 4)):
+            kvquant_decode.kvquant_decode_attention(q, k, k, view, tables, lens,
+                                                    torch.empty_like(q), 0.1, splits)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10")
@@ -138,7 +172,11 @@ def main() -> None:
                          (prefill, "_prefill_kernel"), (kv_write, "_write_kv_kernel")):
         recorders[name] = Recorder(getattr(module, name))
         setattr(module, name, recorders[name])
+    recorders["_kvquant_decode_kernel"] = Recorder(kvquant_decode._kvquant_decode_kernel)
+    kvquant_decode._kvquant_decode_kernel = recorders["_kvquant_decode_kernel"]
+    kvquant_decode._decode_merge_kernel = recorders["_decode_merge_kernel"]
     record(torch.bfloat16, 16, 8, 128, 16, args.quick)
+    record_quant(torch.bfloat16, 16, 8, 128, 16, args.quick)
     if not args.quick:
         record(torch.float32, 16, 2, 64, 64, quick=True)
     target = GPUTarget("cuda", args.arch, 32)

@@ -19,6 +19,7 @@ logger = logging.getLogger("nanokv")
 
 _BACKENDS = (  # preference order
     "nanokv.attention.triton_paged:TritonPagedBackend",
+    "nanokv.attention.triton_quantized:TritonQuantizedBackend",
     "nanokv.attention.native_cpu:NativeCPUBackend",
     "nanokv.attention.torch_paged:TorchPagedBackend",
     "nanokv.attention.native_quantized:NativeQuantizedBackend",

@@ -9,7 +9,9 @@ import random
 import pytest
 import torch
 
-from nanokv.attention.common import CommonAttentionMetadata, PrefillChunk
+from quant_stores import HKV, MAX_POS, NUM_LAYERS, _HFConfig, make_store, scenario
+
+from nanokv.attention.common import CommonAttentionMetadata
 from nanokv.attention.native_quantized import NativeQuantizedBackend
 from nanokv.attention.quantized import QuantizedTorchBackend
 from nanokv.attention.selector import select_backend
@@ -19,7 +21,6 @@ from nanokv.layers.native_quant_attention import load_quant_kernels
 from nanokv.layers.rotary import RotaryEmbedding
 from nanokv.quant import KVQuantConfig, KVQuantStore, make_kv_store
 from nanokv.quant.attention import reference_quantized_attention
-from nanokv.quant.codebook import fisher_kmeans
 from nanokv.quant.kivi_store import KIVIStore
 from nanokv.utils import cdiv
 
@@ -29,121 +30,6 @@ except NativeKernelUnavailable as e:  # no C compiler with OpenMP here
     pytest.skip(f"quantized kernels unavailable: {e}", allow_module_level=True)
 
 CPU = torch.device("cpu")
-NUM_LAYERS, HKV, MAX_POS = 2, 2, 4096
-
-
-class _HFConfig:
-    rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
-
-
-def codebooks(bits, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return tuple(tuple(fisher_kmeans(torch.randn(4000, generator=gen).tanh(), None,
-                                     2 ** bits).tolist()) for _ in range(NUM_LAYERS))
-
-
-def thresholds(head_dim):
-    lo = -torch.rand(NUM_LAYERS, 1, HKV, head_dim) - 1.0  # some keys lie beyond them
-    return torch.cat([lo, -lo], dim=1)  # [L, 2, Hkv, D]
-
-
-def kvquant_config(name, head_dim):
-    return {
-        "4bit": lambda: KVQuantConfig(bits=4),
-        "3bit-nuq": lambda: KVQuantConfig(bits=3, key_codebooks=codebooks(3, 0),
-                                          value_codebooks=codebooks(3, 1)),
-        "2bit-nuq-thresholds": lambda: KVQuantConfig(
-            bits=2, key_codebooks=codebooks(2, 2), value_codebooks=codebooks(2, 3),
-            key_outlier_thresholds=thresholds(head_dim), outlier_fraction=0.02,
-            num_sink_tokens=3),
-        "mixed-8-4": lambda: KVQuantConfig(bits=4, layer_bits=(8, 4)),
-        "per-channel-post-rope": lambda: KVQuantConfig(bits=4, pre_rope_keys=False),
-        "ablation-per-token-post-rope": lambda: KVQuantConfig(
-            bits=4, per_channel_keys=False, pre_rope_keys=False, num_sink_tokens=0),
-    }[name]()
-
-
-def make_store(kind, head_dim, block_size, num_blocks, num_requests, staging_dtype=None):
-    lay = KVLayout(NUM_LAYERS, HKV, head_dim, block_size, torch.float32)
-    if kind.startswith("kvquant:"):
-        store = KVQuantStore(lay, num_blocks, kvquant_config(kind[8:], head_dim),
-                             num_staging_blocks=num_requests, staging_dtype=staging_dtype)
-    elif kind.startswith("kivi:"):  # value groups: gcd(32, head_dim) channels, 4 at D = 128
-        store = KIVIStore.from_settings(lay, num_blocks, CPU, bits=int(kind[5:]),
-                                        num_staging_blocks=num_requests)
-    elif kind.endswith("-pre-rope"):  # per-token codes of keys before RoPE
-        store = make_kv_store(kind[:-9], lay, num_blocks, pre_rope_keys=True)
-    else:
-        store = make_kv_store(kind, lay, num_blocks)
-    store.rotary = RotaryEmbedding(_HFConfig(), head_dim, MAX_POS)
-    return store
-
-
-def step(store, backend, q, k, v, k_pre, slots, positions, decode_tables, decode_lens,
-         prefills=(), layers=range(NUM_LAYERS)):
-    """One engine step through the backend: write, then attend; returns each layer's output."""
-    common = CommonAttentionMetadata(slots, len(decode_lens), decode_tables, decode_lens,
-                                     list(prefills))
-    common.write_plan = store.begin_step(slots, positions)
-    meta = backend.build(common)
-    return [backend.forward(layer, q[layer], k[layer], v[layer], k_pre[layer], meta,
-                            q.shape[-1] ** -0.5) for layer in layers]
-
-
-def scenario(store, hq, lens, rng, gen, chunk=None):
-    """Requests with `lens` cached slots (the last one the step's new token), written as prefill
-    chunks; then one decode step of all of them. Returns (outputs per layer, reference per
-    layer)."""
-    bs, d = store.block_size, store.layout.head_dim
-    rotate = store.rotary.rotate
-    blocks = list(range(store.num_blocks))
-    rng.shuffle(blocks)
-    tables = [[blocks.pop() for _ in range(cdiv(n, bs))] for n in lens]
-    starts = [rng.randrange(0, 50) for _ in lens]  # positions != slots (as after eviction)
-
-    def tokens(n, pos):  # k_pre, k (rotated), v: [L, n, Hkv, D]; some large entries
-        k_pre = torch.randn(NUM_LAYERS, n, HKV, d, generator=gen)
-        k_pre[torch.rand(k_pre.shape, generator=gen) < 0.01] *= 8
-        v = torch.randn(NUM_LAYERS, n, HKV, d, generator=gen)
-        k = torch.stack([rotate(pos, k_pre[layer]) for layer in range(NUM_LAYERS)])
-        return k_pre, k, v
-
-    backend = NativeQuantizedBackend(store, CPU)
-    # the past, one request at a time, in chunks (each a prefill step)
-    for table, n, p0 in zip(tables, lens, starts):
-        done = 0
-        while done < n - 1:
-            m = min(chunk or n, n - 1 - done)
-            pos = torch.arange(p0 + done, p0 + done + m)
-            k_pre, k, v = tokens(m, pos)
-            q = torch.randn(NUM_LAYERS, m, hq, d, generator=gen)
-            slots = [table[j // bs] * bs + j % bs for j in range(done, done + m)]
-            chunk_meta = PrefillChunk(0, m, done + m, table[:cdiv(done + m, bs)])
-            outs = step(store, backend, q, k, v, k_pre, slots, pos.tolist(), [], [], [chunk_meta])
-            for layer, out in enumerate(outs):  # the prefill path, checked on the way
-                ref = reference_quantized_attention(q[layer], k[layer], v[layer], store, layer,
-                                                    table, done, d ** -0.5, rotate)
-                torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
-            done += m
-    # one step: every request's new token (decodes), then a new request's first chunk of m
-    nd, m = len(lens), bs + 3
-    new_table = [blocks.pop() for _ in range(cdiv(m, bs))]
-    pos = torch.tensor([p0 + n - 1 for p0, n in zip(starts, lens)] + list(range(m)))
-    k_pre, k, v = tokens(nd + m, pos)
-    q = torch.randn(NUM_LAYERS, nd + m, hq, d, generator=gen) * 3  # peaked softmax
-    slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens)] \
-        + [new_table[j // bs] * bs + j % bs for j in range(m)]
-    outs = step(store, backend, q, k, v, k_pre, slots, pos.tolist(), tables, list(lens),
-                [PrefillChunk(nd, m, m, new_table)])
-    refs = []
-    for layer in range(NUM_LAYERS):
-        rows = [reference_quantized_attention(q[layer, i:i + 1], k[layer, i:i + 1],
-                                              v[layer, i:i + 1], store, layer, tables[i], n - 1,
-                                              d ** -0.5, rotate) for i, n in enumerate(lens)]
-        rows.append(reference_quantized_attention(q[layer, nd:], k[layer, nd:], v[layer, nd:],
-                                                  store, layer, new_table, 0, d ** -0.5, rotate))
-        refs.append(torch.cat(rows))
-    return outs, refs
 
 
 LENS = {16: [1, 2, 15, 16, 17, 40, 100, 161], 256: [1, 5, 256, 257, 300, 600]}

@@ -27,6 +27,7 @@ from nanokv.attention.quantized import QuantizedTorchBackend  # noqa: E402
 from nanokv.attention.selector import select_backend  # noqa: E402
 from nanokv.attention.torch_paged import TorchPagedBackend  # noqa: E402
 from nanokv.attention.triton_paged import TritonPagedBackend  # noqa: E402
+from nanokv.attention.triton_quantized import TritonQuantizedBackend  # noqa: E402
 from nanokv.cache.kv_pool import KVLayout, KVPool  # noqa: E402
 from nanokv.kernels.triton import codes as kernel_codes  # noqa: E402
 from nanokv.kernels.triton.kv_write import write_kv  # noqa: E402
@@ -338,8 +339,8 @@ def test_graph_metadata_rejects_what_it_cannot_hold():
 def test_kernels_compile_for_a_gpu(tmp_path):
     """What the interpreter cannot check (types through loops and branches, dot shapes and
     operand types, constexpr use, registers): every kernel the backend launches for a bfloat16
-    model over the float pool and int8 codes compiles to a cubin for sm_90 without a GPU, and
-    none spills registers."""
+    model over the float pool and int8 codes, and the KVQuant decode kernel over a 4-bit store,
+    compiles to a cubin for sm_90 without a GPU, and none spills registers."""
     import subprocess
     import sys
     from pathlib import Path
@@ -352,7 +353,7 @@ def test_kernels_compile_for_a_gpu(tmp_path):
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = [line for line in done.stdout.splitlines() if line.startswith("ok")]
-    assert len(compiled) == 9, done.stdout
+    assert len(compiled) == 10, done.stdout
     spilled = [line for line in compiled if " stack 0 local 0 " not in line]
     assert not spilled, spilled  # registers spilled to local memory
 
@@ -360,8 +361,8 @@ def test_kernels_compile_for_a_gpu(tmp_path):
 # ---- the choice --------------------------------------------------------------------------------
 def test_backend_choice(monkeypatch, caplog):
     """auto on CPU keeps the C kernels even under the interpreter; on CUDA it picks Triton for
-    the float pool, int8 and fp8 (keys after RoPE), not for other stores; without Triton it
-    says why and falls back."""
+    the float pool, int8 and fp8 (keys after RoPE) and the Triton KVQuant / KIVI decode for
+    kivi, not for other stores; without Triton it says why and falls back."""
     from nanokv.attention.native_cpu import NativeCPUBackend
     from nanokv.attention.native_quantized import NativeQuantizedBackend
     from nanokv.layers.native_attention import NativeKernelUnavailable, load_decode_kernel
@@ -387,9 +388,11 @@ def test_backend_choice(monkeypatch, caplog):
     kivi = KIVIStore.from_settings(lay, 4, CPU, num_staging_blocks=1)
     pre_rope = make_kv_store("int8", lay, 4, pre_rope_keys=True)
     for cache in (kivi, pre_rope):
-        assert select_backend("auto", cache, cuda)[0] is QuantizedTorchBackend
         reason, structural = TritonPagedBackend.why_not(cache, cuda)
         assert structural and "keys after RoPE" in reason
+    # kivi: the Triton kernel over its codes (tests/unit/test_triton_kvquant.py)
+    assert select_backend("auto", kivi, cuda)[0] is TritonQuantizedBackend
+    assert select_backend("auto", pre_rope, cuda)[0] is QuantizedTorchBackend
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     reason, structural = TritonPagedBackend.why_not(pool, CPU)
     assert structural and "CUDA" in reason

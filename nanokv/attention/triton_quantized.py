@@ -1,0 +1,183 @@
+"""Triton decode over the KVQuant and KIVI stores, their codes read in place, on CUDA
+(`nanokv/kernels/triton/kvquant_decode.py`); the KV write (quantize on write) and prefill chunks
+go through the stores' PyTorch path, as on the CPU backends before their kernels.
+
+Serves KVQuant with per-channel keys (before RoPE over the whole head, or after it) and KIVI,
+at power-of-two block sizes; per-token KVQuant keys (the ablation layout) stay on the PyTorch
+backend. No CUDA graphs (the PyTorch write path allocates). On CPU only under Triton's
+interpreter (TRITON_INTERPRET=1: the tests, against `reference_quantized_attention`); "auto"
+chooses it on CUDA only. It has not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanokv.attention.backend import AttentionBackend
+from nanokv.attention.common import CommonAttentionMetadata
+from nanokv.attention.torch_paged import kernel_metadata
+from nanokv.attention.triton_paged import MAX_SPLITS, interpreter_on, triton_unavailable
+from nanokv.layers.attention import AttentionMetadata
+from nanokv.quant.attention import quantized_paged_attention
+from nanokv.quant.kivi_store import KIVIStore
+from nanokv.quant.kvquant import decode as decode_centroids
+from nanokv.quant.kvquant_store import KVQuantStore
+from nanokv.utils import cdiv
+
+
+@dataclass
+class TritonQuantStep:
+    write_plan: object
+    num_decode_tokens: int
+    prefill_meta: AttentionMetadata | None  # the prefill chunks (PyTorch path), None if none
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] int32, the decode rows'
+    context_lens: torch.Tensor | None = None  # [B] int32, cached slots incl. the new token
+    num_splits: int = 1
+
+
+def kernel_unfit(kv_cache) -> str | None:
+    """Why the kernel cannot read this store, or None."""
+    if not isinstance(kv_cache, (KVQuantStore, KIVIStore)):
+        return (f"its kernel reads the kvquant and kivi stores (the cache is "
+                f"{getattr(kv_cache, 'kv_cache_dtype', 'the float pool')})")
+    bs = kv_cache.block_size
+    if bs & (bs - 1):
+        return f"its kernel takes power-of-two block sizes (block_size {bs})"
+    if isinstance(kv_cache, KVQuantStore):
+        if not kv_cache.staged:
+            return "its kernel reads per-channel kvquant keys (per_channel_keys is off)"
+        rope = kv_cache.rope
+        if rope is not None and kv_cache.rotary.cos.shape[-1] != kv_cache.layout.head_dim:
+            return "its kernel rotates keys stored before RoPE over the whole head only"
+    return None
+
+
+class TritonQuantizedBackend(AttentionBackend):
+    name = "triton"
+    description = "Triton decode over the kvquant / kivi codes in place, PyTorch prefill"
+    auto_devices = ("cuda",)
+    num_warps = 4
+
+    def __init__(self, kv_cache, device: torch.device) -> None:
+        super().__init__(kv_cache, device)
+        from nanokv.kernels.triton import kvquant_decode  # reads TRITON_INTERPRET when defined
+
+        self._kernels = kvquant_decode
+        self.block_size = kv_cache.block_size
+        self.num_kv_heads = kv_cache.layout.num_kv_heads
+        self.target_programs = (2 * torch.cuda.get_device_properties(device).multi_processor_count
+                                if device.type == "cuda" else 1)
+        self._layers: dict[int, object] = {}
+
+    @classmethod
+    def why_not(cls, kv_cache, device: torch.device) -> tuple[str, bool] | None:
+        if device.type != "cuda" and not (device.type == "cpu" and interpreter_on()):
+            return (f"it runs on CUDA GPUs (device {device.type}; on CPU only under "
+                    f"TRITON_INTERPRET=1)"), True
+        why = kernel_unfit(kv_cache)
+        if why is not None:
+            return why, True
+        why = triton_unavailable()
+        if why is not None:
+            return why, False
+        if device.type == "cuda" and torch.cuda.is_available():
+            capability = torch.cuda.get_device_capability(device)
+            if capability < (8, 0):
+                return (f"it needs a GPU of compute capability 8.0 or newer (this one has "
+                        f"{capability[0]}.{capability[1]})"), False
+        return None
+
+    # ---- metadata ------------------------------------------------------------------------------
+    def decode_splits(self, rows: int, max_context: int) -> int:
+        """Splits (runs of whole blocks) of each decode's context: enough programs to fill the
+        GPU, no more than the longest context's blocks, at most MAX_SPLITS."""
+        wanted = cdiv(self.target_programs, max(1, rows * self.num_kv_heads))
+        return max(1, min(wanted, cdiv(max_context, self.block_size), MAX_SPLITS))
+
+    def build(self, common: CommonAttentionMetadata) -> TritonQuantStep:
+        if common.per_layer is not None:
+            raise RuntimeError("per-layer block tables need the float KV pool")
+        prefill_meta = None
+        if common.prefills:  # the PyTorch path fills the prefill rows only
+            prefill_meta = kernel_metadata(common, self.device, common.write_plan.slot_mapping)
+            prefill_meta.num_decode_tokens = 0
+        step = TritonQuantStep(common.write_plan, common.num_decode_tokens, prefill_meta)
+        if common.num_decodes:
+            tables = common.decode_block_tables
+            width = max(1, max(len(t) for t in tables))
+            padded = [list(t) + [0] * (width - len(t)) for t in tables]  # [B, max_blocks]
+            step.block_tables = torch.tensor(padded, dtype=torch.int32, device=self.device)
+            lens = list(common.decode_context_lens)
+            step.context_lens = torch.tensor(lens, dtype=torch.int32, device=self.device)
+            step.num_splits = self.decode_splits(len(lens), max(lens))
+        return step
+
+    # ---- one layer -----------------------------------------------------------------------------
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_pre: torch.Tensor, step: TritonQuantStep, scale: float) -> torch.Tensor:
+        store = self.kv_cache
+        store.write_layer(layer, step.write_plan, k, v, k_pre)
+        if step.prefill_meta is not None:  # fills the prefill rows; decode rows follow
+            out = quantized_paged_attention(q, k, v, None, store, layer, step.prefill_meta, None,
+                                            scale, store.rope)
+        else:
+            out = torch.empty_like(q)
+        nd = step.num_decode_tokens
+        if nd:
+            dec = torch.empty_like(q[:nd])
+            self._kernels.kvquant_decode_attention(
+                q[:nd], k[:nd], v[:nd], self.layer_views(layer), step.block_tables,
+                step.context_lens, dec, scale, step.num_splits, self.num_warps)
+            out[:nd] = dec
+        return out
+
+    def layer_views(self, layer: int):
+        """The layer's buffers as the kernel reads them (views of the store's, made once)."""
+        if layer not in self._layers:
+            store = self.kv_cache
+            make = kivi_views if isinstance(store, KIVIStore) else kvquant_views
+            self._layers[layer] = make(store, layer, self._kernels.QuantLayerViews)
+        return self._layers[layer]
+
+
+def kivi_views(store: KIVIStore, layer: int, views):
+    """KIVI as the kernel's layout: per-channel keys (min as offset, scale as half, a code's own
+    value as its table entry), per-token values in groups, a partial block's keys and values
+    staged, no outliers or sinks."""
+    buf = store.buffers
+    levels = torch.arange(2 ** store.bits, dtype=torch.float32, device=buf["k_codes"].device)
+    return views(k_codes=buf["k_codes"][layer], v_codes=buf["v_codes"][layer],
+                 k_off=buf["k_min"][layer], k_half=buf["k_scale"][layer],
+                 v_off=buf["v_min"][layer], v_half=buf["v_scale"][layer], k_lut=levels,
+                 v_lut=levels, k_bits=store.bits, v_bits=store.bits,
+                 staging_index=buf["staging_index"], k_stage=buf["staging_k"][layer],
+                 v_stage=buf["staging_v"][layer])
+
+
+def kvquant_views(store: KVQuantStore, layer: int, views):
+    buf, codec = store.buffers, store.codecs[layer]
+    device = buf[f"k_codes{layer}"].device
+
+    def lut(book) -> torch.Tensor:  # [2^bits] the centroid of each code
+        codes = torch.arange(2 ** codec.bits, dtype=torch.uint8)
+        return decode_centroids(codes, codec.bits, None if book is None else book.cpu()).to(
+            device=device, dtype=torch.float32)
+
+    rope = store.rope is not None
+    sinks = store.num_sinks > 0
+    return views(
+        k_codes=buf[f"k_codes{layer}"], v_codes=buf[f"v_codes{layer}"],
+        k_off=buf[f"k_offset{layer}"], k_half=buf[f"k_half{layer}"],
+        v_off=buf[f"v_offset{layer}"].unsqueeze(-1), v_half=buf[f"v_half{layer}"].unsqueeze(-1),
+        k_lut=lut(codec.key_codebook), v_lut=lut(codec.value_codebook), k_bits=codec.bits,
+        v_bits=codec.bits, staging_index=buf["staging_index"], k_stage=buf["staging_k"][layer],
+        k_oidx=buf[f"k_oidx{layer}"], k_oval=buf[f"k_oval{layer}"],
+        v_oidx=buf[f"v_oidx{layer}"], v_oval=buf[f"v_oval{layer}"],
+        sink_slot=buf["sink_slot"] if sinks else None,
+        k_sink=buf[f"sink_k{layer}"] if sinks else None,
+        v_sink=buf[f"sink_v{layer}"] if sinks else None,
+        positions=store.slot_positions if rope else None,
+        cos=store.rotary.cos.float().contiguous() if rope else None,
+        sin=store.rotary.sin.float().contiguous() if rope else None)

@@ -1,0 +1,285 @@
+"""Decode attention over the KVQuant and KIVI stores, their codes read in place (flash-decoding).
+
+Grid (request, KV head, split) as `decode.py`; a split is a run of whole blocks. A block's rows
+are decoded in registers: codes of 2, 3, 4 or 8 bits unpacked from their packed rows, looked up
+in the layer's codebook (`lut`: the centroid of each code, uniform grid or non-uniform), mapped
+by the block's per-channel key statistics / the token's value statistics (`lut[c] * half +
+offset`), the dense-and-sparse outliers put in place of their decoded entries, the sink rows and
+a staged (partial) block's full-precision rows in place of theirs, and keys stored before RoPE
+rotated to their positions (rotate-half: each channel and its partner decoded). Nothing is
+written back to memory; the step's own token attends with its fresh K/V, as in
+`nanokv.quant.attention.reference_quantized_attention`, the oracle of the tests.
+
+The layout (`QuantLayerViews`, one layer, every tensor contiguous):
+
+    k_codes  [nb, B, Hkv, PK] uint8      v_codes  [nb, B, Hkv, PV] uint8
+    k_off,   [nb, Hkv, D] fp16           v_off,   [nb, B, Hkv, G] fp16 (G groups of D / G
+    k_half   (per channel, per block)    v_half    channels: KIVI; KVQuant G = 1)
+    k_oidx   [nb, Hkv, CK] slot * D + ch v_oidx   [nb, B, Hkv, CV] channel (unused: out of
+    k_oval   [nb, Hkv, CK]               v_oval    range or < 0)
+    sink_slot [nb, NS] int16 (the slot of sink p, -1 none); k_sink, v_sink [nb, NS, Hkv, D]
+    staging_index [nb] int32 (-1 none); k_stage [S, B, Hkv, D] (and v_stage for KIVI)
+    k_lut, v_lut [2^bits] float32; positions [nb, B] int32 and cos, sin [P, D] (keys before RoPE)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from nanokv.kernels.triton.decode import MAX_SPLITS, _decode_merge_kernel
+from nanokv.kernels.triton.paged_tile import LOG2E, attend_tile, dot_dtype
+
+
+@dataclass(frozen=True)
+class QuantLayerViews:
+    """One layer of a KVQuant / KIVI store as the kernel reads it (shapes: the module doc)."""
+
+    k_codes: torch.Tensor
+    v_codes: torch.Tensor
+    k_off: torch.Tensor
+    k_half: torch.Tensor
+    v_off: torch.Tensor
+    v_half: torch.Tensor
+    k_lut: torch.Tensor
+    v_lut: torch.Tensor
+    k_bits: int
+    v_bits: int
+    staging_index: torch.Tensor
+    k_stage: torch.Tensor
+    v_stage: torch.Tensor | None = None
+    k_oidx: torch.Tensor | None = None
+    k_oval: torch.Tensor | None = None
+    v_oidx: torch.Tensor | None = None
+    v_oval: torch.Tensor | None = None
+    sink_slot: torch.Tensor | None = None
+    k_sink: torch.Tensor | None = None
+    v_sink: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+
+@triton.jit
+def _codes(rows, d, m, BITS: tl.constexpr, PACKED: tl.constexpr):
+    """The codes [N, D_PAD] (int32) of channels d of packed rows starting at `rows` [N]: bit
+    d * BITS of a row's little-endian bit stream (8 codes in 3 bytes at 3 bits)."""
+    if BITS == 8:
+        return tl.load(rows[:, None] + d[None, :], mask=m, other=0).to(tl.int32)
+    bit = d * BITS
+    byte = bit // 8
+    lo = tl.load(rows[:, None] + byte[None, :], mask=m, other=0).to(tl.int32)
+    hi = tl.load(rows[:, None] + byte[None, :] + 1, mask=m & (byte[None, :] + 1 < PACKED),
+                 other=0).to(tl.int32)
+    return ((lo | (hi << 8)) >> (bit % 8)[None, :]) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _key_rows(blk, g, s, dd, m, staged, kc_ptr, k_off_ptr, k_half_ptr, k_oidx_ptr, k_oval_ptr,
+              sink_slot_ptr, k_sink_ptr, k_stage_ptr, k_lut_ptr, HKV: tl.constexpr,
+              HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr,
+              PACKED: tl.constexpr, CAP: tl.constexpr, NUM_SINKS: tl.constexpr):
+    """Block blk's key rows of KV head g, slots s [B], channels dd [D_PAD] -> [B, D_PAD] float32
+    (before RoPE when the store keeps them so)."""
+    rows = kc_ptr + ((blk * BLOCK_SIZE + s) * HKV + g) * PACKED
+    code = _codes(rows, dd, m, BITS, PACKED)
+    stat = (blk * HKV + g) * HEAD_DIM + dd  # per channel, per block
+    half = tl.load(k_half_ptr + stat, mask=dd < HEAD_DIM, other=0.0).to(tl.float32)
+    off = tl.load(k_off_ptr + stat, mask=dd < HEAD_DIM, other=0.0).to(tl.float32)
+    x = tl.load(k_lut_ptr + code, mask=m, other=0.0) * half[None, :] + off[None, :]
+    at = s[:, None] * HEAD_DIM + dd[None, :]  # an outlier's index: slot * D + channel
+    for e in range(CAP):
+        entry = (blk * HKV + g) * CAP + e
+        idx = tl.load(k_oidx_ptr + entry).to(tl.int32)
+        x = tl.where(at == idx, tl.load(k_oval_ptr + entry).to(tl.float32), x)
+    for p in range(NUM_SINKS):
+        slot = tl.load(sink_slot_ptr + blk * NUM_SINKS + p).to(tl.int32)
+        sink = tl.load(k_sink_ptr + ((blk * NUM_SINKS + p) * HKV + g) * HEAD_DIM + dd,
+                       mask=dd < HEAD_DIM, other=0.0).to(tl.float32)
+        x = tl.where(s[:, None] == slot, sink[None, :], x)
+    stage = tl.maximum(staged, 0).to(tl.int64)
+    exact = tl.load(k_stage_ptr + ((stage * BLOCK_SIZE + s[:, None]) * HKV + g) * HEAD_DIM
+                    + dd[None, :], mask=m & (staged >= 0), other=0.0).to(tl.float32)
+    return tl.where(staged >= 0, exact, x)
+
+
+@triton.jit
+def _value_rows(blk, g, s, d, m, staged, vc_ptr, v_off_ptr, v_half_ptr, v_oidx_ptr, v_oval_ptr,
+                sink_slot_ptr, v_sink_ptr, v_stage_ptr, v_lut_ptr, HKV: tl.constexpr,
+                HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr,
+                PACKED: tl.constexpr, GROUPS: tl.constexpr, CAP: tl.constexpr,
+                NUM_SINKS: tl.constexpr, STAGED: tl.constexpr):
+    """Block blk's value rows of KV head g -> [B, D_PAD] float32."""
+    row = (blk * BLOCK_SIZE + s) * HKV + g  # [B] (block, slot, head)
+    code = _codes(vc_ptr + row * PACKED, d, m, BITS, PACKED)
+    stat = row[:, None] * GROUPS + d[None, :] // (HEAD_DIM // GROUPS)  # per token (and group)
+    half = tl.load(v_half_ptr + stat, mask=m, other=0.0).to(tl.float32)
+    off = tl.load(v_off_ptr + stat, mask=m, other=0.0).to(tl.float32)
+    x = tl.load(v_lut_ptr + code, mask=m, other=0.0) * half + off
+    for e in range(CAP):
+        ch = tl.load(v_oidx_ptr + row * CAP + e).to(tl.int32)  # [B]
+        val = tl.load(v_oval_ptr + row * CAP + e).to(tl.float32)
+        x = tl.where(d[None, :] == ch[:, None], val[:, None], x)
+    for p in range(NUM_SINKS):
+        slot = tl.load(sink_slot_ptr + blk * NUM_SINKS + p).to(tl.int32)
+        sink = tl.load(v_sink_ptr + ((blk * NUM_SINKS + p) * HKV + g) * HEAD_DIM + d,
+                       mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+        x = tl.where(s[:, None] == slot, sink[None, :], x)
+    if STAGED:  # values of a partial block wait in full precision too (KIVI)
+        stage = tl.maximum(staged, 0).to(tl.int64)
+        exact = tl.load(v_stage_ptr + ((stage * BLOCK_SIZE + s[:, None]) * HKV + g) * HEAD_DIM
+                        + d[None, :], mask=m & (staged >= 0), other=0.0).to(tl.float32)
+        x = tl.where(staged >= 0, exact, x)
+    return x
+
+
+_PER_STEP = ["table_ptr", "stride_table", "context_ptr", "stride_context", "num_splits"]
+
+
+@triton.jit(do_not_specialize=_PER_STEP, do_not_specialize_on_alignment=_PER_STEP)
+def _kvquant_decode_kernel(
+        q_ptr, stride_qt, stride_qh, k_ptr, v_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+        kc_ptr, vc_ptr, k_off_ptr, k_half_ptr, v_off_ptr, v_half_ptr, k_oidx_ptr, k_oval_ptr,
+        v_oidx_ptr, v_oval_ptr, sink_slot_ptr, k_sink_ptr, v_sink_ptr, staging_index_ptr,
+        k_stage_ptr, v_stage_ptr, k_lut_ptr, v_lut_ptr, pos_ptr, cos_ptr, sin_ptr,
+        table_ptr, stride_table, context_ptr, stride_context,
+        out_ptr, stride_ot, stride_oh, part_m_ptr, part_l_ptr, part_acc_ptr, qk_scale,
+        num_splits, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr,
+        D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HKV: tl.constexpr,
+        K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_PACKED: tl.constexpr,
+        V_PACKED: tl.constexpr, V_GROUPS: tl.constexpr, K_CAP: tl.constexpr,
+        V_CAP: tl.constexpr, NUM_SINKS: tl.constexpr, ROPE: tl.constexpr,
+        STAGED_V: tl.constexpr, DIRECT_OUT: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context = tl.load(context_ptr + b * stride_context)
+    past = tl.maximum(context - 1, 0)  # cached tokens; the last one is the step's own
+    per_split = tl.cdiv(tl.cdiv(past, BLOCK_SIZE), num_splits)  # whole blocks
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, tl.cdiv(past, BLOCK_SIZE))
+
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    s = tl.arange(0, BLOCK_SIZE)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q_head = kv_head * GROUP + g  # [G_PAD]
+    q = tl.load(q_ptr + b * stride_qt + q_head[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
+
+    own = (split == 0) & (context > 0)  # the step's own token starts split 0's state
+    k_own = tl.load(k_ptr + b * stride_kt + kv_head * stride_kh + d, mask=d_mask & own,
+                    other=0.0).to(tl.float32)
+    v_own = tl.load(v_ptr + b * stride_vt + kv_head * stride_vh + d, mask=d_mask & own,
+                    other=0.0).to(tl.float32)
+    s_own = tl.sum(q.to(tl.float32) * k_own[None, :], 1) * qk_scale  # [G_PAD]
+    m_i = tl.where(own, s_own, float("-inf"))
+    l_i = tl.where(own, 1.0, 0.0) + tl.zeros([G_PAD], tl.float32)
+    acc = tl.where(own, 1.0, 0.0) * v_own[None, :] + tl.zeros([G_PAD, D_PAD], tl.float32)
+
+    half_dim = HEAD_DIM // 2
+    partner = tl.where(d < half_dim, d + half_dim, d - half_dim)  # rotate-half's partner
+    sign = tl.where(d < half_dim, -1.0, 1.0)
+    table = table_ptr + b * stride_table
+    for j in range(lo, hi):
+        blk = tl.load(table + j).to(tl.int64)
+        live = j * BLOCK_SIZE + s < past  # [B]
+        m = live[:, None] & d_mask[None, :]
+        staged = tl.load(staging_index_ptr + blk)
+        k = _key_rows(blk, kv_head, s, d, m, staged, kc_ptr, k_off_ptr, k_half_ptr, k_oidx_ptr,
+                      k_oval_ptr, sink_slot_ptr, k_sink_ptr, k_stage_ptr, k_lut_ptr, HKV,
+                      HEAD_DIM, BLOCK_SIZE, K_BITS, K_PACKED, K_CAP, NUM_SINKS)
+        if ROPE:  # x cos + (-x[d + D/2] | x[d - D/2]) sin at each slot's position
+            kp = _key_rows(blk, kv_head, s, partner, m, staged, kc_ptr, k_off_ptr, k_half_ptr,
+                           k_oidx_ptr, k_oval_ptr, sink_slot_ptr, k_sink_ptr, k_stage_ptr,
+                           k_lut_ptr, HKV, HEAD_DIM, BLOCK_SIZE, K_BITS, K_PACKED, K_CAP,
+                           NUM_SINKS)
+            pos = tl.maximum(tl.load(pos_ptr + blk * BLOCK_SIZE + s, mask=live, other=0), 0)
+            at = pos.to(tl.int64)[:, None] * HEAD_DIM + d[None, :]
+            cos = tl.load(cos_ptr + at, mask=m, other=0.0)
+            sin = tl.load(sin_ptr + at, mask=m, other=0.0)
+            k = k * cos + sign[None, :] * kp * sin
+        v = _value_rows(blk, kv_head, s, d, m, staged, vc_ptr, v_off_ptr, v_half_ptr,
+                        v_oidx_ptr, v_oval_ptr, sink_slot_ptr, v_sink_ptr, v_stage_ptr,
+                        v_lut_ptr, HKV, HEAD_DIM, BLOCK_SIZE, V_BITS, V_PACKED, V_GROUPS,
+                        V_CAP, NUM_SINKS, STAGED_V)
+        k = tl.where(m, k, 0.0)
+        v = tl.where(m, v, 0.0)
+        m_i, l_i, acc = attend_tile(q, k, v, 1.0, 1.0, live[None, :], m_i, l_i, acc, qk_scale,
+                                    False, DOT_DTYPE)
+
+    if DIRECT_OUT:  # one split: the output itself
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + b * stride_ot + q_head[:, None] * stride_oh + d[None, :], out,
+                 mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        part = (b * (tl.num_programs(1) * GROUP) + q_head) * num_splits + split  # [G_PAD]
+        tl.store(part_m_ptr + part, m_i, mask=g_mask)
+        tl.store(part_l_ptr + part, l_i, mask=g_mask)
+        tl.store(part_acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=g_mask[:, None])
+
+
+def kvquant_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             layer: QuantLayerViews, block_tables: torch.Tensor,
+                             context_lens: torch.Tensor, out: torch.Tensor, scale: float,
+                             num_splits: int = 1, num_warps: int = 4) -> None:
+    """q, out: [B, Hq, D]; k (after RoPE), v: [B, Hkv, D] the step's own K/V; block_tables
+    [B, max_blocks] int32 (contiguous rows); context_lens [B] int32: cached slots after this
+    step, the own token included (0: a padded row, output zeros). Writes out."""
+    rows, num_q_heads, dim = q.shape
+    nb, block_size, heads, k_packed = layer.k_codes.shape
+    if k.shape != (rows, heads, dim) or v.shape != k.shape or out.shape != q.shape \
+            or num_q_heads % heads:
+        raise ValueError(f"q, out must be [B, a multiple of {heads}, D] and k, v [B, {heads}, D], "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32 \
+            or block_tables.stride(-1) != 1:
+        raise ValueError("block_tables (contiguous rows) and context_lens must be int32")
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"the kernel takes power-of-two block sizes, got {block_size}")
+    if rows == 0:
+        return
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    group = num_q_heads // heads
+    d_pad = max(16, triton.next_power_of_2(dim))
+    parts = part_m = part_l = out
+    if num_splits > 1:
+        part_m = torch.empty(rows, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        parts = torch.empty(rows, num_q_heads, num_splits, d_pad, dtype=torch.float32,
+                            device=q.device)
+    none = layer.k_lut  # a placeholder for the buffers a layout lacks (never read)
+    rope = layer.cos is not None
+    num_sinks = 0 if layer.sink_slot is None else layer.sink_slot.shape[-1]
+    k_cap = 0 if layer.k_oidx is None else layer.k_oidx.shape[-1]
+    v_cap = 0 if layer.v_oidx is None else layer.v_oidx.shape[-1]
+    _kvquant_decode_kernel[(rows, heads, num_splits)](
+        q, q.stride(0), q.stride(1), k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        layer.k_codes, layer.v_codes, layer.k_off, layer.k_half, layer.v_off, layer.v_half,
+        _or(layer.k_oidx, none), _or(layer.k_oval, none), _or(layer.v_oidx, none),
+        _or(layer.v_oval, none), _or(layer.sink_slot, none), _or(layer.k_sink, none),
+        _or(layer.v_sink, none), layer.staging_index, layer.k_stage, _or(layer.v_stage, none),
+        layer.k_lut, layer.v_lut, _or(layer.positions, none), _or(layer.cos, none),
+        _or(layer.sin, none), block_tables, block_tables.stride(0), context_lens,
+        context_lens.stride(0), out, out.stride(0), out.stride(1), part_m, part_l, parts,
+        scale * LOG2E, num_splits, GROUP=group, HEAD_DIM=dim,
+        G_PAD=max(16, triton.next_power_of_2(group)), D_PAD=d_pad, BLOCK_SIZE=block_size,
+        HKV=heads, K_BITS=layer.k_bits, V_BITS=layer.v_bits, K_PACKED=k_packed,
+        V_PACKED=layer.v_codes.shape[-1], V_GROUPS=layer.v_half.shape[-1], K_CAP=k_cap,
+        V_CAP=v_cap, NUM_SINKS=num_sinks, ROPE=rope, STAGED_V=layer.v_stage is not None,
+        DIRECT_OUT=num_splits == 1, DOT_DTYPE=dot_dtype(_kvquant_decode_kernel, q.dtype),
+        num_warps=num_warps)
+    if num_splits > 1:
+        _decode_merge_kernel[(rows, num_q_heads)](
+            part_m, part_l, parts, out, out.stride(0), out.stride(1), num_splits, HEAD_DIM=dim,
+            D_PAD=d_pad, S_PAD=MAX_SPLITS)
+
+
+def _or(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
+    return placeholder if t is None else t

@@ -1,0 +1,83 @@
+"""The Triton decode kernel over the KVQuant and KIVI stores (`nanokv/kernels/triton/
+kvquant_decode.py`, backend `triton` on those stores) against dequantize-then-dense
+(`reference_quantized_attention`): uniform and non-uniform codebooks of 2, 3, 4 and 8 bits, key
+and value outliers, sinks, keys kept before and after RoPE, staged partial blocks, KIVI's value
+groups, block sizes 16 and 32, contexts ending mid-block, GQA ratios 1, 2 and 8, several splits,
+decodes next to a prefill chunk; and the backend choice.
+
+On a CUDA machine the kernel compiles and runs on the GPU; without one it runs in Triton's
+interpreter on CPU (TRITON_INTERPRET=1, set by tests/conftest.py before triton is imported).
+"""
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from quant_stores import make_store, scenario  # noqa: E402
+
+from nanokv.attention import triton_paged  # noqa: E402
+from nanokv.attention.quantized import QuantizedTorchBackend  # noqa: E402
+from nanokv.attention.selector import select_backend  # noqa: E402
+from nanokv.attention.triton_quantized import TritonQuantizedBackend  # noqa: E402
+from nanokv.utils import cdiv  # noqa: E402
+
+CPU = torch.device("cpu")
+if not torch.cuda.is_available() and not triton_paged.interpreter_on():
+    pytest.skip("the Triton kernels need a GPU or TRITON_INTERPRET=1 before triton is imported "
+                "(tests/conftest.py sets it)", allow_module_level=True)
+
+STORES = ["kvquant:4bit", "kvquant:3bit-nuq", "kvquant:2bit-nuq-thresholds",
+          "kvquant:mixed-8-4", "kvquant:per-channel-post-rope", "kivi:2", "kivi:4"]
+LENS = {16: [1, 2, 15, 16, 17, 40], 32: [3, 32, 33, 70]}
+
+
+class _Splits(TritonQuantizedBackend):
+    """The backend with a fixed split count (the interpreter has no SMs to fill)."""
+
+    splits = 3
+
+    def decode_splits(self, rows: int, max_context: int) -> int:
+        return max(1, min(self.splits, cdiv(max_context, self.block_size)))
+
+
+@pytest.mark.parametrize("kind", STORES)
+@pytest.mark.parametrize("block_size,hq,splits", [(16, 2, 1), (16, 4, 3), (32, 16, 2)])
+def test_decode_equals_dequantize_then_dense(kind, block_size, hq, splits):
+    rng = random.Random(hash((kind, block_size, hq)) % 1000)
+    gen = torch.Generator().manual_seed(block_size + hq)
+    lens = LENS[block_size]
+    d = 32 if hq != 4 else 64
+    store = make_store(kind, d, block_size, sum(cdiv(n, block_size) for n in lens) + 3,
+                       len(lens) + 1)
+    backend = type("Backend", (_Splits,), {"splits": splits})
+    outs, refs = scenario(store, hq, lens, rng, gen, chunk=block_size // 2 + 3,
+                          backend_cls=backend)
+    if "2bit" in kind:  # outliers were kept
+        assert bool((store.buffers["k_oidx0"] >= 0).any())
+    for out, ref in zip(outs, refs):
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_backend_choice():
+    cuda = torch.device("cuda")
+    for kind in ("kvquant:4bit", "kvquant:per-channel-post-rope", "kivi:4"):
+        store = make_store(kind, 32, 16, 4, 1)
+        assert select_backend("auto", store, cuda)[0] is TritonQuantizedBackend
+        assert select_backend("torch", store, cuda)[0] is QuantizedTorchBackend
+    per_token = make_store("kvquant:ablation-per-token-post-rope", 32, 16, 4, 1)
+    assert select_backend("auto", per_token, cuda)[0] is QuantizedTorchBackend
+    reason, structural = TritonQuantizedBackend.why_not(per_token, cuda)
+    assert structural and "per-channel" in reason
+    odd = make_store("kvquant:4bit", 32, 24, 4, 1)
+    reason, structural = TritonQuantizedBackend.why_not(odd, cuda)
+    assert structural and "power-of-two" in reason
+    int8 = make_store("int8", 32, 16, 4, 1)
+    reason, structural = TritonQuantizedBackend.why_not(int8, cuda)
+    assert structural and "kvquant and kivi" in reason
+    if not torch.cuda.is_available():  # on CPU: chosen by name under the interpreter only
+        kvq = make_store("kvquant:4bit", 32, 16, 4, 1)
+        assert select_backend("triton", kvq, CPU)[0] is TritonQuantizedBackend
+        assert select_backend("auto", kvq, CPU)[0] is not TritonQuantizedBackend
