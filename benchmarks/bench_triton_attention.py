@@ -4,8 +4,11 @@ PyTorch backend (blocks gathered into padded copies, masked SDPA), measured in t
 Shapes: Qwen3-0.6B's attention (16 query heads, 8 KV heads, head dim 128), block size 16,
 bfloat16, the issue's workload: --requests decodes with contexts drawn from 200..2048 tokens
 (prompt 100-1024 plus output 100-1024), and a prefill step of --prefill-chunks chunks of
---chunk-len tokens, half of them over a cached prefix. Caches: the float pool, and int8 / fp8
-stores (the PyTorch path dequantizes the blocks it reads). Each timing covers the backend's
+--chunk-len tokens, half of them over a cached prefix. Caches: the float pool, int8 / fp8
+stores (the PyTorch path dequantizes the blocks it reads), and a KVQuant 4-bit store (keys
+before RoPE): for it the decode attention alone, the Triton kernel over the codes against the
+PyTorch path (its prefill is the PyTorch path in both backends, and its blocks take their slots
+once, in order, so the write is not repeated). Each timing covers the backend's
 `build` (the step's metadata, once per step) plus one layer's `forward` (write + attention);
 median of --repeats rounds after a warm-up, every method once per round in turn. Reported
 alongside: the decode's effective read bandwidth (the KV bytes the requests' contexts hold /
@@ -26,6 +29,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -35,8 +39,11 @@ from nanokv.attention.common import CommonAttentionMetadata, PrefillChunk  # noq
 from nanokv.attention.quantized import QuantizedTorchBackend  # noqa: E402
 from nanokv.attention.torch_paged import TorchPagedBackend  # noqa: E402
 from nanokv.attention.triton_paged import TritonPagedBackend  # noqa: E402
+from nanokv.attention.triton_quantized import TritonQuantizedBackend  # noqa: E402
 from nanokv.cache.kv_pool import KVLayout, KVPool  # noqa: E402
-from nanokv.quant import make_kv_store  # noqa: E402
+from nanokv.layers.rotary import RotaryEmbedding  # noqa: E402
+from nanokv.quant import KVQuantConfig, KVQuantStore, make_kv_store  # noqa: E402
+from nanokv.quant.attention import quantized_paged_attention  # noqa: E402
 from nanokv.utils import cdiv  # noqa: E402
 
 
@@ -60,20 +67,66 @@ def timed(fns: dict, repeats: int, device: torch.device) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def make_cache(kind: str, layout: KVLayout, num_blocks: int, device: torch.device):
+class _Rope:
+    rope_parameters = {"rope_type": "default", "rope_theta": 1000000.0}
+
+
+def make_cache(kind: str, layout: KVLayout, num_blocks: int, device: torch.device,
+               max_position: int, staging: int):
     if kind == "auto":
         return KVPool(layout, num_blocks, device)
+    if kind == "kvquant":
+        store = KVQuantStore(layout, num_blocks, KVQuantConfig(bits=4),
+                             num_staging_blocks=staging, device=device)
+        store.rotary = RotaryEmbedding(_Rope(), layout.head_dim, max_position)
+        store.rotary.build_tables(device)
+        return store
     return make_kv_store(kind, layout, num_blocks, device)
 
 
-def step_fn(backend_cls, cache, common, q, k, v, device):
+def step_fn(backend_cls, cache, common, q, k, v, device, max_position: int):
     backend = backend_cls(cache, device)
     scale = q.shape[-1] ** -0.5
+    positions = [s % max_position for s in common.slot_mapping]  # (RoPE of pre-RoPE keys)
 
     def run():
-        common.write_plan = cache.begin_step(common.slot_mapping, common.slot_mapping)
+        common.write_plan = cache.begin_step(common.slot_mapping, positions)
         backend.forward(0, q, k, v, k, backend.build(common), scale)
     return run
+
+
+def fill_past(store, common, max_position: int, gen, device) -> None:
+    """Write each decode request's cached tokens (all but its last) through the store, in slot
+    order (a KVQuant block fills in order; its partial last block is staged)."""
+    bs = store.block_size
+    slots = [t[j // bs] * bs + j % bs for t, n in zip(common.decode_block_tables,
+                                                      common.decode_context_lens)
+             for j in range(n - 1)]
+    heads, dim = store.layout.num_kv_heads, store.layout.head_dim
+    for start in range(0, len(slots), 65536):
+        part = slots[start:start + 65536]
+        plan = store.begin_step(part, [s % max_position for s in part])
+        k = torch.randn(len(part), heads, dim, generator=gen).to(device)
+        v = torch.randn(len(part), heads, dim, generator=gen).to(device)
+        store.write_layer(0, plan, k, v, k)
+
+
+def decode_only_fns(store, common, q, k, v, device) -> dict:
+    """The decode attention alone (no write: a KVQuant block takes its slots once, in order):
+    the PyTorch path (dequantize, then attend) and the Triton kernel over the codes."""
+    scale = q.shape[-1] ** -0.5
+    common.write_plan = SimpleNamespace(slot_mapping=torch.empty(0, dtype=torch.long,
+                                                                 device=device))
+    meta = QuantizedTorchBackend(store, device).build(common).meta
+    triton = TritonQuantizedBackend(store, device)
+    step = triton.build(common)
+    views = triton.layer_views(0)
+    out = torch.empty_like(q)
+    return {"torch": lambda: quantized_paged_attention(q, k, v, None, store, 0, meta, None,
+                                                       scale, store.rope),
+            "triton": lambda: triton._kernels.kvquant_decode_attention(
+                q, k, v, views, step.block_tables, step.context_lens, out, scale,
+                step.num_splits)}
 
 
 def decode_step(args, rng, num_blocks) -> tuple[CommonAttentionMetadata, int]:
@@ -113,7 +166,7 @@ def main(argv=None) -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-dtypes", nargs="+", default=["auto", "int8", "fp8_e4m3"])
+    p.add_argument("--kv-dtypes", nargs="+", default=["auto", "int8", "fp8_e4m3", "kvquant"])
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--out", default=None, help="directory for triton_attention.{json,md}")
     args = p.parse_args(argv)
@@ -136,19 +189,28 @@ def main(argv=None) -> None:
         return [torch.randn(*s, args.head_dim, generator=gen).to(device, dtype) for s in shapes]
 
     rows = []
+    max_position = args.max_context + args.chunk_len
     for kind in args.kv_dtypes:
-        cache = make_cache(kind, layout, num_blocks, device)
+        cache = make_cache(kind, layout, num_blocks, device, max_position,
+                           args.requests + args.prefill_chunks)
         elem = 1 if kind != "auto" else torch.empty(0, dtype=dtype).element_size()
         read = 2 * tokens * args.kv_heads * (args.head_dim * elem + (4 if kind != "auto" else 0))
         reference = TorchPagedBackend if kind == "auto" else QuantizedTorchBackend
-        for name, common in (("decode", decode), ("prefill", prefill)):
+        triton_cls = TritonPagedBackend
+        steps = (("decode", decode),) if kind == "kvquant" else (("decode", decode),
+                                                                  ("prefill", prefill))
+        if kind == "kvquant":
+            fill_past(cache, decode, max_position, gen, device)
+        for name, common in steps:
             q, k, v = qkv(len(common.slot_mapping))
-            fns = {"torch": step_fn(reference, cache, common, q, k, v, device),
-                   "triton": step_fn(TritonPagedBackend, cache, common, q, k, v, device)}
+            fns = {"torch": step_fn(reference, cache, common, q, k, v, device, max_position),
+                   "triton": step_fn(triton_cls, cache, common, q, k, v, device, max_position)}
+            if kind == "kvquant":
+                fns = decode_only_fns(cache, common, q, k, v, device)
             t = timed(fns, args.repeats, device)
             row = {"kv_cache_dtype": kind, "step": name, "torch_ms": t["torch"] * 1e3,
                    "triton_ms": t["triton"] * 1e3, "speedup": t["torch"] / t["triton"]}
-            if name == "decode":
+            if name == "decode" and kind != "kvquant":
                 row["triton_read_GBps"] = read / t["triton"] / 1e9
             rows.append(row)
             print(json.dumps(row))

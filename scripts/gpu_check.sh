@@ -52,7 +52,7 @@ bench bench_256_eager 75 256 --enforce-eager
 bench bench_64 30 64
 bench bench_64_eager 30 64 --enforce-eager
 stage profile 40 $PY scripts/gpu_profile_decode.py --model "$MODEL" --out "$OUT"
-stage triton_bench 25 $PY benchmarks/bench_triton_attention.py --device cuda --repeats 5 \
+stage triton_bench 35 $PY benchmarks/bench_triton_attention.py --device cuda --repeats 5 \
   --out "$OUT"
 stage suite 70 $PY -m pytest -p no:cacheprovider --continue-on-collection-errors -rfE \
   tests/cuda tests/unit/test_triton_attention.py tests/model/test_hf_parity.py \

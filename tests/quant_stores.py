@@ -50,19 +50,22 @@ def kvquant_config(name, head_dim):
     }[name]()
 
 
-def make_store(kind, head_dim, block_size, num_blocks, num_requests, staging_dtype=None):
+def make_store(kind, head_dim, block_size, num_blocks, num_requests, staging_dtype=None,
+               device=CPU):
     lay = KVLayout(NUM_LAYERS, HKV, head_dim, block_size, torch.float32)
     if kind.startswith("kvquant:"):
         store = KVQuantStore(lay, num_blocks, kvquant_config(kind[8:], head_dim),
-                             num_staging_blocks=num_requests, staging_dtype=staging_dtype)
+                             num_staging_blocks=num_requests, device=device,
+                             staging_dtype=staging_dtype)
     elif kind.startswith("kivi:"):  # value groups: gcd(32, head_dim) channels, 4 at D = 128
-        store = KIVIStore.from_settings(lay, num_blocks, CPU, bits=int(kind[5:]),
+        store = KIVIStore.from_settings(lay, num_blocks, device, bits=int(kind[5:]),
                                         num_staging_blocks=num_requests)
     elif kind.endswith("-pre-rope"):  # per-token codes of keys before RoPE
-        store = make_kv_store(kind[:-9], lay, num_blocks, pre_rope_keys=True)
+        store = make_kv_store(kind[:-9], lay, num_blocks, device, pre_rope_keys=True)
     else:
-        store = make_kv_store(kind, lay, num_blocks)
+        store = make_kv_store(kind, lay, num_blocks, device)
     store.rotary = RotaryEmbedding(_HFConfig(), head_dim, MAX_POS)
+    store.rotary.build_tables(torch.device(device))
     return store
 
 
@@ -77,11 +80,12 @@ def step(store, backend, q, k, v, k_pre, slots, positions, decode_tables, decode
                             q.shape[-1] ** -0.5) for layer in layers]
 
 
-def scenario(store, hq, lens, rng, gen, chunk=None, backend_cls=NativeQuantizedBackend):
+def scenario(store, hq, lens, rng, gen, chunk=None, backend_cls=NativeQuantizedBackend,
+             device=CPU):
     """Requests with `lens` cached slots (the last one the step's new token), written as prefill
     chunks through `backend_cls` (each checked against the reference on the way); then one step
     of all of them decoding next to a new request's first chunk. Returns (outputs per layer,
-    reference per layer)."""
+    reference per layer). `device`: the store's (the tensors are drawn on CPU, then moved)."""
     bs, d = store.block_size, store.layout.head_dim
     rotate = store.rotary.rotate
     blocks = list(range(store.num_blocks))
@@ -93,10 +97,14 @@ def scenario(store, hq, lens, rng, gen, chunk=None, backend_cls=NativeQuantizedB
         k_pre = torch.randn(NUM_LAYERS, n, HKV, d, generator=gen)
         k_pre[torch.rand(k_pre.shape, generator=gen) < 0.01] *= 8
         v = torch.randn(NUM_LAYERS, n, HKV, d, generator=gen)
+        k_pre, v, pos = k_pre.to(device), v.to(device), pos.to(device)
         k = torch.stack([rotate(pos, k_pre[layer]) for layer in range(NUM_LAYERS)])
         return k_pre, k, v
 
-    backend = backend_cls(store, CPU)
+    def queries(n, scale=1.0):
+        return (torch.randn(NUM_LAYERS, n, hq, d, generator=gen) * scale).to(device)
+
+    backend = backend_cls(store, torch.device(device))
     # the past, one request at a time, in chunks (each a prefill step)
     for table, n, p0 in zip(tables, lens, starts):
         done = 0
@@ -104,7 +112,7 @@ def scenario(store, hq, lens, rng, gen, chunk=None, backend_cls=NativeQuantizedB
             m = min(chunk or n, n - 1 - done)
             pos = torch.arange(p0 + done, p0 + done + m)
             k_pre, k, v = tokens(m, pos)
-            q = torch.randn(NUM_LAYERS, m, hq, d, generator=gen)
+            q = queries(m)
             slots = [table[j // bs] * bs + j % bs for j in range(done, done + m)]
             chunk_meta = PrefillChunk(0, m, done + m, table[:cdiv(done + m, bs)])
             outs = step(store, backend, q, k, v, k_pre, slots, pos.tolist(), [], [], [chunk_meta])
@@ -118,7 +126,7 @@ def scenario(store, hq, lens, rng, gen, chunk=None, backend_cls=NativeQuantizedB
     new_table = [blocks.pop() for _ in range(cdiv(m, bs))]
     pos = torch.tensor([p0 + n - 1 for p0, n in zip(starts, lens)] + list(range(m)))
     k_pre, k, v = tokens(nd + m, pos)
-    q = torch.randn(NUM_LAYERS, nd + m, hq, d, generator=gen) * 3  # peaked softmax
+    q = queries(nd + m, 3.0)  # peaked softmax
     slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens)] \
         + [new_table[j // bs] * bs + j % bs for j in range(m)]
     outs = step(store, backend, q, k, v, k_pre, slots, pos.tolist(), tables, list(lens),

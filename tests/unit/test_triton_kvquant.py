@@ -25,7 +25,8 @@ from nanokv.attention.triton_quantized import TritonQuantizedBackend  # noqa: E4
 from nanokv.utils import cdiv  # noqa: E402
 
 CPU = torch.device("cpu")
-if not torch.cuda.is_available() and not triton_paged.interpreter_on():
+DEVICE = torch.device("cuda") if torch.cuda.is_available() else CPU
+if DEVICE.type == "cpu" and not triton_paged.interpreter_on():
     pytest.skip("the Triton kernels need a GPU or TRITON_INTERPRET=1 before triton is imported "
                 "(tests/conftest.py sets it)", allow_module_level=True)
 
@@ -51,10 +52,10 @@ def test_decode_equals_dequantize_then_dense(kind, block_size, hq, splits):
     lens = LENS[block_size]
     d = 32 if hq != 4 else 64
     store = make_store(kind, d, block_size, sum(cdiv(n, block_size) for n in lens) + 3,
-                       len(lens) + 1)
+                       len(lens) + 1, device=DEVICE)
     backend = type("Backend", (_Splits,), {"splits": splits})
     outs, refs = scenario(store, hq, lens, rng, gen, chunk=block_size // 2 + 3,
-                          backend_cls=backend)
+                          backend_cls=backend, device=DEVICE)
     if "2bit" in kind:  # outliers were kept
         assert bool((store.buffers["k_oidx0"] >= 0).any())
     for out, ref in zip(outs, refs):
