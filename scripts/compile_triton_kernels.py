@@ -174,7 +174,6 @@ def main() -> None:
         setattr(module, name, recorders[name])
     recorders["_kvquant_decode_kernel"] = Recorder(kvquant_decode._kvquant_decode_kernel)
     kvquant_decode._kvquant_decode_kernel = recorders["_kvquant_decode_kernel"]
-    kvquant_decode._decode_merge_kernel = recorders["_decode_merge_kernel"]
     record(torch.bfloat16, 16, 8, 128, 16, args.quick)
     record_quant(torch.bfloat16, 16, 8, 128, 16, args.quick)
     if not args.quick:

@@ -18,7 +18,6 @@ import torch
 
 from nanokv.attention.backend import AttentionBackend
 from nanokv.attention.common import CommonAttentionMetadata
-from nanokv.attention.torch_paged import kernel_metadata
 from nanokv.layers.attention import AttentionMetadata
 from nanokv.layers.native_attention import DecodeRuns, NativeKernelUnavailable, build_decode_runs
 from nanokv.layers.native_quant_attention import (
@@ -31,7 +30,7 @@ from nanokv.layers.native_quant_attention import (
     load_quant_kernels,
     pertoken_decode,
 )
-from nanokv.quant.attention import quantized_paged_attention
+from nanokv.attention.quantized import prefill_only_metadata, write_prefill_then_decode
 from nanokv.quant.kvquant import decode as decode_centroids
 from nanokv.quant.kivi_store import KIVIStore
 from nanokv.quant.kvquant_store import KVQuantStore
@@ -104,12 +103,7 @@ class NativeQuantizedBackend(AttentionBackend):
 
     # ---- metadata ------------------------------------------------------------------------------
     def build(self, common: CommonAttentionMetadata) -> NativeQuantStep:
-        if common.per_layer is not None:
-            raise RuntimeError("per-layer block tables need the float KV pool")
-        prefill_meta = None
-        if common.prefills:  # the PyTorch path fills the prefill rows only
-            prefill_meta = kernel_metadata(common, self.device, common.write_plan.slot_mapping)
-            prefill_meta.num_decode_tokens = 0
+        prefill_meta = prefill_only_metadata(common, self.device)
         step = NativeQuantStep(common.write_plan, common.num_decode_tokens, prefill_meta)
         if common.num_decodes:
             past = [c - 1 for c in common.decode_context_lens]  # the new token comes fresh
@@ -130,18 +124,12 @@ class NativeQuantizedBackend(AttentionBackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_pre: torch.Tensor, step: NativeQuantStep, scale: float) -> torch.Tensor:
         store = self.kv_cache
-        store.write_layer(layer, step.write_plan, k, v, k_pre)
-        if step.prefill_meta is not None:  # fills the prefill rows; decode rows follow
-            read_past = partial(self._read_past, num_q_heads=q.shape[1]) \
-                if isinstance(store, BLOCK_TABLE_STORES) else None
-            out = quantized_paged_attention(q, k, v, None, store, layer, step.prefill_meta, None,
-                                            scale, store.rope, read_past)
-        else:
-            out = torch.empty_like(q)
-        nd = step.num_decode_tokens
-        if nd:
-            out[:nd] = self.decode(layer, q[:nd], k[:nd], v[:nd], step, scale).to(out.dtype)
-        return out
+        read_past = partial(self._read_past, num_q_heads=q.shape[1]) \
+            if isinstance(store, BLOCK_TABLE_STORES) else None
+        return write_prefill_then_decode(
+            store, layer, q, k, v, k_pre, step.write_plan, step.prefill_meta,
+            step.num_decode_tokens, scale,
+            lambda qd, kd, vd: self.decode(layer, qd, kd, vd, step, scale), read_past)
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                step: NativeQuantStep, scale: float) -> torch.Tensor:

@@ -49,3 +49,35 @@ class QuantizedTorchBackend(AttentionBackend):
         store.write_layer(layer, step.write_plan, k, v, k_pre)
         return quantized_paged_attention(q, k, v, None, store, layer, step.meta, None, scale,
                                          store.rope)
+
+
+# ---- for backends that decode with their own kernel and prefill through this path ------------
+def prefill_only_metadata(common: CommonAttentionMetadata, device: torch.device
+                          ) -> AttentionMetadata | None:
+    """The PyTorch path's metadata for the step's prefill chunks alone (None without any)."""
+    if common.per_layer is not None:
+        raise RuntimeError("per-layer block tables need the float KV pool")
+    if not common.prefills:
+        return None
+    meta = kernel_metadata(common, device, common.write_plan.slot_mapping)
+    meta.num_decode_tokens = 0
+    return meta
+
+
+def write_prefill_then_decode(store: QuantizedKVStore, layer: int, q: torch.Tensor,
+                              k: torch.Tensor, v: torch.Tensor, k_pre: torch.Tensor, plan,
+                              prefill_meta: AttentionMetadata | None, num_decode_tokens: int,
+                              scale: float, decode, read_past=None) -> torch.Tensor:
+    """One layer of such a backend: the store writes the step's K/V, the prefill rows go
+    through the PyTorch path (`read_past`: its reader of a chunk's cached prefix), then
+    decode(q, k, v) -> [nd, Hq, D] fills the first num_decode_tokens rows."""
+    store.write_layer(layer, plan, k, v, k_pre)
+    if prefill_meta is not None:
+        out = quantized_paged_attention(q, k, v, None, store, layer, prefill_meta, None, scale,
+                                        store.rope, read_past)
+    else:
+        out = torch.empty_like(q)
+    nd = num_decode_tokens
+    if nd:
+        out[:nd] = decode(q[:nd], k[:nd], v[:nd]).to(out.dtype)
+    return out

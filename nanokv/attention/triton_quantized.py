@@ -17,10 +17,9 @@ import torch
 
 from nanokv.attention.backend import AttentionBackend
 from nanokv.attention.common import CommonAttentionMetadata
-from nanokv.attention.torch_paged import kernel_metadata
+from nanokv.attention.quantized import prefill_only_metadata, write_prefill_then_decode
 from nanokv.attention.triton_paged import MAX_SPLITS, interpreter_on, triton_unavailable
 from nanokv.layers.attention import AttentionMetadata
-from nanokv.quant.attention import quantized_paged_attention
 from nanokv.quant.kivi_store import KIVIStore
 from nanokv.quant.kvquant import decode as decode_centroids
 from nanokv.quant.kvquant_store import KVQuantStore
@@ -97,12 +96,7 @@ class TritonQuantizedBackend(AttentionBackend):
         return max(1, min(wanted, cdiv(max_context, self.block_size), MAX_SPLITS))
 
     def build(self, common: CommonAttentionMetadata) -> TritonQuantStep:
-        if common.per_layer is not None:
-            raise RuntimeError("per-layer block tables need the float KV pool")
-        prefill_meta = None
-        if common.prefills:  # the PyTorch path fills the prefill rows only
-            prefill_meta = kernel_metadata(common, self.device, common.write_plan.slot_mapping)
-            prefill_meta.num_decode_tokens = 0
+        prefill_meta = prefill_only_metadata(common, self.device)
         step = TritonQuantStep(common.write_plan, common.num_decode_tokens, prefill_meta)
         if common.num_decodes:
             tables = common.decode_block_tables
@@ -117,21 +111,16 @@ class TritonQuantizedBackend(AttentionBackend):
     # ---- one layer -----------------------------------------------------------------------------
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_pre: torch.Tensor, step: TritonQuantStep, scale: float) -> torch.Tensor:
-        store = self.kv_cache
-        store.write_layer(layer, step.write_plan, k, v, k_pre)
-        if step.prefill_meta is not None:  # fills the prefill rows; decode rows follow
-            out = quantized_paged_attention(q, k, v, None, store, layer, step.prefill_meta, None,
-                                            scale, store.rope)
-        else:
-            out = torch.empty_like(q)
-        nd = step.num_decode_tokens
-        if nd:
-            dec = torch.empty_like(q[:nd])
+        def decode(qd, kd, vd):
+            out = torch.empty_like(qd)
             self._kernels.kvquant_decode_attention(
-                q[:nd], k[:nd], v[:nd], self.layer_views(layer), step.block_tables,
-                step.context_lens, dec, scale, step.num_splits, self.num_warps)
-            out[:nd] = dec
-        return out
+                qd, kd, vd, self.layer_views(layer), step.block_tables, step.context_lens, out,
+                scale, step.num_splits, self.num_warps)
+            return out
+
+        return write_prefill_then_decode(self.kv_cache, layer, q, k, v, k_pre, step.write_plan,
+                                         step.prefill_meta, step.num_decode_tokens, scale,
+                                         decode)
 
     def layer_views(self, layer: int):
         """The layer's buffers as the kernel reads them (views of the store's, made once)."""

@@ -29,6 +29,41 @@ MAX_SPLITS = 16
 _PER_STEP = ["table_ptr", "stride_table", "context_ptr", "stride_context", "num_splits"]
 
 
+@triton.jit
+def own_token_state(q, k_ptr, v_ptr, stride_kt, stride_kh, stride_vt, stride_vh, b, kv_head,
+                    split, context, d, d_mask, qk_scale, G_PAD: tl.constexpr,
+                    D_PAD: tl.constexpr):
+    """The online softmax state a split starts from: split 0 of a live row starts with the
+    step's own token (m = its score, l = 1, acc = its value), every other empty."""
+    own = (split == 0) & (context > 0)
+    k_own = tl.load(k_ptr + b * stride_kt + kv_head * stride_kh + d, mask=d_mask & own,
+                    other=0.0).to(tl.float32)
+    v_own = tl.load(v_ptr + b * stride_vt + kv_head * stride_vh + d, mask=d_mask & own,
+                    other=0.0).to(tl.float32)
+    s_own = tl.sum(q.to(tl.float32) * k_own[None, :], 1) * qk_scale  # [G_PAD]
+    m_i = tl.where(own, s_own, float("-inf"))
+    l_i = tl.where(own, 1.0, 0.0) + tl.zeros([G_PAD], tl.float32)
+    acc = tl.where(own, 1.0, 0.0) * v_own[None, :] + tl.zeros([G_PAD, D_PAD], tl.float32)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def store_split(out_ptr, stride_ot, stride_oh, part_m_ptr, part_l_ptr, part_acc_ptr, b, q_head,
+                g_mask, d, d_mask, split, num_splits, m_i, l_i, acc, GROUP: tl.constexpr,
+                D_PAD: tl.constexpr, DIRECT_OUT: tl.constexpr):
+    """A split's result: the output itself with one split, else its partials [rows, Hq,
+    num_splits] (m, l) and [rows, Hq, num_splits, D_PAD] (acc) for the merge kernel."""
+    if DIRECT_OUT:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + b * stride_ot + q_head[:, None] * stride_oh + d[None, :], out,
+                 mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        part = (b * (tl.num_programs(1) * GROUP) + q_head) * num_splits + split  # [G_PAD]
+        tl.store(part_m_ptr + part, m_i, mask=g_mask)
+        tl.store(part_l_ptr + part, l_i, mask=g_mask)
+        tl.store(part_acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=g_mask[:, None])
+
+
 @triton.jit(do_not_specialize=_PER_STEP, do_not_specialize_on_alignment=_PER_STEP)
 def _decode_split_kernel(
         q_ptr, stride_qt, stride_qh, k_ptr, v_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -56,16 +91,9 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + b * stride_qt + q_head[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)  # [G_PAD, D_PAD]
 
-    # the step's own token starts split 0's state: m = its score, l = 1, acc = its value
-    own = (split == 0) & (context > 0)
-    k_own = tl.load(k_ptr + b * stride_kt + kv_head * stride_kh + d, mask=d_mask & own,
-                    other=0.0).to(tl.float32)
-    v_own = tl.load(v_ptr + b * stride_vt + kv_head * stride_vh + d, mask=d_mask & own,
-                    other=0.0).to(tl.float32)
-    s_own = tl.sum(q.to(tl.float32) * k_own[None, :], 1) * qk_scale  # [G_PAD]
-    m_i = tl.where(own, s_own, float("-inf"))
-    l_i = tl.where(own, 1.0, 0.0) + tl.zeros([G_PAD], tl.float32)
-    acc = tl.where(own, 1.0, 0.0) * v_own[None, :] + tl.zeros([G_PAD, D_PAD], tl.float32)
+    m_i, l_i, acc = own_token_state(q, k_ptr, v_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                                    b, kv_head, split, context, d, d_mask, qk_scale, G_PAD,
+                                    D_PAD)
 
     table = table_ptr + b * stride_table
     m_i, l_i, acc = attend_paged_span(
@@ -73,16 +101,8 @@ def _decode_split_kernel(
         stride_cs, stride_ch, k_scale_ptr, v_scale_ptr, stride_sb, stride_ss, d, d_mask,
         qk_scale, BLOCK_SIZE, TILE_N, KV_FORMAT, DOT_DTYPE)
 
-    if DIRECT_OUT:  # one split: the output itself
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + b * stride_ot + q_head[:, None] * stride_oh + d[None, :], out,
-                 mask=g_mask[:, None] & d_mask[None, :])
-    else:
-        # partials [rows, Hq, num_splits] (m, l) and [rows, Hq, num_splits, D_PAD] (acc)
-        part = (b * (tl.num_programs(1) * GROUP) + q_head) * num_splits + split  # [G_PAD]
-        tl.store(part_m_ptr + part, m_i, mask=g_mask)
-        tl.store(part_l_ptr + part, l_i, mask=g_mask)
-        tl.store(part_acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=g_mask[:, None])
+    store_split(out_ptr, stride_ot, stride_oh, part_m_ptr, part_l_ptr, part_acc_ptr, b, q_head,
+                g_mask, d, d_mask, split, num_splits, m_i, l_i, acc, GROUP, D_PAD, DIRECT_OUT)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -121,14 +141,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Page
         return
     group = num_q_heads // heads
     d_pad = max(16, triton.next_power_of_2(dim))
-    # partials only with splits (a CUDA graph keeps these allocations in its pool)
-    parts = out
-    part_m = part_l = out
-    if num_splits > 1:
-        part_m = torch.empty(rows, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
-        parts = torch.empty(rows, num_q_heads, num_splits, d_pad, dtype=torch.float32,
-                            device=q.device)
+    part_m, part_l, parts = split_partials(out, num_splits, d_pad)
     k_scales, v_scales = kv.scale_tensors()
     _decode_split_kernel[(rows, heads, num_splits)](
         q, q.stride(0), q.stride(1), k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -139,10 +152,27 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Page
         BLOCK_SIZE=kv.block_size, TILE_N=tile_n, DIRECT_OUT=num_splits == 1,
         KV_FORMAT=kv.kv_format, DOT_DTYPE=dot_dtype(_decode_split_kernel, q.dtype),
         num_warps=num_warps)
+    merge_splits(part_m, part_l, parts, out, num_splits, d_pad)
+
+
+def split_partials(out: torch.Tensor, num_splits: int, d_pad: int):
+    """(m, l, acc) partials of a split decode into out [B, Hq, D]; with one split no buffers
+    (the kernel writes out itself: out stands in). A CUDA graph keeps them in its pool."""
+    if num_splits == 1:
+        return out, out, out
+    rows, num_q_heads = out.shape[:2]
+    part_m = torch.empty(rows, num_q_heads, num_splits, dtype=torch.float32, device=out.device)
+    parts = torch.empty(rows, num_q_heads, num_splits, d_pad, dtype=torch.float32,
+                        device=out.device)
+    return part_m, torch.empty_like(part_m), parts
+
+
+def merge_splits(part_m, part_l, parts, out: torch.Tensor, num_splits: int, d_pad: int) -> None:
+    """The splits' partials merged into out (nothing to do with one split)."""
     if num_splits > 1:
-        _decode_merge_kernel[(rows, num_q_heads)](
-            part_m, part_l, parts, out, out.stride(0), out.stride(1), num_splits, HEAD_DIM=dim,
-            D_PAD=d_pad, S_PAD=MAX_SPLITS)
+        _decode_merge_kernel[out.shape[:2]](
+            part_m, part_l, parts, out, out.stride(0), out.stride(1), num_splits,
+            HEAD_DIM=out.shape[2], D_PAD=d_pad, S_PAD=MAX_SPLITS)
 
 
 def _check(q, k, v, out, kv: PagedKV, block_tables, context_lens, num_splits, tile_n) -> None:

@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanokv.kernels.triton.decode import MAX_SPLITS, _decode_merge_kernel
+from nanokv.kernels.triton import decode
+from nanokv.kernels.triton.decode import MAX_SPLITS, own_token_state, store_split
 from nanokv.kernels.triton.paged_tile import LOG2E, attend_tile, dot_dtype
 
 
@@ -171,15 +172,9 @@ def _kvquant_decode_kernel(
     q = tl.load(q_ptr + b * stride_qt + q_head[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
 
-    own = (split == 0) & (context > 0)  # the step's own token starts split 0's state
-    k_own = tl.load(k_ptr + b * stride_kt + kv_head * stride_kh + d, mask=d_mask & own,
-                    other=0.0).to(tl.float32)
-    v_own = tl.load(v_ptr + b * stride_vt + kv_head * stride_vh + d, mask=d_mask & own,
-                    other=0.0).to(tl.float32)
-    s_own = tl.sum(q.to(tl.float32) * k_own[None, :], 1) * qk_scale  # [G_PAD]
-    m_i = tl.where(own, s_own, float("-inf"))
-    l_i = tl.where(own, 1.0, 0.0) + tl.zeros([G_PAD], tl.float32)
-    acc = tl.where(own, 1.0, 0.0) * v_own[None, :] + tl.zeros([G_PAD, D_PAD], tl.float32)
+    m_i, l_i, acc = own_token_state(q, k_ptr, v_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                                    b, kv_head, split, context, d, d_mask, qk_scale, G_PAD,
+                                    D_PAD)
 
     half_dim = HEAD_DIM // 2
     partner = tl.where(d < half_dim, d + half_dim, d - half_dim)  # rotate-half's partner
@@ -212,15 +207,8 @@ def _kvquant_decode_kernel(
         m_i, l_i, acc = attend_tile(q, k, v, 1.0, 1.0, live[None, :], m_i, l_i, acc, qk_scale,
                                     False, DOT_DTYPE)
 
-    if DIRECT_OUT:  # one split: the output itself
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + b * stride_ot + q_head[:, None] * stride_oh + d[None, :], out,
-                 mask=g_mask[:, None] & d_mask[None, :])
-    else:
-        part = (b * (tl.num_programs(1) * GROUP) + q_head) * num_splits + split  # [G_PAD]
-        tl.store(part_m_ptr + part, m_i, mask=g_mask)
-        tl.store(part_l_ptr + part, l_i, mask=g_mask)
-        tl.store(part_acc_ptr + part[:, None] * D_PAD + d[None, :], acc, mask=g_mask[:, None])
+    store_split(out_ptr, stride_ot, stride_oh, part_m_ptr, part_l_ptr, part_acc_ptr, b, q_head,
+                g_mask, d, d_mask, split, num_splits, m_i, l_i, acc, GROUP, D_PAD, DIRECT_OUT)
 
 
 def kvquant_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -248,12 +236,7 @@ def kvquant_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     group = num_q_heads // heads
     d_pad = max(16, triton.next_power_of_2(dim))
-    parts = part_m = part_l = out
-    if num_splits > 1:
-        part_m = torch.empty(rows, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
-        part_l = torch.empty_like(part_m)
-        parts = torch.empty(rows, num_q_heads, num_splits, d_pad, dtype=torch.float32,
-                            device=q.device)
+    part_m, part_l, parts = decode.split_partials(out, num_splits, d_pad)
     none = layer.k_lut  # a placeholder for the buffers a layout lacks (never read)
     rope = layer.cos is not None
     num_sinks = 0 if layer.sink_slot is None else layer.sink_slot.shape[-1]
@@ -275,10 +258,7 @@ def kvquant_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         V_CAP=v_cap, NUM_SINKS=num_sinks, ROPE=rope, STAGED_V=layer.v_stage is not None,
         DIRECT_OUT=num_splits == 1, DOT_DTYPE=dot_dtype(_kvquant_decode_kernel, q.dtype),
         num_warps=num_warps)
-    if num_splits > 1:
-        _decode_merge_kernel[(rows, num_q_heads)](
-            part_m, part_l, parts, out, out.stride(0), out.stride(1), num_splits, HEAD_DIM=dim,
-            D_PAD=d_pad, S_PAD=MAX_SPLITS)
+    decode.merge_splits(part_m, part_l, parts, out, num_splits, d_pad)
 
 
 def _or(t: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:

@@ -307,29 +307,26 @@ static void block_softmax(Softmax *s, int64_t h, int64_t group, int64_t n, int64
     }
 }
 
-/* the key pass of a block (its first n slots), every KV head, query heads FAST_MAX_HEADS at a
- * time: scores into w->scores */
-static void block_key_pass(const KVQuantLayer *L, int64_t blk, int64_t next_blk, int64_t n,
-                           const float *qb, BlockScratch *w) {
-    const int64_t Hkv = L->num_kv_heads, group = L->num_q_heads / Hkv;
-    for (int64_t h0 = 0; h0 < group; h0 += FAST_MAX_HEADS) {
-        const int nh = (int)(group - h0 < FAST_MAX_HEADS ? group - h0 : FAST_MAX_HEADS);
-#define KEY_DOTS(k) block_key_dots(L, blk, next_blk, n, qb, h0, k, w)
-        BLOCK_HEADS_DISPATCH(KEY_DOTS, nh)
-#undef KEY_DOTS
-    }
+/* the AVX-512 header's planar operands have no AVX2 counterpart: none */
+static int block_key_operands(const KVQuantLayer *L, const float *qb, BlockScratch *w) {
+    (void)L; (void)qb; (void)w;
+    return 0;
 }
 
-/* the value pass of KV head g over a block's first n slots (P already in w->pa, w->pb) into
- * the accumulators of its query heads, FAST_MAX_HEADS at a time */
-static void block_value_pass(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
-                             float *acc0, const float *pb, const BlockScratch *w,
-                             int64_t patches) {
-    const int64_t D = L->head_dim, group = L->num_q_heads / L->num_kv_heads;
-    for (int64_t h0 = 0; h0 < group; h0 += FAST_MAX_HEADS) {
-        const int nh = (int)(group - h0 < FAST_MAX_HEADS ? group - h0 : FAST_MAX_HEADS);
-#define VALUES(k) block_values(L, blk, g, n, acc0 + h0 * D, h0, k, pb, w, patches)
-        BLOCK_HEADS_DISPATCH(VALUES, nh)
+/* the key dots of query heads [h0, h0 + nh) of every KV head (instances with nh constant) */
+static void block_key_heads(const KVQuantLayer *L, int64_t blk, int64_t next_blk, int64_t n,
+                            const float *qb, int64_t h0, int nh, int planar, BlockScratch *w) {
+    (void)planar;
+#define KEY_DOTS(k) block_key_dots(L, blk, next_blk, n, qb, h0, k, w)
+    BLOCK_HEADS_DISPATCH(KEY_DOTS, nh)
+#undef KEY_DOTS
+}
+
+/* the value pass of query heads [h0, h0 + nh) of KV head g (acc0: head h0's accumulator) */
+static void block_value_heads(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
+                              float *acc0, int64_t h0, int nh, const float *pb,
+                              const BlockScratch *w, int64_t patches) {
+#define VALUES(k) block_values(L, blk, g, n, acc0, h0, k, pb, w, patches)
+    BLOCK_HEADS_DISPATCH(VALUES, nh)
 #undef VALUES
-    }
 }

@@ -598,74 +598,70 @@ static void block_softmax(Softmax *s, int64_t h, int64_t group, int64_t n, int64
     }
 }
 
-/* the key pass of a block (its first n slots), every KV head, query heads FAST_MAX_HEADS at a
- * time: scores into w->scores */
-static void block_key_pass(const KVQuantLayer *L, int64_t blk, int64_t next_blk, int64_t n,
-                           const float *qb, BlockScratch *w) {
-    const int64_t Hkv = L->num_kv_heads, group = L->num_q_heads / Hkv;
-    const int planar = planar_keys_fit(L) ? planar_k(L->k.bits) : 0;  /* its k, 0 none */
-    if (planar) {  /* the operands in planar order: queries once per request, statistics */
-        const int64_t D = L->head_dim;
-#define PLANAR_OPERANDS(k)                                                   \
-        if (!w->pq_ready) planar_copy(w->pq, qb, L->num_q_heads * D, k); \
-        planar_copy(w->pk_half, w->k_half, Hkv * D, k);                  \
-        planar_copy(w->pk_off, w->k_off, Hkv * D, k);
-        if (planar == 2) {
-            PLANAR_OPERANDS(2)
-        } else {
-            PLANAR_OPERANDS(4)
-        }
-#undef PLANAR_OPERANDS
-        w->pq_ready = 1;
+/* the key pass's operands in planar order (queries once per request, the block's statistics)
+ * where the planar key pass takes the layer; returns its k (codes a byte), 0 none */
+static int block_key_operands(const KVQuantLayer *L, const float *qb, BlockScratch *w) {
+    const int planar = planar_keys_fit(L) ? planar_k(L->k.bits) : 0;
+    if (!planar) return 0;
+    const int64_t D = L->head_dim, Hkv = L->num_kv_heads;
+#define PLANAR_OPERANDS(k)                                               \
+    if (!w->pq_ready) planar_copy(w->pq, qb, L->num_q_heads * D, k); \
+    planar_copy(w->pk_half, w->k_half, Hkv * D, k);                  \
+    planar_copy(w->pk_off, w->k_off, Hkv * D, k);
+    if (planar == 2) {
+        PLANAR_OPERANDS(2)
+    } else {
+        PLANAR_OPERANDS(4)
     }
-    for (int64_t h0 = 0; h0 < group; h0 += FAST_MAX_HEADS) {
-        const int nh = (int)(group - h0 < FAST_MAX_HEADS ? group - h0 : FAST_MAX_HEADS);
+#undef PLANAR_OPERANDS
+    w->pq_ready = 1;
+    return planar;
+}
+
+/* the key dots of query heads [h0, h0 + nh) of every KV head: instances with the code width
+ * (planar: block_key_operands' k) and the heads constant */
+static void block_key_heads(const KVQuantLayer *L, int64_t blk, int64_t next_blk, int64_t n,
+                            const float *qb, int64_t h0, int nh, int planar, BlockScratch *w) {
 #define KEY_DOTS(k) block_key_dots(L, blk, next_blk, n, qb, h0, k, w)
 #define KEY_DOTS_2(k) block_key_dots_planar(L, blk, next_blk, n, h0, k, 2, 0, w)
 #define KEY_DOTS_2_SWAP(k) block_key_dots_planar(L, blk, next_blk, n, h0, k, 2, 1, w)
 #define KEY_DOTS_4(k) block_key_dots_planar(L, blk, next_blk, n, h0, k, 4, 0, w)
 #define KEY_DOTS_4_SWAP(k) block_key_dots_planar(L, blk, next_blk, n, h0, k, 4, 1, w)
-        const int swap = planar && L->head_dim == 16 * planar;
-        if (planar == 2 && swap) {  /* instances with the code width constant */
-            BLOCK_HEADS_DISPATCH(KEY_DOTS_2_SWAP, nh)
-        } else if (planar == 4 && swap) {
-            BLOCK_HEADS_DISPATCH(KEY_DOTS_4_SWAP, nh)
-        } else if (planar == 2) {
-            BLOCK_HEADS_DISPATCH(KEY_DOTS_2, nh)
-        } else if (planar == 4) {
-            BLOCK_HEADS_DISPATCH(KEY_DOTS_4, nh)
-        } else {
-            BLOCK_HEADS_DISPATCH(KEY_DOTS, nh)
-        }
+    const int swap = planar && L->head_dim == 16 * planar;
+    if (planar == 2 && swap) {
+        BLOCK_HEADS_DISPATCH(KEY_DOTS_2_SWAP, nh)
+    } else if (planar == 4 && swap) {
+        BLOCK_HEADS_DISPATCH(KEY_DOTS_4_SWAP, nh)
+    } else if (planar == 2) {
+        BLOCK_HEADS_DISPATCH(KEY_DOTS_2, nh)
+    } else if (planar == 4) {
+        BLOCK_HEADS_DISPATCH(KEY_DOTS_4, nh)
+    } else {
+        BLOCK_HEADS_DISPATCH(KEY_DOTS, nh)
+    }
 #undef KEY_DOTS
 #undef KEY_DOTS_2
 #undef KEY_DOTS_2_SWAP
 #undef KEY_DOTS_4
 #undef KEY_DOTS_4_SWAP
-    }
 }
 
-/* the value pass of KV head g over a block's first n slots (P already in w->pa, w->pb) into
- * the accumulators of its query heads, FAST_MAX_HEADS at a time */
-static void block_value_pass(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
-                             float *acc0, const float *pb, const BlockScratch *w,
-                             int64_t patches) {
-    const int64_t D = L->head_dim, group = L->num_q_heads / L->num_kv_heads;
-    for (int64_t h0 = 0; h0 < group; h0 += FAST_MAX_HEADS) {
-        const int nh = (int)(group - h0 < FAST_MAX_HEADS ? group - h0 : FAST_MAX_HEADS);
-#define VALUES(k) block_values(L, blk, g, n, acc0 + h0 * D, h0, k, pb, w, patches)
-#define VALUES_2(k) block_values_planar(L, blk, g, n, acc0 + h0 * D, h0, k, 2, pb, w, patches)
-#define VALUES_4(k) block_values_planar(L, blk, g, n, acc0 + h0 * D, h0, k, 4, pb, w, patches)
-        const int planar = planar_values_fit(L, nh) ? planar_k(L->v.bits) : 0;
-        if (planar == 2) {
-            BLOCK_HEADS_DISPATCH(VALUES_2, nh)
-        } else if (planar == 4) {
-            BLOCK_HEADS_DISPATCH(VALUES_4, nh)
-        } else {
-            BLOCK_HEADS_DISPATCH(VALUES, nh)
-        }
+/* the value pass of query heads [h0, h0 + nh) of KV head g (acc0: head h0's accumulator) */
+static void block_value_heads(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
+                              float *acc0, int64_t h0, int nh, const float *pb,
+                              const BlockScratch *w, int64_t patches) {
+#define VALUES(k) block_values(L, blk, g, n, acc0, h0, k, pb, w, patches)
+#define VALUES_2(k) block_values_planar(L, blk, g, n, acc0, h0, k, 2, pb, w, patches)
+#define VALUES_4(k) block_values_planar(L, blk, g, n, acc0, h0, k, 4, pb, w, patches)
+    const int planar = planar_values_fit(L, nh) ? planar_k(L->v.bits) : 0;
+    if (planar == 2) {
+        BLOCK_HEADS_DISPATCH(VALUES_2, nh)
+    } else if (planar == 4) {
+        BLOCK_HEADS_DISPATCH(VALUES_4, nh)
+    } else {
+        BLOCK_HEADS_DISPATCH(VALUES, nh)
+    }
 #undef VALUES
 #undef VALUES_2
 #undef VALUES_4
-    }
 }

@@ -1108,6 +1108,30 @@ int kvquant_read_blocks(const KVQuantLayer *L, const int64_t *blk_ids, int64_t n
 #endif
 
 #if HAVE_BLOCK_PATH
+/* the key pass of a block (its first n slots), every KV head, query heads FAST_MAX_HEADS at a
+ * time: scores into w->scores */
+static void block_key_pass(const KVQuantLayer *L, int64_t blk, int64_t next_blk, int64_t n,
+                           const float *qb, BlockScratch *w) {
+    const int64_t group = L->num_q_heads / L->num_kv_heads;
+    const int planar = block_key_operands(L, qb, w);
+    for (int64_t h0 = 0; h0 < group; h0 += FAST_MAX_HEADS) {
+        const int nh = (int)(group - h0 < FAST_MAX_HEADS ? group - h0 : FAST_MAX_HEADS);
+        block_key_heads(L, blk, next_blk, n, qb, h0, nh, planar, w);
+    }
+}
+
+/* the value pass of KV head g over a block's first n slots (P already in w->pa, w->pb) into
+ * the accumulators of its query heads, FAST_MAX_HEADS at a time */
+static void block_value_pass(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
+                             float *acc0, const float *pb, const BlockScratch *w,
+                             int64_t patches) {
+    const int64_t D = L->head_dim, group = L->num_q_heads / L->num_kv_heads;
+    for (int64_t h0 = 0; h0 < group; h0 += FAST_MAX_HEADS) {
+        const int nh = (int)(group - h0 < FAST_MAX_HEADS ? group - h0 : FAST_MAX_HEADS);
+        block_value_heads(L, blk, g, n, acc0 + h0 * D, h0, nh, pb, w, patches);
+    }
+}
+
 /* the block's key outliers of head g as score corrections, then its sink slots' exact scores */
 static void block_key_fixes(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
                             const float *q0, int64_t group, float *sg, BlockScratch *w) {
