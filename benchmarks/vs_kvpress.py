@@ -21,21 +21,26 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
+import importlib
 import json
 import sys
 import time
+import types
 from pathlib import Path
 
-TASKS_PY = Path(__file__).resolve().parents[1] / "nanokv" / "eval" / "tasks.py"
+PACKAGE = Path(__file__).resolve().parents[1] / "nanokv"
 
 
 def load_tasks():
-    spec = importlib.util.spec_from_file_location("nanokv_eval_tasks", TASKS_PY)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look the module up while building classes
-    spec.loader.exec_module(mod)
-    return mod
+    """`nanokv.eval.tasks` (and the modules it imports: passkey_formats, corpus) from the
+    checkout without running `nanokv/__init__.py`, which loads the engine: the packages stand
+    in as bare modules over their folders."""
+    for name, folder in (("nanokv", PACKAGE), ("nanokv.eval", PACKAGE / "eval")):
+        if name not in sys.modules:
+            package = types.ModuleType(name)
+            package.__path__ = [str(folder)]
+            sys.modules[name] = package
+    return importlib.import_module("nanokv.eval.tasks")
 
 
 def make_press(name: str, ratio: float):
