@@ -3,7 +3,8 @@
 On CPUs, PyTorch's default fp32 GEMM (MKL) is markedly slower here than oneDNN with a weight
 reordered once into its blocked layout (docs/results/engine). `pack()` does that reorder after
 the weights are loaded; `F.linear` on the plain weight stays as the reference path
-(`linear_backend="torch"`).
+(`linear_backend="torch"`). A layer with `few_rows` set (the tied LM head, which keeps its plain
+matrix) takes at most 16 rows through the few-rows C kernel (`native_linear`) instead.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from nanokv.layers import native_linear
 
 
 def onednn_available() -> bool:
@@ -31,6 +34,9 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN-blocked copy of the weight
+        # a few rows at a time (a decode step's LM head): the few-rows C kernel on the plain
+        # weight (`native_linear`), set by the model where it keeps the plain matrix
+        self.few_rows = False
 
     def pack(self, drop_plain: bool = False) -> None:
         """Reorder the weight for oneDNN (CPU, float32/bfloat16 only)."""
@@ -43,6 +49,8 @@ class Linear(nn.Module):
                                        requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.few_rows and native_linear.fits(x, self.weight):
+            return native_linear.small_m_linear(x, self.weight, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

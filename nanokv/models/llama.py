@@ -25,6 +25,7 @@ from nanokv.distributed.tp_layers import (
     row_linear,
 )
 from nanokv.layers.linear import Linear
+from nanokv.layers.native_linear import small_linear_available
 from nanokv.layers.norm import RMSNorm
 from nanokv.layers.rotary import RotaryEmbedding
 from nanokv.utils import head_dim_of
@@ -148,6 +149,11 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 # the tied LM head must keep the plain matrix: the embedding lookup uses it
                 module.pack(drop_plain=not (module is self.lm_head and self.tie_word_embeddings))
+        # ... and with it a decode step's few rows go through the few-rows kernel (its vocabulary
+        # matrix is the largest weight a step reads)
+        if self.tie_word_embeddings and type(self.lm_head) is Linear \
+                and small_linear_available():
+            self.lm_head.few_rows = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> [N, vocab] float32; None on tensor-parallel ranks other than 0 (the

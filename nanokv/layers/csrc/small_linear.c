@@ -1,0 +1,122 @@
+/* y = x @ w.T (+ bias) for a few rows of x: the decode step's LM head, where a GEMM library's
+ * blocking for 8 rows reads a 600 MB weight at well under the memory's speed.
+ *
+ *   x [M, K] float32, w [N, K] float32 (row-major, as nn.Linear keeps it), y [M, N], M <= 16
+ *
+ * Each row of w is read once, front to back, and dotted with all M rows of x (which stay in L1 /
+ * L2); rows of w are split across threads in contiguous runs. 16 rows of w at a time leave their
+ * M x 16 dot vectors in a scratch tile, reduced together (16 vectors into one of 16 sums) and
+ * stored as 16 outputs of each row of x. Plain C where AVX-512 is missing (the compiler's
+ * vectoriser). The reference is `torch.nn.functional.linear`. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 16
+#endif
+
+/* the 16 lanes of v[i] summed into lane i (a transpose-and-add tree) */
+static inline __m512 sum16(const __m512 *v) {
+    __m512 a[8], b[4], c[2];
+    const __m512i lo1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    const __m512i hi1 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                          30, 31);
+    const __m512i lo2 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+    const __m512i hi2 = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30,
+                                          31);
+    const __m512i lo3 = _mm512_setr_epi32(0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+    const __m512i hi3 = _mm512_setr_epi32(2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30,
+                                          31);
+    const __m512i lo4 = _mm512_setr_epi32(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+    const __m512i hi4 = _mm512_setr_epi32(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15,
+                                          31);
+    /* lane order after the tree: rows paired (0, 8), (4, 12), ... so that the result is 0..15 */
+    static const int order[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+    for (int i = 0; i < 8; i++) {
+        const __m512 x = v[order[2 * i]], y = v[order[2 * i + 1]];
+        a[i] = _mm512_add_ps(_mm512_permutex2var_ps(x, lo1, y), _mm512_permutex2var_ps(x, hi1, y));
+    }
+    for (int i = 0; i < 4; i++)
+        b[i] = _mm512_add_ps(_mm512_permutex2var_ps(a[2 * i], lo2, a[2 * i + 1]),
+                             _mm512_permutex2var_ps(a[2 * i], hi2, a[2 * i + 1]));
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_permutex2var_ps(b[2 * i], lo3, b[2 * i + 1]),
+                             _mm512_permutex2var_ps(b[2 * i], hi3, b[2 * i + 1]));
+    return _mm512_add_ps(_mm512_permutex2var_ps(c[0], lo4, c[1]),
+                         _mm512_permutex2var_ps(c[0], hi4, c[1]));
+}
+
+/* rows [n0, n0 + 16) of w (K % 16 == 0) dotted with the M rows of x: y[m, n0 + i] */
+static inline __attribute__((always_inline)) void rows16(
+        const float *x, const float *w, float *y, int64_t n0, int64_t N, int64_t K, const int M,
+        __m512 *tile /* [M, 16] */) {
+    /* R rows of w at a time share each load of x (R * M accumulators in registers) */
+    enum { R_MAX = 4 };
+    const int R = M <= 4 ? 4 : (M <= 8 ? 2 : 1);
+    for (int i = 0; i < 16; i += R) {
+        const float *wr = w + (n0 + i) * K;
+        __m512 acc[R_MAX][16];
+        for (int r = 0; r < R; r++)
+            for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 16) {
+            __m512 wv[R_MAX];
+            for (int r = 0; r < R; r++) {
+                /* the rows 16 ahead, requested early (a line per 16 floats) */
+                _mm_prefetch((const char *)(wr + (r + PREFETCH_ROWS) * K + k), _MM_HINT_T0);
+                wv[r] = _mm512_loadu_ps(wr + r * K + k);
+            }
+            for (int m = 0; m < M; m++) {
+                const __m512 xv = _mm512_loadu_ps(x + m * K + k);
+                for (int r = 0; r < R; r++) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
+            }
+        }
+        for (int r = 0; r < R; r++)
+            for (int m = 0; m < M; m++) tile[m * 16 + i + r] = acc[r][m];
+    }
+    for (int m = 0; m < M; m++) _mm512_storeu_ps(y + m * N + n0, sum16(tile + m * 16));
+}
+#endif
+
+/* one output y[m, n] the plain way */
+static inline float dot_row(const float *x, const float *w, int64_t K) {
+    float s = 0.f;
+    #pragma omp simd reduction(+:s)
+    for (int64_t k = 0; k < K; k++) s += x[k] * w[k];
+    return s;
+}
+
+/* returns 0, or -1 when M is out of range */
+int small_m_linear(const float *x, const float *w, const float *bias, float *y, int64_t M,
+                   int64_t N, int64_t K) {
+    if (M < 1 || M > 16) return -1;
+    #pragma omp parallel
+    {
+#if defined(__AVX512F__)
+        __m512 tile[16 * 16];
+#endif
+        #pragma omp for schedule(static)
+        for (int64_t n0 = 0; n0 < N; n0 += 16) {
+#if defined(__AVX512F__)
+            if (K % 16 == 0 && n0 + 16 <= N) {
+                switch (M) {  /* instances with M constant: accumulators in registers */
+#define CASE(c) case c: rows16(x, w, y, n0, N, K, c, tile); break;
+                CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+                CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
+#undef CASE
+                }
+                continue;
+            }
+#endif
+            for (int64_t n = n0; n < n0 + 16 && n < N; n++)
+                for (int64_t m = 0; m < M; m++) y[m * N + n] = dot_row(x + m * K, w + n * K, K);
+        }
+    }
+    if (bias)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < N; n++) y[m * N + n] += bias[n];
+    return 0;
+}

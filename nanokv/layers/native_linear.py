@@ -1,0 +1,77 @@
+"""The few-rows linear kernel (`csrc/small_linear.c`): y = x @ w.T (+ bias) for at most
+MAX_ROWS rows of x, each row of the float32 weight read once. Used by the LM head of a decode
+step on CPU (`Linear.few_rows`), where oneDNN's GEMM reads a 600 MB vocabulary matrix at about
+20 GB/s with 8 rows; `F.linear` is the reference (tests/unit/test_small_linear.py). Built on first
+use like the decode kernels (`native_attention.build_library`)."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from nanokv.layers.native_attention import NativeKernelUnavailable, build_library
+
+SOURCE = Path(__file__).with_name("csrc") / "small_linear.c"
+MAX_ROWS = 16
+
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+
+
+def load_small_linear() -> ctypes.CDLL:
+    """The library; raises NativeKernelUnavailable (with the reason) when it cannot be built."""
+    global _lib, _error
+    if _lib is None and _error is None:
+        try:
+            lib = build_library(SOURCE)
+        except NativeKernelUnavailable as e:
+            _error = str(e)
+        except OSError as e:
+            _error = f"loading the built kernel failed: {e}"
+        else:
+            lib.small_m_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+            lib.small_m_linear.restype = ctypes.c_int
+            _lib = lib
+    if _lib is None:
+        raise NativeKernelUnavailable(_error)
+    return _lib
+
+
+def small_linear_available() -> bool:
+    try:
+        load_small_linear()
+    except NativeKernelUnavailable:
+        return False
+    return True
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Can the kernel take F.linear(x, weight): float32 CPU tensors, x [1..MAX_ROWS, K],
+    weight [N, K] contiguous."""
+    return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and x.device.type == "cpu"
+            and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.shape[1] == x.shape[1] and weight.is_contiguous())
+
+
+def small_m_linear(x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for `fits` inputs -> [M, N] float32."""
+    if not fits(x, weight):
+        raise ValueError(f"small_m_linear takes float32 CPU x [1..{MAX_ROWS}, K] and a contiguous "
+                         f"weight [N, K], got x {tuple(x.shape)} {x.dtype} {x.device} and weight "
+                         f"{tuple(weight.shape)} {weight.dtype}")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (weight.shape[0],)):
+        raise ValueError(f"bias must be float32 [{weight.shape[0]}], got {tuple(bias.shape)} "
+                         f"{bias.dtype}")
+    x = x.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    y = torch.empty(x.shape[0], weight.shape[0])
+    status = load_small_linear().small_m_linear(
+        x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+        x.shape[0], weight.shape[0], weight.shape[1])
+    if status != 0:  # fits() checked the row count
+        raise RuntimeError("small_m_linear refused its inputs")
+    return y

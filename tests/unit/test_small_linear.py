@@ -1,0 +1,70 @@
+"""The few-rows linear kernel (`csrc/small_linear.c`) against F.linear in float64: 1-16 rows,
+vocabulary sizes that are not multiples of 16, head sizes that are not multiples of 16 (the
+plain-C rows), a bias; bad inputs refused; and the tied LM head of a loaded model takes it."""
+
+import pytest
+import torch
+
+from nanokv.layers import native_linear
+from nanokv.layers.native_attention import NativeKernelUnavailable
+
+try:
+    native_linear.load_small_linear()
+except NativeKernelUnavailable as e:  # no C compiler with OpenMP here
+    pytest.skip(f"few-rows kernel unavailable: {e}", allow_module_level=True)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 16])
+@pytest.mark.parametrize("n,k", [(4096, 256), (1000, 64), (77, 48), (33, 40)])
+def test_equals_f_linear(rows, n, k):
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    bias = torch.randn(n, generator=gen) if n % 2 else None
+    got = native_linear.small_m_linear(x, w, bias)
+    ref = torch.nn.functional.linear(x.double(), w.double(),
+                                     None if bias is None else bias.double())
+    torch.testing.assert_close(got, ref.float(), atol=1e-4, rtol=1e-5)
+
+
+def test_bad_inputs_are_refused():
+    w = torch.randn(32, 16)
+    for x in (torch.randn(17, 16), torch.randn(0, 16), torch.randn(2, 8),
+              torch.randn(2, 16, dtype=torch.float64)):
+        assert not native_linear.fits(x, w)
+        with pytest.raises(ValueError, match="small_m_linear takes"):
+            native_linear.small_m_linear(x, w)
+    with pytest.raises(ValueError, match="bias must be"):
+        native_linear.small_m_linear(torch.randn(2, 16), w, torch.randn(31))
+
+
+def test_the_tied_lm_head_takes_it(tiny_qwen3):
+    """A model loaded with oneDNN linear layers: its tied LM head sets few_rows and gives
+    F.linear's logits for a few rows (and still the packed path for more)."""
+    from nanokv.layers.linear import onednn_available
+    from nanokv.worker.loader import load_model
+
+    if not onednn_available():
+        pytest.skip("no oneDNN in this PyTorch build")
+    loaded = load_model(tiny_qwen3, device="cpu", dtype="float32", skip_tokenizer_init=True)
+    head = loaded.model.lm_head
+    assert head.few_rows and loaded.model.tie_word_embeddings
+    for rows in (3, 40):
+        x = torch.randn(rows, head.in_features)
+        torch.testing.assert_close(head(x), torch.nn.functional.linear(x, head.weight),
+                                   atol=1e-4, rtol=1e-5)
+
+
+def test_a_build_without_avx512_equals_f_linear(tmp_path):
+    """The plain-C rows (every CPU builds them): the same checks with the library built with
+    `CC="cc -mno-avx512f"` in a fresh process with its own kernel cache."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, CC="cc -mno-avx512f", NANOKV_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           __file__, "-k", "test_equals_f_linear"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert list(tmp_path.glob("small_linear-*.so")), "the kernel was not built in the test's cache"
