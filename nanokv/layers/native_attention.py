@@ -119,6 +119,33 @@ def build_library(source_path: Path = SOURCE) -> ctypes.CDLL:
     return ctypes.CDLL(str(target))
 
 
+class LazyLibrary:
+    """A csrc/ library built and loaded on first use, its functions typed by `setup(lib)`; a
+    failed build is remembered (its reason raised again, no retry per step)."""
+
+    def __init__(self, source: Path, setup) -> None:
+        self.source, self.setup = source, setup
+        self._lib: ctypes.CDLL | None = None
+        self._error: str | None = None
+
+    def get(self) -> ctypes.CDLL:
+        """The library; raises NativeKernelUnavailable (with the reason) when it cannot be
+        built here."""
+        if self._lib is None and self._error is None:
+            try:
+                lib = build_library(self.source)
+            except NativeKernelUnavailable as e:
+                self._error = str(e)
+            except OSError as e:
+                self._error = f"loading the built kernel failed: {e}"
+            else:
+                self.setup(lib)
+                self._lib = lib
+        if self._lib is None:
+            raise NativeKernelUnavailable(self._error)
+        return self._lib
+
+
 def load_decode_kernel():
     """The kernel function; raises NativeKernelUnavailable (with the reason) when it cannot be
     built here. Built at most once per process."""

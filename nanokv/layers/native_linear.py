@@ -11,32 +11,22 @@ from pathlib import Path
 
 import torch
 
-from nanokv.layers.native_attention import NativeKernelUnavailable, build_library
+from nanokv.layers.native_attention import LazyLibrary, NativeKernelUnavailable
 
 SOURCE = Path(__file__).with_name("csrc") / "small_linear.c"
 MAX_ROWS = 16
 
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
+def _setup(lib: ctypes.CDLL) -> None:
+    lib.small_m_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    lib.small_m_linear.restype = ctypes.c_int
+
+
+_LIBRARY = LazyLibrary(SOURCE, _setup)
 
 
 def load_small_linear() -> ctypes.CDLL:
     """The library; raises NativeKernelUnavailable (with the reason) when it cannot be built."""
-    global _lib, _error
-    if _lib is None and _error is None:
-        try:
-            lib = build_library(SOURCE)
-        except NativeKernelUnavailable as e:
-            _error = str(e)
-        except OSError as e:
-            _error = f"loading the built kernel failed: {e}"
-        else:
-            lib.small_m_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-            lib.small_m_linear.restype = ctypes.c_int
-            _lib = lib
-    if _lib is None:
-        raise NativeKernelUnavailable(_error)
-    return _lib
+    return _LIBRARY.get()
 
 
 def small_linear_available() -> bool:

@@ -21,11 +21,7 @@ from pathlib import Path
 
 import torch
 
-from nanokv.layers.native_attention import (
-    DecodeRuns,
-    NativeKernelUnavailable,
-    build_library,
-)
+from nanokv.layers.native_attention import DecodeRuns, LazyLibrary
 
 SOURCE = Path(__file__).with_name("csrc") / "quant_decode_attention.c"
 PERTOKEN_FORMATS = {"int8": 0, "fp8_e4m3": 1, "fp8_e5m2": 2}
@@ -33,8 +29,6 @@ PERTOKEN_FORMATS = {"int8": 0, "fp8_e4m3": 1, "fp8_e5m2": 2}
 ELEMENT_KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 INDEX_BYTES = {torch.uint8: 1, torch.int16: 2, torch.int32: 4}
 
-_lib = None
-_error: str | None = None
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -58,29 +52,21 @@ class KVQuantLayer(ctypes.Structure):
                 ("num_kv_heads", _i64), ("head_dim", _i64), ("rope_halves_equal", _i64)]
 
 
+def _setup(lib: ctypes.CDLL) -> None:
+    lib.pertoken_decode_attention.argtypes = [_p] * 14 + [_i64] * 6
+    lib.pertoken_decode_attention.restype = ctypes.c_int
+    lib.kvquant_decode_attention.argtypes = [ctypes.POINTER(KVQuantLayer)] + [_p] * 7 + [_i64]
+    lib.kvquant_decode_attention.restype = ctypes.c_int
+    lib.kvquant_read_blocks.argtypes = [ctypes.POINTER(KVQuantLayer), _p, _i64, _i64, _p, _p]
+    lib.kvquant_read_blocks.restype = ctypes.c_int
+
+
+_LIBRARY = LazyLibrary(SOURCE, _setup)
+
+
 def load_quant_kernels() -> ctypes.CDLL:
     """The library; raises NativeKernelUnavailable (with the reason) when it cannot be built."""
-    global _lib, _error
-    if _lib is None and _error is None:
-        try:
-            lib = build_library(SOURCE)
-        except NativeKernelUnavailable as e:
-            _error = str(e)
-        except OSError as e:
-            _error = f"loading the built kernel failed: {e}"
-        else:
-            lib.pertoken_decode_attention.argtypes = [_p] * 14 + [_i64] * 6
-            lib.pertoken_decode_attention.restype = ctypes.c_int
-            lib.kvquant_decode_attention.argtypes = [ctypes.POINTER(KVQuantLayer)] + [_p] * 7 \
-                + [_i64]
-            lib.kvquant_decode_attention.restype = ctypes.c_int
-            lib.kvquant_read_blocks.argtypes = [ctypes.POINTER(KVQuantLayer), _p, _i64, _i64,
-                                                _p, _p]
-            lib.kvquant_read_blocks.restype = ctypes.c_int
-            _lib = lib
-    if _lib is None:
-        raise NativeKernelUnavailable(_error)
-    return _lib
+    return _LIBRARY.get()
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
