@@ -406,21 +406,25 @@ def test_backend_choice(monkeypatch, caplog):
 
 
 # ---- the engine ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_engine_greedy_tokens_equal_the_default_backend(tiny_llama, kv_cache_dtype):
+@pytest.mark.parametrize("kv,triton_backend", [
+    (dict(kv_cache_dtype="auto"), TritonPagedBackend),
+    (dict(kv_cache_dtype="int8"), TritonPagedBackend),
+    (dict(kv_cache_dtype="kvquant", kv_quant_bits=4), TritonQuantizedBackend),
+    (dict(kv_cache_dtype="kivi", kv_quant_bits=2), TritonQuantizedBackend)])
+def test_engine_greedy_tokens_equal_the_default_backend(tiny_llama, kv, triton_backend):
     """Chunked prefill next to decodes, through the engine: the same greedy tokens as the
-    backend auto picks on CPU (the PyTorch path on a GPU, where auto is this one)."""
+    backend auto picks on CPU (the PyTorch path on a GPU, where auto is this one); kvquant and
+    kivi through the Triton KVQuant / KIVI decode (tests/unit/test_triton_kvquant.py)."""
     from nanokv import LLM, SamplingParams
 
-    prompts = [list(range(1, 30)), list(range(5, 22))]
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = [list(range(1, 40)), list(range(5, 22))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     reference_backend = "auto" if DEVICE.type == "cpu" else "torch"
     tokens = {}
     for backend in (reference_backend, "triton"):
         llm = LLM(tiny_llama, skip_tokenizer_init=True, block_size=16, num_kv_blocks=16,
-                  max_num_batched_tokens=24, max_num_seqs=2, attention_backend=backend,
-                  kv_cache_dtype=kv_cache_dtype)
+                  max_num_batched_tokens=24, max_num_seqs=2, attention_backend=backend, **kv)
         tokens[backend] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         if backend == "triton":
-            assert type(llm.engine.attention_backend) is TritonPagedBackend
+            assert type(llm.engine.attention_backend) is triton_backend
     assert tokens["triton"] == tokens[reference_backend]

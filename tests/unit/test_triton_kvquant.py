@@ -3,7 +3,8 @@ kvquant_decode.py`, backend `triton` on those stores) against dequantize-then-de
 (`reference_quantized_attention`): uniform and non-uniform codebooks of 2, 3, 4 and 8 bits, key
 and value outliers, sinks, keys kept before and after RoPE, staged partial blocks, KIVI's value
 groups, block sizes 16 and 32, contexts ending mid-block, GQA ratios 1, 2 and 8, several splits,
-decodes next to a prefill chunk; and the backend choice.
+decodes next to a prefill chunk; and the backend choice (the engine's greedy tokens through it:
+tests/unit/test_triton_attention.py).
 
 On a CUDA machine the kernel compiles and runs on the GPU; without one it runs in Triton's
 interpreter on CPU (TRITON_INTERPRET=1, set by tests/conftest.py before triton is imported).
@@ -82,23 +83,3 @@ def test_backend_choice():
         kvq = make_store("kvquant:4bit", 32, 16, 4, 1)
         assert select_backend("triton", kvq, CPU)[0] is TritonQuantizedBackend
         assert select_backend("auto", kvq, CPU)[0] is not TritonQuantizedBackend
-
-
-@pytest.mark.parametrize("kv", [dict(kv_cache_dtype="kvquant", kv_quant_bits=4),
-                                dict(kv_cache_dtype="kivi", kv_quant_bits=2)])
-def test_engine_greedy_tokens_equal_the_default_backend(tiny_llama, kv):
-    """Chunked prefill next to decodes, through the engine: the same greedy tokens as the
-    backend auto picks on CPU (the PyTorch path on a GPU, where auto is this one)."""
-    from nanokv import LLM, SamplingParams
-
-    prompts = [list(range(1, 40)), list(range(5, 22))]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    reference_backend = "auto" if DEVICE.type == "cpu" else "torch"
-    tokens = {}
-    for backend in (reference_backend, "triton"):
-        llm = LLM(tiny_llama, skip_tokenizer_init=True, block_size=16, num_kv_blocks=16,
-                  max_num_batched_tokens=24, max_num_seqs=2, attention_backend=backend, **kv)
-        tokens[backend] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        if backend == "triton":
-            assert type(llm.engine.attention_backend) is TritonQuantizedBackend
-    assert tokens["triton"] == tokens[reference_backend]
