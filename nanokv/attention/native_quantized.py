@@ -31,7 +31,7 @@ from nanokv.layers.native_quant_attention import (
     pertoken_decode,
 )
 from nanokv.attention.quantized import prefill_only_metadata, write_prefill_then_decode
-from nanokv.quant.kvquant import decode as decode_centroids
+from nanokv.quant.kvquant import centroid_table
 from nanokv.quant.kivi_store import KIVIStore
 from nanokv.quant.kvquant_store import KVQuantStore
 from nanokv.quant.pertoken_store import FP8KVStore, Int8KVStore, PerTokenKVStore
@@ -209,8 +209,7 @@ class NativeQuantizedBackend(AttentionBackend):
 
         def side(name: str, kind: str, per_channel: bool) -> KVQuantSide:
             book = codec.key_codebook if kind == "key" else codec.value_codebook
-            lut = decode_centroids(torch.arange(2 ** codec.bits, dtype=torch.uint8), codec.bits,
-                                   None if book is None else book.cpu())  # [2^bits] float32
+            lut = centroid_table(codec.bits, book)  # [2^bits] float32
             oidx = buf[f"{name}_oidx{layer}"]
             return KVQuantSide(
                 codes=ptr(buf[f"{name}_codes{layer}"]), offset=ptr(buf[f"{name}_offset{layer}"]),

@@ -18,11 +18,13 @@ import torch
 from nanokv.attention.backend import AttentionBackend
 from nanokv.attention.common import CommonAttentionMetadata
 from nanokv.attention.quantized import prefill_only_metadata, write_prefill_then_decode
+from nanokv.attention.triton_metadata import padded_rows
 from nanokv.attention.triton_paged import MAX_SPLITS, interpreter_on, triton_unavailable
 from nanokv.layers.attention import AttentionMetadata
 from nanokv.quant.kivi_store import KIVIStore
-from nanokv.quant.kvquant import decode as decode_centroids
+from nanokv.quant.kvquant import centroid_table
 from nanokv.quant.kvquant_store import KVQuantStore
+from nanokv.transfer import upload
 from nanokv.utils import cdiv
 
 
@@ -98,13 +100,10 @@ class TritonQuantizedBackend(AttentionBackend):
     def build(self, common: CommonAttentionMetadata) -> TritonQuantStep:
         prefill_meta = prefill_only_metadata(common, self.device)
         step = TritonQuantStep(common.write_plan, common.num_decode_tokens, prefill_meta)
-        if common.num_decodes:
-            tables = common.decode_block_tables
-            width = max(1, max(len(t) for t in tables))
-            padded = [list(t) + [0] * (width - len(t)) for t in tables]  # [B, max_blocks]
-            step.block_tables = torch.tensor(padded, dtype=torch.int32, device=self.device)
-            lens = list(common.decode_context_lens)
-            step.context_lens = torch.tensor(lens, dtype=torch.int32, device=self.device)
+        if common.num_decodes:  # tables and context lengths in one upload (as triton_paged)
+            lens = common.decode_context_lens
+            rows = upload(padded_rows(common.decode_block_tables, lens), self.device)
+            step.block_tables, step.context_lens = rows[:, :-1], rows[:, -1]  # [B, width], [B]
             step.num_splits = self.decode_splits(len(lens), max(lens))
         return step
 
@@ -150,9 +149,7 @@ def kvquant_views(store: KVQuantStore, layer: int, views):
     device = buf[f"k_codes{layer}"].device
 
     def lut(book) -> torch.Tensor:  # [2^bits] the centroid of each code
-        codes = torch.arange(2 ** codec.bits, dtype=torch.uint8)
-        return decode_centroids(codes, codec.bits, None if book is None else book.cpu()).to(
-            device=device, dtype=torch.float32)
+        return centroid_table(codec.bits, book).to(device)
 
     rope = store.rope is not None
     sinks = store.num_sinks > 0

@@ -297,6 +297,13 @@ def decode(codes: torch.Tensor, bits: int, codebook: torch.Tensor | None) -> tor
     return codebook.to(codes.device, torch.float32)[codes.long()]
 
 
+def centroid_table(bits: int, codebook: torch.Tensor | None) -> torch.Tensor:
+    """The centroid of every code, [2^bits] float32 on CPU: the lookup table the kernels read
+    (`decode` of each code)."""
+    return decode(torch.arange(2 ** bits, dtype=torch.uint8), bits,
+                  None if codebook is None else codebook.cpu())
+
+
 def dequantize_blocks(q: QuantizedBlocks, *, bits: int, per_channel: bool,
                       codebook: torch.Tensor | None = None) -> torch.Tensor:
     """QuantizedBlocks -> float32 [n, B, H, D], outliers restored exactly."""

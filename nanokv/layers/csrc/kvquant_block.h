@@ -50,11 +50,10 @@ typedef struct {
     float *delta;          /* [2, Hkv, D]: two slots' rows, zero but while in use */
     float *unit;           /* [2, D]: cos 1 and sin 0, the AVX2 key pass's rows without RoPE */
     /* the AVX-512 planar key pass's operands in its channel order: the request's queries
-     * (made at its first block: pq_ready), the block's key statistics, a tile's RoPE rows */
+     * (block_request_queries), the block's key statistics, a tile's RoPE rows */
     float *pq;             /* [Hq, D] */
     float *pk_half, *pk_off; /* [Hkv, D] */
     float *pcos, *psin;    /* [16, D] */
-    int pq_ready;
 } BlockScratch;
 
 static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int64_t B,
@@ -84,7 +83,6 @@ static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int6
     w->pk_off = malloc(sizeof(float) * Hkv * D);
     w->pcos = malloc(sizeof(float) * 16 * D);
     w->psin = malloc(sizeof(float) * 16 * D);
-    w->pq_ready = 0;
     return w->scores && w->pa && w->k_off && w->k_half && w->row && w->v_half && w->v_off
            && w->live && w->pb && w->patch_ch && w->patch_x && w->dots && w->sink_at
            && w->o_start && w->o_gch && w->o_val && w->delta && w->unit && w->pq && w->pk_half

@@ -308,8 +308,12 @@ static void block_softmax(Softmax *s, int64_t h, int64_t group, int64_t n, int64
 }
 
 /* the AVX-512 header's planar operands have no AVX2 counterpart: none */
-static int block_key_operands(const KVQuantLayer *L, const float *qb, BlockScratch *w) {
+static void block_request_queries(const KVQuantLayer *L, const float *qb, BlockScratch *w) {
     (void)L; (void)qb; (void)w;
+}
+
+static int block_key_operands(const KVQuantLayer *L, BlockScratch *w) {
+    (void)L; (void)w;
     return 0;
 }
 

@@ -161,7 +161,9 @@ static inline __attribute__((always_inline)) void block_key_dots_planar(
     for (int64_t t0 = 0; t0 < n; t0 += 16) {
         const int64_t nt = n - t0 < 16 ? n - t0 : 16;
         if (next_blk >= 0 && h0 == 0) prefetch_block_data(L, next_blk, t0 / 16, (n + 15) / 16);
-        if (R)  /* the tile's RoPE rows, planar (rows past n: position 0) */
+        /* the tile's RoPE rows, planar (rows past n: position 0); made again for each run of
+         * FAST_MAX_HEADS query heads when a GQA group has more (the scratch holds one tile) */
+        if (R)
             for (int64_t u = 0; u < 16; u++) {
                 int64_t pos = u < nt ? L->slot_positions[blk * B + t0 + u] : 0;
                 pos = pos < 0 ? 0 : pos;
@@ -385,15 +387,15 @@ static inline __attribute__((always_inline)) void block_values_planar(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
         _mm512_set1_epi32(k));
     for (int64_t d = 0; d < D; d += C) {
-        __m512 a[FAST_MAX_HEADS][4], chan[4];
+        __m512 a[FAST_MAX_HEADS][4];
+        __m512i chan[4];
         for (int hh = 0; hh < nh; hh++) {
             const __m512 bias = _mm512_set1_ps(pb[h0 + hh]);
             planar_in(acc0 + hh * D + d, k, a[hh]);
             for (int sub = 0; sub < k; sub++) a[hh][sub] = _mm512_add_ps(a[hh][sub], bias);
         }
         for (int sub = 0; sub < k; sub++)  /* the channel of each lane (for the patches) */
-            chan[sub] = _mm512_castsi512_ps(
-                _mm512_add_epi32(lanes, _mm512_set1_epi32((int)d + sub)));
+            chan[sub] = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)d + sub));
         for (int64_t t = 0; t < n; t++) {
             __m512 v[4];
             planar_lookup(rows + t * stride, d, k, lut, v);
@@ -402,7 +404,7 @@ static inline __attribute__((always_inline)) void block_values_planar(
                 const __m512 x = _mm512_set1_ps(w->patch_x[t * patches + j]);
                 for (int sub = 0; sub < k; sub++)
                     v[sub] = _mm512_mask_mov_ps(
-                        v[sub], _mm512_cmpeq_epi32_mask(_mm512_castps_si512(chan[sub]), ch), x);
+                        v[sub], _mm512_cmpeq_epi32_mask(chan[sub], ch), x);
             }
             for (int hh = 0; hh < nh; hh++) {
                 const __m512 p = _mm512_set1_ps(w->pa[(h0 + hh) * B + t]);
@@ -598,23 +600,26 @@ static void block_softmax(Softmax *s, int64_t h, int64_t group, int64_t n, int64
     }
 }
 
-/* the key pass's operands in planar order (queries once per request, the block's statistics)
- * where the planar key pass takes the layer; returns its k (codes a byte), 0 none */
-static int block_key_operands(const KVQuantLayer *L, const float *qb, BlockScratch *w) {
+/* a request's queries in planar order (w->pq), where the planar key pass takes the layer:
+ * once per request, before its blocks */
+static void block_request_queries(const KVQuantLayer *L, const float *qb, BlockScratch *w) {
     const int planar = planar_keys_fit(L) ? planar_k(L->k.bits) : 0;
-    if (!planar) return 0;
-    const int64_t D = L->head_dim, Hkv = L->num_kv_heads;
-#define PLANAR_OPERANDS(k)                                               \
-    if (!w->pq_ready) planar_copy(w->pq, qb, L->num_q_heads * D, k); \
-    planar_copy(w->pk_half, w->k_half, Hkv * D, k);                  \
-    planar_copy(w->pk_off, w->k_off, Hkv * D, k);
+    if (planar == 2) planar_copy(w->pq, qb, L->num_q_heads * L->head_dim, 2);
+    else if (planar == 4) planar_copy(w->pq, qb, L->num_q_heads * L->head_dim, 4);
+}
+
+/* the block's key statistics in planar order where the planar key pass takes the layer;
+ * returns its k (codes a byte), 0 none */
+static int block_key_operands(const KVQuantLayer *L, BlockScratch *w) {
+    const int planar = planar_keys_fit(L) ? planar_k(L->k.bits) : 0;
+    const int64_t n = L->num_kv_heads * L->head_dim;
     if (planar == 2) {
-        PLANAR_OPERANDS(2)
-    } else {
-        PLANAR_OPERANDS(4)
+        planar_copy(w->pk_half, w->k_half, n, 2);
+        planar_copy(w->pk_off, w->k_off, n, 2);
+    } else if (planar == 4) {
+        planar_copy(w->pk_half, w->k_half, n, 4);
+        planar_copy(w->pk_off, w->k_off, n, 4);
     }
-#undef PLANAR_OPERANDS
-    w->pq_ready = 1;
     return planar;
 }
 

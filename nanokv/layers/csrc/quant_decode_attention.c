@@ -508,9 +508,6 @@ static inline __attribute__((always_inline)) int pertoken_impl(
             if (failed) continue;
             softmax_reset(&s, Hq, D);
             const float *qb = q + b * Hq * D;
-#if HAVE_BLOCK_PATH
-            bw.pq_ready = 0;  /* the planar queries are made at the request's first block */
-#endif
             for (int64_t r = run_ptr[b]; r < run_ptr[b + 1]; r++) {
                 const int64_t start = run_start[r], len = run_len[r];
                 for (int64_t t0 = 0; t0 < len; t0 += TILE) {
@@ -820,6 +817,36 @@ typedef struct {
     float *va, *vb;             /* [Hkv, TILE] the values' scales and offsets */
 } KVQuantScratch;
 
+/* the scratch of one thread (`tiles`: also kt, vt, va, vb, for attention); 1 when all of it
+ * was allocated (free it either way) */
+static int kvquant_scratch_alloc(KVQuantScratch *w, const KVQuantLayer *L, int tiles) {
+    const int64_t Hkv = L->num_kv_heads, D = L->head_dim, B = L->block_size;
+    const int64_t ocap = L->k.per_channel ? Hkv * L->k.cap : 0;
+    memset(w, 0, sizeof *w);
+    w->codes = malloc(D + 8);
+    w->k_off = malloc(sizeof(float) * Hkv * D);
+    w->k_half = malloc(sizeof(float) * Hkv * D);
+    w->first = malloc(sizeof(int64_t) * B * Hkv);
+    w->next = malloc(sizeof(int64_t) * (ocap + 1));
+    w->o_ch = malloc(sizeof(int64_t) * (ocap + 1));
+    w->o_val = malloc(sizeof(float) * (ocap + 1));
+    int ok = w->codes && w->k_off && w->k_half && w->first && w->next && w->o_ch && w->o_val;
+    if (tiles) {
+        /* zeroed: score_tile may read the rows past a partial tile (their scores are unused) */
+        w->kt = calloc(Hkv * TILE * D, sizeof(float));
+        w->vt = calloc(Hkv * TILE * D, sizeof(float));
+        w->va = calloc(Hkv * TILE, sizeof(float));
+        w->vb = calloc(Hkv * TILE, sizeof(float));
+        ok = ok && w->kt && w->vt && w->va && w->vb;
+    }
+    return ok;
+}
+
+static void kvquant_scratch_free(KVQuantScratch *w) {
+    free(w->codes); free(w->k_off); free(w->k_half); free(w->first); free(w->next);
+    free(w->o_ch); free(w->o_val); free(w->kt); free(w->vt); free(w->va); free(w->vb);
+}
+
 static inline void load_head(float *x, const void *src, int64_t base, int64_t D, int64_t kind) {
     if (kind == 2) {
         memcpy(x, (const float *)src + base, sizeof(float) * D);
@@ -1020,19 +1047,11 @@ static void kvquant_row_block(const KVQuantLayer *L, int64_t blk, int64_t len, c
 int kvquant_read_blocks(const KVQuantLayer *L, const int64_t *blk_ids, int64_t nblk, int64_t n,
                         float *k_out, float *v_out) {
     const int64_t Hkv = L->num_kv_heads, D = L->head_dim, B = L->block_size;
-    const int64_t ocap = L->k.per_channel ? Hkv * L->k.cap : 0;
     int failed = 0;
     #pragma omp parallel
     {
-        KVQuantScratch w = {0};
-        w.codes = malloc(D + 8);
-        w.k_off = malloc(sizeof(float) * Hkv * D);
-        w.k_half = malloc(sizeof(float) * Hkv * D);
-        w.first = malloc(sizeof(int64_t) * B * Hkv);
-        w.next = malloc(sizeof(int64_t) * (ocap + 1));
-        w.o_ch = malloc(sizeof(int64_t) * (ocap + 1));
-        w.o_val = malloc(sizeof(float) * (ocap + 1));
-        if (!(w.codes && w.k_off && w.k_half && w.first && w.next && w.o_ch && w.o_val)) {
+        KVQuantScratch w;
+        if (!kvquant_scratch_alloc(&w, L, 0)) {
             #pragma omp atomic write
             failed = 1;
         }
@@ -1057,8 +1076,7 @@ int kvquant_read_blocks(const KVQuantLayer *L, const int64_t *blk_ids, int64_t n
                 }
             }
         }
-        free(w.codes); free(w.k_off); free(w.k_half); free(w.first); free(w.next);
-        free(w.o_ch); free(w.o_val);
+        kvquant_scratch_free(&w);
     }
     return failed ? -1 : 0;
 }
@@ -1083,7 +1101,7 @@ int kvquant_read_blocks(const KVQuantLayer *L, const int64_t *blk_ids, int64_t n
 static void block_key_pass(const KVQuantLayer *L, int64_t blk, int64_t next_blk, int64_t n,
                            const float *qb, BlockScratch *w) {
     const int64_t group = L->num_q_heads / L->num_kv_heads;
-    const int planar = block_key_operands(L, qb, w);
+    const int planar = block_key_operands(L, w);
     for (int64_t h0 = 0; h0 < group; h0 += FAST_MAX_HEADS) {
         const int nh = (int)(group - h0 < FAST_MAX_HEADS ? group - h0 : FAST_MAX_HEADS);
         block_key_heads(L, blk, next_blk, n, qb, h0, nh, planar, w);
@@ -1169,7 +1187,6 @@ int kvquant_decode_attention(const KVQuantLayer *L, const float *q, const float 
                              const int64_t *blk_ids, const int64_t *past, int64_t num_requests) {
     const int64_t Hq = L->num_q_heads, Hkv = L->num_kv_heads, D = L->head_dim;
     const int64_t B = L->block_size, row = Hkv * D;
-    const int64_t ocap = L->k.per_channel ? Hkv * L->k.cap : 0;
 #if HAVE_BLOCK_PATH
     const int block_path = block_path_fits(L);
 #endif
@@ -1178,20 +1195,8 @@ int kvquant_decode_attention(const KVQuantLayer *L, const float *q, const float 
     {
         Softmax s;
         KVQuantScratch w;
-        w.codes = malloc(D + 8);
-        w.k_off = malloc(sizeof(float) * row);
-        w.k_half = malloc(sizeof(float) * row);
-        w.first = malloc(sizeof(int64_t) * B * Hkv);
-        w.next = malloc(sizeof(int64_t) * (ocap + 1));
-        w.o_ch = malloc(sizeof(int64_t) * (ocap + 1));
-        w.o_val = malloc(sizeof(float) * (ocap + 1));
-        /* zeroed: score_tile may read the rows past a partial tile (their scores are unused) */
-        w.kt = calloc(Hkv * TILE * D, sizeof(float));
-        w.vt = calloc(Hkv * TILE * D, sizeof(float));
-        w.va = calloc(Hkv * TILE, sizeof(float));
-        w.vb = calloc(Hkv * TILE, sizeof(float));
-        int ok = softmax_alloc(&s, Hq, D) && w.codes && w.k_off && w.k_half && w.first && w.next
-                 && w.o_ch && w.o_val && w.kt && w.vt && w.va && w.vb;
+        int ok = kvquant_scratch_alloc(&w, L, 1);
+        ok = softmax_alloc(&s, Hq, D) && ok;
 #if HAVE_BLOCK_PATH
         BlockScratch bw = {0};
         if (block_path) ok = block_scratch_alloc(&bw, Hkv, Hq / Hkv, B, D, L->k.cap,
@@ -1207,7 +1212,7 @@ int kvquant_decode_attention(const KVQuantLayer *L, const float *q, const float 
             softmax_reset(&s, Hq, D);
             const float *qb = q + b * Hq * D;
 #if HAVE_BLOCK_PATH
-            bw.pq_ready = 0;  /* the planar queries are made at the request's first block */
+            if (block_path) block_request_queries(L, qb, &bw);
 #endif
             for (int64_t j = blk_ptr[b]; j < blk_ptr[b + 1]; j++) {
                 const int64_t blk = blk_ids[j], first_slot = (j - blk_ptr[b]) * B;
@@ -1227,8 +1232,7 @@ int kvquant_decode_attention(const KVQuantLayer *L, const float *q, const float 
             softmax_finish(&s, out + b * Hq * D, Hq, D);
         }
         softmax_free(&s);
-        free(w.codes); free(w.k_off); free(w.k_half); free(w.first); free(w.next);
-        free(w.o_ch); free(w.o_val); free(w.kt); free(w.vt); free(w.va); free(w.vb);
+        kvquant_scratch_free(&w);
 #if HAVE_BLOCK_PATH
         if (block_path) block_scratch_free(&bw);
 #endif
