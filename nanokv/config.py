@@ -96,7 +96,8 @@ class EngineConfig:
         "auto", "attention implementation, chosen once at start-up. auto: the fastest that "
                 "applies (on CPU with a float32 pool the C decode kernel, built on first use "
                 "with $CC and cached in $NANOKV_CACHE_DIR or ~/.cache/nanokv), logged with the "
-                "reason; on CUDA the Triton kernels (float, int8, fp8 caches); native: the C "
+                "reason; on CUDA the Triton kernels (float, int8, fp8 caches; decode over "
+                "kvquant / kivi codes); native: the C "
                 "kernel or an error; triton: the Triton kernels (CUDA; on CPU only in Triton's "
                 "interpreter, TRITON_INTERPRET=1); torch: the PyTorch reference path",
         choices="attention_backends")

@@ -58,7 +58,8 @@ def select_backend(requested: str, kv_cache, device: torch.device
                 return cls, "auto; " + "; ".join(skipped)
             return cls, "auto: the first that applies"
         reason, structural = why
-        reasons.append(reason)
+        if reason not in reasons:  # two backends of one name may say the same
+            reasons.append(reason)
         if not structural:
             skipped.append(f"{cls.name} not used: {reason}")
             if requested == "auto":
