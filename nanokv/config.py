@@ -90,8 +90,10 @@ class EngineConfig:
     num_threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)",
                                    type=int)
     linear_backend: str = _opt(
-        "auto", "auto: oneDNN-packed weights on CPU (fast path), torch F.linear elsewhere; "
-                "torch: the reference path", choices=LINEAR_BACKENDS)
+        "auto", "the dense layers' CPU path. auto: oneDNN-packed weights and the fused C "
+                "norm / RoPE / SiLU-and-multiply kernels on CPU (fast path), torch F.linear "
+                "elsewhere; torch: the reference path (PyTorch ops only)",
+        choices=LINEAR_BACKENDS)
     attention_backend: str = _opt(
         "auto", "attention implementation, chosen once at start-up. auto: the fastest that "
                 "applies (on CPU with a float32 pool the C decode kernel, built on first use "

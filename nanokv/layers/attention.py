@@ -123,17 +123,51 @@ def _prefill(q, k, v, k_cache, v_cache, seq: PrefillSeq, scale: float) -> torch.
                                            enable_gqa=True)
     else:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        kc = k_cache[seq.block_table].view(-1, num_kv_heads, head_dim)[:seq.context_len]
-        vc = v_cache[seq.block_table].view(-1, num_kv_heads, head_dim)[:seq.context_len]
-        kh = kc.transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
-        vh = vc.transpose(0, 1).unsqueeze(0)
         past = seq.context_len - seq.query_len
-        rows = torch.arange(seq.query_len, device=q.device).unsqueeze(1)
-        cols = torch.arange(seq.context_len, device=q.device).unsqueeze(0)
-        mask = cols <= rows + past  # [L, S]
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
-                                           enable_gqa=True)
+        # the cached prefix; the chunk's own K/V are the fresh k, v (written to the same slots)
+        kc = k_cache[seq.block_table].view(-1, num_kv_heads, head_dim)[:past]  # [P, Hkv, D]
+        vc = v_cache[seq.block_table].view(-1, num_kv_heads, head_dim)[:past]
+        o = chunk_over_prefix(qh, kc, vc, k, v, scale)
     return o.squeeze(0).transpose(0, 1)  # [L, Hq, D]
+
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def chunk_over_prefix(qh: torch.Tensor, k_past: torch.Tensor, v_past: torch.Tensor,
+                      k_new: torch.Tensor, v_new: torch.Tensor, scale: float) -> torch.Tensor:
+    """A prefill chunk's attention over its cached prefix and itself, causal by position.
+
+    qh: [1, Hq, L, D]; k_past, v_past: [P, Hkv, D] (P >= 1); k_new, v_new: [L, Hkv, D].
+    Returns [1, Hq, L, D]. On CPU the two parts go through the flash kernel separately (the
+    prefix without a mask, the chunk causal, which skips its upper triangle) and are merged by
+    their log-sum-exp: o = o_past + (o_new - o_past) * sigmoid(lse_new - lse_past). One call with
+    an explicit [L, P + L] mask (the reference, and the path elsewhere) computes every block.
+    """
+    past = k_past.transpose(0, 1).unsqueeze(0)  # [1, Hkv, P, D]
+    past_v = v_past.transpose(0, 1).unsqueeze(0)
+    new = k_new.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+    new_v = v_new.transpose(0, 1).unsqueeze(0)
+    if _FLASH_CPU is not None and qh.device.type == "cpu" and qh.dtype == k_past.dtype \
+            == k_new.dtype == torch.float32:
+        o_past, lse_past = _FLASH_CPU(qh, past, past_v, 0.0, False, scale=scale)[:2]
+        o_new, lse_new = _FLASH_CPU(qh, new, new_v, 0.0, True, scale=scale)[:2]
+        w_new = torch.sigmoid(lse_new - lse_past).unsqueeze(-1)  # [1, Hq, L, 1]
+        return o_past.add_(o_new.sub_(o_past).mul_(w_new))
+    return chunk_over_prefix_masked(qh, past, past_v, new, new_v, scale)
+
+
+def chunk_over_prefix_masked(qh, past, past_v, new, new_v, scale: float) -> torch.Tensor:
+    """`chunk_over_prefix`'s reference: one call over [prefix + chunk] with a causal mask.
+    past / new: [1, Hkv, P or L, D]."""
+    num_past, length = past.shape[2], qh.shape[2]
+    kh = torch.cat([past, new.to(past.dtype)], dim=2)  # [1, Hkv, S, D]
+    vh = torch.cat([past_v, new_v.to(past_v.dtype)], dim=2)
+    rows = torch.arange(length, device=qh.device).unsqueeze(1)
+    cols = torch.arange(num_past + length, device=qh.device).unsqueeze(0)
+    mask = cols <= rows + num_past  # [L, S]
+    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
+                                          enable_gqa=True)
 
 
 def dense_reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

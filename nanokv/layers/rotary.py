@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanokv.layers import native_elementwise
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -38,12 +40,14 @@ class RotaryEmbedding(nn.Module):
         # the last step's positions and their cos/sin rows: every layer of a forward pass
         # rotates at the same positions, so the rows are gathered once per step
         self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._checked: torch.Tensor | None = None  # the last positions `norm_rope` checked
+        self.native = False  # norm_rope through the C kernel (use_native_elementwise sets it)
         if torch.empty(0).device.type != "meta":  # built under a meta context: loader builds
             self.build_tables(torch.device("cpu"))
 
     def build_tables(self, device: torch.device) -> None:
         """(Re)compute the tables on `device` (after the model was materialised there)."""
-        self._rows = None
+        self._rows = self._checked = None
         inv_freq, scaling = rope_inv_freq(self.hf_config, self.head_dim)
         t = torch.arange(self.max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_positions, rot_dim / 2]
@@ -52,14 +56,43 @@ class RotaryEmbedding(nn.Module):
         self.sin = (emb.sin() * scaling).to(device)
         self.rot_dim = emb.shape[-1]
 
+    def _step_rows(self, positions: torch.Tensor, dtype: torch.dtype):
+        """The cos / sin rows [T, 1, rot_dim] of a step's positions, gathered once per step."""
+        if self._rows is None or self._rows[0] is not positions or self._rows[1].dtype != dtype:
+            cos = self.cos[positions].unsqueeze(1).to(dtype)  # [T, 1, rot_dim]
+            sin = self.sin[positions].unsqueeze(1).to(dtype)
+            self._rows = (positions, cos, sin)
+        return self._rows[1], self._rows[2]
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hkv, D], positions: [T] -> rotated q, k."""
-        if self._rows is None or self._rows[0] is not positions or self._rows[1].dtype != q.dtype:
-            cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, rot_dim]
-            sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-            self._rows = (positions, cos, sin)
-        _, cos, sin = self._rows
+        cos, sin = self._step_rows(positions, q.dtype)
         return apply_rotary(q, cos, sin, self.rot_dim), apply_rotary(k, cos, sin, self.rot_dim)
+
+    def norm_rope(self, positions: torch.Tensor, x: torch.Tensor, norm=None,
+                  keep_pre: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [T, H, D] normed per head by `norm` (an RMSNorm over D, or None), then rotated.
+        Returns (rotated, with keep_pre the normed heads before RoPE: what a store that keeps
+        pre-RoPE keys writes; else None). With `native` set and float32 CPU inputs one pass of
+        the C kernel (`native_elementwise.head_norm_rope`), else the PyTorch modules."""
+        weight = None if norm is None else norm.weight
+        if (self.native and native_elementwise.fits_heads(x, self.cos, positions)
+                and self.cos.dtype == x.dtype and (weight is None or weight.dtype == x.dtype)):
+            if self._checked is not positions:  # once per step: every layer shares them
+                if positions.numel() and not (0 <= int(positions.min())
+                                              and int(positions.max()) < self.cos.shape[0]):
+                    raise IndexError(f"RoPE positions must lie in [0, {self.cos.shape[0]})")
+                self._checked = positions
+            eps = 0.0 if norm is None else norm.eps
+            rotated, pre = native_elementwise.head_norm_rope(
+                x, positions, self.cos, self.sin, weight, eps,
+                keep_pre=keep_pre and norm is not None)
+            if keep_pre and norm is None:  # nothing normed: the input is the pre-RoPE head
+                pre = x
+            return rotated, pre
+        normed = x if norm is None else norm(x)
+        cos, sin = self._step_rows(positions, x.dtype)
+        return apply_rotary(normed, cos, sin, self.rot_dim), (normed if keep_pre else None)
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: [n, H, D] (keys stored before RoPE) rotated to positions [n]."""

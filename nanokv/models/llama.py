@@ -24,6 +24,7 @@ from nanokv.distributed.tp_layers import (
     column_linear,
     row_linear,
 )
+from nanokv.layers import native_elementwise
 from nanokv.layers.linear import Linear
 from nanokv.layers.native_linear import small_linear_available
 from nanokv.layers.norm import RMSNorm
@@ -57,10 +58,10 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        k_pre = k  # before RoPE: what a store with pre-RoPE keys quantizes
-        q, k = self.rotary(positions, q, k)
+        # q / k norm (Qwen3) and RoPE; k_pre, before RoPE, is what a store with pre-RoPE keys
+        # quantizes
+        q, _ = self.rotary.norm_rope(positions, q, self.q_norm)
+        k, k_pre = self.rotary.norm_rope(positions, k, self.k_norm, keep_pre=True)
         captured = q[step.capture_rows] if step.capture_rows is not None else None  # [Tc, Hq, D]
         o = step.backend.forward(self.layer_index, q, k, v, k_pre, step.metadata, self.scale)
         return self.o_proj(o.reshape(num_tokens, self.q_size)), captured  # [T, hidden]
@@ -76,9 +77,13 @@ class LlamaMLP(nn.Module):
         bias = getattr(cfg, "mlp_bias", False)
         self.gate_up_proj = column_linear(cfg.hidden_size, 2 * self.intermediate, bias, tp)
         self.down_proj = row_linear(self.intermediate, cfg.hidden_size, bias, tp)
+        self.native = False  # SiLU-and-multiply in C on float32 CPU (use_native_elementwise)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        if self.native and native_elementwise.fits_gate_up(gate_up):
+            return self.down_proj(native_elementwise.silu_mul(gate_up))  # one pass, in C
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -91,10 +96,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, step: StepAttention):
-        attn, captured = self.self_attn(self.input_layernorm(x), positions, step)
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), captured
+    def forward(self, x, residual, positions, step: StepAttention):
+        """x: the previous layer's MLP output [T, hidden] (the embeddings for the first layer,
+        with residual None); residual: the stream before it. Returns this layer's (MLP output,
+        residual stream, captured queries): the residual add is fused into the next norm."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        attn, captured = self.self_attn(h, positions, step)
+        h, residual = self.post_attention_layernorm(attn, residual)
+        return self.mlp(h), residual, captured
 
 
 class LlamaForCausalLM(nn.Module):
@@ -131,12 +143,13 @@ class LlamaForCausalLM(nn.Module):
                 ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """input_ids, positions: [T] -> hidden states [T, hidden], and per layer the queries
         KV policies asked for (`step.capture_rows`; None when none were asked)."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         captured = []
         for layer in self.layers:
-            x, q_rows = layer(x, positions, step)
+            x, residual, q_rows = layer(x, residual, positions, step)
             captured.append(q_rows)
-        return self.norm(x), (captured if step.capture_rows is not None else None)
+        x, _ = self.norm(x, residual)
+        return x, (captured if step.capture_rows is not None else None)
 
     def tie_weights(self) -> None:
         """Tied embeddings: the LM head shares the embedding matrix (after loading)."""
@@ -154,6 +167,19 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings and type(self.lm_head) is Linear \
                 and small_linear_available():
             self.lm_head.few_rows = True
+
+    def use_native_elementwise(self) -> bool:
+        """Route the norms, RoPE and SiLU-and-multiply through the fused C kernels
+        (`native_elementwise`) where they apply: float32 weights on CPU, the library built.
+        Returns whether they are in use; the PyTorch ops stay each call's reference path."""
+        weight = self.norm.weight
+        if not (weight.device.type == "cpu" and weight.dtype == torch.float32
+                and native_elementwise.elementwise_available()):
+            return False
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, RotaryEmbedding, LlamaMLP)):
+                module.native = True
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> [N, vocab] float32; None on tensor-parallel ranks other than 0 (the

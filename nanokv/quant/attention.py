@@ -11,7 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanokv.layers.attention import AttentionMetadata, PrefillSeq, dense_reference_attention
+from nanokv.layers.attention import (
+    AttentionMetadata,
+    PrefillSeq,
+    chunk_over_prefix,
+    dense_reference_attention,
+)
 from nanokv.layers.rotary import RotaryEmbedding
 from nanokv.quant.store import QuantizedKVStore, Rope, WritePlan
 
@@ -72,14 +77,7 @@ def _prefill(q, k, v, store, layer, seq: PrefillSeq, scale, rope, read_past=None
         kc, vc = kc.reshape(-1, heads, dim)[:past], vc.reshape(-1, heads, dim)[:past]
     else:
         kc, vc = read_past(layer, seq.block_table, past)  # [past, Hkv, D]
-    kc = torch.cat([kc, k.to(kc.dtype)])  # [S, Hkv, D]
-    vc = torch.cat([vc, v.to(vc.dtype)])
-    rows = torch.arange(seq.query_len, device=q.device).unsqueeze(1)
-    cols = torch.arange(seq.context_len, device=q.device).unsqueeze(0)
-    o = F.scaled_dot_product_attention(qh, kc.transpose(0, 1).unsqueeze(0),
-                                       vc.transpose(0, 1).unsqueeze(0),
-                                       attn_mask=cols <= rows + past, scale=scale,
-                                       enable_gqa=True)
+    o = chunk_over_prefix(qh, kc, vc, k.to(kc.dtype), v.to(vc.dtype), scale)
     return o.squeeze(0).transpose(0, 1)  # [L, Hq, D]
 
 

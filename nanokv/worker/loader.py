@@ -250,6 +250,8 @@ def load_model(model_path: str, dtype: str = "auto", device: str = "auto",
         if dev.type != "cpu" or not onednn_available():
             raise ValueError("linear_backend 'onednn' needs a CPU build of PyTorch with oneDNN")
         model.pack_linear_weights()
+        if model.use_native_elementwise():  # the fused C norm / RoPE / SiLU kernels
+            note += ", fused C norm / RoPE / SiLU-and-multiply"
     tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer_path or model_path)
     eos = load_eos_token_ids(model_path, cfg, tokenizer)
     note += f", {backend} linear layers"

@@ -133,3 +133,30 @@ def test_decode_over_consecutive_blocks_matches_dense(block_size):
     for i, (k, v) in enumerate(zip(k_all, v_all)):
         ref = dense_reference_attention(q[i:i + 1], k, v, D ** -0.5)
         torch.testing.assert_close(out[i:i + 1], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("past,length", [(1, 1), (1, 9), (37, 5), (300, 200), (64, 700)])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1)])
+def test_chunk_over_prefix_matches_dense(past, length, heads):
+    """A prefill chunk over its cached prefix: the split path (prefix and chunk apart, merged by
+    log-sum-exp, CPU float32) and the masked reference both equal the float64 dense oracle."""
+    from nanokv.layers.attention import chunk_over_prefix, chunk_over_prefix_masked
+
+    hq, hkv = heads
+    gen = torch.Generator().manual_seed(past * 1000 + length + hq)
+    q = torch.randn(length, hq, 32, generator=gen)
+    k = torch.randn(past + length, hkv, 32, generator=gen) * 2
+    v = torch.randn(past + length, hkv, 32, generator=gen)
+    scale = 32 ** -0.5
+    ref = dense_reference_attention(q, k, v, scale)  # [L, Hq, D]
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
+    got = chunk_over_prefix(qh, k[:past], v[:past], k[past:], v[past:], scale)
+    torch.testing.assert_close(got.squeeze(0).transpose(0, 1), ref.float(), atol=2e-5, rtol=1e-4)
+
+    def heads_first(x):
+        return x.transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
+
+    masked = chunk_over_prefix_masked(qh, heads_first(k[:past]), heads_first(v[:past]),
+                                      heads_first(k[past:]), heads_first(v[past:]), scale)
+    torch.testing.assert_close(masked.squeeze(0).transpose(0, 1), ref.float(), atol=2e-5,
+                               rtol=1e-4)
