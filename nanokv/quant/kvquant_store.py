@@ -48,11 +48,13 @@ from nanokv.quant.kvquant import (
     QuantizedBlocks,
     outlier_capacity,
 )
+from nanokv.quant import native_write
 from nanokv.quant.packing import pack, packed_dim, unpack
 from nanokv.quant.staging import BlockStaging
 from nanokv.quant.store import BufferSpec, QuantizedKVStore, Rope, WritePlan, as_list
 
 logger = logging.getLogger("nanokv")
+_PARTS = ("codes", "offset", "half", "oidx", "oval")  # a layer's buffers of one kind
 
 
 @dataclass
@@ -96,6 +98,8 @@ class KVQuantStore(QuantizedKVStore):
         self.staging = BlockStaging(num_blocks, self.block_size, self.num_staging_blocks,
                                     "kvquant", staged=staged)
         self._sink = np.full((num_blocks, self.num_sinks), -1, dtype=np.int64)  # slot of pos p
+        # per-token groups quantized in C on CPU (`native_write`); False: the PyTorch path
+        self.native_write = self.device.type == "cpu" and native_write.native_write_available()
 
     # ---- the KV cache kind -----------------------------------------------------------------
     # unpacked codes, codebook lookups and sinks make its decode read heavier than int8's
@@ -250,8 +254,14 @@ class KVQuantStore(QuantizedKVStore):
         heads, dim = self.layout.num_kv_heads, self.layout.head_dim
         for name, kind, x in (("k", "key", k), ("v", "value", v)):
             if self._per_token(name):  # each token is its own group of one slot
-                q = codec.quantize(kind, x.unsqueeze(1), plan.token_valid.unsqueeze(1))
-                self._put(name, layer, plan.slot_mapping, q, per_token=True)
+                parts = {f: buf[f"{name}_{f}{layer}"] for f in _PARTS}
+                if self.native_write and native_write.fits(x, parts, codec.bits):
+                    book = codec.value_codebook if kind == "value" else codec.key_codebook
+                    native_write.quantize_tokens(x, plan.token_valid, plan.slot_mapping, parts,
+                                                 codec.bits, book)
+                else:
+                    q = codec.quantize(kind, x.unsqueeze(1), plan.token_valid.unsqueeze(1))
+                    self._put(name, layer, plan.slot_mapping, q, per_token=True)
             else:
                 self._write_blocks(name, kind, layer, plan, x)
             if plan.sink_src.numel():

@@ -11,6 +11,18 @@ def test_greedy_is_argmax():
     assert Sampler(0)(logits, params, [0, 0]) == [1, 0]
 
 
+def test_greedy_takes_the_first_maximum_as_argmax_does():
+    """Ties (a flat vocabulary row, repeated maxima) and NaN rows: the first index, as
+    torch.argmax; over a large random batch too."""
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0], [5.0, 5.0, 5.0, 5.0],
+                           [float("nan"), 1.0, 2.0, 3.0], [1.0, 9.0, float("nan"), 9.0]])
+    params = [SamplingParams(temperature=0)] * 4
+    assert Sampler(0)(logits, params, [0] * 4) == logits.argmax(-1).tolist()
+    gen = torch.Generator().manual_seed(0)
+    big = torch.randint(0, 4, (8, 151936), generator=gen).float()  # many ties per row
+    assert Sampler(0)(big, [params[0]] * 8, [0] * 8) == big.argmax(-1).tolist()
+
+
 def test_top_k_and_top_p_masks():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     kept = torch.isfinite(filter_logits(logits, 2, 1.0)).tolist()
