@@ -98,7 +98,7 @@ class KVQuantStore(QuantizedKVStore):
         self.staging = BlockStaging(num_blocks, self.block_size, self.num_staging_blocks,
                                     "kvquant", staged=staged)
         self._sink = np.full((num_blocks, self.num_sinks), -1, dtype=np.int64)  # slot of pos p
-        # per-token groups quantized in C on CPU (`native_write`); False: the PyTorch path
+        # quantize-on-write in C on CPU (`native_write`); False: the PyTorch path
         self.native_write = self.device.type == "cpu" and native_write.native_write_available()
 
     # ---- the KV cache kind -----------------------------------------------------------------
@@ -278,8 +278,15 @@ class KVQuantStore(QuantizedKVStore):
             old = staging[src.clamp(max=staged_slots - 1)].to(x.dtype)  # [nq, B, Hkv, D]
             new = x[(src - staged_slots).clamp_min(0)]
             blocks = torch.where((src < staged_slots)[..., None, None], old, new)
-            q = self.codecs[layer].quantize(kind, blocks, plan.quant_valid)
-            self._put(name, layer, plan.quant_blocks, q, per_token=False)
+            codec = self.codecs[layer]
+            parts = {f: self.buffers[f"{name}_{f}{layer}"] for f in _PARTS}
+            if self.native_write and native_write.fits(blocks, parts, codec.bits):
+                native_write.quantize_blocks(blocks, plan.quant_valid, plan.quant_blocks, parts,
+                                             codec.bits, codec.key_codebook,
+                                             codec.key_thresholds)
+            else:
+                q = codec.quantize(kind, blocks, plan.quant_valid)
+                self._put(name, layer, plan.quant_blocks, q, per_token=False)
         if plan.stage_src.numel():
             staging.index_copy_(0, plan.stage_dst, x[plan.stage_src].to(staging.dtype))
 

@@ -1,25 +1,40 @@
-/* KVQuant's per-token quantize-on-write (values, and keys without per-channel statistics): each
- * of a step's T tokens and each KV head is one group of D channels, quantized straight into the
- * store's buffers at the token's flat slot. The reference is `quantize_blocks` with groups of
- * one slot (nanokv/quant/kvquant.py) followed by the store's `_put`; per token-head:
+/* KVQuant's quantize-on-write, straight into the store's buffers:
  *
- *   outliers  the `side` = cap / 2 largest and `side` smallest channels (per-token z-scores
- *             rank channels as their values do), largest first / smallest first; an entry
- *             picked from both ends is listed once (the bottom one marked unused); none for a
- *             sink token (valid 0). Unused entries: index -1 (255 in a uint8 index), value 0.
- *   offset, half   (max + min) / 2 and (max - min) / 2 over the other channels, clamped to
- *             +-65504 and rounded to fp16 (0 when every channel is an outlier)
+ *   kvquant_quantize_tokens  per token (values, and keys without per-channel statistics): each
+ *                            of a step's T tokens and each KV head is one group of D channels,
+ *                            written at the token's flat slot
+ *   kvquant_quantize_blocks  per channel (keys): each block that fills in the step and each KV
+ *                            head is one group of B x D elements, statistics per channel over
+ *                            the block's tokens, written at the block's id
+ *
+ * The reference is `quantize_blocks` (nanokv/quant/kvquant.py) followed by the store's `_put`;
+ * per group:
+ *
+ *   outliers  the `side` = cap / 2 highest and `side` lowest scores, highest first: per token,
+ *             the channels' values (a token's z-scores rank them as its values do); per channel,
+ *             each element's z-score in its channel over the block's valid slots, or with
+ *             calibrated (lower, upper) thresholds the distance beyond them over their span. An
+ *             element picked from both ends is listed once (the bottom entry marked unused);
+ *             sink slots (valid 0) are never outliers. Unused entries: index -1 (255 in a uint8
+ *             index), value 0.
+ *   offset, half   (max + min) / 2 and (max - min) / 2 over the rest (per channel: the valid,
+ *             non-outlier slots), clamped to +-65504 and rounded to fp16 (0 when nothing is left)
  *   codes     xn = clamp((x - offset) / max(half, FLT_MIN), -1, 1), then the nearest of the
  *             2^bits centroids: bucketize on the midpoints (the count of midpoints < xn), or
  *             round-half-even of (xn + 1) * (2^bits - 1) / 2 on the uniform grid; packed as
  *             `nanokv.quant.packing.pack` (low bits first; 3-bit codes in 24-bit groups)
  *
- * Buffers, flat over the pool's slots (block * B + slot): codes [slots, H, P] uint8; offset,
- * half [slots, H] fp16; oidx [slots, H, cap] (idx_bytes 1 or 2); oval [slots, H, cap] (sparse
- * kind 0 fp16, 1 bf16, 2 fp32). x [T, H, D] float32. */
+ * Per-token buffers, flat over the pool's slots (block * B + slot): codes [slots, H, P] uint8;
+ * offset, half [slots, H] fp16; oidx [slots, H, cap] (idx_bytes 1 or 2); oval [slots, H, cap].
+ * Per-channel buffers, by block id: offset, half [nb, H, D]; oidx, oval [nb, H, cap] (idx_bytes
+ * 2 or 4, index slot * D + channel). Sparse kind 0 fp16, 1 bf16, 2 fp32. x float32. The
+ * per-channel z-scores sum in double where PyTorch sums in float32, so an element whose score
+ * ties the last one picked within rounding may be chosen differently; everything else is the
+ * reference's to the byte (tests/unit/test_kvquant_write.py). */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline uint32_t float_bits(float f) {
@@ -82,7 +97,8 @@ static void store_sparse(void *oval, int64_t i, float x, int64_t kind) {
 
 static void store_index(void *oidx, int64_t i, int64_t v, int64_t bytes) {
     if (bytes == 1) ((uint8_t *)oidx)[i] = (uint8_t)(v < 0 ? 255 : v);
-    else ((int16_t *)oidx)[i] = (int16_t)v;
+    else if (bytes == 2) ((int16_t *)oidx)[i] = (int16_t)v;
+    else ((int32_t *)oidx)[i] = (int32_t)v;
 }
 
 static void pack_codes(const uint8_t *c, int64_t D, int64_t bits, uint8_t *out) {
@@ -105,6 +121,33 @@ static void pack_codes(const uint8_t *c, int64_t D, int64_t bits, uint8_t *out) 
             out[g] = (uint8_t)w;
         }
     }
+}
+
+/* the codebook's midpoints (mids[levels]), or NULL for the uniform grid */
+static const float *midpoints(const float *codebook, int64_t levels, float *mids) {
+    if (codebook == NULL) return NULL;
+    for (int64_t j = 0; j < levels; j++) mids[j] = (codebook[j + 1] + codebook[j]) / 2.0f;
+    return mids;
+}
+
+/* one element's code: normalised by the group's fp16 offset and half-range (denom =
+ * max(half, FLT_MIN)), then the nearest centroid (mids: the codebook's midpoints, or NULL) */
+static inline uint8_t encode(float x, float off, float denom, int64_t levels,
+                             const float *mids) {
+    float xn = (x - off) / denom;
+    xn = xn < -1.0f ? -1.0f : (xn > 1.0f ? 1.0f : xn);
+    if (mids == NULL) {
+        float r = nearbyintf((xn + 1.0f) * ((float)levels / 2.0f));
+        r = r < 0.0f ? 0.0f : (r > (float)levels ? (float)levels : r);
+        return (uint8_t)r;
+    }
+    int64_t n = 0;
+    while (n < levels && mids[n] < xn) n++;
+    return (uint8_t)n;
+}
+
+static inline int64_t packed_bytes(int64_t D, int64_t bits) {
+    return bits == 3 ? (D + 7) / 8 * 3 : (D * bits + 7) / 8;
 }
 
 /* the n-th extreme channel of x not yet taken: largest (dir > 0) or smallest; ties go to the
@@ -130,11 +173,10 @@ int kvquant_quantize_tokens(const float *x, const uint8_t *valid, const int64_t 
         || (idx_bytes != 1 && idx_bytes != 2))
         return 1;
     const int64_t levels = ((int64_t)1 << bits) - 1;
-    const int64_t packed = bits == 3 ? (D + 7) / 8 * 3 : (D * bits + 7) / 8;
+    const int64_t packed = packed_bytes(D, bits);
     const int64_t side = cap / 2;
     float mids[255];
-    if (codebook != NULL)
-        for (int64_t j = 0; j < levels; j++) mids[j] = (codebook[j + 1] + codebook[j]) / 2.0f;
+    const float *book = midpoints(codebook, levels, mids);
     #pragma omp parallel for schedule(static) if (T * H * D >= 65536)
     for (int64_t th = 0; th < T * H; th++) {
         const int64_t t = th / H, h = th % H;
@@ -172,19 +214,7 @@ int kvquant_quantize_tokens(const float *x, const uint8_t *valid, const int64_t 
         const float off = fp16_clamped((hi + lo) / 2.0f, &off_bits);
         const float hr = fp16_clamped((hi - lo) / 2.0f, &half_bits);
         const float denom = hr > FLT_MIN ? hr : FLT_MIN;
-        for (int64_t i = 0; i < D; i++) {
-            float xn = (row[i] - off) / denom;
-            xn = xn < -1.0f ? -1.0f : (xn > 1.0f ? 1.0f : xn);
-            if (codebook == NULL) {
-                float r = nearbyintf((xn + 1.0f) * ((float)levels / 2.0f));
-                r = r < 0.0f ? 0.0f : (r > (float)levels ? (float)levels : r);
-                c[i] = (uint8_t)r;
-            } else {
-                int64_t n = 0;
-                while (n < levels && mids[n] < xn) n++;
-                c[i] = (uint8_t)n;
-            }
-        }
+        for (int64_t i = 0; i < D; i++) c[i] = encode(row[i], off, denom, levels, book);
         pack_codes(c, D, bits, codes + g * packed);
         offset[g] = off_bits;
         half[g] = half_bits;
@@ -199,4 +229,183 @@ int kvquant_quantize_tokens(const float *x, const uint8_t *valid, const int64_t 
         }
     }
     return 0;
+}
+
+/* ---- per channel: blocks of B tokens ---------------------------------------------------- */
+
+typedef struct {
+    float score;
+    int64_t index;
+} Pick;
+
+/* a is worse than b: a lower score, or the same score at a higher index (ties: lower first) */
+static inline int worse(Pick a, Pick b) {
+    return a.score < b.score || (a.score == b.score && a.index > b.index);
+}
+
+static void sift_down(Pick *heap, int64_t n, int64_t i) {
+    for (;;) {
+        int64_t w = i, l = 2 * i + 1, r = l + 1;
+        if (l < n && worse(heap[l], heap[w])) w = l;
+        if (r < n && worse(heap[r], heap[w])) w = r;
+        if (w == i) return;
+        const Pick t = heap[i];
+        heap[i] = heap[w];
+        heap[w] = t;
+        i = w;
+    }
+}
+
+static int better_first(const void *a, const void *b) {
+    const Pick *x = a, *y = b;
+    return worse(*x, *y) ? 1 : (worse(*y, *x) ? -1 : 0);
+}
+
+/* the k best finite scores of n, best first, into out (its length: the number found). A
+ * min-heap of the k best so far: scanning in index order, most elements fail the comparison
+ * with its root, so this is about one pass over the scores. */
+static int64_t top_k(const float *scores, int64_t n, int64_t k, Pick *out) {
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const float v = scores[i];
+        if (v == -INFINITY) continue;
+        const Pick p = {v, i};
+        if (m < k) {
+            out[m++] = p;
+            if (m == k)
+                for (int64_t j = k / 2 - 1; j >= 0; j--) sift_down(out, k, j);
+        } else if (worse(out[0], p)) {
+            out[0] = p;
+            sift_down(out, k, 0);
+        }
+    }
+    qsort(out, (size_t)m, sizeof(Pick), better_first);
+    return m;
+}
+
+int kvquant_quantize_blocks(const float *x, const uint8_t *valid, const int64_t *block_ids,
+                            int64_t n, int64_t B, int64_t H, int64_t D, int64_t bits,
+                            const float *codebook, const float *thresholds, int64_t cap,
+                            uint8_t *codes, uint16_t *offset, uint16_t *half, void *oidx,
+                            int64_t idx_bytes, void *oval, int64_t sparse_kind) {
+    if (cap % 2 || (bits != 2 && bits != 3 && bits != 4 && bits != 8)
+        || (idx_bytes != 2 && idx_bytes != 4) || D > MAX_D)
+        return 1;
+    const int64_t levels = ((int64_t)1 << bits) - 1, packed = packed_bytes(D, bits);
+    const int64_t side = cap / 2, elems = B * D;
+    float mids[255];
+    const float *book = midpoints(codebook, levels, mids);
+    int failed = 0;
+    #pragma omp parallel for schedule(dynamic) reduction(| : failed)
+    for (int64_t bh = 0; bh < n * H; bh++) {
+        const int64_t b = bh / H, h = bh % H, blk = block_ids[b];
+        const uint8_t *ok = valid + b * B;
+        /* up / down scores [B * D] (slot-major: index j * D + d), the outlier mark, picks */
+        float *up = malloc((size_t)elems * 2 * sizeof(float));
+        uint8_t *taken = calloc((size_t)elems, 1);
+        Pick *top = malloc((size_t)(side + 1) * 2 * sizeof(Pick));
+        if (up == NULL || taken == NULL || top == NULL) {
+            free(up), free(taken), free(top);
+            failed = 1;
+            continue;
+        }
+        float *down = up + elems;
+        Pick *bottom = top + side + 1;
+        #define X(j, d) x[(((b * B) + (j)) * H + h) * D + (d)]
+        /* slot-major passes (row j of the block is H * D floats from the next): per-channel
+         * sums in double, then each element's score */
+        double sum[MAX_D], sq[MAX_D];
+        float mean[MAX_D], sd[MAX_D], lo_t[MAX_D], hi_t[MAX_D], span[MAX_D];
+        if (thresholds != NULL) { /* calibrated (lower, upper) [2, H, D] */
+            for (int64_t d = 0; d < D; d++) {
+                lo_t[d] = thresholds[h * D + d];
+                hi_t[d] = thresholds[(H + h) * D + d];
+                const float w = hi_t[d] - lo_t[d];
+                span[d] = w > 1e-6f ? w : 1e-6f;
+            }
+            for (int64_t j = 0; j < B; j++) {
+                const float *row = &X(j, 0);
+                for (int64_t d = 0; d < D; d++) {
+                    const float v = row[d];
+                    up[j * D + d] = ok[j] && v > hi_t[d] ? (v - hi_t[d]) / span[d] : -INFINITY;
+                    down[j * D + d] = ok[j] && v < lo_t[d] ? (lo_t[d] - v) / span[d] : -INFINITY;
+                }
+            }
+        } else {
+            double count = 0.0;
+            for (int64_t d = 0; d < D; d++) sum[d] = sq[d] = 0.0;
+            for (int64_t j = 0; j < B; j++) {
+                if (!ok[j]) continue;
+                const float *row = &X(j, 0);
+                for (int64_t d = 0; d < D; d++) sum[d] += row[d];
+                count += 1.0;
+            }
+            count = count > 1.0 ? count : 1.0;
+            for (int64_t d = 0; d < D; d++) mean[d] = (float)(sum[d] / count);
+            for (int64_t j = 0; j < B; j++) {
+                if (!ok[j]) continue;
+                const float *row = &X(j, 0);
+                for (int64_t d = 0; d < D; d++) {
+                    const double e = (double)(row[d] - mean[d]);
+                    sq[d] += e * e;
+                }
+            }
+            for (int64_t d = 0; d < D; d++) sd[d] = sqrtf((float)(sq[d] / count)) + 1e-6f;
+            for (int64_t j = 0; j < B; j++) {
+                const float *row = &X(j, 0);
+                for (int64_t d = 0; d < D; d++) {
+                    const float z = (row[d] - mean[d]) / sd[d];
+                    up[j * D + d] = ok[j] ? z : -INFINITY;
+                    down[j * D + d] = ok[j] ? -z : -INFINITY;
+                }
+            }
+        }
+        const int64_t k = side < elems ? side : elems;
+        const int64_t n_top = side ? top_k(up, elems, k, top) : 0;
+        const int64_t n_bottom = side ? top_k(down, elems, k, bottom) : 0;
+        for (int64_t j = 0; j < n_top; j++) taken[top[j].index] = 1;
+        for (int64_t j = 0; j < n_bottom; j++) { /* listed once: picked by both ends */
+            if (taken[bottom[j].index]) bottom[j].index = -1;
+            else taken[bottom[j].index] = 2;
+        }
+        float lo[MAX_D], hi[MAX_D], off[MAX_D], denom[MAX_D];
+        for (int64_t d = 0; d < D; d++) lo[d] = INFINITY, hi[d] = -INFINITY;
+        for (int64_t j = 0; j < B; j++) {
+            if (!ok[j]) continue;
+            const float *row = &X(j, 0);
+            const uint8_t *out = taken + j * D;
+            for (int64_t d = 0; d < D; d++) {
+                const float v = out[d] ? INFINITY : row[d], w = out[d] ? -INFINITY : row[d];
+                lo[d] = v < lo[d] ? v : lo[d];
+                hi[d] = w > hi[d] ? w : hi[d];
+            }
+        }
+        for (int64_t d = 0; d < D; d++) {
+            if (isinf(lo[d])) lo[d] = hi[d] = 0.0f;
+            uint16_t ob, hb;
+            off[d] = fp16_clamped((hi[d] + lo[d]) / 2.0f, &ob);
+            const float hr = fp16_clamped((hi[d] - lo[d]) / 2.0f, &hb);
+            denom[d] = hr > FLT_MIN ? hr : FLT_MIN;
+            offset[(blk * H + h) * D + d] = ob;
+            half[(blk * H + h) * D + d] = hb;
+        }
+        uint8_t c[MAX_D];
+        for (int64_t j = 0; j < B; j++) {
+            const float *row = &X(j, 0);
+            for (int64_t d = 0; d < D; d++) c[d] = encode(row[d], off[d], denom[d], levels, book);
+            pack_codes(c, D, bits, codes + ((blk * B + j) * H + h) * packed);
+        }
+        const int64_t g = (blk * H + h) * cap;
+        for (int64_t j = 0; j < side; j++) {
+            const int64_t t = j < n_top ? top[j].index : -1;
+            const int64_t u = j < n_bottom ? bottom[j].index : -1;
+            store_index(oidx, g + j, t, idx_bytes);
+            store_sparse(oval, g + j, t >= 0 ? X(t / D, t % D) : 0.0f, sparse_kind);
+            store_index(oidx, g + side + j, u, idx_bytes);
+            store_sparse(oval, g + side + j, u >= 0 ? X(u / D, u % D) : 0.0f, sparse_kind);
+        }
+        #undef X
+        free(up), free(taken), free(top);
+    }
+    return failed ? 2 : 0;
 }
