@@ -6,6 +6,7 @@ the default CPU engine running them (so the Hugging Face parity tests cover them
 
 import pytest
 import torch
+from narrow_builds import run_narrow_build
 import torch.nn.functional as F
 
 from nanokv.layers import native_elementwise as ne
@@ -164,15 +165,5 @@ def test_the_default_cpu_engine_uses_them(tiny_qwen3):
 
 
 def test_a_build_without_avx512_equals_reference(tmp_path):
-    """The same checks with the library built with `CC="cc -mno-avx512f"` (an AVX2 machine's
-    vector width) in a fresh process with its own kernel cache."""
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, CC="cc -mno-avx512f", NANOKV_CACHE_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           __file__, "-k", "equals_reference and not build"], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert list(tmp_path.glob("fused_elementwise-*.so")), "not built in the test's cache"
+    """The same checks with the library built without AVX-512 (an AVX2 machine's width)."""
+    run_narrow_build(__file__, "equals_reference and not build", tmp_path, "fused_elementwise")

@@ -7,6 +7,7 @@ where ties make the outlier choice arbitrary (constant rows); bad inputs refused
 
 import pytest
 import torch
+from narrow_builds import run_narrow_build
 
 from nanokv.cache.kv_pool import KVLayout
 from nanokv.layers.native_attention import NativeKernelUnavailable
@@ -141,15 +142,6 @@ def test_bad_inputs_are_refused():
 
 
 def test_a_build_without_avx512_gives_the_same_bytes(tmp_path):
-    """The same checks with the library built with `CC="cc -mno-avx512f"` (an AVX2 machine's
-    vector width) in a fresh process with its own kernel cache."""
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, CC="cc -mno-avx512f", NANOKV_CACHE_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           __file__, "-k", "(same_bytes or constant_rows) and not build"], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert list(tmp_path.glob("kvquant_quantize-*.so")), "not built in the test's cache"
+    """The same checks with the library built without AVX-512 (an AVX2 machine's width)."""
+    run_narrow_build(__file__, "(same_bytes or constant_rows) and not build", tmp_path,
+                     "kvquant_quantize")

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from narrow_builds import run_narrow_build
 
 from quant_stores import HKV, MAX_POS, NUM_LAYERS, _HFConfig, make_store, scenario
 
@@ -172,16 +173,5 @@ def test_kernels_of_narrower_builds_equal_the_reference(tmp_path, flags):
     (`-mno-avx2`: the plain C paths every CPU builds, KVQuant a row at a time), in a fresh
     process with its own kernel cache. KVQuant at head_dim 128 too: its 4-bit key pass looks up
     32 channels at a time only where half a head holds them."""
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, CC=f"cc {flags}", NANOKV_CACHE_DIR=str(tmp_path))
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-         "-k", "test_decode_equals_dequantize_then_dense and (kvquant or int8 and not hq-4)"],
-        env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout
-    built = list(tmp_path.glob("quant_decode_attention-*.so"))
-    assert built, "the kernel was not built in the test's cache"
+    run_narrow_build(__file__, "test_decode_equals_dequantize_then_dense and (kvquant or int8 "
+                     "and not hq-4)", tmp_path, "quant_decode_attention", flags=flags)

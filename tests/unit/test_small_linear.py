@@ -4,6 +4,7 @@ plain-C rows), a bias; bad inputs refused; and the tied LM head of a loaded mode
 
 import pytest
 import torch
+from narrow_builds import run_narrow_build
 
 from nanokv.layers import native_linear
 from nanokv.layers.native_attention import NativeKernelUnavailable
@@ -56,15 +57,6 @@ def test_the_tied_lm_head_takes_it(tiny_qwen3):
 
 
 def test_a_build_without_avx512_equals_f_linear(tmp_path):
-    """The plain-C rows (every CPU builds them): the same checks with the library built with
-    `CC="cc -mno-avx512f"` in a fresh process with its own kernel cache."""
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, CC="cc -mno-avx512f", NANOKV_CACHE_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           __file__, "-k", "test_equals_f_linear"], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert list(tmp_path.glob("small_linear-*.so")), "the kernel was not built in the test's cache"
+    """The plain-C rows (every CPU builds them): the same checks with the library built
+    without AVX-512."""
+    run_narrow_build(__file__, "test_equals_f_linear", tmp_path, "small_linear", timeout=300)
