@@ -145,6 +145,14 @@ class LazyLibrary:
             raise NativeKernelUnavailable(self._error)
         return self._lib
 
+    def available(self) -> bool:
+        """Whether it builds and loads here (built on the first call)."""
+        try:
+            self.get()
+        except NativeKernelUnavailable:
+            return False
+        return True
+
 
 def load_decode_kernel():
     """The kernel function; raises NativeKernelUnavailable (with the reason) when it cannot be

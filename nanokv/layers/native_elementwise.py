@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from nanokv.layers.native_attention import LazyLibrary, NativeKernelUnavailable
+from nanokv.layers.native_attention import LazyLibrary
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_elementwise.c"
 MAX_HEAD_DIM = 1024  # the kernel's per-head scratch
@@ -43,11 +43,7 @@ def load_elementwise() -> ctypes.CDLL:
 
 
 def elementwise_available() -> bool:
-    try:
-        load_elementwise()
-    except NativeKernelUnavailable:
-        return False
-    return True
+    return _LIBRARY.available()
 
 
 def _cpu_f32(*tensors: torch.Tensor) -> bool:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from nanokv.layers.native_attention import LazyLibrary, NativeKernelUnavailable
+from nanokv.layers.native_attention import LazyLibrary
 
 SOURCE = Path(__file__).with_name("csrc") / "small_linear.c"
 MAX_ROWS = 16
@@ -30,11 +30,7 @@ def load_small_linear() -> ctypes.CDLL:
 
 
 def small_linear_available() -> bool:
-    try:
-        load_small_linear()
-    except NativeKernelUnavailable:
-        return False
-    return True
+    return _LIBRARY.available()
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from nanokv.layers.native_attention import LazyLibrary, NativeKernelUnavailable
+from nanokv.layers.native_attention import LazyLibrary
 
 SOURCE = Path(__file__).resolve().parent.parent / "layers" / "csrc" / "kvquant_quantize.c"
 SPARSE_KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -38,11 +38,7 @@ _LIBRARY = LazyLibrary(SOURCE, _setup)
 
 
 def native_write_available() -> bool:
-    try:
-        _LIBRARY.get()
-    except NativeKernelUnavailable:
-        return False
-    return True
+    return _LIBRARY.available()
 
 
 def fits(x: torch.Tensor, buffers: dict[str, torch.Tensor], bits: int) -> bool:
