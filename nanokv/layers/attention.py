@@ -161,8 +161,8 @@ def chunk_over_prefix_masked(qh, past, past_v, new, new_v, scale: float) -> torc
     """`chunk_over_prefix`'s reference: one call over [prefix + chunk] with a causal mask.
     past / new: [1, Hkv, P or L, D]."""
     num_past, length = past.shape[2], qh.shape[2]
-    kh = torch.cat([past, new.to(past.dtype)], dim=2)  # [1, Hkv, S, D]
-    vh = torch.cat([past_v, new_v.to(past_v.dtype)], dim=2)
+    kh = torch.cat([past, new], dim=2)  # [1, Hkv, S, D] (the caller matches the dtypes)
+    vh = torch.cat([past_v, new_v], dim=2)
     rows = torch.arange(length, device=qh.device).unsqueeze(1)
     cols = torch.arange(num_past + length, device=qh.device).unsqueeze(0)
     mask = cols <= rows + num_past  # [L, S]

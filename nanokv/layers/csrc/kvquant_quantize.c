@@ -37,16 +37,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "half.h"
+
 static inline uint32_t float_bits(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
     return u;
-}
-
-static inline float bits_float(uint32_t u) {
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
 }
 
 /* float -> IEEE half, round to nearest even, overflow to inf, NaN kept (as torch's .to) */
@@ -58,7 +54,7 @@ static uint16_t f32_to_f16(float f) {
     if (a >= 0x477ff000u) return sign | 0x7c00u; /* rounds past 65504 */
     if (a < 0x38800000u) { /* below the smallest normal half: a subnormal (or zero) */
         /* a * 2^24 rounds to the subnormal's integer; the FPU rounds to nearest even */
-        const float scaled = bits_float(a) * 16777216.0f;
+        const float scaled = bits_to_float(a) * 16777216.0f;
         return sign | (uint16_t)nearbyintf(scaled);
     }
     /* normal: rebias the exponent, round the 13 dropped mantissa bits to nearest even */
@@ -66,14 +62,6 @@ static uint16_t f32_to_f16(float f) {
     const uint32_t rest = a & 0x1fffu;
     if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) h++;
     return sign | (uint16_t)h;
-}
-
-static inline float f16_to_f32(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    const uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-    if (e == 0) return bits_float(sign) + (sign ? -1.0f : 1.0f) * (float)m * 5.9604644775390625e-8f;
-    if (e == 31) return bits_float(sign | 0x7f800000u | (m << 13));
-    return bits_float(sign | ((e + 112) << 23) | (m << 13));
 }
 
 /* float -> bfloat16, round to nearest even (NaN kept quiet) */

@@ -47,25 +47,7 @@
 #define TILE 16
 
 /* ---- scalar decodes: exact, branch-free, vectorisable -------------------------------------- */
-static inline float bits_to_float(uint32_t u) {
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* IEEE half: exponent and mantissa moved into a float's low exponent bits, then scaled by
- * 2^(127 - 15); also right for subnormals (the float is then subnormal and scales exactly).
- * F16C's conversion where the build has it (the same exact result, one instruction). */
-static inline float f16_to_f32(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    float mag = bits_to_float((uint32_t)(h & 0x7FFF) << 13) * 0x1p112f;
-    return (h & 0x8000) ? -mag : mag;
-#endif
-}
-
-static inline float bf16_to_f32(uint16_t h) { return bits_to_float((uint32_t)h << 16); }
+#include "half.h"
 
 /* fp8 e4m3fn (bias 7) and e5m2 (bias 15); the stores clamp to the finite range, so no NaN/inf */
 static inline float e4m3_to_f32(uint8_t c) {
