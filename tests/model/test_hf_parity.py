@@ -56,6 +56,8 @@ SCENARIOS = {
     "chunked_prefill": dict(block_size=16, max_num_batched_tokens=9),
     "preemption": dict(block_size=16, num_kv_blocks=9, max_model_len=128),
     "block_size_256": dict(block_size=256),
+    # the dense layers' PyTorch ops (the path off CPU): plain F.linear, norms, RoPE, SiLU
+    "torch_dense_layers": dict(block_size=16, linear_backend="torch"),
     # decode attention on the PyTorch reference path (the others use the C kernel on CPU)
     "torch_attention": dict(block_size=16, attention_backend="torch"),
     "torch_attention_preemption": dict(block_size=16, num_kv_blocks=9, max_model_len=128,
