@@ -42,7 +42,7 @@ class StepClock:
         if self.overhead is None:
             return t, 0.0
         return (t + self.overhead.pre(added) * k,
-                self.overhead.post(f.num_seqs, 0, arrived) * k)
+                self.overhead.post(f.num_seqs, 0, arrived, added) * k)
 
     def ended(self, n: int, now: float) -> float:
         """The server's time for `n` requests ending in a turn (delivery, trace lines)."""

@@ -257,9 +257,7 @@ def fit_step_log(entries: list[StepLogEntry], source: str = "",
             sums[w][1] += p
         factor = [m / p if p > 0 else 1.0 for m, p in sums]
     k = sum(y) / max(sum(pred), 1e-12)
-    return LinearStepModel(model.step * k, model.token * k, model.seq * k,
-                           model.decode_context * k, model.prefill_pair * k,
-                           f"{source}, load fitted per {load_window:g} s")
+    return model.scaled(k, f"{source}, load fitted per {load_window:g} s")
 
 
 @dataclass(frozen=True)

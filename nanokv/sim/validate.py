@@ -4,7 +4,8 @@
 
 For each seed:
 1. a calibration run: `nanokv serve --trace-file --trace-steps` under another seed of the same
-   workload at about its capacity (`--calibration-rate`); an engine-step model and the
+   workload, its arrival rate stepped up to about the capacity (`--calibration-rate`,
+   `--calibration-ramp`) so that its steps span every batch size; an engine-step model and the
    server's overhead (`nanokv/sim/server_overhead.py`) are fitted to its step log, and the
    simulator (with them) estimates the configuration's capacity on this workload;
 2. measured runs at `--loads` times that capacity (default 0.7: below capacity, and 1.3: queues
@@ -82,6 +83,22 @@ def workload(n: int, rate: float, seed: int, vocab: int) -> list[tuple[float, li
     items.sort(key=lambda x: x[0])
     return [(t, [(x * 2654435761 >> 7) % (vocab - 16) + 8 for x in p], out, cls)
             for t, p, out, cls in items]
+
+
+def ramped(items, fractions: list[float]) -> list[tuple[float, list[int], int, str]]:
+    """The same requests, in order, with the arrival rate stepped through `fractions` of the
+    rate they were drawn at: the requests split into equal phases, each phase's gaps between
+    arrivals divided by its fraction. Rising phases give the calibration run steps of every
+    batch size (from one request to `max_num_seqs`), so that the fitted per-step and
+    per-sequence costs are not confounded, as they are when nearly every step is full."""
+    if not fractions or any(not f > 0 for f in fractions):
+        raise ValueError(f"rate fractions must be > 0, got {fractions}")
+    out, t, prev = [], 0.0, 0.0
+    for i, (at, p, o, c) in enumerate(items):
+        t += (at - prev) / fractions[i * len(fractions) // len(items)]
+        prev = at
+        out.append((t, p, o, c))
+    return out
 
 
 def records_of(items) -> list[TraceRecord]:
@@ -250,10 +267,14 @@ def main(argv=None) -> int:
                     help="offered loads as fractions of the calibrated capacity (default "
                          "0.7,1.3)")
     ap.add_argument("--num-requests", type=int, default=300)
-    ap.add_argument("--calibration-requests", type=int, default=200)
+    ap.add_argument("--calibration-requests", type=int, default=360)
     ap.add_argument("--calibration-rate", type=float, default=20.0,
-                    help="req/s of the calibration run, about the capacity so that it has "
-                         "steps of every batch size (default 20)")
+                    help="req/s of the calibration run's fastest phase, about the capacity "
+                         "(default 20)")
+    ap.add_argument("--calibration-ramp", default="0.2,0.4,0.6,0.8,1.0,1.3",
+                    help="the calibration run's phases as fractions of --calibration-rate, "
+                         "equal numbers of requests each, so that its steps span every batch "
+                         "size (default 0.2,0.4,0.6,0.8,1.0,1.3; 1 for one constant rate)")
     ap.add_argument("--server-cpu", type=int, default=1, help="core the server runs on")
     ap.add_argument("--client-cpu", type=int, default=0, help="core the load generator uses")
     ap.add_argument("--port", type=int, default=0,
@@ -265,9 +286,13 @@ def main(argv=None) -> int:
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
         loads = [float(u) for u in args.loads.split(",") if u.strip()]
+        ramp = [float(f) for f in args.calibration_ramp.split(",") if f.strip()]
     except ValueError as e:
-        raise ValueError(f"--seeds takes integers and --loads numbers, comma-separated: {e}") \
-            from None
+        raise ValueError(f"--seeds takes integers, --loads and --calibration-ramp numbers, "
+                         f"comma-separated: {e}") from None
+    if not ramp or any(not 0 < f <= 10 for f in ramp):
+        raise ValueError(f"--calibration-ramp needs fractions in (0, 10], got "
+                         f"{args.calibration_ramp!r}")
     if not seeds or not loads or any(u <= 0 for u in loads):
         raise ValueError("--seeds and --loads need at least one value each; loads must be > 0")
     for name in ("num_requests", "calibration_requests"):
@@ -298,10 +323,11 @@ def main(argv=None) -> int:
             with open(path(f"calibration_seed{seed}.json"), encoding="utf-8") as f:
                 c_info = json.load(f)
         else:
-            items = workload(args.calibration_requests, args.calibration_rate, seed + 1000,
-                             vocab)
+            items = ramped(workload(args.calibration_requests, args.calibration_rate,
+                                    seed + 1000, vocab), ramp)
             errors, load = serve_and_trace(items, c_trace, c_steps, args.port, args.server_cpu)
-            c_info = {"rate": args.calibration_rate, "errors": errors, "load": load}
+            c_info = {"rate": args.calibration_rate, "ramp": ramp, "errors": errors,
+                      "load": load}
         c_log = read_step_log(c_steps)
         calib = Calibration(c_log)
         c_info.update(capacity_req_s=calib.capacity(
@@ -327,11 +353,17 @@ def main(argv=None) -> int:
             # > 1: the turns took longer than the server's CPU time (others took its core)
             wall_per_cpu = sum(turn_times(log).values()) / sum(cpu.values()) if cpu else None
             sims, mismatched, same_run = replay(records, log, calib, speed)
+            modelled = sum(calib.engine.step_time(e.features) for e in log)
+            engine_cpu = [e.step_cpu for e in log if e.step_cpu is not None]
             result = {"seed": seed, "load": u, "rate": rate,
                       "capacity_req_s": c_info["capacity_req_s"], "engine": ENGINE,
                       "num_requests": len(records), "errors": errors, "load_monitor": load,
                       "calibration_load": c_info["load"], "steps": len(log),
                       "wall_per_cpu": wall_per_cpu,
+                      # > 1: the engine ran slower than the calibrated model (the machine's
+                      # drift since calibration, plus the model's own error)
+                      "engine_vs_model": sum(engine_cpu) / modelled
+                      if len(engine_cpu) == len(log) and modelled > 0 else None,
                       "speed_factors": None if speed is None else list(speed.factors),
                       "steps_differing_from_served": mismatched,
                       "models": {"calibrated": calib.describe(), "same-run": same_run},

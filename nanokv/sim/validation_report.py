@@ -71,24 +71,25 @@ def load_table(runs: list[dict]) -> str:
     lines = ["| run | offered req/s | calibrated capacity | load avg (mean / max) | "
              "server's share of its core | others on that core (mean / max) | "
              "turn wall / server CPU | machine speed vs calibration (min / mean / max) | "
-             "disturbed | calibration run: others max |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "engine CPU vs calibrated model | disturbed | calibration run: others max |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         m, c = r["load_monitor"], r.get("calibration_load") or {}
         ratio = "-" if r.get("wall_per_cpu") is None else f"{r['wall_per_cpu']:.2f}"
         f = r.get("speed_factors")
         speed = "-" if not f else f"{min(f):.2f} / {sum(f) / len(f):.2f} / {max(f):.2f}"
+        drift = "-" if r.get("engine_vs_model") is None else f"{r['engine_vs_model']:.3f}"
         calib = "-" if not c.get("windows") else (
             f"{c['others_share_max']:.1%}{' (**disturbed**)' if c['disturbed'] else ''}")
         if not m.get("windows"):
             lines.append(f"| {_name(r)} | {r['rate']:.1f} | {r['capacity_req_s']:.1f} | - | - "
-                         f"| - | {ratio} | {speed} | not measured | {calib} |")
+                         f"| - | {ratio} | {speed} | {drift} | not measured | {calib} |")
             continue
         lines.append(
             f"| {_name(r)} | {r['rate']:.1f} | {r['capacity_req_s']:.1f} | "
             f"{m['loadavg_1m_mean']:.2f} / {m['loadavg_1m_max']:.2f} | "
             f"{m['server_share_mean']:.0%} | {m['others_share_mean']:.1%} / "
-            f"{m['others_share_max']:.1%} | {ratio} | {speed} | "
+            f"{m['others_share_max']:.1%} | {ratio} | {speed} | {drift} | "
             f"{'**yes**' if m['disturbed'] else 'no'} | {calib} |")
     return "\n".join(lines)
 
@@ -97,7 +98,8 @@ def _name(r: dict) -> str:
     return f"seed {r['seed']}, {r['load']:.0%} load"
 
 
-def verdict(runs: list[dict], column: str) -> str:
+def _tally(runs: list[dict], column: str) -> tuple[int, int, list[str]]:
+    """(metrics within the target, metrics, the misses) of a replay over runs."""
     total = within = 0
     misses = []
     for r in runs:
@@ -107,6 +109,11 @@ def verdict(runs: list[dict], column: str) -> str:
                 within += 1
             else:
                 misses.append(f"{_name(r)}: {label} {err:+.0%}")
+    return within, total, misses
+
+
+def verdict(runs: list[dict], column: str) -> str:
+    within, total, misses = _tally(runs, column)
     text = f"**{column}**: {within} of {total} timed metrics within 15%"
     return text + (f"; misses: {'; '.join(misses)}." if misses else ".")
 
@@ -128,17 +135,25 @@ def report(out_dir: str) -> str:
              "the server process's CPU time in them (1.00 on a core of its own). Machine "
              "speed: the server's speed probe per 2 s window over the calibration run's "
              "(above 1: the same work took longer than when the model was fitted; "
-             "`nanokv/sim/speed_probe.py`).", "",
+             "`nanokv/sim/speed_probe.py`). Engine CPU vs calibrated model: the engine "
+             "thread's CPU time over the run's steps divided by what the calibrated model "
+             "predicts for the same steps (above 1: the engine ran slower than when it was "
+             "calibrated; the drift no prediction made beforehand can know).", "",
              load_table(runs), ""]
     if disturbed:
         parts += [f"**{len(disturbed)} of {len(runs)} runs were disturbed** by other processes "
                   f"on the server's core: their timing errors include that load, which no step "
                   f"model predicts.", ""]
     parts += ["### Verdict (timed metrics: output tok/s, TTFT / TPOT / E2E p50 and p90)", ""]
-    for column in ("calibrated + speed", "calibrated", "same-run", "no overhead", "+3% steps",
+    for column in ("calibrated", "calibrated + speed", "same-run", "no overhead", "+3% steps",
                    "+measured load", "recorded"):
         if all(column in r["sim"] for r in runs):
             parts.append(f"- {verdict(runs, column)}")
+        if column == "calibrated" and len({r["load"] for r in runs}) > 1:
+            for load in sorted({r["load"] for r in runs}):
+                at = [r for r in runs if r["load"] == load]
+                within, total, _ = _tally(at, column)
+                parts.append(f"  - at {load:.0%} load: {within} of {total} within 15%")
     quiet = [r for r in runs if r["load_monitor"].get("disturbed") is False
              and (r.get("calibration_load") or {}).get("disturbed") is False]
     if quiet and len(quiet) < len(runs):

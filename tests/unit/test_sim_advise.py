@@ -20,16 +20,35 @@ LLAMA3_8B = {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads"
 
 def test_fit_recovers_coefficients():
     true = LinearStepModel(step=2e-3, token=3e-5, seq=1e-4, decode_context=2e-8,
-                           prefill_pair=1e-9)
+                           prefill_pair=1e-9, prefill_seq=4e-4)
     rng = random.Random(0)
     samples = []
     for _ in range(200):
-        f = StepFeatures(rng.randint(1, 500), rng.randint(1, 16), rng.randint(0, 16),
+        seqs = rng.randint(1, 16)
+        f = StepFeatures(rng.randint(1, 500), seqs, rng.randint(0, seqs),
                          rng.randint(0, 20000), rng.randint(0, 200000))
         samples.append((f, true.step_time(f)))
     fit = LinearStepModel.fit(samples)
-    for name in ("step", "token", "seq", "decode_context", "prefill_pair"):
+    for name in ("step", "token", "seq", "decode_context", "prefill_pair", "prefill_seq"):
         assert getattr(fit, name) == pytest.approx(getattr(true, name), rel=1e-3)
+    # a prefill chunk costs prefill_seq more than a decode of the same token count
+    decode, chunk = StepFeatures(1, 1, 1, 100, 0), StepFeatures(1, 1, 0, 0, 1)
+    assert true.step_time(chunk) - true.step_time(decode) == pytest.approx(
+        4e-4 + 1e-9 - 100 * 2e-8)
+
+
+def test_step_model_files_saved_before_prefill_seq_still_load(tmp_path):
+    import json
+
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"kind": "linear", "step": 1e-3, "token": 2e-5, "seq": 0.0,
+                                "decode_context": 0.0, "prefill_pair": 0.0, "source": "old"}))
+    old = LinearStepModel.load(str(path))
+    assert old.prefill_seq == 0.0 and old.step_time(StepFeatures(10, 1, 0)) == pytest.approx(
+        1e-3 + 2e-4)
+    again = tmp_path / "again.json"
+    again.write_text(LinearStepModel(step=1e-3, prefill_seq=5e-4, source="new").to_json())
+    assert LinearStepModel.load(str(again)).prefill_seq == 5e-4
 
 
 def test_roofline_llama3_8b_on_h200():

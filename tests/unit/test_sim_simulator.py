@@ -304,3 +304,39 @@ def test_measured_load_profile_is_wall_over_cpu_time():
     assert load_profile(log, window=1.0).factors == pytest.approx((2.0, 1.0))
     with pytest.raises(ValueError, match="CPU time"):
         load_profile([StepLogEntry(0, 0.0, 0.1, False, f, 1, 0)])
+
+
+def test_server_overhead_is_measured_beside_the_engines_cpu_time_not_left_over_by_a_model():
+    """With the process's CPU time per turn and the engine thread's CPU time per step in the log,
+    the overhead is the difference, whatever the engine model: a model 10x off (or one that
+    leaves negative remainders, clipped before) changes nothing. A new request's cost is split
+    before / after the stamps by the measured `pre`: here 0.5 ms before, 1.5 ms after."""
+    from nanokv.sim.server_overhead import ServerOverhead, fit_server_overhead
+    from nanokv.sim.step_log import StepLogEntry
+    from nanokv.sim.step_model import StepFeatures
+
+    truth = ServerOverhead(pre_s=1e-4, pre_added_s=5e-4, arrival_s=1e-3, post_s=4e-4,
+                           post_seq_s=5e-5, post_ended_s=6e-4, post_added_s=1.5e-3)
+    rng = random.Random(1)
+    added = [rng.choice((0, 0, 1, 3)) for _ in range(301)]
+    log, t = [], 0.0
+    for k in range(300):
+        seqs, ended = rng.randint(1, 8), rng.choice((0, 0, 1))
+        f = StepFeatures(seqs + rng.randint(0, 200), seqs, seqs, 0, 0, 0)
+        cpu = 2e-3 + 1e-5 * f.num_tokens * rng.uniform(0.5, 1.5)  # noisy: no model fits it
+        pre = truth.pre(added[k])
+        arrived = added[k + 1] if k < 299 else 0  # the last turn has no next turn to add them
+        turn = pre + cpu + truth.post(seqs, ended, arrived, added[k])
+        log.append(StepLogEntry(k, t, turn, True, f, seqs, 0, added[k], ended, pre, cpu, cpu,
+                                t, t + turn))
+        t += turn
+    for model in (LinearStepModel(step=2e-2), LinearStepModel()):
+        fitted = fit_server_overhead(log, model)
+        for name in ("arrival_s", "post_seq_s", "post_ended_s", "pre_added_s", "post_added_s"):
+            assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6,
+                                                          abs=1e-9), name
+        assert fitted.pre_s + fitted.post_s == pytest.approx(truth.pre_s + truth.post_s)
+    # a log without CPU times falls back to the turn's wall time minus the model
+    wall = [StepLogEntry(e.step, e.t, e.dur, e.busy, e.features, e.running, 0, e.added,
+                         e.finished, e.pre, e.step_dur) for e in log]
+    assert fit_server_overhead(wall, LinearStepModel(step=2e-2)).post_s == 0.0

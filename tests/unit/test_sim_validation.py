@@ -98,3 +98,43 @@ def test_validate_rejects_bad_options():
         main(["--server-cpu", str(cpu), "--client-cpu", str(cpu)])
     with pytest.raises(ValueError, match="not one of"):
         main(["--server-cpu", "10000"])
+
+
+def test_ramped_calibration_keeps_the_requests_and_steps_the_rate():
+    from nanokv.sim.validate import ramped
+
+    items = [(float(i), [i, i + 1], 4, "chat") for i in range(12)]  # one request a second
+    out = ramped(items, [0.25, 0.5, 1.0])
+    assert [x[1:] for x in out] == [x[1:] for x in items]  # same requests, same order
+    gaps = [b[0] - a[0] for a, b in zip(out, out[1:])]
+    # four requests per phase, each request's gap before it scaled by its phase's fraction
+    assert gaps == pytest.approx([4.0] * 3 + [2.0] * 4 + [1.0] * 4)
+    assert ramped(items, [1.0]) == items
+    with pytest.raises(ValueError, match="> 0"):
+        ramped(items, [0.5, 0.0])
+
+
+def test_validate_rejects_a_bad_calibration_ramp():
+    from nanokv.sim.validate import main
+
+    with pytest.raises(ValueError, match="--calibration-ramp"):
+        main(["--calibration-ramp", "fast"])
+    with pytest.raises(ValueError, match=r"--calibration-ramp needs fractions in \(0, 10\]"):
+        main(["--calibration-ramp", "0.5,-1"])
+
+
+def test_report_splits_the_prediction_by_load_and_shows_the_engines_drift(tmp_path):
+    import json
+
+    below, above = _run(1.0, 1.05), _run(1.0, 1.40)
+    above.update(load=1.3, seed=1, engine_vs_model=0.934)
+    for name, run in (("validation_seed0_u70.json", below), ("validation_seed1_u130.json", above)):
+        (tmp_path / name).write_text(json.dumps(run))
+    (tmp_path / "README.md").write_text(f"{validation_report.BEGIN}\n{validation_report.END}\n")
+    validation_report.write_report(str(tmp_path))
+    text = (tmp_path / "README.md").read_text()
+    assert "**calibrated**: 13 of 14 timed metrics within 15%" in text
+    assert "  - at 70% load: 7 of 7 within 15%\n" in text
+    assert "  - at 130% load: 6 of 7 within 15%\n" in text
+    assert "| 0.934 |" in text and text.index("**calibrated**:") < text.index(
+        "**calibrated + speed**:")
