@@ -59,6 +59,8 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.kvquant_decode_attention.restype = ctypes.c_int
     lib.kvquant_read_blocks.argtypes = [ctypes.POINTER(KVQuantLayer), _p, _i64, _i64, _p, _p]
     lib.kvquant_read_blocks.restype = ctypes.c_int
+    lib.pertoken_set_int8_fused.argtypes = [ctypes.c_int]
+    lib.pertoken_set_int8_fused.restype = None
 
 
 _LIBRARY = LazyLibrary(SOURCE, _setup)
@@ -67,6 +69,13 @@ _LIBRARY = LazyLibrary(SOURCE, _setup)
 def load_quant_kernels() -> ctypes.CDLL:
     """The library; raises NativeKernelUnavailable (with the reason) when it cannot be built."""
     return _LIBRARY.get()
+
+
+def set_int8_fused(on: bool) -> None:
+    """int8 codes widened in the kernel's FMA loops (True, the default on AVX-512 builds) or
+    decoded into the tile buffer first, as the fp8 formats are (False): an A/B switch for
+    benchmarks and tests; the process's setting, for every later call."""
+    load_quant_kernels().pertoken_set_int8_fused(int(bool(on)))
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -56,6 +56,32 @@ def test_decode_equals_dequantize_then_dense(kind, block_size, hq):
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("head_dim,hq", [(64, 24), (32, 2), (48, 4)])
+def test_int8_codes_in_registers_equal_the_tile_path_and_the_reference(head_dim, hq):
+    """int8 with keys after RoPE widens the codes in the FMA loops (AVX-512, head_dim % 32 ==
+    0) instead of decoding a tile into a buffer: both paths equal the reference, at a GQA group
+    of 12 (value heads in registers 8 + 4 at a time), and head_dim 48 (not a multiple of 32:
+    the tile path whatever the switch)."""
+    from nanokv.layers.native_quant_attention import set_int8_fused
+
+    lens = [1, 15, 16, 17, 100, 161]
+    results = []
+    try:
+        for fused in (True, False):
+            set_int8_fused(fused)
+            store = make_store("int8", head_dim, 16, sum(cdiv(n, 16) for n in lens) + 3,
+                               len(lens) + 1)
+            outs, refs = scenario(store, hq, lens, random.Random(7),
+                                  torch.Generator().manual_seed(7), chunk=11)
+            for out, ref in zip(outs, refs):
+                torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+            results.append(outs)
+    finally:
+        set_int8_fused(True)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("kind", ["kvquant:4bit", "kvquant:2bit-nuq-thresholds"])
 def test_kvquant_block_size_not_a_multiple_of_16(kind):
     """Blocks of 24 slots (the row path; the block path takes multiples of 16)."""
