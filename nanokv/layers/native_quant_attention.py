@@ -59,8 +59,9 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.kvquant_decode_attention.restype = ctypes.c_int
     lib.kvquant_read_blocks.argtypes = [ctypes.POINTER(KVQuantLayer), _p, _i64, _i64, _p, _p]
     lib.kvquant_read_blocks.restype = ctypes.c_int
-    lib.pertoken_set_int8_fused.argtypes = [ctypes.c_int]
-    lib.pertoken_set_int8_fused.restype = None
+    for switch in (lib.pertoken_set_int8_fused, lib.pertoken_set_int8_prefetch):
+        switch.argtypes = [ctypes.c_int]
+        switch.restype = None
 
 
 _LIBRARY = LazyLibrary(SOURCE, _setup)
@@ -76,6 +77,12 @@ def set_int8_fused(on: bool) -> None:
     decoded into the tile buffer first, as the fp8 formats are (False): an A/B switch for
     benchmarks and tests; the process's setting, for every later call."""
     load_quant_kernels().pertoken_set_int8_fused(int(bool(on)))
+
+
+def set_int8_prefetch(on: bool) -> None:
+    """Whether the in-register int8 path prefetches the next tile's rows (default True): an A/B
+    switch, as set_int8_fused."""
+    load_quant_kernels().pertoken_set_int8_prefetch(int(bool(on)))
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
