@@ -211,25 +211,48 @@ static inline float hsum256(__m256 x) {
 }
 #endif
 
+#if defined(__AVX512F__)
+/* 16 channels of slot t's row: a decoded float row of the tile ([TILE, D]), or int8 codes
+ * widened (rows: the tile's row pointers) */
+typedef __m512 (*RowLoad)(const void *rows, int64_t t, int64_t d, int64_t D);
+static inline __m512 load_f32_row(const void *rows, int64_t t, int64_t d, int64_t D) {
+    return _mm512_loadu_ps((const float *)rows + t * D + d);
+}
+static inline __m512 load_i8_row(const void *rows, int64_t t, int64_t d, int64_t D) {
+    (void)D;
+    const uint8_t *p = ((const uint8_t *const *)rows)[t] + d;
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* scores[h, t] = ks[t] * (q_h . row_t) for the heads [h0, h0 + group), all TILE slots of a
+ * head at once (D % 16 == 0); always inlined with a constant `load` */
+static inline __attribute__((always_inline)) void score16(Softmax *s, const float *qb,
+                                                          const void *rows, int64_t h0,
+                                                          int64_t group, int64_t D,
+                                                          RowLoad load) {
+    for (int64_t h = h0; h < h0 + group; h++) {
+        const float *qh = qb + h * D;
+        __m512 acc[TILE];
+        for (int t = 0; t < TILE; t++) acc[t] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) {
+            const __m512 qv = _mm512_loadu_ps(qh + d);
+            #pragma GCC unroll 16
+            for (int t = 0; t < TILE; t++)
+                acc[t] = _mm512_fmadd_ps(qv, load(rows, t, d, D), acc[t]);
+        }
+        _mm512_storeu_ps(s->scores + h * TILE,
+                         _mm512_mul_ps(sum16(acc), _mm512_loadu_ps(s->ks)));
+    }
+}
+#endif
+
 /* scores[h, t] = ks[t] * (q_h . rows[t]) for the query heads [h0, h0 + group) and the tile's
  * slots (rows: [TILE, D], all TILE rows readable; scores past n are never used) */
 static inline void score_tile(Softmax *s, const float *qb, const float *rows, int64_t h0,
                               int64_t group, int64_t n, int64_t D) {
 #if defined(__AVX512F__)
     if (D % 16 == 0) {
-        for (int64_t h = h0; h < h0 + group; h++) {
-            const float *qh = qb + h * D;
-            __m512 acc[TILE];
-            for (int t = 0; t < TILE; t++) acc[t] = _mm512_setzero_ps();
-            for (int64_t d = 0; d < D; d += 16) {
-                const __m512 qv = _mm512_loadu_ps(qh + d);
-                #pragma GCC unroll 16
-                for (int t = 0; t < TILE; t++)
-                    acc[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows + t * D + d), acc[t]);
-            }
-            _mm512_storeu_ps(s->scores + h * TILE,
-                             _mm512_mul_ps(sum16(acc), _mm512_loadu_ps(s->ks)));
-        }
+        score16(s, qb, rows, h0, group, D, load_f32_row);
         return;
     }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -481,30 +504,6 @@ void pertoken_set_int8_prefetch(int on) { nanokv_int8_prefetch = on; }
  * The tile path above decodes a tile of every KV head into a float buffer (64 KiB at Hkv 8,
  * D 128: L2) and reads it back; for int8 the decode is two instructions, so the kernel instead
  * widens each 16 codes where they are used, in the score's and the value's FMA loops. */
-static inline __m512 i8x16(const uint8_t *p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-
-/* scores[h, t] = ks[t] * (q_h . codes_t) for the heads [h0, h0 + group); row[t]: the codes of
- * slot t of the tile (past n: the last live row again, so that every load stays in the pool;
- * those scores are never used). D % 16 == 0. */
-static inline void score_tile_i8(Softmax *s, const float *qb, const uint8_t *const *row,
-                                 int64_t h0, int64_t group, int64_t D) {
-    for (int64_t h = h0; h < h0 + group; h++) {
-        const float *qh = qb + h * D;
-        __m512 acc[TILE];
-        for (int t = 0; t < TILE; t++) acc[t] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 16) {
-            const __m512 qv = _mm512_loadu_ps(qh + d);
-            #pragma GCC unroll 16
-            for (int t = 0; t < TILE; t++)
-                acc[t] = _mm512_fmadd_ps(qv, i8x16(row[t] + d), acc[t]);
-        }
-        _mm512_storeu_ps(s->scores + h * TILE,
-                         _mm512_mul_ps(sum16(acc), _mm512_loadu_ps(s->ks)));
-    }
-}
-
 /* acc_h += sum_{t < n} P[h, t] * va[t] * codes_t for the heads [h0, h0 + group), 32 columns
  * of up to 8 heads at a time in registers: each 16 codes widened once for all of them.
  * D % 32 == 0. */
@@ -524,7 +523,7 @@ static inline void accumulate_tile_i8(Softmax *s, const uint8_t *const *row, int
                 a[j][1] = _mm512_loadu_ps(ah + 16);
             }
             for (int64_t t = 0; t < n; t++) {
-                const __m512 v0 = i8x16(row[t] + d), v1 = i8x16(row[t] + d + 16);
+                const __m512 v0 = load_i8_row(row, t, d, D), v1 = load_i8_row(row, t, d + 16, D);
                 for (int64_t j = 0; j < heads; j++) {
                     const __m512 p = _mm512_set1_ps(pa[j][t]);
                     a[j][0] = _mm512_fmadd_ps(p, v0, a[j][0]);
@@ -569,7 +568,9 @@ static inline void int8_tile(Softmax *s, const float *qb, const uint8_t *k_codes
                                  _MM_HINT_T0);
                 }
         }
-        score_tile_i8(s, qb, kr, g * group, group, D);
+        /* kr past n: the last live row again, so that every load stays in the pool (those
+         * scores are never used) */
+        score16(s, qb, kr, g * group, group, D, load_i8_row);
         softmax_tile(s, g * group, group, n, D);
         accumulate_tile_i8(s, vr, g * group, group, n, D);
     }
