@@ -58,10 +58,11 @@ def test_decode_equals_dequantize_then_dense(kind, block_size, hq):
 
 @pytest.mark.parametrize("head_dim,hq", [(64, 24), (32, 2), (48, 4)])
 def test_int8_codes_in_registers_equal_the_tile_path_and_the_reference(head_dim, hq):
-    """int8 with keys after RoPE widens the codes in the FMA loops (AVX-512, head_dim % 32 ==
-    0) instead of decoding a tile into a buffer: both paths equal the reference, at a GQA group
-    of 12 (value heads in registers 8 + 4 at a time), and head_dim 48 (not a multiple of 32:
-    the tile path whatever the switch)."""
+    """int8 with keys after RoPE widens the codes in the FMA loops (AVX-512 and AVX2, head_dim %
+    32 == 0) instead of decoding a tile into a buffer: both paths equal the reference, at a GQA
+    group of 12 (value heads in registers 8 + 4 at a time on AVX-512, 4 + 4 + 4 on AVX2), and
+    head_dim 48 (not a multiple of 32: the tile path whatever the switch). Also run built
+    without AVX-512 and without AVX2 (test_kernels_of_narrower_builds_equal_the_reference)."""
     from nanokv.layers.native_quant_attention import set_int8_fused
 
     lens = [1, 15, 16, 17, 100, 161]
@@ -199,5 +200,6 @@ def test_kernels_of_narrower_builds_equal_the_reference(tmp_path, flags):
     (`-mno-avx2`: the plain C paths every CPU builds, KVQuant a row at a time), in a fresh
     process with its own kernel cache. KVQuant at head_dim 128 too: its 4-bit key pass looks up
     32 channels at a time only where half a head holds them."""
-    run_narrow_build(__file__, "test_decode_equals_dequantize_then_dense and (kvquant or int8 "
-                     "and not hq-4)", tmp_path, "quant_decode_attention", flags=flags)
+    run_narrow_build(__file__, "(test_decode_equals_dequantize_then_dense and (kvquant or int8 "
+                     "and not hq-4)) or registers", tmp_path, "quant_decode_attention",
+                     flags=flags)

@@ -16,10 +16,10 @@
  *      at a time in registers over the tile's slots.
  * Decoded rows never leave the per-thread buffers. Plain C the compiler vectorises, plus
  * AVX-512 and AVX2 paths where they pay (guarded: the plain C builds and runs everywhere).
- * int8 keys after RoPE on AVX-512 skip the buffer: each 16 codes are widened in the score's and
- * the value's FMA loops, and the next tile's rows are prefetched (int8_tile; 0.29x float32's
- * time for 8 requests x 2800 slots of a Qwen3-0.6B layer here, against 0.5x through the
- * buffer).
+ * int8 keys after RoPE on AVX-512 and AVX2 skip the buffer: each 16 (8) codes are widened in
+ * the score's and the value's FMA loops, and the next tile's rows are prefetched (int8_tile;
+ * 0.29x float32's time for 8 requests x 2800 slots of a Qwen3-0.6B layer on an AVX-512 Xeon,
+ * against 0.5x through the buffer).
  *
  * The fp8 / fp16 / bf16 decodes are bit shifts and one multiply by a power of two, exact for
  * normal and subnormal numbers.
@@ -244,6 +244,41 @@ static inline __attribute__((always_inline)) void score16(Softmax *s, const floa
                          _mm512_mul_ps(sum16(acc), _mm512_loadu_ps(s->ks)));
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* 8 channels of slot t's row, as load_f32_row / load_i8_row on AVX2 */
+typedef __m256 (*RowLoad8)(const void *rows, int64_t t, int64_t d, int64_t D);
+static inline __m256 load_f32_row8(const void *rows, int64_t t, int64_t d, int64_t D) {
+    return _mm256_loadu_ps((const float *)rows + t * D + d);
+}
+static inline __m256 load_i8_row8(const void *rows, int64_t t, int64_t d, int64_t D) {
+    (void)D;
+    const uint8_t *p = ((const uint8_t *const *)rows)[t] + d;
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* scores[h, t] = ks[t] * (q_h . row_t) for the heads [h0, h0 + group) and slots [0, n), 8
+ * slots' accumulators at a time (16 registers; D % 8 == 0); always inlined with a constant
+ * `load` */
+static inline __attribute__((always_inline)) void score8(Softmax *s, const float *qb,
+                                                         const void *rows, int64_t h0,
+                                                         int64_t group, int64_t n, int64_t D,
+                                                         RowLoad8 load) {
+    for (int64_t h = h0; h < h0 + group; h++) {
+        const float *qh = qb + h * D;
+        for (int64_t t0 = 0; t0 < n; t0 += 8) {
+            __m256 acc[8];
+            for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(qh + d);
+                #pragma GCC unroll 8
+                for (int t = 0; t < 8; t++)
+                    acc[t] = _mm256_fmadd_ps(qv, load(rows, t0 + t, d, D), acc[t]);
+            }
+            _mm256_storeu_ps(s->scores + h * TILE + t0,
+                             _mm256_mul_ps(sum8(acc), _mm256_loadu_ps(s->ks + t0)));
+        }
+    }
+}
 #endif
 
 /* scores[h, t] = ks[t] * (q_h . rows[t]) for the query heads [h0, h0 + group) and the tile's
@@ -256,23 +291,8 @@ static inline void score_tile(Softmax *s, const float *qb, const float *rows, in
         return;
     }
 #elif defined(__AVX2__) && defined(__FMA__)
-    if (D % 8 == 0 && TILE == 16) {  /* 8 slots' accumulators at a time (16 registers) */
-        for (int64_t h = h0; h < h0 + group; h++) {
-            const float *qh = qb + h * D;
-            for (int64_t t0 = 0; t0 < n; t0 += 8) {
-                const float *r0 = rows + t0 * D;
-                __m256 acc[8];
-                for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
-                for (int64_t d = 0; d < D; d += 8) {
-                    const __m256 qv = _mm256_loadu_ps(qh + d);
-                    #pragma GCC unroll 8
-                    for (int t = 0; t < 8; t++)
-                        acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r0 + t * D + d), acc[t]);
-                }
-                _mm256_storeu_ps(s->scores + h * TILE + t0,
-                                 _mm256_mul_ps(sum8(acc), _mm256_loadu_ps(s->ks + t0)));
-            }
-        }
+    if (D % 8 == 0 && TILE == 16) {
+        score8(s, qb, rows, h0, group, n, D, load_f32_row8);
         return;
     }
 #endif
@@ -499,14 +519,15 @@ void pertoken_set_int8_fused(int on) { nanokv_int8_fused = on; }
 static int nanokv_int8_prefetch = 1;  /* the next tile's codes prefetched (A/B switch) */
 void pertoken_set_int8_prefetch(int on) { nanokv_int8_prefetch = on; }
 
-#if defined(__AVX512F__)
-/* ---- int8 codes read straight into registers (AVX-512; keys after RoPE) --------------------- *
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+/* ---- int8 codes read straight into registers (AVX-512 / AVX2; keys after RoPE) -------------- *
  * The tile path above decodes a tile of every KV head into a float buffer (64 KiB at Hkv 8,
  * D 128: L2) and reads it back; for int8 the decode is two instructions, so the kernel instead
  * widens each 16 codes where they are used, in the score's and the value's FMA loops. */
 /* acc_h += sum_{t < n} P[h, t] * va[t] * codes_t for the heads [h0, h0 + group), 32 columns
  * of up to 8 heads at a time in registers: each 16 codes widened once for all of them.
  * D % 32 == 0. */
+#if defined(__AVX512F__)
 static inline void accumulate_tile_i8(Softmax *s, const uint8_t *const *row, int64_t h0,
                                       int64_t group, int64_t n, int64_t D) {
     float pa[8][TILE];
@@ -538,6 +559,40 @@ static inline void accumulate_tile_i8(Softmax *s, const uint8_t *const *row, int
         }
     }
 }
+#else
+/* the same on AVX2: 16 columns of up to 4 heads at a time (8 accumulators) */
+static inline void accumulate_tile_i8(Softmax *s, const uint8_t *const *row, int64_t h0,
+                                      int64_t group, int64_t n, int64_t D) {
+    float pa[4][TILE];
+    for (int64_t j0 = 0; j0 < group; j0 += 4) {
+        const int64_t heads = group - j0 < 4 ? group - j0 : 4;
+        for (int64_t j = 0; j < heads; j++)
+            for (int64_t t = 0; t < n; t++)
+                pa[j][t] = s->scores[(h0 + j0 + j) * TILE + t] * s->va[t];
+        for (int64_t d = 0; d < D; d += 16) {
+            __m256 a[4][2];
+            for (int64_t j = 0; j < heads; j++) {
+                const float *ah = s->acc + (h0 + j0 + j) * D + d;
+                a[j][0] = _mm256_loadu_ps(ah);
+                a[j][1] = _mm256_loadu_ps(ah + 8);
+            }
+            for (int64_t t = 0; t < n; t++) {
+                const __m256 v0 = load_i8_row8(row, t, d, D), v1 = load_i8_row8(row, t, d + 8, D);
+                for (int64_t j = 0; j < heads; j++) {
+                    const __m256 p = _mm256_set1_ps(pa[j][t]);
+                    a[j][0] = _mm256_fmadd_ps(p, v0, a[j][0]);
+                    a[j][1] = _mm256_fmadd_ps(p, v1, a[j][1]);
+                }
+            }
+            for (int64_t j = 0; j < heads; j++) {
+                float *ah = s->acc + (h0 + j0 + j) * D + d;
+                _mm256_storeu_ps(ah, a[j][0]);
+                _mm256_storeu_ps(ah + 8, a[j][1]);
+            }
+        }
+    }
+}
+#endif
 
 /* one tile of n slots from pool slot `first`, every KV head, int8 codes in registers; the
  * next tile's next_n slots from `next` (0: none) are prefetched a head at a time, so that the
@@ -570,7 +625,11 @@ static inline void int8_tile(Softmax *s, const float *qb, const uint8_t *k_codes
         }
         /* kr past n: the last live row again, so that every load stays in the pool (those
          * scores are never used) */
+#if defined(__AVX512F__)
         score16(s, qb, kr, g * group, group, D, load_i8_row);
+#else
+        score8(s, qb, kr, g * group, group, n, D, load_i8_row8);
+#endif
         softmax_tile(s, g * group, group, n, D);
         accumulate_tile_i8(s, vr, g * group, group, n, D);
     }
@@ -609,7 +668,7 @@ static inline __attribute__((always_inline)) int pertoken_impl(
                 const int64_t start = run_start[r], len = run_len[r];
                 for (int64_t t0 = 0; t0 < len; t0 += TILE) {
                     const int64_t n = len - t0 < TILE ? len - t0 : TILE, first = start + t0;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
                     if (fused) {
                         /* the next tile: in this run, else the next run's first */
                         int64_t next = first + TILE, next_n = len - t0 - TILE;
