@@ -74,6 +74,31 @@ def test_users_spread_over_replicas_and_stay_on_theirs():
     assert per_replica == [4, 4]  # new users went to the smallest tenant, not after the template
 
 
+def test_new_users_go_to_the_smallest_tenant_whatever_the_moments_loads():
+    """Without a match worth following, a new user goes to the replica holding the fewest
+    routed hashes, not the idler one: with requests in flight the loads change from one moment
+    to the next, and following them split 8 users 5 / 3 or 6 / 2 (one replica thrashing). The
+    imbalance rule still yields to load beyond its threshold."""
+    random.seed(1)
+    router, replicas = make_router(imbalance_threshold=4), make_replicas(2)
+    a, b = replicas
+    home = {}
+    for user in range(8):  # b looks busier whenever a new user arrives (within the threshold)
+        home[user] = route(router, replicas, user_prompt(user, 0), {a: 0, b: 3})
+    assert sorted(sum(h is r for h in home.values()) for r in replicas) == [4, 4]
+    # brute force: at each arrival the chosen replica held no more routed hashes than the other
+    router, replicas = make_router(imbalance_threshold=4), make_replicas(2)
+    for user in range(8):
+        held = {r: len(router._routed_hashes(r.replica_id)) for r in replicas}
+        chosen = route(router, replicas, user_prompt(user, 0), {replicas[0]: 0, replicas[1]: 3})
+        assert held[chosen] == min(held.values())
+    # beyond the threshold, the least loaded whatever it holds
+    assert route(router, replicas, user_prompt(9, 0), {replicas[0]: 0, replicas[1]: 5}) \
+        is replicas[0]
+    assert route(router, replicas, user_prompt(10, 0), {replicas[0]: 5, replicas[1]: 0}) \
+        is replicas[1]
+
+
 def test_without_a_match_ratio_every_user_follows_the_shared_template():
     """What min_match_ratio prevents: the template block alone pulls every new user to the
     replica that served the first one."""
