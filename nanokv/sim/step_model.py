@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 
@@ -93,9 +93,8 @@ class LinearStepModel(StepModel):
 
     def scaled(self, k: float, source: str) -> LinearStepModel:
         """Every coefficient times `k`."""
-        return LinearStepModel(self.step * k, self.token * k, self.seq * k,
-                               self.decode_context * k, self.prefill_pair * k, source,
-                               self.prefill_seq * k)
+        return replace(self, source=source,
+                       **{name: getattr(self, name) * k for name in FEATURE_NAMES})
 
     def describe(self) -> str:
         return (f"fitted ({self.source}): {self.step * 1e3:.3f} ms/step + "

@@ -147,12 +147,12 @@ def report(out_dir: str) -> str:
     parts += ["### Verdict (timed metrics: output tok/s, TTFT / TPOT / E2E p50 and p90)", ""]
     for column in ("calibrated", "calibrated + speed", "same-run", "no overhead", "+3% steps",
                    "+measured load", "recorded"):
-        if all(column in r["sim"] for r in runs):
-            parts.append(f"- {verdict(runs, column)}")
-        if column == "calibrated" and len({r["load"] for r in runs}) > 1:
+        if not all(column in r["sim"] for r in runs):
+            continue
+        parts.append(f"- {verdict(runs, column)}")
+        if column == "calibrated" and len({r["load"] for r in runs}) > 1:  # the prediction
             for load in sorted({r["load"] for r in runs}):
-                at = [r for r in runs if r["load"] == load]
-                within, total, _ = _tally(at, column)
+                within, total, _ = _tally([r for r in runs if r["load"] == load], column)
                 parts.append(f"  - at {load:.0%} load: {within} of {total} within 15%")
     quiet = [r for r in runs if r["load_monitor"].get("disturbed") is False
              and (r.get("calibration_load") or {}).get("disturbed") is False]

@@ -117,14 +117,9 @@ static inline int code_at(const uint8_t *p, int64_t bits, int64_t ch) {
 }
 
 /* part `part` of `parts` of a block's per-block data (statistics, outlier lists, positions),
- * prefetched into L2 while the block before it is read: the rows are prefetched tile by tile,
- * and these arrays are read a head at a time from the block's start */
-/* the rows a pass reads next, requested ahead into L2 in address order (a pass that visits a
- * KV head at a time reads each slot's row in pieces a row apart, which the hardware
- * prefetchers do not follow) */
-static inline void prefetch_rows(const uint8_t *first, int64_t nbytes) {
-    for (int64_t off = 0; off < nbytes; off += 64) __builtin_prefetch(first + off, 0, 2);
-}
+ * prefetched into L2 while the block before it is read: the rows are prefetched tile by tile
+ * (prefetch_rows, in quant_decode_attention.c), and these arrays are read a head at a time
+ * from the block's start */
 
 static void prefetch_block_data(const KVQuantLayer *L, int64_t blk, int64_t part, int64_t parts) {
     const KVQuantSide *K = &L->k, *V = &L->v;

@@ -512,6 +512,13 @@ static inline __attribute__((always_inline)) void pertoken_tile(
     }
 }
 
+/* the rows a pass reads next, requested ahead into L2 in address order (a pass that visits a
+ * KV head at a time reads each slot's row in pieces a row apart, which the hardware
+ * prefetchers do not follow); the int8 path and the KVQuant block path (kvquant_block.h) */
+static inline void prefetch_rows(const uint8_t *first, int64_t nbytes) {
+    for (int64_t off = 0; off < nbytes; off += 64) __builtin_prefetch(first + off, 0, 2);
+}
+
 /* 0: int8 through the decoded tile buffer as the other formats (the reference for the fused
  * path, and an A/B switch: pertoken_set_int8_fused) */
 static int nanokv_int8_fused = 1;
@@ -614,14 +621,9 @@ static inline void int8_tile(Softmax *s, const float *qb, const uint8_t *k_codes
             s->ks[t] = k_scales[(first + t) * Hkv + g];
             s->va[t] = v_scales[(first + t) * Hkv + g];
         }
-        if (next_n) {  /* this head's rows of the next tile, while this one computes */
-            for (int64_t t = 0; t < next_n; t++)
-                for (int64_t d = 0; d < D; d += 64) {
-                    _mm_prefetch((const char *)(k_codes + (next + t) * row_bytes + g * D + d),
-                                 _MM_HINT_T0);
-                    _mm_prefetch((const char *)(v_codes + (next + t) * row_bytes + g * D + d),
-                                 _MM_HINT_T0);
-                }
+        for (int64_t t = 0; t < next_n; t++) {  /* this head's rows of the next tile */
+            prefetch_rows(k_codes + (next + t) * row_bytes + g * D, D);
+            prefetch_rows(v_codes + (next + t) * row_bytes + g * D, D);
         }
         /* kr past n: the last live row again, so that every load stays in the pool (those
          * scores are never used) */
