@@ -59,9 +59,11 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.kvquant_decode_attention.restype = ctypes.c_int
     lib.kvquant_read_blocks.argtypes = [ctypes.POINTER(KVQuantLayer), _p, _i64, _i64, _p, _p]
     lib.kvquant_read_blocks.restype = ctypes.c_int
-    for switch in (lib.pertoken_set_int8_fused, lib.pertoken_set_int8_prefetch):
+    for switch in (lib.pertoken_set_int8_fused, lib.pertoken_set_int8_prefetch,
+                   lib.pertoken_set_int8_stage):
         switch.argtypes = [ctypes.c_int]
         switch.restype = None
+    lib.pertoken_int8_stage.restype = ctypes.c_int
 
 
 _LIBRARY = LazyLibrary(SOURCE, _setup)
@@ -80,9 +82,23 @@ def set_int8_fused(on: bool) -> None:
 
 
 def set_int8_prefetch(on: bool) -> None:
-    """Whether the in-register int8 path prefetches the next tile's rows (default True): an A/B
-    switch, as set_int8_fused."""
+    """Whether the in-register int8 path, reading in place, prefetches the next tile's rows
+    (default True): an A/B switch, as set_int8_fused."""
     load_quant_kernels().pertoken_set_int8_prefetch(int(bool(on)))
+
+
+def set_int8_stage(on: bool) -> None:
+    """Whether the in-register int8 path first copies each tile's rows in address order into an
+    L1 buffer (True) or reads them in place a KV head at a time (False): an A/B switch, as
+    set_int8_fused. The default is the build's: copy on AVX2 builds (faster on an EPYC, whose
+    prefetchers do not follow a KV head's stride), in place on AVX-512 ones (measured so on a
+    Xeon); `int8_stage()` tells."""
+    load_quant_kernels().pertoken_set_int8_stage(int(bool(on)))
+
+
+def int8_stage() -> bool:
+    """The in-register int8 path's current setting (set_int8_stage)."""
+    return bool(load_quant_kernels().pertoken_int8_stage())
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -59,17 +59,22 @@ def test_decode_equals_dequantize_then_dense(kind, block_size, hq):
 @pytest.mark.parametrize("head_dim,hq", [(64, 24), (32, 2), (48, 4)])
 def test_int8_codes_in_registers_equal_the_tile_path_and_the_reference(head_dim, hq):
     """int8 with keys after RoPE widens the codes in the FMA loops (AVX-512 and AVX2, head_dim %
-    32 == 0) instead of decoding a tile into a buffer: both paths equal the reference, at a GQA
-    group of 12 (value heads in registers 8 + 4 at a time on AVX-512, 4 + 4 + 4 on AVX2), and
-    head_dim 48 (not a multiple of 32: the tile path whatever the switch). Also run built
-    without AVX-512 and without AVX2 (test_kernels_of_narrower_builds_equal_the_reference)."""
-    from nanokv.layers.native_quant_attention import set_int8_fused
+    32 == 0) instead of decoding a tile into a buffer, reading each tile's rows in place or from
+    a copy made in address order (set_int8_stage): every path equals the reference and the
+    others, at a GQA group of 12 (value heads in registers 8 + 4 at a time on AVX-512, 4 + 4 + 4
+    on AVX2), tiles that end mid-run, and head_dim 48 (not a multiple of 32: the tile path
+    whatever the switches). Also run built without AVX-512 and without AVX2
+    (test_kernels_of_narrower_builds_equal_the_reference)."""
+    from nanokv.layers.native_quant_attention import int8_stage, set_int8_fused, set_int8_stage
 
     lens = [1, 15, 16, 17, 100, 161]
     results = []
+    default_stage = int8_stage()
     try:
-        for fused in (True, False):
+        for fused, stage in ((True, True), (True, False), (False, False)):
             set_int8_fused(fused)
+            set_int8_stage(stage)
+            assert int8_stage() is stage
             store = make_store("int8", head_dim, 16, sum(cdiv(n, 16) for n in lens) + 3,
                                len(lens) + 1)
             outs, refs = scenario(store, hq, lens, random.Random(7),
@@ -79,8 +84,10 @@ def test_int8_codes_in_registers_equal_the_tile_path_and_the_reference(head_dim,
             results.append(outs)
     finally:
         set_int8_fused(True)
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+        set_int8_stage(default_stage)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["kvquant:4bit", "kvquant:2bit-nuq-thresholds"])

@@ -17,9 +17,10 @@
  * Decoded rows never leave the per-thread buffers. Plain C the compiler vectorises, plus
  * AVX-512 and AVX2 paths where they pay (guarded: the plain C builds and runs everywhere).
  * int8 keys after RoPE on AVX-512 and AVX2 skip the buffer: each 16 (8) codes are widened in
- * the score's and the value's FMA loops, and the next tile's rows are prefetched (int8_tile;
- * 0.29x float32's time for 8 requests x 2800 slots of a Qwen3-0.6B layer on an AVX-512 Xeon,
- * against 0.5x through the buffer).
+ * the score's and the value's FMA loops, the rows read in place with the next tile's
+ * prefetched (AVX-512: 0.29x float32's time for 8 requests x 2800 slots of a Qwen3-0.6B layer
+ * on a Xeon, against 0.5x through the buffer) or from a copy of the tile made in address order
+ * (AVX2: 0.43-0.53x on an EPYC, against 0.59-0.72x in place); int8_tile.
  *
  * The fp8 / fp16 / bf16 decodes are bit shifts and one multiply by a power of two, exact for
  * normal and subnormal numbers.
@@ -523,7 +524,17 @@ static inline void prefetch_rows(const uint8_t *first, int64_t nbytes) {
  * path, and an A/B switch: pertoken_set_int8_fused) */
 static int nanokv_int8_fused = 1;
 void pertoken_set_int8_fused(int on) { nanokv_int8_fused = on; }
-static int nanokv_int8_prefetch = 1;  /* the next tile's codes prefetched (A/B switch) */
+/* the fused path's tile copied in address order first (int8_tile): the default where it was
+ * measured faster (AVX2, an EPYC), read in place with prefetches where that was (AVX-512, a
+ * Xeon); both A/B switches */
+#if defined(__AVX512F__)
+static int nanokv_int8_stage = 0;
+#else
+static int nanokv_int8_stage = 1;
+#endif
+void pertoken_set_int8_stage(int on) { nanokv_int8_stage = on; }
+int pertoken_int8_stage(void) { return nanokv_int8_stage; }
+static int nanokv_int8_prefetch = 1;  /* in place: the next tile's codes prefetched */
 void pertoken_set_int8_prefetch(int on) { nanokv_int8_prefetch = on; }
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -567,55 +578,80 @@ static inline void accumulate_tile_i8(Softmax *s, const uint8_t *const *row, int
     }
 }
 #else
-/* the same on AVX2: 16 columns of up to 4 heads at a time (8 accumulators) */
+/* the same on AVX2: 16 columns of `heads` (1..4) heads at a time (8 accumulators), always
+ * inlined with `heads` constant (a runtime count left the accumulators on the stack) */
+static inline __attribute__((always_inline)) void accumulate_heads_i8(
+        Softmax *s, const uint8_t *const *row, int64_t h0, int64_t n, int64_t D,
+        const int heads) {
+    float pa[4][TILE];
+    for (int j = 0; j < heads; j++)
+        for (int64_t t = 0; t < n; t++) pa[j][t] = s->scores[(h0 + j) * TILE + t] * s->va[t];
+    for (int64_t d = 0; d < D; d += 16) {
+        __m256 a[4][2];
+        for (int j = 0; j < heads; j++) {
+            const float *ah = s->acc + (h0 + j) * D + d;
+            a[j][0] = _mm256_loadu_ps(ah);
+            a[j][1] = _mm256_loadu_ps(ah + 8);
+        }
+        for (int64_t t = 0; t < n; t++) {
+            const __m256 v0 = load_i8_row8(row, t, d, D), v1 = load_i8_row8(row, t, d + 8, D);
+            for (int j = 0; j < heads; j++) {
+                const __m256 p = _mm256_set1_ps(pa[j][t]);
+                a[j][0] = _mm256_fmadd_ps(p, v0, a[j][0]);
+                a[j][1] = _mm256_fmadd_ps(p, v1, a[j][1]);
+            }
+        }
+        for (int j = 0; j < heads; j++) {
+            float *ah = s->acc + (h0 + j) * D + d;
+            _mm256_storeu_ps(ah, a[j][0]);
+            _mm256_storeu_ps(ah + 8, a[j][1]);
+        }
+    }
+}
+
 static inline void accumulate_tile_i8(Softmax *s, const uint8_t *const *row, int64_t h0,
                                       int64_t group, int64_t n, int64_t D) {
-    float pa[4][TILE];
     for (int64_t j0 = 0; j0 < group; j0 += 4) {
-        const int64_t heads = group - j0 < 4 ? group - j0 : 4;
-        for (int64_t j = 0; j < heads; j++)
-            for (int64_t t = 0; t < n; t++)
-                pa[j][t] = s->scores[(h0 + j0 + j) * TILE + t] * s->va[t];
-        for (int64_t d = 0; d < D; d += 16) {
-            __m256 a[4][2];
-            for (int64_t j = 0; j < heads; j++) {
-                const float *ah = s->acc + (h0 + j0 + j) * D + d;
-                a[j][0] = _mm256_loadu_ps(ah);
-                a[j][1] = _mm256_loadu_ps(ah + 8);
-            }
-            for (int64_t t = 0; t < n; t++) {
-                const __m256 v0 = load_i8_row8(row, t, d, D), v1 = load_i8_row8(row, t, d + 8, D);
-                for (int64_t j = 0; j < heads; j++) {
-                    const __m256 p = _mm256_set1_ps(pa[j][t]);
-                    a[j][0] = _mm256_fmadd_ps(p, v0, a[j][0]);
-                    a[j][1] = _mm256_fmadd_ps(p, v1, a[j][1]);
-                }
-            }
-            for (int64_t j = 0; j < heads; j++) {
-                float *ah = s->acc + (h0 + j0 + j) * D + d;
-                _mm256_storeu_ps(ah, a[j][0]);
-                _mm256_storeu_ps(ah + 8, a[j][1]);
-            }
+        switch (group - j0 < 4 ? group - j0 : 4) {
+        case 1: accumulate_heads_i8(s, row, h0 + j0, n, D, 1); break;
+        case 2: accumulate_heads_i8(s, row, h0 + j0, n, D, 2); break;
+        case 3: accumulate_heads_i8(s, row, h0 + j0, n, D, 3); break;
+        default: accumulate_heads_i8(s, row, h0 + j0, n, D, 4); break;
         }
     }
 }
 #endif
 
-/* one tile of n slots from pool slot `first`, every KV head, int8 codes in registers; the
- * next tile's next_n slots from `next` (0: none) are prefetched a head at a time, so that the
- * loads of a tile find its rows in L1 (without it the kernel waited on memory: 5.3 against
- * 4.0 ms for 8 requests x 2800 slots, one Qwen3-0.6B layer, here) */
+/* one tile of n slots from pool slot `first`, every KV head, int8 codes in registers. Either
+ * the tile's key and value rows are first copied in address order into `stage` ([2, TILE, Hkv,
+ * D] bytes: 32 KiB at Hkv 8, D 128) and read from there, or (stage NULL) read in place, a KV head at a time, with
+ * the next tile's next_n slots from `next` (0: none) prefetched a head at a time. On an AVX-512
+ * Xeon the prefetch let the loads find their rows in L1 (5.3 against 4.0 ms for 8 requests x
+ * 2800 slots, one Qwen3-0.6B layer); on an AVX2 EPYC it did not (a KV head's rows are 1 KiB
+ * apart, a stride its prefetchers do not follow), and the copy, a sequential read they do
+ * follow, took 0.36-0.42x float32's time against 0.58-0.64x in place (nanokv_int8_stage). */
 static inline void int8_tile(Softmax *s, const float *qb, const uint8_t *k_codes,
                              const uint8_t *v_codes, const float *k_scales,
                              const float *v_scales, int64_t first, int64_t n, int64_t Hkv,
-                             int64_t D, int64_t group, int64_t next, int64_t next_n) {
+                             int64_t D, int64_t group, int64_t next, int64_t next_n,
+                             uint8_t *stage) {
     const int64_t row_bytes = Hkv * D;
+    const uint8_t *k_rows = k_codes + first * row_bytes, *v_rows = v_codes + first * row_bytes;
+    if (stage) {
+        memcpy(stage, k_rows, n * row_bytes);
+        memcpy(stage + TILE * row_bytes, v_rows, n * row_bytes);
+        k_rows = stage;
+        v_rows = stage + TILE * row_bytes;
+        next_n = 0;
+    }
     for (int64_t g = 0; g < Hkv; g++) {
+        /* rows past n: the last live row again, so that every load stays in the pool or the
+         * stage's live rows (those scores are never used) */
         const uint8_t *kr[TILE], *vr[TILE];
         for (int64_t t = 0; t < TILE; t++) {
-            const int64_t slot = first + (t < n ? t : n - 1);
-            kr[t] = k_codes + slot * row_bytes + g * D;
-            vr[t] = v_codes + slot * row_bytes + g * D;
+            const int64_t at = (t < n ? t : n - 1) * row_bytes + g * D;
+            kr[t] = k_rows + at;
+            vr[t] = v_rows + at;
         }
         for (int64_t t = 0; t < n; t++) {
             s->ks[t] = k_scales[(first + t) * Hkv + g];
@@ -625,8 +661,6 @@ static inline void int8_tile(Softmax *s, const float *qb, const uint8_t *k_codes
             prefetch_rows(k_codes + (next + t) * row_bytes + g * D, D);
             prefetch_rows(v_codes + (next + t) * row_bytes + g * D, D);
         }
-        /* kr past n: the last live row again, so that every load stays in the pool (those
-         * scores are never used) */
 #if defined(__AVX512F__)
         score16(s, qb, kr, g * group, group, D, load_i8_row);
 #else
@@ -654,7 +688,8 @@ static inline __attribute__((always_inline)) int pertoken_impl(
         Softmax s;
         /* the decoded tile of every KV head: [Hkv, TILE, D] keys, then values (64 KiB at
          * Hkv 8, D 128: L2, not L1), and their scales [Hkv, TILE]; zeroed: score_tile may read
-         * the rows past a partial tile (their scores are unused) */
+         * the rows past a partial tile (their scores are unused); also the int8 path's stage
+         * (int8_tile: 2 TILE Hkv D bytes) */
         float *kv = calloc(Hkv * TILE * D, sizeof(float));
         float *scale = calloc(Hkv * TILE, sizeof(float));
         if (!softmax_alloc(&s, Hq, D) || !kv || !scale) {
@@ -678,9 +713,10 @@ static inline __attribute__((always_inline)) int pertoken_impl(
                             next = r + 1 < run_ptr[b + 1] ? run_start[r + 1] : 0;
                             next_n = r + 1 < run_ptr[b + 1] ? run_len[r + 1] : 0;
                         }
-                        next_n = nanokv_int8_prefetch ? (next_n < TILE ? next_n : TILE) : 0;
+                        next_n = next_n < TILE ? next_n : TILE;
                         int8_tile(&s, qb, k_codes, v_codes, k_scales, v_scales, first, n, Hkv,
-                                  D, group, next, next_n);
+                                  D, group, next, nanokv_int8_prefetch ? next_n : 0,
+                                  nanokv_int8_stage ? (uint8_t *)kv : NULL);
                         continue;
                     }
 #endif
