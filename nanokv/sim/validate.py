@@ -34,8 +34,11 @@ For each seed:
                 replayed, not fitted. A diagnostic for disturbed runs: the prediction is
                 "calibrated".
 
-`--replay-only` recomputes the results from the files an earlier run left in --out; the README
-section is written by `nanokv.sim.validation_report`.
+`--real-repeats N` serves each measured trace N times in a row (the same requests at the same
+arrival times): the first run is the one the replays are compared with, the others measure how
+far the real engine differs from itself on this machine (`real_repeats` in the result: the
+floor under any prediction's error). `--replay-only` recomputes the results from the files an
+earlier run left in --out; the README section is written by `nanokv.sim.validation_report`.
 """
 
 from __future__ import annotations
@@ -280,6 +283,10 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=0,
                     help="the servers' port (default 0: a free one for each run)")
     ap.add_argument("--out", default="docs/results/advisor")
+    ap.add_argument("--real-repeats", type=int, default=1,
+                    help="serve each measured trace this many times (default 1); the repeats "
+                         "show the real engine's own run-to-run spread next to the simulator's "
+                         "error")
     ap.add_argument("--replay-only", action="store_true",
                     help="do not serve: replay the traces and step logs already in --out")
     args = ap.parse_args(argv)
@@ -299,6 +306,8 @@ def main(argv=None) -> int:
         if getattr(args, name) < 10:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 10, got "
                              f"{getattr(args, name)}")
+    if args.real_repeats < 1:
+        raise ValueError(f"--real-repeats must be >= 1, got {args.real_repeats}")
     if not args.calibration_rate > 0:
         raise ValueError(f"--calibration-rate must be > 0 req/s, got {args.calibration_rate}")
     cpus = os.sched_getaffinity(0)
@@ -338,14 +347,23 @@ def main(argv=None) -> int:
             tag = f"seed{seed}_u{round(u * 100)}"
             trace_path, steps_path = path(f"trace_{tag}.jsonl"), path(f"steps_{tag}.jsonl")
             rate = u * c_info["capacity_req_s"]
+            repeats = []  # the same trace served again: (metrics, machine load) per repeat
             if args.replay_only:
                 with open(path(f"validation_{tag}.json"), encoding="utf-8") as f:
                     old = json.load(f)
                 errors, load, rate = old["errors"], old["load_monitor"], old["rate"]
+                repeats = [(r["real"], r["load_monitor"]) for r in old.get("real_repeats", [])]
             else:
-                errors, load = serve_and_trace(workload(args.num_requests, rate, seed, vocab),
-                                               trace_path, steps_path, args.port,
+                items = workload(args.num_requests, rate, seed, vocab)
+                errors, load = serve_and_trace(items, trace_path, steps_path, args.port,
                                                args.server_cpu)
+                for k in range(1, args.real_repeats):
+                    r_trace, r_steps = path(f"trace_{tag}_r{k}.jsonl"), path(
+                        f"steps_{tag}_r{k}.jsonl")
+                    _, r_load = serve_and_trace(items, r_trace, r_steps, args.port,
+                                                args.server_cpu)
+                    repeats.append((real_metrics(read_trace(r_trace), read_step_log(r_steps)),
+                                    r_load))
             records, log = read_trace(trace_path), read_step_log(steps_path)
             speed = run_speed_profile(c_log, log)
             real = real_metrics(records, log)
@@ -367,7 +385,8 @@ def main(argv=None) -> int:
                       "speed_factors": None if speed is None else list(speed.factors),
                       "steps_differing_from_served": mismatched,
                       "models": {"calibrated": calib.describe(), "same-run": same_run},
-                      "real": real, "sim": sims}
+                      "real": real, "sim": sims,
+                      "real_repeats": [{"real": m, "load_monitor": ld} for m, ld in repeats]}
             with open(path(f"validation_{tag}.json"), "w", encoding="utf-8") as f:
                 json.dump(result, f, indent=1, default=str)
             flag = " DISTURBED" if load.get("disturbed") else ""

@@ -42,6 +42,20 @@ def errors(run: dict, column: str) -> dict[str, float]:
     return out
 
 
+def repeat_errors(run: dict) -> list[dict[str, float]]:
+    """Relative difference (repeat / first - 1) of each timed metric, per real repeat of the
+    run (the same trace served again)."""
+    out = []
+    for rep in run.get("real_repeats", []):
+        errs = {}
+        for label, key, sub, _ in TIMED:
+            real, again = _get(run["real"], key, sub), _get(rep["real"], key, sub)
+            if real and again is not None:
+                errs[label] = again / real - 1
+        out.append(errs)
+    return out
+
+
 def _columns(run: dict) -> list[str]:
     """The replays a run has (runs logged before the speed probe lack "calibrated + speed")."""
     return [c for c in COLUMNS if c in run["sim"]]
@@ -49,20 +63,23 @@ def _columns(run: dict) -> list[str]:
 
 def run_table(run: dict) -> str:
     columns = _columns(run)
-    lines = ["| metric | real | " + " | ".join(columns) + " |",
-             "|---" * (len(columns) + 2) + "|"]
+    repeats = [rep["real"] for rep in run.get("real_repeats", [])]
+    again = [f"real again ({k + 1})" for k in range(len(repeats))]
+    lines = ["| metric | real | " + " | ".join(again + columns) + " |",
+             "|---" * (len(columns) + len(again) + 2) + "|"]
     for label, key, sub in EXACT:
         real = _get(run["real"], key, sub)
-        cells = [_num(_get(run["sim"][c], key, sub)) for c in columns]
+        cells = [_num(_get(rep, key, sub)) for rep in repeats]
+        cells += [_num(_get(run["sim"][c], key, sub)) for c in columns]
         lines.append(f"| {label} | {_num(real)} | " + " | ".join(cells) + " |")
     for label, key, sub, scale in TIMED:
         real = _get(run["real"], key, sub)
         cells = []
-        for c in columns:
-            sim = _get(run["sim"][c], key, sub)
-            err = sim / real - 1
+        for value in [_get(rep, key, sub) for rep in repeats] + [
+                _get(run["sim"][c], key, sub) for c in columns]:
+            err = value / real - 1
             mark = "" if abs(err) <= TARGET else " **x**"
-            cells.append(f"{sim * scale:.3g} ({err:+.0%}){mark}")
+            cells.append(f"{value * scale:.3g} ({err:+.0%}){mark}")
         lines.append(f"| {label} | {real * scale:.3g} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -118,6 +135,51 @@ def verdict(runs: list[dict], column: str) -> str:
     return text + (f"; misses: {'; '.join(misses)}." if misses else ".")
 
 
+def repeat_verdict(runs: list[dict]) -> str:
+    """The real engine against itself: the same traces served again, each timed metric's
+    difference from the first run (the one every replay is compared with)."""
+    total = within = 0
+    misses = []
+    for r in runs:
+        for k, errs in enumerate(repeat_errors(r)):
+            for label, err in errs.items():
+                total += 1
+                if abs(err) <= TARGET:
+                    within += 1
+                else:
+                    misses.append(f"{_name(r)} (repeat {k + 1}): {label} {err:+.0%}")
+    text = (f"**the real engine served the same trace again**: {within} of {total} timed "
+            f"metrics within 15% of its first run")
+    return text + (f"; misses: {'; '.join(misses)}." if misses else ".")
+
+
+def span_verdict(runs: list[dict], column: str) -> str:
+    """A replay against the span of the real runs of the same trace (the first and its
+    repeats): a metric counts when it lies within 15% below the lowest to 15% above the
+    highest, the target widened by no more than the real engine's own spread."""
+    total = within = 0
+    misses = []
+    for r in runs:
+        reals = [r["real"]] + [rep["real"] for rep in r.get("real_repeats", [])]
+        if len(reals) < 2:
+            continue
+        for label, key, sub, _ in TIMED:
+            values = [_get(x, key, sub) for x in reals]
+            sim = _get(r["sim"][column], key, sub)
+            if sim is None or not all(values):
+                continue
+            total += 1
+            lo, hi = min(values), max(values)
+            if lo * (1 - TARGET) <= sim <= hi * (1 + TARGET):
+                within += 1
+            else:
+                gap = sim / hi - 1 if sim > hi else sim / lo - 1
+                misses.append(f"{_name(r)}: {label} {gap:+.0%} beyond the span")
+    text = (f"**{column}** against the span of the real runs of each trace: {within} of "
+            f"{total} timed metrics within 15% of it")
+    return text + (f"; misses: {'; '.join(misses)}." if misses else ".")
+
+
 def report(out_dir: str) -> str:
     runs = []
     for path in sorted(glob.glob(os.path.join(out_dir, "validation_seed*_u*.json"))):
@@ -154,6 +216,9 @@ def report(out_dir: str) -> str:
             for load in sorted({r["load"] for r in runs}):
                 within, total, _ = _tally([r for r in runs if r["load"] == load], column)
                 parts.append(f"  - at {load:.0%} load: {within} of {total} within 15%")
+    if any(r.get("real_repeats") for r in runs):
+        parts.append(f"- {repeat_verdict(runs)}")
+        parts.append(f"- {span_verdict(runs, 'calibrated')}")
     quiet = [r for r in runs if r["load_monitor"].get("disturbed") is False
              and (r.get("calibration_load") or {}).get("disturbed") is False]
     if quiet and len(quiet) < len(runs):

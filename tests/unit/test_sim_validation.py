@@ -138,3 +138,53 @@ def test_report_splits_the_prediction_by_load_and_shows_the_engines_drift(tmp_pa
     assert "  - at 130% load: 6 of 7 within 15%\n" in text
     assert "| 0.934 |" in text and text.index("**calibrated**:") < text.index(
         "**calibrated + speed**:")
+
+
+def test_report_shows_the_real_engine_against_itself(tmp_path):
+    """Repeats of a measured run (the same trace served again) get their own columns, each
+    metric's difference from the first real run, and a verdict of their own; the replays are
+    still judged against the first run."""
+    import json
+
+    run = _run(1.0, 1.05)
+    again = json.loads(json.dumps(run["real"]))
+    again["ttft_s"]["p50"] = 1.3  # +30%: a miss of the real engine against itself
+    again["output_tok_s"] = 95.0  # -5%
+    run["real_repeats"] = [{"real": again, "load_monitor": run["load_monitor"]}]
+    (tmp_path / "validation_seed0_u70.json").write_text(json.dumps(run))
+    (tmp_path / "README.md").write_text(f"{validation_report.BEGIN}\n{validation_report.END}\n")
+    validation_report.write_report(str(tmp_path))
+    text = (tmp_path / "README.md").read_text()
+    assert ("**the real engine served the same trace again**: 6 of 7 timed metrics within 15% "
+            "of its first run; misses: seed 0, 70% load (repeat 1): TTFT p50 ms +30%.") in text
+    assert "| metric | real | real again (1) | recorded |" in text
+    assert "| TTFT p50 ms | 1e+03 | 1.3e+03 (+30%) **x** | 1.05e+03 (+5%) |" in text
+    assert "| output tok/s | 100 | 95 (-5%) | 100 (+0%) |" in text
+    assert "**calibrated**: 7 of 7 timed metrics within 15%." in text
+    assert ("**calibrated** against the span of the real runs of each trace: 7 of 7 timed "
+            "metrics within 15% of it.") in text
+    # a prediction beyond the span: TTFT p50 real 1.0 and 1.3, predicted 1.6 (+23% of 1.3)
+    run["sim"]["calibrated"]["ttft_s"] = {"p50": 1.6, "p90": 2.0}
+    assert validation_report.span_verdict([run], "calibrated").endswith(
+        "6 of 7 timed metrics within 15% of it; misses: seed 0, 70% load: TTFT p50 ms +23% "
+        "beyond the span.")
+    run["sim"]["calibrated"]["ttft_s"] = {"p50": 0.8, "p90": 2.0}  # -20% of 1.0: a miss
+    assert "TTFT p50 ms -20% beyond the span" in validation_report.span_verdict([run],
+                                                                              "calibrated")
+    run["sim"]["calibrated"]["ttft_s"] = {"p50": 1.45, "p90": 2.0}  # +12% of 1.3: within
+    assert "7 of 7" in validation_report.span_verdict([run], "calibrated")
+    assert validation_report.repeat_errors(run)[0]["TTFT p50 ms"] == pytest.approx(0.3)
+    # runs without repeats: no such column, no such verdict
+    del run["real_repeats"]
+    (tmp_path / "validation_seed0_u70.json").write_text(json.dumps(run))
+    validation_report.write_report(str(tmp_path))
+    text = (tmp_path / "README.md").read_text()
+    assert "real again" not in text and "served the same trace again" not in text
+    assert "span of the real runs" not in text
+
+
+def test_validate_rejects_bad_real_repeats():
+    from nanokv.sim.validate import main
+
+    with pytest.raises(ValueError, match="--real-repeats must be >= 1, got 0"):
+        main(["--real-repeats", "0"])
