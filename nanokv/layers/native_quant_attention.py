@@ -64,6 +64,8 @@ def _setup(lib: ctypes.CDLL) -> None:
         switch.argtypes = [ctypes.c_int]
         switch.restype = None
     lib.pertoken_int8_stage.restype = ctypes.c_int
+    lib.pertoken_int8_stage_fits.argtypes = [_i64, _i64]
+    lib.pertoken_int8_stage_fits.restype = ctypes.c_int
 
 
 _LIBRARY = LazyLibrary(SOURCE, _setup)
@@ -87,18 +89,26 @@ def set_int8_prefetch(on: bool) -> None:
     load_quant_kernels().pertoken_set_int8_prefetch(int(bool(on)))
 
 
-def set_int8_stage(on: bool) -> None:
-    """Whether the in-register int8 path first copies each tile's rows in address order into an
-    L1 buffer (True) or reads them in place a KV head at a time (False): an A/B switch, as
-    set_int8_fused. The default is the build's: copy on AVX2 builds (faster on an EPYC, whose
-    prefetchers do not follow a KV head's stride), in place on AVX-512 ones (measured so on a
-    Xeon); `int8_stage()` tells."""
-    load_quant_kernels().pertoken_set_int8_stage(int(bool(on)))
+def set_int8_stage(on: bool | None) -> None:
+    """Whether the in-register int8 path first copies each tile's rows in address order into a
+    buffer (True), reads them in place a KV head at a time (False), or decides by the layer's
+    shape (None: the copy where a slot's row of every KV head is >= 512 bytes and head_dim >=
+    128, whose rows a KV head apart this EPYC's prefetchers do not follow): an A/B switch, as
+    set_int8_fused. The default is the build's: None on AVX2 builds (measured on an EPYC),
+    False on AVX-512 ones (measured on a Xeon); `int8_stage()` tells."""
+    load_quant_kernels().pertoken_set_int8_stage(-1 if on is None else int(bool(on)))
 
 
-def int8_stage() -> bool:
-    """The in-register int8 path's current setting (set_int8_stage)."""
-    return bool(load_quant_kernels().pertoken_int8_stage())
+def int8_stage() -> bool | None:
+    """The in-register int8 path's current setting (set_int8_stage): True, False or None."""
+    mode = load_quant_kernels().pertoken_int8_stage()
+    return None if mode < 0 else bool(mode)
+
+
+def int8_stages(num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the in-register int8 path copies the tiles of a layer of this shape, under the
+    current setting (set_int8_stage)."""
+    return bool(load_quant_kernels().pertoken_int8_stage_fits(num_kv_heads, head_dim))
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -60,18 +60,18 @@ def test_decode_equals_dequantize_then_dense(kind, block_size, hq):
 def test_int8_codes_in_registers_equal_the_tile_path_and_the_reference(head_dim, hq):
     """int8 with keys after RoPE widens the codes in the FMA loops (AVX-512 and AVX2, head_dim %
     32 == 0) instead of decoding a tile into a buffer, reading each tile's rows in place or from
-    a copy made in address order (set_int8_stage): every path equals the reference and the
-    others, at a GQA group of 12 (value heads in registers 8 + 4 at a time on AVX-512, 4 + 4 + 4
-    on AVX2), tiles that end mid-run, and head_dim 48 (not a multiple of 32: the tile path
-    whatever the switches). Also run built without AVX-512 and without AVX2
-    (test_kernels_of_narrower_builds_equal_the_reference)."""
+    a copy made in address order, or either by the layer's shape (set_int8_stage): every path
+    equals the reference and the others, at a GQA group of 12 (value heads in registers 8 + 4
+    at a time on AVX-512, 4 + 4 + 4 on AVX2), tiles that end mid-run, and head_dim 48 (not a
+    multiple of 32: the tile path whatever the switches). Also run built without AVX-512 and
+    without AVX2 (test_kernels_of_narrower_builds_equal_the_reference)."""
     from nanokv.layers.native_quant_attention import int8_stage, set_int8_fused, set_int8_stage
 
     lens = [1, 15, 16, 17, 100, 161]
     results = []
     default_stage = int8_stage()
     try:
-        for fused, stage in ((True, True), (True, False), (False, False)):
+        for fused, stage in ((True, True), (True, False), (True, None), (False, False)):
             set_int8_fused(fused)
             set_int8_stage(stage)
             assert int8_stage() is stage
@@ -88,6 +88,28 @@ def test_int8_codes_in_registers_equal_the_tile_path_and_the_reference(head_dim,
     for other in results[1:]:
         for a, b in zip(results[0], other):
             torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+def test_int8_stage_by_shape_copies_only_far_apart_rows():
+    """set_int8_stage(None): the tile copy where a slot's row of every KV head is >= 512 bytes
+    and head_dim >= 128 (rows a KV head apart that a prefetcher does not follow), in place
+    otherwise; True / False whatever the shape."""
+    from nanokv.layers.native_quant_attention import (int8_stage, int8_stages,
+                                                      set_int8_stage)
+
+    default = int8_stage()
+    shapes = [(8, 128), (4, 128), (32, 128), (2, 128), (8, 64), (16, 32), (4, 32), (4, 256)]
+    try:
+        set_int8_stage(None)
+        assert [int8_stages(h, d) for h, d in shapes] == [
+            h * d >= 512 and d >= 128 for h, d in shapes]
+        assert [int8_stages(h, d) for h, d in shapes] == [
+            True, True, True, False, False, False, False, True]
+        for on in (True, False):
+            set_int8_stage(on)
+            assert all(int8_stages(h, d) is on for h, d in shapes)
+    finally:
+        set_int8_stage(default)
 
 
 @pytest.mark.parametrize("kind", ["kvquant:4bit", "kvquant:2bit-nuq-thresholds"])

@@ -19,8 +19,9 @@
  * int8 keys after RoPE on AVX-512 and AVX2 skip the buffer: each 16 (8) codes are widened in
  * the score's and the value's FMA loops, the rows read in place with the next tile's
  * prefetched (AVX-512: 0.29x float32's time for 8 requests x 2800 slots of a Qwen3-0.6B layer
- * on a Xeon, against 0.5x through the buffer) or from a copy of the tile made in address order
- * (AVX2: 0.43-0.53x on an EPYC, against 0.59-0.72x in place); int8_tile.
+ * on a Xeon, against 0.5x through the buffer) or, where a KV head's rows are far apart, from a
+ * copy of the tile made in address order (AVX2: 0.43-0.53x on an EPYC, against 0.59-0.72x in
+ * place, at 8 KV heads of 128); int8_tile.
  *
  * The fp8 / fp16 / bf16 decodes are bit shifts and one multiply by a power of two, exact for
  * normal and subnormal numbers.
@@ -524,16 +525,26 @@ static inline void prefetch_rows(const uint8_t *first, int64_t nbytes) {
  * path, and an A/B switch: pertoken_set_int8_fused) */
 static int nanokv_int8_fused = 1;
 void pertoken_set_int8_fused(int on) { nanokv_int8_fused = on; }
-/* the fused path's tile copied in address order first (int8_tile): the default where it was
- * measured faster (AVX2, an EPYC), read in place with prefetches where that was (AVX-512, a
- * Xeon); both A/B switches */
+/* the fused path's tile copied in address order first (int8_tile): 1 always, 0 never (read in
+ * place with prefetches), -1 by the layer's shape (int8_stage_fits). The default is where each
+ * was measured faster: by shape on AVX2 (an EPYC), in place on AVX-512 (a Xeon); A/B switch */
 #if defined(__AVX512F__)
 static int nanokv_int8_stage = 0;
 #else
-static int nanokv_int8_stage = 1;
+static int nanokv_int8_stage = -1;
 #endif
-void pertoken_set_int8_stage(int on) { nanokv_int8_stage = on; }
+void pertoken_set_int8_stage(int mode) { nanokv_int8_stage = mode < 0 ? -1 : mode > 0; }
 int pertoken_int8_stage(void) { return nanokv_int8_stage; }
+
+/* whether the copy pays for a layer (measured on the AVX2 EPYC, 16 requests x 1k slots): only
+ * when a KV head's rows are far apart (a slot's row of every head >= 512 bytes) and each is
+ * more than one cache line (head_dim >= 128): 0.48x float32's time against 0.54-0.60x in place
+ * at 4 and 8 KV heads of 128; at 64 or 32 channels, or 2 KV heads of 128, in place was faster
+ * (0.45x against 0.49x at 8 x 64; 0.34-0.43x against 0.56-0.61x at 4 x 32, the shipped model) */
+static inline int int8_stage_fits(int64_t Hkv, int64_t D) {
+    return nanokv_int8_stage > 0 || (nanokv_int8_stage < 0 && Hkv * D >= 512 && D >= 128);
+}
+int pertoken_int8_stage_fits(int64_t Hkv, int64_t D) { return int8_stage_fits(Hkv, D); }
 static int nanokv_int8_prefetch = 1;  /* in place: the next tile's codes prefetched */
 void pertoken_set_int8_prefetch(int on) { nanokv_int8_prefetch = on; }
 
@@ -629,7 +640,8 @@ static inline void accumulate_tile_i8(Softmax *s, const uint8_t *const *row, int
  * Xeon the prefetch let the loads find their rows in L1 (5.3 against 4.0 ms for 8 requests x
  * 2800 slots, one Qwen3-0.6B layer); on an AVX2 EPYC it did not (a KV head's rows are 1 KiB
  * apart, a stride its prefetchers do not follow), and the copy, a sequential read they do
- * follow, took 0.36-0.42x float32's time against 0.58-0.64x in place (nanokv_int8_stage). */
+ * follow, took 0.36-0.42x float32's time against 0.58-0.64x in place at 8 KV heads of 128
+ * (int8_stage_fits). */
 static inline void int8_tile(Softmax *s, const float *qb, const uint8_t *k_codes,
                              const uint8_t *v_codes, const float *k_scales,
                              const float *v_scales, int64_t first, int64_t n, int64_t Hkv,
@@ -682,7 +694,9 @@ static inline __attribute__((always_inline)) int pertoken_impl(
     const int64_t row = Hkv * D, group = Hq / Hkv;
     /* int8 with keys after RoPE: the codes widened in registers (int8_tile) */
     const int fused = fmt == FMT_INT8 && !rot_dim && D % 32 == 0 && nanokv_int8_fused;
+    const int stage = fused && int8_stage_fits(Hkv, D);
     (void)fused;
+    (void)stage;
     #pragma omp parallel
     {
         Softmax s;
@@ -716,7 +730,7 @@ static inline __attribute__((always_inline)) int pertoken_impl(
                         next_n = next_n < TILE ? next_n : TILE;
                         int8_tile(&s, qb, k_codes, v_codes, k_scales, v_scales, first, n, Hkv,
                                   D, group, next, nanokv_int8_prefetch ? next_n : 0,
-                                  nanokv_int8_stage ? (uint8_t *)kv : NULL);
+                                  stage ? (uint8_t *)kv : NULL);
                         continue;
                     }
 #endif
