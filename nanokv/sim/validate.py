@@ -347,12 +347,12 @@ def main(argv=None) -> int:
             tag = f"seed{seed}_u{round(u * 100)}"
             trace_path, steps_path = path(f"trace_{tag}.jsonl"), path(f"steps_{tag}.jsonl")
             rate = u * c_info["capacity_req_s"]
-            repeats = []  # the same trace served again: (metrics, machine load) per repeat
+            repeats = []  # the same trace served again: {"real", "load_monitor"} per repeat
             if args.replay_only:
                 with open(path(f"validation_{tag}.json"), encoding="utf-8") as f:
                     old = json.load(f)
                 errors, load, rate = old["errors"], old["load_monitor"], old["rate"]
-                repeats = [(r["real"], r["load_monitor"]) for r in old.get("real_repeats", [])]
+                repeats = old.get("real_repeats", [])
             else:
                 items = workload(args.num_requests, rate, seed, vocab)
                 errors, load = serve_and_trace(items, trace_path, steps_path, args.port,
@@ -362,8 +362,9 @@ def main(argv=None) -> int:
                         f"steps_{tag}_r{k}.jsonl")
                     _, r_load = serve_and_trace(items, r_trace, r_steps, args.port,
                                                 args.server_cpu)
-                    repeats.append((real_metrics(read_trace(r_trace), read_step_log(r_steps)),
-                                    r_load))
+                    repeats.append({"real": real_metrics(read_trace(r_trace),
+                                                         read_step_log(r_steps)),
+                                    "load_monitor": r_load})
             records, log = read_trace(trace_path), read_step_log(steps_path)
             speed = run_speed_profile(c_log, log)
             real = real_metrics(records, log)
@@ -386,7 +387,7 @@ def main(argv=None) -> int:
                       "steps_differing_from_served": mismatched,
                       "models": {"calibrated": calib.describe(), "same-run": same_run},
                       "real": real, "sim": sims,
-                      "real_repeats": [{"real": m, "load_monitor": ld} for m, ld in repeats]}
+                      "real_repeats": repeats}
             with open(path(f"validation_{tag}.json"), "w", encoding="utf-8") as f:
                 json.dump(result, f, indent=1, default=str)
             flag = " DISTURBED" if load.get("disturbed") else ""

@@ -32,28 +32,25 @@ def _num(v: float) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def errors(run: dict, column: str) -> dict[str, float]:
-    """Relative error (simulated / real - 1) of each timed metric in one column."""
+def _relative(real: dict, other: dict) -> dict[str, float]:
+    """Relative difference (other / real - 1) of each timed metric."""
     out = {}
     for label, key, sub, _ in TIMED:
-        real, sim = _get(run["real"], key, sub), _get(run["sim"][column], key, sub)
-        if real and sim is not None:
-            out[label] = sim / real - 1
+        r, o = _get(real, key, sub), _get(other, key, sub)
+        if r and o is not None:
+            out[label] = o / r - 1
     return out
+
+
+def errors(run: dict, column: str) -> dict[str, float]:
+    """Relative error (simulated / real - 1) of each timed metric in one column."""
+    return _relative(run["real"], run["sim"][column])
 
 
 def repeat_errors(run: dict) -> list[dict[str, float]]:
     """Relative difference (repeat / first - 1) of each timed metric, per real repeat of the
     run (the same trace served again)."""
-    out = []
-    for rep in run.get("real_repeats", []):
-        errs = {}
-        for label, key, sub, _ in TIMED:
-            real, again = _get(run["real"], key, sub), _get(rep["real"], key, sub)
-            if real and again is not None:
-                errs[label] = again / real - 1
-        out.append(errs)
-    return out
+    return [_relative(run["real"], rep["real"]) for rep in run.get("real_repeats", [])]
 
 
 def _columns(run: dict) -> list[str]:
@@ -115,18 +112,16 @@ def _name(r: dict) -> str:
     return f"seed {r['seed']}, {r['load']:.0%} load"
 
 
+def _count(checks) -> tuple[int, int, list[str]]:
+    """(within, total, the misses' texts) of (within, text) pairs."""
+    checks = list(checks)
+    return (sum(ok for ok, _ in checks), len(checks), [text for ok, text in checks if not ok])
+
+
 def _tally(runs: list[dict], column: str) -> tuple[int, int, list[str]]:
     """(metrics within the target, metrics, the misses) of a replay over runs."""
-    total = within = 0
-    misses = []
-    for r in runs:
-        for label, err in errors(r, column).items():
-            total += 1
-            if abs(err) <= TARGET:
-                within += 1
-            else:
-                misses.append(f"{_name(r)}: {label} {err:+.0%}")
-    return within, total, misses
+    return _count((abs(err) <= TARGET, f"{_name(r)}: {label} {err:+.0%}")
+                  for r in runs for label, err in errors(r, column).items())
 
 
 def verdict(runs: list[dict], column: str) -> str:
@@ -138,43 +133,36 @@ def verdict(runs: list[dict], column: str) -> str:
 def repeat_verdict(runs: list[dict]) -> str:
     """The real engine against itself: the same traces served again, each timed metric's
     difference from the first run (the one every replay is compared with)."""
-    total = within = 0
-    misses = []
-    for r in runs:
-        for k, errs in enumerate(repeat_errors(r)):
-            for label, err in errs.items():
-                total += 1
-                if abs(err) <= TARGET:
-                    within += 1
-                else:
-                    misses.append(f"{_name(r)} (repeat {k + 1}): {label} {err:+.0%}")
+    within, total, misses = _count(
+        (abs(err) <= TARGET, f"{_name(r)} (repeat {k + 1}): {label} {err:+.0%}")
+        for r in runs for k, errs in enumerate(repeat_errors(r)) for label, err in errs.items())
     text = (f"**the real engine served the same trace again**: {within} of {total} timed "
             f"metrics within 15% of its first run")
     return text + (f"; misses: {'; '.join(misses)}." if misses else ".")
+
+
+def _span_checks(r: dict, column: str):
+    """(within, text) per timed metric of one run with repeats: the replay within 15% below
+    the lowest real run to 15% above the highest"""
+    reals = [r["real"]] + [rep["real"] for rep in r.get("real_repeats", [])]
+    if len(reals) < 2:
+        return
+    for label, key, sub, _ in TIMED:
+        values = [_get(x, key, sub) for x in reals]
+        sim = _get(r["sim"][column], key, sub)
+        if sim is None or not all(values):
+            continue
+        lo, hi = min(values), max(values)
+        gap = sim / hi - 1 if sim > hi else sim / lo - 1
+        yield (lo * (1 - TARGET) <= sim <= hi * (1 + TARGET),
+               f"{_name(r)}: {label} {gap:+.0%} beyond the span")
 
 
 def span_verdict(runs: list[dict], column: str) -> str:
     """A replay against the span of the real runs of the same trace (the first and its
     repeats): a metric counts when it lies within 15% below the lowest to 15% above the
     highest, the target widened by no more than the real engine's own spread."""
-    total = within = 0
-    misses = []
-    for r in runs:
-        reals = [r["real"]] + [rep["real"] for rep in r.get("real_repeats", [])]
-        if len(reals) < 2:
-            continue
-        for label, key, sub, _ in TIMED:
-            values = [_get(x, key, sub) for x in reals]
-            sim = _get(r["sim"][column], key, sub)
-            if sim is None or not all(values):
-                continue
-            total += 1
-            lo, hi = min(values), max(values)
-            if lo * (1 - TARGET) <= sim <= hi * (1 + TARGET):
-                within += 1
-            else:
-                gap = sim / hi - 1 if sim > hi else sim / lo - 1
-                misses.append(f"{_name(r)}: {label} {gap:+.0%} beyond the span")
+    within, total, misses = _count(c for r in runs for c in _span_checks(r, column))
     text = (f"**{column}** against the span of the real runs of each trace: {within} of "
             f"{total} timed metrics within 15% of it")
     return text + (f"; misses: {'; '.join(misses)}." if misses else ".")
