@@ -1,6 +1,8 @@
-"""The few-rows linear kernel (`csrc/small_linear.c`) against F.linear in float64: 1-16 rows,
-vocabulary sizes that are not multiples of 16, head sizes that are not multiples of 16 (the
-plain-C rows), a bias; bad inputs refused; and the tied LM head of a loaded model takes it."""
+"""The few-rows linear kernel (`csrc/small_linear.c`) against F.linear in float64: 1-16 rows
+(on AVX2 builds: groups of 4 rows of x, the last one shorter), vocabulary sizes that are not
+multiples of 16, head sizes that are not multiples of 16 (the plain-C rows), a bias; bad inputs
+refused; the tied LM head of a loaded model takes it; and the same checks built without AVX-512
+(the AVX2 rows) and without AVX2 (plain C)."""
 
 import pytest
 import torch
@@ -15,8 +17,8 @@ except NativeKernelUnavailable as e:  # no C compiler with OpenMP here
     pytest.skip(f"few-rows kernel unavailable: {e}", allow_module_level=True)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 16])
-@pytest.mark.parametrize("n,k", [(4096, 256), (1000, 64), (77, 48), (33, 40)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 16])
+@pytest.mark.parametrize("n,k", [(4096, 256), (1000, 64), (77, 48), (33, 40), (130, 16)])
 def test_equals_f_linear(rows, n, k):
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=gen)
@@ -56,7 +58,9 @@ def test_the_tied_lm_head_takes_it(tiny_qwen3):
                                    atol=1e-4, rtol=1e-5)
 
 
-def test_a_build_without_avx512_equals_f_linear(tmp_path):
-    """The plain-C rows (every CPU builds them): the same checks with the library built
-    without AVX-512."""
-    run_narrow_build(__file__, "test_equals_f_linear", tmp_path, "small_linear", timeout=300)
+@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx2"])
+def test_a_narrower_build_equals_f_linear(tmp_path, flags):
+    """The AVX2 rows (built without AVX-512) and the plain-C rows (without AVX2, which every CPU
+    builds): the same checks with the library built that way."""
+    run_narrow_build(__file__, "test_equals_f_linear", tmp_path, "small_linear", flags=flags,
+                     timeout=300)
