@@ -1,8 +1,9 @@
 """The few-rows linear kernel (`csrc/small_linear.c`): y = x @ w.T (+ bias) for at most
 MAX_ROWS rows of x, each row of the float32 weight read once. Used by the LM head of a decode
 step on CPU (`Linear.few_rows`), where oneDNN's GEMM reads a 600 MB vocabulary matrix at about
-20 GB/s with 8 rows; `F.linear` is the reference (tests/unit/test_small_linear.py). Built on first
-use like the decode kernels (`native_attention.build_library`)."""
+20 GB/s with 8 rows; AVX-512 and AVX2 vector paths, plain C elsewhere. `F.linear` is the
+reference (tests/unit/test_small_linear.py); `benchmarks/bench_small_linear.py` times both.
+Built on first use like the decode kernels (`native_attention.build_library`)."""
 
 from __future__ import annotations
 
