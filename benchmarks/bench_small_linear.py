@@ -16,22 +16,12 @@ import argparse
 import json
 import platform
 import statistics
-import time
 
 import torch
+from bench_host_step import median_ms  # a warm-up call, then the median of timed calls
 
 from nanokv.layers.linear import onednn_available
 from nanokv.layers.native_linear import MAX_ROWS, small_m_linear
-
-
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -71,7 +61,7 @@ def main() -> None:
         times: dict[str, list[float]] = {name: [] for name in paths}
         for _ in range(3):  # rounds, the paths interleaved
             for name, fn in paths.items():
-                times[name].append(_median_ms(fn, args.repeats))
+                times[name].append(median_ms(fn, args.repeats))
         ms = {name: statistics.median(t) for name, t in times.items()}
         row = {"rows": m, "vocab": args.vocab, "hidden": args.hidden, "threads": args.threads,
                **{f"{name}_ms": round(t, 3) for name, t in ms.items()}}

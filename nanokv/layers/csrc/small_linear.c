@@ -14,12 +14,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 16 /* vector paths: how many rows of w ahead a row is prefetched */
+#endif
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
-
-#ifndef PREFETCH_ROWS
-#define PREFETCH_ROWS 16
-#endif
 
 #include "sum16.h"
 
@@ -55,14 +55,11 @@ static inline __attribute__((always_inline)) void rows16(
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-#ifndef PREFETCH_ROWS
-#define PREFETCH_ROWS 16
-#endif
-#ifndef X_GROUP
-#define X_GROUP 4 /* rows of x per pass over R rows of w */
-#endif
-
 #include "sum8.h"
+
+/* rows of x per pass over R rows of w: 4 (groups of 2 were slower from 3 rows on, of 8 at 16
+ * rows; docs/results/linear/README.md) */
+enum { X_GROUP = 4 };
 
 /* rows [n0 + i, n0 + i + R) of w (K % 16 == 0) dotted with the MC rows of x from x0: their 8-lane
  * dot vectors into tile[m * 16 + i + r] (always inlined with R and MC constant: R * MC
@@ -70,7 +67,7 @@ static inline __attribute__((always_inline)) void rows16(
 static inline __attribute__((always_inline)) void dots_avx2(
         const float *x0, const float *wr, int64_t K, const int R, const int MC, const int m0,
         const int i, __m256 *tile /* [M, 16] */) {
-    enum { R_MAX = 8, MC_MAX = 8 };
+    enum { R_MAX = 8, MC_MAX = X_GROUP };
     __m256 acc[R_MAX][MC_MAX];
     for (int r = 0; r < R; r++)
         for (int m = 0; m < MC; m++) acc[r][m] = _mm256_setzero_ps();
@@ -98,14 +95,14 @@ static inline __attribute__((always_inline)) void rows16(
         __m256 *tile /* [M, 16] */) {
     /* R rows of w per pass: R * min(M, X_GROUP) accumulators, at most 8 */
     const int G = M < X_GROUP ? M : X_GROUP;
-    const int R = G <= 1 ? 8 : (G <= 2 ? 4 : (G <= 4 ? 2 : 1));
+    const int R = G <= 1 ? 8 : (G <= 2 ? 4 : 2);
     for (int i = 0; i < 16; i += R) {
         const float *wr = w + (n0 + i) * K;
         for (int m0 = 0; m0 < M; m0 += G) {
             const int mc = M - m0 < G ? M - m0 : G;
             switch (mc) {  /* the last group may be shorter */
 #define GROUP(c) case c: dots_avx2(x + m0 * K, wr, K, R, c, m0, i, tile); break;
-            GROUP(1) GROUP(2) GROUP(3) GROUP(4) GROUP(5) GROUP(6) GROUP(7) GROUP(8)
+            GROUP(1) GROUP(2) GROUP(3) GROUP(4)
 #undef GROUP
             }
         }
