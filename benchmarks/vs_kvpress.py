@@ -43,13 +43,23 @@ def load_tasks():
     return importlib.import_module("nanokv.eval.tasks")
 
 
-def make_press(name: str, ratio: float):
+def make_press(name: str, ratio: float, alpha_safeguard: float = 0.2):
+    """kvpress's press `name` removing the fraction `ratio` of the cache. Head-adaptive budgets
+    (AdaKV: one budget per layer shared across its KV heads by score): "adakv-snapkv" and
+    "adakv-knorm" wrap the scorer in AdaKVPress (each head keeps at least `alpha_safeguard` of
+    a uniform head's share); "kvzip-layerwise" is KVzip with a uniform budget per layer, shared
+    across heads by score (plain "kvzip" shares one budget across layers and heads)."""
     import kvpress
 
     presses = {"kvzip": lambda: kvpress.KVzipPress(compression_ratio=ratio),
+               "kvzip-layerwise": lambda: kvpress.KVzipPress(compression_ratio=ratio,
+                                                             layerwise=True),
                "snapkv": lambda: kvpress.SnapKVPress(compression_ratio=ratio, window_size=32),
                "streaming": lambda: kvpress.StreamingLLMPress(compression_ratio=ratio),
                "knorm": lambda: kvpress.KnormPress(compression_ratio=ratio)}
+    for scorer in ("snapkv", "knorm"):
+        presses[f"adakv-{scorer}"] = (lambda s=scorer: kvpress.AdaKVPress(
+            presses[s](), alpha_safeguard=alpha_safeguard))
     if name not in presses:
         raise ValueError(f"unknown press {name!r}; available: {sorted(presses)}")
     return presses[name]()
@@ -84,9 +94,14 @@ def main(argv=None) -> int:
     ap.add_argument("--num-samples", type=int, default=30)
     ap.add_argument("--context-tokens", type=int, default=2048)
     ap.add_argument("--eval-seed", type=int, default=0)
+    ap.add_argument("--alpha-safeguard", type=float, default=0.2,
+                    help="adakv-* presses: the least share of a uniform head's budget each head "
+                         "keeps, in [0, 1] (default 0.2, kvpress's)")
     ap.add_argument("--full", action="store_true", help="also score the full cache")
     ap.add_argument("--out", default=None, help="append the JSON lines to this file")
     args = ap.parse_args(argv)
+    if not 0.0 <= args.alpha_safeguard <= 1.0:
+        ap.error(f"--alpha-safeguard must lie in [0, 1], got {args.alpha_safeguard}")
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -111,13 +126,15 @@ def main(argv=None) -> int:
                 ids = tokenizer.encode(x.prompt)
                 split = (len(ids) - 1 if protocol == "whole"
                          else tasks.context_length(tokenizer, x, ids))
-                press = (None if press_name == "full"
-                         else make_press(press_name, 1.0 - 1.0 / compression))
+                press = (None if press_name == "full" else
+                         make_press(press_name, 1.0 - 1.0 / compression, args.alpha_safeguard))
                 out = greedy(model, torch.tensor([ids]), split, press, max_new)
                 hits += tasks.score(x, tokenizer.decode(out))
             line = {"engine": f"kvpress {kvpress.__version__}" if hasattr(kvpress, "__version__")
                     else "kvpress", "press": press_name, "compression": compression,
                     "protocol": protocol, "accuracy": hits / len(samples),
+                    **({"alpha_safeguard": args.alpha_safeguard}
+                       if press_name.startswith("adakv") else {}),
                     "num_samples": len(samples), "eval_seed": args.eval_seed,
                     "context_tokens": args.context_tokens,
                     "seconds": round(time.perf_counter() - t0, 1)}

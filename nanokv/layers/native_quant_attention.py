@@ -77,9 +77,11 @@ def load_quant_kernels() -> ctypes.CDLL:
 
 
 def set_int8_fused(on: bool) -> None:
-    """int8 codes widened in the kernel's FMA loops (True, the default on AVX-512 builds) or
-    decoded into the tile buffer first, as the fp8 formats are (False): an A/B switch for
-    benchmarks and tests; the process's setting, for every later call."""
+    """int8 and fp8 codes widened in the kernel's FMA loops (True, the default on AVX-512 and
+    AVX2 builds, keys after RoPE, head_dim % 32 == 0) or decoded into the tile buffer first (False):
+    an A/B switch for benchmarks and tests; the process's setting, for every later call. (The
+    name is the int8 path's, which came first; the stage and prefetch switches below apply to
+    fp8 the same way.)"""
     load_quant_kernels().pertoken_set_int8_fused(int(bool(on)))
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from narrow_builds import run_narrow_build
 
-from quant_stores import HKV, MAX_POS, NUM_LAYERS, _HFConfig, make_store, scenario
+from quant_stores import HKV, MAX_POS, NUM_LAYERS, _HFConfig, make_store, scenario, step
 
 from nanokv.attention.common import CommonAttentionMetadata
 from nanokv.attention.native_quantized import NativeQuantizedBackend
@@ -56,15 +56,17 @@ def test_decode_equals_dequantize_then_dense(kind, block_size, hq):
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("head_dim,hq", [(64, 24), (32, 2), (48, 4)])
-def test_int8_codes_in_registers_equal_the_tile_path_and_the_reference(head_dim, hq):
-    """int8 with keys after RoPE widens the codes in the FMA loops (AVX-512 and AVX2, head_dim %
-    32 == 0) instead of decoding a tile into a buffer, reading each tile's rows in place or from
-    a copy made in address order, or either by the layer's shape (set_int8_stage): every path
-    equals the reference and the others, at a GQA group of 12 (value heads in registers 8 + 4
-    at a time on AVX-512, 4 + 4 + 4 on AVX2), tiles that end mid-run, and head_dim 48 (not a
-    multiple of 32: the tile path whatever the switches). Also run built without AVX-512 and
-    without AVX2 (test_kernels_of_narrower_builds_equal_the_reference)."""
+def test_codes_in_registers_equal_the_tile_path_and_the_reference(kind, head_dim, hq):
+    """int8 and fp8 with keys after RoPE widen the codes in the FMA loops (AVX-512 and AVX2,
+    head_dim % 32 == 0) instead of decoding a tile into a buffer, reading each tile's rows in
+    place or from a copy made in address order, or either by the layer's shape
+    (set_int8_stage): every path equals the reference and the others, at a GQA group of 12
+    (value heads in registers 8 + 4 at a time on AVX-512, 4 + 4 + 4 on AVX2), tiles that end
+    mid-run, and head_dim 48 (not a multiple of 32: the tile path whatever the switches). Also
+    run built without AVX-512 and without AVX2
+    (test_kernels_of_narrower_builds_equal_the_reference)."""
     from nanokv.layers.native_quant_attention import int8_stage, set_int8_fused, set_int8_stage
 
     lens = [1, 15, 16, 17, 100, 161]
@@ -75,7 +77,7 @@ def test_int8_codes_in_registers_equal_the_tile_path_and_the_reference(head_dim,
             set_int8_fused(fused)
             set_int8_stage(stage)
             assert int8_stage() is stage
-            store = make_store("int8", head_dim, 16, sum(cdiv(n, 16) for n in lens) + 3,
+            store = make_store(kind, head_dim, 16, sum(cdiv(n, 16) for n in lens) + 3,
                                len(lens) + 1)
             outs, refs = scenario(store, hq, lens, random.Random(7),
                                   torch.Generator().manual_seed(7), chunk=11)
@@ -88,6 +90,36 @@ def test_int8_codes_in_registers_equal_the_tile_path_and_the_reference(head_dim,
     for other in results[1:]:
         for a, b in zip(results[0], other):
             torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind,finite", [("fp8_e4m3", lambda c: c & 0x7F != 0x7F),
+                                          ("fp8_e5m2", lambda c: c & 0x7C != 0x7C)])
+def test_fp8_codes_every_code_decodes_exactly(kind, finite):
+    """Every finite fp8 code (zero, -0, subnormals, the largest) placed in the keys and values of
+    a cached request's slots, read by the kernel (codes in registers where head_dim % 32 == 0,
+    the tile path at 48) against the reference's torch float8 conversion."""
+    codes = torch.tensor([c for c in range(256) if finite(c)], dtype=torch.uint8)
+    gen = torch.Generator().manual_seed(3)
+    for head_dim in (64, 48):
+        n, bs, hq = 90, 16, 4
+        table = list(range(cdiv(n, bs)))
+        store = make_store(kind, head_dim, bs, len(table) + 1, 2)
+        for name in ("k", "v"):
+            buf = store.buffers[f"{name}_codes"]  # [L, blocks, B, Hkv, D]
+            pattern = codes[torch.randint(len(codes), buf.shape, generator=gen)]
+            buf.copy_(pattern)
+            store.buffers[f"{name}_scales"].copy_(
+                torch.rand(store.buffers[f"{name}_scales"].shape, generator=gen) * 0.02)
+        q = torch.randn(NUM_LAYERS, 1, hq, head_dim, generator=gen)
+        k = torch.randn(NUM_LAYERS, 1, HKV, head_dim, generator=gen)
+        v = torch.randn(NUM_LAYERS, 1, HKV, head_dim, generator=gen)
+        slot = table[(n - 1) // bs] * bs + (n - 1) % bs
+        outs = step(store, NativeQuantizedBackend(store, CPU), q, k, v, k, [slot], [n - 1],
+                    [table], [n])
+        for layer, out in enumerate(outs):
+            ref = reference_quantized_attention(q[layer], k[layer], v[layer], store, layer, table,
+                                                n - 1, head_dim ** -0.5, store.rotary.rotate)
+            torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
 def test_int8_stage_by_shape_copies_only_far_apart_rows():
@@ -229,6 +261,7 @@ def test_kernels_of_narrower_builds_equal_the_reference(tmp_path, flags):
     (`-mno-avx2`: the plain C paths every CPU builds, KVQuant a row at a time), in a fresh
     process with its own kernel cache. KVQuant at head_dim 128 too: its 4-bit key pass looks up
     32 channels at a time only where half a head holds them."""
-    run_narrow_build(__file__, "(test_decode_equals_dequantize_then_dense and (kvquant or int8 "
-                     "and not hq-4)) or registers", tmp_path, "quant_decode_attention",
+    run_narrow_build(__file__, "(test_decode_equals_dequantize_then_dense and (kvquant or (int8 "
+                     "or fp8) and not hq-4)) or registers or fp8_codes", tmp_path,
+                     "quant_decode_attention",
                      flags=flags)

@@ -16,12 +16,13 @@
  *      at a time in registers over the tile's slots.
  * Decoded rows never leave the per-thread buffers. Plain C the compiler vectorises, plus
  * AVX-512 and AVX2 paths where they pay (guarded: the plain C builds and runs everywhere).
- * int8 keys after RoPE on AVX-512 and AVX2 skip the buffer: each 16 (8) codes are widened in
+ * int8 and fp8 keys after RoPE on AVX-512 and AVX2 skip the buffer: each 16 (8) codes are widened in
  * the score's and the value's FMA loops, the rows read in place with the next tile's
  * prefetched (AVX-512: 0.29x float32's time for 8 requests x 2800 slots of a Qwen3-0.6B layer
  * on a Xeon, against 0.5x through the buffer) or, where a KV head's rows are far apart, from a
  * copy of the tile made in address order (AVX2: 0.43-0.53x on an EPYC, against 0.59-0.72x in
- * place, at 8 KV heads of 128); int8_tile.
+ * place, at 8 KV heads of 128); codes_tile. fp8 codes take the same path (four instructions
+ * for 16 codes, load_fp8_row); through the buffer they ran at about float32's time.
  *
  * The fp8 / fp16 / bf16 decodes are bit shifts and one multiply by a power of two, exact for
  * normal and subnormal numbers.
@@ -216,6 +217,26 @@ static inline __m512 load_i8_row(const void *rows, int64_t t, int64_t d, int64_t
     const uint8_t *p = ((const uint8_t *const *)rows)[t] + d;
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
+/* fp8 codes widened as e4m3_to_f32 / e5m2_to_f32 do, 16 at a time: sign-extended to 32 bits, a
+ * code's exponent and mantissa shifted under float32's (its sign bit lands on float32's, the
+ * extension's copies above the magnitude are masked off), then one multiply by the difference of
+ * the biases (exact, subnormal codes included) */
+static inline __m512 load_fp8_row(const void *rows, int64_t t, int64_t d, int shift,
+                                  uint32_t keep, float bias) {
+    const uint8_t *p = ((const uint8_t *const *)rows)[t] + d;
+    const __m512i x = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m512i bits = _mm512_and_si512(_mm512_slli_epi32(x, shift),
+                                          _mm512_set1_epi32((int)keep));
+    return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(bias));
+}
+static inline __m512 load_e4m3_row(const void *rows, int64_t t, int64_t d, int64_t D) {
+    (void)D;
+    return load_fp8_row(rows, t, d, 20, 0x87F00000u, 0x1p120f);
+}
+static inline __m512 load_e5m2_row(const void *rows, int64_t t, int64_t d, int64_t D) {
+    (void)D;
+    return load_fp8_row(rows, t, d, 21, 0x8FE00000u, 0x1p112f);
+}
 
 /* scores[h, t] = ks[t] * (q_h . row_t) for the heads [h0, h0 + group), all TILE slots of a
  * head at once (D % 16 == 0); always inlined with a constant `load` */
@@ -247,6 +268,23 @@ static inline __m256 load_i8_row8(const void *rows, int64_t t, int64_t d, int64_
     (void)D;
     const uint8_t *p = ((const uint8_t *const *)rows)[t] + d;
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+/* fp8 codes widened 8 at a time (load_fp8_row on AVX2) */
+static inline __m256 load_fp8_row8(const void *rows, int64_t t, int64_t d, int shift,
+                                   uint32_t keep, float bias) {
+    const uint8_t *p = ((const uint8_t *const *)rows)[t] + d;
+    const __m256i x = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(x, shift),
+                                          _mm256_set1_epi32((int)keep));
+    return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(bias));
+}
+static inline __m256 load_e4m3_row8(const void *rows, int64_t t, int64_t d, int64_t D) {
+    (void)D;
+    return load_fp8_row8(rows, t, d, 20, 0x87F00000u, 0x1p120f);
+}
+static inline __m256 load_e5m2_row8(const void *rows, int64_t t, int64_t d, int64_t D) {
+    (void)D;
+    return load_fp8_row8(rows, t, d, 21, 0x8FE00000u, 0x1p112f);
 }
 
 /* scores[h, t] = ks[t] * (q_h . row_t) for the heads [h0, h0 + group) and slots [0, n), 8
@@ -516,7 +554,7 @@ static inline void prefetch_rows(const uint8_t *first, int64_t nbytes) {
  * path, and an A/B switch: pertoken_set_int8_fused) */
 static int nanokv_int8_fused = 1;
 void pertoken_set_int8_fused(int on) { nanokv_int8_fused = on; }
-/* the fused path's tile copied in address order first (int8_tile): 1 always, 0 never (read in
+/* the fused path's tile copied in address order first (codes_tile): 1 always, 0 never (read in
  * place with prefetches), -1 by the layer's shape (int8_stage_fits). The default is where each
  * was measured faster: by shape on AVX2 (an EPYC), in place on AVX-512 (a Xeon); A/B switch */
 #if defined(__AVX512F__)
@@ -540,16 +578,18 @@ static int nanokv_int8_prefetch = 1;  /* in place: the next tile's codes prefetc
 void pertoken_set_int8_prefetch(int on) { nanokv_int8_prefetch = on; }
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-/* ---- int8 codes read straight into registers (AVX-512 / AVX2; keys after RoPE) -------------- *
+/* ---- int8 / fp8 codes read straight into registers (AVX-512 / AVX2; keys after RoPE) ------- *
  * The tile path above decodes a tile of every KV head into a float buffer (64 KiB at Hkv 8,
- * D 128: L2) and reads it back; for int8 the decode is two instructions, so the kernel instead
- * widens each 16 codes where they are used, in the score's and the value's FMA loops. */
+ * D 128: L2) and reads it back; the int8 decode is two instructions and the fp8 one four, so
+ * the kernel instead widens each 16 codes where they are used, in the score's and the value's
+ * FMA loops (the load: load_i8_row, load_e4m3_row, load_e5m2_row). */
 /* acc_h += sum_{t < n} P[h, t] * va[t] * codes_t for the heads [h0, h0 + group), 32 columns
  * of up to 8 heads at a time in registers: each 16 codes widened once for all of them.
  * D % 32 == 0. */
 #if defined(__AVX512F__)
-static inline void accumulate_tile_i8(Softmax *s, const uint8_t *const *row, int64_t h0,
-                                      int64_t group, int64_t n, int64_t D) {
+static inline __attribute__((always_inline)) void accumulate_tile_codes(
+        Softmax *s, const uint8_t *const *row, int64_t h0, int64_t group, int64_t n, int64_t D,
+        RowLoad load) {
     float pa[8][TILE];
     for (int64_t j0 = 0; j0 < group; j0 += 8) {
         const int64_t heads = group - j0 < 8 ? group - j0 : 8;
@@ -564,7 +604,7 @@ static inline void accumulate_tile_i8(Softmax *s, const uint8_t *const *row, int
                 a[j][1] = _mm512_loadu_ps(ah + 16);
             }
             for (int64_t t = 0; t < n; t++) {
-                const __m512 v0 = load_i8_row(row, t, d, D), v1 = load_i8_row(row, t, d + 16, D);
+                const __m512 v0 = load(row, t, d, D), v1 = load(row, t, d + 16, D);
                 for (int64_t j = 0; j < heads; j++) {
                     const __m512 p = _mm512_set1_ps(pa[j][t]);
                     a[j][0] = _mm512_fmadd_ps(p, v0, a[j][0]);
@@ -582,9 +622,9 @@ static inline void accumulate_tile_i8(Softmax *s, const uint8_t *const *row, int
 #else
 /* the same on AVX2: 16 columns of `heads` (1..4) heads at a time (8 accumulators), always
  * inlined with `heads` constant (a runtime count left the accumulators on the stack) */
-static inline __attribute__((always_inline)) void accumulate_heads_i8(
+static inline __attribute__((always_inline)) void accumulate_heads_codes(
         Softmax *s, const uint8_t *const *row, int64_t h0, int64_t n, int64_t D,
-        const int heads) {
+        const int heads, RowLoad8 load) {
     float pa[4][TILE];
     for (int j = 0; j < heads; j++)
         for (int64_t t = 0; t < n; t++) pa[j][t] = s->scores[(h0 + j) * TILE + t] * s->va[t];
@@ -596,7 +636,7 @@ static inline __attribute__((always_inline)) void accumulate_heads_i8(
             a[j][1] = _mm256_loadu_ps(ah + 8);
         }
         for (int64_t t = 0; t < n; t++) {
-            const __m256 v0 = load_i8_row8(row, t, d, D), v1 = load_i8_row8(row, t, d + 8, D);
+            const __m256 v0 = load(row, t, d, D), v1 = load(row, t, d + 8, D);
             for (int j = 0; j < heads; j++) {
                 const __m256 p = _mm256_set1_ps(pa[j][t]);
                 a[j][0] = _mm256_fmadd_ps(p, v0, a[j][0]);
@@ -611,14 +651,15 @@ static inline __attribute__((always_inline)) void accumulate_heads_i8(
     }
 }
 
-static inline void accumulate_tile_i8(Softmax *s, const uint8_t *const *row, int64_t h0,
-                                      int64_t group, int64_t n, int64_t D) {
+static inline __attribute__((always_inline)) void accumulate_tile_codes(
+        Softmax *s, const uint8_t *const *row, int64_t h0, int64_t group, int64_t n, int64_t D,
+        RowLoad8 load) {
     for (int64_t j0 = 0; j0 < group; j0 += 4) {
         switch (group - j0 < 4 ? group - j0 : 4) {
-        case 1: accumulate_heads_i8(s, row, h0 + j0, n, D, 1); break;
-        case 2: accumulate_heads_i8(s, row, h0 + j0, n, D, 2); break;
-        case 3: accumulate_heads_i8(s, row, h0 + j0, n, D, 3); break;
-        default: accumulate_heads_i8(s, row, h0 + j0, n, D, 4); break;
+        case 1: accumulate_heads_codes(s, row, h0 + j0, n, D, 1, load); break;
+        case 2: accumulate_heads_codes(s, row, h0 + j0, n, D, 2, load); break;
+        case 3: accumulate_heads_codes(s, row, h0 + j0, n, D, 3, load); break;
+        default: accumulate_heads_codes(s, row, h0 + j0, n, D, 4, load); break;
         }
     }
 }
@@ -634,11 +675,16 @@ static inline void accumulate_tile_i8(Softmax *s, const uint8_t *const *row, int
  * apart, a stride its prefetchers do not follow), and the copy, a sequential read they do
  * follow, took 0.36-0.42x float32's time against 0.58-0.64x in place at 8 KV heads of 128
  * (int8_stage_fits). */
-static inline void int8_tile(Softmax *s, const float *qb, const uint8_t *k_codes,
-                             const uint8_t *v_codes, const float *k_scales,
-                             const float *v_scales, int64_t first, int64_t n, int64_t Hkv,
-                             int64_t D, int64_t group, int64_t next, int64_t next_n,
-                             uint8_t *stage) {
+#if defined(__AVX512F__)
+typedef RowLoad CodesLoad;
+#else
+typedef RowLoad8 CodesLoad;
+#endif
+static inline __attribute__((always_inline)) void codes_tile_load(
+        Softmax *s, const float *qb, const uint8_t *k_codes, const uint8_t *v_codes,
+        const float *k_scales, const float *v_scales, int64_t first, int64_t n, int64_t Hkv,
+        int64_t D, int64_t group, int64_t next, int64_t next_n, uint8_t *stage,
+        CodesLoad load) {
     const int64_t row_bytes = Hkv * D;
     const uint8_t *k_rows = k_codes + first * row_bytes, *v_rows = v_codes + first * row_bytes;
     if (stage) {
@@ -665,13 +711,34 @@ static inline void int8_tile(Softmax *s, const float *qb, const uint8_t *k_codes
             prefetch_rows(v_codes + (next + t) * row_bytes + g * D, D);
         }
 #if defined(__AVX512F__)
-        score16(s, qb, kr, g * group, group, D, load_i8_row);
+        score16(s, qb, kr, g * group, group, D, load);
 #else
-        score8(s, qb, kr, g * group, group, n, D, load_i8_row8);
+        score8(s, qb, kr, g * group, group, n, D, load);
 #endif
         softmax_tile(s, g * group, group, n, D);
-        accumulate_tile_i8(s, vr, g * group, group, n, D);
+        accumulate_tile_codes(s, vr, g * group, group, n, D, load);
     }
+}
+
+/* codes_tile_load with the format's load as a constant (inside the OpenMP region the format
+ * is a runtime value: a load through a pointer would be a call per 16 codes) */
+static inline void codes_tile(Softmax *s, const float *qb, const uint8_t *k_codes,
+                              const uint8_t *v_codes, const float *k_scales,
+                              const float *v_scales, int64_t first, int64_t n, int64_t Hkv,
+                              int64_t D, int64_t group, int64_t next, int64_t next_n,
+                              uint8_t *stage, int fmt) {
+#define CODES_TILE(load) codes_tile_load(s, qb, k_codes, v_codes, k_scales, v_scales, first, \
+                                         n, Hkv, D, group, next, next_n, stage, load)
+#if defined(__AVX512F__)
+    if (fmt == FMT_INT8) CODES_TILE(load_i8_row);
+    else if (fmt == FMT_E4M3) CODES_TILE(load_e4m3_row);
+    else CODES_TILE(load_e5m2_row);
+#else
+    if (fmt == FMT_INT8) CODES_TILE(load_i8_row8);
+    else if (fmt == FMT_E4M3) CODES_TILE(load_e4m3_row8);
+    else CODES_TILE(load_e5m2_row8);
+#endif
+#undef CODES_TILE
 }
 #endif
 
@@ -683,8 +750,8 @@ static inline __attribute__((always_inline)) int pertoken_impl(
         int64_t num_requests, int64_t Hq, int64_t Hkv, int64_t D, int fmt) {
     int failed = 0;
     const int64_t row = Hkv * D, group = Hq / Hkv;
-    /* int8 with keys after RoPE: the codes widened in registers (int8_tile) */
-    const int fused = fmt == FMT_INT8 && !rot_dim && D % 32 == 0 && nanokv_int8_fused;
+    /* int8 and fp8 with keys after RoPE: the codes widened in registers (codes_tile) */
+    const int fused = !rot_dim && D % 32 == 0 && nanokv_int8_fused;
     const int stage = fused && int8_stage_fits(Hkv, D);
     (void)fused;
     (void)stage;
@@ -694,7 +761,7 @@ static inline __attribute__((always_inline)) int pertoken_impl(
         /* the decoded tile of every KV head: [Hkv, TILE, D] keys, then values (64 KiB at
          * Hkv 8, D 128: L2, not L1), and their scales [Hkv, TILE]; zeroed: score_tile may read
          * the rows past a partial tile (their scores are unused); also the int8 path's stage
-         * (int8_tile: 2 TILE Hkv D bytes) */
+         * (codes_tile: 2 TILE Hkv D bytes) */
         float *kv = calloc(Hkv * TILE * D, sizeof(float));
         float *scale = calloc(Hkv * TILE, sizeof(float));
         if (!softmax_alloc(&s, Hq, D) || !kv || !scale) {
@@ -721,8 +788,9 @@ static inline __attribute__((always_inline)) int pertoken_impl(
                         /* read in place: the next tile prefetched (the copy needs none) */
                         next_n = stage || !nanokv_int8_prefetch ? 0
                                  : (next_n < TILE ? next_n : TILE);
-                        int8_tile(&s, qb, k_codes, v_codes, k_scales, v_scales, first, n, Hkv,
-                                  D, group, next, next_n, stage ? (uint8_t *)kv : NULL);
+                        codes_tile(&s, qb, k_codes, v_codes, k_scales, v_scales, first, n,
+                                   Hkv, D, group, next, next_n, stage ? (uint8_t *)kv : NULL,
+                                   fmt);
                         continue;
                     }
 #endif
