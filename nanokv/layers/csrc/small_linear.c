@@ -6,7 +6,8 @@
  * Each row of w is read once, front to back, and dotted with all M rows of x (which stay in L1 /
  * L2); rows of w are split across threads in contiguous runs. 16 rows of w at a time leave their
  * M x 16 dot vectors in a scratch tile, reduced together (16 vectors into one of 16 sums) and
- * stored as 16 outputs of each row of x. On AVX2 builds without AVX-512 the same by 8-float
+ * stored as 16 outputs of each row of x; rows of x 8 at a time, R rows of w sharing each load of
+ * x. On AVX2 builds without AVX-512 the same by 8-float
  * vectors: with 16 registers, the rows of x go 4 at a time (R rows of w share each load of x,
  * R * 4 accumulators), and the R rows of w stay in L1 across those groups. Plain C where both
  * are missing (the compiler's vectoriser). The reference is `torch.nn.functional.linear`. */
@@ -23,32 +24,58 @@
 
 #include "sum16.h"
 
-/* rows [n0, n0 + 16) of w (K % 16 == 0) dotted with the M rows of x: y[m, n0 + i] */
+/* rows of x per pass over the 16 rows of w: all of them up to 8; 9-16 rows in two groups, each
+ * group (32 KB of x: L1) over the 16 rows (64 KB: the first group reads them from memory, the
+ * second from L2). One group of 16 rows, 16 accumulators over one row of w, streamed all of x
+ * from L2 for every row of w: 45.5 ms for 16 rows of the 151,936 x 1,024 LM head on a Zen 5
+ * EPYC against 15.6 ms for 8; two groups each over R rows of w, 31.8 ms; two groups each over
+ * the 16 rows, 22.1 ms (oneDNN 19.2; docs/results/linear/README.md) */
+enum { X_GROUP = 8 };
+
+/* rows [n0 + i, n0 + i + R) of w (K % 16 == 0) dotted with the MC rows of x from x0: their dot
+ * vectors into tile[m * 16 + i + r] (always inlined with R and MC constant: R * MC
+ * accumulators in registers) */
+static inline __attribute__((always_inline)) void dots_avx512(
+        const float *x0, const float *wr, int64_t K, const int R, const int MC, const int m0,
+        const int i, __m512 *tile /* [M, 16] */) {
+    enum { R_MAX = 4, MC_MAX = X_GROUP };
+    __m512 acc[R_MAX][MC_MAX];
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MC; m++) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __m512 wv[R_MAX];
+        for (int r = 0; r < R; r++) {
+            if (m0 == 0)  /* the rows 16 ahead, requested early (a line per 16 floats) */
+                _mm_prefetch((const char *)(wr + (r + PREFETCH_ROWS) * K + k), _MM_HINT_T0);
+            wv[r] = _mm512_loadu_ps(wr + r * K + k);
+        }
+        for (int m = 0; m < MC; m++) {
+            const __m512 xv = _mm512_loadu_ps(x0 + m * K + k);
+            for (int r = 0; r < R; r++) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < MC; m++) tile[(m0 + m) * 16 + i + r] = acc[r][m];
+}
+
+/* rows [n0, n0 + 16) of w dotted with the M rows of x: y[m, n0 + i] (always inlined with M
+ * constant) */
 static inline __attribute__((always_inline)) void rows16(
         const float *x, const float *w, float *y, int64_t n0, int64_t N, int64_t K, const int M,
         __m512 *tile /* [M, 16] */) {
-    /* R rows of w at a time share each load of x (R * M accumulators in registers) */
-    enum { R_MAX = 4 };
-    const int R = M <= 4 ? 4 : (M <= 8 ? 2 : 1);
-    for (int i = 0; i < 16; i += R) {
-        const float *wr = w + (n0 + i) * K;
-        __m512 acc[R_MAX][16];
-        for (int r = 0; r < R; r++)
-            for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
-        for (int64_t k = 0; k < K; k += 16) {
-            __m512 wv[R_MAX];
-            for (int r = 0; r < R; r++) {
-                /* the rows 16 ahead, requested early (a line per 16 floats) */
-                _mm_prefetch((const char *)(wr + (r + PREFETCH_ROWS) * K + k), _MM_HINT_T0);
-                wv[r] = _mm512_loadu_ps(wr + r * K + k);
-            }
-            for (int m = 0; m < M; m++) {
-                const __m512 xv = _mm512_loadu_ps(x + m * K + k);
-                for (int r = 0; r < R; r++) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
+    /* R rows of w per pass share each load of x: R * min(M, X_GROUP) accumulators, at most 16 */
+    const int G = M < X_GROUP ? M : X_GROUP;
+    const int R = G <= 4 ? 4 : 2;
+    for (int m0 = 0; m0 < M; m0 += G) {
+        const int mc = M - m0 < G ? M - m0 : G;
+        for (int i = 0; i < 16; i += R) {
+            const float *wr = w + (n0 + i) * K;
+            switch (mc) {  /* the last group may be shorter */
+#define GROUP(c) case c: dots_avx512(x + m0 * K, wr, K, R, c, m0, i, tile); break;
+            GROUP(1) GROUP(2) GROUP(3) GROUP(4) GROUP(5) GROUP(6) GROUP(7) GROUP(8)
+#undef GROUP
             }
         }
-        for (int r = 0; r < R; r++)
-            for (int m = 0; m < M; m++) tile[m * 16 + i + r] = acc[r][m];
     }
     for (int m = 0; m < M; m++) _mm512_storeu_ps(y + m * N + n0, sum16(tile + m * 16));
 }
