@@ -12,10 +12,10 @@ PROBE = textwrap.dedent("""
     from nanokv.worker.cpu_memory import tune_glibc_malloc
     applied = tune_glibc_malloc() if sys.argv[1] == "tune" else False
     def faults_of_one_step():
-        # the first large step: activations of growing sizes (4-28 MiB), allocated, written
-        # and freed, twice over
+        # the first large step: activations of growing sizes (4-48 MiB: past the 32 MiB
+        # mmap threshold too), allocated, written and freed, twice over
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        for mb in (4, 8, 12, 16, 20, 24, 28) * 2:
+        for mb in (4, 8, 12, 16, 20, 24, 28, 40, 48) * 2:
             t = torch.empty(mb * 2**18)  # float32: mb MiB
             t.fill_(1.0)
             del t
@@ -36,7 +36,7 @@ def test_tuned_malloc_reuses_freed_activation_memory():
     applied, tuned = probe("tune")
     assert applied
     _, plain = probe("plain")
-    largest = 28 * 2**20 // 4096  # pages of the largest tensor
+    largest = 48 * 2**20 // 4096  # pages of the largest tensor
     # tuned: the heap grows to the largest tensor once and is reused; untuned: glibc's dynamic
     # mmap threshold trails the sizes, so each larger tensor is a fresh mmap, faulted page by
     # page (1.2M faults, 2 s, on the first 2.6k-token prefill of a 0.6B model)
