@@ -84,7 +84,8 @@ VLLM_ARGS="${VLLM_ARGS:-}"
 NICE="${NICE:-0}"
 PEER_MALLOC="${PEER_MALLOC:-tuned}"
 case "$PEER_MALLOC" in
-    tuned) PEER_ENV="env GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647" ;;
+    tuned) PEER_ENV="env GLIBC_TUNABLES=$(PYTHONPATH="$ROOT" "$ROOT/.venv/bin/python" -c \
+               'from nanokv.worker.cpu_memory import glibc_tunables; print(glibc_tunables())')" ;;
     system) PEER_ENV="" ;;
     *) echo "[run_peers] PEER_MALLOC must be tuned or system, got '$PEER_MALLOC'" >&2; exit 2 ;;
 esac

@@ -32,6 +32,13 @@ USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNA
 _applied: bool | None = None
 
 
+def glibc_tunables() -> str:
+    """The same settings as a GLIBC_TUNABLES value, for another process (a peer engine in
+    `benchmarks/run_peers.sh`): glibc reads it when that process starts."""
+    return (f"glibc.malloc.mmap_threshold={MMAP_THRESHOLD_MAX}:glibc.malloc.mmap_max=0:"
+            f"glibc.malloc.trim_threshold={TRIM_THRESHOLD}")
+
+
 def tune_glibc_malloc() -> bool:
     """Set the thresholds (once per process). True when they are in effect."""
     global _applied

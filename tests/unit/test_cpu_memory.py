@@ -47,3 +47,15 @@ def test_tuned_malloc_reuses_freed_activation_memory():
 def test_user_malloc_settings_win():
     applied, _ = probe("tune", {"MALLOC_TRIM_THRESHOLD_": "1000000"})
     assert not applied
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc only")
+def test_glibc_tunables_give_another_process_the_same_reuse():
+    """glibc_tunables(), set in a process's environment (run_peers.sh's peers), has the effect
+    tune_glibc_malloc has in-process."""
+    from nanokv.worker.cpu_memory import glibc_tunables
+
+    applied, faults = probe("plain", {"GLIBC_TUNABLES": glibc_tunables()})
+    assert not applied
+    assert faults < 2 * (48 * 2**20 // 4096)
+

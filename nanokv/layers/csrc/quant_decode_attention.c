@@ -56,16 +56,26 @@
 /* ---- scalar decodes: exact, branch-free, vectorisable -------------------------------------- */
 #include "half.h"
 
-/* fp8 e4m3fn (bias 7) and e5m2 (bias 15); the stores clamp to the finite range, so no NaN/inf */
+/* fp8 e4m3fn (bias 7) and e5m2 (bias 15); the stores clamp to the finite range, so no NaN/inf.
+ * A code's exponent and mantissa shifted under float32's (SHIFT: 23 less its mantissa bits),
+ * then one multiply by 2^(127 - its bias) (SCALE); the vector loads use the same constants */
+#define E4M3_SHIFT 20
+#define E4M3_SCALE 0x1p120f
+#define E5M2_SHIFT 21
+#define E5M2_SCALE 0x1p112f
 static inline float e4m3_to_f32(uint8_t c) {
-    float mag = bits_to_float((uint32_t)(c & 0x7F) << 20) * 0x1p120f;
+    float mag = bits_to_float((uint32_t)(c & 0x7F) << E4M3_SHIFT) * E4M3_SCALE;
     return (c & 0x80) ? -mag : mag;
 }
 
 static inline float e5m2_to_f32(uint8_t c) {
-    float mag = bits_to_float((uint32_t)(c & 0x7F) << 21) * 0x1p112f;
+    float mag = bits_to_float((uint32_t)(c & 0x7F) << E5M2_SHIFT) * E5M2_SCALE;
     return (c & 0x80) ? -mag : mag;
 }
+
+/* the bits a vector load keeps of a sign-extended code shifted by `shift`: float32's sign and
+ * the code's exponent and mantissa (the extension's copies in between dropped) */
+static inline uint32_t fp8_keep(int shift) { return 0x80000000u | (0x7Fu << shift); }
 
 /* sparse / staging element kinds: 0 float16, 1 bfloat16, 2 float32 (always inlined: a call
  * site that passes a constant kind gets that kind's load alone) */
@@ -217,25 +227,24 @@ static inline __m512 load_i8_row(const void *rows, int64_t t, int64_t d, int64_t
     const uint8_t *p = ((const uint8_t *const *)rows)[t] + d;
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
-/* fp8 codes widened as e4m3_to_f32 / e5m2_to_f32 do, 16 at a time: sign-extended to 32 bits, a
- * code's exponent and mantissa shifted under float32's (its sign bit lands on float32's, the
- * extension's copies above the magnitude are masked off), then one multiply by the difference of
- * the biases (exact, subnormal codes included) */
+/* fp8 codes widened as e4m3_to_f32 / e5m2_to_f32 do, 16 at a time: sign-extended to 32 bits and
+ * shifted (the code's sign bit lands on float32's), the extension's copies between the sign and
+ * the magnitude masked off (fp8_keep), then the one multiply (exact, subnormal codes included) */
 static inline __m512 load_fp8_row(const void *rows, int64_t t, int64_t d, int shift,
-                                  uint32_t keep, float bias) {
+                                  float scale) {
     const uint8_t *p = ((const uint8_t *const *)rows)[t] + d;
     const __m512i x = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
     const __m512i bits = _mm512_and_si512(_mm512_slli_epi32(x, shift),
-                                          _mm512_set1_epi32((int)keep));
-    return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(bias));
+                                          _mm512_set1_epi32((int)fp8_keep(shift)));
+    return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(scale));
 }
 static inline __m512 load_e4m3_row(const void *rows, int64_t t, int64_t d, int64_t D) {
     (void)D;
-    return load_fp8_row(rows, t, d, 20, 0x87F00000u, 0x1p120f);
+    return load_fp8_row(rows, t, d, E4M3_SHIFT, E4M3_SCALE);
 }
 static inline __m512 load_e5m2_row(const void *rows, int64_t t, int64_t d, int64_t D) {
     (void)D;
-    return load_fp8_row(rows, t, d, 21, 0x8FE00000u, 0x1p112f);
+    return load_fp8_row(rows, t, d, E5M2_SHIFT, E5M2_SCALE);
 }
 
 /* scores[h, t] = ks[t] * (q_h . row_t) for the heads [h0, h0 + group), all TILE slots of a
@@ -271,20 +280,20 @@ static inline __m256 load_i8_row8(const void *rows, int64_t t, int64_t d, int64_
 }
 /* fp8 codes widened 8 at a time (load_fp8_row on AVX2) */
 static inline __m256 load_fp8_row8(const void *rows, int64_t t, int64_t d, int shift,
-                                   uint32_t keep, float bias) {
+                                   float scale) {
     const uint8_t *p = ((const uint8_t *const *)rows)[t] + d;
     const __m256i x = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
     const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(x, shift),
-                                          _mm256_set1_epi32((int)keep));
-    return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(bias));
+                                          _mm256_set1_epi32((int)fp8_keep(shift)));
+    return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(scale));
 }
 static inline __m256 load_e4m3_row8(const void *rows, int64_t t, int64_t d, int64_t D) {
     (void)D;
-    return load_fp8_row8(rows, t, d, 20, 0x87F00000u, 0x1p120f);
+    return load_fp8_row8(rows, t, d, E4M3_SHIFT, E4M3_SCALE);
 }
 static inline __m256 load_e5m2_row8(const void *rows, int64_t t, int64_t d, int64_t D) {
     (void)D;
-    return load_fp8_row8(rows, t, d, 21, 0x8FE00000u, 0x1p112f);
+    return load_fp8_row8(rows, t, d, E5M2_SHIFT, E5M2_SCALE);
 }
 
 /* scores[h, t] = ks[t] * (q_h . row_t) for the heads [h0, h0 + group) and slots [0, n), 8
