@@ -15,7 +15,8 @@ centroid * half + offset. Uniform error bound for a non-outlier element:
 
 Dense-and-sparse outliers. A group [B, D] per head keeps at most
 `capacity` = 2 * ceil(fraction / 2 * B * D) elements exactly (sparse-dtype value + index
-slot * D + channel; unused entries have index -1):
+slot * D + channel; unused entries have index -1; a per-channel group's list in index order,
+unused entries last, so that a decode kernel finds a tile of slots' outliers together):
   - keys with calibrated thresholds (lower, upper) per channel: the elements outside them, the
     most extreme first (distance beyond the threshold / threshold range), up to half the capacity
     on each side;
@@ -231,7 +232,11 @@ def _select_outliers(x: torch.Tensor, valid: torch.Tensor, per_channel: bool, ca
     top, bottom = picks
     listed = _flat_mask(top, bsz * dim)  # [n, H, B * D]
     again = listed.gather(-1, bottom.clamp_min(0)) & (bottom >= 0)
-    return torch.cat([top, bottom.masked_fill(again, -1)], dim=-1)  # [n, H, capacity]
+    index = torch.cat([top, bottom.masked_fill(again, -1)], dim=-1)  # [n, H, capacity]
+    if per_channel:  # in index order (slot-major), unused entries (-1) last
+        order = torch.where(index < 0, bsz * dim, index).argsort(dim=-1)
+        index = index.gather(-1, order)
+    return index
 
 
 def _flat_mask(index: torch.Tensor, size: int) -> torch.Tensor:

@@ -188,6 +188,87 @@ def test_kvquant_constant_value_rows(head_dim):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
+def _many_heads_store(bits, sparse_dtype, block_size, native_write=True):
+    """8 KV heads of 128 channels, 5% outliers (a slot's value lists of every head: 64 entries,
+    several groups of 16; a block's key lists: 2 x ceil(2.5% of B x 128)), whole blocks and a
+    partial one, positions starting at 7; returns (store, table, past)."""
+    hkv, d = 8, 128
+    n = 2 * block_size + 5
+    lay = KVLayout(1, hkv, d, block_size, torch.float32)
+    store = KVQuantStore(lay, 4, KVQuantConfig(bits=bits, outlier_fraction=0.05,
+                                               sparse_dtype=sparse_dtype), num_staging_blocks=2)
+    store.native_write = store.native_write and native_write
+    store.rotary = RotaryEmbedding(_HFConfig(), d, MAX_POS)
+    gen = torch.Generator().manual_seed(bits * 1000 + block_size)
+    k = torch.randn(n, hkv, d, generator=gen)
+    k[torch.rand(k.shape, generator=gen) < 0.01] *= 8
+    v = torch.randn(n, hkv, d, generator=gen)
+    table = [2, 0, 3]
+    slots = [table[j // block_size] * block_size + j % block_size for j in range(n)]
+    store.write(0, store.plan_write(slots, [7 + j for j in range(n)]), k, v)
+    return store, table, n
+
+
+def _decode_one(store, table, past, seed=6):
+    from types import SimpleNamespace
+
+    hq, hkv, d = 16, store.layout.num_kv_heads, store.layout.head_dim
+    common = CommonAttentionMetadata([0], 1, [table], [past + 1], [])  # + the new token
+    common.write_plan = SimpleNamespace(slot_mapping=torch.empty(0, dtype=torch.long))
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, hq, d, generator=gen) * 3
+    k_new, v_new = torch.randn(1, hkv, d, generator=gen), torch.randn(1, hkv, d, generator=gen)
+    backend = NativeQuantizedBackend(store, CPU)
+    out = backend.decode(0, q, k_new, v_new, backend.build(common), d ** -0.5)
+    ref = reference_quantized_attention(q, k_new, v_new, store, 0, table, past, d ** -0.5,
+                                        store.rope)
+    return out, ref
+
+
+@pytest.mark.parametrize("bits,sparse_dtype", [(4, "float16"), (2, "bfloat16"),
+                                               (4, "float32")])
+@pytest.mark.parametrize("block_size", [16, 256])  # key indices int16 / int32
+def test_kvquant_outliers_of_many_kv_heads(bits, sparse_dtype, block_size):
+    """Many outliers per slot and per block over 8 KV heads (GQA 2): a slot's value outliers of
+    every head, corrected 16 at a time after the block's last value pass on AVX-512, and the
+    key outliers' score corrections, whose entries of one slot lie next to each other in a
+    list in index order; every sparse dtype, 2 and 4-bit codes."""
+    store, table, past = _many_heads_store(bits, sparse_dtype, block_size)
+    assert int((store.buffers["v_oidx0"] < 128).sum((-2, -1)).max()) > 16  # a slot: 4 groups
+    out, ref = _decode_one(store, table, past)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("native_write", [True, False])
+def test_kvquant_key_outlier_lists_in_index_order(native_write):
+    """A per-channel (key) outlier list is written in index order, unused entries last, by the C
+    write path and by the PyTorch one; per-token (value) lists keep the selection's order."""
+    store, _, _ = _many_heads_store(4, "float16", 16, native_write)
+    assert store.native_write == (native_write and store.native_write)
+    oidx = store.buffers["k_oidx0"][[2, 0]].long()  # the two full blocks: [2, Hkv, cap]
+    key = torch.where(oidx < 0, 1 << 20, oidx)
+    assert bool((key[..., 1:] >= key[..., :-1]).all())
+    assert bool((oidx >= 0).any()) and bool((key[..., 1:] > key[..., :-1]).any())
+
+
+def test_kvquant_key_outliers_in_any_order():
+    """The decode kernel's result does not depend on the order of a key outlier list: the lists
+    of the store shuffled (entries and values alike) give the same output, equal to the
+    reference (the kernel's path for entries out of order)."""
+    store, table, past = _many_heads_store(4, "float16", 16)
+    out, ref = _decode_one(store, table, past)
+    oidx, oval = store.buffers["k_oidx0"], store.buffers["k_oval0"]
+    gen = torch.Generator().manual_seed(3)
+    for b in range(oidx.shape[0]):
+        for g in range(oidx.shape[1]):
+            perm = torch.randperm(oidx.shape[2], generator=gen)
+            oidx[b, g], oval[b, g] = oidx[b, g][perm].clone(), oval[b, g][perm].clone()
+    shuffled, ref2 = _decode_one(store, table, past)
+    torch.testing.assert_close(ref2, ref)
+    torch.testing.assert_close(shuffled, out, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(shuffled, ref, atol=2e-5, rtol=1e-4)
+
+
 def test_kvquant_bf16_staging_and_all_slots_staged():
     """Staged (partial-block) keys in bfloat16, and blocks that never fill."""
     rng, gen = random.Random(1), torch.Generator().manual_seed(1)

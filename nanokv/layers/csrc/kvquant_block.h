@@ -23,7 +23,8 @@
  *   4. values: P @ (lut[codes] * half_t + off_t) = (P * half_t) @ lut[codes] + P . off_t, a few
  *      vectors of channels of up to 8 query heads held in registers across the block's slots;
  *   5. value outliers and sink rows as corrections of the accumulators (heads of at most 64
- *      channels: the outliers patched into the value pass in centroid units instead).
+ *      channels: the outliers patched into the value pass in centroid units instead; on
+ *      AVX-512 a slot's outliers of every KV head 16 at a time after the last value pass).
  * No decoded row goes to memory. */
 
 #define FAST_MAX_HEADS 8 /* query heads whose accumulators are held in registers at once */
@@ -41,6 +42,8 @@ typedef struct {
     float *dots;           /* [Hkv * FAST_MAX_HEADS, 16, 16]: one tile's per-slot dot vectors
                               (16 x __m512, or 8 x __m256 on AVX2) */
     int16_t *sink_at;      /* [B]: the sink entry of each slot, -1 none */
+    int32_t *v_head;       /* [Hkv * value cap]: the KV head of each entry of a slot's value
+                              outlier lists, [Hkv, cap] (entry e: head e / cap) */
     /* the AVX2 key pass's outliers sorted by slot: where each slot's start, each entry's KV
      * head and channel (head << 16 | channel) and exact value; and the rows' (exact - decoded)
      * values */
@@ -72,6 +75,9 @@ static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int6
     w->dots = aligned_alloc(64, sizeof(float) * Hkv * FAST_MAX_HEADS * 16 * 16);
     w->sink_at = malloc(sizeof(int16_t) * B);
     if (w->sink_at) for (int64_t t = 0; t < B; t++) w->sink_at[t] = -1;
+    w->v_head = malloc(sizeof(int32_t) * (Hkv * value_cap + 1));
+    if (w->v_head)
+        for (int64_t e = 0; e < Hkv * value_cap; e++) w->v_head[e] = (int32_t)(e / value_cap);
     w->o_start = malloc(sizeof(int32_t) * (B + 1));
     w->o_gch = malloc(sizeof(int32_t) * (Hkv * key_cap + 1));
     w->o_val = malloc(sizeof(float) * (Hkv * key_cap + 1));
@@ -84,15 +90,15 @@ static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int6
     w->pcos = malloc(sizeof(float) * 16 * D);
     w->psin = malloc(sizeof(float) * 16 * D);
     return w->scores && w->pa && w->k_off && w->k_half && w->row && w->v_half && w->v_off
-           && w->live && w->pb && w->patch_ch && w->patch_x && w->dots && w->sink_at
-           && w->o_start && w->o_gch && w->o_val && w->delta && w->unit && w->pq && w->pk_half
-           && w->pk_off && w->pcos && w->psin;
+           && w->live && w->pb && w->patch_ch && w->patch_x && w->dots && w->sink_at && w->v_head
+           && w->o_start && w->o_gch && w->o_val && w->delta && w->unit && w->pq
+           && w->pk_half && w->pk_off && w->pcos && w->psin;
 }
 
 static void block_scratch_free(BlockScratch *w) {
     free(w->scores); free(w->pa); free(w->k_off); free(w->k_half); free(w->row); free(w->v_half);
     free(w->v_off); free(w->live); free(w->pb); free(w->patch_ch); free(w->patch_x); free(w->dots);
-    free(w->sink_at); free(w->o_start); free(w->o_gch); free(w->o_val);
+    free(w->sink_at); free(w->v_head); free(w->o_start); free(w->o_gch); free(w->o_val);
     free(w->delta); free(w->unit); free(w->pq); free(w->pk_half); free(w->pk_off);
     free(w->pcos); free(w->psin);
 }
@@ -219,11 +225,12 @@ static void value_patches(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t
  * accumulators of heads [h, h + group) */
 static void block_value_fixes(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
                               float *acc0, int64_t group, const float *sg, BlockScratch *w,
-                              int patched) {
+                              int elsewhere) {
     const KVQuantSide *V = &L->v;
     const int64_t Hkv = L->num_kv_heads, D = L->head_dim;
-    if (patched) {
-        /* the outliers went into the value pass (value_patches) */
+    if (elsewhere) {
+        /* the outliers went into the value pass (value_patches) or come after every head's
+         * value pass (block_value_outliers16) */
     } else if (V->cap && V->idx_bytes == 1 && L->sparse_kind == 0)  /* uint8, float16 */
         value_outliers(L, blk, g, n, acc0, group, sg, w, 1, 0);
     else if (V->cap)

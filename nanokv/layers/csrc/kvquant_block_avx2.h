@@ -307,6 +307,18 @@ static void block_softmax(Softmax *s, int64_t h, int64_t group, int64_t n, int64
     }
 }
 
+/* the AVX-512 header's value outliers of every KV head at once: none here (value_outliers,
+ * a KV head at a time, in block_value_fixes) */
+static inline int value_outliers16_fit(const KVQuantLayer *L) {
+    (void)L;
+    return 0;
+}
+
+static void block_value_outliers16(const KVQuantLayer *L, int64_t blk, int64_t n, float *acc,
+                                   const BlockScratch *w) {
+    (void)L; (void)blk; (void)n; (void)acc; (void)w;
+}
+
 /* the AVX-512 header's planar operands have no AVX2 counterpart: none */
 static void block_request_queries(const KVQuantLayer *L, const float *qb, BlockScratch *w) {
     (void)L; (void)qb; (void)w;

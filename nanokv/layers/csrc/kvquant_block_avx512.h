@@ -476,10 +476,42 @@ static inline __m512 elements16(const void *p, int64_t i, __mmask16 have, int64_
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* sg[t[l]] += x[l] for the live lanes. Where the live lanes' t never decrease (a list in index
+ * order, as the store writes it), lanes of one slot lie next to each other: a segmented sum
+ * over each run of equal t (its last lane ends with the run's total), then those lanes alone
+ * gathered, added and scattered back (their t differ); otherwise one lane at a time. (One lane
+ * at a time after a vector store was slower: each lane's load waits on that store.) */
+static inline void scores_add16(float *sg, __m512i t, __m512 x, __mmask16 live) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i one = _mm512_set1_epi32(1);
+    const __m512i prev = _mm512_permutexvar_epi32(
+        _mm512_max_epi32(_mm512_sub_epi32(lane, one), _mm512_setzero_si512()), t);
+    if (_mm512_mask_cmplt_epi32_mask((__mmask16)(live & (live >> 1) << 1), t, prev)) {
+        float xs[16];  /* out of order */
+        int32_t ts[16];
+        _mm512_storeu_ps(xs, x);
+        _mm512_storeu_si512(ts, t);
+        for (unsigned m = live; m; m &= m - 1) sg[ts[__builtin_ctz(m)]] += xs[__builtin_ctz(m)];
+        return;
+    }
+    x = _mm512_maskz_mov_ps(live, x);
+    for (int k = 1; k < 16; k *= 2) {  /* lane l += lane l - k while in the same run */
+        const __m512i from = _mm512_sub_epi32(lane, _mm512_set1_epi32(k));
+        const __mmask16 same = _mm512_mask_cmpeq_epi32_mask(
+            (__mmask16)(0xFFFFu << k), t, _mm512_permutexvar_epi32(from, t));
+        x = _mm512_mask_add_ps(x, same, x, _mm512_permutexvar_ps(from, x));
+    }
+    const __m512i next = _mm512_permutexvar_epi32(
+        _mm512_min_epi32(_mm512_add_epi32(lane, one), _mm512_set1_epi32(15)), t);
+    const __mmask16 last = (__mmask16)(live & ~(live >> 1));  /* the last live lane */
+    const __mmask16 ends = live & (_mm512_cmpneq_epi32_mask(t, next) | last);
+    _mm512_mask_i32scatter_ps(sg, ends, t, _mm512_add_ps(gather_ps(sg, t, ends), x), 4);
+}
+
 /* key_outliers, 16 entries at a time with gathers (head_dim a power of two, 2 or 4-bit codes,
  * int16 / int32 indices): a code is read as the aligned 32-bit word that holds it (rows are
- * whole words: packed = bits * D / 8 with D % 32 == 0); the score corrections go in one by one,
- * since two entries may share a slot */
+ * whole words: packed = bits * D / 8 with D % 32 == 0); the score corrections of a query head
+ * go in together (scores_add16) */
 static void key_outliers16(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
                            const float *restrict q0, int64_t group, float *restrict sg,
                            const BlockScratch *w) {
@@ -496,8 +528,6 @@ static void key_outliers16(const KVQuantLayer *L, int64_t blk, int64_t g, int64_
     const __m512i code_mask = _mm512_set1_epi32((1 << K->bits) - 1);
     const __m512i half_rot = _mm512_set1_epi32((int)(R / 2)), rot = _mm512_set1_epi32((int)R);
     const int d_shift = __builtin_ctzll((unsigned long long)D), b_shift = K->bits == 4 ? 2 : 1;
-    float contrib[16];
-    int32_t slot[16];
     for (int64_t j0 = 0; j0 < K->cap; j0 += 16) {
         const __mmask16 have = K->cap - j0 >= 16 ? (__mmask16)0xFFFF
                                                  : (__mmask16)((1u << (K->cap - j0)) - 1u);
@@ -538,17 +568,11 @@ static void key_outliers16(const KVQuantLayer *L, int64_t blk, int64_t g, int64_
             cv = gather_ps(L->cos, _mm512_add_epi32(row, c_at), live);
             sv = _mm512_mul_ps(sign, gather_ps(L->sin, _mm512_add_epi32(row, s_at), live));
         }
-        _mm512_storeu_si512(slot, t);
         for (int64_t hh = 0; hh < group; hh++) {
             const float *qh = q0 + hh * D;
             const __m512 coef = _mm512_fmadd_ps(gather_ps(qh, ch, live), cv,
                                                 _mm512_mul_ps(gather_ps(qh, partner, live), sv));
-            _mm512_storeu_ps(contrib, _mm512_mul_ps(delta, coef));
-            float *sh = sg + hh * B;
-            for (unsigned m = live; m; m &= m - 1) {
-                const int l = __builtin_ctz(m);
-                sh[slot[l]] += contrib[l];
-            }
+            scores_add16(sg + hh * B, t, _mm512_mul_ps(delta, coef), live);
         }
     }
 }
@@ -566,6 +590,72 @@ static void block_key_outliers(const KVQuantLayer *L, int64_t blk, int64_t g, in
         key_outliers(L, blk, g, n, q0, group, sg, w, 2, 0);
     else
         key_outliers(L, blk, g, n, q0, group, sg, w, K->idx_bytes, L->sparse_kind);
+}
+
+/* does block_value_outliers16 take this layer: uint8 channels, 2 or 4-bit codes (a code within
+ * one aligned 32-bit word of its row), at most 16 KV heads (a slot's statistics one vector) */
+static inline int value_outliers16_fit(const KVQuantLayer *L) {
+    return L->v.cap > 0 && L->v.idx_bytes == 1 && (L->v.bits == 2 || L->v.bits == 4)
+           && L->num_kv_heads <= 16;
+}
+
+/* The value outliers of the block's non-sink slots, every KV head at once, as corrections of
+ * the accumulators: acc[h, ch] += P[h, t] * (exact - decoded), after the block's softmax of
+ * every head (P in w->scores). A slot's lists of all KV heads are contiguous ([Hkv, cap]), so
+ * they go 16 entries at a time: the codes gathered from the slot's rows (L2: the value passes
+ * just read them), the slot's statistics permuted to each entry's head, P gathered, and the
+ * accumulators gathered and scattered back (an entry's (head, channel) is listed once, so the
+ * 16 never collide). value_outliers does the same one entry at a time. */
+static void block_value_outliers16(const KVQuantLayer *L, int64_t blk, int64_t n, float *acc,
+                                   const BlockScratch *w) {
+    const KVQuantSide *V = &L->v;
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim;
+    const int64_t group = L->num_q_heads / Hkv, cap = V->cap, per = Hkv * cap;
+    const __m512 lut = lut16(V->lut, V->bits);
+    const __m512i zero = _mm512_setzero_si512(), channels = _mm512_set1_epi32((int)D);
+    const __m512i packed = _mm512_set1_epi32((int)V->packed);
+    const __m512i code_mask = _mm512_set1_epi32((1 << V->bits) - 1);
+    const int b_shift = V->bits == 4 ? 2 : 1;
+    const __mmask16 heads = (__mmask16)((1u << Hkv) - 1u);
+    for (int64_t t = 0; t < n; t++) {
+        if (w->sink_at[t] >= 0) continue;
+        const int64_t i0 = (blk * B + t) * Hkv;  /* (block, slot, head 0) */
+        const uint8_t *rows = V->codes + i0 * V->packed;
+        const __m512 vh = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(heads, V->half + i0));
+        const __m512 vo = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(heads, V->offset + i0));
+        for (int64_t e0 = 0; e0 < per; e0 += 16) {
+            const __mmask16 have = per - e0 >= 16 ? (__mmask16)0xFFFF
+                                                  : (__mmask16)((1u << (per - e0)) - 1u);
+            const __m512i g = _mm512_maskz_loadu_epi32(have, w->v_head + e0);
+            const __m512i ch = _mm512_cvtepu8_epi32(
+                _mm_maskz_loadu_epi8(have, (const uint8_t *)V->oidx + i0 * cap + e0));
+            const __mmask16 live = have & _mm512_cmplt_epi32_mask(ch, channels);
+            if (!live) continue;
+            const __m512i bit = _mm512_slli_epi32(ch, b_shift);  /* the code's bit in its row */
+            const __m512i byte = _mm512_add_epi32(_mm512_mullo_epi32(g, packed),
+                                                  _mm512_slli_epi32(_mm512_srli_epi32(bit, 5), 2));
+            const __m512i word = _mm512_mask_i32gather_epi32(zero, live, byte, rows, 1);
+            const __m512i code = _mm512_and_si512(
+                _mm512_srlv_epi32(word, _mm512_and_si512(bit, _mm512_set1_epi32(31))), code_mask);
+            const __m512 decoded = _mm512_fmadd_ps(_mm512_permutexvar_ps(code, lut),
+                                                   _mm512_permutexvar_ps(g, vh),
+                                                   _mm512_permutexvar_ps(g, vo));
+            const __m512 delta = _mm512_maskz_sub_ps(
+                live, elements16(V->oval, i0 * cap + e0, have, L->sparse_kind), decoded);
+            const __m512i first = _mm512_mullo_epi32(g, _mm512_set1_epi32((int)group));
+            for (int64_t hh = 0; hh < group; hh++) {
+                const __m512i h = _mm512_add_epi32(first, _mm512_set1_epi32((int)hh));
+                const __m512 p = _mm512_mask_i32gather_ps(
+                    _mm512_setzero_ps(), live,
+                    _mm512_add_epi32(_mm512_mullo_epi32(h, _mm512_set1_epi32((int)B)),
+                                     _mm512_set1_epi32((int)t)), w->scores, 4);
+                const __m512i at = _mm512_add_epi32(
+                    _mm512_mullo_epi32(h, _mm512_set1_epi32((int)D)), ch);
+                const __m512 a = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, at, acc, 4);
+                _mm512_mask_i32scatter_ps(acc, live, at, _mm512_fmadd_ps(p, delta, a), 4);
+            }
+        }
+    }
 }
 
 /* the online softmax of heads [h, h + group) over the block's n scores; scores become P */

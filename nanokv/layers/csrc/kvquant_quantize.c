@@ -16,7 +16,8 @@
  *             calibrated (lower, upper) thresholds the distance beyond them over their span. An
  *             element picked from both ends is listed once (the bottom entry marked unused);
  *             sink slots (valid 0) are never outliers. Unused entries: index -1 (255 in a uint8
- *             index), value 0.
+ *             index), value 0. A per-channel list is in index order (slot-major), its unused
+ *             entries last.
  *   offset, half   (max + min) / 2 and (max - min) / 2 over the rest (per channel: the valid,
  *             non-outlier slots), clamped to +-65504 and rounded to fp16 (0 when nothing is left)
  *   codes     xn = clamp((x - offset) / max(half, FLT_MIN), -1, 1), then the nearest of the
@@ -383,14 +384,18 @@ int kvquant_quantize_blocks(const float *x, const uint8_t *valid, const int64_t 
             for (int64_t d = 0; d < D; d++) c[d] = encode(row[d], off[d], denom[d], levels, book);
             pack_codes(c, D, bits, codes + ((blk * B + j) * H + h) * packed);
         }
+        /* the list in index order (the marked elements, slot-major), unused entries last */
         const int64_t g = (blk * H + h) * cap;
-        for (int64_t j = 0; j < side; j++) {
-            const int64_t t = j < n_top ? top[j].index : -1;
-            const int64_t u = j < n_bottom ? bottom[j].index : -1;
-            store_index(oidx, g + j, t, idx_bytes);
-            store_sparse(oval, g + j, t >= 0 ? X(t / D, t % D) : 0.0f, sparse_kind);
-            store_index(oidx, g + side + j, u, idx_bytes);
-            store_sparse(oval, g + side + j, u >= 0 ? X(u / D, u % D) : 0.0f, sparse_kind);
+        int64_t listed = 0;
+        for (int64_t e = 0; e < elems && listed < cap; e++) {
+            if (!taken[e]) continue;
+            store_index(oidx, g + listed, e, idx_bytes);
+            store_sparse(oval, g + listed, X(e / D, e % D), sparse_kind);
+            listed++;
+        }
+        for (; listed < cap; listed++) {
+            store_index(oidx, g + listed, -1, idx_bytes);
+            store_sparse(oval, g + listed, 0.0f, sparse_kind);
         }
         #undef X
         free(up), free(taken), free(top);

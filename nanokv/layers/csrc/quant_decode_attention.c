@@ -1435,6 +1435,10 @@ static void kvquant_block_fast(const KVQuantLayer *L, int64_t blk, int64_t next_
     block_stats_f32(w->k_off, off16, Hkv * D);
     block_stats_f32(w->k_half, half16, Hkv * D);
     block_key_pass(L, blk, next_blk, n, qb, w);
+    /* value outliers: patched into the value pass (small heads), or after every KV head's value
+     * pass, 16 at a time (block_value_outliers16), or a KV head at a time (block_value_fixes) */
+    const int patched = V->cap > 0 && D <= 64;
+    const int late = !patched && value_outliers16_fit(L);
     for (int64_t g = 0; g < Hkv; g++) {
         const float *q0 = qb + g * group * D;
         float *acc0 = s->acc + g * group * D, *sg = w->scores + g * group * B;
@@ -1458,11 +1462,11 @@ static void kvquant_block_fast(const KVQuantLayer *L, int64_t blk, int64_t next_
             }
             pbh[hh] = sum;
         }
-        const int patched = V->cap > 0 && D <= 64;
         if (patched) value_patches(L, blk, g, n, acc0, group, sg, w);
         block_value_pass(L, blk, g, n, acc0, pbh, w, patched ? V->cap : 0);
-        block_value_fixes(L, blk, g, n, acc0, group, sg, w, patched);
+        block_value_fixes(L, blk, g, n, acc0, group, sg, w, patched || late);
     }
+    if (late) block_value_outliers16(L, blk, n, s->acc, w);
     for (int64_t p = 0; p < L->num_sinks; p++) {
         const int64_t t = L->sink_slot[blk * L->num_sinks + p];
         if (t >= 0 && t < n) w->sink_at[t] = -1;
