@@ -1,0 +1,68 @@
+"""benchmarks/ab_kvquant_decode.py: the same checkout on both sides gives the same outputs (the
+one library, called in turn), a ratio per shape, and refuses bad flags."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanokv.layers.native_attention import NativeKernelUnavailable
+from nanokv.layers.native_quant_attention import load_quant_kernels
+
+ROOT = Path(__file__).resolve().parents[2]
+
+try:
+    load_quant_kernels()
+except NativeKernelUnavailable as e:  # no C compiler with OpenMP here
+    pytest.skip(f"quantized kernels unavailable: {e}", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def _keep_threads():
+    threads = torch.get_num_threads()  # the tool sets one thread for the whole process
+    yield
+    torch.set_num_threads(threads)
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("ab_kvquant_decode",
+                                                  ROOT / "benchmarks" / "ab_kvquant_decode.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_same_checkout_both_sides(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "ab.json"
+    _tool().main(["--before", str(ROOT), "--requests", "2", "--contexts", "40", "--bits", "4",
+                  "2", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64",
+                  "--block-size", "16", "--rounds", "4", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["requests"], r["context"], r["bits"]) for r in rows] == [(2, 40, 4), (2, 40, 2)]
+    for r in rows:
+        assert r["max_abs_diff"] == 0.0  # one library on both sides
+        assert r["before_us_per_token"] > 0 and r["after_us_per_token"] > 0
+        assert r["ratio_q1"] <= r["ratio_median"] <= r["ratio_q3"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--rounds", "3"], "--rounds"),
+    (["--contexts", "0"], "--contexts"),
+    (["--q-heads", "3", "--kv-heads", "2"], "multiple"),
+    (["--after", "/nonexistent"], "not found"),
+])
+def test_bad_flags_are_refused(argv, message, monkeypatch, capsys):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with pytest.raises(SystemExit):
+        _tool().main(["--before", str(ROOT), *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_more_than_one_thread_is_refused(monkeypatch, capsys):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    with pytest.raises(SystemExit):
+        _tool().main(["--before", str(ROOT)])
+    assert "OMP_NUM_THREADS=1" in capsys.readouterr().err
