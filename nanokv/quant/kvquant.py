@@ -16,7 +16,7 @@ centroid * half + offset. Uniform error bound for a non-outlier element:
 Dense-and-sparse outliers. A group [B, D] per head keeps at most
 `capacity` = 2 * ceil(fraction / 2 * B * D) elements exactly (sparse-dtype value + index
 slot * D + channel; unused entries have index -1; a per-channel group's list in index order,
-unused entries last, so that a decode kernel finds a tile of slots' outliers together):
+unused entries last, so that a slot's entries lie next to each other for a decode kernel):
   - keys with calibrated thresholds (lower, upper) per channel: the elements outside them, the
     most extreme first (distance beyond the threshold / threshold range), up to half the capacity
     on each side;

@@ -35,7 +35,6 @@ typedef struct {
     float *k_off, *k_half; /* [Hkv, D]: the block's key statistics */
     float *row;            /* [D]: a sink's full-precision row */
     float *v_half, *v_off; /* [B]: the value statistics of the KV head's slots */
-    float *v_inv;          /* [B]: 1 / v_half, 0 where v_half is 0 (value_patches) */
     float *live;           /* [B]: 0 at a sink slot (its row is added apart), else 1 */
     float *pb;             /* [group]: P . the slots' value offsets, per query head */
     int32_t *patch_ch;     /* [B, value cap]: a value outlier's channel, -1 none (small heads) */
@@ -68,7 +67,6 @@ static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int6
     w->k_half = malloc(sizeof(float) * Hkv * D);
     w->row = malloc(sizeof(float) * D);
     w->v_half = malloc(sizeof(float) * B);
-    w->v_inv = malloc(sizeof(float) * B);
     w->v_off = malloc(sizeof(float) * B);
     w->live = malloc(sizeof(float) * B);
     w->pb = malloc(sizeof(float) * group);
@@ -91,14 +89,14 @@ static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int6
     w->pk_off = malloc(sizeof(float) * Hkv * D);
     w->pcos = malloc(sizeof(float) * 16 * D);
     w->psin = malloc(sizeof(float) * 16 * D);
-    return w->scores && w->pa && w->k_off && w->k_half && w->row && w->v_half && w->v_inv && w->v_off
-           && w->live && w->pb && w->patch_ch && w->patch_x && w->dots && w->sink_at && w->v_head
-           && w->o_start && w->o_gch && w->o_val && w->delta && w->unit && w->pq
+    return w->scores && w->pa && w->k_off && w->k_half && w->row && w->v_half && w->v_off
+           && w->live && w->pb && w->patch_ch && w->patch_x && w->dots && w->sink_at
+           && w->v_head && w->o_start && w->o_gch && w->o_val && w->delta && w->unit && w->pq
            && w->pk_half && w->pk_off && w->pcos && w->psin;
 }
 
 static void block_scratch_free(BlockScratch *w) {
-    free(w->scores); free(w->pa); free(w->k_off); free(w->k_half); free(w->row); free(w->v_half); free(w->v_inv);
+    free(w->scores); free(w->pa); free(w->k_off); free(w->k_half); free(w->row); free(w->v_half);
     free(w->v_off); free(w->live); free(w->pb); free(w->patch_ch); free(w->patch_x); free(w->dots);
     free(w->sink_at); free(w->v_head); free(w->o_start); free(w->o_gch); free(w->o_val);
     free(w->delta); free(w->unit); free(w->pq); free(w->pk_half); free(w->pk_off);
@@ -196,13 +194,11 @@ static inline __attribute__((always_inline)) void value_patches_impl(
     const KVQuantSide *V = &L->v;
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, cap = V->cap;
     int32_t *restrict patch_ch = w->patch_ch;
-    float *restrict patch_x = w->patch_x, *restrict v_inv = w->v_inv;
-    const float *restrict v_half = w->v_half;
-    #pragma omp simd  /* the reciprocals, a vector of slots at a time */
-    for (int64_t t = 0; t < n; t++) v_inv[t] = v_half[t] != 0.f ? 1.f / v_half[t] : 0.f;
+    float *restrict patch_x = w->patch_x;
     for (int64_t t = 0; t < n; t++) {
         const int64_t i = (blk * B + t) * Hkv + g;  /* (block, slot, head) */
-        const float half = v_half[t], off = w->v_off[t], inv = v_inv[t];
+        const float half = w->v_half[t], off = w->v_off[t];
+        const float inv = half != 0.f ? 1.f / half : 0.f;
         const int live = w->sink_at[t] < 0;
         for (int64_t j = 0; j < cap; j++) {
             const int64_t ch = load_index(V->oidx, i * cap + j, idx_bytes);
