@@ -188,14 +188,16 @@ def test_kvquant_constant_value_rows(head_dim):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
-def _many_heads_store(bits, sparse_dtype, block_size, native_write=True):
-    """8 KV heads of 128 channels, 5% outliers (a slot's value lists of every head: 64 entries,
-    several groups of 16; a block's key lists: 2 x ceil(2.5% of B x 128)), whole blocks and a
-    partial one, positions starting at 7; returns (store, table, past)."""
-    hkv, d = 8, 128
+def _many_heads_store(bits, sparse_dtype, block_size, native_write=True, d=128, fraction=0.05,
+                      start=7):
+    """8 KV heads of d channels, many outliers (at d = 128 and 5%: a slot's value lists of every
+    head hold 64 entries, several groups of 16; a block's key lists 2 x ceil(2.5% of B x 128)),
+    whole blocks and a partial one, positions from `start` (0: the first slot is the sink, kept
+    in full precision); returns (store, table, past)."""
+    hkv = 8
     n = 2 * block_size + 5
     lay = KVLayout(1, hkv, d, block_size, torch.float32)
-    store = KVQuantStore(lay, 4, KVQuantConfig(bits=bits, outlier_fraction=0.05,
+    store = KVQuantStore(lay, 4, KVQuantConfig(bits=bits, outlier_fraction=fraction,
                                                sparse_dtype=sparse_dtype), num_staging_blocks=2)
     store.native_write = store.native_write and native_write
     store.rotary = RotaryEmbedding(_HFConfig(), d, MAX_POS)
@@ -205,7 +207,7 @@ def _many_heads_store(bits, sparse_dtype, block_size, native_write=True):
     v = torch.randn(n, hkv, d, generator=gen)
     table = [2, 0, 3]
     slots = [table[j // block_size] * block_size + j % block_size for j in range(n)]
-    store.write(0, store.plan_write(slots, [7 + j for j in range(n)]), k, v)
+    store.write(0, store.plan_write(slots, [start + j for j in range(n)]), k, v)
     return store, table, n
 
 
@@ -235,6 +237,22 @@ def test_kvquant_outliers_of_many_kv_heads(bits, sparse_dtype, block_size):
     list in index order; every sparse dtype, 2 and 4-bit codes."""
     store, table, past = _many_heads_store(bits, sparse_dtype, block_size)
     assert int((store.buffers["v_oidx0"] < 128).sum((-2, -1)).max()) > 16  # a slot: 4 groups
+    out, ref = _decode_one(store, table, past)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("d,fraction,cap", [(32, 0.05, 2), (64, 0.12, 8), (64, 0.07, 6)])
+@pytest.mark.parametrize("bits,sparse_dtype", [(4, "float16"), (2, "bfloat16"),
+                                               (4, "float32")])
+def test_kvquant_value_patches_of_many_kv_heads(d, fraction, cap, bits, sparse_dtype):
+    """Heads of at most 64 channels, whose value outliers are patched into the value pass: the
+    patches of every KV head of a block made 16 at a time on AVX-512 (capacities 2 and 8), or a
+    KV head at a time (capacity 6, not a power of two); a sink slot among them (its row added
+    in full precision apart); every sparse dtype; against the reference."""
+    store, table, past = _many_heads_store(bits, sparse_dtype, 16, d=d, fraction=fraction,
+                                           start=0)
+    assert store.buffers["v_oidx0"].shape[-1] == cap
+    assert bool((store.buffers["sink_slot"][table[0]] == 0).any())  # position 0: a sink
     out, ref = _decode_one(store, table, past)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 

@@ -37,8 +37,11 @@ typedef struct {
     float *v_half, *v_off; /* [B]: the value statistics of the KV head's slots */
     float *live;           /* [B]: 0 at a sink slot (its row is added apart), else 1 */
     float *pb;             /* [group]: P . the slots' value offsets, per query head */
-    int32_t *patch_ch;     /* [B, value cap]: a value outlier's channel, -1 none (small heads) */
-    float *patch_x;        /* [B, value cap]: the value it stands for in centroid units */
+    int32_t *patch_ch;     /* [B, Hkv, value cap]: a value outlier's channel, -1 none (small
+                              heads; the store's order of a block's lists) */
+    float *patch_x;        /* [B, Hkv, value cap]: the value it stands for in centroid units */
+    float *v_stats;        /* [2, B, Hkv]: the block's value half-ranges and offsets, float32
+                              (block_value_patches16) */
     float *dots;           /* [Hkv * FAST_MAX_HEADS, 16, 16]: one tile's per-slot dot vectors
                               (16 x __m512, or 8 x __m256 on AVX2) */
     int16_t *sink_at;      /* [B]: the sink entry of each slot, -1 none */
@@ -70,8 +73,9 @@ static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int6
     w->v_off = malloc(sizeof(float) * B);
     w->live = malloc(sizeof(float) * B);
     w->pb = malloc(sizeof(float) * group);
-    w->patch_ch = malloc(sizeof(int32_t) * (B * value_cap + 1));
-    w->patch_x = malloc(sizeof(float) * (B * value_cap + 1));
+    w->patch_ch = malloc(sizeof(int32_t) * (B * Hkv * value_cap + 1));
+    w->patch_x = malloc(sizeof(float) * (B * Hkv * value_cap + 1));
+    w->v_stats = malloc(sizeof(float) * 2 * B * Hkv);
     w->dots = aligned_alloc(64, sizeof(float) * Hkv * FAST_MAX_HEADS * 16 * 16);
     w->sink_at = malloc(sizeof(int16_t) * B);
     if (w->sink_at) for (int64_t t = 0; t < B; t++) w->sink_at[t] = -1;
@@ -90,14 +94,15 @@ static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int6
     w->pcos = malloc(sizeof(float) * 16 * D);
     w->psin = malloc(sizeof(float) * 16 * D);
     return w->scores && w->pa && w->k_off && w->k_half && w->row && w->v_half && w->v_off
-           && w->live && w->pb && w->patch_ch && w->patch_x && w->dots && w->sink_at
+           && w->live && w->pb && w->patch_ch && w->patch_x && w->v_stats && w->dots && w->sink_at
            && w->v_head && w->o_start && w->o_gch && w->o_val && w->delta && w->unit && w->pq
            && w->pk_half && w->pk_off && w->pcos && w->psin;
 }
 
 static void block_scratch_free(BlockScratch *w) {
     free(w->scores); free(w->pa); free(w->k_off); free(w->k_half); free(w->row); free(w->v_half);
-    free(w->v_off); free(w->live); free(w->pb); free(w->patch_ch); free(w->patch_x); free(w->dots);
+    free(w->v_off); free(w->live); free(w->pb); free(w->patch_ch); free(w->patch_x);
+    free(w->v_stats); free(w->dots);
     free(w->sink_at); free(w->v_head); free(w->o_start); free(w->o_gch); free(w->o_val);
     free(w->delta); free(w->unit); free(w->pq); free(w->pk_half); free(w->pk_off);
     free(w->pcos); free(w->psin);
@@ -186,11 +191,13 @@ static inline __attribute__((always_inline)) void value_outliers(
  * slot becomes a patch of its row in centroid units, x = (exact - offset) / half-range, put in
  * place of the looked-up centroid inside the value pass (then P * half * x + P * offset = P *
  * exact, within float rounding: x uses the row's reciprocal half-range). A row whose half-range
- * is 0 has no centroid scale: its outliers are added here, as value_outliers does. */
+ * is 0 has no centroid scale: its outliers are added here, as value_outliers does. KV head g's
+ * patches, at [t, g, j] of w->patch_ch / patch_x (`write`; else, block_value_patches16 having
+ * written every head's, only the rows without a centroid scale are added). */
 static inline __attribute__((always_inline)) void value_patches_impl(
         const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n, float *restrict acc0,
-        int64_t group, const float *restrict sg, BlockScratch *w, const int64_t idx_bytes,
-        const int64_t kind) {
+        int64_t group, const float *restrict sg, BlockScratch *w, const int write,
+        const int64_t idx_bytes, const int64_t kind) {
     const KVQuantSide *V = &L->v;
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, cap = V->cap;
     int32_t *restrict patch_ch = w->patch_ch;
@@ -198,14 +205,17 @@ static inline __attribute__((always_inline)) void value_patches_impl(
     for (int64_t t = 0; t < n; t++) {
         const int64_t i = (blk * B + t) * Hkv + g;  /* (block, slot, head) */
         const float half = w->v_half[t], off = w->v_off[t];
+        if (!write && half != 0.f) continue;
         const float inv = half != 0.f ? 1.f / half : 0.f;
         const int live = w->sink_at[t] < 0;
         for (int64_t j = 0; j < cap; j++) {
             const int64_t ch = load_index(V->oidx, i * cap + j, idx_bytes);
             const float exact = load_any(V->oval, i * cap + j, kind);
             const int valid = live && ch >= 0 && ch < D;
-            patch_ch[t * cap + j] = valid && half != 0.f ? (int32_t)ch : -1;
-            patch_x[t * cap + j] = (exact - off) * inv;
+            if (write) {
+                patch_ch[(t * Hkv + g) * cap + j] = valid && half != 0.f ? (int32_t)ch : -1;
+                patch_x[(t * Hkv + g) * cap + j] = (exact - off) * inv;
+            }
             if (valid && half == 0.f)  /* no centroid scale: added here */
                 for (int64_t hh = 0; hh < group; hh++)
                     acc0[hh * D + ch] += sg[hh * B + t] * (exact - off);
@@ -214,11 +224,13 @@ static inline __attribute__((always_inline)) void value_patches_impl(
 }
 
 static void value_patches(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
-                          float *acc0, int64_t group, const float *sg, BlockScratch *w) {
+                          float *acc0, int64_t group, const float *sg, BlockScratch *w,
+                          int write) {
     if (L->v.idx_bytes == 1 && L->sparse_kind == 0)  /* uint8 channels, float16 values */
-        value_patches_impl(L, blk, g, n, acc0, group, sg, w, 1, 0);
+        value_patches_impl(L, blk, g, n, acc0, group, sg, w, write, 1, 0);
     else
-        value_patches_impl(L, blk, g, n, acc0, group, sg, w, L->v.idx_bytes, L->sparse_kind);
+        value_patches_impl(L, blk, g, n, acc0, group, sg, w, write, L->v.idx_bytes,
+                           L->sparse_kind);
 }
 
 /* value outliers of non-sink slots and the sink slots' full-precision rows, added to the

@@ -248,8 +248,8 @@ static inline __attribute__((always_inline)) void block_values(
             else
                 for (int c = 0; c < CV; c++) v[c] = centroids8(row, bits, d + 8 * c, tlo, thi);
             for (int64_t j = 0; j < patches; j++) {  /* the row's outliers, in centroid units */
-                const __m256i ch = _mm256_set1_epi32(w->patch_ch[t * patches + j]);
-                const __m256 x = _mm256_set1_ps(w->patch_x[t * patches + j]);
+                const __m256i ch = _mm256_set1_epi32(w->patch_ch[(t * Hkv + g) * patches + j]);
+                const __m256 x = _mm256_set1_ps(w->patch_x[(t * Hkv + g) * patches + j]);
                 for (int c = 0; c < CV; c++) {
                     const __m256i lane = _mm256_add_epi32(lane0, _mm256_set1_epi32(8 * c));
                     v[c] = _mm256_blendv_ps(v[c], x,
@@ -307,8 +307,19 @@ static void block_softmax(Softmax *s, int64_t h, int64_t group, int64_t n, int64
     }
 }
 
-/* the AVX-512 header's value outliers of every KV head at once: none here (value_outliers,
- * a KV head at a time, in block_value_fixes) */
+/* the AVX-512 header's value patches and outliers of every KV head at once: none here
+ * (value_patches and value_outliers, a KV head at a time) */
+static inline int value_patches16_fit(const KVQuantLayer *L) {
+    (void)L;
+    return 0;
+}
+
+static int block_value_patches16(const KVQuantLayer *L, int64_t blk, int64_t n,
+                                 BlockScratch *w) {
+    (void)L; (void)blk; (void)n; (void)w;
+    return 0;
+}
+
 static inline int value_outliers16_fit(const KVQuantLayer *L) {
     (void)L;
     return 0;

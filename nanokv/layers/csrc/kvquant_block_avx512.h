@@ -352,8 +352,8 @@ static inline __attribute__((always_inline)) void block_values(
             __m512 v0 = _mm512_permutexvar_ps(codes16(row, bits, d), lut);
             __m512 v1 = _mm512_permutexvar_ps(codes16(row, bits, d + 16), lut);
             for (int64_t j = 0; j < patches; j++) {  /* the row's outliers, in centroid units */
-                const __m512i ch = _mm512_set1_epi32(w->patch_ch[t * patches + j]);
-                const __m512 x = _mm512_set1_ps(w->patch_x[t * patches + j]);
+                const __m512i ch = _mm512_set1_epi32(w->patch_ch[(t * Hkv + g) * patches + j]);
+                const __m512 x = _mm512_set1_ps(w->patch_x[(t * Hkv + g) * patches + j]);
                 v0 = _mm512_mask_mov_ps(v0, _mm512_cmpeq_epi32_mask(lane0, ch), x);
                 v1 = _mm512_mask_mov_ps(v1, _mm512_cmpeq_epi32_mask(lane1, ch), x);
             }
@@ -400,8 +400,8 @@ static inline __attribute__((always_inline)) void block_values_planar(
             __m512 v[4];
             planar_lookup(rows + t * stride, d, k, lut, v);
             for (int64_t j = 0; j < patches; j++) {  /* the row's outliers, in centroid units */
-                const __m512i ch = _mm512_set1_epi32(w->patch_ch[t * patches + j]);
-                const __m512 x = _mm512_set1_ps(w->patch_x[t * patches + j]);
+                const __m512i ch = _mm512_set1_epi32(w->patch_ch[(t * Hkv + g) * patches + j]);
+                const __m512 x = _mm512_set1_ps(w->patch_x[(t * Hkv + g) * patches + j]);
                 for (int sub = 0; sub < k; sub++)
                     v[sub] = _mm512_mask_mov_ps(
                         v[sub], _mm512_cmpeq_epi32_mask(chan[sub], ch), x);
@@ -590,6 +590,63 @@ static void block_key_outliers(const KVQuantLayer *L, int64_t blk, int64_t g, in
         key_outliers(L, blk, g, n, q0, group, sg, w, 2, 0);
     else
         key_outliers(L, blk, g, n, q0, group, sg, w, K->idx_bytes, L->sparse_kind);
+}
+
+/* does block_value_patches16 take this layer: value patches (heads of at most 64 channels),
+ * uint8 channels, a power-of-two capacity (an entry's row of the lists: its index >> log2 cap) */
+static inline int value_patches16_fit(const KVQuantLayer *L) {
+    const int64_t cap = L->v.cap;
+    return cap > 0 && (cap & (cap - 1)) == 0 && L->v.idx_bytes == 1 && L->head_dim <= 64;
+}
+
+/* value_patches of every KV head of the block at once, before the heads' value passes: the
+ * block's lists ([n, Hkv, cap], contiguous) 16 entries at a time, each row's statistics
+ * converted once (w->v_stats) and permuted to its entries, x = (exact - offset) / half-range
+ * with one vector division. A sink slot's patches are left in: the value pass weighs its row
+ * by 0 (w->pa: P * live * half-range; its full-precision row is added apart). Returns whether
+ * an outlier lies in a row without a centroid scale (half-range 0), which value_patches adds a
+ * KV head at a time. */
+static int block_value_patches16(const KVQuantLayer *L, int64_t blk, int64_t n,
+                                 BlockScratch *w) {
+    const KVQuantSide *V = &L->v;
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, cap = V->cap;
+    const int64_t rows = n * Hkv, entries = rows * cap, first = blk * B * Hkv;
+    const int c_shift = __builtin_ctzll((unsigned long long)cap);
+    float *vh = w->v_stats, *vo = w->v_stats + B * Hkv;
+    for (int64_t r = 0; r < rows; r += 16) {  /* the rows' statistics, float16 -> float32 */
+        const __mmask16 m = rows - r >= 16 ? (__mmask16)0xFFFF
+                                           : (__mmask16)((1u << (rows - r)) - 1u);
+        _mm512_mask_storeu_ps(vh + r, m, _mm512_cvtph_ps(
+            _mm256_maskz_loadu_epi16(m, V->half + first + r)));
+        _mm512_mask_storeu_ps(vo + r, m, _mm512_cvtph_ps(
+            _mm256_maskz_loadu_epi16(m, V->offset + first + r)));
+    }
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i row_of = _mm512_srli_epi32(lane, c_shift);  /* an entry's row, from e0's */
+    const __m512i channels = _mm512_set1_epi32((int)D), unused = _mm512_set1_epi32(-1);
+    __mmask16 unscaled = 0;
+    for (int64_t e0 = 0; e0 < entries; e0 += 16) {
+        const __mmask16 have = entries - e0 >= 16 ? (__mmask16)0xFFFF
+                                                  : (__mmask16)((1u << (entries - e0)) - 1u);
+        const int64_t r0 = e0 >> c_shift, left = rows - r0;
+        const __mmask16 in_rows = left >= 16 ? (__mmask16)0xFFFF
+                                             : (__mmask16)((1u << left) - 1u);
+        const __m512 half = _mm512_permutexvar_ps(row_of, _mm512_maskz_loadu_ps(in_rows, vh + r0));
+        const __m512 off = _mm512_permutexvar_ps(row_of, _mm512_maskz_loadu_ps(in_rows, vo + r0));
+        const __m512i ch = _mm512_cvtepu8_epi32(
+            _mm_maskz_loadu_epi8(have, (const uint8_t *)V->oidx + first * cap + e0));
+        const __m512 exact = elements16(V->oval, first * cap + e0, have, L->sparse_kind);
+        const __mmask16 valid = have & _mm512_cmplt_epi32_mask(ch, channels);
+        const __mmask16 scaled = valid & _mm512_cmp_ps_mask(half, _mm512_setzero_ps(),
+                                                            _CMP_NEQ_OQ);
+        const __m512 inv = _mm512_maskz_div_ps(scaled, _mm512_set1_ps(1.f), half);
+        _mm512_mask_storeu_epi32(w->patch_ch + e0, have,
+                                 _mm512_mask_blend_epi32(scaled, unused, ch));
+        _mm512_mask_storeu_ps(w->patch_x + e0, have,
+                              _mm512_mul_ps(_mm512_sub_ps(exact, off), inv));
+        unscaled |= valid & ~scaled;
+    }
+    return unscaled != 0;
 }
 
 /* does block_value_outliers16 take this layer: uint8 channels, 2 or 4-bit codes (a code within
