@@ -476,6 +476,18 @@ static inline __m512 elements16(const void *p, int64_t i, __mmask16 have, int64_
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* the 2- or 4-bit codes of channels ch (one per lane) of the packed rows that start `row` bytes
+ * into `base`: each read as the aligned 32-bit word that holds it (rows are whole words:
+ * packed = bits * D / 8 with D % 32 == 0) */
+static inline __m512i gather_codes(const uint8_t *base, __m512i row, __m512i ch, int b_shift,
+                                   __m512i code_mask, __mmask16 live) {
+    const __m512i bit = _mm512_slli_epi32(ch, b_shift);  /* the code's bit in its row */
+    const __m512i byte = _mm512_add_epi32(row, _mm512_slli_epi32(_mm512_srli_epi32(bit, 5), 2));
+    const __m512i word = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, byte, base, 1);
+    return _mm512_and_si512(_mm512_srlv_epi32(word, _mm512_and_si512(bit, _mm512_set1_epi32(31))),
+                            code_mask);
+}
+
 /* sg[t[l]] += x[l] for the live lanes. Where the live lanes' t never decrease (a list in index
  * order, as the store writes it), lanes of one slot lie next to each other: a segmented sum
  * over each run of equal t (its last lane ends with the run's total), then those lanes alone
@@ -509,9 +521,8 @@ static inline void scores_add16(float *sg, __m512i t, __m512 x, __mmask16 live) 
 }
 
 /* key_outliers, 16 entries at a time with gathers (head_dim a power of two, 2 or 4-bit codes,
- * int16 / int32 indices): a code is read as the aligned 32-bit word that holds it (rows are
- * whole words: packed = bits * D / 8 with D % 32 == 0); the score corrections of a query head
- * go in together (scores_add16) */
+ * int16 / int32 indices: gather_codes); the score corrections of a query head go in together
+ * (scores_add16) */
 static void key_outliers16(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
                            const float *restrict q0, int64_t group, float *restrict sg,
                            const BlockScratch *w) {
@@ -540,12 +551,8 @@ static void key_outliers16(const KVQuantLayer *L, int64_t blk, int64_t g, int64_
         if (!live) continue;
         const __m512i t = _mm512_srli_epi32(idx, d_shift);
         const __m512i ch = _mm512_and_si512(idx, last_channel);
-        const __m512i bit = _mm512_slli_epi32(ch, b_shift);  /* the code's bit in its row */
-        const __m512i byte = _mm512_add_epi32(_mm512_mullo_epi32(t, stride),
-                                              _mm512_slli_epi32(_mm512_srli_epi32(bit, 5), 2));
-        const __m512i word = _mm512_mask_i32gather_epi32(zero, live, byte, rows, 1);
-        const __m512i code = _mm512_and_si512(
-            _mm512_srlv_epi32(word, _mm512_and_si512(bit, _mm512_set1_epi32(31))), code_mask);
+        const __m512i code = gather_codes(rows, _mm512_mullo_epi32(t, stride), ch, b_shift,
+                                          code_mask, live);
         const __m512 decoded = _mm512_fmadd_ps(_mm512_permutexvar_ps(code, lut),
                                                gather_ps(half, ch, live), gather_ps(off, ch, live));
         const __m512 delta = _mm512_maskz_sub_ps(live, elements16(K->oval, base + j0, have,
@@ -669,7 +676,7 @@ static void block_value_outliers16(const KVQuantLayer *L, int64_t blk, int64_t n
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim;
     const int64_t group = L->num_q_heads / Hkv, cap = V->cap, per = Hkv * cap;
     const __m512 lut = lut16(V->lut, V->bits);
-    const __m512i zero = _mm512_setzero_si512(), channels = _mm512_set1_epi32((int)D);
+    const __m512i channels = _mm512_set1_epi32((int)D);
     const __m512i packed = _mm512_set1_epi32((int)V->packed);
     const __m512i code_mask = _mm512_set1_epi32((1 << V->bits) - 1);
     const int b_shift = V->bits == 4 ? 2 : 1;
@@ -688,12 +695,8 @@ static void block_value_outliers16(const KVQuantLayer *L, int64_t blk, int64_t n
                 _mm_maskz_loadu_epi8(have, (const uint8_t *)V->oidx + i0 * cap + e0));
             const __mmask16 live = have & _mm512_cmplt_epi32_mask(ch, channels);
             if (!live) continue;
-            const __m512i bit = _mm512_slli_epi32(ch, b_shift);  /* the code's bit in its row */
-            const __m512i byte = _mm512_add_epi32(_mm512_mullo_epi32(g, packed),
-                                                  _mm512_slli_epi32(_mm512_srli_epi32(bit, 5), 2));
-            const __m512i word = _mm512_mask_i32gather_epi32(zero, live, byte, rows, 1);
-            const __m512i code = _mm512_and_si512(
-                _mm512_srlv_epi32(word, _mm512_and_si512(bit, _mm512_set1_epi32(31))), code_mask);
+            const __m512i code = gather_codes(rows, _mm512_mullo_epi32(g, packed), ch, b_shift,
+                                              code_mask, live);
             const __m512 decoded = _mm512_fmadd_ps(_mm512_permutexvar_ps(code, lut),
                                                    _mm512_permutexvar_ps(g, vh),
                                                    _mm512_permutexvar_ps(g, vo));
