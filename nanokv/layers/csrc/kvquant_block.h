@@ -41,7 +41,7 @@ typedef struct {
                               heads; the store's order of a block's lists) */
     float *patch_x;        /* [B, Hkv, value cap]: the value it stands for in centroid units */
     float *v_stats;        /* [2, B, Hkv]: the block's value half-ranges and offsets, float32
-                              (block_value_patches16) */
+                              (converted once a block, for every KV head) */
     float *dots;           /* [Hkv * FAST_MAX_HEADS, 16, 16]: one tile's per-slot dot vectors
                               (16 x __m512, or 8 x __m256 on AVX2) */
     int16_t *sink_at;      /* [B]: the sink entry of each slot, -1 none */
@@ -260,7 +260,7 @@ static void block_value_fixes(const KVQuantLayer *L, int64_t blk, int64_t g, int
     }
 }
 
-/* the block's per-channel key statistics, float16 -> float32 (n % 8 == 0) */
+/* a block's statistics (per-channel keys, per-token values), float16 -> float32 (n % 8 == 0) */
 static void block_stats_f32(float *restrict dst, const uint16_t *restrict src, int64_t n) {
 #if defined(__F16C__)
     for (int64_t i = 0; i < n; i += 8)

@@ -498,7 +498,7 @@ static inline void scores_add16(float *sg, __m512i t, __m512 x, __mmask16 live) 
     const __m512i one = _mm512_set1_epi32(1);
     const __m512i prev = _mm512_permutexvar_epi32(
         _mm512_max_epi32(_mm512_sub_epi32(lane, one), _mm512_setzero_si512()), t);
-    if (_mm512_mask_cmplt_epi32_mask((__mmask16)(live & (live >> 1) << 1), t, prev)) {
+    if (_mm512_mask_cmplt_epi32_mask((__mmask16)(live & 0xFFFEu), t, prev)) {
         float xs[16];  /* out of order */
         int32_t ts[16];
         _mm512_storeu_ps(xs, x);
@@ -607,8 +607,8 @@ static inline int value_patches16_fit(const KVQuantLayer *L) {
 }
 
 /* value_patches of every KV head of the block at once, before the heads' value passes: the
- * block's lists ([n, Hkv, cap], contiguous) 16 entries at a time, each row's statistics
- * converted once (w->v_stats) and permuted to its entries, x = (exact - offset) / half-range
+ * block's lists ([n, Hkv, cap], contiguous) 16 entries at a time, each row's statistics (w->
+ * v_stats, converted once a block) permuted to its entries, x = (exact - offset) / half-range
  * with one vector division. A sink slot's patches are left in: the value pass weighs its row
  * by 0 (w->pa: P * live * half-range; its full-precision row is added apart). Returns whether
  * an outlier lies in a row without a centroid scale (half-range 0), which value_patches adds a
@@ -619,15 +619,7 @@ static int block_value_patches16(const KVQuantLayer *L, int64_t blk, int64_t n,
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, cap = V->cap;
     const int64_t rows = n * Hkv, entries = rows * cap, first = blk * B * Hkv;
     const int c_shift = __builtin_ctzll((unsigned long long)cap);
-    float *vh = w->v_stats, *vo = w->v_stats + B * Hkv;
-    for (int64_t r = 0; r < rows; r += 16) {  /* the rows' statistics, float16 -> float32 */
-        const __mmask16 m = rows - r >= 16 ? (__mmask16)0xFFFF
-                                           : (__mmask16)((1u << (rows - r)) - 1u);
-        _mm512_mask_storeu_ps(vh + r, m, _mm512_cvtph_ps(
-            _mm256_maskz_loadu_epi16(m, V->half + first + r)));
-        _mm512_mask_storeu_ps(vo + r, m, _mm512_cvtph_ps(
-            _mm256_maskz_loadu_epi16(m, V->offset + first + r)));
-    }
+    const float *vh = w->v_stats, *vo = w->v_stats + B * Hkv;
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i row_of = _mm512_srli_epi32(lane, c_shift);  /* an entry's row, from e0's */
     const __m512i channels = _mm512_set1_epi32((int)D), unused = _mm512_set1_epi32(-1);
@@ -685,8 +677,8 @@ static void block_value_outliers16(const KVQuantLayer *L, int64_t blk, int64_t n
         if (w->sink_at[t] >= 0) continue;
         const int64_t i0 = (blk * B + t) * Hkv;  /* (block, slot, head 0) */
         const uint8_t *rows = V->codes + i0 * V->packed;
-        const __m512 vh = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(heads, V->half + i0));
-        const __m512 vo = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(heads, V->offset + i0));
+        const __m512 vh = _mm512_maskz_loadu_ps(heads, w->v_stats + t * Hkv);
+        const __m512 vo = _mm512_maskz_loadu_ps(heads, w->v_stats + (B + t) * Hkv);
         for (int64_t e0 = 0; e0 < per; e0 += 16) {
             const __mmask16 have = per - e0 >= 16 ? (__mmask16)0xFFFF
                                                   : (__mmask16)((1u << (per - e0)) - 1u);

@@ -1434,6 +1434,11 @@ static void kvquant_block_fast(const KVQuantLayer *L, int64_t blk, int64_t next_
     const uint16_t *off16 = K->offset + blk * Hkv * D, *half16 = K->half + blk * Hkv * D;
     block_stats_f32(w->k_off, off16, Hkv * D);
     block_stats_f32(w->k_half, half16, Hkv * D);
+    /* ... and its value statistics, every slot's of every KV head: [B, Hkv] half-ranges, then
+     * offsets (B % 16 == 0) */
+    const float *vh = w->v_stats, *vo = w->v_stats + B * Hkv;
+    block_stats_f32(w->v_stats, V->half + blk * B * Hkv, B * Hkv);
+    block_stats_f32(w->v_stats + B * Hkv, V->offset + blk * B * Hkv, B * Hkv);
     block_key_pass(L, blk, next_blk, n, qb, w);
     /* value outliers: patched into the value pass (small heads: every KV head's patches at once,
      * block_value_patches16, or a KV head's at a time, value_patches), or after every KV head's
@@ -1449,10 +1454,9 @@ static void kvquant_block_fast(const KVQuantLayer *L, int64_t blk, int64_t next_
         block_softmax(s, g * group, group, n, B, D, sg);
         /* P * the slot's value half-range, and P . offsets per head; sink slots added apart */
         float *pbh = w->pb;
-        for (int64_t t = 0; t < n; t++) {
-            const int64_t i = (blk * B + t) * Hkv + g;
-            w->v_half[t] = f16_to_f32(V->half[i]);
-            w->v_off[t] = f16_to_f32(V->offset[i]);
+        for (int64_t t = 0; t < n; t++) {  /* KV head g's of the block's statistics */
+            w->v_half[t] = vh[t * Hkv + g];
+            w->v_off[t] = vo[t * Hkv + g];
         }
         for (int64_t hh = 0; hh < group; hh++) {
             const float *ph = sg + hh * B, *live = w->live;
