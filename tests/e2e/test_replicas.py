@@ -13,7 +13,7 @@ import signal
 import socket
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import pytest
 
@@ -41,10 +41,22 @@ def time_limit(seconds: int):
         signal.signal(signal.SIGALRM, old)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(count: int = 1) -> int:
+    """A port p with p .. p + count - 1 all free now (replica r serves its metrics on p + r)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count > 65536:
+            continue
+        try:
+            with ExitStack() as stack:
+                for port in range(base + 1, base + count):
+                    t = stack.enter_context(socket.socket())
+                    t.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +76,15 @@ def replica_metrics(base_port: int, n: int = 2) -> dict[int, tuple[float, float]
     """replica rank -> (prefix-cache hits, queries) from its own /metrics."""
     out = {}
     for rank in range(n):
-        text = httpx.get(f"http://127.0.0.1:{base_port + rank}/metrics", timeout=10).text
+        url = f"http://127.0.0.1:{base_port + rank}/metrics"
+        for attempt in range(20):  # a replica's metrics server starts in a thread of its own
+            try:
+                text = httpx.get(url, timeout=10).text
+                break
+            except httpx.ConnectError:
+                if attempt == 19:
+                    raise
+                time.sleep(0.5)
         sums = {"hits": 0.0, "queries": 0.0}
         for line in text.splitlines():
             for key in sums:
@@ -79,7 +99,7 @@ def test_affinity_router_hits_more_than_power_of_two(cluster, tiny_llama):
     runs = {}
     with time_limit(300):
         for router in ("pow2", "affinity"):
-            metrics_port = free_port() if router == "affinity" else None
+            metrics_port = free_port(2) if router == "affinity" else None
             deploy(tiny_llama, router, ENGINE, metrics_port=metrics_port,
                    routing_stats_period_s=0.5)
             runs[router] = run_workload(cluster, "m", requests, concurrency=4, max_tokens=8,
