@@ -113,14 +113,23 @@ static inline __attribute__((always_inline)) void planar_out(float *dst, const i
     _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(e01, hi, o01));
 }
 
-/* n natural floats (n % (16 k) == 0) -> planar order, in place of dst */
-static inline __attribute__((always_inline)) void planar_copy(
-        float *restrict dst, const float *restrict src, int64_t n, const int k) {
+/* n natural floats (n % (16 k) == 0) -> planar order, in place of dst, each planar vector
+ * times `scale` lane by lane when `scaled` (in registers: a vector stored and at once loaded
+ * back to be scaled stalls, since its two 256-bit halves cannot forward to one 512-bit load) */
+static inline __attribute__((always_inline)) void planar_copy_impl(
+        float *restrict dst, const float *restrict src, int64_t n, const int k, const int scaled,
+        const __m512 scale) {
     for (int64_t c = 0; c < n; c += 16 * k) {
         __m512 v[4];
         planar_in(src + c, k, v);
-        for (int s = 0; s < k; s++) _mm512_storeu_ps(dst + c + 16 * s, v[s]);
+        for (int s = 0; s < k; s++)
+            _mm512_storeu_ps(dst + c + 16 * s, scaled ? _mm512_mul_ps(v[s], scale) : v[s]);
     }
+}
+
+static inline __attribute__((always_inline)) void planar_copy(
+        float *restrict dst, const float *restrict src, int64_t n, const int k) {
+    planar_copy_impl(dst, src, n, k, 0, _mm512_setzero_ps());
 }
 
 /* does the planar key pass take this layer: chunks of C channels pair with their RoPE partners
@@ -168,12 +177,7 @@ static inline __attribute__((always_inline)) void block_key_dots_planar(
                 int64_t pos = u < nt ? L->slot_positions[blk * B + t0 + u] : 0;
                 pos = pos < 0 ? 0 : pos;
                 planar_copy(w->pcos + u * D, L->cos + pos * R, rope_len, k);
-                planar_copy(w->psin + u * D, L->sin + pos * R, rope_len, k);
-                if (swap)
-                    for (int sub = 0; sub < k; sub++)
-                        _mm512_storeu_ps(w->psin + u * D + 16 * sub,
-                                         _mm512_mul_ps(_mm512_loadu_ps(w->psin + u * D + 16 * sub),
-                                                       sign));
+                planar_copy_impl(w->psin + u * D, L->sin + pos * R, rope_len, k, swap, sign);
             }
         const int64_t share = (16 + Hkv - 1) / Hkv;
         for (int64_t g = 0; g < Hkv; g++) {
