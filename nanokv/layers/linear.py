@@ -4,7 +4,9 @@ On CPUs, PyTorch's default fp32 GEMM (MKL) is markedly slower here than oneDNN w
 reordered once into its blocked layout (docs/results/engine). `pack()` does that reorder after
 the weights are loaded; `F.linear` on the plain weight stays as the reference path
 (`linear_backend="torch"`). A layer with `few_rows` set (the tied LM head, which keeps its plain
-matrix) takes at most 16 rows through the few-rows C kernel (`native_linear`) instead.
+matrix) takes at most 16 rows through the few-rows C kernel (`native_linear`) instead; where it
+holds the packed weight too, fewer than `onednn_from_rows` (measured at load by
+`native_linear.onednn_crossover`: which path is faster depends on the CPU).
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN-blocked copy of the weight
         # a few rows at a time (a decode step's LM head): the few-rows C kernel on the plain
-        # weight (`native_linear`), set by the model where it keeps the plain matrix
+        # weight (`native_linear`), set by the model where it keeps the plain matrix; with the
+        # packed copy too, from onednn_from_rows rows on oneDNN instead (never by default)
         self.few_rows = False
+        self.onednn_from_rows = native_linear.MAX_ROWS + 1
 
     def pack(self, drop_plain: bool = False) -> None:
         """Reorder the weight for oneDNN (CPU, float32/bfloat16 only)."""
@@ -49,7 +53,8 @@ class Linear(nn.Module):
                                        requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.few_rows and native_linear.fits(x, self.weight):
+        if self.few_rows and native_linear.fits(x, self.weight) and (
+                self.packed is None or x.shape[0] < self.onednn_from_rows):
             return native_linear.small_m_linear(x, self.weight, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

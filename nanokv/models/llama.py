@@ -12,6 +12,9 @@ layers are the plain ones.
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,10 +29,12 @@ from nanokv.distributed.tp_layers import (
 )
 from nanokv.layers import native_elementwise
 from nanokv.layers.linear import Linear
-from nanokv.layers.native_linear import small_linear_available
+from nanokv.layers.native_linear import MAX_ROWS, onednn_crossover, small_linear_available
 from nanokv.layers.norm import RMSNorm
 from nanokv.layers.rotary import RotaryEmbedding
 from nanokv.utils import head_dim_of
+
+logger = logging.getLogger(__name__)
 
 
 class LlamaAttention(nn.Module):
@@ -166,7 +171,15 @@ class LlamaForCausalLM(nn.Module):
         # matrix is the largest weight a step reads)
         if self.tie_word_embeddings and type(self.lm_head) is Linear \
                 and small_linear_available():
-            self.lm_head.few_rows = True
+            head = self.lm_head
+            head.few_rows = True
+            if head.packed is not None:  # which of the two is faster at a few rows: measured
+                t0 = time.perf_counter()
+                head.onednn_from_rows = n = onednn_crossover(head.weight, head.packed)
+                logger.info("LM head: the few-rows kernel for 1-%d rows%s (measured on this CPU "
+                            "in %.1f s)", n - 1,
+                            "" if n > MAX_ROWS else f", oneDNN's packed weight from {n}",
+                            time.perf_counter() - t0)
 
     def use_native_elementwise(self) -> bool:
         """Route the norms, RoPE and SiLU-and-multiply through the fused C kernels
