@@ -176,9 +176,10 @@ class LlamaForCausalLM(nn.Module):
             if head.packed is not None:  # which of the two is faster at a few rows: measured
                 t0 = time.perf_counter()
                 head.onednn_from_rows = n = onednn_crossover(head.weight, head.packed)
-                logger.info("LM head: the few-rows kernel for 1-%d rows%s (measured on this CPU "
-                            "in %.1f s)", n - 1,
-                            "" if n > MAX_ROWS else f", oneDNN's packed weight from {n}",
+                paths = ("oneDNN's packed weight at every row count" if n == 1 else
+                         f"the few-rows kernel for 1-{min(n - 1, MAX_ROWS)} rows"
+                         + ("" if n > MAX_ROWS else f", oneDNN's packed weight from {n}"))
+                logger.info("LM head: %s (measured on this CPU in %.1f s)", paths,
                             time.perf_counter() - t0)
 
     def use_native_elementwise(self) -> bool:
