@@ -5,8 +5,8 @@ reordered once into its blocked layout (docs/results/engine). `pack()` does that
 the weights are loaded; `F.linear` on the plain weight stays as the reference path
 (`linear_backend="torch"`). A layer with `few_rows` set (the tied LM head, which keeps its plain
 matrix) takes at most 16 rows through the few-rows C kernel (`native_linear`) instead; where it
-holds the packed weight too, fewer than `onednn_from_rows` (measured at load by
-`native_linear.onednn_crossover`: which path is faster depends on the CPU).
+holds the packed weight too, fewer than `onednn_from_rows` (`measure_few_rows`, at load: which
+path is faster depends on the CPU).
 """
 
 from __future__ import annotations
@@ -52,10 +52,31 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype),
                                        requires_grad=False)
 
+    def measure_few_rows(self, repeats: int = 3) -> int:
+        """Set and return `onednn_from_rows` for a few-rows layer holding the packed weight
+        too: both paths timed at native_linear.CROSSOVER_ROWS rows (the inputs from a generator
+        of their own: the global one, seeded by the engine, is left as it was)."""
+        if not (self.few_rows and self.packed is not None):
+            raise ValueError("measure_few_rows needs a few-rows layer with a packed weight")
+
+        def time_paths(rows: int) -> tuple[float, float]:
+            x = torch.randn(rows, self.in_features,
+                            generator=torch.Generator().manual_seed(rows))
+            kernel_s, onednn_s = native_linear.median_seconds(
+                (lambda: native_linear.small_m_linear(x, self.weight, self.bias),
+                 lambda: self._onednn(x)), repeats)
+            return kernel_s, onednn_s
+
+        self.onednn_from_rows = native_linear.onednn_crossover(time_paths)
+        return self.onednn_from_rows
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.few_rows and native_linear.fits(x, self.weight) and (
                 self.packed is None or x.shape[0] < self.onednn_from_rows):
             return native_linear.small_m_linear(x, self.weight, self.bias)
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return self._onednn(x)
         return F.linear(x, self.weight, self.bias)

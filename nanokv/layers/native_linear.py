@@ -2,10 +2,10 @@
 MAX_ROWS rows of x, each row of the float32 weight read once. Used by the LM head of a decode
 step on CPU (`Linear.few_rows`), where a GEMM library's blocking for a few rows reads a 600 MB
 vocabulary matrix well under the memory's speed. Where the layer holds oneDNN's packed weight
-too, which path is faster at a row count depends on the CPU (`onednn_crossover` measures it once
-per weight). AVX-512 and AVX2 vector paths, plain C elsewhere. `F.linear` is the
-reference (tests/unit/test_small_linear.py); `benchmarks/bench_small_linear.py` times both.
-Built on first use like the decode kernels (`native_attention.build_library`)."""
+too, which path is faster at a row count depends on the CPU (`Linear.measure_few_rows` times
+both once, `onednn_crossover` picks). AVX-512 and AVX2 vector paths, plain C elsewhere.
+`F.linear` is the reference (tests/unit/test_small_linear.py); `benchmarks/bench_small_linear.py`
+times both. Built on first use like the decode kernels (`native_attention.build_library`)."""
 
 from __future__ import annotations
 
@@ -72,40 +72,30 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor,
 CROSSOVER_ROWS = (1, 2, 4, 8, MAX_ROWS)
 
 
-def _time_paths(weight: torch.Tensor, packed: torch.Tensor, rows: int,
-                repeats: int) -> tuple[float, float]:
-    """Median seconds of this kernel and of oneDNN's packed weight on `rows` rows, called in
-    turn after one warm-up call each (the input from a generator of its own: the global one,
-    seeded by the engine, is left as it was)."""
-    x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
-    paths = (lambda: small_m_linear(x, weight),
-             lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
-    times: tuple[list, list] = ([], [])
-    for fn in paths:
+def median_seconds(fns: Sequence[Callable[[], object]], repeats: int) -> list[float]:
+    """Median seconds of each of `fns`, called in turn `repeats` times after one warm-up call
+    each (load from elsewhere falls on all alike)."""
+    times: list[list[float]] = [[] for _ in fns]
+    for fn in fns:
         fn()
     for _ in range(repeats):
-        for fn, ts in zip(paths, times):
+        for fn, ts in zip(fns, times):
             t0 = time.perf_counter()
             fn()
             ts.append(time.perf_counter() - t0)
-    return statistics.median(times[0]), statistics.median(times[1])
+    return [statistics.median(ts) for ts in times]
 
 
-def onednn_crossover(weight: torch.Tensor, packed: torch.Tensor,
-                     rows: Sequence[int] = CROSSOVER_ROWS, repeats: int = 3,
-                     margin: float = 0.9,
-                     time_paths: Callable[[int], tuple[float, float]] | None = None) -> int:
-    """The row count from which a few-rows layer holding both `weight` and oneDNN's `packed`
-    copy should take oneDNN, measured on this machine (as cudnn.benchmark picks convolution
-    algorithms): each of `rows` is timed on both paths (`time_paths(r)` -> (kernel seconds,
-    oneDNN seconds)); oneDNN wins a row count when it takes under `margin` of the kernel's time
-    (so noise keeps the kernel). Returns the smallest measured row count from which oneDNN wins
-    at every larger one, or MAX_ROWS + 1 (never). Which is faster depends on the CPU: for
-    Qwen3's 151,936 x 1,024 LM head at 8 rows the kernel took 24 ms against oneDNN's 29 on an
-    AVX-512 Xeon, 33 against 27 on a Zen 4 EPYC (docs/results/linear/README.md)."""
-    if time_paths is None:
-        def time_paths(r: int) -> tuple[float, float]:
-            return _time_paths(weight, packed, r, repeats)
+def onednn_crossover(time_paths: Callable[[int], tuple[float, float]],
+                     rows: Sequence[int] = CROSSOVER_ROWS, margin: float = 0.9) -> int:
+    """The row count from which a few-rows layer that holds oneDNN's packed weight too should
+    take oneDNN (as cudnn.benchmark picks convolution algorithms): each of `rows` is timed on
+    both paths (`time_paths(r)` -> (kernel seconds, oneDNN seconds), `Linear.measure_few_rows`);
+    oneDNN wins a row count when it takes under `margin` of the kernel's time (so noise keeps the
+    kernel). Returns the smallest measured row count from which oneDNN wins at every larger one,
+    or MAX_ROWS + 1 (never). Which is faster depends on the CPU: for Qwen3's 151,936 x 1,024 LM
+    head at 8 rows the kernel took 24 ms against oneDNN's 29 on an AVX-512 Xeon, 33 against 27
+    on a Zen 4 EPYC (docs/results/linear/README.md)."""
     rows = sorted(set(rows))
     if not rows or rows[0] < 1 or rows[-1] > MAX_ROWS:
         raise ValueError(f"rows must lie in [1, {MAX_ROWS}], got {list(rows)}")

@@ -29,7 +29,7 @@ from nanokv.distributed.tp_layers import (
 )
 from nanokv.layers import native_elementwise
 from nanokv.layers.linear import Linear
-from nanokv.layers.native_linear import MAX_ROWS, onednn_crossover, small_linear_available
+from nanokv.layers.native_linear import MAX_ROWS, small_linear_available
 from nanokv.layers.norm import RMSNorm
 from nanokv.layers.rotary import RotaryEmbedding
 from nanokv.utils import head_dim_of
@@ -175,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
             head.few_rows = True
             if head.packed is not None:  # which of the two is faster at a few rows: measured
                 t0 = time.perf_counter()
-                head.onednn_from_rows = n = onednn_crossover(head.weight, head.packed)
+                n = head.measure_few_rows()
                 paths = ("oneDNN's packed weight at every row count" if n == 1 else
                          f"the few-rows kernel for 1-{min(n - 1, MAX_ROWS)} rows"
                          + ("" if n > MAX_ROWS else f", oneDNN's packed weight from {n}"))

@@ -2,7 +2,7 @@
 (on AVX2 builds: groups of 4 rows of x, the last one shorter), vocabulary sizes that are not
 multiples of 16, head sizes that are not multiples of 16 (the plain-C rows), a bias; bad inputs
 refused; the tied LM head of a loaded model takes it, and a layer with oneDNN's packed weight
-too only below its measured row count for oneDNN (`onednn_crossover`); and the same checks built
+too only below its measured row count for oneDNN (`measure_few_rows`); and the same checks built
 without AVX-512 (the AVX2 rows) and without AVX2 (plain C)."""
 
 import pytest
@@ -46,11 +46,9 @@ def test_onednn_crossover_is_the_first_row_count_oneDNN_wins_from():
     """The crossover from given timings: the smallest measured row count from which oneDNN
     takes under `margin` of the kernel's time at every larger one; never (MAX_ROWS + 1) when it
     loses at the largest; bad row counts refused."""
-    w = torch.randn(40, 16)
-
     def crossover(onednn_ratio: dict) -> int:
-        return native_linear.onednn_crossover(w, None, rows=sorted(onednn_ratio), margin=0.9,
-                                              time_paths=lambda r: (1.0, onednn_ratio[r]))
+        return native_linear.onednn_crossover(lambda r: (1.0, onednn_ratio[r]),
+                                              rows=sorted(onednn_ratio), margin=0.9)
 
     assert crossover({1: 1.2, 2: 1.1, 4: 0.8, 8: 0.7, 16: 0.6}) == 4
     assert crossover({1: 0.5, 2: 0.5, 4: 0.5, 8: 0.5, 16: 0.5}) == 1
@@ -58,27 +56,33 @@ def test_onednn_crossover_is_the_first_row_count_oneDNN_wins_from():
     assert crossover({1: 0.5, 2: 0.5, 4: 0.5, 8: 0.5, 16: 1.0}) == native_linear.MAX_ROWS + 1
     for rows in ([0, 4], [4, 17], []):
         with pytest.raises(ValueError, match="rows must lie in"):
-            native_linear.onednn_crossover(w, None, rows=rows, time_paths=lambda r: (1.0, 1.0))
+            native_linear.onednn_crossover(lambda r: (1.0, 1.0), rows=rows)
 
 
-def test_onednn_crossover_measures_both_paths():
-    from nanokv.layers.linear import onednn_available
+def test_onednn_crossover_measures_both_paths(monkeypatch):
+    from nanokv.layers.linear import Linear, onednn_available
 
     if not onednn_available():
         pytest.skip("no oneDNN in this PyTorch build")
-    w = torch.randn(512, 64)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w)
+    layer = Linear(64, 512)
+    with torch.no_grad():
+        layer.weight.normal_()
+    layer.pack()
+    layer.few_rows = True
     measured = []
+    timed = native_linear.median_seconds
 
-    def time_paths(r):
-        kernel_s, onednn_s = native_linear._time_paths(w, packed, r, repeats=2)
+    def median_seconds(fns, repeats):
+        kernel_s, onednn_s = timed(fns, repeats)
         assert kernel_s > 0 and onednn_s > 0
-        measured.append(r)
+        measured.append(fns[0]().shape[0])  # the rows timed
         return kernel_s, onednn_s
 
-    got = native_linear.onednn_crossover(w, packed, time_paths=time_paths)
+    monkeypatch.setattr(native_linear, "median_seconds", median_seconds)
+    got = layer.measure_few_rows(repeats=2)
     assert measured == list(native_linear.CROSSOVER_ROWS)
     assert got in set(native_linear.CROSSOVER_ROWS) | {native_linear.MAX_ROWS + 1}
+    assert layer.onednn_from_rows == got
 
 
 @pytest.mark.parametrize("packed,onednn_from", [(True, 5), (True, 1), (False, 5)])
