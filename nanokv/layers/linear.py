@@ -3,10 +3,10 @@
 On CPUs, PyTorch's default fp32 GEMM (MKL) is markedly slower here than oneDNN with a weight
 reordered once into its blocked layout (docs/results/engine). `pack()` does that reorder after
 the weights are loaded; `F.linear` on the plain weight stays as the reference path
-(`linear_backend="torch"`). A layer with `few_rows` set (the tied LM head, which keeps its plain
-matrix) takes at most 16 rows through the few-rows C kernel (`native_linear`) instead; where it
-holds the packed weight too, fewer than `onednn_from_rows` (`measure_few_rows`, at load: which
-path is faster depends on the CPU).
+(`linear_backend="torch"`). The LM head packs its float32 weight into column panels for the
+panel kernel too (`pack_panels`, `native_linear`): a decode step's few rows read the vocabulary
+matrix at close to the memory's speed, where oneDNN's blocking for a few rows does not. Which of
+the two copies it keeps is measured once at load (`keep_faster_path`).
 """
 
 from __future__ import annotations
@@ -36,11 +36,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN-blocked copy of the weight
-        # a few rows at a time (a decode step's LM head): the few-rows C kernel on the plain
-        # weight (`native_linear`), set by the model where it keeps the plain matrix; with the
-        # packed copy too, from onednn_from_rows rows on oneDNN instead (never by default)
-        self.few_rows = False
-        self.onednn_from_rows = native_linear.MAX_ROWS + 1
+        self.panels: torch.Tensor | None = None  # column panels of the weight (native_linear)
 
     def pack(self, drop_plain: bool = False) -> None:
         """Reorder the weight for oneDNN (CPU, float32/bfloat16 only)."""
@@ -52,31 +48,42 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype),
                                        requires_grad=False)
 
-    def measure_few_rows(self, repeats: int = 3) -> int:
-        """Set and return `onednn_from_rows` for a few-rows layer holding the packed weight
-        too: both paths timed at native_linear.CROSSOVER_ROWS rows (the inputs from a generator
-        of their own: the global one, seeded by the engine, is left as it was)."""
-        if not (self.few_rows and self.packed is not None):
-            raise ValueError("measure_few_rows needs a few-rows layer with a packed weight")
+    def pack_panels(self) -> bool:
+        """Pack the weight into column panels for the panel kernel (float32 on CPU, the kernel
+        built); returns whether it did."""
+        if (self.weight.device.type != "cpu" or self.weight.dtype != torch.float32
+                or not native_linear.panel_linear_available()):
+            return False
+        self.panels = native_linear.pack_panels(self.weight.detach())
+        return True
+
+    def keep_faster_path(self, repeats: int = 3) -> bool:
+        """For a layer holding both the panels and oneDNN's packed copy (the LM head at load):
+        time both at native_linear.MEASURE_ROWS rows, keep the faster and free the other.
+        Returns whether the panels were kept. The inputs come from a generator of their own
+        (the global one, seeded by the engine, is left as it was)."""
+        if self.panels is None or self.packed is None:
+            raise ValueError("keep_faster_path needs a layer with both panels and a packed copy")
+        panels, packed = self.panels, self.packed
 
         def time_paths(rows: int) -> tuple[float, float]:
             x = torch.randn(rows, self.in_features,
                             generator=torch.Generator().manual_seed(rows))
-            kernel_s, onednn_s = native_linear.median_seconds(
-                (lambda: native_linear.small_m_linear(x, self.weight, self.bias),
-                 lambda: self._onednn(x)), repeats)
-            return kernel_s, onednn_s
+            return tuple(native_linear.median_seconds(
+                (lambda: native_linear.panel_linear(x, panels, self.out_features, self.bias),
+                 lambda: torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [],
+                                                            "")), repeats))
 
-        self.onednn_from_rows = native_linear.onednn_crossover(time_paths)
-        return self.onednn_from_rows
-
-    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        keep_panels = native_linear.panels_win(time_paths)
+        if keep_panels:
+            self.packed = None
+        else:
+            self.panels = None
+        return keep_panels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.few_rows and native_linear.fits(x, self.weight) and (
-                self.packed is None or x.shape[0] < self.onednn_from_rows):
-            return native_linear.small_m_linear(x, self.weight, self.bias)
+        if self.panels is not None:
+            return native_linear.panel_linear(x, self.panels, self.out_features, self.bias)
         if self.packed is not None:
-            return self._onednn(x)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -1,11 +1,12 @@
-"""The few-rows linear kernel (`csrc/small_linear.c`): y = x @ w.T (+ bias) for at most
-MAX_ROWS rows of x, each row of the float32 weight read once. Used by the LM head of a decode
-step on CPU (`Linear.few_rows`), where a GEMM library's blocking for a few rows reads a 600 MB
-vocabulary matrix well under the memory's speed. Where the layer holds oneDNN's packed weight
-too, which path is faster at a row count depends on the CPU (`Linear.measure_few_rows` times
-both once, `onednn_crossover` picks). AVX-512 and AVX2 vector paths, plain C elsewhere.
-`F.linear` is the reference (tests/unit/test_small_linear.py); `benchmarks/bench_small_linear.py`
-times both. Built on first use like the decode kernels (`native_attention.build_library`)."""
+"""The LM head's linear kernel on CPU (`csrc/panel_linear.c`): y = x @ w.T (+ bias) over the
+float32 weight packed once into column panels [ceil(N / 32), K, 32] (`pack_panels`), at any row
+count. A decode step reads the whole vocabulary matrix (Qwen3: 622 MB) for a few rows; in panels
+it is read once, front to back, and each row of x costs a broadcast and two FMAs per weight
+vector, no horizontal sums. Used by the LM head (`Linear.pack_panels`), where it replaces
+oneDNN's packed copy (same memory). AVX-512 and AVX2 vector paths, plain C elsewhere.
+`F.linear` on the unpacked weight is the reference (tests/unit/test_panel_linear.py);
+`benchmarks/bench_lm_head.py` times it against F.linear and oneDNN. Built on first use like the
+decode kernels (`native_attention.build_library`)."""
 
 from __future__ import annotations
 
@@ -19,57 +20,86 @@ import torch
 
 from nanokv.layers.native_attention import LazyLibrary
 
-SOURCE = Path(__file__).with_name("csrc") / "small_linear.c"
-MAX_ROWS = 16
+SOURCE = Path(__file__).with_name("csrc") / "panel_linear.c"
+PANEL = 32  # output columns per panel (csrc/panel_linear.c's PANEL)
+
 
 def _setup(lib: ctypes.CDLL) -> None:
-    lib.small_m_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-    lib.small_m_linear.restype = ctypes.c_int
+    lib.panel_width.argtypes = []
+    lib.panel_width.restype = ctypes.c_int
+    lib.pack_panels.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+    lib.pack_panels.restype = None
+    lib.panel_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    lib.panel_linear.restype = ctypes.c_int
+    if lib.panel_width() != PANEL:
+        raise OSError(f"panel_linear.c packs {lib.panel_width()} columns a panel, "
+                      f"native_linear.py expects {PANEL}")
 
 
 _LIBRARY = LazyLibrary(SOURCE, _setup)
 
 
-def load_small_linear() -> ctypes.CDLL:
+def load_panel_linear() -> ctypes.CDLL:
     """The library; raises NativeKernelUnavailable (with the reason) when it cannot be built."""
     return _LIBRARY.get()
 
 
-def small_linear_available() -> bool:
+def panel_linear_available() -> bool:
     return _LIBRARY.available()
 
 
-def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Can the kernel take F.linear(x, weight): float32 CPU tensors, x [1..MAX_ROWS, K],
-    weight [N, K] contiguous."""
-    return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and x.device.type == "cpu"
-            and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.shape[1] == x.shape[1] and weight.is_contiguous())
+def num_panels(out_features: int) -> int:
+    return -(-out_features // PANEL)
 
 
-def small_m_linear(x: torch.Tensor, weight: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for `fits` inputs -> [M, N] float32."""
-    if not fits(x, weight):
-        raise ValueError(f"small_m_linear takes float32 CPU x [1..{MAX_ROWS}, K] and a contiguous "
-                         f"weight [N, K], got x {tuple(x.shape)} {x.dtype} {x.device} and weight "
-                         f"{tuple(weight.shape)} {weight.dtype}")
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (weight.shape[0],)):
-        raise ValueError(f"bias must be float32 [{weight.shape[0]}], got {tuple(bias.shape)} "
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] float32 CPU -> panels [ceil(N / 32), K, 32]: panels[p, k, j] =
+    weight[32 p + j, k], zero past row N - 1."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise ValueError(f"pack_panels takes a float32 CPU weight [N, K], got "
+                         f"{tuple(weight.shape)} {weight.dtype} {weight.device}")
+    weight = weight.detach().contiguous()
+    n, k = weight.shape
+    panels = torch.empty(num_panels(n), k, PANEL)
+    load_panel_linear().pack_panels(weight.data_ptr(), panels.data_ptr(), n, k)
+    return panels
+
+
+def pack_panels_reference(weight: torch.Tensor) -> torch.Tensor:
+    """pack_panels in PyTorch ops (the tests' reference)."""
+    n, k = weight.shape
+    padded = torch.nn.functional.pad(weight, (0, 0, 0, num_panels(n) * PANEL - n))
+    return padded.view(num_panels(n), PANEL, k).transpose(1, 2).contiguous()  # [P, K, 32]
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) from weight's panels (`pack_panels`): x [..., K] float32 CPU
+    -> [..., out_features] float32."""
+    k = panels.shape[1] if panels.dim() == 3 else -1
+    if (panels.dim() != 3 or panels.shape[2] != PANEL or panels.dtype != torch.float32
+            or not panels.is_contiguous() or panels.shape[0] != num_panels(out_features)):
+        raise ValueError(f"panels must be float32 [{num_panels(out_features)}, K, {PANEL}] "
+                         f"(pack_panels of a [{out_features}, K] weight), got "
+                         f"{tuple(panels.shape)} {panels.dtype}")
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(f"panel_linear takes float32 CPU x [..., {k}], got {tuple(x.shape)} "
+                         f"{x.dtype} {x.device}")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,)):
+        raise ValueError(f"bias must be float32 [{out_features}], got {tuple(bias.shape)} "
                          f"{bias.dtype}")
-    x = x.contiguous()
+    rows = x.reshape(-1, k).contiguous()  # [M, K]
     bias = None if bias is None else bias.contiguous()
-    y = torch.empty(x.shape[0], weight.shape[0])
-    status = load_small_linear().small_m_linear(
-        x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-        x.shape[0], weight.shape[0], weight.shape[1])
-    if status != 0:  # fits() checked the row count
-        raise RuntimeError("small_m_linear refused its inputs")
-    return y
+    y = torch.empty(rows.shape[0], out_features)
+    status = load_panel_linear().panel_linear(
+        rows.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(),
+        y.data_ptr(), rows.shape[0], out_features, k)
+    if status != 0:
+        raise MemoryError(f"panel_linear could not allocate a copy of x {tuple(rows.shape)}")
+    return y.view(*x.shape[:-1], out_features)
 
 
-CROSSOVER_ROWS = (1, 2, 4, 8, MAX_ROWS)
+MEASURE_ROWS = (1, 8, 64)  # a decode step's rows, and a batch's first tokens after prefill
 
 
 def median_seconds(fns: Sequence[Callable[[], object]], repeats: int) -> list[float]:
@@ -86,26 +116,18 @@ def median_seconds(fns: Sequence[Callable[[], object]], repeats: int) -> list[fl
     return [statistics.median(ts) for ts in times]
 
 
-def onednn_crossover(time_paths: Callable[[int], tuple[float, float]],
-                     rows: Sequence[int] = CROSSOVER_ROWS, margin: float = 0.9) -> int:
-    """The row count from which a few-rows layer that holds oneDNN's packed weight too should
-    take oneDNN (as cudnn.benchmark picks convolution algorithms): each of `rows` is timed on
-    both paths (`time_paths(r)` -> (kernel seconds, oneDNN seconds), `Linear.measure_few_rows`);
-    oneDNN wins a row count when it takes under `margin` of the kernel's time (so noise keeps the
-    kernel). Returns the smallest measured row count from which oneDNN wins at every larger one,
-    or MAX_ROWS + 1 (never). Which is faster depends on the CPU: for Qwen3's 151,936 x 1,024 LM
-    head at 8 rows the kernel took 24 ms against oneDNN's 29 on an AVX-512 Xeon, 33 against 27
-    on a Zen 4 EPYC (docs/results/linear/README.md)."""
-    rows = sorted(set(rows))
-    if not rows or rows[0] < 1 or rows[-1] > MAX_ROWS:
-        raise ValueError(f"rows must lie in [1, {MAX_ROWS}], got {list(rows)}")
-    wins = []
+def panels_win(time_paths: Callable[[int], tuple[float, float]],
+               rows: Sequence[int] = MEASURE_ROWS, margin: float = 0.9) -> bool:
+    """Whether an LM head should keep the panels rather than oneDNN's packed copy: each of
+    `rows` timed on both (`time_paths(r)` -> (panel seconds, oneDNN seconds),
+    `Linear.keep_faster_path`); oneDNN wins only when its total takes under `margin` of the
+    panels' (so noise keeps the panels). On a Zen 4 EPYC the panels took 0.7x oneDNN's time at 1
+    and 8 rows of Qwen3's 151,936 x 1,024 head and 0.85x at 64 (docs/results/linear/README.md);
+    measured at load because CPUs differ (as cudnn.benchmark picks convolution algorithms)."""
+    if not rows or min(rows) < 1:
+        raise ValueError(f"rows must be positive row counts, got {list(rows)}")
+    panel_s = onednn_s = 0.0
     for r in rows:
-        kernel_s, onednn_s = time_paths(r)
-        wins.append(onednn_s < margin * kernel_s)
-    crossover = MAX_ROWS + 1
-    for r, win in zip(reversed(rows), reversed(wins)):
-        if not win:
-            break
-        crossover = r
-    return crossover
+        p, o = time_paths(r)
+        panel_s, onednn_s = panel_s + p, onednn_s + o
+    return not onednn_s < margin * panel_s

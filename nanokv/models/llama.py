@@ -29,7 +29,6 @@ from nanokv.distributed.tp_layers import (
 )
 from nanokv.layers import native_elementwise
 from nanokv.layers.linear import Linear
-from nanokv.layers.native_linear import MAX_ROWS, small_linear_available
 from nanokv.layers.norm import RMSNorm
 from nanokv.layers.rotary import RotaryEmbedding
 from nanokv.utils import head_dim_of
@@ -162,25 +161,26 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def pack_linear_weights(self) -> None:
-        """Switch every linear layer to its oneDNN fast path (CPU)."""
+        """Switch every linear layer to its CPU fast path: oneDNN's packed weight, except the
+        LM head, the largest weight a decode step reads, which goes to the panel kernel where it
+        applies (float32; `native_linear`) and to oneDNN otherwise."""
+        head = self.lm_head if type(self.lm_head) is Linear else None
+        tied = self.tie_word_embeddings
         for module in self.modules():
-            if isinstance(module, Linear):
-                # the tied LM head must keep the plain matrix: the embedding lookup uses it
-                module.pack(drop_plain=not (module is self.lm_head and self.tie_word_embeddings))
-        # ... and with it a decode step's few rows go through the few-rows kernel (its vocabulary
-        # matrix is the largest weight a step reads)
-        if self.tie_word_embeddings and type(self.lm_head) is Linear \
-                and small_linear_available():
-            head = self.lm_head
-            head.few_rows = True
-            if head.packed is not None:  # which of the two is faster at a few rows: measured
-                t0 = time.perf_counter()
-                n = head.measure_few_rows()
-                paths = ("oneDNN's packed weight at every row count" if n == 1 else
-                         f"the few-rows kernel for 1-{min(n - 1, MAX_ROWS)} rows"
-                         + ("" if n > MAX_ROWS else f", oneDNN's packed weight from {n}"))
-                logger.info("LM head: %s (measured on this CPU in %.1f s)", paths,
-                            time.perf_counter() - t0)
+            if isinstance(module, Linear) and module is not head:
+                # only the blocked copy kept, but a tied LM head's plain matrix (the embedding's)
+                module.pack(drop_plain=not (module is self.lm_head and tied))
+        if head is None:
+            return
+        head.pack()  # oneDNN's copy; the tied head keeps the plain matrix for the embedding
+        if head.pack_panels():  # and the panels: the faster of the two kept, measured here
+            t0 = time.perf_counter()
+            path = ("column panels (the panel kernel)" if head.keep_faster_path() else
+                    "oneDNN's packed weight (faster than the panel kernel on this CPU)")
+            logger.info("LM head: %s, measured in %.1f s", path, time.perf_counter() - t0)
+        if not tied and (head.panels is not None or head.packed is not None):
+            head.weight = nn.Parameter(torch.empty(0, dtype=head.weight.dtype),
+                                       requires_grad=False)
 
     def use_native_elementwise(self) -> bool:
         """Route the norms, RoPE and SiLU-and-multiply through the fused C kernels

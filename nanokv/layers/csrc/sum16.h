@@ -1,5 +1,5 @@
-/* sum16: the horizontal sums of 16 AVX-512 vectors at once, shared by the quantized decode
- * kernels and the few-rows linear kernel. Included on AVX-512F builds. */
+/* sum16: the horizontal sums of 16 AVX-512 vectors at once, used by the quantized decode
+ * kernels. Included on AVX-512F builds. */
 #ifndef NANOKV_SUM16_H
 #define NANOKV_SUM16_H
 #include <immintrin.h>

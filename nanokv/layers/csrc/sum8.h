@@ -1,5 +1,5 @@
-/* sum8: the horizontal sums of 8 AVX2 vectors at once, shared by the quantized decode kernels
- * and the few-rows linear kernel. Included on AVX2 builds without AVX-512. */
+/* sum8: the horizontal sums of 8 AVX2 vectors at once, used by the quantized decode kernels.
+ * Included on AVX2 builds without AVX-512. */
 #ifndef NANOKV_SUM8_H
 #define NANOKV_SUM8_H
 #include <immintrin.h>

@@ -1,0 +1,167 @@
+/* y = x @ w.T (+ bias) over a weight packed in column panels: the LM head on CPU, whose
+ * vocabulary matrix (Qwen3: 151,936 x 1,024 float32, 622 MB) is the largest weight a decode step
+ * reads, at whatever row count the step brings (1-16 decode rows, more at the end of prefills,
+ * every prompt position for prompt logits).
+ *
+ *   x [M, K] float32; panels [P, K, 32] float32, P = ceil(N / 32): panels[p, k, j] = w[32 p + j, k]
+ *   (0 past N); y [M, N] float32
+ *
+ * The 32 outputs of a panel lie across the lanes of the accumulators, so a step over k is one
+ * load of the panel's row k (two 16-float vectors) and, for each row of x, one broadcast of
+ * x[m, k] and two FMAs: no horizontal sums, and the weight is read once, front to back, in
+ * contiguous 128 KiB panels (at 1,024 columns). Panels are split across threads. The rows of x go
+ * G at a time (AVX-512: 8, 16 accumulators; AVX2: 4, the panel as two halves of 16 columns, 8
+ * accumulators; plain C: 8), each group over the panel while it sits in L2, so the weight comes
+ * from memory once whatever M is. x is first copied group-major ([M / G][K][G]) so a group's
+ * broadcasts for one k are adjacent. Plain C where AVX2 is missing (the compiler's vectoriser).
+ * The reference is `torch.nn.functional.linear` on the unpacked weight. */
+#include <stdint.h>
+#include <stdlib.h>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+enum { PANEL = 32 };
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define G 2 /* rows of x per pass over a panel */
+#else
+#define G 8
+#endif
+
+int panel_width(void) { return PANEL; }
+
+/* panels[p, k, j] = w[32 p + j, k], zero past row N - 1 of w [N, K] */
+void pack_panels(const float *w, float *panels, int64_t N, int64_t K) {
+    const int64_t P = (N + PANEL - 1) / PANEL;
+    #pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < P; p++) {
+        float *dst = panels + p * K * PANEL;
+        for (int j = 0; j < PANEL; j++) {
+            const int64_t n = p * PANEL + j;
+            for (int64_t k = 0; k < K; k++) dst[k * PANEL + j] = n < N ? w[n * K + k] : 0.f;
+        }
+    }
+}
+
+/* one output row segment: y_row[n0 + j] = acc[j] (+ bias), j < 32, only columns below N */
+static inline void store_row(float *y_row, const float *acc, const float *bias, int64_t n0,
+                             int64_t N) {
+    const int64_t n_end = n0 + PANEL < N ? n0 + PANEL : N;
+    for (int64_t n = n0; n < n_end; n++) y_row[n] = acc[n - n0] + (bias ? bias[n] : 0.f);
+}
+
+#if defined(__AVX512F__)
+/* the MC rows of group xg ([K][MC], x's rows m0..m0 + MC) times panel pw ([K][32]) into y
+ * (always inlined with MC constant: 2 * MC accumulators in registers) */
+static inline __attribute__((always_inline)) void panel_group(
+        const float *xg, const float *pw, float *y, const float *bias, int64_t n0, int64_t N,
+        int64_t K, int64_t m0, const int MC) {
+    __m512 acc[G][2];
+    for (int m = 0; m < MC; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const __m512 w0 = _mm512_loadu_ps(pw + k * PANEL);
+        const __m512 w1 = _mm512_loadu_ps(pw + k * PANEL + 16);
+        for (int m = 0; m < MC; m++) {
+            const __m512 xb = _mm512_set1_ps(xg[k * MC + m]);
+            acc[m][0] = _mm512_fmadd_ps(w0, xb, acc[m][0]);
+            acc[m][1] = _mm512_fmadd_ps(w1, xb, acc[m][1]);
+        }
+    }
+    #pragma GCC unroll 8
+    for (int m = 0; m < MC; m++) {
+        float *y_row = y + (m0 + m) * N;
+        if (n0 + PANEL <= N) {
+            __m512 b0 = _mm512_setzero_ps(), b1 = b0;
+            if (bias) b0 = _mm512_loadu_ps(bias + n0), b1 = _mm512_loadu_ps(bias + n0 + 16);
+            _mm512_storeu_ps(y_row + n0, _mm512_add_ps(acc[m][0], b0));
+            _mm512_storeu_ps(y_row + n0 + 16, _mm512_add_ps(acc[m][1], b1));
+        } else {  /* the last panel: columns past N are padding */
+            float tail[PANEL];
+            _mm512_storeu_ps(tail, acc[m][0]);
+            _mm512_storeu_ps(tail + 16, acc[m][1]);
+            store_row(y_row, tail, bias, n0, N);
+        }
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* as above with 8-float vectors: a panel row is four of them, so 4 * MC accumulators (16
+ * registers: two rows of x at a time) */
+static inline __attribute__((always_inline)) void panel_group(
+        const float *xg, const float *pw, float *y, const float *bias, int64_t n0, int64_t N,
+        int64_t K, int64_t m0, const int MC) {
+    __m256 acc[G][4];
+    for (int m = 0; m < MC; m++)
+        for (int v = 0; v < 4; v++) acc[m][v] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m256 wv[4];
+        for (int v = 0; v < 4; v++) wv[v] = _mm256_loadu_ps(pw + k * PANEL + 8 * v);
+        for (int m = 0; m < MC; m++) {
+            const __m256 xb = _mm256_broadcast_ss(xg + k * MC + m);
+            for (int v = 0; v < 4; v++) acc[m][v] = _mm256_fmadd_ps(wv[v], xb, acc[m][v]);
+        }
+    }
+    #pragma GCC unroll 8
+    for (int m = 0; m < MC; m++) {
+        float *y_row = y + (m0 + m) * N;
+        if (n0 + PANEL <= N) {
+            for (int v = 0; v < 4; v++) {
+                const __m256 b = bias ? _mm256_loadu_ps(bias + n0 + 8 * v) : _mm256_setzero_ps();
+                _mm256_storeu_ps(y_row + n0 + 8 * v, _mm256_add_ps(acc[m][v], b));
+            }
+        } else {  /* the last panel: columns past N are padding */
+            float tail[PANEL];
+            for (int v = 0; v < 4; v++) _mm256_storeu_ps(tail + 8 * v, acc[m][v]);
+            store_row(y_row, tail, bias, n0, N);
+        }
+    }
+}
+#else
+static inline __attribute__((always_inline)) void panel_group(
+        const float *xg, const float *pw, float *y, const float *bias, int64_t n0, int64_t N,
+        int64_t K, int64_t m0, const int MC) {
+    float acc[G][PANEL] = {{0}};
+    for (int64_t k = 0; k < K; k++)
+        for (int m = 0; m < MC; m++) {
+            const float xv = xg[k * MC + m];
+            #pragma omp simd
+            for (int j = 0; j < PANEL; j++) acc[m][j] += pw[k * PANEL + j] * xv;
+        }
+    for (int m = 0; m < MC; m++) store_row(y + (m0 + m) * N, acc[m], bias, n0, N);
+}
+#endif
+
+/* y = x @ w.T (+ bias) from w's panels; returns 0, or -1 when the scratch copy of x cannot be
+ * allocated */
+int panel_linear(const float *x, const float *panels, const float *bias, float *y, int64_t M,
+                 int64_t N, int64_t K) {
+    if (M < 1 || N < 1 || K < 1) return 0;
+    /* x group-major: group g (rows g G .. g G + mc) at xg + g G K, as [K][mc] */
+    float *xg = malloc(sizeof(float) * M * K);
+    if (!xg) return -1;
+    for (int64_t m0 = 0; m0 < M; m0 += G) {
+        const int64_t mc = M - m0 < G ? M - m0 : G;
+        float *dst = xg + m0 * K;
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t m = 0; m < mc; m++) dst[k * mc + m] = x[(m0 + m) * K + k];
+    }
+    const int64_t P = (N + PANEL - 1) / PANEL;
+    #pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < P; p++) {
+        const float *pw = panels + p * K * PANEL;
+        for (int64_t m0 = 0; m0 < M; m0 += G) {
+            const float *g = xg + m0 * K;
+            switch (M - m0 < G ? M - m0 : G) {  /* instances with MC constant */
+#define GROUP(c) case c: panel_group(g, pw, y, bias, p * PANEL, N, K, m0, c); break;
+            GROUP(1) GROUP(2)
+#if G > 2
+            GROUP(3) GROUP(4) GROUP(5) GROUP(6) GROUP(7) GROUP(8)
+#endif
+#undef GROUP
+            }
+        }
+    }
+    free(xg);
+    return 0;
+}
