@@ -90,9 +90,10 @@ class EngineConfig:
     num_threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)",
                                    type=int)
     linear_backend: str = _opt(
-        "auto", "the dense layers' CPU path. auto: oneDNN-packed weights and the fused C "
-                "norm / RoPE / SiLU-and-multiply kernels on CPU (fast path), torch F.linear "
-                "elsewhere; torch: the reference path (PyTorch ops only)",
+        "auto", "the dense layers' CPU path. auto: oneDNN-packed weights or the panel "
+                "kernel's column panels (whichever is faster per weight shape, measured at "
+                "load) and the fused C norm / RoPE / SiLU-and-multiply kernels on CPU (fast "
+                "path), torch F.linear elsewhere; torch: the reference path (PyTorch ops only)",
         choices=LINEAR_BACKENDS)
     attention_backend: str = _opt(
         "auto", "attention implementation, chosen once at start-up. auto: the fastest that "

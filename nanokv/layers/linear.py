@@ -3,13 +3,15 @@
 On CPUs, PyTorch's default fp32 GEMM (MKL) is markedly slower here than oneDNN with a weight
 reordered once into its blocked layout (docs/results/engine). `pack()` does that reorder after
 the weights are loaded; `F.linear` on the plain weight stays as the reference path
-(`linear_backend="torch"`). The LM head packs its float32 weight into column panels for the
-panel kernel too (`pack_panels`, `native_linear`): a decode step's few rows read the vocabulary
-matrix at close to the memory's speed, where oneDNN's blocking for a few rows does not. Which of
-the two copies it keeps is measured once at load (`keep_faster_path`).
+(`linear_backend="torch"`). A float32 weight is packed into column panels for the panel kernel
+too (`pack_panels`, `native_linear`): a decode step's few rows read it at close to the memory's
+speed, where oneDNN's blocking for a few rows does not. Which of the two copies a layer keeps is
+measured once per weight shape at load (`keep_faster_path`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -57,11 +59,12 @@ class Linear(nn.Module):
         self.panels = native_linear.pack_panels(self.weight.detach())
         return True
 
-    def keep_faster_path(self, repeats: int = 3) -> bool:
-        """For a layer holding both the panels and oneDNN's packed copy (the LM head at load):
-        time both at native_linear.MEASURE_ROWS rows, keep the faster and free the other.
-        Returns whether the panels were kept. The inputs come from a generator of their own
-        (the global one, seeded by the engine, is left as it was)."""
+    def keep_faster_path(self, rows: Sequence[int] = native_linear.HEAD_ROWS,
+                         repeats: int = 3) -> bool:
+        """For a layer holding both the panels and oneDNN's packed copy (at load): time both
+        at `rows` rows, keep the faster (`keep`) and return whether it was the panels. The
+        inputs come from a generator of their own (the global one, seeded by the engine, is
+        left as it was)."""
         if self.panels is None or self.packed is None:
             raise ValueError("keep_faster_path needs a layer with both panels and a packed copy")
         panels, packed = self.panels, self.packed
@@ -74,12 +77,16 @@ class Linear(nn.Module):
                  lambda: torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [],
                                                             "")), repeats))
 
-        keep_panels = native_linear.panels_win(time_paths)
-        if keep_panels:
+        keep_panels = native_linear.panels_win(time_paths, rows)
+        self.keep(keep_panels)
+        return keep_panels
+
+    def keep(self, panels: bool) -> None:
+        """Keep the panels (True) or oneDNN's packed copy, and free the other."""
+        if panels:
             self.packed = None
         else:
             self.panels = None
-        return keep_panels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:

@@ -99,7 +99,8 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     return y.view(*x.shape[:-1], out_features)
 
 
-MEASURE_ROWS = (1, 8, 64)  # a decode step's rows, and a batch's first tokens after prefill
+HEAD_ROWS = (1, 8, 64)  # an LM head's rows: decode steps, a batch's first tokens after prefill
+LAYER_ROWS = (1, 8, 64, 512)  # a decoder layer's: decode steps and prefill chunks
 
 
 def median_seconds(fns: Sequence[Callable[[], object]], repeats: int) -> list[float]:
@@ -117,13 +118,14 @@ def median_seconds(fns: Sequence[Callable[[], object]], repeats: int) -> list[fl
 
 
 def panels_win(time_paths: Callable[[int], tuple[float, float]],
-               rows: Sequence[int] = MEASURE_ROWS, margin: float = 0.9) -> bool:
-    """Whether an LM head should keep the panels rather than oneDNN's packed copy: each of
+               rows: Sequence[int] = HEAD_ROWS, margin: float = 0.9) -> bool:
+    """Whether a linear layer should keep the panels rather than oneDNN's packed copy: each of
     `rows` timed on both (`time_paths(r)` -> (panel seconds, oneDNN seconds),
     `Linear.keep_faster_path`); oneDNN wins only when its total takes under `margin` of the
     panels' (so noise keeps the panels). On a Zen 4 EPYC the panels took 0.7x oneDNN's time at 1
-    and 8 rows of Qwen3's 151,936 x 1,024 head and 0.85x at 64 (docs/results/linear/README.md);
-    measured at load because CPUs differ (as cudnn.benchmark picks convolution algorithms)."""
+    and 8 rows of Qwen3's 151,936 x 1,024 head and 0.85x at 64, 0.55-0.75x at 1-8 rows of its
+    decoder layers' weights, 0.86-1.29x at 4,096 (docs/results/linear/README.md); measured at
+    load because CPUs and shapes differ (as cudnn.benchmark picks convolution algorithms)."""
     if not rows or min(rows) < 1:
         raise ValueError(f"rows must be positive row counts, got {list(rows)}")
     panel_s = onednn_s = 0.0

@@ -27,7 +27,7 @@ from nanokv.distributed.tp_layers import (
     column_linear,
     row_linear,
 )
-from nanokv.layers import native_elementwise
+from nanokv.layers import native_elementwise, native_linear
 from nanokv.layers.linear import Linear
 from nanokv.layers.norm import RMSNorm
 from nanokv.layers.rotary import RotaryEmbedding
@@ -161,26 +161,34 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def pack_linear_weights(self) -> None:
-        """Switch every linear layer to its CPU fast path: oneDNN's packed weight, except the
-        LM head, the largest weight a decode step reads, which goes to the panel kernel where it
-        applies (float32; `native_linear`) and to oneDNN otherwise."""
-        head = self.lm_head if type(self.lm_head) is Linear else None
-        tied = self.tie_word_embeddings
+        """Switch every linear layer to its CPU fast path: oneDNN's packed weight or, for float32
+        weights where it is faster, the panel kernel's column panels (`native_linear`). Which of
+        the two is measured once per weight shape (the LM head on its own rows: a decode step's
+        largest weight) and logged; each layer keeps one copy. A tied LM head keeps the plain
+        matrix too: the embedding lookup uses it. Tensor-parallel layers take oneDNN."""
+        chosen: dict[tuple, bool] = {}  # (is the head, out, in) -> panels kept
+        t0 = time.perf_counter()
         for module in self.modules():
-            if isinstance(module, Linear) and module is not head:
-                # only the blocked copy kept, but a tied LM head's plain matrix (the embedding's)
-                module.pack(drop_plain=not (module is self.lm_head and tied))
-        if head is None:
-            return
-        head.pack()  # oneDNN's copy; the tied head keeps the plain matrix for the embedding
-        if head.pack_panels():  # and the panels: the faster of the two kept, measured here
-            t0 = time.perf_counter()
-            path = ("column panels (the panel kernel)" if head.keep_faster_path() else
-                    "oneDNN's packed weight (faster than the panel kernel on this CPU)")
-            logger.info("LM head: %s, measured in %.1f s", path, time.perf_counter() - t0)
-        if not tied and (head.panels is not None or head.packed is not None):
-            head.weight = nn.Parameter(torch.empty(0, dtype=head.weight.dtype),
-                                       requires_grad=False)
+            if not isinstance(module, Linear):
+                continue
+            keep_plain = module is self.lm_head and self.tie_word_embeddings
+            module.pack()
+            if type(module) is Linear and module.packed is not None and module.pack_panels():
+                is_head = module is self.lm_head
+                shape = (is_head, module.out_features, module.in_features)
+                if shape in chosen:
+                    module.keep(chosen[shape])
+                else:
+                    rows = native_linear.HEAD_ROWS if is_head else native_linear.LAYER_ROWS
+                    chosen[shape] = module.keep_faster_path(rows)
+            if not keep_plain and (module.packed is not None or module.panels is not None):
+                module.weight = nn.Parameter(torch.empty(0, dtype=module.weight.dtype),
+                                             requires_grad=False)
+        if chosen:
+            logger.info("linear layers on CPU, measured in %.1f s: %s", time.perf_counter() - t0,
+                        "; ".join(f"{'LM head ' if head else ''}{n} x {k}: "
+                                  f"{'column panels' if panels else 'oneDNN'}"
+                                  for (head, n, k), panels in chosen.items()))
 
     def use_native_elementwise(self) -> bool:
         """Route the norms, RoPE and SiLU-and-multiply through the fused C kernels

@@ -115,7 +115,7 @@ def test_keep_faster_path_times_both_and_frees_the_other(monkeypatch, panels_fas
 
     monkeypatch.setattr(native_linear, "median_seconds", median_seconds)
     assert layer.keep_faster_path(repeats=2) == panels_faster
-    assert measured == list(native_linear.MEASURE_ROWS)
+    assert measured == list(native_linear.HEAD_ROWS)
     assert (layer.panels is not None, layer.packed is not None) == (panels_faster,
                                                                     not panels_faster)
     x = torch.randn(5, 64)
@@ -123,21 +123,21 @@ def test_keep_faster_path_times_both_and_frees_the_other(monkeypatch, panels_fas
 
 
 @pytest.mark.parametrize("panels_faster", [True, False])
-def test_a_loaded_models_lm_head_keeps_the_faster_copy(tiny_model, monkeypatch, panels_faster):
-    """The LM head of a model loaded with the fast path (tiny Llama: untied; tiny Qwen3: tied)
-    keeps the copy its measurement picks (forced here), frees the other, and gives F.linear's
-    logits at decode and prefill row counts; tied, the embedding keeps the plain matrix; untied,
-    only the kept copy remains."""
+def test_a_loaded_models_layers_keep_the_faster_copy(tiny_model, monkeypatch, panels_faster):
+    """The linear layers of a model loaded with the fast path (tiny Llama: untied LM head; tiny
+    Qwen3: tied) keep the copy the measurement picks (forced here) and free the other; the LM
+    head gives F.linear's logits at decode and prefill row counts; tied, the embedding keeps the
+    plain matrix; untied, only the kept copy remains."""
     from pathlib import Path
 
     from safetensors.torch import load_file
 
-    from nanokv.layers.linear import onednn_available
+    from nanokv.layers.linear import Linear, onednn_available
     from nanokv.worker.loader import load_model
 
     if not onednn_available():
         pytest.skip("no oneDNN in this PyTorch build")
-    monkeypatch.setattr(native_linear, "panels_win", lambda time_paths: panels_faster)
+    monkeypatch.setattr(native_linear, "panels_win", lambda time_paths, rows: panels_faster)
     model = load_model(tiny_model, device="cpu", dtype="float32",
                        skip_tokenizer_init=True).model
     head = model.lm_head
@@ -153,6 +153,41 @@ def test_a_loaded_models_lm_head_keeps_the_faster_copy(tiny_model, monkeypatch, 
         x = torch.randn(rows, head.in_features)
         torch.testing.assert_close(model.compute_logits(x), reference(x, plain),
                                    atol=1e-4, rtol=1e-5)
+    # every decoder layer's linears: one copy each, the one chosen, the plain matrix freed
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m is not head]
+    assert layers
+    for m in layers:
+        assert (m.panels is not None, m.packed is not None) == (panels_faster,
+                                                                not panels_faster)
+        assert m.weight.numel() == 0
+
+
+def test_the_choice_is_measured_once_per_shape(tiny_model, monkeypatch):
+    """pack_linear_weights times each weight shape once (the LM head on its own rows) and gives
+    every layer of that shape the same copy."""
+    from nanokv.layers.linear import Linear, onednn_available
+    from nanokv.worker.loader import load_model
+
+    if not onednn_available():
+        pytest.skip("no oneDNN in this PyTorch build")
+    calls = []
+
+    def panels_win(time_paths, rows):
+        calls.append(tuple(rows))
+        return len(calls) % 2 == 1  # alternate, so a shape's layers must share the first answer
+
+    monkeypatch.setattr(native_linear, "panels_win", panels_win)
+    model = load_model(tiny_model, device="cpu", dtype="float32",
+                       skip_tokenizer_init=True).model
+    by_shape: dict = {}
+    for m in model.modules():
+        if isinstance(m, Linear):
+            key = (m is model.lm_head, m.out_features, m.in_features)
+            by_shape.setdefault(key, set()).add(m.panels is not None)
+    assert all(len(kept) == 1 for kept in by_shape.values())
+    assert len(calls) == len(by_shape)
+    assert calls.count(native_linear.HEAD_ROWS) == 1
+    assert calls.count(native_linear.LAYER_ROWS) == len(by_shape) - 1
 
 
 @pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx2"])
