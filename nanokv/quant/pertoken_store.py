@@ -12,6 +12,7 @@ import torch
 
 from nanokv.cache.kv_cache import KVCacheOptions
 from nanokv.cache.layout import KVLayout
+from nanokv.quant import native_int8
 from nanokv.quant.fp8 import dequantize_fp8, fp8_dtype, quantize_fp8
 from nanokv.quant.int8 import SCALE_DTYPE, dequantize_int8, quantize_int8
 from nanokv.quant.store import BufferSpec, QuantizedKVStore, Rope, WritePlan
@@ -74,6 +75,18 @@ class PerTokenKVStore(QuantizedKVStore):
 
 class Int8KVStore(PerTokenKVStore):
     kv_cache_dtype = "int8"
+
+    def write(self, layer: int, plan: WritePlan, k: torch.Tensor, v: torch.Tensor) -> None:
+        """On CPU with float32 K/V, quantize-on-write in C (`native_int8`: the same bytes in one
+        pass); otherwise the PyTorch path."""
+        if not (self.device.type == "cpu" and k.dtype == v.dtype == torch.float32
+                and native_int8.native_int8_available()):
+            return super().write(layer, plan, k, v)
+        heads, dim = self.layout.num_kv_heads, self.layout.head_dim
+        for name, x in (("k", k), ("v", v)):
+            native_int8.quantize_write(
+                x, plan.slot_mapping, self.buffers[f"{name}_codes"][layer].view(-1, heads, dim),
+                self.buffers[f"{name}_scales"][layer].view(-1, heads))
 
     def _quantize(self, x):
         return quantize_int8(x)
