@@ -1,9 +1,10 @@
-"""The LM head's linear kernel on CPU (`csrc/panel_linear.c`): y = x @ w.T (+ bias) over the
-float32 weight packed once into column panels [ceil(N / 32), K, 32] (`pack_panels`), at any row
-count. A decode step reads the whole vocabulary matrix (Qwen3: 622 MB) for a few rows; in panels
-it is read once, front to back, and each row of x costs a broadcast and two FMAs per weight
-vector, no horizontal sums. Used by the LM head (`Linear.pack_panels`), where it replaces
-oneDNN's packed copy (same memory). AVX-512 and AVX2 vector paths, plain C elsewhere.
+"""The panel kernel for CPU linear layers (`csrc/panel_linear.c`): y = x @ w.T (+ bias) over
+the float32 weight packed once into column panels [ceil(N / 32), K, 32] (`pack_panels`), at any
+row count. A decode step reads every weight for a few rows (the LM head alone: 622 MB for
+Qwen3); in panels a weight is read once, front to back, and each row of x costs a broadcast and
+two FMAs per weight vector, no horizontal sums. Each float32 layer keeps the faster of its panels
+and oneDNN's packed copy, measured once per weight shape at load (`Linear.keep_faster_path`,
+`panels_win`), so the memory is what it was. AVX-512 and AVX2 vector paths, plain C elsewhere.
 `F.linear` on the unpacked weight is the reference (tests/unit/test_panel_linear.py);
 `benchmarks/bench_lm_head.py` times it against F.linear and oneDNN. Built on first use like the
 decode kernels (`native_attention.build_library`)."""
