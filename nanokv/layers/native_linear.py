@@ -125,7 +125,7 @@ def panels_win(time_paths: Callable[[int], tuple[float, float]],
     `Linear.keep_faster_path`); oneDNN wins only when its total takes under `margin` of the
     panels' (so noise keeps the panels). On a Zen 4 EPYC the panels took 0.7x oneDNN's time at 1
     and 8 rows of Qwen3's 151,936 x 1,024 head and 0.85x at 64, 0.55-0.75x at 1-8 rows of its
-    decoder layers' weights, 0.86-1.29x at 4,096 (docs/results/linear/README.md); measured at
+    decoder layers' weights, 0.90-1.13x at 4,096 (docs/results/linear/README.md); measured at
     load because CPUs and shapes differ (as cudnn.benchmark picks convolution algorithms)."""
     if not rows or min(rows) < 1:
         raise ValueError(f"rows must be positive row counts, got {list(rows)}")
