@@ -40,13 +40,17 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None  # oneDNN-blocked copy of the weight
         self.panels: torch.Tensor | None = None  # column panels of the weight (native_linear)
 
-    def pack(self, drop_plain: bool = False) -> None:
+    def pack(self) -> None:
         """Reorder the weight for oneDNN (CPU, float32/bfloat16 only)."""
         if self.weight.device.type != "cpu" or self.weight.dtype not in (torch.float32,
                                                                          torch.bfloat16):
             return
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
-        if drop_plain:  # keep only the blocked copy: saves one copy of the weights
+
+    def free_plain(self) -> None:
+        """Drop the plain weight where a packed copy or the panels stand in for it (saves one
+        copy of the weights); a no-op otherwise."""
+        if self.packed is not None or self.panels is not None:
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype),
                                        requires_grad=False)
 
@@ -56,6 +60,9 @@ class Linear(nn.Module):
         if (self.weight.device.type != "cpu" or self.weight.dtype != torch.float32
                 or not native_linear.panel_linear_available()):
             return False
+        if self.bias is not None and (self.bias.dtype != torch.float32
+                                      or self.bias.shape != (self.out_features,)):
+            return False  # forward trusts the panels and bias it packed with
         self.panels = native_linear.pack_panels(self.weight.detach())
         return True
 
@@ -73,7 +80,8 @@ class Linear(nn.Module):
             x = torch.randn(rows, self.in_features,
                             generator=torch.Generator().manual_seed(rows))
             return tuple(native_linear.median_seconds(
-                (lambda: native_linear.panel_linear(x, panels, self.out_features, self.bias),
+                (lambda: native_linear.panel_linear(x, panels, self.out_features, self.bias,
+                                                    trusted=True),
                  lambda: torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [],
                                                             "")), repeats))
 
@@ -90,7 +98,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
-            return native_linear.panel_linear(x, self.panels, self.out_features, self.bias)
+            return native_linear.panel_linear(x, self.panels, self.out_features, self.bias,
+                                              trusted=True)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -74,21 +74,23 @@ def pack_panels_reference(weight: torch.Tensor) -> torch.Tensor:
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, trusted: bool = False) -> torch.Tensor:
     """F.linear(x, weight, bias) from weight's panels (`pack_panels`): x [..., K] float32 CPU
-    -> [..., out_features] float32."""
+    -> [..., out_features] float32. `trusted`: panels and bias are a layer's own, checked when
+    it packed them (`Linear.pack_panels`), so only x is checked (a decode step's hot path)."""
     k = panels.shape[1] if panels.dim() == 3 else -1
-    if (panels.dim() != 3 or panels.shape[2] != PANEL or panels.dtype != torch.float32
-            or not panels.is_contiguous() or panels.shape[0] != num_panels(out_features)):
-        raise ValueError(f"panels must be float32 [{num_panels(out_features)}, K, {PANEL}] "
-                         f"(pack_panels of a [{out_features}, K] weight), got "
-                         f"{tuple(panels.shape)} {panels.dtype}")
+    if not trusted:
+        if (panels.dim() != 3 or panels.shape[2] != PANEL or panels.dtype != torch.float32
+                or not panels.is_contiguous() or panels.shape[0] != num_panels(out_features)):
+            raise ValueError(f"panels must be float32 [{num_panels(out_features)}, K, {PANEL}] "
+                             f"(pack_panels of a [{out_features}, K] weight), got "
+                             f"{tuple(panels.shape)} {panels.dtype}")
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,)):
+            raise ValueError(f"bias must be float32 [{out_features}], got {tuple(bias.shape)} "
+                             f"{bias.dtype}")
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() < 1 or x.shape[-1] != k:
         raise ValueError(f"panel_linear takes float32 CPU x [..., {k}], got {tuple(x.shape)} "
                          f"{x.dtype} {x.device}")
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,)):
-        raise ValueError(f"bias must be float32 [{out_features}], got {tuple(bias.shape)} "
-                         f"{bias.dtype}")
     rows = x.reshape(-1, k).contiguous()  # [M, K]
     bias = None if bias is None else bias.contiguous()
     y = torch.empty(rows.shape[0], out_features)

@@ -181,9 +181,8 @@ class LlamaForCausalLM(nn.Module):
                 else:
                     rows = native_linear.HEAD_ROWS if is_head else native_linear.LAYER_ROWS
                     chosen[shape] = module.keep_faster_path(rows)
-            if not keep_plain and (module.packed is not None or module.panels is not None):
-                module.weight = nn.Parameter(torch.empty(0, dtype=module.weight.dtype),
-                                             requires_grad=False)
+            if not keep_plain:
+                module.free_plain()
         if chosen:
             logger.info("linear layers on CPU, measured in %.1f s: %s", time.perf_counter() - t0,
                         "; ".join(f"{'LM head ' if head else ''}{n} x {k}: "
