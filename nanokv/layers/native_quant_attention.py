@@ -60,7 +60,7 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.kvquant_read_blocks.argtypes = [ctypes.POINTER(KVQuantLayer), _p, _i64, _i64, _p, _p]
     lib.kvquant_read_blocks.restype = ctypes.c_int
     for switch in (lib.pertoken_set_int8_fused, lib.pertoken_set_int8_prefetch,
-                   lib.pertoken_set_int8_stage):
+                   lib.pertoken_set_int8_stage, lib.kvquant_set_slot_keys):
         switch.argtypes = [ctypes.c_int]
         switch.restype = None
     lib.pertoken_int8_stage.restype = ctypes.c_int
@@ -83,6 +83,14 @@ def set_int8_fused(on: bool) -> None:
     name is the int8 path's, which came first; the stage and prefetch switches below apply to
     fp8 the same way.)"""
     load_quant_kernels().pertoken_set_int8_fused(int(bool(on)))
+
+
+def set_slot_keys(on: bool) -> None:
+    """KVQuant's key pass with a tile's slots in the vector lanes (True, the default where it
+    fits: AVX-512 builds, 2 or 4-bit keys, RoPE over the whole head or none) or with channels in
+    the lanes (False: the planar pass): an A/B switch for benchmarks and tests, as
+    set_int8_fused."""
+    load_quant_kernels().kvquant_set_slot_keys(int(bool(on)))
 
 
 def set_int8_prefetch(on: bool) -> None:

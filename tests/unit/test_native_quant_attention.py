@@ -287,6 +287,65 @@ def test_kvquant_key_outliers_in_any_order():
     torch.testing.assert_close(shuffled, ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("bits,d,hkv", [
+    (4, 32, 4),    # a slot's row of every KV head is one vector: transposed once a tile
+    (4, 128, 2),   # a KV head's row is one vector: transposed per head
+    (4, 64, 8),    # neither: the tile's words gathered
+    (2, 128, 2),   # 2-bit: 16 codes a word
+    (2, 32, 8),
+])
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("halves", ["equal", "unequal", "none"])
+def test_kvquant_key_passes_equal_the_reference(bits, d, hkv, block_size, halves):
+    """KVQuant's two AVX-512 key passes, slots in the lanes (the default where it fits) and
+    channels in the lanes (`set_slot_keys(False)`: the planar pass), each equal the reference
+    and each other: every way the slot-lanes pass reads a tile's codes, 2 and 4-bit, block
+    sizes 16 and 256 with a last tile cut short, GQA 2, outliers, and RoPE tables whose halves
+    are equal (the common rotate-half tables), unequal (each half's cos / sin read), or no
+    RoPE in the kernel (keys stored after RoPE)."""
+    from types import SimpleNamespace
+
+    from nanokv.layers.native_quant_attention import set_slot_keys
+
+    n = 2 * block_size + 5
+    lay = KVLayout(1, hkv, d, block_size, torch.float32)
+    store = KVQuantStore(lay, 4, KVQuantConfig(bits=bits, outlier_fraction=0.03,
+                                               pre_rope_keys=halves != "none"),
+                         num_staging_blocks=2)
+    store.rotary = RotaryEmbedding(_HFConfig(), d, MAX_POS)
+    if halves == "unequal":  # the second half's angles differ from the first's
+        store.rotary.cos[:, d // 2:] = torch.cos(torch.arange(MAX_POS)[:, None] * 0.37
+                                                 / (1 + torch.arange(d // 2)))
+        store.rotary.sin[:, d // 2:] = torch.sin(torch.arange(MAX_POS)[:, None] * 0.37
+                                                 / (1 + torch.arange(d // 2)))
+    gen = torch.Generator().manual_seed(bits * 100 + d + block_size)
+    k = torch.randn(n, hkv, d, generator=gen)
+    k[torch.rand(k.shape, generator=gen) < 0.02] *= 8
+    v = torch.randn(n, hkv, d, generator=gen)
+    table = [2, 0, 3]
+    slots = [table[j // block_size] * block_size + j % block_size for j in range(n)]
+    store.write(0, store.plan_write(slots, [7 + 3 * j for j in range(n)]), k, v)
+    assert bool((store.buffers["k_oidx0"] >= 0).any())
+    hq = 2 * hkv
+    common = CommonAttentionMetadata([0], 1, [table], [n + 1], [])
+    common.write_plan = SimpleNamespace(slot_mapping=torch.empty(0, dtype=torch.long))
+    q = torch.randn(1, hq, d, generator=gen) * 3
+    k_new, v_new = torch.randn(1, hkv, d, generator=gen), torch.randn(1, hkv, d, generator=gen)
+    ref = reference_quantized_attention(q, k_new, v_new, store, 0, table, n, d ** -0.5,
+                                        store.rope)
+    outs = []
+    try:
+        for slot_keys in (True, False):
+            set_slot_keys(slot_keys)
+            backend = NativeQuantizedBackend(store, CPU)
+            outs.append(backend.decode(0, q, k_new, v_new, backend.build(common), d ** -0.5))
+    finally:
+        set_slot_keys(True)
+    for out in outs:
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
 def test_kvquant_bf16_staging_and_all_slots_staged():
     """Staged (partial-block) keys in bfloat16, and blocks that never fill."""
     rng, gen = random.Random(1), torch.Generator().manual_seed(1)

@@ -14,7 +14,9 @@
  *   1. keys, all KV heads, by tiles of slots: a slot's row is looked up, mapped by the block's
  *      per-channel statistics and rotated (a vector of channels and their RoPE partners at a
  *      time) in registers and dotted with its group's queries; the dot products of a tile's
- *      slots are reduced together (sum16 / sum8). Then per KV head:
+ *      slots are reduced together (sum16 / sum8). On AVX-512 with 2 or 4-bit keys, the tile's
+ *      16 slots are the lanes instead (kvquant_slot_keys_avx512.h: a channel of 16 slots per
+ *      table permute, no reduction). Then per KV head:
  *   2. key outliers enter as corrections: on AVX-512 of the scores they touch, (exact - decoded
  *      value) times that channel's coefficient in q . RoPE(k) (RoPE is linear); on AVX2 of the
  *      mapped values before the rotation, inside the key pass; a sink slot's score is
@@ -59,7 +61,8 @@ typedef struct {
      * (block_request_queries), the block's key statistics, a tile's RoPE rows */
     float *pq;             /* [Hq, D] */
     float *pk_half, *pk_off; /* [Hkv, D] */
-    float *pcos, *psin;    /* [16, D] */
+    float *pcos, *psin;    /* [16, D] (the slot-lanes pass: [D, 16], transposed) */
+    float *ktab;           /* [Hkv, D, 16]: the slot-lanes key pass's per-channel tables */
 } BlockScratch;
 
 static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int64_t B,
@@ -93,10 +96,11 @@ static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int6
     w->pk_off = malloc(sizeof(float) * Hkv * D);
     w->pcos = malloc(sizeof(float) * 16 * D);
     w->psin = malloc(sizeof(float) * 16 * D);
+    w->ktab = aligned_alloc(64, sizeof(float) * Hkv * D * 16);
     return w->scores && w->pa && w->k_off && w->k_half && w->row && w->v_half && w->v_off
            && w->live && w->pb && w->patch_ch && w->patch_x && w->v_stats && w->dots && w->sink_at
            && w->v_head && w->o_start && w->o_gch && w->o_val && w->delta && w->unit && w->pq
-           && w->pk_half && w->pk_off && w->pcos && w->psin;
+           && w->pk_half && w->pk_off && w->pcos && w->psin && w->ktab;
 }
 
 static void block_scratch_free(BlockScratch *w) {
@@ -105,7 +109,7 @@ static void block_scratch_free(BlockScratch *w) {
     free(w->v_stats); free(w->dots);
     free(w->sink_at); free(w->v_head); free(w->o_start); free(w->o_gch); free(w->o_val);
     free(w->delta); free(w->unit); free(w->pq); free(w->pk_half); free(w->pk_off);
-    free(w->pcos); free(w->psin);
+    free(w->pcos); free(w->psin); free(w->ktab);
 }
 
 /* is the block path valid for this layer (the staging of a block is checked per block) */

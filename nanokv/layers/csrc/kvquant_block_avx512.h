@@ -746,27 +746,42 @@ static void block_softmax(Softmax *s, int64_t h, int64_t group, int64_t n, int64
     }
 }
 
-/* a request's queries in planar order (w->pq), where the planar key pass takes the layer:
- * once per request, before its blocks */
-static void block_request_queries(const KVQuantLayer *L, const float *qb, BlockScratch *w) {
-    const int planar = planar_keys_fit(L) ? planar_k(L->k.bits) : 0;
-    if (planar == 2) planar_copy(w->pq, qb, L->num_q_heads * L->head_dim, 2);
-    else if (planar == 4) planar_copy(w->pq, qb, L->num_q_heads * L->head_dim, 4);
+#include "kvquant_slot_keys_avx512.h"
+
+/* which key pass takes the layer: the slot-lanes pass (SLOT_KEYS, slot_keys_fit, unless
+ * switched off: kvquant_set_slot_keys), the planar pass (its k, codes a byte) or the natural
+ * one (0) */
+
+enum { SLOT_KEYS = 8 };
+
+static inline int key_pass_kind(const KVQuantLayer *L) {
+    if (nanokv_slot_keys && slot_keys_fit(L)) return SLOT_KEYS;
+    return planar_keys_fit(L) ? planar_k(L->k.bits) : 0;
 }
 
-/* the block's key statistics in planar order where the planar key pass takes the layer;
- * returns its k (codes a byte), 0 none */
+/* the block's key operands for its key pass: the per-channel tables (slot lanes) or the key
+ * statistics in planar order; returns key_pass_kind */
 static int block_key_operands(const KVQuantLayer *L, BlockScratch *w) {
-    const int planar = planar_keys_fit(L) ? planar_k(L->k.bits) : 0;
+    const int kind = key_pass_kind(L);
     const int64_t n = L->num_kv_heads * L->head_dim;
-    if (planar == 2) {
+    if (kind == SLOT_KEYS) {
+        slot_key_tables(L, w);
+    } else if (kind == 2) {
         planar_copy(w->pk_half, w->k_half, n, 2);
         planar_copy(w->pk_off, w->k_off, n, 2);
-    } else if (planar == 4) {
+    } else if (kind == 4) {
         planar_copy(w->pk_half, w->k_half, n, 4);
         planar_copy(w->pk_off, w->k_off, n, 4);
     }
-    return planar;
+    return kind;
+}
+
+/* a request's queries in planar order (w->pq), where the planar key pass takes the layer:
+ * once per request, before its blocks */
+static void block_request_queries(const KVQuantLayer *L, const float *qb, BlockScratch *w) {
+    const int planar = key_pass_kind(L);
+    if (planar == 2) planar_copy(w->pq, qb, L->num_q_heads * L->head_dim, 2);
+    else if (planar == 4) planar_copy(w->pq, qb, L->num_q_heads * L->head_dim, 4);
 }
 
 /* the key dots of query heads [h0, h0 + nh) of every KV head: instances with the code width
@@ -778,8 +793,14 @@ static void block_key_heads(const KVQuantLayer *L, int64_t blk, int64_t next_blk
 #define KEY_DOTS_2_SWAP(k) block_key_dots_planar(L, blk, next_blk, n, h0, k, 2, 1, w)
 #define KEY_DOTS_4(k) block_key_dots_planar(L, blk, next_blk, n, h0, k, 4, 0, w)
 #define KEY_DOTS_4_SWAP(k) block_key_dots_planar(L, blk, next_blk, n, h0, k, 4, 1, w)
+#define KEY_DOTS_SLOTS_2(k) block_key_dots_slots(L, blk, next_blk, n, qb, h0, k, 2, w)
+#define KEY_DOTS_SLOTS_4(k) block_key_dots_slots(L, blk, next_blk, n, qb, h0, k, 4, w)
     const int swap = planar && L->head_dim == 16 * planar;
-    if (planar == 2 && swap) {
+    if (planar == SLOT_KEYS && L->k.bits == 4) {
+        BLOCK_HEADS_DISPATCH(KEY_DOTS_SLOTS_4, nh)
+    } else if (planar == SLOT_KEYS) {
+        BLOCK_HEADS_DISPATCH(KEY_DOTS_SLOTS_2, nh)
+    } else if (planar == 2 && swap) {
         BLOCK_HEADS_DISPATCH(KEY_DOTS_2_SWAP, nh)
     } else if (planar == 4 && swap) {
         BLOCK_HEADS_DISPATCH(KEY_DOTS_4_SWAP, nh)
@@ -795,6 +816,8 @@ static void block_key_heads(const KVQuantLayer *L, int64_t blk, int64_t next_blk
 #undef KEY_DOTS_2_SWAP
 #undef KEY_DOTS_4
 #undef KEY_DOTS_4_SWAP
+#undef KEY_DOTS_SLOTS_2
+#undef KEY_DOTS_SLOTS_4
 }
 
 /* the value pass of query heads [h0, h0 + nh) of KV head g (acc0: head h0's accumulator) */

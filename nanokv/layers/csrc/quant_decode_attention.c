@@ -1372,6 +1372,11 @@ int kvquant_read_blocks(const KVQuantLayer *L, const int64_t *blk_ids, int64_t n
     return failed ? -1 : 0;
 }
 
+/* 1: the slot-lanes key pass where it fits (AVX-512 builds: kvquant_slot_keys_avx512.h), 0:
+ * the planar pass; an A/B switch (`nanokv.layers.native_quant_attention.set_slot_keys`) */
+static int nanokv_slot_keys = 1;
+void kvquant_set_slot_keys(int on) { nanokv_slot_keys = on; }
+
 /* The block path: AVX-512 builds, and AVX2 builds with FMA and F16C (the vector kernels of
  * kvquant_block_avx512.h / kvquant_block_avx2.h around the shared parts of kvquant_block.h) */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
