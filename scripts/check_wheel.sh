@@ -22,7 +22,7 @@ WHEEL=$(ls "$WORK"/dist/nanokv-*.whl)
 "$PY" -m zipfile -l "$WHEEL" > "$WORK/wheel-files.txt"
 for src in decode_attention.c quant_decode_attention.c panel_linear.c fused_elementwise.c \
     kvquant_quantize.c int8_quantize.c sum16.h half.h kvquant_block.h kvquant_block_avx512.h \
-    kvquant_block_avx2.h; do
+    kvquant_block_avx2.h kvquant_slot_keys_avx512.h sum8.h; do
   grep -q "nanokv/layers/csrc/$src" "$WORK/wheel-files.txt" \
     || { say "the wheel lacks the kernels' source $src"; exit 1; }
 done

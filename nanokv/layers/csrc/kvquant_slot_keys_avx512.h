@@ -16,9 +16,6 @@
  *     the pair's two halves, so that the FMA chains are not one long dependency).
  * The reference is the planar pass and, under both, the row path (`kvquant_row_block`). */
 
-
-
-
 /* does the slot-lanes key pass take this layer: 2 or 4-bit codes, rows of whole 32-bit words,
  * RoPE over the whole head (its pairs a whole number of words apart) or none */
 static inline int slot_keys_fit(const KVQuantLayer *L) {
@@ -67,8 +64,9 @@ static void slot_key_tables(const KVQuantLayer *L, BlockScratch *w) {
                                                            _mm512_set1_ps(w->k_off[c])));
 }
 
-/* the tile's RoPE rows transposed: dst[c * 16 + u] = table[pos(u) * R + c], c < len (len % 16
- * == 0), for the tile's 16 slots (rows past nt: position 0) */
+/* the tile's RoPE rows transposed: dst[c * 16 + u] = table[pos(u) * R + c], c < len, for the
+ * tile's 16 slots (rows past nt: position 0); len is D / 2 or D, a multiple of 16 on the block
+ * path (head_dim % 32 == 0) */
 static inline void slot_rope_tile(float *restrict dst, const float *restrict table,
                                   const int64_t *pos, int64_t R, int64_t len) {
     for (int64_t c0 = 0; c0 < len; c0 += 16) {
