@@ -71,15 +71,19 @@ def ab_pair(args, libs: dict, requests: int, context: int, bits: int) -> dict:
     call = partial(backend.decode, 0, q, k_new, v_new, backend.build(common),
                    args.head_dim ** -0.5)
     outs, times = {}, {side: [] for side in libs}
-    for side, lib in libs.items():  # a warm-up each, and the outputs compared
-        nqa._LIBRARY = lib
-        outs[side] = call().clone()
-    for i in range(args.rounds):
-        for side in (("before", "after") if i % 2 == 0 else ("after", "before")):
-            nqa._LIBRARY = libs[side]
-            t0 = time.thread_time()
-            call()
-            times[side].append(time.thread_time() - t0)
+    own = nqa._LIBRARY  # put back afterwards: the A/B libraries type only the KVQuant kernel
+    try:
+        for side, lib in libs.items():  # a warm-up each, and the outputs compared
+            nqa._LIBRARY = lib
+            outs[side] = call().clone()
+        for i in range(args.rounds):
+            for side in (("before", "after") if i % 2 == 0 else ("after", "before")):
+                nqa._LIBRARY = libs[side]
+                t0 = time.thread_time()
+                call()
+                times[side].append(time.thread_time() - t0)
+    finally:
+        nqa._LIBRARY = own
     ratios = [a / b for a, b in zip(times["after"], times["before"])]
     q1, _, q3 = statistics.quantiles(ratios, n=4)
     per_token = {side: statistics.median(ts) * 1e6 / (requests * context)

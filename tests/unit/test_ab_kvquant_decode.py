@@ -35,7 +35,10 @@ def _tool():
 
 
 def test_same_checkout_both_sides(tmp_path, monkeypatch):
+    import nanokv.layers.native_quant_attention as nqa
+
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    own = nqa._LIBRARY
     out = tmp_path / "ab.json"
     _tool().main(["--before", str(ROOT), "--requests", "2", "--contexts", "40", "--bits", "4",
                   "2", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64",
@@ -46,6 +49,9 @@ def test_same_checkout_both_sides(tmp_path, monkeypatch):
         assert r["max_abs_diff"] == 0.0  # one library on both sides
         assert r["before_us_per_token"] > 0 and r["after_us_per_token"] > 0
         assert r["ratio_q1"] <= r["ratio_median"] <= r["ratio_q3"]
+    # the process's own library is back (the A/B's type only the KVQuant kernel: the int8
+    # kernel called through one of them got untyped 64-bit arguments)
+    assert nqa._LIBRARY is own
 
 
 @pytest.mark.parametrize("argv,message", [
