@@ -748,12 +748,11 @@ static void block_softmax(Softmax *s, int64_t h, int64_t group, int64_t n, int64
 
 #include "kvquant_slot_keys_avx512.h"
 
+enum { SLOT_KEYS = 8 };
+
 /* which key pass takes the layer: the slot-lanes pass (SLOT_KEYS, slot_keys_fit, unless
  * switched off: kvquant_set_slot_keys), the planar pass (its k, codes a byte) or the natural
  * one (0) */
-
-enum { SLOT_KEYS = 8 };
-
 static inline int key_pass_kind(const KVQuantLayer *L) {
     if (nanokv_slot_keys && slot_keys_fit(L)) return SLOT_KEYS;
     return planar_keys_fit(L) ? planar_k(L->k.bits) : 0;
@@ -779,13 +778,14 @@ static int block_key_operands(const KVQuantLayer *L, BlockScratch *w) {
 /* a request's queries in planar order (w->pq), where the planar key pass takes the layer:
  * once per request, before its blocks */
 static void block_request_queries(const KVQuantLayer *L, const float *qb, BlockScratch *w) {
-    const int planar = key_pass_kind(L);
-    if (planar == 2) planar_copy(w->pq, qb, L->num_q_heads * L->head_dim, 2);
-    else if (planar == 4) planar_copy(w->pq, qb, L->num_q_heads * L->head_dim, 4);
+    const int kind = key_pass_kind(L);
+    if (kind == 2) planar_copy(w->pq, qb, L->num_q_heads * L->head_dim, 2);
+    else if (kind == 4) planar_copy(w->pq, qb, L->num_q_heads * L->head_dim, 4);
 }
 
-/* the key dots of query heads [h0, h0 + nh) of every KV head: instances with the code width
- * (planar: block_key_operands' k) and the heads constant */
+/* the key dots of query heads [h0, h0 + nh) of every KV head: instances with the pass, the
+ * code width and the heads constant (planar: block_key_operands' kind, SLOT_KEYS or the planar
+ * pass's k) */
 static void block_key_heads(const KVQuantLayer *L, int64_t blk, int64_t next_blk, int64_t n,
                             const float *qb, int64_t h0, int nh, int planar, BlockScratch *w) {
 #define KEY_DOTS(k) block_key_dots(L, blk, next_blk, n, qb, h0, k, w)
