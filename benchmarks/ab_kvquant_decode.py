@@ -19,7 +19,6 @@ and the ratio's median and quartiles; --out writes them as JSON.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import statistics
@@ -45,14 +44,6 @@ from nanokv.layers.rotary import RotaryEmbedding  # noqa: E402
 KERNEL = Path("nanokv/layers/csrc/quant_decode_attention.c")
 
 
-def _kernel_setup(lib) -> None:
-    """The typed entry points the A/B calls (the decode kernel; an older checkout's library
-    may lack this checkout's later switches)."""
-    lib.kvquant_decode_attention.argtypes = [ctypes.POINTER(nqa.KVQuantLayer)] + \
-        [ctypes.c_void_p] * 7 + [ctypes.c_int64]
-    lib.kvquant_decode_attention.restype = ctypes.c_int
-
-
 def ab_pair(args, libs: dict, requests: int, context: int, bits: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     shape = SimpleNamespace(kv_heads=args.kv_heads, head_dim=args.head_dim,
@@ -71,7 +62,7 @@ def ab_pair(args, libs: dict, requests: int, context: int, bits: int) -> dict:
     call = partial(backend.decode, 0, q, k_new, v_new, backend.build(common),
                    args.head_dim ** -0.5)
     outs, times = {}, {side: [] for side in libs}
-    own = nqa._LIBRARY  # put back afterwards: the A/B libraries type only the KVQuant kernel
+    own = nqa._LIBRARY  # put back afterwards: the A/B libraries lack the switches' typing
     try:
         for side, lib in libs.items():  # a warm-up each, and the outputs compared
             nqa._LIBRARY = lib
@@ -124,7 +115,7 @@ def main(argv=None) -> None:
     if os.environ.get("OMP_NUM_THREADS") != "1":
         p.error("run with OMP_NUM_THREADS=1 (one thread: the CPU time of the calling thread)")
     torch.set_num_threads(1)
-    libs = {side: LazyLibrary(src, _kernel_setup) for side, src in sources.items()}
+    libs = {side: LazyLibrary(src, nqa.type_kernels) for side, src in sources.items()}
     rows = []
     for bits in args.bits:
         for requests in args.requests:

@@ -69,7 +69,7 @@ class Linear(nn.Module):
     def keep_faster_path(self, rows: Sequence[int] = native_linear.HEAD_ROWS,
                          repeats: int = 3) -> bool:
         """For a layer holding both the panels and oneDNN's packed copy (at load): time both
-        at `rows` rows, keep the faster (`keep`) and return whether it was the panels. The
+        at `rows` rows, keep the faster, free the other and return whether it was the panels. The
         inputs come from a generator of their own (the global one, seeded by the engine, is
         left as it was)."""
         if self.panels is None or self.packed is None:
@@ -86,15 +86,11 @@ class Linear(nn.Module):
                                                             "")), repeats))
 
         keep_panels = native_linear.panels_win(time_paths, rows)
-        self.keep(keep_panels)
-        return keep_panels
-
-    def keep(self, panels: bool) -> None:
-        """Keep the panels (True) or oneDNN's packed copy, and free the other."""
-        if panels:
+        if keep_panels:
             self.packed = None
         else:
             self.panels = None
+        return keep_panels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:

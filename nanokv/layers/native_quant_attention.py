@@ -52,13 +52,19 @@ class KVQuantLayer(ctypes.Structure):
                 ("num_kv_heads", _i64), ("head_dim", _i64), ("rope_halves_equal", _i64)]
 
 
-def _setup(lib: ctypes.CDLL) -> None:
+def type_kernels(lib: ctypes.CDLL) -> None:
+    """The library's kernels typed (what any build of this file has: `benchmarks/
+    ab_kvquant_decode.py` loads an older checkout's through it, without its later switches)."""
     lib.pertoken_decode_attention.argtypes = [_p] * 14 + [_i64] * 6
     lib.pertoken_decode_attention.restype = ctypes.c_int
     lib.kvquant_decode_attention.argtypes = [ctypes.POINTER(KVQuantLayer)] + [_p] * 7 + [_i64]
     lib.kvquant_decode_attention.restype = ctypes.c_int
     lib.kvquant_read_blocks.argtypes = [ctypes.POINTER(KVQuantLayer), _p, _i64, _i64, _p, _p]
     lib.kvquant_read_blocks.restype = ctypes.c_int
+
+
+def _setup(lib: ctypes.CDLL) -> None:
+    type_kernels(lib)
     for switch in (lib.pertoken_set_int8_fused, lib.pertoken_set_int8_prefetch,
                    lib.pertoken_set_int8_stage, lib.kvquant_set_slot_keys):
         switch.argtypes = [ctypes.c_int]

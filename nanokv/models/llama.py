@@ -172,13 +172,13 @@ class LlamaForCausalLM(nn.Module):
             if not isinstance(module, Linear):
                 continue
             keep_plain = module is self.lm_head and self.tie_word_embeddings
-            module.pack()
-            if type(module) is Linear and module.packed is not None and module.pack_panels():
-                is_head = module is self.lm_head
-                shape = (is_head, module.out_features, module.in_features)
-                if shape in chosen:
-                    module.keep(chosen[shape])
-                else:
+            is_head, plain = module is self.lm_head, type(module) is Linear
+            shape = (is_head, module.out_features, module.in_features)
+            # a shape already measured: only the copy it chose is made
+            if not (plain and chosen.get(shape) and module.pack_panels()):
+                module.pack()
+                if (plain and shape not in chosen and module.packed is not None
+                        and module.pack_panels()):
                     rows = native_linear.HEAD_ROWS if is_head else native_linear.LAYER_ROWS
                     chosen[shape] = module.keep_faster_path(rows)
             if not keep_plain:

@@ -57,11 +57,17 @@ class PerTokenKVStore(QuantizedKVStore):
     def write(self, layer: int, plan: WritePlan, k: torch.Tensor, v: torch.Tensor) -> None:
         heads, dim = self.layout.num_kv_heads, self.layout.head_dim
         for name, x in (("k", k), ("v", v)):
-            codes, scale = self._quantize(x)  # [T, Hkv, D], [T, Hkv]
-            self.buffers[f"{name}_codes"][layer].view(-1, heads, dim).index_copy_(
-                0, plan.slot_mapping, codes)
-            self.buffers[f"{name}_scales"][layer].view(-1, heads).index_copy_(
-                0, plan.slot_mapping, scale)
+            self._write_rows(x, plan.slot_mapping,
+                             self.buffers[f"{name}_codes"][layer].view(-1, heads, dim),
+                             self.buffers[f"{name}_scales"][layer].view(-1, heads))
+
+    def _write_rows(self, x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor,
+                    scales: torch.Tensor) -> None:
+        """x [T, Hkv, D] quantized into rows `slots` of codes [S, Hkv, D] and scales [S, Hkv]
+        (the PyTorch path)."""
+        q, scale = self._quantize(x)  # [T, Hkv, D], [T, Hkv]
+        codes.index_copy_(0, slots, q)
+        scales.index_copy_(0, slots, scale)
 
     def read_blocks(self, layer: int, block_ids: torch.Tensor, rope: Rope | None = None):
         ids = block_ids.long().flatten()
@@ -76,17 +82,14 @@ class PerTokenKVStore(QuantizedKVStore):
 class Int8KVStore(PerTokenKVStore):
     kv_cache_dtype = "int8"
 
-    def write(self, layer: int, plan: WritePlan, k: torch.Tensor, v: torch.Tensor) -> None:
-        """On CPU with float32 K/V, quantize-on-write in C (`native_int8`: the same bytes in one
+    def _write_rows(self, x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor,
+                    scales: torch.Tensor) -> None:
+        """On CPU with float32 rows, quantize-on-write in C (`native_int8`: the same bytes in one
         pass); otherwise the PyTorch path."""
-        if not (self.device.type == "cpu" and k.dtype == v.dtype == torch.float32
-                and native_int8.native_int8_available()):
-            return super().write(layer, plan, k, v)
-        heads, dim = self.layout.num_kv_heads, self.layout.head_dim
-        for name, x in (("k", k), ("v", v)):
-            native_int8.quantize_write(
-                x, plan.slot_mapping, self.buffers[f"{name}_codes"][layer].view(-1, heads, dim),
-                self.buffers[f"{name}_scales"][layer].view(-1, heads))
+        if native_int8.fits(x, codes, scales) and native_int8.native_int8_available():
+            native_int8.quantize_write(x, slots, codes, scales)
+        else:
+            super()._write_rows(x, slots, codes, scales)
 
     def _quantize(self, x):
         return quantize_int8(x)

@@ -49,8 +49,8 @@ def test_same_checkout_both_sides(tmp_path, monkeypatch):
         assert r["max_abs_diff"] == 0.0  # one library on both sides
         assert r["before_us_per_token"] > 0 and r["after_us_per_token"] > 0
         assert r["ratio_q1"] <= r["ratio_median"] <= r["ratio_q3"]
-    # the process's own library is back (the A/B's type only the KVQuant kernel: the int8
-    # kernel called through one of them got untyped 64-bit arguments)
+    # the process's own library is back (the A/B's lack the switches' typing: a later call
+    # of a switch through one of them got an untyped argument)
     assert nqa._LIBRARY is own
 
 

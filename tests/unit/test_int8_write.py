@@ -47,9 +47,9 @@ def test_equals_the_pytorch_path(t, h, d):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-def test_the_int8_store_writes_what_the_pytorch_path_writes():
+def test_the_int8_store_writes_what_the_pytorch_path_writes(monkeypatch):
     from nanokv.cache.layout import KVLayout
-    from nanokv.quant.pertoken_store import Int8KVStore, PerTokenKVStore
+    from nanokv.quant.pertoken_store import Int8KVStore
 
     layout = KVLayout(num_layers=2, num_kv_heads=4, head_dim=32, block_size=16,
                       dtype=torch.float32)
@@ -59,7 +59,9 @@ def test_the_int8_store_writes_what_the_pytorch_path_writes():
     for layer in range(2):
         k, v = rows(5, 4, 32, seed=layer), rows(5, 4, 32, seed=10 + layer)
         native.write(layer, plan, k, v)
-        PerTokenKVStore.write(plain, layer, plan, k, v)
+        with monkeypatch.context() as m:  # the PyTorch path: the kernel reported unavailable
+            m.setattr(native_int8, "native_int8_available", lambda: False)
+            plain.write(layer, plan, k, v)
     for name in native.buffers:
         assert torch.equal(native.buffers[name], plain.buffers[name]), name
 

@@ -77,6 +77,16 @@ static inline void slot_rope_tile(float *restrict dst, const float *restrict tab
     }
 }
 
+/* the tile's 16 rows of 16 words (row u at rows + u * stride bytes) transposed: out[j] holds
+ * word j of every row, one row per lane */
+static inline __attribute__((always_inline)) void slot_rows16(const uint8_t *rows,
+                                                              int64_t stride, __m512i out[16]) {
+    __m512 r[16];
+    for (int u = 0; u < 16; u++) r[u] = _mm512_loadu_ps(rows + u * stride);
+    transpose16(r);
+    for (int j = 0; j < 16; j++) out[j] = _mm512_castps_si512(r[j]);
+}
+
 /* word j of the tile's 16 rows (row u at rows + u * stride bytes), one row per lane */
 static inline __m512i slot_words(const uint8_t *rows, int64_t stride, int64_t j) {
     const __m512i at = _mm512_mullo_epi32(
@@ -113,32 +123,22 @@ static inline __attribute__((always_inline)) void block_key_dots_slots(
             slot_rope_tile(w->psin, L->sin, pos, R, rope_len);
         }
         __m512i all[16];  /* whole: word w of every KV head's rows of the tile's slots */
-        if (whole) {
-            __m512 r[16];
-            for (int u = 0; u < 16; u++)
-                r[u] = _mm512_loadu_ps(K->codes + (blk * B + t0 + u) * stride);
-            transpose16(r);
-            for (int j = 0; j < 16; j++) all[j] = _mm512_castps_si512(r[j]);
-        }
+        if (whole) slot_rows16(K->codes + (blk * B + t0) * stride, stride, all);
         const int64_t share = (16 + Hkv - 1) / Hkv;
         for (int64_t g = 0; g < Hkv; g++) {
             tile_prefetch(L, blk, next_blk, n, t0, g, share, h0 == 0);
             const uint8_t *rows = K->codes + ((blk * B + t0) * Hkv + g) * K->packed;
             const float *tab = w->ktab + g * D * 16;
             const float *q0 = qb + (g * group + h0) * D;
+            /* the tile's words of this KV head, transposed in registers (else gathered) */
             __m512i word[16];
-            if (transposed) {
-                __m512 r[16];
-                for (int u = 0; u < 16; u++) r[u] = _mm512_loadu_ps(rows + u * stride);
-                transpose16(r);
-                for (int j = 0; j < 16; j++) word[j] = _mm512_castps_si512(r[j]);
-            }
+            if (transposed) slot_rows16(rows, stride, word);
+            const __m512i *held = transposed ? word : whole ? all + g * words : NULL;
             __m512 acc[FAST_MAX_HEADS][2];
             for (int hh = 0; hh < nh; hh++) acc[hh][0] = acc[hh][1] = _mm512_setzero_ps();
             if (!R) {
                 for (int64_t j = 0; j < words; j++) {
-                    const __m512i x = transposed ? word[j] : whole ? all[g * words + j]
-                                                               : slot_words(rows, stride, j);
+                    const __m512i x = held ? held[j] : slot_words(rows, stride, j);
 #pragma GCC unroll 16
                     for (int i = 0; i < per_word; i++) {
                         const int64_t c = j * per_word + i;
@@ -152,11 +152,9 @@ static inline __attribute__((always_inline)) void block_key_dots_slots(
                 }
             }
             for (int64_t j = 0; R && j < words / 2; j++) {
-                const __m512i xa = transposed ? word[j] : whole ? all[g * words + j]
-                                                                : slot_words(rows, stride, j);
-                const __m512i xb = transposed ? word[j + words / 2]
-                                   : whole ? all[g * words + j + words / 2]
-                                           : slot_words(rows, stride, j + words / 2);
+                const __m512i xa = held ? held[j] : slot_words(rows, stride, j);
+                const __m512i xb = held ? held[j + words / 2]
+                                        : slot_words(rows, stride, j + words / 2);
 #pragma GCC unroll 16
                 for (int i = 0; i < per_word; i++) {
                     const int64_t c = j * per_word + i;  /* the pair (c, c + m) */
