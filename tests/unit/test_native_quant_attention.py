@@ -189,11 +189,11 @@ def test_kvquant_constant_value_rows(head_dim):
 
 
 def _many_heads_store(bits, sparse_dtype, block_size, native_write=True, d=128, fraction=0.05,
-                      start=7):
+                      start=7, positions=None):
     """8 KV heads of d channels, many outliers (at d = 128 and 5%: a slot's value lists of every
     head hold 64 entries, several groups of 16; a block's key lists 2 x ceil(2.5% of B x 128)),
     whole blocks and a partial one, positions from `start` (0: the first slot is the sink, kept
-    in full precision); returns (store, table, past)."""
+    in full precision) or the given ones; returns (store, table, past)."""
     hkv = 8
     n = 2 * block_size + 5
     lay = KVLayout(1, hkv, d, block_size, torch.float32)
@@ -207,14 +207,15 @@ def _many_heads_store(bits, sparse_dtype, block_size, native_write=True, d=128, 
     v = torch.randn(n, hkv, d, generator=gen)
     table = [2, 0, 3]
     slots = [table[j // block_size] * block_size + j % block_size for j in range(n)]
-    store.write(0, store.plan_write(slots, [start + j for j in range(n)]), k, v)
+    positions = [start + j for j in range(n)] if positions is None else positions(n)
+    store.write(0, store.plan_write(slots, positions), k, v)
     return store, table, n
 
 
-def _decode_one(store, table, past, seed=6):
+def _decode_one(store, table, past, seed=6, hq=16):
     from types import SimpleNamespace
 
-    hq, hkv, d = 16, store.layout.num_kv_heads, store.layout.head_dim
+    hkv, d = store.layout.num_kv_heads, store.layout.head_dim
     common = CommonAttentionMetadata([0], 1, [table], [past + 1], [])  # + the new token
     common.write_plan = SimpleNamespace(slot_mapping=torch.empty(0, dtype=torch.long))
     gen = torch.Generator().manual_seed(seed)
@@ -254,6 +255,37 @@ def test_kvquant_value_patches_of_many_kv_heads(d, fraction, cap, bits, sparse_d
     assert store.buffers["v_oidx0"].shape[-1] == cap
     assert bool((store.buffers["sink_slot"][table[0]] == 0).any())  # position 0: a sink
     out, ref = _decode_one(store, table, past)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_kvquant_key_outliers_at_positions_not_consecutive(bits, block_size):
+    """Key outliers' RoPE rows where a block's positions are consecutive are found from the
+    block's first (no gather); positions with gaps and out of order (as compaction or a
+    policy leaves them) take each slot's own: both against the reference."""
+    def scattered(n):  # every 7th slot jumps ahead, every 5th pair swapped
+        pos = [3 * j + (40 if j % 7 == 3 else 0) for j in range(n)]
+        for j in range(0, n - 1, 5):
+            pos[j], pos[j + 1] = pos[j + 1], pos[j]
+        return pos
+    for positions in (None, scattered):
+        store, table, past = _many_heads_store(bits, "float16", block_size, positions=positions)
+        out, ref = _decode_one(store, table, past)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("hq", [8, 16, 32])  # GQA 1, 2, 4 over 8 KV heads
+def test_kvquant_value_pass_widths_equal_the_reference(bits, d, hq):
+    """The AVX-512 planar value pass holds every chunk of a head at once where their
+    accumulators fit in registers (2 or 4 chunks of 16 x codes-a-byte channels, 1, 2 or 4
+    query heads: d 64 / 128 at 4 bits, 128 / 256 at 2 bits), else one chunk at a time (d 256 at
+    4 bits, GQA 4 at d 128); value outliers patched into it (d 64) or corrected after it;
+    against the reference."""
+    store, table, past = _many_heads_store(bits, "float16", 16, d=d)
+    out, ref = _decode_one(store, table, past, hq=hq)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 

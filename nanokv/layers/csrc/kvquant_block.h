@@ -63,6 +63,7 @@ typedef struct {
     float *pk_half, *pk_off; /* [Hkv, D] */
     float *pcos, *psin;    /* [16, D] (the slot-lanes pass: [D, 16], transposed) */
     float *ktab;           /* [Hkv, D, 16]: the slot-lanes key pass's per-channel tables */
+    int ktab_ready;        /* made for the block (the slot-lanes pass takes it) */
 } BlockScratch;
 
 static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int64_t B,
@@ -97,6 +98,7 @@ static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int6
     w->pcos = malloc(sizeof(float) * 16 * D);
     w->psin = malloc(sizeof(float) * 16 * D);
     w->ktab = aligned_alloc(64, sizeof(float) * Hkv * D * 16);
+    w->ktab_ready = 0;
     return w->scores && w->pa && w->k_off && w->k_half && w->row && w->v_half && w->v_off
            && w->live && w->pb && w->patch_ch && w->patch_x && w->v_stats && w->dots && w->sink_at
            && w->v_head && w->o_start && w->o_gch && w->o_val && w->delta && w->unit && w->pq

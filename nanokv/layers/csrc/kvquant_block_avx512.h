@@ -146,6 +146,15 @@ static inline int planar_values_fit(const KVQuantLayer *L, int nh) {
     return k && L->head_dim % (16 * k) == 0 && k * nh <= 16;
 }
 
+/* the chunks of C = 16 k channels one planar value pass holds: the whole head where it is 2
+ * or 4 chunks and their accumulators of nh = 1, 2 or 4 heads fit in 16 registers (so a slot's
+ * row is read once and its P broadcast once per head), else one */
+static inline int value_chunks(const KVQuantLayer *L, int k, int nh) {
+    const int64_t chunks = L->head_dim / (16 * k);
+    return (chunks == 2 || chunks == 4) && (nh == 1 || nh == 2 || nh == 4)
+           && chunks * k * nh <= 16 ? (int)chunks : 1;
+}
+
 /* block_key_dots in planar order (planar_keys_fit): the queries (w->pq), the block's key
  * statistics (w->pk_half, w->pk_off) and the tile's RoPE rows (w->pcos, w->psin, made here:
  * [16, D / 2 or D]) permuted; per slot, a chunk's codes widened once */
@@ -374,49 +383,54 @@ static inline __attribute__((always_inline)) void block_values(
     }
 }
 
-/* block_values in planar order (planar_values_fit): the accumulators of a chunk of C channels
- * permuted on load and back on store, a slot's codes widened once per chunk; a patch's channel
- * compared with each lane's (c0 + k * l + s) */
+/* block_values in planar order (planar_values_fit): the accumulators of cp chunks of C channels
+ * at once (cp * k vectors a head: the whole head where they fit in registers, so a slot's row
+ * is read once, its P broadcast once per head) permuted on load and back on store, a slot's
+ * codes widened once per chunk; a patch's channel compared with each lane's (c0 + k * l + s) */
 static inline __attribute__((always_inline)) void block_values_planar(
         const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n, float *acc0, int64_t h0,
-        const int nh, const int k, const float *pb, const BlockScratch *w,
+        const int nh, const int k, const int cp, const float *pb, const BlockScratch *w,
         const int64_t patches) {
     const KVQuantSide *V = &L->v;
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim;
-    const int C = 16 * k;
+    const int C = 16 * k, S = cp * k;  /* channels a chunk; vectors a head in one pass */
+    enum { S_MAX = 16 };
     const __m512 lut = lut16_repeated(V->lut, V->bits);
     const uint8_t *rows = V->codes + ((blk * B) * Hkv + g) * V->packed;
     const int64_t stride = Hkv * V->packed;
     const __m512i lanes = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
         _mm512_set1_epi32(k));
-    for (int64_t d = 0; d < D; d += C) {
-        __m512 a[FAST_MAX_HEADS][4];
-        __m512i chan[4];
+    for (int64_t d = 0; d < D; d += C * cp) {
+        __m512 a[FAST_MAX_HEADS][S_MAX];
+        __m512i chan[S_MAX];
         for (int hh = 0; hh < nh; hh++) {
             const __m512 bias = _mm512_set1_ps(pb[h0 + hh]);
-            planar_in(acc0 + hh * D + d, k, a[hh]);
-            for (int sub = 0; sub < k; sub++) a[hh][sub] = _mm512_add_ps(a[hh][sub], bias);
+            for (int c = 0; c < cp; c++) planar_in(acc0 + hh * D + d + c * C, k, a[hh] + c * k);
+            for (int sub = 0; sub < S; sub++) a[hh][sub] = _mm512_add_ps(a[hh][sub], bias);
         }
-        for (int sub = 0; sub < k; sub++)  /* the channel of each lane (for the patches) */
-            chan[sub] = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)d + sub));
+        for (int sub = 0; sub < S; sub++)  /* the channel of each lane (for the patches) */
+            chan[sub] = _mm512_add_epi32(
+                lanes, _mm512_set1_epi32((int)d + sub / k * C + sub % k));
         for (int64_t t = 0; t < n; t++) {
-            __m512 v[4];
-            planar_lookup(rows + t * stride, d, k, lut, v);
+            __m512 v[S_MAX];
+            for (int c = 0; c < cp; c++)
+                planar_lookup(rows + t * stride, d + c * C, k, lut, v + c * k);
             for (int64_t j = 0; j < patches; j++) {  /* the row's outliers, in centroid units */
                 const __m512i ch = _mm512_set1_epi32(w->patch_ch[(t * Hkv + g) * patches + j]);
                 const __m512 x = _mm512_set1_ps(w->patch_x[(t * Hkv + g) * patches + j]);
-                for (int sub = 0; sub < k; sub++)
+                for (int sub = 0; sub < S; sub++)
                     v[sub] = _mm512_mask_mov_ps(
                         v[sub], _mm512_cmpeq_epi32_mask(chan[sub], ch), x);
             }
             for (int hh = 0; hh < nh; hh++) {
                 const __m512 p = _mm512_set1_ps(w->pa[(h0 + hh) * B + t]);
-                for (int sub = 0; sub < k; sub++)
+                for (int sub = 0; sub < S; sub++)
                     a[hh][sub] = _mm512_fmadd_ps(p, v[sub], a[hh][sub]);
             }
         }
-        for (int hh = 0; hh < nh; hh++) planar_out(acc0 + hh * D + d, k, a[hh]);
+        for (int hh = 0; hh < nh; hh++)
+            for (int c = 0; c < cp; c++) planar_out(acc0 + hh * D + d + c * C, k, a[hh] + c * k);
     }
 }
 
@@ -492,41 +506,91 @@ static inline __m512i gather_codes(const uint8_t *base, __m512i row, __m512i ch,
                             code_mask);
 }
 
-/* sg[t[l]] += x[l] for the live lanes. Where the live lanes' t never decrease (a list in index
- * order, as the store writes it), lanes of one slot lie next to each other: a segmented sum
- * over each run of equal t (its last lane ends with the run's total), then those lanes alone
- * gathered, added and scattered back (their t differ); otherwise one lane at a time. (One lane
- * at a time after a vector store was slower: each lane's load waits on that store.) */
-static inline void scores_add16(float *sg, __m512i t, __m512 x, __mmask16 live) {
+/* sg[t[l]] += x[l] for the live lanes of 16 entries, where every query head's x shares t:
+ * the lanes' runs of one slot, found once (scores_runs) for every head (scores_add16).
+ * Where the live lanes' t never decrease (a list in index order, as the store writes it),
+ * lanes of one slot lie next to each other: a segmented sum over each run of equal t (its
+ * last lane ends with the run's total); then those lanes alone (their t differ, increasing)
+ * are added to the scores: where they lie within 16 slots of the first, by one masked load and
+ * store of that window, the totals expanded to their slots' lanes (`window`: the window's
+ * lanes); else gathered, added and scattered back. Otherwise one lane at a time. (One lane at
+ * a time after a vector store was slower: each lane's load waits on that store.) */
+typedef struct {
+    __m512i t;
+    __mmask16 live, same[4], ends, window;
+    int in_order;
+    int32_t first;
+} ScoreRuns;
+
+static inline ScoreRuns scores_runs(__m512i t, __mmask16 live) {
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i one = _mm512_set1_epi32(1);
+    ScoreRuns r = {.t = t, .live = live, .ends = 0, .window = 0, .first = 0};
     const __m512i prev = _mm512_permutexvar_epi32(
         _mm512_max_epi32(_mm512_sub_epi32(lane, one), _mm512_setzero_si512()), t);
-    if (_mm512_mask_cmplt_epi32_mask((__mmask16)(live & 0xFFFEu), t, prev)) {
-        float xs[16];  /* out of order */
-        int32_t ts[16];
-        _mm512_storeu_ps(xs, x);
-        _mm512_storeu_si512(ts, t);
-        for (unsigned m = live; m; m &= m - 1) sg[ts[__builtin_ctz(m)]] += xs[__builtin_ctz(m)];
-        return;
-    }
-    x = _mm512_maskz_mov_ps(live, x);
-    for (int k = 1; k < 16; k *= 2) {  /* lane l += lane l - k while in the same run */
-        const __m512i from = _mm512_sub_epi32(lane, _mm512_set1_epi32(k));
-        const __mmask16 same = _mm512_mask_cmpeq_epi32_mask(
-            (__mmask16)(0xFFFFu << k), t, _mm512_permutexvar_epi32(from, t));
-        x = _mm512_mask_add_ps(x, same, x, _mm512_permutexvar_ps(from, x));
-    }
+    r.in_order = !_mm512_mask_cmplt_epi32_mask((__mmask16)(live & 0xFFFEu), t, prev);
+    if (!r.in_order) return r;
+    for (int i = 0, k = 1; k < 16; i++, k *= 2)  /* lane l and lane l - k in the same run */
+        r.same[i] = _mm512_mask_cmpeq_epi32_mask(
+            (__mmask16)(0xFFFFu << k), t,
+            _mm512_permutexvar_epi32(_mm512_sub_epi32(lane, _mm512_set1_epi32(k)), t));
     const __m512i next = _mm512_permutexvar_epi32(
         _mm512_min_epi32(_mm512_add_epi32(lane, one), _mm512_set1_epi32(15)), t);
     const __mmask16 last = (__mmask16)(live & ~(live >> 1));  /* the last live lane */
-    const __mmask16 ends = live & (_mm512_cmpneq_epi32_mask(t, next) | last);
-    _mm512_mask_i32scatter_ps(sg, ends, t, _mm512_add_ps(gather_ps(sg, t, ends), x), 4);
+    r.ends = live & (_mm512_cmpneq_epi32_mask(t, next) | last);
+    if (!r.ends) return r;
+    r.first = _mm512_cvtsi512_si32(_mm512_maskz_compress_epi32(r.ends, t));
+    const __m512i off = _mm512_sub_epi32(t, _mm512_set1_epi32(r.first));
+    if (!_mm512_mask_cmpge_epi32_mask(r.ends, off, _mm512_set1_epi32(16)))
+        r.window = (__mmask16)_mm512_mask_reduce_or_epi32(r.ends, _mm512_sllv_epi32(one, off));
+    return r;
+}
+
+static inline void scores_add16(float *sg, const ScoreRuns *r, __m512 x) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    if (!r->in_order) {
+        float xs[16];  /* out of order */
+        int32_t ts[16];
+        _mm512_storeu_ps(xs, x);
+        _mm512_storeu_si512(ts, r->t);
+        for (unsigned m = r->live; m; m &= m - 1) sg[ts[__builtin_ctz(m)]] += xs[__builtin_ctz(m)];
+        return;
+    }
+    x = _mm512_maskz_mov_ps(r->live, x);
+    for (int i = 0, k = 1; k < 16; i++, k *= 2)  /* lane l += lane l - k while in the same run */
+        x = _mm512_mask_add_ps(x, r->same[i], x, _mm512_permutexvar_ps(
+            _mm512_sub_epi32(lane, _mm512_set1_epi32(k)), x));
+    if (r->window) {  /* the runs' totals in order, to the lanes of their slots */
+        float *at = sg + r->first;
+        const __m512 totals = _mm512_maskz_expand_ps(r->window,
+                                                     _mm512_maskz_compress_ps(r->ends, x));
+        _mm512_mask_storeu_ps(at, r->window,
+                              _mm512_add_ps(_mm512_maskz_loadu_ps(r->window, at), totals));
+    } else if (r->ends) {
+        _mm512_mask_i32scatter_ps(sg, r->ends, r->t,
+                                  _mm512_add_ps(gather_ps(sg, r->t, r->ends), x), 4);
+    }
+}
+
+/* are the positions of a block's first n slots consecutive (pos[t] = pos[0] + t, pos[0] >= 0),
+ * as a request's tokens written in order leave them */
+static inline int positions_consecutive(const int32_t *pos, int64_t n) {
+    if (pos[0] < 0) return 0;
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t t = 0; t < n; t += 16) {
+        const __mmask16 live = n - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - t)) - 1u);
+        const __m512i want = _mm512_add_epi32(_mm512_set1_epi32((int)(pos[0] + t)), lane);
+        if (_mm512_mask_cmpneq_epi32_mask(live, _mm512_maskz_loadu_epi32(live, pos + t), want))
+            return 0;
+    }
+    return 1;
 }
 
 /* key_outliers, 16 entries at a time with gathers (head_dim a power of two, 2 or 4-bit codes,
  * int16 / int32 indices: gather_codes); the score corrections of a query head go in together
- * (scores_add16) */
+ * (scores_add16). An entry's decoded value is one gather from the slot-lanes pass's tables
+ * where it made them (w->ktab_ready), its position its slot's offset from the block's first
+ * where they are consecutive (no gather). */
 static void key_outliers16(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
                            const float *restrict q0, int64_t group, float *restrict sg,
                            const BlockScratch *w) {
@@ -543,6 +607,9 @@ static void key_outliers16(const KVQuantLayer *L, int64_t blk, int64_t g, int64_
     const __m512i code_mask = _mm512_set1_epi32((1 << K->bits) - 1);
     const __m512i half_rot = _mm512_set1_epi32((int)(R / 2)), rot = _mm512_set1_epi32((int)R);
     const int d_shift = __builtin_ctzll((unsigned long long)D), b_shift = K->bits == 4 ? 2 : 1;
+    const int consecutive = R && positions_consecutive(positions, n);
+    const __m512i pos0 = _mm512_set1_epi32(consecutive ? positions[0] : 0);
+    const float *tab = w->ktab + g * D * 16;
     for (int64_t j0 = 0; j0 < K->cap; j0 += 16) {
         const __mmask16 have = K->cap - j0 >= 16 ? (__mmask16)0xFFFF
                                                  : (__mmask16)((1u << (K->cap - j0)) - 1u);
@@ -557,14 +624,16 @@ static void key_outliers16(const KVQuantLayer *L, int64_t blk, int64_t g, int64_
         const __m512i ch = _mm512_and_si512(idx, last_channel);
         const __m512i code = gather_codes(rows, _mm512_mullo_epi32(t, stride), ch, b_shift,
                                           code_mask, live);
-        const __m512 decoded = _mm512_fmadd_ps(_mm512_permutexvar_ps(code, lut),
-                                               gather_ps(half, ch, live), gather_ps(off, ch, live));
+        const __m512 decoded = w->ktab_ready
+            ? gather_ps(tab, _mm512_add_epi32(_mm512_slli_epi32(ch, 4), code), live)
+            : _mm512_fmadd_ps(_mm512_permutexvar_ps(code, lut), gather_ps(half, ch, live),
+                              gather_ps(off, ch, live));
         const __m512 delta = _mm512_maskz_sub_ps(live, elements16(K->oval, base + j0, have,
                                                                   L->sparse_kind), decoded);
         __m512 cv = _mm512_set1_ps(1.f), sv = _mm512_setzero_ps();
         __m512i partner = ch;
         if (R) {  /* q[ch] cos[ch] +- q[partner] sin[partner] at the slot's position */
-            const __m512i pos = _mm512_max_epi32(
+            const __m512i pos = consecutive ? _mm512_add_epi32(pos0, t) : _mm512_max_epi32(
                 _mm512_mask_i32gather_epi32(zero, live, t, positions, 4), zero);
             const __mmask16 first = _mm512_cmplt_epi32_mask(ch, half_rot);
             partner = _mm512_mask_blend_epi32(first, _mm512_sub_epi32(ch, half_rot),
@@ -579,11 +648,12 @@ static void key_outliers16(const KVQuantLayer *L, int64_t blk, int64_t g, int64_
             cv = gather_ps(L->cos, _mm512_add_epi32(row, c_at), live);
             sv = _mm512_mul_ps(sign, gather_ps(L->sin, _mm512_add_epi32(row, s_at), live));
         }
+        const ScoreRuns runs = scores_runs(t, live);
         for (int64_t hh = 0; hh < group; hh++) {
             const float *qh = q0 + hh * D;
             const __m512 coef = _mm512_fmadd_ps(gather_ps(qh, ch, live), cv,
                                                 _mm512_mul_ps(gather_ps(qh, partner, live), sv));
-            scores_add16(sg + hh * B, t, _mm512_mul_ps(delta, coef), live);
+            scores_add16(sg + hh * B, &runs, _mm512_mul_ps(delta, coef));
         }
     }
 }
@@ -663,7 +733,8 @@ static inline int value_outliers16_fit(const KVQuantLayer *L) {
  * the accumulators: acc[h, ch] += P[h, t] * (exact - decoded), after the block's softmax of
  * every head (P in w->scores). A slot's lists of all KV heads are contiguous ([Hkv, cap]), so
  * they go 16 entries at a time: the codes gathered from the slot's rows (L2: the value passes
- * just read them), the slot's statistics permuted to each entry's head, P gathered, and the
+ * just read them), the slot's statistics permuted to each entry's head, P permuted to them
+ * from one gather of every query head's (at most 16 heads; else gathered per head), and the
  * accumulators gathered and scattered back (an entry's (head, channel) is listed once, so the
  * 16 never collide). value_outliers does the same one entry at a time. */
 static void block_value_outliers16(const KVQuantLayer *L, int64_t blk, int64_t n, float *acc,
@@ -677,12 +748,21 @@ static void block_value_outliers16(const KVQuantLayer *L, int64_t blk, int64_t n
     const __m512i code_mask = _mm512_set1_epi32((1 << V->bits) - 1);
     const int b_shift = V->bits == 4 ? 2 : 1;
     const __mmask16 heads = (__mmask16)((1u << Hkv) - 1u);
+    const int column = Hkv * group <= 16;  /* a slot's P of every query head: one vector */
+    const __mmask16 q_heads = (__mmask16)((1u << (column ? Hkv * group : 0)) - 1u);
+    const __m512i p_rows = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int)B));
     for (int64_t t = 0; t < n; t++) {
         if (w->sink_at[t] >= 0) continue;
         const int64_t i0 = (blk * B + t) * Hkv;  /* (block, slot, head 0) */
         const uint8_t *rows = V->codes + i0 * V->packed;
         const __m512 vh = _mm512_maskz_loadu_ps(heads, w->v_stats + t * Hkv);
         const __m512 vo = _mm512_maskz_loadu_ps(heads, w->v_stats + (B + t) * Hkv);
+        /* P of every query head at slot t (at most 16 heads): one gather, permuted per entry */
+        const __m512 pt = column ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), q_heads,
+                                                            p_rows, w->scores + t, 4)
+                                 : _mm512_setzero_ps();
         for (int64_t e0 = 0; e0 < per; e0 += 16) {
             const __mmask16 have = per - e0 >= 16 ? (__mmask16)0xFFFF
                                                   : (__mmask16)((1u << (per - e0)) - 1u);
@@ -701,7 +781,8 @@ static void block_value_outliers16(const KVQuantLayer *L, int64_t blk, int64_t n
             const __m512i first = _mm512_mullo_epi32(g, _mm512_set1_epi32((int)group));
             for (int64_t hh = 0; hh < group; hh++) {
                 const __m512i h = _mm512_add_epi32(first, _mm512_set1_epi32((int)hh));
-                const __m512 p = _mm512_mask_i32gather_ps(
+                const __m512 p = column ? _mm512_permutexvar_ps(h, pt)
+                                        : _mm512_mask_i32gather_ps(
                     _mm512_setzero_ps(), live,
                     _mm512_add_epi32(_mm512_mullo_epi32(h, _mm512_set1_epi32((int)B)),
                                      _mm512_set1_epi32((int)t)), w->scores, 4);
@@ -763,6 +844,7 @@ static inline int key_pass_kind(const KVQuantLayer *L) {
 static int block_key_operands(const KVQuantLayer *L, BlockScratch *w) {
     const int kind = key_pass_kind(L);
     const int64_t n = L->num_kv_heads * L->head_dim;
+    w->ktab_ready = kind == SLOT_KEYS;
     if (kind == SLOT_KEYS) {
         slot_key_tables(L, w);
     } else if (kind == 2) {
@@ -825,10 +907,24 @@ static void block_value_heads(const KVQuantLayer *L, int64_t blk, int64_t g, int
                               float *acc0, int64_t h0, int nh, const float *pb,
                               const BlockScratch *w, int64_t patches) {
 #define VALUES(k) block_values(L, blk, g, n, acc0, h0, k, pb, w, patches)
-#define VALUES_2(k) block_values_planar(L, blk, g, n, acc0, h0, k, 2, pb, w, patches)
-#define VALUES_4(k) block_values_planar(L, blk, g, n, acc0, h0, k, 4, pb, w, patches)
+#define VALUES_2(k) block_values_planar(L, blk, g, n, acc0, h0, k, 2, 1, pb, w, patches)
+#define VALUES_4(k) block_values_planar(L, blk, g, n, acc0, h0, k, 4, 1, pb, w, patches)
+#define VALUES_WIDE(k, cp, heads) block_values_planar(L, blk, g, n, acc0, h0, heads, k, cp, pb, \
+                                                      w, patches)
     const int planar = planar_values_fit(L, nh) ? planar_k(L->v.bits) : 0;
-    if (planar == 2) {
+    const int cp = planar ? value_chunks(L, planar, nh) : 1;
+    if (cp > 1) {  /* the (k, cp, nh) that value_chunks allows */
+        if (planar == 2 && cp == 2) {
+            if (nh == 1) VALUES_WIDE(2, 2, 1); else if (nh == 2) VALUES_WIDE(2, 2, 2);
+            else VALUES_WIDE(2, 2, 4);
+        } else if (planar == 2) {
+            if (nh == 1) VALUES_WIDE(2, 4, 1); else VALUES_WIDE(2, 4, 2);
+        } else if (cp == 2) {
+            if (nh == 1) VALUES_WIDE(4, 2, 1); else VALUES_WIDE(4, 2, 2);
+        } else {
+            VALUES_WIDE(4, 4, 1);
+        }
+    } else if (planar == 2) {
         BLOCK_HEADS_DISPATCH(VALUES_2, nh)
     } else if (planar == 4) {
         BLOCK_HEADS_DISPATCH(VALUES_4, nh)
@@ -838,4 +934,5 @@ static void block_value_heads(const KVQuantLayer *L, int64_t blk, int64_t g, int
 #undef VALUES
 #undef VALUES_2
 #undef VALUES_4
+#undef VALUES_WIDE
 }
