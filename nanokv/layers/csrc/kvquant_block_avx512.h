@@ -516,10 +516,13 @@ static inline __m512i gather_codes(const uint8_t *base, __m512i row, __m512i ch,
  * lanes); else gathered, added and scattered back. Otherwise one lane at a time. (One lane at
  * a time after a vector store was slower: each lane's load waits on that store.) */
 typedef struct {
-    __m512i t;
-    __mmask16 live, same[4], ends, window;
-    int in_order;
-    int32_t first;
+    __m512i t;           /* each lane's slot */
+    __mmask16 live;
+    __mmask16 same[4];   /* lane l in the run of lane l - 1, 2, 4, 8 */
+    __mmask16 ends;      /* the last lane of each run */
+    __mmask16 window;    /* the runs' slots as lanes of [first, first + 16); 0: wider */
+    int in_order;        /* the live lanes' slots never decrease */
+    int32_t first;       /* the first run's slot */
 } ScoreRuns;
 
 static inline ScoreRuns scores_runs(__m512i t, __mmask16 live) {
