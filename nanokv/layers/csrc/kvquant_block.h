@@ -64,6 +64,8 @@ typedef struct {
     float *pcos, *psin;    /* [16, D] (the slot-lanes pass: [D, 16], transposed) */
     float *ktab;           /* [Hkv, D, 16]: the slot-lanes key pass's per-channel tables */
     int ktab_ready;        /* made for the block (the slot-lanes pass takes it) */
+    float *p_slots;        /* [B, 16]: the block's P by slots, of up to 16 query heads (the
+                              AVX-512 value outliers) */
 } BlockScratch;
 
 static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int64_t B,
@@ -99,10 +101,11 @@ static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int6
     w->psin = malloc(sizeof(float) * 16 * D);
     w->ktab = aligned_alloc(64, sizeof(float) * Hkv * D * 16);
     w->ktab_ready = 0;
+    w->p_slots = aligned_alloc(64, sizeof(float) * 16 * B);
     return w->scores && w->pa && w->k_off && w->k_half && w->row && w->v_half && w->v_off
            && w->live && w->pb && w->patch_ch && w->patch_x && w->v_stats && w->dots && w->sink_at
            && w->v_head && w->o_start && w->o_gch && w->o_val && w->delta && w->unit && w->pq
-           && w->pk_half && w->pk_off && w->pcos && w->psin && w->ktab;
+           && w->pk_half && w->pk_off && w->pcos && w->psin && w->ktab && w->p_slots;
 }
 
 static void block_scratch_free(BlockScratch *w) {
@@ -111,7 +114,7 @@ static void block_scratch_free(BlockScratch *w) {
     free(w->v_stats); free(w->dots);
     free(w->sink_at); free(w->v_head); free(w->o_start); free(w->o_gch); free(w->o_val);
     free(w->delta); free(w->unit); free(w->pq); free(w->pk_half); free(w->pk_off);
-    free(w->pcos); free(w->psin); free(w->ktab);
+    free(w->pcos); free(w->psin); free(w->ktab); free(w->p_slots);
 }
 
 /* is the block path valid for this layer (the staging of a block is checked per block) */

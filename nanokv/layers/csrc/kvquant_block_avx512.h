@@ -725,6 +725,8 @@ static int block_value_patches16(const KVQuantLayer *L, int64_t blk, int64_t n,
     return unscaled != 0;
 }
 
+#include "kvquant_slot_keys_avx512.h"
+
 /* does block_value_outliers16 take this layer: uint8 channels, 2 or 4-bit codes (a code within
  * one aligned 32-bit word of its row), at most 16 KV heads (a slot's statistics one vector) */
 static inline int value_outliers16_fit(const KVQuantLayer *L) {
@@ -737,8 +739,8 @@ static inline int value_outliers16_fit(const KVQuantLayer *L) {
  * every head (P in w->scores). A slot's lists of all KV heads are contiguous ([Hkv, cap]), so
  * they go 16 entries at a time: the codes gathered from the slot's rows (L2: the value passes
  * just read them), the slot's statistics permuted to each entry's head, P permuted to them
- * from one gather of every query head's (at most 16 heads; else gathered per head), and the
- * accumulators gathered and scattered back (an entry's (head, channel) is listed once, so the
+ * from the slot's row of every query head's P (w->p_slots: the block's P transposed once, up
+ * to 16 query heads; else gathered per head), and the accumulators gathered and scattered back (an entry's (head, channel) is listed once, so the
  * 16 never collide). value_outliers does the same one entry at a time. */
 static void block_value_outliers16(const KVQuantLayer *L, int64_t blk, int64_t n, float *acc,
                                    const BlockScratch *w) {
@@ -752,10 +754,15 @@ static void block_value_outliers16(const KVQuantLayer *L, int64_t blk, int64_t n
     const int b_shift = V->bits == 4 ? 2 : 1;
     const __mmask16 heads = (__mmask16)((1u << Hkv) - 1u);
     const int column = Hkv * group <= 16;  /* a slot's P of every query head: one vector */
-    const __mmask16 q_heads = (__mmask16)((1u << (column ? Hkv * group : 0)) - 1u);
-    const __m512i p_rows = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32((int)B));
+    if (column)  /* P by slots: row t holds every query head's P at slot t */
+        for (int64_t t0 = 0; t0 < n; t0 += 16) {
+            __m512 r[16];  /* the query heads' P of 16 slots, then transposed */
+            for (int h = 0; h < 16; h++)
+                r[h] = h < Hkv * group ? _mm512_loadu_ps(w->scores + h * B + t0)
+                                       : _mm512_setzero_ps();
+            transpose16(r);
+            for (int u = 0; u < 16; u++) _mm512_store_ps(w->p_slots + (t0 + u) * 16, r[u]);
+        }
     for (int64_t t = 0; t < n; t++) {
         if (w->sink_at[t] >= 0) continue;
         const int64_t i0 = (blk * B + t) * Hkv;  /* (block, slot, head 0) */
@@ -763,9 +770,7 @@ static void block_value_outliers16(const KVQuantLayer *L, int64_t blk, int64_t n
         const __m512 vh = _mm512_maskz_loadu_ps(heads, w->v_stats + t * Hkv);
         const __m512 vo = _mm512_maskz_loadu_ps(heads, w->v_stats + (B + t) * Hkv);
         /* P of every query head at slot t (at most 16 heads): one gather, permuted per entry */
-        const __m512 pt = column ? _mm512_mask_i32gather_ps(_mm512_setzero_ps(), q_heads,
-                                                            p_rows, w->scores + t, 4)
-                                 : _mm512_setzero_ps();
+        const __m512 pt = column ? _mm512_load_ps(w->p_slots + t * 16) : _mm512_setzero_ps();
         for (int64_t e0 = 0; e0 < per; e0 += 16) {
             const __mmask16 have = per - e0 >= 16 ? (__mmask16)0xFFFF
                                                   : (__mmask16)((1u << (per - e0)) - 1u);
@@ -830,7 +835,6 @@ static void block_softmax(Softmax *s, int64_t h, int64_t group, int64_t n, int64
     }
 }
 
-#include "kvquant_slot_keys_avx512.h"
 
 enum { SLOT_KEYS = 8 };
 
