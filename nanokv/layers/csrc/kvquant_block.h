@@ -63,7 +63,8 @@ typedef struct {
     float *pk_half, *pk_off; /* [Hkv, D] */
     float *pcos, *psin;    /* [16, D] (the slot-lanes pass: [D, 16], transposed) */
     float *ktab;           /* [Hkv, D, 16]: the slot-lanes key pass's per-channel tables */
-    int ktab_ready;        /* made for the block (the slot-lanes pass takes it) */
+    int32_t first_position; /* the block's first slot's, where its slots' are consecutive
+                              (the AVX-512 key outliers), else -1 */
     float *p_slots;        /* [B, 16]: the block's P by slots, of up to 16 query heads (the
                               AVX-512 value outliers) */
 } BlockScratch;
@@ -100,7 +101,7 @@ static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int6
     w->pcos = malloc(sizeof(float) * 16 * D);
     w->psin = malloc(sizeof(float) * 16 * D);
     w->ktab = aligned_alloc(64, sizeof(float) * Hkv * D * 16);
-    w->ktab_ready = 0;
+    w->first_position = -1;
     w->p_slots = aligned_alloc(64, sizeof(float) * 16 * B);
     return w->scores && w->pa && w->k_off && w->k_half && w->row && w->v_half && w->v_off
            && w->live && w->pb && w->patch_ch && w->patch_x && w->v_stats && w->dots && w->sink_at

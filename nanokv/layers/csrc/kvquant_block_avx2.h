@@ -335,8 +335,8 @@ static void block_request_queries(const KVQuantLayer *L, const float *qb, BlockS
     (void)L; (void)qb; (void)w;
 }
 
-static int block_key_operands(const KVQuantLayer *L, BlockScratch *w) {
-    (void)L; (void)w;
+static int block_key_operands(const KVQuantLayer *L, int64_t blk, int64_t n, BlockScratch *w) {
+    (void)L; (void)blk; (void)n; (void)w;
     return 0;
 }
 

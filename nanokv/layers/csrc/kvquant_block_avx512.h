@@ -575,6 +575,18 @@ static inline void scores_add16(float *sg, const ScoreRuns *r, __m512 x) {
     }
 }
 
+#include "kvquant_slot_keys_avx512.h"
+
+enum { SLOT_KEYS = 8 };
+
+/* which key pass takes the layer: the slot-lanes pass (SLOT_KEYS, slot_keys_fit, unless
+ * switched off: kvquant_set_slot_keys), the planar pass (its k, codes a byte) or the natural
+ * one (0) */
+static inline int key_pass_kind(const KVQuantLayer *L) {
+    if (nanokv_slot_keys && slot_keys_fit(L)) return SLOT_KEYS;
+    return planar_keys_fit(L) ? planar_k(L->k.bits) : 0;
+}
+
 /* are the positions of a block's first n slots consecutive (pos[t] = pos[0] + t, pos[0] >= 0),
  * as a request's tokens written in order leave them */
 static inline int positions_consecutive(const int32_t *pos, int64_t n) {
@@ -592,8 +604,8 @@ static inline int positions_consecutive(const int32_t *pos, int64_t n) {
 /* key_outliers, 16 entries at a time with gathers (head_dim a power of two, 2 or 4-bit codes,
  * int16 / int32 indices: gather_codes); the score corrections of a query head go in together
  * (scores_add16). An entry's decoded value is one gather from the slot-lanes pass's tables
- * where it made them (w->ktab_ready), its position its slot's offset from the block's first
- * where they are consecutive (no gather). */
+ * where that pass takes the layer, its position its slot's offset from the block's first
+ * where they are consecutive (w->first_position; no gather). */
 static void key_outliers16(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
                            const float *restrict q0, int64_t group, float *restrict sg,
                            const BlockScratch *w) {
@@ -610,8 +622,9 @@ static void key_outliers16(const KVQuantLayer *L, int64_t blk, int64_t g, int64_
     const __m512i code_mask = _mm512_set1_epi32((1 << K->bits) - 1);
     const __m512i half_rot = _mm512_set1_epi32((int)(R / 2)), rot = _mm512_set1_epi32((int)R);
     const int d_shift = __builtin_ctzll((unsigned long long)D), b_shift = K->bits == 4 ? 2 : 1;
-    const int consecutive = R && positions_consecutive(positions, n);
-    const __m512i pos0 = _mm512_set1_epi32(consecutive ? positions[0] : 0);
+    const int consecutive = R && w->first_position >= 0;
+    const __m512i pos0 = _mm512_set1_epi32(consecutive ? w->first_position : 0);
+    const int tables = key_pass_kind(L) == SLOT_KEYS;  /* w->ktab made for the block */
     const float *tab = w->ktab + g * D * 16;
     for (int64_t j0 = 0; j0 < K->cap; j0 += 16) {
         const __mmask16 have = K->cap - j0 >= 16 ? (__mmask16)0xFFFF
@@ -627,7 +640,7 @@ static void key_outliers16(const KVQuantLayer *L, int64_t blk, int64_t g, int64_
         const __m512i ch = _mm512_and_si512(idx, last_channel);
         const __m512i code = gather_codes(rows, _mm512_mullo_epi32(t, stride), ch, b_shift,
                                           code_mask, live);
-        const __m512 decoded = w->ktab_ready
+        const __m512 decoded = tables
             ? gather_ps(tab, _mm512_add_epi32(_mm512_slli_epi32(ch, 4), code), live)
             : _mm512_fmadd_ps(_mm512_permutexvar_ps(code, lut), gather_ps(half, ch, live),
                               gather_ps(off, ch, live));
@@ -725,8 +738,6 @@ static int block_value_patches16(const KVQuantLayer *L, int64_t blk, int64_t n,
     return unscaled != 0;
 }
 
-#include "kvquant_slot_keys_avx512.h"
-
 /* does block_value_outliers16 take this layer: uint8 channels, 2 or 4-bit codes (a code within
  * one aligned 32-bit word of its row), at most 16 KV heads (a slot's statistics one vector) */
 static inline int value_outliers16_fit(const KVQuantLayer *L) {
@@ -740,7 +751,8 @@ static inline int value_outliers16_fit(const KVQuantLayer *L) {
  * they go 16 entries at a time: the codes gathered from the slot's rows (L2: the value passes
  * just read them), the slot's statistics permuted to each entry's head, P permuted to them
  * from the slot's row of every query head's P (w->p_slots: the block's P transposed once, up
- * to 16 query heads; else gathered per head), and the accumulators gathered and scattered back (an entry's (head, channel) is listed once, so the
+ * to 16 query heads; else gathered per head), and the accumulators gathered and scattered
+ * back (an entry's (head, channel) is listed once, so the
  * 16 never collide). value_outliers does the same one entry at a time. */
 static void block_value_outliers16(const KVQuantLayer *L, int64_t blk, int64_t n, float *acc,
                                    const BlockScratch *w) {
@@ -769,7 +781,7 @@ static void block_value_outliers16(const KVQuantLayer *L, int64_t blk, int64_t n
         const uint8_t *rows = V->codes + i0 * V->packed;
         const __m512 vh = _mm512_maskz_loadu_ps(heads, w->v_stats + t * Hkv);
         const __m512 vo = _mm512_maskz_loadu_ps(heads, w->v_stats + (B + t) * Hkv);
-        /* P of every query head at slot t (at most 16 heads): one gather, permuted per entry */
+        /* P of every query head at slot t (at most 16 heads): one row, permuted per entry */
         const __m512 pt = column ? _mm512_load_ps(w->p_slots + t * 16) : _mm512_setzero_ps();
         for (int64_t e0 = 0; e0 < per; e0 += 16) {
             const __mmask16 have = per - e0 >= 16 ? (__mmask16)0xFFFF
@@ -836,30 +848,24 @@ static void block_softmax(Softmax *s, int64_t h, int64_t group, int64_t n, int64
 }
 
 
-enum { SLOT_KEYS = 8 };
-
-/* which key pass takes the layer: the slot-lanes pass (SLOT_KEYS, slot_keys_fit, unless
- * switched off: kvquant_set_slot_keys), the planar pass (its k, codes a byte) or the natural
- * one (0) */
-static inline int key_pass_kind(const KVQuantLayer *L) {
-    if (nanokv_slot_keys && slot_keys_fit(L)) return SLOT_KEYS;
-    return planar_keys_fit(L) ? planar_k(L->k.bits) : 0;
-}
-
 /* the block's key operands for its key pass: the per-channel tables (slot lanes) or the key
- * statistics in planar order; returns key_pass_kind */
-static int block_key_operands(const KVQuantLayer *L, BlockScratch *w) {
+ * statistics in planar order, and where its first n slots' positions start if consecutive;
+ * returns key_pass_kind */
+static int block_key_operands(const KVQuantLayer *L, int64_t blk, int64_t n, BlockScratch *w) {
     const int kind = key_pass_kind(L);
-    const int64_t n = L->num_kv_heads * L->head_dim;
-    w->ktab_ready = kind == SLOT_KEYS;
+    const int64_t channels = L->num_kv_heads * L->head_dim;
+    /* the key outliers' positions (key_outliers16): the block's first where consecutive */
+    w->first_position = L->rot_dim && L->k.cap > 0
+        && positions_consecutive(L->slot_positions + blk * L->block_size, n)
+        ? L->slot_positions[blk * L->block_size] : -1;
     if (kind == SLOT_KEYS) {
         slot_key_tables(L, w);
     } else if (kind == 2) {
-        planar_copy(w->pk_half, w->k_half, n, 2);
-        planar_copy(w->pk_off, w->k_off, n, 2);
+        planar_copy(w->pk_half, w->k_half, channels, 2);
+        planar_copy(w->pk_off, w->k_off, channels, 2);
     } else if (kind == 4) {
-        planar_copy(w->pk_half, w->k_half, n, 4);
-        planar_copy(w->pk_off, w->k_off, n, 4);
+        planar_copy(w->pk_half, w->k_half, channels, 4);
+        planar_copy(w->pk_off, w->k_off, channels, 4);
     }
     return kind;
 }

@@ -1397,7 +1397,7 @@ void kvquant_set_slot_keys(int on) { nanokv_slot_keys = on; }
 static void block_key_pass(const KVQuantLayer *L, int64_t blk, int64_t next_blk, int64_t n,
                            const float *qb, BlockScratch *w) {
     const int64_t group = L->num_q_heads / L->num_kv_heads;
-    const int planar = block_key_operands(L, w);
+    const int planar = block_key_operands(L, blk, n, w);
     for (int64_t h0 = 0; h0 < group; h0 += FAST_MAX_HEADS) {
         const int nh = (int)(group - h0 < FAST_MAX_HEADS ? group - h0 : FAST_MAX_HEADS);
         block_key_heads(L, blk, next_blk, n, qb, h0, nh, planar, w);
