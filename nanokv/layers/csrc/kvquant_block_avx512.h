@@ -601,11 +601,43 @@ static inline int positions_consecutive(const int32_t *pos, int64_t n) {
     return 1;
 }
 
+/* q[ch] and q[ch ^ D / 2] (the rotate-half partner's) of 16 lanes, by two-table permutes of
+ * the head's D floats (D = 32, 64 or 128: q_lookup_fits) instead of two gathers */
+static inline int q_lookup_fits(int64_t D) { return D == 32 || D == 64 || D == 128; }
+
+static inline __attribute__((always_inline)) void q_lookup(const float *qh, __m512i ch,
+                                                           int64_t D, __m512 *qc, __m512 *qp) {
+    if (D == 32) {
+        const __m512 t0 = _mm512_loadu_ps(qh), t1 = _mm512_loadu_ps(qh + 16);
+        *qc = _mm512_permutex2var_ps(t0, ch, t1);
+        *qp = _mm512_permutex2var_ps(t1, ch, t0);
+        return;
+    }
+    const __mmask16 m5 = _mm512_test_epi32_mask(ch, _mm512_set1_epi32(32));
+    const __m512 a = _mm512_permutex2var_ps(_mm512_loadu_ps(qh), ch, _mm512_loadu_ps(qh + 16));
+    const __m512 b = _mm512_permutex2var_ps(_mm512_loadu_ps(qh + 32), ch,
+                                            _mm512_loadu_ps(qh + 48));
+    if (D == 64) {
+        *qc = _mm512_mask_blend_ps(m5, a, b);
+        *qp = _mm512_mask_blend_ps(m5, b, a);
+        return;
+    }
+    const __m512 c = _mm512_permutex2var_ps(_mm512_loadu_ps(qh + 64), ch,
+                                            _mm512_loadu_ps(qh + 80));
+    const __m512 d = _mm512_permutex2var_ps(_mm512_loadu_ps(qh + 96), ch,
+                                            _mm512_loadu_ps(qh + 112));
+    const __mmask16 m6 = _mm512_test_epi32_mask(ch, _mm512_set1_epi32(64));
+    const __m512 lo = _mm512_mask_blend_ps(m5, a, b), hi = _mm512_mask_blend_ps(m5, c, d);
+    *qc = _mm512_mask_blend_ps(m6, lo, hi);
+    *qp = _mm512_mask_blend_ps(m6, hi, lo);
+}
+
 /* key_outliers, 16 entries at a time with gathers (head_dim a power of two, 2 or 4-bit codes,
  * int16 / int32 indices: gather_codes); the score corrections of a query head go in together
  * (scores_add16). An entry's decoded value is one gather from the slot-lanes pass's tables
  * where that pass takes the layer, its position its slot's offset from the block's first
- * where they are consecutive (w->first_position; no gather). */
+ * where they are consecutive (w->first_position; no gather), its query channel and the RoPE
+ * partner's permuted from the head's where it has at most 128 (q_lookup; else gathered). */
 static void key_outliers16(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
                            const float *restrict q0, int64_t group, float *restrict sg,
                            const BlockScratch *w) {
@@ -626,6 +658,8 @@ static void key_outliers16(const KVQuantLayer *L, int64_t blk, int64_t g, int64_
     const __m512i pos0 = _mm512_set1_epi32(consecutive ? w->first_position : 0);
     const int tables = key_pass_kind(L) == SLOT_KEYS;  /* w->ktab made for the block */
     const float *tab = w->ktab + g * D * 16;
+    /* the query's lookups by permutes: its rotate-half partner is ch ^ D / 2 (R == D) */
+    const int qperm = (R == D || R == 0) && q_lookup_fits(D);
     for (int64_t j0 = 0; j0 < K->cap; j0 += 16) {
         const __mmask16 have = K->cap - j0 >= 16 ? (__mmask16)0xFFFF
                                                  : (__mmask16)((1u << (K->cap - j0)) - 1u);
@@ -667,8 +701,14 @@ static void key_outliers16(const KVQuantLayer *L, int64_t blk, int64_t g, int64_
         const ScoreRuns runs = scores_runs(t, live);
         for (int64_t hh = 0; hh < group; hh++) {
             const float *qh = q0 + hh * D;
-            const __m512 coef = _mm512_fmadd_ps(gather_ps(qh, ch, live), cv,
-                                                _mm512_mul_ps(gather_ps(qh, partner, live), sv));
+            __m512 qc, qp;
+            if (qperm) {
+                q_lookup(qh, ch, D, &qc, &qp);
+            } else {
+                qc = gather_ps(qh, ch, live);
+                qp = gather_ps(qh, partner, live);
+            }
+            const __m512 coef = _mm512_fmadd_ps(qc, cv, _mm512_mul_ps(qp, sv));
             scores_add16(sg + hh * B, &runs, _mm512_mul_ps(delta, coef));
         }
     }
