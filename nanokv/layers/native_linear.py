@@ -12,6 +12,7 @@ decode kernels (`native_attention.build_library`)."""
 from __future__ import annotations
 
 import ctypes
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -124,15 +125,18 @@ def panels_win(time_paths: Callable[[int], tuple[float, float]],
                rows: Sequence[int] = HEAD_ROWS, margin: float = 0.9) -> bool:
     """Whether a linear layer should keep the panels rather than oneDNN's packed copy: each of
     `rows` timed on both (`time_paths(r)` -> (panel seconds, oneDNN seconds),
-    `Linear.keep_faster_path`); oneDNN wins only when its total takes under `margin` of the
-    panels' (so noise keeps the panels). On a Zen 4 EPYC the panels took 0.7x oneDNN's time at 1
-    and 8 rows of Qwen3's 151,936 x 1,024 head and 0.85x at 64, 0.55-0.75x at 1-8 rows of its
-    decoder layers' weights, 0.90-1.13x at 4,096 (docs/results/linear/README.md); measured at
-    load because CPUs and shapes differ (as cudnn.benchmark picks convolution algorithms)."""
+    `Linear.keep_faster_path`); oneDNN wins only when the geometric mean over `rows` of its
+    time / the panels' is under `margin` (so noise keeps the panels). Each row count weighs
+    alike: by totals, the head's 64-row call (5-6x a decode step's 1 or 8 rows, where the two
+    paths are close) decided alone, and a noisy measurement of it flipped the head of a run.
+    On a Zen 4 EPYC the panels took 0.75x and 0.87x oneDNN's time at 1 and 8 rows of Qwen3's
+    151,936 x 1,024 head and 1.0x at 64, 0.55-0.75x at 1-8 rows of its decoder layers'
+    weights, 0.90-1.13x at 4,096 (docs/results/linear/README.md); measured at load because CPUs
+    and shapes differ (as cudnn.benchmark picks convolution algorithms)."""
     if not rows or min(rows) < 1:
         raise ValueError(f"rows must be positive row counts, got {list(rows)}")
-    panel_s = onednn_s = 0.0
+    log_ratio = 0.0
     for r in rows:
         p, o = time_paths(r)
-        panel_s, onednn_s = panel_s + p, onednn_s + o
-    return not onednn_s < margin * panel_s
+        log_ratio += math.log(max(o, 1e-12) / max(p, 1e-12))
+    return not log_ratio / len(rows) < math.log(margin)

@@ -76,15 +76,17 @@ def test_bad_inputs_are_refused():
 
 
 def test_panels_win_unless_onednn_is_clearly_faster():
-    """The choice from given timings: oneDNN only when its total over the measured row counts
-    takes under `margin` of the panels'; bad row counts refused."""
+    """The choice from given timings: oneDNN only when the geometric mean over the measured row
+    counts of its time / the panels' is under `margin`, each row count weighing alike (not the
+    longest call deciding); bad row counts refused."""
     def win(panel_s: dict, onednn_s: dict) -> bool:
         return native_linear.panels_win(lambda r: (panel_s[r], onednn_s[r]),
                                         rows=sorted(panel_s), margin=0.9)
 
     assert win({1: 1.0, 8: 1.0}, {1: 1.4, 8: 1.3})
     assert win({1: 1.0, 8: 1.0}, {1: 0.95, 8: 0.95})  # within the margin: noise
-    assert win({1: 1.0, 8: 3.0}, {1: 0.7, 8: 3.0})  # totals, not row by row
+    assert not win({1: 1.0, 8: 3.0}, {1: 0.7, 8: 3.0})  # ratios, not totals: 0.84
+    assert win({1: 1.0, 64: 6.0}, {1: 1.33, 64: 4.9})  # the long call alone does not decide
     assert not win({1: 1.0, 8: 1.0}, {1: 0.8, 8: 0.8})
     for rows in ([], [0, 8]):
         with pytest.raises(ValueError, match="rows must be"):
