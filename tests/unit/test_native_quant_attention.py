@@ -189,12 +189,12 @@ def test_kvquant_constant_value_rows(head_dim):
 
 
 def _many_heads_store(bits, sparse_dtype, block_size, native_write=True, d=128, fraction=0.05,
-                      start=7, positions=None):
-    """8 KV heads of d channels, many outliers (at d = 128 and 5%: a slot's value lists of every
-    head hold 64 entries, several groups of 16; a block's key lists 2 x ceil(2.5% of B x 128)),
+                      start=7, positions=None, hkv=8):
+    """hkv KV heads (8 by default) of d channels, many outliers (at d = 128 and 5%: a slot's
+    value lists of every head hold 64 entries, several groups of 16; a block's key lists
+    2 x ceil(2.5% of B x 128)),
     whole blocks and a partial one, positions from `start` (0: the first slot is the sink, kept
     in full precision) or the given ones; returns (store, table, past)."""
-    hkv = 8
     n = 2 * block_size + 5
     lay = KVLayout(1, hkv, d, block_size, torch.float32)
     store = KVQuantStore(lay, 4, KVQuantConfig(bits=bits, outlier_fraction=fraction,
@@ -285,6 +285,20 @@ def test_kvquant_value_pass_widths_equal_the_reference(bits, d, hq):
     4 bits, GQA 4 at d 128); value outliers patched into it (d 64) or corrected after it;
     against the reference."""
     store, table, past = _many_heads_store(bits, "float16", 16, d=d)
+    out, ref = _decode_one(store, table, past, hq=hq)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("hkv,hq", [(8, 16), (4, 16), (2, 16), (4, 12), (16, 16)])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_kvquant_value_outliers_by_pairs_of_heads(hkv, hq, block_size):
+    """The AVX-512 value outliers (uint8 channels: head_dim 128) of an even group (P of at most
+    16 query heads by slots) add two heads' corrections of a channel as one 64-bit lane into a
+    buffer added to the accumulators after the block: groups 2 (taken apart by permutes), 4
+    and 8 (gathered); groups 3 and 1 one head at a time; against the reference."""
+    store, table, past = _many_heads_store(4, "float16", block_size, hkv=hkv)
+    assert store.buffers["v_oidx0"].dtype == torch.uint8
+    assert int((store.buffers["v_oidx0"] < 128).sum()) > 0
     out, ref = _decode_one(store, table, past, hq=hq)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 

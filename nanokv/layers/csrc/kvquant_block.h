@@ -67,6 +67,9 @@ typedef struct {
                               (the AVX-512 key outliers), else -1 */
     float *p_slots;        /* [B, 16]: the block's P by slots, of up to 16 query heads (the
                               AVX-512 value outliers) */
+    float *v_corr;         /* [Hkv, D, group]: the block's value-outlier corrections, the group's
+                              heads of a channel side by side (the AVX-512 value outliers'
+                              pairs of heads: one 64-bit lane) */
 } BlockScratch;
 
 static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int64_t B,
@@ -103,10 +106,12 @@ static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int6
     w->ktab = aligned_alloc(64, sizeof(float) * Hkv * D * 16);
     w->first_position = -1;
     w->p_slots = aligned_alloc(64, sizeof(float) * 16 * B);
+    w->v_corr = aligned_alloc(64, sizeof(float) * ((Hkv * D * group + 15) / 16 * 16));
     return w->scores && w->pa && w->k_off && w->k_half && w->row && w->v_half && w->v_off
            && w->live && w->pb && w->patch_ch && w->patch_x && w->v_stats && w->dots && w->sink_at
            && w->v_head && w->o_start && w->o_gch && w->o_val && w->delta && w->unit && w->pq
-           && w->pk_half && w->pk_off && w->pcos && w->psin && w->ktab && w->p_slots;
+           && w->pk_half && w->pk_off && w->pcos && w->psin && w->ktab && w->p_slots
+           && w->v_corr;
 }
 
 static void block_scratch_free(BlockScratch *w) {
@@ -116,6 +121,7 @@ static void block_scratch_free(BlockScratch *w) {
     free(w->sink_at); free(w->v_head); free(w->o_start); free(w->o_gch); free(w->o_val);
     free(w->delta); free(w->unit); free(w->pq); free(w->pk_half); free(w->pk_off);
     free(w->pcos); free(w->psin); free(w->ktab); free(w->p_slots);
+    free(w->v_corr);
 }
 
 /* is the block path valid for this layer (the staging of a block is checked per block) */

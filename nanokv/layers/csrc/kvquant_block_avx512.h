@@ -778,6 +778,33 @@ static int block_value_patches16(const KVQuantLayer *L, int64_t blk, int64_t n,
     return unscaled != 0;
 }
 
+/* acc[g * group + hh, ch] += corr[(g * D + ch) * group + hh]: 16 channels of a head at a time
+ * (D % 16 == 0), the group's heads of those channels taken apart by permutes (group 2) or
+ * gathered (wider groups) */
+static void value_corrections_add(const float *corr, float *acc, int64_t Hkv, int64_t D,
+                                  int64_t group) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i even = _mm512_slli_epi32(lane, 1), odd = _mm512_add_epi32(even,
+                                                                             _mm512_set1_epi32(1));
+    const __m512i strided = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)group));
+    for (int64_t g = 0; g < Hkv; g++)
+        for (int64_t c0 = 0; c0 < D; c0 += 16) {
+            const float *src = corr + (g * D + c0) * group;
+            float *dst = acc + g * group * D + c0;
+            if (group == 2) {
+                const __m512 x0 = _mm512_load_ps(src), x1 = _mm512_load_ps(src + 16);
+                _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst),
+                                                    _mm512_permutex2var_ps(x0, even, x1)));
+                _mm512_storeu_ps(dst + D, _mm512_add_ps(_mm512_loadu_ps(dst + D),
+                                                        _mm512_permutex2var_ps(x0, odd, x1)));
+                continue;
+            }
+            for (int64_t hh = 0; hh < group; hh++)
+                _mm512_storeu_ps(dst + hh * D, _mm512_add_ps(
+                    _mm512_loadu_ps(dst + hh * D), _mm512_i32gather_ps(strided, src + hh, 4)));
+        }
+}
+
 /* does block_value_outliers16 take this layer: uint8 channels, 2 or 4-bit codes (a code within
  * one aligned 32-bit word of its row), at most 16 KV heads (a slot's statistics one vector) */
 static inline int value_outliers16_fit(const KVQuantLayer *L) {
@@ -792,8 +819,11 @@ static inline int value_outliers16_fit(const KVQuantLayer *L) {
  * just read them), the slot's statistics permuted to each entry's head, P permuted to them
  * from the slot's row of every query head's P (w->p_slots: the block's P transposed once, up
  * to 16 query heads; else gathered per head), and the accumulators gathered and scattered
- * back (an entry's (head, channel) is listed once, so the
- * 16 never collide). value_outliers does the same one entry at a time. */
+ * back (an entry's (head, channel) is listed once, so the 16 never collide). With P by slots
+ * and an even group, two query heads of an entry's channel are one 64-bit lane of a buffer
+ * laid out [Hkv, D, group] (w->v_corr, zeroed per block, added to acc at the end:
+ * value_corrections_add): 8-lane gathers and scatters of pairs, half the elements of one
+ * 16-lane gather and scatter per head. value_outliers does the same one entry at a time. */
 static void block_value_outliers16(const KVQuantLayer *L, int64_t blk, int64_t n, float *acc,
                                    const BlockScratch *w) {
     const KVQuantSide *V = &L->v;
@@ -815,6 +845,15 @@ static void block_value_outliers16(const KVQuantLayer *L, int64_t blk, int64_t n
             transpose16(r);
             for (int u = 0; u < 16; u++) _mm512_store_ps(w->p_slots + (t0 + u) * 16, r[u]);
         }
+    /* an even group with P by slots: the corrections of two heads of a channel as one 64-bit
+     * lane (half the gathered and scattered elements), into w->v_corr, added to acc after */
+    const int paired = column && group % 2 == 0;
+    double *corr = (double *)w->v_corr;
+    const __m512i dup_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i dup_hi = _mm512_add_epi32(dup_lo, _mm512_set1_epi32(8));
+    if (paired)
+        for (int64_t i = 0; i < Hkv * D * group; i += 16)
+            _mm512_store_ps(w->v_corr + i, _mm512_setzero_ps());
     for (int64_t t = 0; t < n; t++) {
         if (w->sink_at[t] >= 0) continue;
         const int64_t i0 = (blk * B + t) * Hkv;  /* (block, slot, head 0) */
@@ -838,6 +877,44 @@ static void block_value_outliers16(const KVQuantLayer *L, int64_t blk, int64_t n
                                                    _mm512_permutexvar_ps(g, vo));
             const __m512 delta = _mm512_maskz_sub_ps(
                 live, elements16(V->oval, i0 * cap + e0, have, L->sparse_kind), decoded);
+            if (paired) {  /* the group's heads two at a time: 64-bit lanes of P and v_corr */
+                /* pair k of entry e's head: P at pair (g * group / 2 + k) of the slot's row,
+                 * v_corr at pair ((g * D + ch) * group / 2 + k) */
+                const __m512i pg = _mm512_mullo_epi32(g, _mm512_set1_epi32((int)(group / 2)));
+                const __m512i pc = _mm512_mullo_epi32(
+                    _mm512_add_epi32(_mm512_mullo_epi32(g, channels), ch),
+                    _mm512_set1_epi32((int)(group / 2)));
+                const __m512 d_lo = _mm512_permutexvar_ps(dup_lo, delta);  /* e0..7, twice */
+                const __m512 d_hi = _mm512_permutexvar_ps(dup_hi, delta);
+                const __mmask8 m_lo = (__mmask8)live, m_hi = (__mmask8)(live >> 8);
+                for (int64_t k = 0; k < group / 2; k++) {
+                    const __m512i kk = _mm512_set1_epi32((int)k);
+                    const __m512i at = _mm512_add_epi32(pc, kk);
+                    const __m512i ph = _mm512_add_epi32(pg, kk);
+                    const __m512d p_lo = _mm512_permutexvar_pd(
+                        _mm512_cvtepi32_epi64(_mm512_castsi512_si256(ph)), _mm512_castps_pd(pt));
+                    const __m512d p_hi = _mm512_permutexvar_pd(
+                        _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(ph, 1)),
+                        _mm512_castps_pd(pt));
+                    const __m256i at_lo = _mm512_castsi512_si256(at);
+                    const __m256i at_hi = _mm512_extracti64x4_epi64(at, 1);
+                    if (m_lo) {
+                        const __m512d c = _mm512_mask_i32gather_pd(_mm512_setzero_pd(), m_lo,
+                                                                   at_lo, corr, 8);
+                        _mm512_mask_i32scatter_pd(corr, m_lo, at_lo, _mm512_castps_pd(
+                            _mm512_fmadd_ps(_mm512_castpd_ps(p_lo), d_lo,
+                                            _mm512_castpd_ps(c))), 8);
+                    }
+                    if (m_hi) {
+                        const __m512d c = _mm512_mask_i32gather_pd(_mm512_setzero_pd(), m_hi,
+                                                                   at_hi, corr, 8);
+                        _mm512_mask_i32scatter_pd(corr, m_hi, at_hi, _mm512_castps_pd(
+                            _mm512_fmadd_ps(_mm512_castpd_ps(p_hi), d_hi,
+                                            _mm512_castpd_ps(c))), 8);
+                    }
+                }
+                continue;
+            }
             const __m512i first = _mm512_mullo_epi32(g, _mm512_set1_epi32((int)group));
             for (int64_t hh = 0; hh < group; hh++) {
                 const __m512i h = _mm512_add_epi32(first, _mm512_set1_epi32((int)hh));
@@ -853,6 +930,7 @@ static void block_value_outliers16(const KVQuantLayer *L, int64_t blk, int64_t n
             }
         }
     }
+    if (paired) value_corrections_add(w->v_corr, acc, Hkv, D, group);
 }
 
 /* the online softmax of heads [h, h + group) over the block's n scores; scores become P */
