@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 
 import torch
 
@@ -22,7 +23,7 @@ from nanokv.engine.assembly import (
 )
 from nanokv.engine.detokenizer import update_text
 from nanokv.engine.policy_runner import PolicyRunner, ScoringPass
-from nanokv.worker.cpu_memory import tune_glibc_malloc
+from nanokv.worker.cpu_memory import huge_page_share, request_huge_pages, tune_glibc_malloc
 from nanokv.worker.loader import load_hf_config, load_model
 from nanokv.worker.model_runner import ModelRunner
 from nanokv.outputs import CompletionOutput, RequestOutput
@@ -70,6 +71,7 @@ class LLMEngine:
         """Load the model (this rank's shard), plan and build the KV cache, the block manager,
         scheduler, runner and policies; report."""
         tp_size = config.tensor_parallel_size
+        request_huge_pages()  # before the weights: PyTorch reads it at its first allocation
         loaded = load_model(config.model, config.dtype, config.device,
                             tokenizer_path=config.tokenizer,
                             skip_tokenizer_init=config.skip_tokenizer_init,
@@ -133,6 +135,11 @@ class LLMEngine:
                                             self.attention_backend, backend_why)
         if self.executor is not None:
             self.startup_lines.append(self.executor.describe())
+        share = huge_page_share() if self.device.type == "cpu" else None
+        if share is not None:
+            self.startup_lines.append(
+                f"transparent huge pages: {share[0] / 2**20:.0f} of {share[1] / 2**20:.0f} MiB "
+                f"resident (THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '')})")
         for line in self.startup_lines:
             logger.info(line)
 

@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -202,4 +203,7 @@ def test_reference_linear_backend_matches_hf(tiny_qwen3):
     for backend in ("torch", "onednn"):
         llm = LLM(tiny_qwen3, block_size=16, max_model_len=128, linear_backend=backend)
         assert f"{backend} linear" in llm.engine.startup_lines[0]
+        if sys.platform.startswith("linux"):  # the CPU memory settings' report
+            assert any(line.startswith("transparent huge pages: ")
+                       for line in llm.engine.startup_lines)
         assert llm.generate([prompt], GREEDY)[0].token_ids == expected

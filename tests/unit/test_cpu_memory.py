@@ -59,3 +59,46 @@ def test_glibc_tunables_give_another_process_the_same_reuse():
     assert not applied
     assert faults < 2 * (48 * 2**20 // 4096)
 
+
+
+HUGE_PROBE = textwrap.dedent("""
+    import sys, torch
+    from nanokv.worker.cpu_memory import huge_page_share, request_huge_pages
+    on = request_huge_pages()
+    t = torch.ones(64 * 2**18)  # 64 MiB, written
+    print(on, huge_page_share()[0])
+""")
+
+
+def huge_probe(env: dict) -> tuple[bool, int]:
+    base = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    out = subprocess.run([sys.executable, "-c", HUGE_PROBE], capture_output=True, text=True,
+                         check=True, env={**base, **env}).stdout.split()
+    return out[0] == "True", int(out[1])
+
+
+def test_huge_pages_requested_unless_the_user_said():
+    """request_huge_pages sets PyTorch's THP_MEM_ALLOC_ENABLE where the kernel lends huge pages
+    and the user has not set it; the user's value wins either way."""
+    from nanokv.worker import cpu_memory
+
+    assert huge_probe({"THP_MEM_ALLOC_ENABLE": "0"})[0] is False
+    assert huge_probe({"THP_MEM_ALLOC_ENABLE": "1"})[0] is True
+    assert huge_probe({})[0] is cpu_memory.huge_pages_lent()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux transparent huge pages")
+def test_large_tensors_get_huge_pages():
+    """A large tensor allocated after request_huge_pages lies in huge pages (where the kernel
+    lends them: THP `madvise` or `always`); with THP_MEM_ALLOC_ENABLE=0 and THP `madvise`, not."""
+    from nanokv.worker import cpu_memory
+
+    if not cpu_memory.huge_pages_lent():
+        pytest.skip("this kernel lends no transparent huge pages (THP never)")
+    on, huge = huge_probe({})
+    assert on and huge >= 32 * 2**20
+    with open(cpu_memory.THP_SETTING) as f:
+        madvise_only = "[madvise]" in f.read()
+    if madvise_only:
+        off, huge_off = huge_probe({"THP_MEM_ALLOC_ENABLE": "0"})
+        assert not off and huge_off < 8 * 2**20
