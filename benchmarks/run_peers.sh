@@ -34,7 +34,9 @@
 # get glibc's malloc set as nanokv sets its own on CPU (nanokv/worker/cpu_memory.py: mmap
 # threshold 32 MiB, no mmap beyond it, no trimming; through GLIBC_TUNABLES), what vLLM's CPU
 # docs get by preloading tcmalloc: on a Zen 5 EPYC vLLM ran the long preset at 44.0 tok/s
-# without and 50.6 with it. "system": glibc's defaults for the peers.
+# without and 50.6 with it; and PyTorch's transparent huge pages on large buffers
+# (THP_MEM_ALLOC_ENABLE=1, as the nanokv engine requests where the kernel lends them).
+# "system": glibc's defaults and 4 KiB pages for the peers.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -84,7 +86,7 @@ VLLM_ARGS="${VLLM_ARGS:-}"
 NICE="${NICE:-0}"
 PEER_MALLOC="${PEER_MALLOC:-tuned}"
 case "$PEER_MALLOC" in
-    tuned) PEER_ENV="env GLIBC_TUNABLES=$(PYTHONPATH="$ROOT" "$ROOT/.venv/bin/python" -c \
+    tuned) PEER_ENV="env THP_MEM_ALLOC_ENABLE=1 GLIBC_TUNABLES=$(PYTHONPATH="$ROOT" "$ROOT/.venv/bin/python" -c \
                'from nanokv.worker.cpu_memory import glibc_tunables; print(glibc_tunables())')" ;;
     system) PEER_ENV="" ;;
     *) echo "[run_peers] PEER_MALLOC must be tuned or system, got '$PEER_MALLOC'" >&2; exit 2 ;;
