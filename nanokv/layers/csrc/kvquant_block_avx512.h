@@ -805,6 +805,15 @@ static void value_corrections_add(const float *corr, float *acc, int64_t Hkv, in
         }
 }
 
+/* corr[at[l]] += p[l] * d[l] for the live ones of 8 entries, each a pair of floats (64-bit
+ * lanes: two query heads of one channel), by one gather and one scatter of pairs */
+static inline void pairs_fma8(double *corr, __mmask8 live, __m256i at, __m512d p, __m512 d) {
+    if (!live) return;
+    const __m512d c = _mm512_mask_i32gather_pd(_mm512_setzero_pd(), live, at, corr, 8);
+    _mm512_mask_i32scatter_pd(corr, live, at, _mm512_castps_pd(_mm512_fmadd_ps(
+        _mm512_castpd_ps(p), d, _mm512_castpd_ps(c))), 8);
+}
+
 /* does block_value_outliers16 take this layer: uint8 channels, 2 or 4-bit codes (a code within
  * one aligned 32-bit word of its row), at most 16 KV heads (a slot's statistics one vector) */
 static inline int value_outliers16_fit(const KVQuantLayer *L) {
@@ -896,22 +905,8 @@ static void block_value_outliers16(const KVQuantLayer *L, int64_t blk, int64_t n
                     const __m512d p_hi = _mm512_permutexvar_pd(
                         _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(ph, 1)),
                         _mm512_castps_pd(pt));
-                    const __m256i at_lo = _mm512_castsi512_si256(at);
-                    const __m256i at_hi = _mm512_extracti64x4_epi64(at, 1);
-                    if (m_lo) {
-                        const __m512d c = _mm512_mask_i32gather_pd(_mm512_setzero_pd(), m_lo,
-                                                                   at_lo, corr, 8);
-                        _mm512_mask_i32scatter_pd(corr, m_lo, at_lo, _mm512_castps_pd(
-                            _mm512_fmadd_ps(_mm512_castpd_ps(p_lo), d_lo,
-                                            _mm512_castpd_ps(c))), 8);
-                    }
-                    if (m_hi) {
-                        const __m512d c = _mm512_mask_i32gather_pd(_mm512_setzero_pd(), m_hi,
-                                                                   at_hi, corr, 8);
-                        _mm512_mask_i32scatter_pd(corr, m_hi, at_hi, _mm512_castps_pd(
-                            _mm512_fmadd_ps(_mm512_castpd_ps(p_hi), d_hi,
-                                            _mm512_castpd_ps(c))), 8);
-                    }
+                    pairs_fma8(corr, m_lo, _mm512_castsi512_si256(at), p_lo, d_lo);
+                    pairs_fma8(corr, m_hi, _mm512_extracti64x4_epi64(at, 1), p_hi, d_hi);
                 }
                 continue;
             }
