@@ -66,7 +66,8 @@ HUGE_PROBE = textwrap.dedent("""
     from nanokv.worker.cpu_memory import huge_page_share, request_huge_pages
     on = request_huge_pages()
     t = torch.ones(64 * 2**18)  # 64 MiB, written
-    print(on, huge_page_share()[0])
+    share = huge_page_share()  # None where the kernel reports no huge pages (not Linux)
+    print(on, share[0] if share else 0)
 """)
 
 
