@@ -29,6 +29,7 @@ from nanokv.layers.native_quant_attention import (
     kvquant_read,
     load_quant_kernels,
     pertoken_decode,
+    rope_tiles,
 )
 from nanokv.attention.quantized import prefill_only_metadata, write_prefill_then_decode
 from nanokv.quant.kvquant import centroid_table
@@ -82,6 +83,7 @@ class NativeQuantizedBackend(AttentionBackend):
         super().__init__(kv_cache, device)
         self.block_size = kv_cache.block_size
         self._layers: dict[int, tuple] = {}  # layer -> (C struct or tensors, kept alive)
+        self._rope_tiles: torch.Tensor | None = None  # every layer's (one rotary table)
 
     @classmethod
     def why_not(cls, kv_cache, device: torch.device) -> tuple[str, bool] | None:
@@ -221,6 +223,10 @@ class NativeQuantizedBackend(AttentionBackend):
 
         rope = self._rope()
         pos, cos, sin = rope if rope is not None else (None, None, None)
+        halves = cos is not None and _halves_equal(cos) and _halves_equal(sin)
+        if halves and self._rope_tiles is None:  # a copy of the tables' first halves
+            self._rope_tiles = rope_tiles(cos, sin)
+        tiles = self._rope_tiles if halves else None
         return KVQuantLayer(
             k=side("k", "key", store.staged), v=side("v", "value", False),
             sink_slot=ptr(buf["sink_slot"]), staging=ptr(buf["staging_k"][layer]),
@@ -232,5 +238,5 @@ class NativeQuantizedBackend(AttentionBackend):
             staging_kind=ELEMENT_KINDS[buf["staging_k"].dtype],
             rot_dim=0 if cos is None else cos.shape[-1], block_size=store.block_size,
             num_q_heads=num_q_heads, num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim,
-            rope_halves_equal=int(cos is not None and _halves_equal(cos) and _halves_equal(sin)))
+            rope_halves_equal=int(halves), rope_tiles=None if tiles is None else ptr(tiles))
 

@@ -49,7 +49,8 @@ class KVQuantLayer(ctypes.Structure):
                 ("sin", _p),
                 ("num_sinks", _i64), ("sparse_kind", _i64), ("staging_kind", _i64),
                 ("rot_dim", _i64), ("block_size", _i64), ("num_q_heads", _i64),
-                ("num_kv_heads", _i64), ("head_dim", _i64), ("rope_halves_equal", _i64)]
+                ("num_kv_heads", _i64), ("head_dim", _i64), ("rope_halves_equal", _i64),
+                ("rope_tiles", _p)]
 
 
 def type_kernels(lib: ctypes.CDLL) -> None:
@@ -66,7 +67,8 @@ def type_kernels(lib: ctypes.CDLL) -> None:
 def _setup(lib: ctypes.CDLL) -> None:
     type_kernels(lib)
     for switch in (lib.pertoken_set_int8_fused, lib.pertoken_set_int8_prefetch,
-                   lib.pertoken_set_int8_stage, lib.kvquant_set_slot_keys):
+                   lib.pertoken_set_int8_stage, lib.kvquant_set_slot_keys,
+                   lib.kvquant_set_rope_tiles):
         switch.argtypes = [ctypes.c_int]
         switch.restype = None
     lib.pertoken_int8_stage.restype = ctypes.c_int
@@ -97,6 +99,28 @@ def set_slot_keys(on: bool) -> None:
     the lanes (False: the planar pass): an A/B switch for benchmarks and tests, as
     set_int8_fused."""
     load_quant_kernels().kvquant_set_slot_keys(int(bool(on)))
+
+
+def set_rope_tiles(on: bool) -> None:
+    """Whether the slot-lanes key pass reads a layer's RoPE tables by transposed tiles where the
+    layer has them (True, the default; `rope_tiles`) or transposes each tile's rows itself
+    (False): an A/B switch for benchmarks and tests."""
+    load_quant_kernels().kvquant_set_rope_tiles(int(bool(on)))
+
+
+def rope_tiles(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half cos / sin tables [positions, rot_dim] whose halves repeat, their first halves
+    by tiles of 16 positions, each transposed: [ceil(positions / 16), 2 (cos, sin), rot_dim / 2,
+    16], 0 past the last position (what `KVQuantLayer.rope_tiles` points at). A tile of 16
+    consecutive positions from a multiple of 16 is then one contiguous [channel, slot] block, the
+    slot-lanes key pass's operand, where it would otherwise transpose 16 rows of each table."""
+    positions, half = cos.shape[0], cos.shape[-1] // 2
+    tiles = -(-positions // 16)
+    padded = cos.new_zeros(tiles * 16, 2, half)  # [positions rounded up, (cos, sin), channel]
+    padded[:positions, 0] = cos[:, :half]
+    padded[:positions, 1] = sin[:, :half]
+    # [tiles, 16 positions, 2, half] -> [tiles, 2, half, 16 positions]
+    return padded.view(tiles, 16, 2, half).permute(0, 2, 3, 1).contiguous()
 
 
 def set_int8_prefetch(on: bool) -> None:

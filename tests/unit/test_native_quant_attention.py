@@ -469,3 +469,70 @@ def test_kernels_of_narrower_builds_equal_the_reference(tmp_path, flags):
                      "or fp8) and not hq-4)) or registers or fp8_codes", tmp_path,
                      "quant_decode_attention",
                      flags=flags)
+
+
+def test_rope_tiles_are_the_tables_first_halves_transposed():
+    """`rope_tiles` against a brute-force walk: tile j, table i (cos, sin), channel c, lane u is
+    table i's [16 j + u, c] for c < rot_dim / 2, and 0 past the last position."""
+    from nanokv.layers.native_quant_attention import rope_tiles
+
+    positions, rot = 37, 8
+    cos = torch.randn(positions, rot)
+    sin = torch.randn(positions, rot)
+    tiles = rope_tiles(cos, sin)
+    assert tiles.shape == (3, 2, rot // 2, 16) and tiles.is_contiguous()
+    for j in range(3):
+        for i, table in enumerate((cos, sin)):
+            for c in range(rot // 2):
+                for u in range(16):
+                    p = 16 * j + u
+                    want = float(table[p, c]) if p < positions else 0.0
+                    assert float(tiles[j, i, c, u]) == want
+
+
+@pytest.mark.parametrize("bits,d,hkv", [(4, 32, 4), (4, 128, 2), (2, 64, 8)])
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("first,gap", [(0, 1), (5, 1), (7, 3)])
+def test_kvquant_rope_tiles_equal_the_rows(bits, d, hkv, block_size, first, gap):
+    """The slot-lanes key pass reading the RoPE tables by transposed tiles (in place where a
+    tile's 16 positions are consecutive from a multiple of 16; the key outliers' coefficients
+    gathered from the tiles) gives the same outputs, bit for bit, as transposing each tile's
+    rows (`set_rope_tiles(False)`), and both equal the reference: positions from 0 (every tile
+    read in place), consecutive from 5 (none), and 3 apart (not consecutive); a last tile cut
+    short; outliers present."""
+    from types import SimpleNamespace
+
+    from nanokv.layers.native_quant_attention import set_rope_tiles
+
+    n = 2 * block_size + 5
+    lay = KVLayout(1, hkv, d, block_size, torch.float32)
+    store = KVQuantStore(lay, 4, KVQuantConfig(bits=bits, outlier_fraction=0.03),
+                         num_staging_blocks=2)
+    store.rotary = RotaryEmbedding(_HFConfig(), d, MAX_POS)
+    gen = torch.Generator().manual_seed(bits * 100 + d + block_size + first)
+    k = torch.randn(n, hkv, d, generator=gen)
+    k[torch.rand(k.shape, generator=gen) < 0.02] *= 8
+    v = torch.randn(n, hkv, d, generator=gen)
+    table = [2, 0, 3]
+    slots = [table[j // block_size] * block_size + j % block_size for j in range(n)]
+    store.write(0, store.plan_write(slots, [first + gap * j for j in range(n)]), k, v)
+    assert bool((store.buffers["k_oidx0"] >= 0).any())
+    hq = 2 * hkv
+    common = CommonAttentionMetadata([0], 1, [table], [n + 1], [])
+    common.write_plan = SimpleNamespace(slot_mapping=torch.empty(0, dtype=torch.long))
+    q = torch.randn(1, hq, d, generator=gen) * 3
+    k_new, v_new = torch.randn(1, hkv, d, generator=gen), torch.randn(1, hkv, d, generator=gen)
+    ref = reference_quantized_attention(q, k_new, v_new, store, 0, table, n, d ** -0.5,
+                                        store.rope)
+    backend = NativeQuantizedBackend(store, CPU)
+    assert backend._block_layer(0, hq).rope_tiles  # the layer has them (halves repeat)
+    outs = []
+    try:
+        for on in (True, False):
+            set_rope_tiles(on)
+            outs.append(backend.decode(0, q, k_new, v_new, backend.build(common), d ** -0.5))
+    finally:
+        set_rope_tiles(True)
+    for out in outs:
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert torch.equal(outs[0], outs[1])

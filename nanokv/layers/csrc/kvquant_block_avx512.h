@@ -3,6 +3,11 @@
  * gathers where the layout allows, the block's online softmax, and values 32 channels at a time.
  * Included by quant_decode_attention.c after kvquant_block.h, on AVX-512F/BW/VL builds. */
 
+/* are the layer's RoPE tables read by tiles (L->rope_tiles, switched on; halves that repeat) */
+static inline int rope_tiles_on(const KVQuantLayer *L) {
+    return L->rope_tiles && nanokv_rope_tiles && L->rope_halves_equal;
+}
+
 /* The prefetches of the key pass at tile t0 for KV head g: the next tile's key and value rows
  * of all heads and their RoPE rows (`rope`: once per tile), a share of its slots per KV head
  * (no burst), the next block's first rows past the block's end */
@@ -21,8 +26,13 @@ static inline void tile_prefetch(const KVQuantLayer *L, int64_t blk, int64_t nex
         if (R && rope) {  /* the part of the RoPE rows that is read */
             int64_t pos = L->slot_positions[ahead];
             pos = pos < 0 ? 0 : pos;
-            prefetch_rows((const uint8_t *)(L->cos + pos * R), bytes);
-            prefetch_rows((const uint8_t *)(L->sin + pos * R), bytes);
+            if (rope_tiles_on(L)) {  /* the slot's share of its tile: R floats */
+                prefetch_rows((const uint8_t *)(L->rope_tiles + pos / 16 * R * 16 + pos % 16 * R),
+                              R * (int64_t)sizeof(float));
+            } else {
+                prefetch_rows((const uint8_t *)(L->cos + pos * R), bytes);
+                prefetch_rows((const uint8_t *)(L->sin + pos * R), bytes);
+            }
         }
     }
 }
@@ -690,13 +700,23 @@ static void key_outliers16(const KVQuantLayer *L, int64_t blk, int64_t g, int64_
                                               _mm512_add_epi32(ch, half_rot));
             const __m512 sign = _mm512_mask_blend_ps(first, _mm512_set1_ps(-1.f),
                                                      _mm512_set1_ps(1.f));
-            const __m512i row = _mm512_mullo_epi32(pos, rot);
             /* rotate-half tables repeat their first half: the pair's lower channel there (the
              * lines the key pass read) */
             const __m512i c_at = L->rope_halves_equal ? _mm512_min_epi32(ch, partner) : ch;
             const __m512i s_at = L->rope_halves_equal ? c_at : partner;
-            cv = gather_ps(L->cos, _mm512_add_epi32(row, c_at), live);
-            sv = _mm512_mul_ps(sign, gather_ps(L->sin, _mm512_add_epi32(row, s_at), live));
+            if (rope_tiles_on(L)) {  /* tile pos / 16, [c_at, pos % 16] of its cos and sin */
+                const __m512i tile = _mm512_mullo_epi32(_mm512_srli_epi32(pos, 4),
+                                                        _mm512_set1_epi32((int)(R * 16)));
+                const __m512i at = _mm512_add_epi32(
+                    _mm512_add_epi32(tile, _mm512_slli_epi32(c_at, 4)),
+                    _mm512_and_si512(pos, _mm512_set1_epi32(15)));
+                cv = gather_ps(L->rope_tiles, at, live);
+                sv = _mm512_mul_ps(sign, gather_ps(L->rope_tiles + R / 2 * 16, at, live));
+            } else {
+                const __m512i row = _mm512_mullo_epi32(pos, rot);
+                cv = gather_ps(L->cos, _mm512_add_epi32(row, c_at), live);
+                sv = _mm512_mul_ps(sign, gather_ps(L->sin, _mm512_add_epi32(row, s_at), live));
+            }
         }
         const ScoreRuns runs = scores_runs(t, live);
         for (int64_t hh = 0; hh < group; hh++) {
@@ -968,7 +988,7 @@ static int block_key_operands(const KVQuantLayer *L, int64_t blk, int64_t n, Blo
     const int kind = key_pass_kind(L);
     const int64_t channels = L->num_kv_heads * L->head_dim;
     /* the key outliers' positions (key_outliers16): the block's first where consecutive */
-    w->first_position = L->rot_dim && L->k.cap > 0
+    w->first_position = L->rot_dim
         && positions_consecutive(L->slot_positions + blk * L->block_size, n)
         ? L->slot_positions[blk * L->block_size] : -1;
     if (kind == SLOT_KEYS) {

@@ -11,7 +11,10 @@
  *     permute from memory at the word's code shifted into the low bits (the permute reads an
  *     index's low 4 bits only; a 2-bit table repeats its 4 entries);
  *   - rotate-half with the tile's RoPE rows transposed once per tile (w->pcos / psin: [channel,
- *     16 slots], shared by every KV head), the pair (c, c + D/2) at a time;
+ *     16 slots], shared by every KV head), the pair (c, c + D/2) at a time; where the layer has
+ *     its tables by transposed tiles (L->rope_tiles: halves that repeat) and the tile's positions
+ *     are 16 consecutive ones from a multiple of 16, that tile is read in place instead
+ *     (slot_rope_in_place);
  *   - the group's query channels broadcast from memory into nh accumulators (two per head:
  *     the pair's two halves, so that the FMA chains are not one long dependency).
  * The reference is the planar pass and, under both, the row path (`kvquant_row_block`). */
@@ -77,6 +80,17 @@ static inline void slot_rope_tile(float *restrict dst, const float *restrict tab
     }
 }
 
+/* the RoPE tile of 16 slots from t0 read in place from L->rope_tiles, or NULL: where the layer
+ * has them (and they are switched on), the block's positions are consecutive (w->first_position)
+ * and the tile's first is a multiple of 16 (a block of a multiple of 16 slots from position 0 on,
+ * as a request's blocks are, has every tile so) */
+static inline const float *slot_rope_in_place(const KVQuantLayer *L, const BlockScratch *w,
+                                              int64_t t0) {
+    if (!rope_tiles_on(L) || w->first_position < 0) return NULL;
+    const int64_t p0 = w->first_position + t0;
+    return p0 % 16 ? NULL : L->rope_tiles + p0 / 16 * L->rot_dim * 16;
+}
+
 /* the tile's 16 rows of 16 words (row u at rows + u * stride bytes) transposed: out[j] holds
  * word j of every row, one row per lane */
 static inline __attribute__((always_inline)) void slot_rows16(const uint8_t *rows,
@@ -113,7 +127,10 @@ static inline __attribute__((always_inline)) void block_key_dots_slots(
         const int64_t nt = n - t0 < 16 ? n - t0 : 16;
         const __mmask16 live = nt == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nt) - 1u);
         if (next_blk >= 0 && h0 == 0) prefetch_block_data(L, next_blk, t0 / 16, (n + 15) / 16);
-        if (R) {
+        /* the tile's RoPE rows [channel, 16 slots]: cos at pc, sin at ps */
+        const float *pc = R ? slot_rope_in_place(L, w, t0) : NULL;
+        const float *ps = pc ? pc + m * 16 : NULL;
+        if (R && !pc) {
             int64_t pos[16];
             for (int64_t u = 0; u < 16; u++) {
                 const int64_t p = u < nt ? L->slot_positions[blk * B + t0 + u] : 0;
@@ -121,6 +138,7 @@ static inline __attribute__((always_inline)) void block_key_dots_slots(
             }
             slot_rope_tile(w->pcos, L->cos, pos, R, rope_len);
             slot_rope_tile(w->psin, L->sin, pos, R, rope_len);
+            pc = w->pcos, ps = w->psin;
         }
         __m512i all[16];  /* whole: word w of every KV head's rows of the tile's slots */
         if (whole) slot_rows16(K->codes + (blk * B + t0) * stride, stride, all);
@@ -164,12 +182,11 @@ static inline __attribute__((always_inline)) void block_key_dots_slots(
                         _mm512_srli_epi32(xb, (unsigned)(i * bits)),
                         _mm512_loadu_ps(tab + (c + m) * 16));
                     /* rotate-half: (a, b) -> (a cos - b sin, b cos' + a sin') */
-                    const __m512 ra = _mm512_fnmadd_ps(
-                        b, _mm512_loadu_ps(w->psin + c * 16),
-                        _mm512_mul_ps(a, _mm512_loadu_ps(w->pcos + c * 16)));
+                    const __m512 ra = _mm512_fnmadd_ps(b, _mm512_loadu_ps(ps + c * 16),
+                                                       _mm512_mul_ps(a, _mm512_loadu_ps(pc + c * 16)));
                     const __m512 rb = _mm512_fmadd_ps(
-                        a, _mm512_loadu_ps(w->psin + (c + hi) * 16),
-                        _mm512_mul_ps(b, _mm512_loadu_ps(w->pcos + (c + hi) * 16)));
+                        a, _mm512_loadu_ps(ps + (c + hi) * 16),
+                        _mm512_mul_ps(b, _mm512_loadu_ps(pc + (c + hi) * 16)));
                     for (int hh = 0; hh < nh; hh++) {
                         acc[hh][0] = _mm512_fmadd_ps(_mm512_set1_ps(q0[hh * D + c]), ra,
                                                      acc[hh][0]);

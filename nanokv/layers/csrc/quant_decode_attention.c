@@ -884,6 +884,10 @@ typedef struct {
     int64_t block_size, num_q_heads, num_kv_heads, head_dim;
     int64_t rope_halves_equal;     /* cos[:, d] == cos[:, d + R/2] and so for sin (rotate-half
                                       tables: cat(freqs, freqs)) */
+    const float *rope_tiles;       /* NULL, or where the halves repeat, the tables' first halves
+                                      by tiles of 16 positions, each transposed: [ceil(positions /
+                                      16), 2 (cos, sin), R / 2, 16] (the AVX-512 slot-lanes key
+                                      pass reads a tile of consecutive positions in place) */
 } KVQuantLayer;
 
 static inline void unpack_codes(const uint8_t *p, int64_t bits, int64_t D, uint8_t *c) {
@@ -1376,6 +1380,10 @@ int kvquant_read_blocks(const KVQuantLayer *L, const int64_t *blk_ids, int64_t n
  * the planar pass; an A/B switch (`nanokv.layers.native_quant_attention.set_slot_keys`) */
 static int nanokv_slot_keys = 1;
 void kvquant_set_slot_keys(int on) { nanokv_slot_keys = on; }
+/* whether the slot-lanes key pass reads L->rope_tiles where a layer has them (else it transposes
+ * the tile's RoPE rows itself): an A/B switch */
+static int nanokv_rope_tiles = 1;
+void kvquant_set_rope_tiles(int on) { nanokv_rope_tiles = on; }
 
 /* The block path: AVX-512 builds, and AVX2 builds with FMA and F16C (the vector kernels of
  * kvquant_block_avx512.h / kvquant_block_avx2.h around the shared parts of kvquant_block.h) */
