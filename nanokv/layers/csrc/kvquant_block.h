@@ -64,7 +64,7 @@ typedef struct {
     float *pcos, *psin;    /* [16, D] (the slot-lanes pass: [D, 16], transposed) */
     float *ktab;           /* [Hkv, D, 16]: the slot-lanes key pass's per-channel tables */
     int32_t first_position; /* the block's first slot's, where its slots' are consecutive
-                              (the AVX-512 key outliers), else -1 */
+                              (the AVX-512 key outliers and RoPE tiles), else -1 */
     float *p_slots;        /* [B, 16]: the block's P by slots, of up to 16 query heads (the
                               AVX-512 value outliers) */
     float *v_corr;         /* [Hkv, D, group]: the block's value-outlier corrections, the group's

@@ -987,7 +987,8 @@ static void block_softmax(Softmax *s, int64_t h, int64_t group, int64_t n, int64
 static int block_key_operands(const KVQuantLayer *L, int64_t blk, int64_t n, BlockScratch *w) {
     const int kind = key_pass_kind(L);
     const int64_t channels = L->num_kv_heads * L->head_dim;
-    /* the key outliers' positions (key_outliers16): the block's first where consecutive */
+    /* the block's first position where its slots' are consecutive: the key outliers' positions
+     * (key_outliers16) and the slot-lanes pass's RoPE tiles read in place */
     w->first_position = L->rot_dim
         && positions_consecutive(L->slot_positions + blk * L->block_size, n)
         ? L->slot_positions[blk * L->block_size] : -1;

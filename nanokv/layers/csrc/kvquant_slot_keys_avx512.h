@@ -182,8 +182,9 @@ static inline __attribute__((always_inline)) void block_key_dots_slots(
                         _mm512_srli_epi32(xb, (unsigned)(i * bits)),
                         _mm512_loadu_ps(tab + (c + m) * 16));
                     /* rotate-half: (a, b) -> (a cos - b sin, b cos' + a sin') */
-                    const __m512 ra = _mm512_fnmadd_ps(b, _mm512_loadu_ps(ps + c * 16),
-                                                       _mm512_mul_ps(a, _mm512_loadu_ps(pc + c * 16)));
+                    const __m512 ra = _mm512_fnmadd_ps(
+                        b, _mm512_loadu_ps(ps + c * 16),
+                        _mm512_mul_ps(a, _mm512_loadu_ps(pc + c * 16)));
                     const __m512 rb = _mm512_fmadd_ps(
                         a, _mm512_loadu_ps(ps + (c + hi) * 16),
                         _mm512_mul_ps(b, _mm512_loadu_ps(pc + (c + hi) * 16)));
