@@ -333,6 +333,42 @@ def test_kvquant_key_outliers_in_any_order():
     torch.testing.assert_close(shuffled, ref, atol=2e-5, rtol=1e-4)
 
 
+def _one_request_with_outliers(bits, d, hkv, block_size, halves, position, seed):
+    """One request of 2 * block_size + 5 slots (blocks 2, 0, 3: a last tile cut short) in a
+    KVQuant store with outliers (3%, keys with 2% spikes), slot j at position(j), GQA 2; RoPE
+    tables whose halves are equal, unequal (the second half's angles differ) or none (keys
+    stored after RoPE). Returns (store, q, k_new, v_new, common metadata, reference output)."""
+    from types import SimpleNamespace
+
+    n = 2 * block_size + 5
+    lay = KVLayout(1, hkv, d, block_size, torch.float32)
+    store = KVQuantStore(lay, 4, KVQuantConfig(bits=bits, outlier_fraction=0.03,
+                                               pre_rope_keys=halves != "none"),
+                         num_staging_blocks=2)
+    store.rotary = RotaryEmbedding(_HFConfig(), d, MAX_POS)
+    if halves == "unequal":  # the second half's angles differ from the first's
+        store.rotary.cos[:, d // 2:] = torch.cos(torch.arange(MAX_POS)[:, None] * 0.37
+                                                 / (1 + torch.arange(d // 2)))
+        store.rotary.sin[:, d // 2:] = torch.sin(torch.arange(MAX_POS)[:, None] * 0.37
+                                                 / (1 + torch.arange(d // 2)))
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(n, hkv, d, generator=gen)
+    k[torch.rand(k.shape, generator=gen) < 0.02] *= 8
+    v = torch.randn(n, hkv, d, generator=gen)
+    table = [2, 0, 3]
+    slots = [table[j // block_size] * block_size + j % block_size for j in range(n)]
+    store.write(0, store.plan_write(slots, [position(j) for j in range(n)]), k, v)
+    assert bool((store.buffers["k_oidx0"] >= 0).any())
+    hq = 2 * hkv
+    common = CommonAttentionMetadata([0], 1, [table], [n + 1], [])
+    common.write_plan = SimpleNamespace(slot_mapping=torch.empty(0, dtype=torch.long))
+    q = torch.randn(1, hq, d, generator=gen) * 3
+    k_new, v_new = torch.randn(1, hkv, d, generator=gen), torch.randn(1, hkv, d, generator=gen)
+    ref = reference_quantized_attention(q, k_new, v_new, store, 0, table, n, d ** -0.5,
+                                        store.rope)
+    return store, q, k_new, v_new, common, ref
+
+
 @pytest.mark.parametrize("bits,d,hkv", [
     (4, 32, 4),    # a slot's row of every KV head is one vector: transposed once a tile
     (4, 128, 2),   # a KV head's row is one vector: transposed per head
@@ -349,36 +385,10 @@ def test_kvquant_key_passes_equal_the_reference(bits, d, hkv, block_size, halves
     sizes 16 and 256 with a last tile cut short, GQA 2, outliers, and RoPE tables whose halves
     are equal (the common rotate-half tables), unequal (each half's cos / sin read), or no
     RoPE in the kernel (keys stored after RoPE)."""
-    from types import SimpleNamespace
-
     from nanokv.layers.native_quant_attention import set_slot_keys
 
-    n = 2 * block_size + 5
-    lay = KVLayout(1, hkv, d, block_size, torch.float32)
-    store = KVQuantStore(lay, 4, KVQuantConfig(bits=bits, outlier_fraction=0.03,
-                                               pre_rope_keys=halves != "none"),
-                         num_staging_blocks=2)
-    store.rotary = RotaryEmbedding(_HFConfig(), d, MAX_POS)
-    if halves == "unequal":  # the second half's angles differ from the first's
-        store.rotary.cos[:, d // 2:] = torch.cos(torch.arange(MAX_POS)[:, None] * 0.37
-                                                 / (1 + torch.arange(d // 2)))
-        store.rotary.sin[:, d // 2:] = torch.sin(torch.arange(MAX_POS)[:, None] * 0.37
-                                                 / (1 + torch.arange(d // 2)))
-    gen = torch.Generator().manual_seed(bits * 100 + d + block_size)
-    k = torch.randn(n, hkv, d, generator=gen)
-    k[torch.rand(k.shape, generator=gen) < 0.02] *= 8
-    v = torch.randn(n, hkv, d, generator=gen)
-    table = [2, 0, 3]
-    slots = [table[j // block_size] * block_size + j % block_size for j in range(n)]
-    store.write(0, store.plan_write(slots, [7 + 3 * j for j in range(n)]), k, v)
-    assert bool((store.buffers["k_oidx0"] >= 0).any())
-    hq = 2 * hkv
-    common = CommonAttentionMetadata([0], 1, [table], [n + 1], [])
-    common.write_plan = SimpleNamespace(slot_mapping=torch.empty(0, dtype=torch.long))
-    q = torch.randn(1, hq, d, generator=gen) * 3
-    k_new, v_new = torch.randn(1, hkv, d, generator=gen), torch.randn(1, hkv, d, generator=gen)
-    ref = reference_quantized_attention(q, k_new, v_new, store, 0, table, n, d ** -0.5,
-                                        store.rope)
+    store, q, k_new, v_new, common, ref = _one_request_with_outliers(
+        bits, d, hkv, block_size, halves, lambda j: 7 + 3 * j, bits * 100 + d + block_size)
     outs = []
     try:
         for slot_keys in (True, False):
@@ -500,30 +510,12 @@ def test_kvquant_rope_tiles_equal_the_rows(bits, d, hkv, block_size, first, gap)
     rows (`set_rope_tiles(False)`), and both equal the reference: positions from 0 (every tile
     read in place), consecutive from 5 (none), and 3 apart (not consecutive); a last tile cut
     short; outliers present."""
-    from types import SimpleNamespace
-
     from nanokv.layers.native_quant_attention import set_rope_tiles
 
-    n = 2 * block_size + 5
-    lay = KVLayout(1, hkv, d, block_size, torch.float32)
-    store = KVQuantStore(lay, 4, KVQuantConfig(bits=bits, outlier_fraction=0.03),
-                         num_staging_blocks=2)
-    store.rotary = RotaryEmbedding(_HFConfig(), d, MAX_POS)
-    gen = torch.Generator().manual_seed(bits * 100 + d + block_size + first)
-    k = torch.randn(n, hkv, d, generator=gen)
-    k[torch.rand(k.shape, generator=gen) < 0.02] *= 8
-    v = torch.randn(n, hkv, d, generator=gen)
-    table = [2, 0, 3]
-    slots = [table[j // block_size] * block_size + j % block_size for j in range(n)]
-    store.write(0, store.plan_write(slots, [first + gap * j for j in range(n)]), k, v)
-    assert bool((store.buffers["k_oidx0"] >= 0).any())
-    hq = 2 * hkv
-    common = CommonAttentionMetadata([0], 1, [table], [n + 1], [])
-    common.write_plan = SimpleNamespace(slot_mapping=torch.empty(0, dtype=torch.long))
-    q = torch.randn(1, hq, d, generator=gen) * 3
-    k_new, v_new = torch.randn(1, hkv, d, generator=gen), torch.randn(1, hkv, d, generator=gen)
-    ref = reference_quantized_attention(q, k_new, v_new, store, 0, table, n, d ** -0.5,
-                                        store.rope)
+    store, q, k_new, v_new, common, ref = _one_request_with_outliers(
+        bits, d, hkv, block_size, "equal", lambda j: first + gap * j,
+        bits * 100 + d + block_size + first)
+    hq = q.shape[1]
     backend = NativeQuantizedBackend(store, CPU)
     assert backend._block_layer(0, hq).rope_tiles  # the layer has them (halves repeat)
     outs = []
