@@ -83,7 +83,8 @@ class NativeQuantizedBackend(AttentionBackend):
         super().__init__(kv_cache, device)
         self.block_size = kv_cache.block_size
         self._layers: dict[int, tuple] = {}  # layer -> (C struct or tensors, kept alive)
-        self._rope_tiles: torch.Tensor | None = None  # every layer's (one rotary table)
+        # (the RoPE tables' halves repeat, their tiles or None): every layer's, worked out once
+        self._rope_layout: tuple[bool, torch.Tensor | None] | None = None
 
     @classmethod
     def why_not(cls, kv_cache, device: torch.device) -> tuple[str, bool] | None:
@@ -223,10 +224,10 @@ class NativeQuantizedBackend(AttentionBackend):
 
         rope = self._rope()
         pos, cos, sin = rope if rope is not None else (None, None, None)
-        halves = cos is not None and _halves_equal(cos) and _halves_equal(sin)
-        if halves and self._rope_tiles is None:  # a copy of the tables' first halves
-            self._rope_tiles = rope_tiles(cos, sin)
-        tiles = self._rope_tiles if halves else None
+        if cos is not None and self._rope_layout is None:  # the store's one rotary table
+            halves = _halves_equal(cos) and _halves_equal(sin)
+            self._rope_layout = halves, rope_tiles(cos, sin) if halves else None
+        halves, tiles = self._rope_layout if cos is not None else (False, None)
         return KVQuantLayer(
             k=side("k", "key", store.staged), v=side("v", "value", False),
             sink_slot=ptr(buf["sink_slot"]), staging=ptr(buf["staging_k"][layer]),

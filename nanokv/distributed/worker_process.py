@@ -24,11 +24,12 @@ from nanokv.distributed.parallel_state import TensorParallel, init_rank, leave_g
 class RankWorker:
     def __init__(self, config, tp: TensorParallel) -> None:
         from nanokv.worker.cpu_memory import request_huge_pages, tune_glibc_malloc
-        from nanokv.worker.loader import load_model
+        from nanokv.worker.loader import load_model, resolve_device
 
         self.config = config
         self.tp = tp
-        request_huge_pages()
+        if resolve_device(config.device).type == "cpu":  # before the weights (cpu_memory.py)
+            request_huge_pages()
         loaded = load_model(config.model, config.dtype, config.device,
                             skip_tokenizer_init=True, max_positions=config.max_model_len,
                             linear_backend=config.linear_backend, tp=tp)

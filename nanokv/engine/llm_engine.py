@@ -24,7 +24,7 @@ from nanokv.engine.assembly import (
 from nanokv.engine.detokenizer import update_text
 from nanokv.engine.policy_runner import PolicyRunner, ScoringPass
 from nanokv.worker.cpu_memory import huge_page_share, request_huge_pages, tune_glibc_malloc
-from nanokv.worker.loader import load_hf_config, load_model
+from nanokv.worker.loader import load_hf_config, load_model, resolve_device
 from nanokv.worker.model_runner import ModelRunner
 from nanokv.outputs import CompletionOutput, RequestOutput
 from nanokv.request import Request, RequestStatus
@@ -71,7 +71,9 @@ class LLMEngine:
         """Load the model (this rank's shard), plan and build the KV cache, the block manager,
         scheduler, runner and policies; report."""
         tp_size = config.tensor_parallel_size
-        request_huge_pages()  # before the weights: PyTorch reads it at its first allocation
+        # before the weights: PyTorch reads the setting at its first CPU allocation
+        if resolve_device(config.device).type == "cpu":
+            request_huge_pages()
         loaded = load_model(config.model, config.dtype, config.device,
                             tokenizer_path=config.tokenizer,
                             skip_tokenizer_init=config.skip_tokenizer_init,

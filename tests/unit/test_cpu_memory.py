@@ -60,7 +60,6 @@ def test_glibc_tunables_give_another_process_the_same_reuse():
     assert faults < 2 * (48 * 2**20 // 4096)
 
 
-
 HUGE_PROBE = textwrap.dedent("""
     import sys, torch
     from nanokv.worker.cpu_memory import huge_page_share, request_huge_pages
