@@ -63,6 +63,7 @@ def ab_pair(args, libs: dict, requests: int, context: int, bits: int) -> dict:
                    args.head_dim ** -0.5)
     outs, times = {}, {side: [] for side in libs}
     own = nqa._LIBRARY  # put back afterwards: the A/B libraries lack the switches' typing
+    call()  # the layers' structs (and their RoPE layout) built with this checkout's library
     try:
         for side, lib in libs.items():  # a warm-up each, and the outputs compared
             nqa._LIBRARY = lib

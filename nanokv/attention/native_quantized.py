@@ -28,7 +28,11 @@ from nanokv.layers.native_quant_attention import (
     kvquant_decode,
     kvquant_read,
     load_quant_kernels,
+    ROPE_ROWS,
+    ROPE_TILES,
     pertoken_decode,
+    rope_layout,
+    rope_rows,
     rope_tiles,
 )
 from nanokv.attention.quantized import prefill_only_metadata, write_prefill_then_decode
@@ -83,8 +87,9 @@ class NativeQuantizedBackend(AttentionBackend):
         super().__init__(kv_cache, device)
         self.block_size = kv_cache.block_size
         self._layers: dict[int, tuple] = {}  # layer -> (C struct or tensors, kept alive)
-        # (the RoPE tables' halves repeat, their tiles or None): every layer's, worked out once
-        self._rope_layout: tuple[bool, torch.Tensor | None] | None = None
+        # (the RoPE tables' halves repeat, their tiles or None, their half rows or None): every
+        # layer's, worked out once; of the compact tables, the one this CPU's kernel reads
+        self._rope_layout: tuple[bool, torch.Tensor | None, torch.Tensor | None] | None = None
 
     @classmethod
     def why_not(cls, kv_cache, device: torch.device) -> tuple[str, bool] | None:
@@ -226,8 +231,10 @@ class NativeQuantizedBackend(AttentionBackend):
         pos, cos, sin = rope if rope is not None else (None, None, None)
         if cos is not None and self._rope_layout is None:  # the store's one rotary table
             halves = _halves_equal(cos) and _halves_equal(sin)
-            self._rope_layout = halves, rope_tiles(cos, sin) if halves else None
-        halves, tiles = self._rope_layout if cos is not None else (False, None)
+            layout = rope_layout() if halves else 0
+            self._rope_layout = (halves, rope_tiles(cos, sin) if layout == ROPE_TILES else None,
+                                 rope_rows(cos, sin) if layout == ROPE_ROWS else None)
+        halves, tiles, rows = self._rope_layout if cos is not None else (False, None, None)
         return KVQuantLayer(
             k=side("k", "key", store.staged), v=side("v", "value", False),
             sink_slot=ptr(buf["sink_slot"]), staging=ptr(buf["staging_k"][layer]),
@@ -239,5 +246,6 @@ class NativeQuantizedBackend(AttentionBackend):
             staging_kind=ELEMENT_KINDS[buf["staging_k"].dtype],
             rot_dim=0 if cos is None else cos.shape[-1], block_size=store.block_size,
             num_q_heads=num_q_heads, num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim,
-            rope_halves_equal=int(halves), rope_tiles=None if tiles is None else ptr(tiles))
+            rope_halves_equal=int(halves), rope_tiles=None if tiles is None else ptr(tiles),
+            rope_rows=None if rows is None else ptr(rows))
 

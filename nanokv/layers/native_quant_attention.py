@@ -50,7 +50,7 @@ class KVQuantLayer(ctypes.Structure):
                 ("num_sinks", _i64), ("sparse_kind", _i64), ("staging_kind", _i64),
                 ("rot_dim", _i64), ("block_size", _i64), ("num_q_heads", _i64),
                 ("num_kv_heads", _i64), ("head_dim", _i64), ("rope_halves_equal", _i64),
-                ("rope_tiles", _p)]
+                ("rope_tiles", _p), ("rope_rows", _p)]
 
 
 def type_kernels(lib: ctypes.CDLL) -> None:
@@ -71,6 +71,8 @@ def _setup(lib: ctypes.CDLL) -> None:
                    lib.kvquant_set_rope_tiles):
         switch.argtypes = [ctypes.c_int]
         switch.restype = None
+    lib.kvquant_rope_layout.argtypes = []
+    lib.kvquant_rope_layout.restype = ctypes.c_int
     lib.pertoken_int8_stage.restype = ctypes.c_int
     lib.pertoken_int8_stage_fits.argtypes = [_i64, _i64]
     lib.pertoken_int8_stage_fits.restype = ctypes.c_int
@@ -102,10 +104,29 @@ def set_slot_keys(on: bool) -> None:
 
 
 def set_rope_tiles(on: bool) -> None:
-    """Whether the slot-lanes key pass reads a layer's RoPE tables by transposed tiles where the
-    layer has them (True, the default; `rope_tiles`) or transposes each tile's rows itself
-    (False): an A/B switch for benchmarks and tests."""
+    """Whether the block path reads a layer's compact RoPE table where the layer has one (True,
+    the default): the AVX-512 slot-lanes key pass its transposed tiles (`rope_tiles`; off: it
+    transposes each tile's rows itself), the AVX2 key pass its half rows (`rope_rows`; off: the
+    full tables). An A/B switch for benchmarks and tests."""
     load_quant_kernels().kvquant_set_rope_tiles(int(bool(on)))
+
+
+ROPE_TILES, ROPE_ROWS = 1, 2  # kvquant_rope_layout(): the compact RoPE table a build reads
+
+
+def rope_layout() -> int:
+    """Which compact RoPE table this CPU's build of the block path reads where the tables'
+    halves repeat: ROPE_TILES (AVX-512: `rope_tiles`), ROPE_ROWS (AVX2: `rope_rows`), or 0."""
+    return int(load_quant_kernels().kvquant_rope_layout())
+
+
+def rope_rows(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half cos / sin tables [positions, rot_dim] whose halves repeat, their first halves
+    side by side: [positions, 2 (cos, sin), rot_dim / 2] (what `KVQuantLayer.rope_rows` points
+    at). The AVX2 key pass reads a slot's rows as one stream of rot_dim floats, where the full
+    tables are two of 2 * rot_dim, half of which it never uses."""
+    half = cos.shape[-1] // 2
+    return torch.stack([cos[:, :half], sin[:, :half]], dim=1).contiguous()
 
 
 def rope_tiles(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -500,24 +500,75 @@ def test_rope_tiles_are_the_tables_first_halves_transposed():
                     assert float(tiles[j, i, c, u]) == want
 
 
+@pytest.mark.parametrize("bits,d,hkv", [(4, 128, 2), (2, 64, 8), (3, 32, 4)])
+@pytest.mark.parametrize("order", ["reversed", "shuffled"])
+def test_kvquant_key_outliers_out_of_order_equal_the_reference(bits, d, hkv, order):
+    """The store keeps each KV head's per-channel key outlier list in index order, unused
+    entries last, and the AVX2 key pass walks the lists with a cursor per head on that promise;
+    a block whose lists break it (entries reversed: unused first; or shuffled) is still
+    attended exactly (its outliers then corrected a head at a time after the key pass), on every
+    build: the outputs equal the reference and the in-order lists' within float rounding."""
+    store, q, k_new, v_new, common, ref = _one_request_with_outliers(
+        bits, d, hkv, 16, "equal", lambda j: j, bits * 10 + d + hkv)
+    backend = NativeQuantizedBackend(store, CPU)
+    in_order = backend.decode(0, q, k_new, v_new, backend.build(common), d ** -0.5)
+    oidx, oval = store.buffers["k_oidx0"], store.buffers["k_oval0"]  # [nb, Hkv, cap]
+    gen = torch.Generator().manual_seed(d)
+    perm = (torch.arange(oidx.shape[-1] - 1, -1, -1) if order == "reversed"
+            else torch.randperm(oidx.shape[-1], generator=gen))
+    assert bool((oidx[..., perm] != oidx).any())  # the lists did change order
+    oidx.copy_(oidx[..., perm].clone())
+    oval.copy_(oval[..., perm].clone())
+    table = common.decode_block_tables[0]
+    n = common.decode_context_lens[0] - 1  # the cached slots (the step's own token apart)
+    ref_moved = reference_quantized_attention(q, k_new, v_new, store, 0, table, n, d ** -0.5,
+                                              store.rope)
+    torch.testing.assert_close(ref_moved, ref, atol=1e-6, rtol=1e-6)  # the same cache
+    out = backend.decode(0, q, k_new, v_new, backend.build(common), d ** -0.5)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out, in_order, atol=2e-6, rtol=1e-5)
+
+
+def test_rope_rows_are_the_tables_first_halves_side_by_side():
+    """`rope_rows` against a brute-force walk: position p, table i (cos, sin), channel c is
+    table i's [p, c] for c < rot_dim / 2."""
+    from nanokv.layers.native_quant_attention import rope_rows
+
+    positions, rot = 21, 12
+    cos = torch.randn(positions, rot)
+    sin = torch.randn(positions, rot)
+    rows = rope_rows(cos, sin)
+    assert rows.shape == (positions, 2, rot // 2) and rows.is_contiguous()
+    for p in range(positions):
+        for i, table in enumerate((cos, sin)):
+            for c in range(rot // 2):
+                assert float(rows[p, i, c]) == float(table[p, c])
+
+
 @pytest.mark.parametrize("bits,d,hkv", [(4, 32, 4), (4, 128, 2), (2, 64, 8)])
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("first,gap", [(0, 1), (5, 1), (7, 3)])
-def test_kvquant_rope_tiles_equal_the_rows(bits, d, hkv, block_size, first, gap):
-    """The slot-lanes key pass reading the RoPE tables by transposed tiles (in place where a
-    tile's 16 positions are consecutive from a multiple of 16; the key outliers' coefficients
-    gathered from the tiles) gives the same outputs, bit for bit, as transposing each tile's
-    rows (`set_rope_tiles(False)`), and both equal the reference: positions from 0 (every tile
-    read in place), consecutive from 5 (none), and 3 apart (not consecutive); a last tile cut
-    short; outliers present."""
-    from nanokv.layers.native_quant_attention import set_rope_tiles
+def test_kvquant_compact_rope_tables_equal_the_full_ones(bits, d, hkv, block_size, first, gap):
+    """The block path reading the build's compact RoPE table gives the same outputs, bit for
+    bit, as without it (`set_rope_tiles(False)`), and both equal the reference. AVX-512: the
+    slot-lanes key pass reads transposed tiles (in place where a tile's 16 positions are
+    consecutive from a multiple of 16; the key outliers' coefficients gathered from the tiles)
+    where it would transpose each tile's rows; AVX2: the key pass reads the tables' first halves
+    side by side (`rope_rows`) where it would read the full tables. Positions from 0 (every
+    tile read in place), consecutive from 5 (none), and 3 apart (not consecutive); a last tile
+    cut short; outliers present."""
+    from nanokv.layers.native_quant_attention import (ROPE_ROWS, ROPE_TILES, rope_layout,
+                                                      set_rope_tiles)
 
     store, q, k_new, v_new, common, ref = _one_request_with_outliers(
         bits, d, hkv, block_size, "equal", lambda j: first + gap * j,
         bits * 100 + d + block_size + first)
     hq = q.shape[1]
     backend = NativeQuantizedBackend(store, CPU)
-    assert backend._block_layer(0, hq).rope_tiles  # the layer has them (halves repeat)
+    layer = backend._block_layer(0, hq)
+    layout = rope_layout()  # the layer has the one this build reads (halves repeat)
+    assert bool(layer.rope_tiles) == (layout == ROPE_TILES)
+    assert bool(layer.rope_rows) == (layout == ROPE_ROWS)
     outs = []
     try:
         for on in (True, False):

@@ -49,13 +49,11 @@ typedef struct {
     int16_t *sink_at;      /* [B]: the sink entry of each slot, -1 none */
     int32_t *v_head;       /* [Hkv * value cap]: the KV head of each entry of a slot's value
                               outlier lists, [Hkv, cap] (entry e: head e / cap) */
-    /* the AVX2 key pass's outliers sorted by slot: where each slot's start, each entry's KV
-     * head and channel (head << 16 | channel) and exact value; and the rows' (exact - decoded)
-     * values */
-    int32_t *o_start;      /* [B + 1] */
-    int32_t *o_gch;        /* [Hkv * key cap] */
-    float *o_val;          /* [Hkv * key cap] */
-    float *delta;          /* [2, Hkv, D]: two slots' rows, zero but while in use */
+    int32_t *k_cursor;     /* [Hkv]: the AVX2 key pass's place in each KV head's key outlier
+                              list */
+    int k_sorted;          /* are the block's key outlier lists in index order (AVX2) */
+    float *k_corr;         /* [Hkv, FAST_MAX_HEADS, 8]: the key outliers' corrections of a tile's
+                              scores (AVX2), zero but while in use */
     float *unit;           /* [2, D]: cos 1 and sin 0, the AVX2 key pass's rows without RoPE */
     /* the AVX-512 planar key pass's operands in its channel order: the request's queries
      * (block_request_queries), the block's key statistics, a tile's RoPE rows */
@@ -73,7 +71,7 @@ typedef struct {
 } BlockScratch;
 
 static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int64_t B,
-                               int64_t D, int64_t key_cap, int64_t value_cap) {
+                               int64_t D, int64_t value_cap) {
     w->scores = malloc(sizeof(float) * Hkv * group * B);
     w->pa = malloc(sizeof(float) * group * B);
     w->k_off = malloc(sizeof(float) * Hkv * D);
@@ -92,10 +90,10 @@ static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int6
     w->v_head = malloc(sizeof(int32_t) * (Hkv * value_cap + 1));
     if (w->v_head)
         for (int64_t e = 0; e < Hkv * value_cap; e++) w->v_head[e] = (int32_t)(e / value_cap);
-    w->o_start = malloc(sizeof(int32_t) * (B + 1));
-    w->o_gch = malloc(sizeof(int32_t) * (Hkv * key_cap + 1));
-    w->o_val = malloc(sizeof(float) * (Hkv * key_cap + 1));
-    w->delta = calloc(2 * Hkv * D, sizeof(float));
+    w->k_cursor = malloc(sizeof(int32_t) * Hkv);
+    w->k_sorted = 0;
+    w->k_corr = aligned_alloc(32, sizeof(float) * Hkv * FAST_MAX_HEADS * 8);
+    if (w->k_corr) memset(w->k_corr, 0, sizeof(float) * Hkv * FAST_MAX_HEADS * 8);
     w->unit = calloc(2 * D, sizeof(float));
     if (w->unit) for (int64_t d = 0; d < D; d++) w->unit[d] = 1.f;
     w->pq = malloc(sizeof(float) * Hkv * group * D);
@@ -109,7 +107,7 @@ static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int6
     w->v_corr = aligned_alloc(64, sizeof(float) * ((Hkv * D * group + 15) / 16 * 16));
     return w->scores && w->pa && w->k_off && w->k_half && w->row && w->v_half && w->v_off
            && w->live && w->pb && w->patch_ch && w->patch_x && w->v_stats && w->dots && w->sink_at
-           && w->v_head && w->o_start && w->o_gch && w->o_val && w->delta && w->unit && w->pq
+           && w->v_head && w->k_cursor && w->k_corr && w->unit && w->pq
            && w->pk_half && w->pk_off && w->pcos && w->psin && w->ktab && w->p_slots
            && w->v_corr;
 }
@@ -118,8 +116,8 @@ static void block_scratch_free(BlockScratch *w) {
     free(w->scores); free(w->pa); free(w->k_off); free(w->k_half); free(w->row); free(w->v_half);
     free(w->v_off); free(w->live); free(w->pb); free(w->patch_ch); free(w->patch_x);
     free(w->v_stats); free(w->dots);
-    free(w->sink_at); free(w->v_head); free(w->o_start); free(w->o_gch); free(w->o_val);
-    free(w->delta); free(w->unit); free(w->pq); free(w->pk_half); free(w->pk_off);
+    free(w->sink_at); free(w->v_head); free(w->k_cursor); free(w->k_corr);
+    free(w->unit); free(w->pq); free(w->pk_half); free(w->pk_off);
     free(w->pcos); free(w->psin); free(w->ktab); free(w->p_slots);
     free(w->v_corr);
 }
@@ -180,6 +178,55 @@ static void prefetch_block_data(const KVQuantLayer *L, int64_t blk, int64_t part
     case 8: call(8); break;            \
     default: call(nh); break;          \
     }
+
+/* the coefficient of pre-RoPE key channel ch in q . RoPE(k) (rotate-half over R channels):
+ * q[ch] cos[ch] + q[ch + m] sin[ch + m] in the first half, q[ch] cos[ch] - q[ch - m] sin[ch - m]
+ * in the second; the half picked by arithmetic, not a branch (which half an outlier falls in is
+ * a coin toss: a branch would be mispredicted every other entry) */
+static inline float rope_coefficient(const float *qh, const float *cs, const float *sn,
+                                     int64_t ch, int64_t R, int64_t halves_equal) {
+    if (!R) return qh[ch];
+    const int64_t m = R / 2, second = ch >= m;      /* 0 or 1 */
+    const int64_t partner = ch + m - 2 * m * second; /* its RoPE partner, ch + m or ch - m */
+    /* halves that repeat: read the tables' first half only (the lines the key pass read) */
+    const int64_t at_cos = halves_equal ? ch - m * second : ch;
+    const int64_t at_sin = halves_equal ? ch - m * second : partner;
+    const float sign = 1.f - 2.f * (float)second;
+    return qh[ch] * cs[at_cos] + sign * (qh[partner] * sn[at_sin]);
+}
+
+/* The store lists every outlier once (`nanokv.quant.kvquant._select_outliers`), so each entry's
+ * correction is added as it comes. */
+
+/* the block's key outliers of head g as score corrections */
+static inline __attribute__((always_inline)) void key_outliers(
+        const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n, const float *restrict q0,
+        int64_t group, float *restrict sg, const BlockScratch *w, const int64_t idx_bytes,
+        const int64_t kind) {
+    const KVQuantSide *K = &L->k;
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
+    const int64_t base = (blk * Hkv + g) * K->cap, limit = n * D;
+    const int d_shift = __builtin_ctzll((unsigned long long)D);
+    const int d_pow2 = (D & (D - 1)) == 0;  /* slot and channel of an index by a shift */
+    const float *half = w->k_half + g * D, *off = w->k_off + g * D;
+    const uint8_t *rows = K->codes + (blk * B * Hkv + g) * K->packed;
+    const int64_t stride = Hkv * K->packed;
+    for (int64_t j = 0; j < K->cap; j++) {
+        const int64_t idx = load_index(K->oidx, base + j, idx_bytes);
+        if (idx < 0 || idx >= limit) continue;
+        const int64_t t = d_pow2 ? idx >> d_shift : idx / D;
+        const int64_t ch = idx - t * D;
+        const float decoded = fmaf(K->lut[code_at(rows + t * stride, K->bits, ch)], half[ch],
+                                   off[ch]);
+        const float delta = load_any(K->oval, base + j, kind) - decoded;
+        int64_t pos = R ? L->slot_positions[blk * B + t] : 0;
+        pos = pos < 0 ? 0 : pos;
+        const float *cs = L->cos + pos * R, *sn = L->sin + pos * R;
+        for (int64_t hh = 0; hh < group; hh++)
+            sg[hh * B + t] += delta * rope_coefficient(q0 + hh * D, cs, sn, ch, R,
+                                                      L->rope_halves_equal);
+    }
+}
 
 /* the value outliers of non-sink slots as corrections of the accumulators */
 static inline __attribute__((always_inline)) void value_outliers(

@@ -9,74 +9,102 @@
  * CPU's prefetchers follows (a row apart per KV head, as the AVX-512 pass reads, they did
  * not). */
 
-/* the block's key outliers of its first n slots sorted by slot (a counting sort over every KV
- * head's list), for the key pass: slot t's are entries [o_start[t], o_start[t + 1]), each with
- * its KV head and channel (g << 16 | channel) and its exact value (always inlined with constant
- * index and value sizes) */
-static inline __attribute__((always_inline)) void key_outlier_lists_impl(
-        const KVQuantLayer *L, int64_t blk, int64_t n, BlockScratch *w, const int64_t idx_bytes,
-        const int64_t kind) {
-    const KVQuantSide *K = &L->k;
-    const int64_t Hkv = L->num_kv_heads, D = L->head_dim, limit = n * D;
-    const int d_shift = __builtin_ctzll((unsigned long long)D);
-    const int d_pow2 = (D & (D - 1)) == 0;  /* slot and channel of an index by a shift */
-    int32_t *start = w->o_start;
-    memset(start, 0, sizeof(int32_t) * (n + 1));
-    for (int64_t j = 0; j < Hkv * K->cap; j++) {  /* counts, in start[t + 1] */
-        const int64_t idx = load_index(K->oidx, blk * Hkv * K->cap + j, idx_bytes);
-        if (idx >= 0 && idx < limit) start[(d_pow2 ? idx >> d_shift : idx / D) + 1]++;
+/* the cos and sin rows of position pos: rope_rows' where the layer has them (the halves
+ * repeat: first halves only, side by side; switched on), else the tables' */
+static inline void rope_rows_at(const KVQuantLayer *L, int64_t pos, const float **cs,
+                                const float **sn) {
+    const int64_t R = L->rot_dim;
+    if (L->rope_rows && L->rope_halves_equal && nanokv_rope_tiles) {
+        *cs = L->rope_rows + pos * R;
+        *sn = *cs + R / 2;
+    } else {
+        *cs = L->cos + pos * R;
+        *sn = L->sin + pos * R;
     }
-    for (int64_t t = 0; t < n; t++) start[t + 1] += start[t];
-    for (int64_t g = 0; g < Hkv; g++) {  /* placed with start[t] as slot t's cursor */
-        const int64_t base = (blk * Hkv + g) * K->cap;
+}
+
+/* Key outliers enter as score corrections a tile at a time, right after the tile's key pass
+ * (its rows and RoPE rows still in L1): (exact - decoded) times the channel's coefficient in
+ * q . RoPE(k) (RoPE is linear). The store keeps each KV head's per-channel list in index order
+ * (slot-major), its unused entries last, so a tile's entries of a head follow the last tile's:
+ * one cursor per KV head walks the lists (key_lists_sorted checks the order once per block;
+ * a block out of order takes key_outliers, a KV head at a time after the key pass). */
+
+/* are the key outlier lists of every KV head of the block in index order, unused entries last */
+static int key_lists_sorted(const KVQuantLayer *L, int64_t blk) {
+    const KVQuantSide *K = &L->k;
+    const int64_t Hkv = L->num_kv_heads;
+    for (int64_t g = 0; g < Hkv; g++) {
+        int64_t prev = -1, ended = 0;
         for (int64_t j = 0; j < K->cap; j++) {
-            const int64_t idx = load_index(K->oidx, base + j, idx_bytes);
-            if (idx < 0 || idx >= limit) continue;
-            const int64_t t = d_pow2 ? idx >> d_shift : idx / D;
-            const int32_t e = start[t]++;
-            w->o_gch[e] = (int32_t)(g << 16 | (idx - t * D));  /* head, channel */
-            w->o_val[e] = load_any(K->oval, base + j, kind);
+            const int64_t idx = load_index(K->oidx, (blk * Hkv + g) * K->cap + j, K->idx_bytes);
+            if (idx < 0) ended = 1;
+            else if (ended || idx <= prev) return 0;
+            else prev = idx;
         }
     }
-    for (int64_t t = n; t > 0; t--) start[t] = start[t - 1];  /* the cursors ended one on */
-    start[0] = 0;
+    return 1;
 }
 
-static void key_outlier_lists(const KVQuantLayer *L, int64_t blk, int64_t n, BlockScratch *w) {
-    if (L->k.idx_bytes == 2 && L->sparse_kind == 0)  /* int16 indices, float16 values */
-        key_outlier_lists_impl(L, blk, n, w, 2, 0);
-    else
-        key_outlier_lists_impl(L, blk, n, w, L->k.idx_bytes, L->sparse_kind);
-}
-
-/* delta[g * D + ch] = exact - decoded for the key outliers of slot s of every KV head (or 0:
- * `clear`), from key_outlier_lists */
-static inline __attribute__((always_inline)) void row_deltas(
-        const KVQuantLayer *L, int64_t blk, int64_t s, const int bits, const int clear,
-        const BlockScratch *w, float *restrict delta) {
+/* the corrections of the entries of tile [t0, t0 + nt) (t0 + nt <= n) for the query heads
+ * [h0, h0 + nh) of every KV head, from each head's cursor cur[g] on (always inlined with
+ * constant index and value sizes and bits) */
+static inline __attribute__((always_inline)) void tile_key_outliers_impl(
+        const KVQuantLayer *L, int64_t blk, int64_t t0, int64_t nt, const float *qb, int64_t h0,
+        int64_t nh, BlockScratch *w, const int64_t idx_bytes, const int64_t kind,
+        const int bits) {
     const KVQuantSide *K = &L->k;
-    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim;
-    const uint8_t *rows = K->codes + (blk * B + s) * Hkv * K->packed;
-    for (int32_t e = w->o_start[s]; e < w->o_start[s + 1]; e++) {
-        const int64_t g = w->o_gch[e] >> 16, ch = w->o_gch[e] & 0xFFFF, at = g * D + ch;
-        delta[at] = clear ? 0.f : w->o_val[e] - fmaf(
-            K->lut[code_at(rows + g * K->packed, bits, ch)], w->k_half[at], w->k_off[at]);
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
+    const int64_t group = L->num_q_heads / Hkv, end = (t0 + nt) * D, stride = Hkv * K->packed;
+    (void)B;
+    const int d_shift = __builtin_ctzll((unsigned long long)D);
+    const int d_pow2 = (D & (D - 1)) == 0;  /* slot and channel of an index by a shift */
+    for (int64_t g = 0; g < Hkv; g++) {
+        const int64_t base = (blk * Hkv + g) * K->cap;
+        const float *half = w->k_half + g * D, *off = w->k_off + g * D;
+        const float *q0 = qb + (g * group + h0) * D;
+        float *corr = w->k_corr + g * nh * 8 - t0;  /* [nh, 8] of the tile's slots */
+        const uint8_t *rows = K->codes + (blk * B * Hkv + g) * K->packed;
+        int64_t j = w->k_cursor[g];
+        for (; j < K->cap; j++) {
+            const int64_t idx = load_index(K->oidx, base + j, idx_bytes);
+            if (idx < 0 || idx >= end) break;
+            const int64_t t = d_pow2 ? idx >> d_shift : idx / D;
+            const int64_t ch = idx - t * D;
+            const float delta = load_any(K->oval, base + j, kind)
+                                - fmaf(K->lut[code_at(rows + t * stride, bits, ch)], half[ch],
+                                       off[ch]);
+            int64_t pos = R ? L->slot_positions[blk * B + t] : 0;
+            pos = pos < 0 ? 0 : pos;
+            const float *cs, *sn;
+            rope_rows_at(L, pos, &cs, &sn);
+            for (int64_t hh = 0; hh < nh; hh++)
+                corr[hh * 8 + t] += delta * rope_coefficient(q0 + hh * D, cs, sn, ch, R,
+                                                             L->rope_halves_equal);
+        }
+        w->k_cursor[g] = (int32_t)j;
     }
+}
+
+static inline __attribute__((always_inline)) void tile_key_outliers(
+        const KVQuantLayer *L, int64_t blk, int64_t t0, int64_t nt, const float *qb, int64_t h0,
+        int64_t nh, BlockScratch *w, const int bits) {
+    if (L->k.idx_bytes == 2 && L->sparse_kind == 0)  /* int16 indices, float16 values */
+        tile_key_outliers_impl(L, blk, t0, nt, qb, h0, nh, w, 2, 0, bits);
+    else
+        tile_key_outliers_impl(L, blk, t0, nt, qb, h0, nh, w, L->k.idx_bytes, L->sparse_kind,
+                               bits);
 }
 
 /* the 8 channel pairs (j, j + m) of one key row: centroids ca (channels j..j+7) and cb
- * (j+m..j+m+7) mapped, their outlier deltas added, rotated, dotted with the nh query rows
- * into the a and b accumulators */
+ * (j+m..j+m+7) mapped, rotated, dotted with the nh query rows into the a and b accumulators */
 static inline __attribute__((always_inline)) void key_pairs8(
         __m256 ca, __m256 cb, int64_t j, int64_t m, int64_t hi, const float *half,
-        const float *off, const float *dg, const float *cs, const float *sn, const float *q0,
-        int64_t D, const int nh, const int outliers, __m256 *acc_a, __m256 *acc_b) {
-    __m256 a = _mm256_fmadd_ps(ca, _mm256_loadu_ps(half + j), _mm256_loadu_ps(off + j));
-    __m256 b = _mm256_fmadd_ps(cb, _mm256_loadu_ps(half + j + m), _mm256_loadu_ps(off + j + m));
-    if (outliers) {
-        a = _mm256_add_ps(a, _mm256_loadu_ps(dg + j));
-        b = _mm256_add_ps(b, _mm256_loadu_ps(dg + j + m));
-    }
+        const float *off, const float *cs, const float *sn, const float *q0, int64_t D,
+        const int nh, __m256 *acc_a, __m256 *acc_b) {
+    const __m256 a = _mm256_fmadd_ps(ca, _mm256_loadu_ps(half + j), _mm256_loadu_ps(off + j));
+    const __m256 b = _mm256_fmadd_ps(cb, _mm256_loadu_ps(half + j + m),
+                                     _mm256_loadu_ps(off + j + m));
     /* rotate-half: (a, b) -> (a cos - b sin, b cos + a sin) */
     const __m256 ra = _mm256_fmsub_ps(a, _mm256_loadu_ps(cs + j),
                                       _mm256_mul_ps(b, _mm256_loadu_ps(sn + j)));
@@ -92,16 +120,12 @@ static inline __attribute__((always_inline)) void key_pairs8(
  * the query heads [h0, h0 + nh) of every KV head: slot by slot and KV head by KV head (address
  * order), the channel pairs (j, j + D/2) of a row looked up (4-bit: 32 channels at a time,
  * centroids32 with the codebook's byte planes), mapped, rotated and dotted with the nh query
- * rows, two accumulators per head (the a and b halves: shorter dependency chains).
- * With `outliers`, a row's outliers enter before the rotation as (exact - decoded) added to the
- * mapped values: `row_deltas` of the next slot are written while this one is read (a vector
- * load right after scalar stores to its bytes would wait for them), and cleared after it.
- * Without RoPE the rows "rotate" by cos 1, sin 0 (exact). Always inlined with constant nh,
- * bits and outliers. */
+ * rows, two accumulators per head (the a and b halves: shorter dependency chains). Without
+ * RoPE the rows "rotate" by cos 1, sin 0 (exact). Always inlined with constant nh and bits. */
 static inline __attribute__((always_inline)) void key_tile_dots(
         const KVQuantLayer *L, int64_t blk, int64_t t0, int64_t n, const float *qb, int64_t h0,
-        const int nh, const int bits, const int outliers, __m256 tlo, __m256 thi,
-        const __m256i *planes, const BlockScratch *w, __m256 *dots) {
+        const int nh, const int bits, __m256 tlo, __m256 thi, const __m256i *planes,
+        const BlockScratch *w, __m256 *dots) {
     const KVQuantSide *K = &L->k;
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
     const int64_t m = D / 2, group = L->num_q_heads / Hkv;
@@ -109,19 +133,16 @@ static inline __attribute__((always_inline)) void key_tile_dots(
     /* cos / sin rows of rotate-half tables repeat their first half: read that half only */
     const int64_t hi = L->rope_halves_equal || !R ? 0 : m;
     for (int64_t u = 0; u < 8; u++) {
-        const int64_t s = t0 + u;  /* the slot; its deltas in half s % 2 of w->delta */
-        float *delta = w->delta + (s & 1) * Hkv * D;
-        if (outliers && s + 1 < n)
-            row_deltas(L, blk, s + 1, bits, 0, w, w->delta + ((s + 1) & 1) * Hkv * D);
+        const int64_t s = t0 + u;
         int64_t pos = R && s < n ? L->slot_positions[blk * B + s] : 0;
         pos = pos < 0 ? 0 : pos;
-        const float *cs = R ? L->cos + pos * R : w->unit, *sn = R ? L->sin + pos * R : w->unit + D;
+        const float *cs = w->unit, *sn = w->unit + D;
+        if (R) rope_rows_at(L, pos, &cs, &sn);
         const uint8_t *slot_rows = K->codes + (blk * B + s) * stride;
         for (int64_t g = 0; g < Hkv; g++) {
             const uint8_t *row = slot_rows + g * K->packed;
             const float *half = w->k_half + g * D, *off = w->k_off + g * D;
             const float *q0 = qb + (g * group + h0) * D;
-            const float *dg = delta + g * D;
             __m256 acc_a[FAST_MAX_HEADS], acc_b[FAST_MAX_HEADS];
             for (int hh = 0; hh < nh; hh++) {
                 acc_a[hh] = _mm256_setzero_ps();
@@ -134,17 +155,16 @@ static inline __attribute__((always_inline)) void key_tile_dots(
                     centroids32(row, j, planes, 1, ca);
                     centroids32(row, j + m, planes, 1, cb);
                     for (int c = 0; c < 4; c++)
-                        key_pairs8(ca[c], cb[c], j + 8 * c, m, hi, half, off, dg, cs, sn, q0, D,
-                                   nh, outliers, acc_a, acc_b);
+                        key_pairs8(ca[c], cb[c], j + 8 * c, m, hi, half, off, cs, sn, q0, D, nh,
+                                   acc_a, acc_b);
                 }
             for (; j < m; j += 8)
                 key_pairs8(centroids8(row, bits, j, tlo, thi),
-                           centroids8(row, bits, j + m, tlo, thi), j, m, hi, half, off, dg, cs,
-                           sn, q0, D, nh, outliers, acc_a, acc_b);
+                           centroids8(row, bits, j + m, tlo, thi), j, m, hi, half, off, cs, sn,
+                           q0, D, nh, acc_a, acc_b);
             for (int hh = 0; hh < nh; hh++)
                 dots[(g * nh + hh) * 8 + u] = _mm256_add_ps(acc_a[hh], acc_b[hh]);
         }
-        if (outliers && s < n) row_deltas(L, blk, s, bits, 1, w, delta);
     }
 }
 
@@ -161,19 +181,19 @@ static inline __attribute__((always_inline)) void block_key_dots(
     const int64_t rope_bytes = (L->rope_halves_equal ? R / 2 : R) * (int64_t)sizeof(float);
     __m256 *dots = (__m256 *)w->dots;  /* [Hkv * nh, 8] */
     const int64_t tiles = (n + 7) / 8;
-    const int outliers = K->cap > 0;
+    /* the key outliers a tile at a time (tile_key_outliers), where the lists are in order */
+    const int outliers = K->cap > 0 && w->k_sorted;
     __m256 tlo, thi;  /* the key codebook (key_tile_dots: tlo / thi, 4-bit also planes) */
     __m256i planes[4];
     lut_halves8(K->lut, K->bits, &tlo, &thi);
     lut_planes4(K->lut, K->bits, planes);
-    if (outliers && h0 == 0) key_outlier_lists(L, blk, n, w);
-    if (outliers) row_deltas(L, blk, 0, K->bits, 0, w, w->delta);  /* slot 0's */
+    for (int64_t g = 0; g < Hkv; g++) w->k_cursor[g] = 0;
     for (int64_t t0 = 0; t0 < n; t0 += 8) {
         const int64_t nt = n - t0 < 8 ? n - t0 : 8;
         if (next_blk >= 0 && h0 == 0)  /* the next block's data, a share per tile */
             prefetch_block_data(L, next_blk, t0 / 8, tiles);
         /* the next tile's rows (every head: in address order), its RoPE rows */
-        for (int64_t t = t0 + 8; t < t0 + 16; t++) {
+        for (int64_t t = t0 + 8 > n ? t0 + 8 : n; t < t0 + 16; t++) {
             const int64_t ahead = t < n ? blk * B + t : (next_blk >= 0 && t - n < B
                                                         ? next_blk * B + t - n : -1);
             if (ahead < 0) break;
@@ -183,26 +203,42 @@ static inline __attribute__((always_inline)) void block_key_dots(
             if (R) {
                 int64_t pos = L->slot_positions[ahead];
                 pos = pos < 0 ? 0 : pos;
-                prefetch_rows((const uint8_t *)(L->cos + pos * R), rope_bytes);
-                prefetch_rows((const uint8_t *)(L->sin + pos * R), rope_bytes);
+                const float *cs, *sn;
+                rope_rows_at(L, pos, &cs, &sn);
+                prefetch_rows((const uint8_t *)cs, rope_bytes);
+                prefetch_rows((const uint8_t *)sn, rope_bytes);
             }
         }
-#define TILE_DOTS(b, o) \
-    key_tile_dots(L, blk, t0, n, qb, h0, nh, b, o, tlo, thi, planes, w, dots)
-        switch (K->bits * 2 + outliers) {
-        case 8: TILE_DOTS(4, 0); break;
-        case 9: TILE_DOTS(4, 1); break;
-        case 6: TILE_DOTS(3, 0); break;
-        case 7: TILE_DOTS(3, 1); break;
-        case 4: TILE_DOTS(2, 0); break;
-        default: TILE_DOTS(2, 1); break;
+#define TILE_DOTS(b) key_tile_dots(L, blk, t0, n, qb, h0, nh, b, tlo, thi, planes, w, dots)
+        switch (K->bits) {
+        case 4: TILE_DOTS(4); break;
+        case 3: TILE_DOTS(3); break;
+        default: TILE_DOTS(2); break;
         }
 #undef TILE_DOTS
+        if (outliers) {  /* their corrections into w->k_corr */
+            switch (K->bits) {
+            case 4: tile_key_outliers(L, blk, t0, nt, qb, h0, nh, w, 4); break;
+            case 3: tile_key_outliers(L, blk, t0, nt, qb, h0, nh, w, 3); break;
+            default: tile_key_outliers(L, blk, t0, nt, qb, h0, nh, w, 2); break;
+            }
+        }
         for (int64_t g = 0; g < Hkv; g++)
             for (int hh = 0; hh < nh; hh++) {
-                float sums[8];
-                _mm256_storeu_ps(sums, sum8(dots + (g * nh + hh) * 8));
-                memcpy(w->scores + (g * group + h0 + hh) * B + t0, sums, sizeof(float) * nt);
+                __m256 sums = sum8(dots + (g * nh + hh) * 8);
+                if (outliers) {  /* the corrections added, and cleared for the next tile */
+                    float *corr = w->k_corr + (g * nh + hh) * 8;
+                    sums = _mm256_add_ps(sums, _mm256_load_ps(corr));
+                    _mm256_store_ps(corr, _mm256_setzero_ps());
+                }
+                float *sc = w->scores + (g * group + h0 + hh) * B + t0;
+                if (nt == 8) {
+                    _mm256_storeu_ps(sc, sums);
+                } else {
+                    float part[8];
+                    _mm256_storeu_ps(part, sums);
+                    memcpy(sc, part, sizeof(float) * nt);
+                }
             }
     }
 }
@@ -268,10 +304,16 @@ static inline __attribute__((always_inline)) void block_values(
     }
 }
 
-/* the key outliers went into the key pass (key_tile_dots): nothing to correct */
+/* the block's key outliers of head g as score corrections where the key pass did not take them
+ * (lists out of order: key_lists_sorted) */
 static void block_key_outliers(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
                                const float *q0, int64_t group, float *sg, const BlockScratch *w) {
-    (void)L; (void)blk; (void)g; (void)n; (void)q0; (void)group; (void)sg; (void)w;
+    const KVQuantSide *K = &L->k;
+    if (!K->cap || w->k_sorted) return;  /* none, or corrected in the key pass */
+    if (K->idx_bytes == 2 && L->sparse_kind == 0)  /* int16 indices, float16 values */
+        key_outliers(L, blk, g, n, q0, group, sg, w, 2, 0);
+    else
+        key_outliers(L, blk, g, n, q0, group, sg, w, K->idx_bytes, L->sparse_kind);
 }
 
 /* the online softmax of heads [h, h + group) over the block's n scores; scores become P */
@@ -336,7 +378,8 @@ static void block_request_queries(const KVQuantLayer *L, const float *qb, BlockS
 }
 
 static int block_key_operands(const KVQuantLayer *L, int64_t blk, int64_t n, BlockScratch *w) {
-    (void)L; (void)blk; (void)n; (void)w;
+    (void)n;
+    w->k_sorted = L->k.cap > 0 && key_lists_sorted(L, blk);
     return 0;
 }
 

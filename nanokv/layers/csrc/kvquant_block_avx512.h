@@ -444,54 +444,6 @@ static inline __attribute__((always_inline)) void block_values_planar(
     }
 }
 
-/* the coefficient of pre-RoPE key channel ch in q . RoPE(k) (rotate-half over R channels):
- * q[ch] cos[ch] + q[ch + m] sin[ch + m] in the first half, q[ch] cos[ch] - q[ch - m] sin[ch - m]
- * in the second; without a branch (which half an outlier falls in is a coin toss) */
-static inline float rope_coefficient(const float *qh, const float *cs, const float *sn,
-                                     int64_t ch, int64_t R, int64_t halves_equal) {
-    if (!R) return qh[ch];
-    const int64_t m = R / 2;
-    if (halves_equal) {  /* read the tables' first half only (the lines the key pass read) */
-        return ch < m ? qh[ch] * cs[ch] + qh[ch + m] * sn[ch]
-                      : qh[ch] * cs[ch - m] - qh[ch - m] * sn[ch - m];
-    }
-    return ch < m ? qh[ch] * cs[ch] + qh[ch + m] * sn[ch + m]
-                  : qh[ch] * cs[ch] - qh[ch - m] * sn[ch - m];
-}
-
-/* The store lists every outlier once (`nanokv.quant.kvquant._select_outliers`), so each entry's
- * correction is added as it comes. */
-
-/* the block's key outliers of head g as score corrections */
-static inline __attribute__((always_inline)) void key_outliers(
-        const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n, const float *restrict q0,
-        int64_t group, float *restrict sg, const BlockScratch *w, const int64_t idx_bytes,
-        const int64_t kind) {
-    const KVQuantSide *K = &L->k;
-    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
-    const int64_t base = (blk * Hkv + g) * K->cap, limit = n * D;
-    const int d_shift = __builtin_ctzll((unsigned long long)D);
-    const int d_pow2 = (D & (D - 1)) == 0;  /* slot and channel of an index by a shift */
-    const float *half = w->k_half + g * D, *off = w->k_off + g * D;
-    const uint8_t *rows = K->codes + (blk * B * Hkv + g) * K->packed;
-    const int64_t stride = Hkv * K->packed;
-    for (int64_t j = 0; j < K->cap; j++) {
-        const int64_t idx = load_index(K->oidx, base + j, idx_bytes);
-        if (idx < 0 || idx >= limit) continue;
-        const int64_t t = d_pow2 ? idx >> d_shift : idx / D;
-        const int64_t ch = idx - t * D;
-        const float decoded = fmaf(K->lut[code_at(rows + t * stride, K->bits, ch)], half[ch],
-                                   off[ch]);
-        const float delta = load_any(K->oval, base + j, kind) - decoded;
-        int64_t pos = R ? L->slot_positions[blk * B + t] : 0;
-        pos = pos < 0 ? 0 : pos;
-        const float *cs = L->cos + pos * R, *sn = L->sin + pos * R;
-        for (int64_t hh = 0; hh < group; hh++)
-            sg[hh * B + t] += delta * rope_coefficient(q0 + hh * D, cs, sn, ch, R,
-                                                      L->rope_halves_equal);
-    }
-}
-
 static inline __m512 gather_ps(const float *base, __m512i idx, __mmask16 live) {
     return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, idx, base, 4);
 }

@@ -888,6 +888,9 @@ typedef struct {
                                       by tiles of 16 positions, each transposed: [ceil(positions /
                                       16), 2 (cos, sin), R / 2, 16] (the AVX-512 slot-lanes key
                                       pass reads a tile of consecutive positions in place) */
+    const float *rope_rows;        /* NULL, or where the halves repeat, the tables' first halves
+                                      side by side: [positions, 2 (cos, sin), R / 2] (the AVX2
+                                      key pass: one stream of R floats per position) */
 } KVQuantLayer;
 
 static inline void unpack_codes(const uint8_t *p, int64_t bits, int64_t D, uint8_t *c) {
@@ -1380,8 +1383,9 @@ int kvquant_read_blocks(const KVQuantLayer *L, const int64_t *blk_ids, int64_t n
  * the planar pass; an A/B switch (`nanokv.layers.native_quant_attention.set_slot_keys`) */
 static int nanokv_slot_keys = 1;
 void kvquant_set_slot_keys(int on) { nanokv_slot_keys = on; }
-/* whether the slot-lanes key pass reads L->rope_tiles where a layer has them (else it transposes
- * the tile's RoPE rows itself): an A/B switch */
+/* whether the block path reads a layer's compact RoPE table where it has one (the AVX-512
+ * slot-lanes key pass L->rope_tiles, else it transposes the tile's rows itself; the AVX2 key
+ * pass L->rope_rows, else the full tables): an A/B switch */
 static int nanokv_rope_tiles = 1;
 void kvquant_set_rope_tiles(int on) { nanokv_rope_tiles = on; }
 
@@ -1398,6 +1402,18 @@ void kvquant_set_rope_tiles(int on) { nanokv_rope_tiles = on; }
 #else
 #define HAVE_BLOCK_PATH 0
 #endif
+
+/* which compact RoPE table this build's block path reads where the halves repeat (the caller
+ * builds that one): 1 KVQuantLayer.rope_tiles (AVX-512), 2 rope_rows (AVX2), 0 neither */
+int kvquant_rope_layout(void) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    return 1;
+#elif HAVE_BLOCK_PATH
+    return 2;
+#else
+    return 0;
+#endif
+}
 
 #if HAVE_BLOCK_PATH
 /* the key pass of a block (its first n slots), every KV head, query heads FAST_MAX_HEADS at a
@@ -1515,8 +1531,7 @@ int kvquant_decode_attention(const KVQuantLayer *L, const float *q, const float 
         ok = softmax_alloc(&s, Hq, D) && ok;
 #if HAVE_BLOCK_PATH
         BlockScratch bw = {0};
-        if (block_path) ok = block_scratch_alloc(&bw, Hkv, Hq / Hkv, B, D, L->k.cap,
-                                                           L->v.cap) && ok;
+        if (block_path) ok = block_scratch_alloc(&bw, Hkv, Hq / Hkv, B, D, L->v.cap) && ok;
 #endif
         if (!ok) {
             #pragma omp atomic write
