@@ -17,10 +17,10 @@
  *      slots are reduced together (sum16 / sum8). On AVX-512 with 2 or 4-bit keys, the tile's
  *      16 slots are the lanes instead (kvquant_slot_keys_avx512.h: a channel of 16 slots per
  *      table permute, no reduction). Then per KV head:
- *   2. key outliers enter as corrections: on AVX-512 of the scores they touch, (exact - decoded
- *      value) times that channel's coefficient in q . RoPE(k) (RoPE is linear); on AVX2 of the
- *      mapped values before the rotation, inside the key pass; a sink slot's score is
- *      recomputed from its full-precision row;
+ *   2. key outliers enter as corrections of the scores they touch, (exact - decoded value)
+ *      times that channel's coefficient in q . RoPE(k) (RoPE is linear): on AVX-512 16 at a
+ *      time per KV head after the key pass, on AVX2 a tile at a time inside it (while the
+ *      tile's rows are in L1); a sink slot's score is recomputed from its full-precision row;
  *   3. the online softmax over the block's scores at once;
  *   4. values: P @ (lut[codes] * half_t + off_t) = (P * half_t) @ lut[codes] + P . off_t, a few
  *      vectors of channels of up to 8 query heads held in registers across the block's slots;

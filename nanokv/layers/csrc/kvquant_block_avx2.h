@@ -1,6 +1,7 @@
 /* The AVX2 kernels of the KVQuant block path (kvquant_block.h), for CPUs without AVX-512: key
  * dots by tiles of 8 slots (8 channels and their RoPE partners at a time), the block's online
- * softmax, and values up to 32 channels at a time; key outliers enter the key pass. Included
+ * softmax, and values up to 32 channels at a time; key outliers corrected a tile at a time
+ * inside the key pass; the RoPE rows read from the layer's compact copy (rope_rows). Included
  * by quant_decode_attention.c after kvquant_block.h, on AVX2 + FMA + F16C builds without
  * AVX-512.
  *
@@ -47,8 +48,8 @@ static int key_lists_sorted(const KVQuantLayer *L, int64_t blk) {
 }
 
 /* the corrections of the entries of tile [t0, t0 + nt) (t0 + nt <= n) for the query heads
- * [h0, h0 + nh) of every KV head, from each head's cursor cur[g] on (always inlined with
- * constant index and value sizes and bits) */
+ * [h0, h0 + nh) of every KV head, from each head's cursor (w->k_cursor[g]) on, into w->k_corr
+ * (always inlined with constant index and value sizes and bits) */
 static inline __attribute__((always_inline)) void tile_key_outliers_impl(
         const KVQuantLayer *L, int64_t blk, int64_t t0, int64_t nt, const float *qb, int64_t h0,
         int64_t nh, BlockScratch *w, const int64_t idx_bytes, const int64_t kind,
@@ -56,7 +57,6 @@ static inline __attribute__((always_inline)) void tile_key_outliers_impl(
     const KVQuantSide *K = &L->k;
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
     const int64_t group = L->num_q_heads / Hkv, end = (t0 + nt) * D, stride = Hkv * K->packed;
-    (void)B;
     const int d_shift = __builtin_ctzll((unsigned long long)D);
     const int d_pow2 = (D & (D - 1)) == 0;  /* slot and channel of an index by a shift */
     for (int64_t g = 0; g < Hkv; g++) {
@@ -170,8 +170,10 @@ static inline __attribute__((always_inline)) void key_tile_dots(
 
 /* scores[h * B + t] = q_h . RoPE_pos(t)(lut[codes] * half + off) for the query heads
  * h = g * group + hh, hh in [h0, h0 + nh), of every KV head g and the block's first n slots, by
- * tiles of 8 slots (key_tile_dots), the next tile's key and value rows and RoPE rows prefetched.
- * Always inlined with a constant nh. */
+ * tiles of 8 slots (key_tile_dots), each tile's key outliers added as corrections
+ * (tile_key_outliers); the next block's data prefetched a share per tile, and its first tile's
+ * rows and RoPE rows during this block's last (within a block the hardware prefetchers follow
+ * the rows: prefetching them too was slower). Always inlined with a constant nh. */
 static inline __attribute__((always_inline)) void block_key_dots(
         const KVQuantLayer *L, int64_t blk, int64_t next_blk, int64_t n, const float *qb,
         int64_t h0, const int nh, BlockScratch *w) {
