@@ -315,17 +315,21 @@ def test_kvquant_key_outlier_lists_in_index_order(native_write):
     assert bool((oidx >= 0).any()) and bool((key[..., 1:] > key[..., :-1]).any())
 
 
-def test_kvquant_key_outliers_in_any_order():
+@pytest.mark.parametrize("order", ["shuffled", "reversed"])
+def test_kvquant_key_outliers_in_any_order(order):
     """The decode kernel's result does not depend on the order of a key outlier list: the lists
-    of the store shuffled (entries and values alike) give the same output, equal to the
-    reference (the kernel's path for entries out of order)."""
+    of the store shuffled or reversed (unused entries first; entries and values alike) give the
+    same output, equal to the reference. The store writes them in index order, unused last, and
+    the AVX2 key pass walks them with a cursor per KV head on that promise; a block out of order
+    takes the kernel's path for entries in any order."""
     store, table, past = _many_heads_store(4, "float16", 16)
     out, ref = _decode_one(store, table, past)
     oidx, oval = store.buffers["k_oidx0"], store.buffers["k_oval0"]
     gen = torch.Generator().manual_seed(3)
     for b in range(oidx.shape[0]):
         for g in range(oidx.shape[1]):
-            perm = torch.randperm(oidx.shape[2], generator=gen)
+            perm = (torch.randperm(oidx.shape[2], generator=gen) if order == "shuffled"
+                    else torch.arange(oidx.shape[2] - 1, -1, -1))
             oidx[b, g], oval[b, g] = oidx[b, g][perm].clone(), oval[b, g][perm].clone()
     shuffled, ref2 = _decode_one(store, table, past)
     torch.testing.assert_close(ref2, ref)
@@ -498,35 +502,6 @@ def test_rope_tiles_are_the_tables_first_halves_transposed():
                     p = 16 * j + u
                     want = float(table[p, c]) if p < positions else 0.0
                     assert float(tiles[j, i, c, u]) == want
-
-
-@pytest.mark.parametrize("bits,d,hkv", [(4, 128, 2), (2, 64, 8), (3, 32, 4)])
-@pytest.mark.parametrize("order", ["reversed", "shuffled"])
-def test_kvquant_key_outliers_out_of_order_equal_the_reference(bits, d, hkv, order):
-    """The store keeps each KV head's per-channel key outlier list in index order, unused
-    entries last, and the AVX2 key pass walks the lists with a cursor per head on that promise;
-    a block whose lists break it (entries reversed: unused first; or shuffled) is still
-    attended exactly (its outliers then corrected a head at a time after the key pass), on every
-    build: the outputs equal the reference and the in-order lists' within float rounding."""
-    store, q, k_new, v_new, common, ref = _one_request_with_outliers(
-        bits, d, hkv, 16, "equal", lambda j: j, bits * 10 + d + hkv)
-    backend = NativeQuantizedBackend(store, CPU)
-    in_order = backend.decode(0, q, k_new, v_new, backend.build(common), d ** -0.5)
-    oidx, oval = store.buffers["k_oidx0"], store.buffers["k_oval0"]  # [nb, Hkv, cap]
-    gen = torch.Generator().manual_seed(d)
-    perm = (torch.arange(oidx.shape[-1] - 1, -1, -1) if order == "reversed"
-            else torch.randperm(oidx.shape[-1], generator=gen))
-    assert bool((oidx[..., perm] != oidx).any())  # the lists did change order
-    oidx.copy_(oidx[..., perm].clone())
-    oval.copy_(oval[..., perm].clone())
-    table = common.decode_block_tables[0]
-    n = common.decode_context_lens[0] - 1  # the cached slots (the step's own token apart)
-    ref_moved = reference_quantized_attention(q, k_new, v_new, store, 0, table, n, d ** -0.5,
-                                              store.rope)
-    torch.testing.assert_close(ref_moved, ref, atol=1e-6, rtol=1e-6)  # the same cache
-    out = backend.decode(0, q, k_new, v_new, backend.build(common), d ** -0.5)
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(out, in_order, atol=2e-6, rtol=1e-5)
 
 
 def test_rope_rows_are_the_tables_first_halves_side_by_side():
