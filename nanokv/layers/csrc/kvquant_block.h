@@ -198,6 +198,37 @@ static inline float rope_coefficient(const float *qh, const float *cs, const flo
 /* The store lists every outlier once (`nanokv.quant.kvquant._select_outliers`), so each entry's
  * correction is added as it comes. */
 
+/* one key outlier of KV head g in the block: its slot and channel (index t * D + ch) and
+ * exact - decoded (the block's key statistics in w) */
+typedef struct {
+    int64_t t, ch;
+    float delta;
+} KeyOutlier;
+
+/* entry `at` of the store's lists (an index idx of the block) as a KeyOutlier (always inlined
+ * with constant value kind and bits) */
+static inline __attribute__((always_inline)) KeyOutlier key_outlier_entry(
+        const KVQuantLayer *L, int64_t blk, int64_t g, int64_t at, int64_t idx,
+        const BlockScratch *w, const int64_t kind, const int bits) {
+    const KVQuantSide *K = &L->k;
+    const int64_t D = L->head_dim, Hkv = L->num_kv_heads;
+    const int64_t t = (D & (D - 1)) == 0 ? idx >> __builtin_ctzll((unsigned long long)D)
+                                         : idx / D;  /* a shift where D is a power of two */
+    const int64_t ch = idx - t * D;
+    const uint8_t *row = K->codes + ((blk * L->block_size + t) * Hkv + g) * K->packed;
+    const float decoded = fmaf(K->lut[code_at(row, bits, ch)], w->k_half[g * D + ch],
+                               w->k_off[g * D + ch]);
+    const KeyOutlier e = {t, ch, load_any(K->oval, at, kind) - decoded};
+    return e;
+}
+
+/* the RoPE position of slot t of the block (0 without rotation or for a negative entry) */
+static inline int64_t slot_rope_position(const KVQuantLayer *L, int64_t blk, int64_t t) {
+    if (!L->rot_dim) return 0;
+    const int64_t pos = L->slot_positions[blk * L->block_size + t];
+    return pos < 0 ? 0 : pos;
+}
+
 /* the block's key outliers of head g as score corrections */
 static inline __attribute__((always_inline)) void key_outliers(
         const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n, const float *restrict q0,
@@ -206,25 +237,15 @@ static inline __attribute__((always_inline)) void key_outliers(
     const KVQuantSide *K = &L->k;
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
     const int64_t base = (blk * Hkv + g) * K->cap, limit = n * D;
-    const int d_shift = __builtin_ctzll((unsigned long long)D);
-    const int d_pow2 = (D & (D - 1)) == 0;  /* slot and channel of an index by a shift */
-    const float *half = w->k_half + g * D, *off = w->k_off + g * D;
-    const uint8_t *rows = K->codes + (blk * B * Hkv + g) * K->packed;
-    const int64_t stride = Hkv * K->packed;
     for (int64_t j = 0; j < K->cap; j++) {
         const int64_t idx = load_index(K->oidx, base + j, idx_bytes);
         if (idx < 0 || idx >= limit) continue;
-        const int64_t t = d_pow2 ? idx >> d_shift : idx / D;
-        const int64_t ch = idx - t * D;
-        const float decoded = fmaf(K->lut[code_at(rows + t * stride, K->bits, ch)], half[ch],
-                                   off[ch]);
-        const float delta = load_any(K->oval, base + j, kind) - decoded;
-        int64_t pos = R ? L->slot_positions[blk * B + t] : 0;
-        pos = pos < 0 ? 0 : pos;
+        const KeyOutlier e = key_outlier_entry(L, blk, g, base + j, idx, w, kind, K->bits);
+        const int64_t pos = slot_rope_position(L, blk, e.t);
         const float *cs = L->cos + pos * R, *sn = L->sin + pos * R;
         for (int64_t hh = 0; hh < group; hh++)
-            sg[hh * B + t] += delta * rope_coefficient(q0 + hh * D, cs, sn, ch, R,
-                                                      L->rope_halves_equal);
+            sg[hh * B + e.t] += e.delta * rope_coefficient(q0 + hh * D, cs, sn, e.ch, R,
+                                                          L->rope_halves_equal);
     }
 }
 
@@ -343,8 +364,7 @@ static void block_key_sinks(const KVQuantLayer *L, int64_t blk, int64_t g, int64
         if (t < 0 || t >= n) continue;
         load_head(w->row, K->sink, ((blk * L->num_sinks + p) * Hkv + g) * D, D, L->sparse_kind);
         if (R) {
-            int64_t pos = L->slot_positions[blk * B + t];
-            pos = pos < 0 ? 0 : pos;
+            const int64_t pos = slot_rope_position(L, blk, t);
             rope_head(w->row, L->cos + pos * R, L->sin + pos * R, R);
         }
         for (int64_t hh = 0; hh < group; hh++)

@@ -55,32 +55,22 @@ static inline __attribute__((always_inline)) void tile_key_outliers_impl(
         int64_t nh, BlockScratch *w, const int64_t idx_bytes, const int64_t kind,
         const int bits) {
     const KVQuantSide *K = &L->k;
-    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
-    const int64_t group = L->num_q_heads / Hkv, end = (t0 + nt) * D, stride = Hkv * K->packed;
-    const int d_shift = __builtin_ctzll((unsigned long long)D);
-    const int d_pow2 = (D & (D - 1)) == 0;  /* slot and channel of an index by a shift */
+    const int64_t Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
+    const int64_t group = L->num_q_heads / Hkv, end = (t0 + nt) * D;
     for (int64_t g = 0; g < Hkv; g++) {
         const int64_t base = (blk * Hkv + g) * K->cap;
-        const float *half = w->k_half + g * D, *off = w->k_off + g * D;
         const float *q0 = qb + (g * group + h0) * D;
         float *corr = w->k_corr + g * nh * 8 - t0;  /* [nh, 8] of the tile's slots */
-        const uint8_t *rows = K->codes + (blk * B * Hkv + g) * K->packed;
         int64_t j = w->k_cursor[g];
         for (; j < K->cap; j++) {
             const int64_t idx = load_index(K->oidx, base + j, idx_bytes);
             if (idx < 0 || idx >= end) break;
-            const int64_t t = d_pow2 ? idx >> d_shift : idx / D;
-            const int64_t ch = idx - t * D;
-            const float delta = load_any(K->oval, base + j, kind)
-                                - fmaf(K->lut[code_at(rows + t * stride, bits, ch)], half[ch],
-                                       off[ch]);
-            int64_t pos = R ? L->slot_positions[blk * B + t] : 0;
-            pos = pos < 0 ? 0 : pos;
+            const KeyOutlier e = key_outlier_entry(L, blk, g, base + j, idx, w, kind, bits);
             const float *cs, *sn;
-            rope_rows_at(L, pos, &cs, &sn);
+            rope_rows_at(L, slot_rope_position(L, blk, e.t), &cs, &sn);
             for (int64_t hh = 0; hh < nh; hh++)
-                corr[hh * 8 + t] += delta * rope_coefficient(q0 + hh * D, cs, sn, ch, R,
-                                                             L->rope_halves_equal);
+                corr[hh * 8 + e.t] += e.delta * rope_coefficient(q0 + hh * D, cs, sn, e.ch, R,
+                                                                 L->rope_halves_equal);
         }
         w->k_cursor[g] = (int32_t)j;
     }

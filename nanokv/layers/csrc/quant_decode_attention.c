@@ -1390,30 +1390,25 @@ static int nanokv_rope_tiles = 1;
 void kvquant_set_rope_tiles(int on) { nanokv_rope_tiles = on; }
 
 /* The block path: AVX-512 builds, and AVX2 builds with FMA and F16C (the vector kernels of
- * kvquant_block_avx512.h / kvquant_block_avx2.h around the shared parts of kvquant_block.h) */
+ * kvquant_block_avx512.h / kvquant_block_avx2.h around the shared parts of kvquant_block.h).
+ * ROPE_LAYOUT: which compact RoPE table that path reads where the halves repeat (the caller
+ * builds that one): 1 KVQuantLayer.rope_tiles (AVX-512), 2 rope_rows (AVX2), 0 neither */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HAVE_BLOCK_PATH 1
+#define ROPE_LAYOUT 1
 #include "kvquant_block.h"
 #include "kvquant_block_avx512.h"
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define HAVE_BLOCK_PATH 1
+#define ROPE_LAYOUT 2
 #include "kvquant_block.h"
 #include "kvquant_block_avx2.h"
 #else
 #define HAVE_BLOCK_PATH 0
+#define ROPE_LAYOUT 0
 #endif
 
-/* which compact RoPE table this build's block path reads where the halves repeat (the caller
- * builds that one): 1 KVQuantLayer.rope_tiles (AVX-512), 2 rope_rows (AVX2), 0 neither */
-int kvquant_rope_layout(void) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-    return 1;
-#elif HAVE_BLOCK_PATH
-    return 2;
-#else
-    return 0;
-#endif
-}
+int kvquant_rope_layout(void) { return ROPE_LAYOUT; }
 
 #if HAVE_BLOCK_PATH
 /* the key pass of a block (its first n slots), every KV head, query heads FAST_MAX_HEADS at a
