@@ -242,19 +242,23 @@ def test_kvquant_outliers_of_many_kv_heads(bits, sparse_dtype, block_size):
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("d,fraction,cap", [(32, 0.05, 2), (64, 0.12, 8), (64, 0.07, 6)])
+@pytest.mark.parametrize("d,fraction,cap,hkv", [(32, 0.05, 2, 8), (64, 0.12, 8, 8),
+                                                (64, 0.07, 6, 8), (32, 0.05, 2, 1),
+                                                (64, 0.05, 4, 3)])
 @pytest.mark.parametrize("bits,sparse_dtype", [(4, "float16"), (2, "bfloat16"),
                                                (4, "float32")])
-def test_kvquant_value_patches_of_many_kv_heads(d, fraction, cap, bits, sparse_dtype):
+def test_kvquant_value_patches_of_many_kv_heads(d, fraction, cap, hkv, bits, sparse_dtype):
     """Heads of at most 64 channels, whose value outliers are patched into the value pass: the
-    patches of every KV head of a block made 16 at a time on AVX-512 (capacities 2 and 8), or a
-    KV head at a time (capacity 6, not a power of two); a sink slot among them (its row added
-    in full precision apart); every sparse dtype; against the reference."""
+    patches of every KV head of a block made 16 at a time on AVX-512, 8 on AVX2 (capacities 2,
+    4 and 8; with 1 and 3 KV heads a partial block's lists end inside a group: 5 slots x 1 x 2
+    and 5 x 3 x 4 entries), or a KV head at a time (capacity 6, not a power of two); a sink
+    slot among them (its row added in full precision apart); every sparse dtype; against the
+    reference."""
     store, table, past = _many_heads_store(bits, sparse_dtype, 16, d=d, fraction=fraction,
-                                           start=0)
+                                           start=0, hkv=hkv)
     assert store.buffers["v_oidx0"].shape[-1] == cap
     assert bool((store.buffers["sink_slot"][table[0]] == 0).any())  # position 0: a sink
-    out, ref = _decode_one(store, table, past)
+    out, ref = _decode_one(store, table, past, hq=2 * hkv)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 

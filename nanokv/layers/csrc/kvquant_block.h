@@ -270,13 +270,20 @@ static inline __attribute__((always_inline)) void value_outliers(
     }
 }
 
+/* does block_value_patches take this layer: value patches (heads of at most 64 channels),
+ * uint8 channels, a power-of-two capacity (an entry's row of the lists: its index >> log2 cap) */
+static inline int block_value_patches_fit(const KVQuantLayer *L) {
+    const int64_t cap = L->v.cap;
+    return cap > 0 && (cap & (cap - 1)) == 0 && L->v.idx_bytes == 1 && L->head_dim <= 64;
+}
+
 /* Small heads (head_dim <= 64: one or two chunks of 32 channels), where value outliers are a
  * large share (the per-token capacity rounds up: 2 of 32 channels at 1%): each outlier of a live
  * slot becomes a patch of its row in centroid units, x = (exact - offset) / half-range, put in
  * place of the looked-up centroid inside the value pass (then P * half * x + P * offset = P *
  * exact, within float rounding: x uses the row's reciprocal half-range). A row whose half-range
  * is 0 has no centroid scale: its outliers are added here, as value_outliers does. KV head g's
- * patches, at [t, g, j] of w->patch_ch / patch_x (`write`; else, block_value_patches16 having
+ * patches, at [t, g, j] of w->patch_ch / patch_x (`write`; else, block_value_patches having
  * written every head's, only the rows without a centroid scale are added). */
 static inline __attribute__((always_inline)) void value_patches_impl(
         const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n, float *restrict acc0,

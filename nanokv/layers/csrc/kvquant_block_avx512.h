@@ -701,13 +701,6 @@ static void block_key_outliers(const KVQuantLayer *L, int64_t blk, int64_t g, in
         key_outliers(L, blk, g, n, q0, group, sg, w, K->idx_bytes, L->sparse_kind);
 }
 
-/* does block_value_patches16 take this layer: value patches (heads of at most 64 channels),
- * uint8 channels, a power-of-two capacity (an entry's row of the lists: its index >> log2 cap) */
-static inline int value_patches16_fit(const KVQuantLayer *L) {
-    const int64_t cap = L->v.cap;
-    return cap > 0 && (cap & (cap - 1)) == 0 && L->v.idx_bytes == 1 && L->head_dim <= 64;
-}
-
 /* value_patches of every KV head of the block at once, before the heads' value passes: the
  * block's lists ([n, Hkv, cap], contiguous) 16 entries at a time, each row's statistics (w->
  * v_stats, converted once a block) permuted to its entries, x = (exact - offset) / half-range
@@ -715,7 +708,7 @@ static inline int value_patches16_fit(const KVQuantLayer *L) {
  * by 0 (w->pa: P * live * half-range; its full-precision row is added apart). Returns whether
  * an outlier lies in a row without a centroid scale (half-range 0), which value_patches adds a
  * KV head at a time. */
-static int block_value_patches16(const KVQuantLayer *L, int64_t blk, int64_t n,
+static int block_value_patches(const KVQuantLayer *L, int64_t blk, int64_t n,
                                  BlockScratch *w) {
     const KVQuantSide *V = &L->v;
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, cap = V->cap;

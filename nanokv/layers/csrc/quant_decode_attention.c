@@ -1465,11 +1465,12 @@ static void kvquant_block_fast(const KVQuantLayer *L, int64_t blk, int64_t next_
     block_stats_f32(w->v_stats + B * Hkv, V->offset + blk * B * Hkv, B * Hkv);
     block_key_pass(L, blk, next_blk, n, qb, w);
     /* value outliers: patched into the value pass (small heads: every KV head's patches at once,
-     * block_value_patches16, or a KV head's at a time, value_patches), or after every KV head's
+     * block_value_patches, or a KV head's at a time, value_patches), or after every KV head's
      * value pass, 16 at a time (block_value_outliers16), or a KV head at a time
      * (block_value_fixes) */
-    const int patched = V->cap > 0 && D <= 64, patched16 = patched && value_patches16_fit(L);
-    const int unscaled = patched16 && block_value_patches16(L, blk, n, w);
+    const int patched = V->cap > 0 && D <= 64;
+    const int patched_all = patched && block_value_patches_fit(L);
+    const int unscaled = patched_all && block_value_patches(L, blk, n, w);
     const int late = !patched && value_outliers16_fit(L);
     for (int64_t g = 0; g < Hkv; g++) {
         const float *q0 = qb + g * group * D;
@@ -1493,8 +1494,8 @@ static void kvquant_block_fast(const KVQuantLayer *L, int64_t blk, int64_t next_
             }
             pbh[hh] = sum;
         }
-        if (patched && (!patched16 || unscaled))
-            value_patches(L, blk, g, n, acc0, group, sg, w, !patched16);
+        if (patched && (!patched_all || unscaled))
+            value_patches(L, blk, g, n, acc0, group, sg, w, !patched_all);
         block_value_pass(L, blk, g, n, acc0, pbh, w, patched ? V->cap : 0);
         block_value_fixes(L, blk, g, n, acc0, group, sg, w, patched || late);
     }
