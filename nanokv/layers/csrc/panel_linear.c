@@ -11,9 +11,10 @@
  * load of the panel's row k (two 16-float vectors) and, for each row of x, one broadcast of
  * x[m, k] and two FMAs: no horizontal sums, and the weight is read once, front to back, in
  * contiguous 128 KiB panels (at 1,024 columns). Panels are split across threads. The rows of x go
- * G at a time (AVX-512: 8, 16 accumulators; AVX2: 2, a panel row being four 8-float vectors, 8
- * accumulators; plain C: 8), each group over the panel while it sits in L2, so the weight comes
- * from memory once per tile of 256 rows of x (once for a decode step). x is first copied
+ * G at a time (AVX-512: 8, 16 accumulators; AVX2: 6, over each half of a panel in turn, 12
+ * accumulators, or up to 2 over the whole panel, 8; plain C: 8), each group over the panel
+ * while it sits in L2, so the weight comes from memory once per tile of about 256 rows of x
+ * (once for a decode step; AVX2 takes a decode step's rows two at a time, `group_rows`). x is first copied
  * group-major ([M / G][K][G]) so a group's broadcasts for one k are adjacent. Plain C where
  * AVX2 is missing (the compiler's vectoriser).
  * The reference is `torch.nn.functional.linear` on the unpacked weight. */
@@ -26,17 +27,22 @@
 
 enum { PANEL = 32 };
 
+/* G: the most rows of x per pass over a panel; group_rows(M): the rows per pass for M rows */
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#define G 2 /* rows of x per pass over a panel */
+#define G 6
+/* a decode step's few rows (up to 16) two at a time over whole panels, as they stream from
+ * memory (groups of six took 1.1-1.2x the time at 8 rows); more rows six at a time */
+static inline int64_t group_rows(int64_t M) { return M > 16 ? 6 : 2; }
 #else
 #define G 8
+static inline int64_t group_rows(int64_t M) { (void)M; return G; }
 #endif
 
-/* rows of x per pass over all the panels: at a prefill's thousands of rows, a tile's groups
- * (256 rows x K floats) stay in L2 / L3 while the panels stream past them (a 4,096 x 1,024 x
- * 3,072 product took 1.41x oneDNN's time untiled, 1.29x tiled on a Zen 4 EPYC; 4,096 x 1,024 x
- * 4,096 1.01x -> 0.86x) */
-enum { M_TILE = 256 };
+/* rows of x per pass over all the panels, a whole number of groups: at a prefill's thousands of
+ * rows, a tile's groups (about 256 rows x K floats) stay in L2 / L3 while the panels stream past
+ * them (a 4,096 x 1,024 x 3,072 product took 1.41x oneDNN's time untiled, 1.29x tiled on a Zen 4
+ * EPYC; 4,096 x 1,024 x 4,096 1.01x -> 0.86x) */
+enum { M_TILE_ROWS = 256 };
 
 int panel_width(void) { return PANEL; }
 
@@ -94,36 +100,71 @@ static inline __attribute__((always_inline)) void panel_group(
     }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-/* as above with 8-float vectors: a panel row is four of them, so 4 * MC accumulators (16
- * registers: two rows of x at a time) */
+/* the MC rows of group xg times the columns [16 h, 16 h + 16) of panel pw into acc (MC <= 6:
+ * 2 * MC accumulators, two weight vectors and a broadcast, 15 of the 16 registers) */
+static inline __attribute__((always_inline)) void panel_half(
+        const float *xg, const float *pw, int64_t K, const int MC, int h, __m256 acc[G][2]) {
+    for (int m = 0; m < MC; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const __m256 w0 = _mm256_loadu_ps(pw + k * PANEL + 16 * h);
+        const __m256 w1 = _mm256_loadu_ps(pw + k * PANEL + 16 * h + 8);
+        for (int m = 0; m < MC; m++) {
+            const __m256 xb = _mm256_broadcast_ss(xg + k * MC + m);
+            acc[m][0] = _mm256_fmadd_ps(w0, xb, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(w1, xb, acc[m][1]);
+        }
+    }
+}
+
+/* as above with 8-float vectors, a panel row being four of them: up to two rows of x over the
+ * whole panel (4 * MC accumulators), more (a prefill's groups of G = 6) over its two halves in
+ * turn (12 accumulators a half: twelve FMAs for every two weight loads and six broadcasts,
+ * where whole-panel passes of two rows took four weight loads for eight FMAs and were bound by
+ * reading the panel from L2) */
 static inline __attribute__((always_inline)) void panel_group(
         const float *xg, const float *pw, float *y, const float *bias, int64_t n0, int64_t N,
         int64_t K, int64_t m0, const int MC) {
-    __m256 acc[G][4];
-    for (int m = 0; m < MC; m++)
-        for (int v = 0; v < 4; v++) acc[m][v] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k++) {
-        __m256 wv[4];
-        for (int v = 0; v < 4; v++) wv[v] = _mm256_loadu_ps(pw + k * PANEL + 8 * v);
-        for (int m = 0; m < MC; m++) {
-            const __m256 xb = _mm256_broadcast_ss(xg + k * MC + m);
-            for (int v = 0; v < 4; v++) acc[m][v] = _mm256_fmadd_ps(wv[v], xb, acc[m][v]);
+    float tail[G][PANEL];  /* the last panel's rows, columns past N being padding */
+    const int whole = n0 + PANEL <= N;
+    if (MC > 2) {
+        for (int h = 0; h < 2; h++) {
+            __m256 acc[G][2];
+            panel_half(xg, pw, K, MC, h, acc);
+            for (int m = 0; m < MC; m++)
+                for (int v = 0; v < 2; v++) {
+                    const int64_t col = 16 * h + 8 * v;
+                    if (!whole) {
+                        _mm256_storeu_ps(tail[m] + col, acc[m][v]);
+                        continue;
+                    }
+                    const __m256 b = bias ? _mm256_loadu_ps(bias + n0 + col) : _mm256_setzero_ps();
+                    _mm256_storeu_ps(y + (m0 + m) * N + n0 + col, _mm256_add_ps(acc[m][v], b));
+                }
         }
-    }
-    #pragma GCC unroll 8
-    for (int m = 0; m < MC; m++) {
-        float *y_row = y + (m0 + m) * N;
-        if (n0 + PANEL <= N) {
-            for (int v = 0; v < 4; v++) {
-                const __m256 b = bias ? _mm256_loadu_ps(bias + n0 + 8 * v) : _mm256_setzero_ps();
-                _mm256_storeu_ps(y_row + n0 + 8 * v, _mm256_add_ps(acc[m][v], b));
+    } else {
+        __m256 acc[2][4];
+        for (int m = 0; m < MC; m++)
+            for (int v = 0; v < 4; v++) acc[m][v] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K; k++) {
+            __m256 wv[4];
+            for (int v = 0; v < 4; v++) wv[v] = _mm256_loadu_ps(pw + k * PANEL + 8 * v);
+            for (int m = 0; m < MC; m++) {
+                const __m256 xb = _mm256_broadcast_ss(xg + k * MC + m);
+                for (int v = 0; v < 4; v++) acc[m][v] = _mm256_fmadd_ps(wv[v], xb, acc[m][v]);
             }
-        } else {  /* the last panel: columns past N are padding */
-            float tail[PANEL];
-            for (int v = 0; v < 4; v++) _mm256_storeu_ps(tail + 8 * v, acc[m][v]);
-            store_row(y_row, tail, bias, n0, N);
         }
+        for (int m = 0; m < MC; m++)
+            for (int v = 0; v < 4; v++) {
+                if (!whole) {
+                    _mm256_storeu_ps(tail[m] + 8 * v, acc[m][v]);
+                    continue;
+                }
+                const __m256 b = bias ? _mm256_loadu_ps(bias + n0 + 8 * v) : _mm256_setzero_ps();
+                _mm256_storeu_ps(y + (m0 + m) * N + n0 + 8 * v, _mm256_add_ps(acc[m][v], b));
+            }
     }
+    if (!whole)
+        for (int m = 0; m < MC; m++) store_row(y + (m0 + m) * N, tail[m], bias, n0, N);
 }
 #else
 static inline __attribute__((always_inline)) void panel_group(
@@ -145,30 +186,31 @@ static inline __attribute__((always_inline)) void panel_group(
 int panel_linear(const float *x, const float *panels, const float *bias, float *y, int64_t M,
                  int64_t N, int64_t K) {
     if (M < 1 || N < 1 || K < 1) return 0;
-    /* x group-major: group g (rows g G .. g G + mc) at xg + g G K, as [K][mc] */
+    const int64_t gr = group_rows(M), m_tile = M_TILE_ROWS / gr * gr;
+    /* x group-major: group g (rows g gr .. g gr + mc) at xg + g gr K, as [K][mc] */
     float *xg = malloc(sizeof(float) * M * K);
     if (!xg) return -1;
-    #pragma omp parallel for schedule(static) if (M > 4 * G)
-    for (int64_t m0 = 0; m0 < M; m0 += G) {
-        const int64_t mc = M - m0 < G ? M - m0 : G;
+    #pragma omp parallel for schedule(static) if (M > 4 * gr)
+    for (int64_t m0 = 0; m0 < M; m0 += gr) {
+        const int64_t mc = M - m0 < gr ? M - m0 : gr;
         float *dst = xg + m0 * K;
         for (int64_t k = 0; k < K; k++)
             for (int64_t m = 0; m < mc; m++) dst[k * mc + m] = x[(m0 + m) * K + k];
     }
     const int64_t P = (N + PANEL - 1) / PANEL;
     #pragma omp parallel
-    for (int64_t mt = 0; mt < M; mt += M_TILE) {  /* every thread walks the tiles in step */
-        const int64_t m_end = mt + M_TILE < M ? mt + M_TILE : M;
+    for (int64_t mt = 0; mt < M; mt += m_tile) {  /* every thread walks the tiles in step */
+        const int64_t m_end = mt + m_tile < M ? mt + m_tile : M;
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < P; p++) {
             const float *pw = panels + p * K * PANEL;
-            for (int64_t m0 = mt; m0 < m_end; m0 += G) {
+            for (int64_t m0 = mt; m0 < m_end; m0 += gr) {
                 const float *g = xg + m0 * K;
-                switch (M - m0 < G ? M - m0 : G) {  /* instances with MC constant */
+                switch (M - m0 < gr ? M - m0 : gr) {  /* instances with MC constant */
 #define GROUP(c) case c: panel_group(g, pw, y, bias, p * PANEL, N, K, m0, c); break;
-                GROUP(1) GROUP(2)
-#if G > 2
-                GROUP(3) GROUP(4) GROUP(5) GROUP(6) GROUP(7) GROUP(8)
+                GROUP(1) GROUP(2) GROUP(3) GROUP(4) GROUP(5) GROUP(6)
+#if G > 6
+                GROUP(7) GROUP(8)
 #endif
 #undef GROUP
                 }
