@@ -1,0 +1,114 @@
+"""In-process A/B of the panel kernel for linear layers: `panel_linear` built from two
+checkouts' csrc/ (`--before`, `--after`) called in turn on the same weight panels and rows.
+
+Whole-process timings of a linear layer move by tens of percent on a shared VM, and in one
+process the second of two back-to-back calls is favoured (measured here: 5-40% at 8 rows for
+the same code), so the sides alternate ABAB, then BABA, and the figure is the median of the
+per-pair ratios after / before. Default shapes: Qwen3-0.6B's decoder layer weights (q/k/v
+fused 4,096 x 1,024; o 1,024 x 2,048; gate/up fused 6,144 x 1,024; down 1,024 x 3,072),
+`--head` adds its LM head (151,936 x 1,024, 622 MB).
+
+    .venv/bin/python benchmarks/ab_panel_linear.py --before /tmp/base --rows 8 64 512 4096
+
+where /tmp/base holds the earlier commit's tree (`git worktree add /tmp/base <commit>`).
+Prints one line per (weight, rows): each side's median milliseconds, the ratio's median and
+quartiles, and the largest difference between the two outputs; --out writes them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from nanokv.layers import native_linear  # noqa: E402
+from nanokv.layers.native_attention import LazyLibrary  # noqa: E402
+
+KERNEL = Path("nanokv/layers/csrc/panel_linear.c")
+LAYER_WEIGHTS = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024),
+                 "down": (1024, 3072)}
+HEAD_WEIGHT = {"lm_head": (151936, 1024)}
+
+
+def ab_pair(libs: dict, panels: torch.Tensor, n: int, k: int, rows: int, rounds: int,
+            gen: torch.Generator) -> dict:
+    x = torch.randn(rows, k, generator=gen)  # [M, K]
+    outs = {side: torch.empty(rows, n) for side in libs}  # [M, N] each
+
+    def call(side: str) -> None:
+        status = libs[side].panel_linear(x.data_ptr(), panels.data_ptr(), None,
+                                         outs[side].data_ptr(), rows, n, k)
+        if status != 0:
+            raise MemoryError("panel_linear could not allocate its copy of x")
+
+    for side in libs:  # a warm-up each
+        call(side)
+    times = {side: [] for side in libs}
+    for i in range(rounds):
+        for side in (("before", "after") if i % 2 == 0 else ("after", "before")):
+            t0 = time.perf_counter()
+            call(side)
+            times[side].append(time.perf_counter() - t0)
+    ratios = [a / b for a, b in zip(times["after"], times["before"])]
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return {"rows": rows, "n": n, "k": k,
+            "before_ms": statistics.median(times["before"]) * 1e3,
+            "after_ms": statistics.median(times["after"]) * 1e3,
+            "ratio_median": statistics.median(ratios), "ratio_q1": q1, "ratio_q3": q3,
+            "max_abs_diff": (outs["after"] - outs["before"]).abs().max().item()}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--before", required=True, help="checkout whose csrc/ is the baseline")
+    p.add_argument("--after", default=str(ROOT), help="checkout under test (default: this one)")
+    p.add_argument("--rows", type=int, nargs="+", default=[8, 64, 512, 4096],
+                   help="row counts M of x")
+    p.add_argument("--head", action="store_true", help="also the LM head (rows up to 64)")
+    p.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads")
+    p.add_argument("--rounds", type=int, default=12, help="calls of each side (>= 4)")
+    p.add_argument("--out", default=None, help="JSON file for the rows")
+    args = p.parse_args(argv)
+    if min(args.rows) < 1:
+        p.error("--rows must be positive integers")
+    if args.rounds < 4:
+        p.error("--rounds must be at least 4 (the ratio's quartiles)")
+    if args.threads < 1:
+        p.error("--threads must be at least 1")
+    sources = {side: Path(getattr(args, side)) / KERNEL for side in ("before", "after")}
+    for side, src in sources.items():
+        if not src.is_file():
+            p.error(f"--{side}: {src} not found (give a checkout of this repository)")
+    torch.set_num_threads(args.threads)
+    libs = {side: LazyLibrary(src, native_linear._setup).get() for side, src in sources.items()}
+    weights = dict(LAYER_WEIGHTS, **(HEAD_WEIGHT if args.head else {}))
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for name, (n, k) in weights.items():
+        w = torch.randn(n, k, generator=gen) * 0.02  # [N, K]
+        panels = native_linear.pack_panels(w)  # [ceil(N / 32), K, 32]
+        for rows in args.rows:
+            if name == "lm_head" and rows > 64:
+                continue  # a decode step's or a batch's last positions, not a prefill's
+            row = dict(ab_pair(libs, panels, n, k, rows, args.rounds, gen), weight=name)
+            results.append(row)
+            print(f"{name} {n} x {k}, {rows} rows: before {row['before_ms']:.2f} ms, after "
+                  f"{row['after_ms']:.2f}; after / before {row['ratio_median']:.3f} (quartiles "
+                  f"{row['ratio_q1']:.3f}-{row['ratio_q3']:.3f}); max |after - before| "
+                  f"{row['max_abs_diff']:.1e}", flush=True)
+    if args.out:
+        meta = {"argv": sys.argv[1:] if argv is None else list(argv), "before": args.before,
+                "after": args.after}
+        Path(args.out).write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""benchmarks/ab_panel_linear.py: the same checkout on both sides gives the same outputs (one
+library, called in turn), a ratio per weight and row count, and refuses bad flags."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanokv.layers import native_linear
+from nanokv.layers.native_attention import NativeKernelUnavailable
+
+ROOT = Path(__file__).resolve().parents[2]
+
+try:
+    native_linear.load_panel_linear()
+except NativeKernelUnavailable as e:  # no C compiler with OpenMP here
+    pytest.skip(f"panel kernel unavailable: {e}", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def _keep_threads():
+    threads = torch.get_num_threads()  # the tool sets its thread count for the whole process
+    yield
+    torch.set_num_threads(threads)
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("ab_panel_linear",
+                                                  ROOT / "benchmarks" / "ab_panel_linear.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_same_checkout_both_sides(tmp_path):
+    out = tmp_path / "ab.json"
+    tool = _tool()
+    tool.main(["--before", str(ROOT), "--rows", "1", "7", "--rounds", "4", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["weight"], r["rows"]) for r in rows] == [
+        (name, m) for name in tool.LAYER_WEIGHTS for m in (1, 7)]
+    for r in rows:
+        assert (r["n"], r["k"]) == tool.LAYER_WEIGHTS[r["weight"]]
+        assert r["max_abs_diff"] == 0.0  # one library on both sides
+        assert r["before_ms"] > 0 and r["after_ms"] > 0
+        assert r["ratio_q1"] <= r["ratio_median"] <= r["ratio_q3"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--rounds", "3"], "--rounds"),
+    (["--rows", "0"], "--rows"),
+    (["--threads", "0"], "--threads"),
+    (["--after", "/nonexistent"], "not found"),
+])
+def test_bad_flags_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        _tool().main(["--before", str(ROOT), *argv])
+    assert message in capsys.readouterr().err
