@@ -14,9 +14,9 @@
  * G at a time (AVX-512: 8, 16 accumulators; AVX2: 6, over each half of a panel in turn, 12
  * accumulators, or up to 2 over the whole panel, 8; plain C: 8), each group over the panel
  * while it sits in L2, so the weight comes from memory once per tile of about 256 rows of x
- * (once for a decode step; AVX2 takes a decode step's rows two at a time, `group_rows`). x is first copied
- * group-major ([M / G][K][G]) so a group's broadcasts for one k are adjacent. Plain C where
- * AVX2 is missing (the compiler's vectoriser).
+ * (once for a decode step; AVX2 takes a decode step's rows two at a time, `group_rows`). x is
+ * first copied group-major ([M / gr][K][gr], gr = group_rows(M)) so a group's broadcasts for
+ * one k are adjacent. Plain C where AVX2 is missing (the compiler's vectoriser).
  * The reference is `torch.nn.functional.linear` on the unpacked weight. */
 #include <stdint.h>
 #include <stdlib.h>
