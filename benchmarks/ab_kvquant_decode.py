@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_decode_attention as bda  # noqa: E402
+from ab_timing import ratio_summary, time_in_turn  # noqa: E402
 import nanokv.layers.native_quant_attention as nqa  # noqa: E402
 from nanokv.attention.common import CommonAttentionMetadata  # noqa: E402
 from nanokv.attention.native_quantized import NativeQuantizedBackend  # noqa: E402
@@ -61,28 +62,26 @@ def ab_pair(args, libs: dict, requests: int, context: int, bits: int) -> dict:
     backend = NativeQuantizedBackend(store, torch.device("cpu"))
     call = partial(backend.decode, 0, q, k_new, v_new, backend.build(common),
                    args.head_dim ** -0.5)
-    outs, times = {}, {side: [] for side in libs}
+    outs = {}
     own = nqa._LIBRARY  # put back afterwards: the A/B libraries lack the switches' typing
     call()  # the layers' structs (and their RoPE layout) built with this checkout's library
     try:
         for side, lib in libs.items():  # a warm-up each, and the outputs compared
             nqa._LIBRARY = lib
             outs[side] = call().clone()
-        for i in range(args.rounds):
-            for side in (("before", "after") if i % 2 == 0 else ("after", "before")):
-                nqa._LIBRARY = libs[side]
-                t0 = time.thread_time()
-                call()
-                times[side].append(time.thread_time() - t0)
+
+        def run(side: str) -> None:
+            nqa._LIBRARY = libs[side]
+            call()
+
+        times = time_in_turn(run, args.rounds, time.thread_time)
     finally:
         nqa._LIBRARY = own
-    ratios = [a / b for a, b in zip(times["after"], times["before"])]
-    q1, _, q3 = statistics.quantiles(ratios, n=4)
     per_token = {side: statistics.median(ts) * 1e6 / (requests * context)
                  for side, ts in times.items()}
     return {"requests": requests, "context": context, "bits": bits,
             "before_us_per_token": per_token["before"], "after_us_per_token": per_token["after"],
-            "ratio_median": statistics.median(ratios), "ratio_q1": q1, "ratio_q3": q3,
+            **ratio_summary(times),
             "max_abs_diff": (outs["after"] - outs["before"]).abs().max().item()}
 
 

@@ -21,14 +21,15 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from ab_timing import ratio_summary, time_in_turn  # noqa: E402
 from nanokv.layers import native_linear  # noqa: E402
 from nanokv.layers.native_attention import LazyLibrary  # noqa: E402
 
@@ -51,18 +52,10 @@ def ab_pair(libs: dict, panels: torch.Tensor, n: int, k: int, rows: int, rounds:
 
     for side in libs:  # a warm-up each
         call(side)
-    times = {side: [] for side in libs}
-    for i in range(rounds):
-        for side in (("before", "after") if i % 2 == 0 else ("after", "before")):
-            t0 = time.perf_counter()
-            call(side)
-            times[side].append(time.perf_counter() - t0)
-    ratios = [a / b for a, b in zip(times["after"], times["before"])]
-    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    times = time_in_turn(call, rounds)
     return {"rows": rows, "n": n, "k": k,
             "before_ms": statistics.median(times["before"]) * 1e3,
-            "after_ms": statistics.median(times["after"]) * 1e3,
-            "ratio_median": statistics.median(ratios), "ratio_q1": q1, "ratio_q3": q3,
+            "after_ms": statistics.median(times["after"]) * 1e3, **ratio_summary(times),
             "max_abs_diff": (outs["after"] - outs["before"]).abs().max().item()}
 
 

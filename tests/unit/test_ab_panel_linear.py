@@ -1,13 +1,12 @@
 """benchmarks/ab_panel_linear.py: the same checkout on both sides gives the same outputs (one
 library, called in turn), a ratio per weight and row count, and refuses bad flags."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-import torch
 
+from benchmark_scripts import keep_torch_threads, load_benchmark  # noqa: F401
 from nanokv.layers import native_linear
 from nanokv.layers.native_attention import NativeKernelUnavailable
 
@@ -19,19 +18,11 @@ except NativeKernelUnavailable as e:  # no C compiler with OpenMP here
     pytest.skip(f"panel kernel unavailable: {e}", allow_module_level=True)
 
 
-@pytest.fixture(autouse=True)
-def _keep_threads():
-    threads = torch.get_num_threads()  # the tool sets its thread count for the whole process
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("keep_torch_threads")  # the tool sets its threads
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("ab_panel_linear",
-                                                  ROOT / "benchmarks" / "ab_panel_linear.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("ab_panel_linear")
 
 
 def test_same_checkout_both_sides(tmp_path):

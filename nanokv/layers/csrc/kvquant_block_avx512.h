@@ -709,7 +709,7 @@ static void block_key_outliers(const KVQuantLayer *L, int64_t blk, int64_t g, in
  * an outlier lies in a row without a centroid scale (half-range 0), which value_patches adds a
  * KV head at a time. */
 static int block_value_patches(const KVQuantLayer *L, int64_t blk, int64_t n,
-                                 BlockScratch *w) {
+                               BlockScratch *w) {
     const KVQuantSide *V = &L->v;
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, cap = V->cap;
     const int64_t rows = n * Hkv, entries = rows * cap, first = blk * B * Hkv;
