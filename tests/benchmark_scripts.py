@@ -1,11 +1,7 @@
-"""Tests of the scripts in benchmarks/: load one as a module (they are scripts, not a package),
-and keep the process's torch thread count across a test that runs one (the tools set it)."""
+"""Tests of the scripts in benchmarks/: load one as a module (they are scripts, not a package)."""
 
 import importlib.util
 from pathlib import Path
-
-import pytest
-import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -17,9 +13,3 @@ def load_benchmark(name: str):
     spec.loader.exec_module(module)
     return module
 
-
-@pytest.fixture
-def keep_torch_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)

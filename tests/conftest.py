@@ -31,3 +31,11 @@ def tiny_qwen3(tmp_path_factory) -> str:
 @pytest.fixture(scope="session", params=["llama", "qwen3"])
 def tiny_model(request, tiny_llama, tiny_qwen3) -> str:
     return {"llama": tiny_llama, "qwen3": tiny_qwen3}[request.param]
+
+
+@pytest.fixture
+def keep_torch_threads():
+    """The process's torch thread count put back after the test (the benchmark tools set it)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)

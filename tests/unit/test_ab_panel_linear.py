@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmark_scripts import keep_torch_threads, load_benchmark  # noqa: F401
+from benchmark_scripts import load_benchmark
 from nanokv.layers import native_linear
 from nanokv.layers.native_attention import NativeKernelUnavailable
 

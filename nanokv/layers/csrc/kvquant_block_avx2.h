@@ -341,10 +341,10 @@ static void block_softmax(Softmax *s, int64_t h, int64_t group, int64_t n, int64
     }
 }
 
-/* sparse values of 8 entries from p[i .. i + 8), as float32 (kinds as load_any) */
-static inline __m256 elements8(const void *p, int64_t i, int64_t kind) {
-    if (kind == 2) return _mm256_loadu_ps((const float *)p + i);
-    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+/* sparse values of the 8 entries at p, as float32 (kinds as load_any) */
+static inline __m256 elements8(const void *p, int64_t kind) {
+    if (kind == 2) return _mm256_loadu_ps((const float *)p);
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
     if (kind == 0) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
@@ -364,7 +364,7 @@ static inline __attribute__((always_inline)) int value_patches8(
     const __m256 half = _mm256_permutevar8x32_ps(_mm256_maskload_ps(vh + r0, row_mask), row_of);
     const __m256 off = _mm256_permutevar8x32_ps(_mm256_maskload_ps(vo + r0, row_mask), row_of);
     const __m256i ch = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)ch8));
-    const __m256 exact = elements8(val, 0, kind);
+    const __m256 exact = elements8(val, kind);
     /* valid: an entry in range with a channel < D (unused entries hold 255) */
     const __m256i valid = _mm256_and_si256(have_mask,
                                            _mm256_cmpgt_epi32(_mm256_set1_epi32((int)D), ch));

@@ -116,6 +116,19 @@ static inline __attribute__((always_inline)) void panel_half(
     }
 }
 
+/* the 8 outputs of acc at column col of panel n0 for one row of x: into y_row (+ bias), or into
+ * tail_row on the last panel (columns past N being padding; store_row copies them after) */
+static inline __attribute__((always_inline)) void store8(
+        __m256 acc, float *y_row, float *tail_row, const float *bias, int64_t n0, int64_t col,
+        int whole) {
+    if (!whole) {
+        _mm256_storeu_ps(tail_row + col, acc);
+        return;
+    }
+    const __m256 b = bias ? _mm256_loadu_ps(bias + n0 + col) : _mm256_setzero_ps();
+    _mm256_storeu_ps(y_row + n0 + col, _mm256_add_ps(acc, b));
+}
+
 /* as above with 8-float vectors, a panel row being four of them: up to two rows of x over the
  * whole panel (4 * MC accumulators), more (a prefill's groups of G = 6) over its two halves in
  * turn (12 accumulators a half: twelve FMAs for every two weight loads and six broadcasts,
@@ -131,15 +144,9 @@ static inline __attribute__((always_inline)) void panel_group(
             __m256 acc[G][2];
             panel_half(xg, pw, K, MC, h, acc);
             for (int m = 0; m < MC; m++)
-                for (int v = 0; v < 2; v++) {
-                    const int64_t col = 16 * h + 8 * v;
-                    if (!whole) {
-                        _mm256_storeu_ps(tail[m] + col, acc[m][v]);
-                        continue;
-                    }
-                    const __m256 b = bias ? _mm256_loadu_ps(bias + n0 + col) : _mm256_setzero_ps();
-                    _mm256_storeu_ps(y + (m0 + m) * N + n0 + col, _mm256_add_ps(acc[m][v], b));
-                }
+                for (int v = 0; v < 2; v++)
+                    store8(acc[m][v], y + (m0 + m) * N, tail[m], bias, n0, 16 * h + 8 * v,
+                           whole);
         }
     } else {
         __m256 acc[2][4];
@@ -154,14 +161,8 @@ static inline __attribute__((always_inline)) void panel_group(
             }
         }
         for (int m = 0; m < MC; m++)
-            for (int v = 0; v < 4; v++) {
-                if (!whole) {
-                    _mm256_storeu_ps(tail[m] + 8 * v, acc[m][v]);
-                    continue;
-                }
-                const __m256 b = bias ? _mm256_loadu_ps(bias + n0 + 8 * v) : _mm256_setzero_ps();
-                _mm256_storeu_ps(y + (m0 + m) * N + n0 + 8 * v, _mm256_add_ps(acc[m][v], b));
-            }
+            for (int v = 0; v < 4; v++)
+                store8(acc[m][v], y + (m0 + m) * N, tail[m], bias, n0, 8 * v, whole);
     }
     if (!whole)
         for (int m = 0; m < MC; m++) store_row(y + (m0 + m) * N, tail[m], bias, n0, N);
