@@ -81,9 +81,10 @@ static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int6
     w->v_off = malloc(sizeof(float) * B);
     w->live = malloc(sizeof(float) * B);
     w->pb = malloc(sizeof(float) * group);
-    w->patch_ch = malloc(sizeof(int32_t) * (B * Hkv * value_cap + 1));
-    w->patch_x = malloc(sizeof(float) * (B * Hkv * value_cap + 1));
-    w->v_stats = malloc(sizeof(float) * 2 * B * Hkv);
+    /* 8 spare entries: the AVX2 value_patches8 writes and reads whole vectors */
+    w->patch_ch = malloc(sizeof(int32_t) * (B * Hkv * value_cap + 8));
+    w->patch_x = malloc(sizeof(float) * (B * Hkv * value_cap + 8));
+    w->v_stats = calloc(2 * B * Hkv + 8, sizeof(float));
     w->dots = aligned_alloc(64, sizeof(float) * Hkv * FAST_MAX_HEADS * 16 * 16);
     w->sink_at = malloc(sizeof(int16_t) * B);
     if (w->sink_at) for (int64_t t = 0; t < B; t++) w->sink_at[t] = -1;

@@ -349,20 +349,20 @@ static inline __m256 elements8(const void *p, int64_t kind) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* entries [e0, e0 + 8) of the block's value lists as patches (lanes past `have` left alone:
- * their channels and values read from ch8 / val, zero-padded by the caller); returns the
- * lanes of outliers in rows without a centroid scale (always inlined with a constant kind) */
+/* entries [e0, e0 + 8) of the block's value lists as patches, written with plain stores (the
+ * scratch has 8 spare entries: lanes past `have`, read from the caller's zero-padded ch8 / val,
+ * are written but never read; masked stores are microcoded on some AVX2 CPUs); the statistics
+ * read past the block's rows likewise (v_stats has 8 spare floats). Returns the lanes of
+ * outliers in rows without a centroid scale (always inlined with a constant kind). */
 static inline __attribute__((always_inline)) int value_patches8(
-        const float *vh, const float *vo, int64_t rows, int64_t e0, int c_shift,
-        const uint8_t *ch8, const uint8_t *val, int64_t have, int64_t D, const int64_t kind,
-        BlockScratch *w) {
+        const float *vh, const float *vo, int64_t e0, int c_shift, const uint8_t *ch8,
+        const uint8_t *val, int64_t have, int64_t D, const int64_t kind, BlockScratch *w) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i row_of = _mm256_srli_epi32(lane, c_shift);  /* an entry's row, from e0's */
     const __m256i have_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)have), lane);
-    const int64_t r0 = e0 >> c_shift;  /* the rows' statistics, none read past the last */
-    const __m256i row_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(rows - r0)), lane);
-    const __m256 half = _mm256_permutevar8x32_ps(_mm256_maskload_ps(vh + r0, row_mask), row_of);
-    const __m256 off = _mm256_permutevar8x32_ps(_mm256_maskload_ps(vo + r0, row_mask), row_of);
+    const int64_t r0 = e0 >> c_shift;
+    const __m256 half = _mm256_permutevar8x32_ps(_mm256_loadu_ps(vh + r0), row_of);
+    const __m256 off = _mm256_permutevar8x32_ps(_mm256_loadu_ps(vo + r0), row_of);
     const __m256i ch = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)ch8));
     const __m256 exact = elements8(val, kind);
     /* valid: an entry in range with a channel < D (unused entries hold 255) */
@@ -372,9 +372,9 @@ static inline __attribute__((always_inline)) int value_patches8(
         valid, _mm256_castps_si256(_mm256_cmp_ps(half, _mm256_setzero_ps(), _CMP_NEQ_OQ)));
     const __m256 inv = _mm256_and_ps(_mm256_castsi256_ps(scaled),
                                      _mm256_div_ps(_mm256_set1_ps(1.f), half));
-    _mm256_maskstore_epi32(w->patch_ch + e0, have_mask,
-                           _mm256_blendv_epi8(_mm256_set1_epi32(-1), ch, scaled));
-    _mm256_maskstore_ps(w->patch_x + e0, have_mask, _mm256_mul_ps(_mm256_sub_ps(exact, off), inv));
+    _mm256_storeu_si256((__m256i *)(w->patch_ch + e0),
+                        _mm256_blendv_epi8(_mm256_set1_epi32(-1), ch, scaled));
+    _mm256_storeu_ps(w->patch_x + e0, _mm256_mul_ps(_mm256_sub_ps(exact, off), inv));
     return _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_andnot_si256(scaled, valid)));
 }
 
@@ -398,8 +398,7 @@ static int block_value_patches(const KVQuantLayer *L, int64_t blk, int64_t n,
     int64_t e0 = 0;
 #define PATCHES8(k)                                                                            \
     for (; e0 + 8 <= entries; e0 += 8)                                                         \
-        unscaled |= value_patches8(vh, vo, rows, e0, c_shift, ch8 + e0, val + e0 * elem, 8, D, \
-                                   k, w)
+        unscaled |= value_patches8(vh, vo, e0, c_shift, ch8 + e0, val + e0 * elem, 8, D, k, w)
     switch (kind) {
     case 0: PATCHES8(0); break;
     case 1: PATCHES8(1); break;
@@ -411,8 +410,7 @@ static int block_value_patches(const KVQuantLayer *L, int64_t blk, int64_t n,
         uint8_t ch_tail[8] = {0}, val_tail[32] = {0};
         memcpy(ch_tail, ch8 + e0, (size_t)have);
         memcpy(val_tail, val + e0 * elem, (size_t)(have * elem));
-        unscaled |= value_patches8(vh, vo, rows, e0, c_shift, ch_tail, val_tail, have, D, kind,
-                                   w);
+        unscaled |= value_patches8(vh, vo, e0, c_shift, ch_tail, val_tail, have, D, kind, w);
     }
     return unscaled != 0;
 }
