@@ -24,7 +24,8 @@ static inline void rope_rows_at(const KVQuantLayer *L, int64_t pos, const float 
     }
 }
 
-/* Key outliers enter as score corrections a tile at a time, right after the tile's key pass
+/* Where key_rotated_fit does not (3-bit codes, head_dim not a power of two: below), key
+ * outliers enter as score corrections one at a time, a tile's right after the tile's key pass
  * (its rows and RoPE rows still in L1): (exact - decoded) times the channel's coefficient in
  * q . RoPE(k) (RoPE is linear). The store keeps each KV head's per-channel list in index order
  * (slot-major), its unused entries last, so a tile's entries of a head follow the last tile's:
@@ -158,6 +159,177 @@ static inline __attribute__((always_inline)) void key_tile_dots(
     }
 }
 
+/* sparse values of the 8 entries at p, as float32 (kinds as load_any) */
+static inline __m256 elements8(const void *p, int64_t kind) {
+    if (kind == 2) return _mm256_loadu_ps((const float *)p);
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (kind == 0) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* Where the store's layout fits (key_rotated_fit) and the lists are in index order, the key
+ * outliers are corrected after the key pass from operands made during it for every query
+ * head: an entry's correction of the score of query head h is (exact - decoded) times h's
+ * coefficient in q . RoPE(k) (rope_coefficient), = q_h[ch] * A + q_h[partner] * B with A =
+ * delta * cos and B = +-delta * sin at the slot's position, neither depending on the query.
+ * The operands of a tile's entries are made right after its key pass (its rows and RoPE rows
+ * still in L1; made from the whole block at once after the pass, those rows came back from
+ * memory), every KV head's entries staged side by side and taken 8 at a time (a head's alone
+ * filled a third of the lanes), codes, statistics and RoPE rows gathered; the corrections are
+ * then four loads and two FMAs per entry and query head (key_rotated_fixes). Other layouts
+ * correct a tile's entries one at a time (tile_key_outliers). */
+
+/* does the layout fit: 2- and 4-bit codes (a code never leaves its 32-bit word), head_dim a
+ * power of two, int16 / int32 indices, 4-byte aligned codes */
+static inline int key_rotated_fit(const KVQuantLayer *L) {
+    const int64_t D = L->head_dim;
+    return (L->k.bits == 4 || L->k.bits == 2) && (D & (D - 1)) == 0
+           && (L->k.idx_bytes == 2 || L->k.idx_bytes == 4)
+           && ((uintptr_t)L->k.codes & 3) == 0;
+}
+
+/* the operands of the entries of tile [t0, t0 + nt) of every KV head, appended to w->ko_*
+ * (w->ko_count so far this block): each head's entries from its cursor (w->k_cursor) on
+ * staged side by side first (indices, KV heads, exact values), then 8 at a time across heads
+ * (always inlined with constant index and value sizes and bits) */
+static inline __attribute__((always_inline)) void tile_key_rotated_impl(
+        const KVQuantLayer *L, int64_t blk, int64_t t0, int64_t nt, BlockScratch *w,
+        __m256 tlo, __m256 thi, const int64_t idx_bytes, const int64_t kind, const int bits) {
+    const KVQuantSide *K = &L->k;
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
+    const int64_t cap = K->cap, elem = kind == 2 ? 4 : 2;
+    const int d_shift = __builtin_ctzll((unsigned long long)D);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i end = _mm256_set1_epi32((int)((t0 + nt) * D));
+    int32_t *st_idx = w->st_idx, *st_g = w->st_g;
+    float *st_val = w->st_val;
+    int64_t staged = 0;
+    for (int64_t g = 0; g < Hkv; g++) {
+        const int64_t base = (blk * Hkv + g) * cap;
+        int64_t j = w->k_cursor[g];
+        while (j < cap) {
+            const int64_t have = cap - j < 8 ? cap - j : 8;
+            const uint8_t *ip = (const uint8_t *)K->oidx + (base + j) * idx_bytes;
+            const uint8_t *vp = (const uint8_t *)K->oval + (base + j) * elem;
+            uint8_t idx_tail[32], val_tail[32];
+            if (have < 8) {  /* the last entries, from a padded copy: unused (-1), value 0 */
+                memset(idx_tail, 0xff, sizeof idx_tail);
+                memset(val_tail, 0, sizeof val_tail);
+                memcpy(idx_tail, ip, (size_t)(have * idx_bytes));
+                memcpy(val_tail, vp, (size_t)(have * elem));
+                ip = idx_tail;
+                vp = val_tail;
+            }
+            const __m256i idx = idx_bytes == 2
+                ? _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)ip))
+                : _mm256_loadu_si256((const __m256i *)ip);
+            const __m256i in = _mm256_and_si256(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(-1)),
+                                                _mm256_cmpgt_epi32(end, idx));
+            const unsigned taken = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(in));
+            const int count = __builtin_ctz(~taken);  /* the tile's entries: a prefix */
+            /* all 8 lanes staged, the next entries written over the ones past count */
+            _mm256_storeu_si256((__m256i *)(st_idx + staged), idx);
+            _mm256_storeu_si256((__m256i *)(st_g + staged), _mm256_set1_epi32((int)g));
+            _mm256_storeu_ps(st_val + staged, elements8(vp, kind));
+            staged += count;
+            j += count;
+            if (count < have || count == 0) break;
+        }
+        w->k_cursor[g] = (int32_t)j;
+    }
+    /* the tile's slot positions (t0 + 8 <= B: within the block's row; negative entries 0;
+     * none without RoPE) */
+    const __m256i pos8 = R ? _mm256_max_epi32(
+        _mm256_loadu_si256((const __m256i *)(L->slot_positions + blk * B + t0)),
+        _mm256_setzero_si256()) : _mm256_setzero_si256();
+    /* the cos and sin bases: rope_rows' halves side by side, or the tables (the first half
+     * only where the halves repeat) */
+    const int rows = L->rope_rows && L->rope_halves_equal && nanokv_rope_tiles;
+    const float *cos_base = rows ? L->rope_rows : L->cos;
+    const float *sin_base = rows ? L->rope_rows + R / 2 : L->sin;
+    const int folded = rows || L->rope_halves_equal;  /* both at the channel's first-half index */
+    const __m256i half_rot = _mm256_set1_epi32((int)(R / 2)), rot = _mm256_set1_epi32((int)R);
+    const __m256i d_mask = _mm256_set1_epi32((int)D - 1);
+    const __m256i words = _mm256_set1_epi32((int)(Hkv * K->packed / 4));  /* a slot's rows */
+    const __m256i head_words = _mm256_set1_epi32((int)(K->packed / 4));
+    const int32_t *codes = (const int32_t *)(K->codes + (blk * B + t0) * Hkv * K->packed);
+    const int64_t out = w->ko_count;
+    for (int64_t e = 0; e < staged; e += 8) {
+        const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(staged - e)), lane);
+        const __m256i at = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(st_idx + e)),
+                                            valid);  /* lanes past staged: entry 0 of head 0 */
+        const __m256i g = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(st_g + e)), valid);
+        const __m256i t = _mm256_srli_epi32(at, d_shift), ch = _mm256_and_si256(at, d_mask);
+        const __m256i tt = _mm256_sub_epi32(t, _mm256_and_si256(_mm256_set1_epi32((int)t0),
+                                                                valid));
+        const __m256i stat = _mm256_add_epi32(_mm256_mullo_epi32(g, _mm256_set1_epi32((int)D)),
+                                              ch);  /* [Hkv, D] statistics */
+        /* delta = exact - (lut[code] * half + offset) */
+        const __m256i bitpos = _mm256_mullo_epi32(ch, _mm256_set1_epi32(bits));
+        const __m256i word = _mm256_add_epi32(
+            _mm256_add_epi32(_mm256_mullo_epi32(tt, words), _mm256_mullo_epi32(g, head_words)),
+            _mm256_srli_epi32(bitpos, 5));
+        const __m256i code = _mm256_srlv_epi32(_mm256_i32gather_epi32(codes, word, 4),
+                                               _mm256_and_si256(bitpos, _mm256_set1_epi32(31)));
+        const __m256 decoded = _mm256_fmadd_ps(lut16_lookup8(tlo, thi, code),
+                                               _mm256_i32gather_ps(w->k_half, stat, 4),
+                                               _mm256_i32gather_ps(w->k_off, stat, 4));
+        const __m256 delta = _mm256_and_ps(
+            _mm256_castsi256_ps(valid), _mm256_sub_ps(_mm256_loadu_ps(st_val + e), decoded));
+        __m256 a = delta, b = _mm256_setzero_ps();
+        __m256i partner = ch;
+        if (R) {  /* cos and +-sin of the channel's pair at the slot's position */
+            const __m256i second = _mm256_cmpgt_epi32(
+                ch, _mm256_sub_epi32(half_rot, _mm256_set1_epi32(1)));
+            const __m256i first = _mm256_sub_epi32(ch, _mm256_and_si256(second, half_rot));
+            partner = _mm256_sub_epi32(_mm256_add_epi32(ch, half_rot),
+                                       _mm256_and_si256(second, rot));
+            const __m256i row0 = _mm256_mullo_epi32(_mm256_permutevar8x32_epi32(pos8, tt), rot);
+            const __m256 cs = _mm256_i32gather_ps(
+                cos_base, _mm256_add_epi32(row0, folded ? first : ch), 4);
+            const __m256 sn = _mm256_i32gather_ps(
+                sin_base, _mm256_add_epi32(row0, folded ? first : partner), 4);
+            a = _mm256_mul_ps(delta, cs);
+            b = _mm256_xor_ps(_mm256_mul_ps(delta, sn),
+                              _mm256_castsi256_ps(_mm256_slli_epi32(second, 31)));
+        }
+        /* lanes past staged: written over by the next tile's or never read (8 spare entries) */
+        _mm256_storeu_si256((__m256i *)(w->ko_slot + out + e), t);
+        _mm256_storeu_si256((__m256i *)(w->ko_g + out + e), g);
+        _mm256_storeu_si256((__m256i *)(w->ko_ch + out + e), ch);
+        _mm256_storeu_si256((__m256i *)(w->ko_partner + out + e), partner);
+        _mm256_storeu_ps(w->ko_a + out + e, a);
+        _mm256_storeu_ps(w->ko_b + out + e, b);
+    }
+    w->ko_count = out + staged;
+}
+
+static inline __attribute__((always_inline)) void tile_key_rotated(
+        const KVQuantLayer *L, int64_t blk, int64_t t0, int64_t nt, BlockScratch *w,
+        __m256 tlo, __m256 thi, const int bits) {
+#define ROTATED(ib, kd) tile_key_rotated_impl(L, blk, t0, nt, w, tlo, thi, ib, kd, bits)
+    if (L->k.idx_bytes == 2 && L->sparse_kind == 0) ROTATED(2, 0);  /* int16, float16 */
+    else if (L->k.idx_bytes == 4 && L->sparse_kind == 0) ROTATED(4, 0);
+    else ROTATED(L->k.idx_bytes, L->sparse_kind);
+#undef ROTATED
+}
+
+/* the corrections of every entry the key pass took (the operands above) added to the scores
+ * of the query heads of its KV head (qb: the request's queries) */
+static void key_rotated_fixes(const KVQuantLayer *L, const float *restrict qb,
+                              const BlockScratch *w) {
+    const int64_t B = L->block_size, D = L->head_dim;
+    const int64_t group = L->num_q_heads / L->num_kv_heads;
+    float *restrict scores = w->scores;
+    for (int64_t e = 0; e < w->ko_count; e++) {
+        const int64_t h = w->ko_g[e] * group, t = w->ko_slot[e];
+        const int64_t ch = w->ko_ch[e], pa = w->ko_partner[e];
+        const float a = w->ko_a[e], b = w->ko_b[e];
+        for (int64_t hh = 0; hh < group; hh++)
+            scores[(h + hh) * B + t] += qb[(h + hh) * D + ch] * a + qb[(h + hh) * D + pa] * b;
+    }
+}
+
 /* scores[h * B + t] = q_h . RoPE_pos(t)(lut[codes] * half + off) for the query heads
  * h = g * group + hh, hh in [h0, h0 + nh), of every KV head g and the block's first n slots, by
  * tiles of 8 slots (key_tile_dots), each tile's key outliers added as corrections
@@ -174,7 +346,8 @@ static inline __attribute__((always_inline)) void block_key_dots(
     __m256 *dots = (__m256 *)w->dots;  /* [Hkv * nh, 8] */
     const int64_t tiles = (n + 7) / 8;
     /* the key outliers a tile at a time (tile_key_outliers), where the lists are in order */
-    const int outliers = K->cap > 0 && w->k_sorted;
+    const int outliers = K->cap > 0 && w->k_sorted && !w->k_rotated;
+    const int rotated = w->k_rotated && h0 == 0;  /* the operands: with the first heads */
     __m256 tlo, thi;  /* the key codebook (key_tile_dots: tlo / thi, 4-bit also planes) */
     __m256i planes[4];
     lut_halves8(K->lut, K->bits, &tlo, &thi);
@@ -208,6 +381,10 @@ static inline __attribute__((always_inline)) void block_key_dots(
         default: TILE_DOTS(2); break;
         }
 #undef TILE_DOTS
+        if (rotated) {  /* the tile's key outlier operands */
+            if (K->bits == 4) tile_key_rotated(L, blk, t0, nt, w, tlo, thi, 4);
+            else tile_key_rotated(L, blk, t0, nt, w, tlo, thi, 2);
+        }
         if (outliers) {  /* their corrections into w->k_corr */
             switch (K->bits) {
             case 4: tile_key_outliers(L, blk, t0, nt, qb, h0, nh, w, 4); break;
@@ -299,8 +476,12 @@ static inline __attribute__((always_inline)) void block_values(
 /* the block's key outliers of head g as score corrections where the key pass did not take them
  * (lists out of order: key_lists_sorted) */
 static void block_key_outliers(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
-                               const float *q0, int64_t group, float *sg, const BlockScratch *w) {
+                               const float *q0, int64_t group, float *sg, BlockScratch *w) {
     const KVQuantSide *K = &L->k;
+    if (w->k_rotated) {  /* every KV head's, with the first's (q0, sg: the block's first) */
+        if (g == 0) key_rotated_fixes(L, q0, w);
+        return;
+    }
     if (!K->cap || w->k_sorted) return;  /* none, or corrected in the key pass */
     if (K->idx_bytes == 2 && L->sparse_kind == 0)  /* int16 indices, float16 values */
         key_outliers(L, blk, g, n, q0, group, sg, w, 2, 0);
@@ -339,14 +520,6 @@ static void block_softmax(Softmax *s, int64_t h, int64_t group, int64_t n, int64
             for (int64_t d = 0; d < D; d++) ah[d] *= corr;
         }
     }
-}
-
-/* sparse values of the 8 entries at p, as float32 (kinds as load_any) */
-static inline __m256 elements8(const void *p, int64_t kind) {
-    if (kind == 2) return _mm256_loadu_ps((const float *)p);
-    const __m128i h = _mm_loadu_si128((const __m128i *)p);
-    if (kind == 0) return _mm256_cvtph_ps(h);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 /* entries [e0, e0 + 8) of the block's value lists as patches, written with plain stores (the
@@ -433,6 +606,8 @@ static void block_request_queries(const KVQuantLayer *L, const float *qb, BlockS
 static int block_key_operands(const KVQuantLayer *L, int64_t blk, int64_t n, BlockScratch *w) {
     (void)n;
     w->k_sorted = L->k.cap > 0 && key_lists_sorted(L, blk);
+    w->k_rotated = w->k_sorted && key_rotated_fit(L);
+    w->ko_count = 0;
     return 0;
 }
 

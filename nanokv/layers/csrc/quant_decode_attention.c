@@ -1527,7 +1527,7 @@ int kvquant_decode_attention(const KVQuantLayer *L, const float *q, const float 
         ok = softmax_alloc(&s, Hq, D) && ok;
 #if HAVE_BLOCK_PATH
         BlockScratch bw = {0};
-        if (block_path) ok = block_scratch_alloc(&bw, Hkv, Hq / Hkv, B, D, L->v.cap) && ok;
+        if (block_path) ok = block_scratch_alloc(&bw, Hkv, Hq / Hkv, B, D, L->k.cap, L->v.cap) && ok;
 #endif
         if (!ok) {
             #pragma omp atomic write
