@@ -274,7 +274,7 @@ static inline __attribute__((always_inline)) void key_outliers(
 static inline __attribute__((always_inline)) void value_outliers(
         const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n, float *restrict acc0,
         int64_t group, const float *restrict sg, const BlockScratch *w, const int64_t idx_bytes,
-        const int64_t kind) {
+        const int64_t kind, const int64_t bits) {
     const KVQuantSide *V = &L->v;
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, cap = V->cap;
     for (int64_t t = 0; t < n; t++) {
@@ -285,7 +285,7 @@ static inline __attribute__((always_inline)) void value_outliers(
             const int64_t ch = load_index(V->oidx, i * cap + j, idx_bytes);
             if (ch < 0 || ch >= D) continue;
             const float delta = load_any(V->oval, i * cap + j, kind)
-                                - (V->lut[code_at(row, V->bits, ch)] * w->v_half[t] + w->v_off[t]);
+                                - (V->lut[code_at(row, bits, ch)] * w->v_half[t] + w->v_off[t]);
             for (int64_t hh = 0; hh < group; hh++) acc0[hh * D + ch] += sg[hh * B + t] * delta;
         }
     }
@@ -355,10 +355,17 @@ static void block_value_fixes(const KVQuantLayer *L, int64_t blk, int64_t g, int
     if (elsewhere) {
         /* the outliers went into the value pass (value_patches) or come after every head's
          * value pass (block_value_outliers16) */
-    } else if (V->cap && V->idx_bytes == 1 && L->sparse_kind == 0)  /* uint8, float16 */
-        value_outliers(L, blk, g, n, acc0, group, sg, w, 1, 0);
-    else if (V->cap)
-        value_outliers(L, blk, g, n, acc0, group, sg, w, V->idx_bytes, L->sparse_kind);
+    } else if (V->cap && V->idx_bytes == 1 && L->sparse_kind == 0 && V->bits == 4) {
+        /* uint8 channels, float16 values, 4-bit codes: constant sizes, and a constant group
+         * of 1, 2 or 4 (the inner loop unrolled) */
+        switch (group) {
+        case 1: value_outliers(L, blk, g, n, acc0, 1, sg, w, 1, 0, 4); break;
+        case 2: value_outliers(L, blk, g, n, acc0, 2, sg, w, 1, 0, 4); break;
+        case 4: value_outliers(L, blk, g, n, acc0, 4, sg, w, 1, 0, 4); break;
+        default: value_outliers(L, blk, g, n, acc0, group, sg, w, 1, 0, 4); break;
+        }
+    } else if (V->cap)
+        value_outliers(L, blk, g, n, acc0, group, sg, w, V->idx_bytes, L->sparse_kind, V->bits);
     for (int64_t p = 0; p < L->num_sinks; p++) {
         const int64_t t = L->sink_slot[blk * L->num_sinks + p];
         if (t < 0 || t >= n) continue;
