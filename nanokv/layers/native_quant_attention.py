@@ -68,7 +68,7 @@ def _setup(lib: ctypes.CDLL) -> None:
     type_kernels(lib)
     for switch in (lib.pertoken_set_int8_fused, lib.pertoken_set_int8_prefetch,
                    lib.pertoken_set_int8_stage, lib.kvquant_set_slot_keys,
-                   lib.kvquant_set_rope_tiles):
+                   lib.kvquant_set_rope_tiles, lib.kvquant_set_fixed_head_dims):
         switch.argtypes = [ctypes.c_int]
         switch.restype = None
     lib.kvquant_rope_layout.argtypes = []
@@ -109,6 +109,13 @@ def set_rope_tiles(on: bool) -> None:
     transposes each tile's rows itself), the AVX2 key pass its half rows (`rope_rows`; off: the
     full tables). An A/B switch for benchmarks and tests."""
     load_quant_kernels().kvquant_set_rope_tiles(int(bool(on)))
+
+
+def set_fixed_head_dims(on: bool) -> None:
+    """Whether the AVX2 KVQuant key pass runs heads of 32 channels (2- and 4-bit keys) in
+    instances with the head size a constant (True, the default) or reads it at run time (False).
+    An A/B switch for benchmarks and tests; AVX-512 builds ignore it."""
+    load_quant_kernels().kvquant_set_fixed_head_dims(int(bool(on)))
 
 
 ROPE_TILES, ROPE_ROWS = 1, 2  # kvquant_rope_layout(): the compact RoPE table a build reads

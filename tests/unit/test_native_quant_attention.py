@@ -341,9 +341,10 @@ def test_kvquant_key_outliers_in_any_order(order):
     torch.testing.assert_close(shuffled, ref, atol=2e-5, rtol=1e-4)
 
 
-def _one_request_with_outliers(bits, d, hkv, block_size, halves, position, seed):
+def _one_request_with_outliers(bits, d, hkv, block_size, halves, position, seed, gqa=2):
     """One request of 2 * block_size + 5 slots (blocks 2, 0, 3: a last tile cut short) in a
-    KVQuant store with outliers (3%, keys with 2% spikes), slot j at position(j), GQA 2; RoPE
+    KVQuant store with outliers (3%, keys with 2% spikes), slot j at position(j), gqa query heads
+    per KV head; RoPE
     tables whose halves are equal, unequal (the second half's angles differ) or none (keys
     stored after RoPE). Returns (store, q, k_new, v_new, common metadata, reference output)."""
     from types import SimpleNamespace
@@ -367,7 +368,7 @@ def _one_request_with_outliers(bits, d, hkv, block_size, halves, position, seed)
     slots = [table[j // block_size] * block_size + j % block_size for j in range(n)]
     store.write(0, store.plan_write(slots, [position(j) for j in range(n)]), k, v)
     assert bool((store.buffers["k_oidx0"] >= 0).any())
-    hq = 2 * hkv
+    hq = gqa * hkv
     common = CommonAttentionMetadata([0], 1, [table], [n + 1], [])
     common.write_plan = SimpleNamespace(slot_mapping=torch.empty(0, dtype=torch.long))
     q = torch.randn(1, hq, d, generator=gen) * 3
@@ -476,15 +477,44 @@ def test_engine_decodes_through_the_kernels_equal_the_reference(tiny_model, monk
     assert sum(checked) > 0 and all(len(o.token_ids) == 12 for o in outs)
 
 
+@pytest.mark.parametrize("bits", [4, 3, 2])
+@pytest.mark.parametrize("gqa", [1, 2, 3, 8])
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("halves", ["equal", "unequal", "none"])
+def test_kvquant_heads_of_32_in_fixed_instances(bits, gqa, block_size, halves):
+    """AVX2: the key pass of heads of 32 channels in its instances with head_dim a constant (2-
+    and 4-bit keys, 1, 2, 4 or 8 query heads at a time; 4-bit rows looked up in one) gives the
+    same outputs, bit for bit, as with head_dim read at run time (`set_fixed_head_dims(False)`),
+    and both equal the reference; 3-bit keys and 3 query heads a KV head take the run-time
+    instances either way. Outliers, a last tile cut short, RoPE tables with halves equal,
+    unequal and none."""
+    from nanokv.layers.native_quant_attention import set_fixed_head_dims
+
+    store, q, k_new, v_new, common, ref = _one_request_with_outliers(
+        bits, 32, 4, block_size, halves, lambda j: 3 + j, bits * 10 + gqa + block_size, gqa=gqa)
+    backend = NativeQuantizedBackend(store, CPU)
+    outs = []
+    try:
+        for fixed in (True, False):
+            set_fixed_head_dims(fixed)
+            outs.append(backend.decode(0, q, k_new, v_new, backend.build(common), 32 ** -0.5))
+    finally:
+        set_fixed_head_dims(True)
+    for out in outs:
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx2"])
 def test_kernels_of_narrower_builds_equal_the_reference(tmp_path, flags):
     """The same checks with the library built without AVX-512 (`CC="cc -mno-avx512f"`: the AVX2
     paths, the block path's AVX2 kernels among them, on a CPU that has AVX2) and without AVX2
     (`-mno-avx2`: the plain C paths every CPU builds, KVQuant a row at a time), in a fresh
     process with its own kernel cache. KVQuant at head_dim 128 too: its 4-bit key pass looks up
-    32 channels at a time only where half a head holds them."""
+    32 channels at a time only where half a head holds them; and heads of 32 in the AVX2 key
+    pass's fixed instances."""
     run_narrow_build(__file__, "(test_decode_equals_dequantize_then_dense and (kvquant or (int8 "
-                     "or fp8) and not hq-4)) or registers or fp8_codes", tmp_path,
+                     "or fp8) and not hq-4)) or registers or fp8_codes or heads_of_32", tmp_path,
                      "quant_decode_attention",
                      flags=flags)
 

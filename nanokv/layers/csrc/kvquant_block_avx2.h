@@ -110,15 +110,17 @@ static inline __attribute__((always_inline)) void key_pairs8(
 /* the dots of one tile's slots [t0, t0 + 8) (rows past n read, their dots dropped later) with
  * the query heads [h0, h0 + nh) of every KV head: slot by slot and KV head by KV head (address
  * order), the channel pairs (j, j + D/2) of a row looked up (4-bit: 32 channels at a time,
- * centroids32 with the codebook's byte planes), mapped, rotated and dotted with the nh query
- * rows, two accumulators per head (the a and b halves: shorter dependency chains). Without
- * RoPE the rows "rotate" by cos 1, sin 0 (exact). Always inlined with constant nh and bits. */
+ * centroids32 with the codebook's byte planes; a head of 32 channels in one), mapped, rotated
+ * and dotted with the nh query rows, two accumulators per head (the a and b halves: shorter
+ * dependency chains). Without RoPE the rows "rotate" by cos 1, sin 0 (exact). Always inlined
+ * with constant nh and bits, and head_dim (0: L->head_dim, read at run time). */
 static inline __attribute__((always_inline)) void key_tile_dots(
         const KVQuantLayer *L, int64_t blk, int64_t t0, int64_t n, const float *qb, int64_t h0,
         const int nh, const int bits, __m256 tlo, __m256 thi, const __m256i *planes,
-        const BlockScratch *w, __m256 *dots) {
+        const BlockScratch *w, __m256 *dots, const int64_t head_dim) {
     const KVQuantSide *K = &L->k;
-    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, R = L->rot_dim;
+    const int64_t D = head_dim ? head_dim : L->head_dim;
     const int64_t m = D / 2, group = L->num_q_heads / Hkv;
     const int64_t stride = Hkv * K->packed;
     /* cos / sin rows of rotate-half tables repeat their first half: read that half only */
@@ -140,6 +142,13 @@ static inline __attribute__((always_inline)) void key_tile_dots(
                 acc_b[hh] = _mm256_setzero_ps();
             }
             int64_t j = 0;
+            if (bits == 4 && head_dim == 32) {  /* the fixed heads of 32: one look-up a row */
+                __m256 c[4];
+                centroids32(row, 0, planes, 1, c);
+                key_pairs8(c[0], c[2], 0, m, hi, half, off, cs, sn, q0, D, nh, acc_a, acc_b);
+                key_pairs8(c[1], c[3], 8, m, hi, half, off, cs, sn, q0, D, nh, acc_a, acc_b);
+                j = m;
+            }
             if (bits == 4)
                 for (; j + 32 <= m; j += 32) {
                     __m256 ca[4], cb[4];
@@ -335,10 +344,11 @@ static void key_rotated_fixes(const KVQuantLayer *L, const float *restrict qb,
  * tiles of 8 slots (key_tile_dots), each tile's key outliers added as corrections
  * (tile_key_outliers); the next block's data prefetched a share per tile, and its first tile's
  * rows and RoPE rows during this block's last (within a block the hardware prefetchers follow
- * the rows: prefetching them too was slower). Always inlined with a constant nh. */
+ * the rows: prefetching them too was slower). Always inlined with a constant nh, and
+ * head_dim as key_tile_dots takes it. */
 static inline __attribute__((always_inline)) void block_key_dots(
         const KVQuantLayer *L, int64_t blk, int64_t next_blk, int64_t n, const float *qb,
-        int64_t h0, const int nh, BlockScratch *w) {
+        int64_t h0, const int nh, BlockScratch *w, const int64_t head_dim) {
     const KVQuantSide *K = &L->k, *V = &L->v;
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, R = L->rot_dim;
     const int64_t group = L->num_q_heads / Hkv, stride = Hkv * K->packed;
@@ -374,10 +384,11 @@ static inline __attribute__((always_inline)) void block_key_dots(
                 prefetch_rows((const uint8_t *)sn, rope_bytes);
             }
         }
-#define TILE_DOTS(b) key_tile_dots(L, blk, t0, n, qb, h0, nh, b, tlo, thi, planes, w, dots)
+#define TILE_DOTS(b) key_tile_dots(L, blk, t0, n, qb, h0, nh, b, tlo, thi, planes, w, dots, \
+                                  head_dim)
         switch (K->bits) {
         case 4: TILE_DOTS(4); break;
-        case 3: TILE_DOTS(3); break;
+        case 3: if (!head_dim) TILE_DOTS(3); break;  /* 3-bit: no fixed head_dim instances */
         default: TILE_DOTS(2); break;
         }
 #undef TILE_DOTS
@@ -611,11 +622,32 @@ static int block_key_operands(const KVQuantLayer *L, int64_t blk, int64_t n, Blo
     return 0;
 }
 
+/* Heads of 32 channels (2- and 4-bit codes, nh of 1, 2, 4 or 8) go through key pass
+ * instances with head_dim a constant as well: a row is then one or two look-ups and two channel
+ * pairs of 8, its loops gone (with head_dim read at run time their bookkeeping was a large
+ * share of such short rows; longer heads gained nothing from it). A function of their own:
+ * the run-time instances' code stays as it was. */
+static __attribute__((noinline)) void block_key_heads_32(
+        const KVQuantLayer *L, int64_t blk, int64_t next_blk, int64_t n, const float *qb,
+        int64_t h0, int nh, BlockScratch *w) {
+    switch (nh) {
+    case 1: block_key_dots(L, blk, next_blk, n, qb, h0, 1, w, 32); break;
+    case 2: block_key_dots(L, blk, next_blk, n, qb, h0, 2, w, 32); break;
+    case 4: block_key_dots(L, blk, next_blk, n, qb, h0, 4, w, 32); break;
+    default: block_key_dots(L, blk, next_blk, n, qb, h0, 8, w, 32); break;
+    }
+}
+
 /* the key dots of query heads [h0, h0 + nh) of every KV head (instances with nh constant) */
 static void block_key_heads(const KVQuantLayer *L, int64_t blk, int64_t next_blk, int64_t n,
                             const float *qb, int64_t h0, int nh, int planar, BlockScratch *w) {
     (void)planar;
-#define KEY_DOTS(k) block_key_dots(L, blk, next_blk, n, qb, h0, k, w)
+    if (nanokv_fixed_head_dims && L->head_dim == 32 && L->k.bits != 3
+            && (nh == 1 || nh == 2 || nh == 4 || nh == 8)) {
+        block_key_heads_32(L, blk, next_blk, n, qb, h0, nh, w);
+        return;
+    }
+#define KEY_DOTS(k) block_key_dots(L, blk, next_blk, n, qb, h0, k, w, 0)
     BLOCK_HEADS_DISPATCH(KEY_DOTS, nh)
 #undef KEY_DOTS
 }

@@ -1388,6 +1388,10 @@ void kvquant_set_slot_keys(int on) { nanokv_slot_keys = on; }
  * pass L->rope_rows, else the full tables): an A/B switch */
 static int nanokv_rope_tiles = 1;
 void kvquant_set_rope_tiles(int on) { nanokv_rope_tiles = on; }
+/* 1: the AVX2 key pass of heads of 32 channels in instances with head_dim a constant
+ * (block_key_heads, kvquant_block_avx2.h), 0: head_dim read at run time; an A/B switch */
+static int nanokv_fixed_head_dims = 1;
+void kvquant_set_fixed_head_dims(int on) { nanokv_fixed_head_dims = on; }
 
 /* The block path: AVX-512 builds, and AVX2 builds with FMA and F16C (the vector kernels of
  * kvquant_block_avx512.h / kvquant_block_avx2.h around the shared parts of kvquant_block.h).
