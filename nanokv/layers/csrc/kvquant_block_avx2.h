@@ -388,7 +388,7 @@ static inline __attribute__((always_inline)) void block_key_dots(
                                   head_dim)
         switch (K->bits) {
         case 4: TILE_DOTS(4); break;
-        case 3: if (!head_dim) TILE_DOTS(3); break;  /* 3-bit: no fixed head_dim instances */
+        case 3: if (!head_dim) TILE_DOTS(3); break;  /* never fixed: heads_of_32_fit */
         default: TILE_DOTS(2); break;
         }
 #undef TILE_DOTS
@@ -622,8 +622,15 @@ static int block_key_operands(const KVQuantLayer *L, int64_t blk, int64_t n, Blo
     return 0;
 }
 
-/* Heads of 32 channels (2- and 4-bit codes, nh of 1, 2, 4 or 8) go through key pass
- * instances with head_dim a constant as well: a row is then one or two look-ups and two channel
+/* does the key pass of query heads [h0, h0 + nh) take block_key_heads_32: heads of 32
+ * channels, 2- or 4-bit codes (its instances have no 3-bit code), nh one of its instances' */
+static inline int heads_of_32_fit(const KVQuantLayer *L, int nh) {
+    return nanokv_fixed_head_dims && L->head_dim == 32 && (L->k.bits == 4 || L->k.bits == 2)
+           && (nh == 1 || nh == 2 || nh == 4 || nh == 8);
+}
+
+/* Heads of 32 channels (heads_of_32_fit) go through key pass instances with head_dim a
+ * constant as well: a row is then one or two look-ups and two channel
  * pairs of 8, its loops gone (with head_dim read at run time their bookkeeping was a large
  * share of such short rows; longer heads gained nothing from it). A function of their own:
  * the run-time instances' code stays as it was. */
@@ -642,8 +649,7 @@ static __attribute__((noinline)) void block_key_heads_32(
 static void block_key_heads(const KVQuantLayer *L, int64_t blk, int64_t next_blk, int64_t n,
                             const float *qb, int64_t h0, int nh, int planar, BlockScratch *w) {
     (void)planar;
-    if (nanokv_fixed_head_dims && L->head_dim == 32 && L->k.bits != 3
-            && (nh == 1 || nh == 2 || nh == 4 || nh == 8)) {
+    if (heads_of_32_fit(L, nh)) {
         block_key_heads_32(L, blk, next_blk, n, qb, h0, nh, w);
         return;
     }
