@@ -13,6 +13,12 @@ fused 4,096 x 1,024; o 1,024 x 2,048; gate/up fused 6,144 x 1,024; down 1,024 x 
 where /tmp/base holds the earlier commit's tree (`git worktree add /tmp/base <commit>`).
 Prints one line per (weight, rows): each side's median milliseconds, the ratio's median and
 quartiles, and the largest difference between the two outputs; --out writes them as JSON.
+
+Called alone over and over, a layer's weight (16-24 MB) stays in a 32 MB L3 and reads faster
+than in an engine, whose decode step streams every layer's weights and the head from memory.
+`--decode-step LAYERS` times that instead: LAYERS layers of the four weights (each its own
+tensor) and the LM head at each row count, one call of each in order per side and round (874 MB
+of panels at 4 layers).
 """
 
 from __future__ import annotations
@@ -59,6 +65,33 @@ def ab_pair(libs: dict, panels: torch.Tensor, n: int, k: int, rows: int, rounds:
             "max_abs_diff": (outs["after"] - outs["before"]).abs().max().item()}
 
 
+def ab_decode_step(libs: dict, layers: int, rows: int, rounds: int,
+                   gen: torch.Generator) -> dict:
+    """A decode step's linear layers, every weight its own: `layers` x (q/k/v, o, gate/up,
+    down) and the LM head, in order, at `rows` rows (their inputs random: timing only)."""
+    shapes = [shape for _ in range(layers) for shape in LAYER_WEIGHTS.values()]
+    shapes.append(HEAD_WEIGHT["lm_head"])
+    panels = [native_linear.pack_panels(torch.randn(n, k, generator=gen) * 0.02)
+              for n, k in shapes]  # [ceil(N / 32), K, 32] each
+    xs = [torch.randn(rows, k, generator=gen) for _, k in shapes]  # [M, K] each
+    outs = {side: [torch.empty(rows, n) for n, _ in shapes] for side in libs}  # [M, N] each
+
+    def call(side: str) -> None:
+        for (n, k), w, x, y in zip(shapes, panels, xs, outs[side]):
+            if libs[side].panel_linear(x.data_ptr(), w.data_ptr(), None, y.data_ptr(),
+                                       rows, n, k) != 0:
+                raise MemoryError("panel_linear could not allocate its copy of x")
+
+    for side in libs:  # a warm-up each
+        call(side)
+    times = time_in_turn(call, rounds)
+    diff = max((a - b).abs().max().item() for a, b in zip(outs["after"], outs["before"]))
+    return {"rows": rows, "layers": layers,
+            "before_ms": statistics.median(times["before"]) * 1e3,
+            "after_ms": statistics.median(times["after"]) * 1e3, **ratio_summary(times),
+            "max_abs_diff": diff}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--before", required=True, help="checkout whose csrc/ is the baseline")
@@ -66,6 +99,9 @@ def main(argv=None) -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[8, 64, 512, 4096],
                    help="row counts M of x")
     p.add_argument("--head", action="store_true", help="also the LM head (rows up to 64)")
+    p.add_argument("--decode-step", type=int, default=0, metavar="LAYERS",
+                   help="time a decode step's linear layers instead: LAYERS layers' weights "
+                        "and the LM head, streamed from memory as in the engine")
     p.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads")
     p.add_argument("--rounds", type=int, default=12, help="calls of each side (>= 4)")
     p.add_argument("--out", default=None, help="JSON file for the rows")
@@ -76,6 +112,8 @@ def main(argv=None) -> None:
         p.error("--rounds must be at least 4 (the ratio's quartiles)")
     if args.threads < 1:
         p.error("--threads must be at least 1")
+    if args.decode_step < 0:
+        p.error("--decode-step must be a number of layers >= 1 (0: off)")
     sources = {side: Path(getattr(args, side)) / KERNEL for side in ("before", "after")}
     for side, src in sources.items():
         if not src.is_file():
@@ -85,6 +123,16 @@ def main(argv=None) -> None:
     weights = dict(LAYER_WEIGHTS, **(HEAD_WEIGHT if args.head else {}))
     gen = torch.Generator().manual_seed(0)
     results = []
+    if args.decode_step:
+        weights = {}  # the decode steps below instead
+        for rows in args.rows:
+            row = ab_decode_step(libs, args.decode_step, rows, args.rounds, gen)
+            results.append(row)
+            print(f"decode step, {args.decode_step} layers + head, {rows} rows: before "
+                  f"{row['before_ms']:.2f} ms, after {row['after_ms']:.2f}; after / before "
+                  f"{row['ratio_median']:.3f} (quartiles {row['ratio_q1']:.3f}-"
+                  f"{row['ratio_q3']:.3f}); max |after - before| {row['max_abs_diff']:.1e}",
+                  flush=True)
     for name, (n, k) in weights.items():
         w = torch.randn(n, k, generator=gen) * 0.02  # [N, K]
         panels = native_linear.pack_panels(w)  # [ceil(N / 32), K, 32]

@@ -14,12 +14,14 @@
  * G at a time (AVX-512: 8, 16 accumulators; AVX2: 6, over each half of a panel in turn, 12
  * accumulators, or up to 2 over the whole panel, 8; plain C: 8), each group over the panel
  * while it sits in L2, so the weight comes from memory once per tile of about 256 rows of x
- * (once for a decode step; AVX2 takes a decode step's rows two at a time, `group_rows`). x is
+ * (once for a decode step; AVX2 takes a decode step's rows two at a time, `group_rows`, and
+ * brings the next panel into L2 during the passes over this one, `next_panel_share`). x is
  * first copied group-major ([M / gr][K][gr], gr = group_rows(M)) so a group's broadcasts for
  * one k are adjacent. Plain C where AVX2 is missing (the compiler's vectoriser).
  * The reference is `torch.nn.functional.linear` on the unpacked weight. */
 #include <stdint.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -71,7 +73,8 @@ static inline void store_row(float *y_row, const float *acc, const float *bias, 
  * (always inlined with MC constant: 2 * MC accumulators in registers) */
 static inline __attribute__((always_inline)) void panel_group(
         const float *xg, const float *pw, float *y, const float *bias, int64_t n0, int64_t N,
-        int64_t K, int64_t m0, const int MC) {
+        int64_t K, int64_t m0, const int MC, const char *pf, int64_t share) {
+    (void)pf; (void)share;  /* no prefetch here (next_panel_share) */
     __m512 acc[G][2];
     for (int m = 0; m < MC; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
@@ -116,6 +119,27 @@ static inline __attribute__((always_inline)) void panel_half(
     }
 }
 
+/* the MC <= 2 rows of group xg times the whole panel pw into acc (4 * MC accumulators), with
+ * share bytes of the next panel from pf on prefetched into L2 each step over k (always inlined
+ * with `prefetch` constant: the loop without it stays as it was) */
+static inline __attribute__((always_inline)) void panel_pass(
+        const float *xg, const float *pw, int64_t K, const int MC, __m256 acc[2][4],
+        const char *pf, int64_t share, const int prefetch) {
+    for (int m = 0; m < MC; m++)
+        for (int v = 0; v < 4; v++) acc[m][v] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        if (prefetch)  /* _MM_HINT_T2: into L2, not L1 (a weight that sits in L3 lost with T0
+                        * and T1, by 1.16-1.26x at 3 rows; from memory they were alike) */
+            for (int64_t o = 0; o < share; o += 64) _mm_prefetch(pf + k * share + o, _MM_HINT_T2);
+        __m256 wv[4];
+        for (int v = 0; v < 4; v++) wv[v] = _mm256_loadu_ps(pw + k * PANEL + 8 * v);
+        for (int m = 0; m < MC; m++) {
+            const __m256 xb = _mm256_broadcast_ss(xg + k * MC + m);
+            for (int v = 0; v < 4; v++) acc[m][v] = _mm256_fmadd_ps(wv[v], xb, acc[m][v]);
+        }
+    }
+}
+
 /* the 8 outputs of acc at column col of panel n0 for one row of x: into y_row (+ bias), or into
  * tail_row on the last panel (columns past N being padding; store_row copies them after) */
 static inline __attribute__((always_inline)) void store8(
@@ -133,10 +157,11 @@ static inline __attribute__((always_inline)) void store8(
  * whole panel (4 * MC accumulators), more (a prefill's groups of G = 6) over its two halves in
  * turn (12 accumulators a half: twelve FMAs for every two weight loads and six broadcasts,
  * where whole-panel passes of two rows took four weight loads for eight FMAs and were bound by
- * reading the panel from L2) */
+ * reading the panel from L2). The whole-panel passes also bring `share` bytes a step over k from
+ * pf on into L2 (pf NULL: none; next_panel_share) */
 static inline __attribute__((always_inline)) void panel_group(
         const float *xg, const float *pw, float *y, const float *bias, int64_t n0, int64_t N,
-        int64_t K, int64_t m0, const int MC) {
+        int64_t K, int64_t m0, const int MC, const char *pf, int64_t share) {
     float tail[G][PANEL];  /* the last panel's rows, columns past N being padding */
     const int whole = n0 + PANEL <= N;
     if (MC > 2) {
@@ -150,16 +175,10 @@ static inline __attribute__((always_inline)) void panel_group(
         }
     } else {
         __m256 acc[2][4];
-        for (int m = 0; m < MC; m++)
-            for (int v = 0; v < 4; v++) acc[m][v] = _mm256_setzero_ps();
-        for (int64_t k = 0; k < K; k++) {
-            __m256 wv[4];
-            for (int v = 0; v < 4; v++) wv[v] = _mm256_loadu_ps(pw + k * PANEL + 8 * v);
-            for (int m = 0; m < MC; m++) {
-                const __m256 xb = _mm256_broadcast_ss(xg + k * MC + m);
-                for (int v = 0; v < 4; v++) acc[m][v] = _mm256_fmadd_ps(wv[v], xb, acc[m][v]);
-            }
-        }
+        if (pf)
+            panel_pass(xg, pw, K, MC, acc, pf, share, 1);
+        else
+            panel_pass(xg, pw, K, MC, acc, pf, share, 0);
         for (int m = 0; m < MC; m++)
             for (int v = 0; v < 4; v++)
                 store8(acc[m][v], y + (m0 + m) * N, tail[m], bias, n0, 8 * v, whole);
@@ -170,7 +189,8 @@ static inline __attribute__((always_inline)) void panel_group(
 #else
 static inline __attribute__((always_inline)) void panel_group(
         const float *xg, const float *pw, float *y, const float *bias, int64_t n0, int64_t N,
-        int64_t K, int64_t m0, const int MC) {
+        int64_t K, int64_t m0, const int MC, const char *pf, int64_t share) {
+    (void)pf; (void)share;  /* no prefetch here (next_panel_share) */
     float acc[G][PANEL] = {{0}};
     for (int64_t k = 0; k < K; k++)
         for (int m = 0; m < MC; m++) {
@@ -181,6 +201,30 @@ static inline __attribute__((always_inline)) void panel_group(
     for (int m = 0; m < MC; m++) store_row(y + (m0 + m) * N, acc[m], bias, n0, N);
 }
 #endif
+
+/* A decode step's few rows go over each panel in several passes (AVX2: two rows a pass, four
+ * passes at 8 rows): the first streamed the panel from memory, the later ones read it from L2,
+ * and through those the memory sat idle. So each pass also brings a share of the thread's next
+ * panel into L2 (software prefetches spread evenly over every step of every pass): bytes of it
+ * per step over k, 0 for none. Only with two passes or more (one pass streams the panel, and
+ * prefetching beside it was slower: 1.1-1.8x at one row), and only as much of the next panel as
+ * fits in this core's L2 beside the current one and an eighth of L2 to spare (a whole 256-384
+ * KiB panel beside the current one on a 512 KiB L2 was 1.07-1.16x slower). A Qwen3-0.6B decode
+ * step's linear layers at 8 rows on a Zen 3 EPYC: 0.76x their time (ab_panel_linear.py
+ * --decode-step). The AVX-512 build takes up to 8 rows in one pass: none there. */
+static int64_t next_panel_share(int64_t gr, int64_t passes, int64_t K) {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && defined(_SC_LEVEL2_CACHE_SIZE)
+    static long l2 = -2;  /* this core's L2 in bytes, asked once (a benign race: same value) */
+    if (l2 == -2) l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    const int64_t panel = K * PANEL * (int64_t)sizeof(float);
+    const int64_t room = l2 > 0 ? (int64_t)l2 - panel - (int64_t)l2 / 8 : 0;
+    if (gr != 2 || passes < 2 || room <= 0) return 0;
+    return (room < panel ? room : panel) / (passes * K);
+#else
+    (void)gr; (void)passes; (void)K;
+    return 0;
+#endif
+}
 
 /* y = x @ w.T (+ bias) from w's panels; returns 0, or -1 when the scratch copy of x cannot be
  * allocated */
@@ -202,13 +246,18 @@ int panel_linear(const float *x, const float *panels, const float *bias, float *
     #pragma omp parallel
     for (int64_t mt = 0; mt < M; mt += m_tile) {  /* every thread walks the tiles in step */
         const int64_t m_end = mt + m_tile < M ? mt + m_tile : M;
+        const int64_t passes = (m_end - mt + gr - 1) / gr;
+        const int64_t share = next_panel_share(gr, passes, K);
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < P; p++) {
             const float *pw = panels + p * K * PANEL;
             for (int64_t m0 = mt; m0 < m_end; m0 += gr) {
                 const float *g = xg + m0 * K;
+                /* this pass's share of the next panel (pass (m0 - mt) / gr of passes) */
+                const char *pf = share && p + 1 < P
+                    ? (const char *)(pw + K * PANEL) + (m0 - mt) / gr * K * share : NULL;
                 switch (M - m0 < gr ? M - m0 : gr) {  /* instances with MC constant */
-#define GROUP(c) case c: panel_group(g, pw, y, bias, p * PANEL, N, K, m0, c); break;
+#define GROUP(c) case c: panel_group(g, pw, y, bias, p * PANEL, N, K, m0, c, pf, share); break;
                 GROUP(1) GROUP(2) GROUP(3) GROUP(4) GROUP(5) GROUP(6)
 #if G > 6
                 GROUP(7) GROUP(8)
