@@ -1,5 +1,6 @@
-"""In-process A/B of the KVQuant decode kernel: the C library built from two checkouts' csrc/
-(`--before`, `--after`) called in turn on the same store, one thread.
+"""In-process A/B of the KVQuant decode kernel (or, `--store`, the int8 / fp8 one): the C
+library built from two checkouts' csrc/ (`--before`, `--after`) called in turn on the same
+store, one thread.
 
 On a shared VM the float32 kernel's time moves by tens of percent between runs minutes apart,
 so a before/after pair of `bench_decode_attention.py` runs can hide a 10-15% change. Here both
@@ -43,6 +44,7 @@ from nanokv.layers.native_attention import LazyLibrary  # noqa: E402
 from nanokv.layers.rotary import RotaryEmbedding  # noqa: E402
 
 KERNEL = Path("nanokv/layers/csrc/quant_decode_attention.c")
+STORES = ("kvquant", "int8", "fp8_e4m3", "fp8_e5m2")  # the per-token stores: the same library
 
 
 def ab_pair(args, libs: dict, requests: int, context: int, bits: int) -> dict:
@@ -55,7 +57,7 @@ def ab_pair(args, libs: dict, requests: int, context: int, bits: int) -> dict:
     k_new = torch.randn(requests, args.kv_heads, args.head_dim, generator=gen)
     v_new = torch.randn(requests, args.kv_heads, args.head_dim, generator=gen)
     rotary = RotaryEmbedding(bda._RopeConfig(), args.head_dim, context + 16)
-    store = bda.make_store(shape, "kvquant", bits, requests * per + 1, requests, rotary)
+    store = bda.make_store(shape, args.store, bits, requests * per + 1, requests, rotary)
     bda.fill(store, context, requests, gen)
     common = CommonAttentionMetadata([0] * requests, requests, tables, [context] * requests, [])
     common.write_plan = SimpleNamespace(slot_mapping=torch.empty(0, dtype=torch.long))
@@ -79,7 +81,7 @@ def ab_pair(args, libs: dict, requests: int, context: int, bits: int) -> dict:
         nqa._LIBRARY = own
     per_token = {side: statistics.median(ts) * 1e6 / (requests * context)
                  for side, ts in times.items()}
-    return {"requests": requests, "context": context, "bits": bits,
+    return {"store": args.store, "requests": requests, "context": context, "bits": bits,
             "before_us_per_token": per_token["before"], "after_us_per_token": per_token["after"],
             **ratio_summary(times),
             "max_abs_diff": (outs["after"] - outs["before"]).abs().max().item()}
@@ -91,7 +93,10 @@ def main(argv=None) -> None:
     p.add_argument("--after", default=str(ROOT), help="checkout under test (default: this one)")
     p.add_argument("--requests", type=int, nargs="+", default=[1])
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384])
-    p.add_argument("--bits", type=int, nargs="+", default=[4], choices=[2, 3, 4])
+    p.add_argument("--bits", type=int, nargs="+", default=[4], choices=[2, 3, 4],
+                   help="KVQuant's code widths (ignored by the per-token stores)")
+    p.add_argument("--store", default="kvquant", choices=list(STORES),
+                   help="the KV store whose kernel is timed (default kvquant)")
     p.add_argument("--q-heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -117,12 +122,13 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     libs = {side: LazyLibrary(src, nqa.type_kernels) for side, src in sources.items()}
     rows = []
-    for bits in args.bits:
+    for bits in (args.bits if args.store == "kvquant" else [None]):
         for requests in args.requests:
             for context in args.contexts:
                 r = ab_pair(args, libs, requests, context, bits)
                 rows.append(r)
-                print(f"{requests} x {context}, {bits}-bit: before {r['before_us_per_token']:.3f}"
+                kind = f"{bits}-bit" if bits else args.store
+                print(f"{requests} x {context}, {kind}: before {r['before_us_per_token']:.3f}"
                       f" us/token, after {r['after_us_per_token']:.3f}; after / before "
                       f"{r['ratio_median']:.3f} (quartiles {r['ratio_q1']:.3f}-"
                       f"{r['ratio_q3']:.3f}); max |after - before| {r['max_abs_diff']:.1e}",

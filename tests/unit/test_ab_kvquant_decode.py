@@ -45,11 +45,28 @@ def test_same_checkout_both_sides(tmp_path, monkeypatch):
     assert nqa._LIBRARY is own
 
 
+@pytest.mark.parametrize("store", ["int8", "fp8_e4m3"])
+def test_per_token_stores_both_sides(tmp_path, monkeypatch, store):
+    """--store times the per-token kernel: one row per shape (--bits ignored), equal outputs."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "ab.json"
+    _tool().main(["--before", str(ROOT), "--store", store, "--requests", "2", "--contexts",
+                  "40", "70", "--bits", "4", "2", "--q-heads", "4", "--kv-heads", "2",
+                  "--head-dim", "64", "--block-size", "16", "--rounds", "4", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["store"], r["context"], r["bits"]) for r in rows] == [(store, 40, None),
+                                                                   (store, 70, None)]
+    for r in rows:
+        assert r["max_abs_diff"] == 0.0
+        assert r["before_us_per_token"] > 0 and r["after_us_per_token"] > 0
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--rounds", "3"], "--rounds"),
     (["--contexts", "0"], "--contexts"),
     (["--q-heads", "3", "--kv-heads", "2"], "multiple"),
     (["--after", "/nonexistent"], "not found"),
+    (["--store", "float32"], "--store"),
 ])
 def test_bad_flags_are_refused(argv, message, monkeypatch, capsys):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

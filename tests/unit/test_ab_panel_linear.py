@@ -39,10 +39,29 @@ def test_same_checkout_both_sides(tmp_path):
         assert r["ratio_q1"] <= r["ratio_median"] <= r["ratio_q3"]
 
 
+def test_decode_step_both_sides(tmp_path, monkeypatch):
+    """--decode-step: one row per row count over every layer's weights and the head, in order;
+    small shapes here (the tool's are Qwen3-0.6B's: 874 MB at 4 layers)."""
+    tool = _tool()
+    monkeypatch.setattr(tool, "LAYER_WEIGHTS", {"qkv": (96, 40), "o": (40, 64),
+                                                "gate_up": (130, 40), "down": (40, 65)})
+    monkeypatch.setattr(tool, "HEAD_WEIGHT", {"lm_head": (300, 40)})
+    out = tmp_path / "ab.json"
+    tool.main(["--before", str(ROOT), "--decode-step", "2", "--rows", "1", "3", "8",
+               "--rounds", "4", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["layers"], r["rows"]) for r in rows] == [(2, 1), (2, 3), (2, 8)]
+    for r in rows:
+        assert r["max_abs_diff"] == 0.0
+        assert r["before_ms"] > 0 and r["after_ms"] > 0
+        assert r["ratio_q1"] <= r["ratio_median"] <= r["ratio_q3"]
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--rounds", "3"], "--rounds"),
     (["--rows", "0"], "--rows"),
     (["--threads", "0"], "--threads"),
+    (["--decode-step", "-1"], "--decode-step"),
     (["--after", "/nonexistent"], "not found"),
 ])
 def test_bad_flags_are_refused(argv, message, capsys):
