@@ -46,6 +46,12 @@ static inline int64_t group_rows(int64_t M) { (void)M; return G; }
  * EPYC; 4,096 x 1,024 x 4,096 1.01x -> 0.86x) */
 enum { M_TILE_ROWS = 256 };
 
+/* calls of at most this many rows prefetch the next panel (next_panel_share): a decode step's
+ * batch (Qwen3-0.6B's step at 17-48 rows, groups of six over half panels: 0.73-0.88x; at 64
+ * rows 0.97-1.04x, near the arithmetic's bound; a prefill's thousands of rows are bound by the
+ * arithmetic, not by reading the panels) */
+enum { DECODE_ROWS = 48 };
+
 int panel_width(void) { return PANEL; }
 
 /* panels[p, k, j] = w[32 p + j, k], zero past row N - 1 of w [N, K] */
@@ -104,11 +110,16 @@ static inline __attribute__((always_inline)) void panel_group(
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 /* the MC rows of group xg times the columns [16 h, 16 h + 16) of panel pw into acc (MC <= 6:
- * 2 * MC accumulators, two weight vectors and a broadcast, 15 of the 16 registers) */
+ * 2 * MC accumulators, two weight vectors and a broadcast, 15 of the 16 registers), with share
+ * bytes of the next panel from pf on prefetched into L2 each step over k where `prefetch` (a
+ * constant, as in panel_pass) */
 static inline __attribute__((always_inline)) void panel_half(
-        const float *xg, const float *pw, int64_t K, const int MC, int h, __m256 acc[G][2]) {
+        const float *xg, const float *pw, int64_t K, const int MC, int h, __m256 acc[G][2],
+        const char *pf, int64_t share, const int prefetch) {
     for (int m = 0; m < MC; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
+        if (prefetch)
+            for (int64_t o = 0; o < share; o += 64) _mm_prefetch(pf + k * share + o, _MM_HINT_T2);
         const __m256 w0 = _mm256_loadu_ps(pw + k * PANEL + 16 * h);
         const __m256 w1 = _mm256_loadu_ps(pw + k * PANEL + 16 * h + 8);
         for (int m = 0; m < MC; m++) {
@@ -157,8 +168,8 @@ static inline __attribute__((always_inline)) void store8(
  * whole panel (4 * MC accumulators), more (a prefill's groups of G = 6) over its two halves in
  * turn (12 accumulators a half: twelve FMAs for every two weight loads and six broadcasts,
  * where whole-panel passes of two rows took four weight loads for eight FMAs and were bound by
- * reading the panel from L2). The whole-panel passes also bring `share` bytes a step over k from
- * pf on into L2 (pf NULL: none; next_panel_share) */
+ * reading the panel from L2). Both kinds of pass also bring `share` bytes a step over k from pf
+ * on into L2 (pf NULL: none; next_panel_share; a group of halves takes two passes' shares) */
 static inline __attribute__((always_inline)) void panel_group(
         const float *xg, const float *pw, float *y, const float *bias, int64_t n0, int64_t N,
         int64_t K, int64_t m0, const int MC, const char *pf, int64_t share) {
@@ -167,7 +178,10 @@ static inline __attribute__((always_inline)) void panel_group(
     if (MC > 2) {
         for (int h = 0; h < 2; h++) {
             __m256 acc[G][2];
-            panel_half(xg, pw, K, MC, h, acc);
+            if (pf)  /* each half a pass of its own */
+                panel_half(xg, pw, K, MC, h, acc, pf + h * K * share, share, 1);
+            else
+                panel_half(xg, pw, K, MC, h, acc, pf, share, 0);
             for (int m = 0; m < MC; m++)
                 for (int v = 0; v < 2; v++)
                     store8(acc[m][v], y + (m0 + m) * N, tail[m], bias, n0, 16 * h + 8 * v,
@@ -203,25 +217,27 @@ static inline __attribute__((always_inline)) void panel_group(
 #endif
 
 /* A decode step's few rows go over each panel in several passes (AVX2: two rows a pass, four
- * passes at 8 rows): the first streamed the panel from memory, the later ones read it from L2,
- * and through those the memory sat idle. So each pass also brings a share of the thread's next
- * panel into L2 (software prefetches spread evenly over every step of every pass): bytes of it
- * per step over k, 0 for none. Only with two passes or more (one pass streams the panel, and
- * prefetching beside it was slower: 1.1-1.8x at one row), and only as much of the next panel as
- * fits in this core's L2 beside the current one and an eighth of L2 to spare (a whole 256-384
- * KiB panel beside the current one on a 512 KiB L2 was 1.07-1.16x slower). A Qwen3-0.6B decode
- * step's linear layers at 8 rows on a Zen 3 EPYC: 0.76x their time (ab_panel_linear.py
- * --decode-step). The AVX-512 build takes up to 8 rows in one pass: none there. */
-static int64_t next_panel_share(int64_t gr, int64_t passes, int64_t K) {
+ * passes at 8 rows; more than 16 rows six a group, each group two passes over half panels): the
+ * first streamed the panel from memory, the later ones read it from L2, and through those the
+ * memory sat idle. So each pass also brings a share of the thread's next panel into L2
+ * (software prefetches spread evenly over every step of every pass): bytes of it per step over
+ * k, 0 for none. Only up to DECODE_ROWS rows, with two passes or more (one pass streams the
+ * panel, and prefetching beside it was slower: 1.1-1.8x at one row), and only as much of the
+ * next panel as fits in this core's L2 beside the current one and an eighth of L2 to spare (a
+ * whole 256-384 KiB panel beside the current one on a 512 KiB L2 was 1.07-1.16x slower). A
+ * Qwen3-0.6B decode step's linear layers on a Zen 3 EPYC: 0.76x their time at 8 rows, 0.73-0.88x
+ * at 17-48 (ab_panel_linear.py --decode-step). The AVX-512 build takes up to 8 rows in one
+ * pass and is left as it was. */
+static int64_t next_panel_share(int64_t M, int64_t passes, int64_t K) {
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && defined(_SC_LEVEL2_CACHE_SIZE)
     static long l2 = -2;  /* this core's L2 in bytes, asked once (a benign race: same value) */
     if (l2 == -2) l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
     const int64_t panel = K * PANEL * (int64_t)sizeof(float);
     const int64_t room = l2 > 0 ? (int64_t)l2 - panel - (int64_t)l2 / 8 : 0;
-    if (gr != 2 || passes < 2 || room <= 0) return 0;
+    if (passes < 2 || room <= 0 || M > DECODE_ROWS) return 0;
     return (room < panel ? room : panel) / (passes * K);
 #else
-    (void)gr; (void)passes; (void)K;
+    (void)M; (void)passes; (void)K;
     return 0;
 #endif
 }
@@ -246,16 +262,19 @@ int panel_linear(const float *x, const float *panels, const float *bias, float *
     #pragma omp parallel
     for (int64_t mt = 0; mt < M; mt += m_tile) {  /* every thread walks the tiles in step */
         const int64_t m_end = mt + m_tile < M ? mt + m_tile : M;
-        const int64_t passes = (m_end - mt + gr - 1) / gr;
-        const int64_t share = next_panel_share(gr, passes, K);
+        /* passes over a panel: groups of rows, each one pass (gr 2) or two halves (gr 6) */
+        const int64_t halves = gr == 2 ? 1 : 2, passes = (m_end - mt + gr - 1) / gr * halves;
+        const int64_t share = next_panel_share(M, passes, K);
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < P; p++) {
             const float *pw = panels + p * K * PANEL;
             for (int64_t m0 = mt; m0 < m_end; m0 += gr) {
                 const float *g = xg + m0 * K;
-                /* this pass's share of the next panel (pass (m0 - mt) / gr of passes) */
+                /* this group's shares of the next panel (its first pass: (m0 - mt) / gr
+                 * times halves of passes) */
                 const char *pf = share && p + 1 < P
-                    ? (const char *)(pw + K * PANEL) + (m0 - mt) / gr * K * share : NULL;
+                    ? (const char *)(pw + K * PANEL) + (m0 - mt) / gr * halves * K * share
+                    : NULL;
                 switch (M - m0 < gr ? M - m0 : gr) {  /* instances with MC constant */
 #define GROUP(c) case c: panel_group(g, pw, y, bias, p * PANEL, N, K, m0, c, pf, share); break;
                 GROUP(1) GROUP(2) GROUP(3) GROUP(4) GROUP(5) GROUP(6)
