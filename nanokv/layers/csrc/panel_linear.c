@@ -228,16 +228,18 @@ static inline __attribute__((always_inline)) void panel_group(
  * Qwen3-0.6B decode step's linear layers on a Zen 3 EPYC: 0.76x their time at 8 rows, 0.73-0.88x
  * at 17-48 (ab_panel_linear.py --decode-step). The AVX-512 build takes up to 8 rows in one
  * pass and is left as it was. */
-static int64_t next_panel_share(int64_t M, int64_t passes, int64_t K) {
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && defined(_SC_LEVEL2_CACHE_SIZE)
-    static long l2 = -2;  /* this core's L2 in bytes, asked once (a benign race: same value) */
-    if (l2 == -2) l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+static int64_t next_panel_share(int64_t M, int64_t passes, int64_t K, long l2) {
     const int64_t panel = K * PANEL * (int64_t)sizeof(float);
     const int64_t room = l2 > 0 ? (int64_t)l2 - panel - (int64_t)l2 / 8 : 0;
     if (passes < 2 || room <= 0 || M > DECODE_ROWS) return 0;
     return (room < panel ? room : panel) / (passes * K);
+}
+
+/* this core's L2 in bytes where a build prefetches (AVX2 without AVX-512), else 0 (none) */
+static long prefetch_l2_bytes(void) {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && defined(_SC_LEVEL2_CACHE_SIZE)
+    return sysconf(_SC_LEVEL2_CACHE_SIZE);  /* glibc: from CPUID data read at start-up */
 #else
-    (void)M; (void)passes; (void)K;
     return 0;
 #endif
 }
@@ -259,12 +261,13 @@ int panel_linear(const float *x, const float *panels, const float *bias, float *
             for (int64_t m = 0; m < mc; m++) dst[k * mc + m] = x[(m0 + m) * K + k];
     }
     const int64_t P = (N + PANEL - 1) / PANEL;
+    const long l2 = prefetch_l2_bytes();
     #pragma omp parallel
     for (int64_t mt = 0; mt < M; mt += m_tile) {  /* every thread walks the tiles in step */
         const int64_t m_end = mt + m_tile < M ? mt + m_tile : M;
         /* passes over a panel: groups of rows, each one pass (gr 2) or two halves (gr 6) */
         const int64_t halves = gr == 2 ? 1 : 2, passes = (m_end - mt + gr - 1) / gr * halves;
-        const int64_t share = next_panel_share(M, passes, K);
+        const int64_t share = next_panel_share(M, passes, K, l2);
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < P; p++) {
             const float *pw = panels + p * K * PANEL;
