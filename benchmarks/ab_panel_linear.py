@@ -45,16 +45,26 @@ LAYER_WEIGHTS = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024)
 HEAD_WEIGHT = {"lm_head": (151936, 1024)}
 
 
+def multiply(lib, x: torch.Tensor, panels: torch.Tensor, y: torch.Tensor) -> None:
+    """y = x @ w.T through one side's `panel_linear` (x [M, K], y [M, N])."""
+    (rows, k), n = x.shape, y.shape[1]
+    if lib.panel_linear(x.data_ptr(), panels.data_ptr(), None, y.data_ptr(), rows, n, k) != 0:
+        raise MemoryError("panel_linear could not allocate its copy of x")
+
+
+def report(label: str, row: dict) -> None:
+    print(f"{label}: before {row['before_ms']:.2f} ms, after {row['after_ms']:.2f}; after / "
+          f"before {row['ratio_median']:.3f} (quartiles {row['ratio_q1']:.3f}-"
+          f"{row['ratio_q3']:.3f}); max |after - before| {row['max_abs_diff']:.1e}", flush=True)
+
+
 def ab_pair(libs: dict, panels: torch.Tensor, n: int, k: int, rows: int, rounds: int,
             gen: torch.Generator) -> dict:
     x = torch.randn(rows, k, generator=gen)  # [M, K]
     outs = {side: torch.empty(rows, n) for side in libs}  # [M, N] each
 
     def call(side: str) -> None:
-        status = libs[side].panel_linear(x.data_ptr(), panels.data_ptr(), None,
-                                         outs[side].data_ptr(), rows, n, k)
-        if status != 0:
-            raise MemoryError("panel_linear could not allocate its copy of x")
+        multiply(libs[side], x, panels, outs[side])
 
     for side in libs:  # a warm-up each
         call(side)
@@ -77,10 +87,8 @@ def ab_decode_step(libs: dict, layers: int, rows: int, rounds: int,
     outs = {side: [torch.empty(rows, n) for n, _ in shapes] for side in libs}  # [M, N] each
 
     def call(side: str) -> None:
-        for (n, k), w, x, y in zip(shapes, panels, xs, outs[side]):
-            if libs[side].panel_linear(x.data_ptr(), w.data_ptr(), None, y.data_ptr(),
-                                       rows, n, k) != 0:
-                raise MemoryError("panel_linear could not allocate its copy of x")
+        for w, x, y in zip(panels, xs, outs[side]):
+            multiply(libs[side], x, w, y)
 
     for side in libs:  # a warm-up each
         call(side)
@@ -120,19 +128,15 @@ def main(argv=None) -> None:
             p.error(f"--{side}: {src} not found (give a checkout of this repository)")
     torch.set_num_threads(args.threads)
     libs = {side: LazyLibrary(src, native_linear._setup).get() for side, src in sources.items()}
-    weights = dict(LAYER_WEIGHTS, **(HEAD_WEIGHT if args.head else {}))
     gen = torch.Generator().manual_seed(0)
     results = []
     if args.decode_step:
-        weights = {}  # the decode steps below instead
         for rows in args.rows:
             row = ab_decode_step(libs, args.decode_step, rows, args.rounds, gen)
             results.append(row)
-            print(f"decode step, {args.decode_step} layers + head, {rows} rows: before "
-                  f"{row['before_ms']:.2f} ms, after {row['after_ms']:.2f}; after / before "
-                  f"{row['ratio_median']:.3f} (quartiles {row['ratio_q1']:.3f}-"
-                  f"{row['ratio_q3']:.3f}); max |after - before| {row['max_abs_diff']:.1e}",
-                  flush=True)
+            report(f"decode step, {args.decode_step} layers + head, {rows} rows", row)
+    weights = {} if args.decode_step else dict(LAYER_WEIGHTS,
+                                               **(HEAD_WEIGHT if args.head else {}))
     for name, (n, k) in weights.items():
         w = torch.randn(n, k, generator=gen) * 0.02  # [N, K]
         panels = native_linear.pack_panels(w)  # [ceil(N / 32), K, 32]
@@ -141,10 +145,7 @@ def main(argv=None) -> None:
                 continue  # a decode step's or a batch's last positions, not a prefill's
             row = dict(ab_pair(libs, panels, n, k, rows, args.rounds, gen), weight=name)
             results.append(row)
-            print(f"{name} {n} x {k}, {rows} rows: before {row['before_ms']:.2f} ms, after "
-                  f"{row['after_ms']:.2f}; after / before {row['ratio_median']:.3f} (quartiles "
-                  f"{row['ratio_q1']:.3f}-{row['ratio_q3']:.3f}); max |after - before| "
-                  f"{row['max_abs_diff']:.1e}", flush=True)
+            report(f"{name} {n} x {k}, {rows} rows", row)
     if args.out:
         meta = {"argv": sys.argv[1:] if argv is None else list(argv), "before": args.before,
                 "after": args.after}

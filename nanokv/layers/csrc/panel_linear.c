@@ -19,6 +19,7 @@
  * first copied group-major ([M / gr][K][gr], gr = group_rows(M)) so a group's broadcasts for
  * one k are adjacent. Plain C where AVX2 is missing (the compiler's vectoriser).
  * The reference is `torch.nn.functional.linear` on the unpacked weight. */
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -109,6 +110,13 @@ static inline __attribute__((always_inline)) void panel_group(
     }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
+/* step k's share bytes of the next panel from pf on, into L2 (_MM_HINT_T2: not L1; a weight
+ * that sits in L3 lost with T0 and T1, by 1.16-1.26x at 3 rows; from memory they were alike) */
+static inline __attribute__((always_inline)) void prefetch_step(const char *pf, int64_t k,
+                                                                int64_t share) {
+    for (int64_t o = 0; o < share; o += 64) _mm_prefetch(pf + k * share + o, _MM_HINT_T2);
+}
+
 /* the MC rows of group xg times the columns [16 h, 16 h + 16) of panel pw into acc (MC <= 6:
  * 2 * MC accumulators, two weight vectors and a broadcast, 15 of the 16 registers), with share
  * bytes of the next panel from pf on prefetched into L2 each step over k where `prefetch` (a
@@ -118,8 +126,7 @@ static inline __attribute__((always_inline)) void panel_half(
         const char *pf, int64_t share, const int prefetch) {
     for (int m = 0; m < MC; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
-        if (prefetch)
-            for (int64_t o = 0; o < share; o += 64) _mm_prefetch(pf + k * share + o, _MM_HINT_T2);
+        if (prefetch) prefetch_step(pf, k, share);
         const __m256 w0 = _mm256_loadu_ps(pw + k * PANEL + 16 * h);
         const __m256 w1 = _mm256_loadu_ps(pw + k * PANEL + 16 * h + 8);
         for (int m = 0; m < MC; m++) {
@@ -139,9 +146,7 @@ static inline __attribute__((always_inline)) void panel_pass(
     for (int m = 0; m < MC; m++)
         for (int v = 0; v < 4; v++) acc[m][v] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
-        if (prefetch)  /* _MM_HINT_T2: into L2, not L1 (a weight that sits in L3 lost with T0
-                        * and T1, by 1.16-1.26x at 3 rows; from memory they were alike) */
-            for (int64_t o = 0; o < share; o += 64) _mm_prefetch(pf + k * share + o, _MM_HINT_T2);
+        if (prefetch) prefetch_step(pf, k, share);
         __m256 wv[4];
         for (int v = 0; v < 4; v++) wv[v] = _mm256_loadu_ps(pw + k * PANEL + 8 * v);
         for (int m = 0; m < MC; m++) {
@@ -235,10 +240,19 @@ static int64_t next_panel_share(int64_t M, int64_t passes, int64_t K, long l2) {
     return (room < panel ? room : panel) / (passes * K);
 }
 
-/* this core's L2 in bytes where a build prefetches (AVX2 without AVX-512), else 0 (none) */
+/* this core's L2 in bytes where a build prefetches (AVX2 without AVX-512), else 0 (none);
+ * asked once (where the C library reads it with CPUID each time, that traps to the
+ * hypervisor in a VM), concurrent first callers storing the same value */
 static long prefetch_l2_bytes(void) {
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && defined(_SC_LEVEL2_CACHE_SIZE)
-    return sysconf(_SC_LEVEL2_CACHE_SIZE);  /* glibc: from CPUID data read at start-up */
+    static _Atomic long cached = -1;
+    long l2 = atomic_load_explicit(&cached, memory_order_relaxed);
+    if (l2 < 0) {
+        l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        l2 = l2 > 0 ? l2 : 0;  /* unknown: no prefetch */
+        atomic_store_explicit(&cached, l2, memory_order_relaxed);
+    }
+    return l2;
 #else
     return 0;
 #endif
