@@ -97,8 +97,9 @@ def step_fn(backend_cls, cache, common, q, k, v, device, max_position: int):
 
 def fill_past(store, common, max_position: int, gen, device) -> None:
     """Write each decode request's cached tokens (all but its last) through the store, in slot
-    order (a KVQuant block fills in order; its partial last block is staged)."""
-    bs = store.block_size
+    order (a KVQuant block fills in order; its partial last block is staged). `gen` is a
+    generator on `device` (the values are drawn there)."""
+    bs = store.layout.block_size
     slots = [t[j // bs] * bs + j % bs for t, n in zip(common.decode_block_tables,
                                                       common.decode_context_lens)
              for j in range(n - 1)]
@@ -106,9 +107,10 @@ def fill_past(store, common, max_position: int, gen, device) -> None:
     for start in range(0, len(slots), 65536):
         part = slots[start:start + 65536]
         plan = store.begin_step(part, [s % max_position for s in part])
-        k = torch.randn(len(part), heads, dim, generator=gen).to(device)
-        v = torch.randn(len(part), heads, dim, generator=gen).to(device)
-        store.write_layer(0, plan, k, v, k)
+        k = torch.randn(len(part), heads, dim, generator=gen, device=device)
+        v = torch.randn(len(part), heads, dim, generator=gen, device=device)
+        store.write_layer(0, plan, k.to(store.layout.dtype), v.to(store.layout.dtype),
+                          k.to(store.layout.dtype))
 
 
 def decode_only_fns(store, common, q, k, v, device) -> dict:
@@ -154,6 +156,121 @@ def prefill_step(args, rng, num_blocks) -> CommonAttentionMetadata:
     return CommonAttentionMetadata(slots, 0, [], [], chunks)
 
 
+def reference_decode(cache, tables, lens, q, k, v, scale) -> torch.Tensor:
+    """Dense float32 attention of each request's query over its context, read back from the
+    cache (quantized stores dequantize, keys rotated), its own token from k, v: [B, Hq, D]."""
+    bs, out = cache.layout.block_size, []
+    group = q.shape[1] // k.shape[1]
+    for b, (table, n) in enumerate(zip(tables, lens)):
+        ids = torch.tensor(table[:cdiv(n, bs)], dtype=torch.long, device=q.device)
+        if isinstance(cache, KVPool):
+            kc, vc = (x[ids] for x in cache.layer(0))  # each [blocks, bs, Hkv, D]
+        else:
+            kc, vc = cache.read_blocks(0, ids, cache.rope)
+        kc = kc.reshape(-1, *k.shape[1:])[:n].float()  # [n, Hkv, D]
+        vc = vc.reshape(-1, *v.shape[1:])[:n].float()
+        kc[n - 1], vc[n - 1] = k[b].float(), v[b].float()
+        kc = kc.repeat_interleave(group, 1).transpose(0, 1)  # [Hq, n, D]
+        vc = vc.repeat_interleave(group, 1).transpose(0, 1)
+        p = torch.softmax((kc @ q[b].float()[:, :, None]).squeeze(-1) * scale, -1)  # [Hq, n]
+        out.append((p[:, None, :] @ vc).squeeze(1))  # [Hq, D]
+    return torch.stack(out)
+
+
+def sweep_fn(cache, tables, lens, q, k, v, device):
+    """The Triton decode attention alone over `cache` (no write; the own token from k, v)."""
+    scale = q.shape[-1] ** -0.5
+    bs = cache.layout.block_size
+    slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens)]
+    common = CommonAttentionMetadata(slots, len(lens), tables, lens, [])
+    common.write_plan = torch.empty(0, dtype=torch.long, device=device)
+    out = torch.empty_like(q)
+    if isinstance(cache, KVQuantStore):
+        backend = TritonQuantizedBackend(cache, device)
+        step, views = backend.build(common), backend.layer_views(0)
+
+        def run():
+            backend._kernels.kvquant_decode_attention(
+                q, k, v, views, step.block_tables, step.context_lens, out, scale,
+                step.num_splits, backend.num_warps)
+            return out
+        return run
+    backend = TritonPagedBackend(cache, device)
+    step, kv = backend.build(common), backend.paged_kv(0)
+
+    def run():
+        backend._decode.decode_attention(q, k, v, kv, step.block_tables, step.context_lens, out,
+                                         scale, step.num_splits, backend.tile_n,
+                                         backend.num_warps)
+        return out
+    return run
+
+
+def decode_sweep(args, device, dtype, rng, gen) -> None:
+    """Decode attention alone, every request at the same context length, for each batch size
+    and length: each cache's Triton kernel against the float pool's, measured in the same
+    rounds; outputs checked against a dense float32 reference read back from the cache."""
+    bs, n_max, c_max = args.block_size, max(args.sweep_requests), max(args.sweep_contexts)
+    per_request = cdiv(c_max, bs)
+    layout = KVLayout(1, args.kv_heads, args.head_dim, bs, dtype)
+    num_blocks = n_max * per_request + 1
+    blocks = list(range(num_blocks))
+    rng.shuffle(blocks)
+    tables = [[blocks.pop() for _ in range(per_request)] for _ in range(n_max)]
+    full = CommonAttentionMetadata([], n_max, tables, [c_max] * n_max, [])
+    caches = {}
+    for kind in args.kv_dtypes:  # every request's first c_max - 1 tokens, written once
+        caches[kind] = make_cache(kind, layout, num_blocks, device, c_max, n_max)
+        fill_past(caches[kind], full, c_max, gen, device)
+    scale = args.head_dim ** -0.5
+    rows = []
+    for n in args.sweep_requests:
+        for c in args.sweep_contexts:
+            part = [t[:cdiv(c, bs)] for t in tables[:n]]
+            lens = [c] * n
+            q, k, v = (torch.randn(n, h, args.head_dim, generator=gen, device=device).to(dtype)
+                       for h in (args.q_heads, args.kv_heads, args.kv_heads))
+            fns = {kind: sweep_fn(cache, part, lens, q, k, v, device)
+                   for kind, cache in caches.items()}
+            errors = {}
+            for kind, cache in caches.items():  # also the warm-up (compiles)
+                want = reference_decode(cache, part, lens, q, k, v, scale)
+                errors[kind] = (fns[kind]().float() - want).abs().max().item()
+            t = timed(fns, args.repeats, device)
+            base = t.get(args.kv_dtypes[0])
+            for kind, cache in caches.items():
+                per_token = cache.nbytes / (cache.num_blocks * bs)
+                row = {"kv_cache_dtype": kind, "requests": n, "context": c,
+                       "triton_ms": t[kind] * 1e3, "vs_first": t[kind] / base,
+                       "cache_bytes_per_token": per_token,
+                       "read_GBps": per_token * n * c / t[kind] / 1e9,
+                       "max_abs_err": errors[kind]}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    first = args.kv_dtypes[0]
+    lines = [f"| KV cache | requests | context | Triton decode ms | time vs {first} | "
+             "cache bytes/token | GB/s | max abs err vs dense |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['kv_cache_dtype']} | {r['requests']} | {r['context']} | "
+                     f"{r['triton_ms']:.4f} | {r['vs_first']:.2f}x | "
+                     f"{r['cache_bytes_per_token']:.0f} | {r['read_GBps']:.0f} | "
+                     f"{r['max_abs_err']:.1e} |")
+    print("\n".join(lines))
+    write_results(args, device, "triton_decode_sweep", rows, lines)
+
+
+def write_results(args, device, name: str, rows: list, lines: list) -> None:
+    if not args.out:
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"argv": sys.argv[1:], "device": torch.cuda.get_device_name(device)
+            if device.type == "cuda" else "cpu (interpreter)", "torch": torch.__version__}
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
@@ -168,15 +285,35 @@ def main(argv=None) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-dtypes", nargs="+", default=["auto", "int8", "fp8_e4m3", "kvquant"])
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--out", default=None, help="directory for triton_attention.{json,md}")
+    p.add_argument("--out", default=None, help="directory for triton_attention.{json,md} "
+                   "(triton_decode_sweep.{json,md} with --sweep-contexts)")
+    p.add_argument("--sweep-contexts", type=int, nargs="+", default=None, metavar="TOKENS",
+                   help="instead of the step above: the Triton decode attention alone at each "
+                   "of these context lengths, every request the same length, each cache "
+                   "against the float pool (e.g. 1024 4096 16384 32768)")
+    p.add_argument("--sweep-requests", type=int, nargs="+", default=[1, 16], metavar="N",
+                   help="with --sweep-contexts: the batch sizes (default 1 16)")
     args = p.parse_args(argv)
+    for name in ("requests", "min_context", "max_context", "prefill_chunks", "chunk_len",
+                 "q_heads", "kv_heads", "head_dim", "block_size", "repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.min_context > args.max_context:
+        p.error("--min-context must not exceed --max-context")
+    if args.q_heads % args.kv_heads:
+        p.error("--q-heads must be a multiple of --kv-heads")
+    if args.sweep_contexts and min(args.sweep_contexts + args.sweep_requests) < 1:
+        p.error("--sweep-contexts and --sweep-requests take positive numbers")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device (--device cpu with TRITON_INTERPRET=1 dry-runs the logic)")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("on CPU the Triton kernels need TRITON_INTERPRET=1")
     rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+    device_gen = torch.Generator(device=device).manual_seed(1)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.sweep_contexts:
+        return decode_sweep(args, device, dtype, rng, device_gen)
     layout = KVLayout(1, args.kv_heads, args.head_dim, args.block_size, dtype)
     per_request = cdiv(args.max_context, args.block_size)
     num_blocks = max(args.requests * per_request, args.prefill_chunks * 2 * cdiv(
@@ -200,7 +337,7 @@ def main(argv=None) -> None:
         steps = (("decode", decode),) if kind == "kvquant" else (("decode", decode),
                                                                   ("prefill", prefill))
         if kind == "kvquant":
-            fill_past(cache, decode, max_position, gen, device)
+            fill_past(cache, decode, max_position, device_gen, device)
         for name, common in steps:
             q, k, v = qkv(len(common.slot_mapping))
             fns = {"torch": step_fn(reference, cache, common, q, k, v, device, max_position),
@@ -221,14 +358,7 @@ def main(argv=None) -> None:
         lines.append(f"| {r['kv_cache_dtype']} | {r['step']} | {r['torch_ms']:.3f} | "
                      f"{r['triton_ms']:.3f} | {r['speedup']:.2f}x | {gbps} |")
     print("\n".join(lines))
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        meta = {"argv": sys.argv[1:], "device": torch.cuda.get_device_name(device)
-                if device.type == "cuda" else "cpu (interpreter)", "torch": torch.__version__}
-        (out / "triton_attention.json").write_text(json.dumps({"meta": meta, "rows": rows},
-                                                              indent=1))
-        (out / "triton_attention.md").write_text("\n".join(lines) + "\n")
+    write_results(args, device, "triton_attention", rows, lines)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,29 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, as one script for a lent GPU machine (no FastAPI, no
 # downloads there; nanokv runs from the working tree with PYTHONPATH=.). Each stage has its own
-# time limit (together under 540 s, so the run fits about 9 minutes of a 15-minute lease) and
-# writes to $OUT (default /tmp/gpu_check); summary.md gathers the figures at the end.
+# time limit (together under 500 s, so one run and its machine's start fit a 15-minute lease
+# with room for a short rerun) and writes to $OUT (default /tmp/gpu_check); summary.md gathers
+# the figures at the end. With PACK=FILE.tgz the logs so far are packed into FILE after every
+# stage (a tool that returns few files gets one, also when the run is cut short).
 # Run from the repository root:  OUT=/path bash scripts/gpu_check.sh
 # STAGES=REGEX runs only the stages whose name matches (e.g. STAGES='bench|profile' to rerun).
 # Stages, most informative first:
+#   suite_cuda             the tests that take another path on CUDA (tests/cuda, the Triton
+#                          kernels against the dense reference, decode graphs, HF parity)
+#   triton_sweep           Triton decode attention alone at 1k-32k tokens of context, 1 and 16
+#                          requests: int8 / fp8 / KVQuant 4-bit codes read in place against the
+#                          bf16 pool, outputs checked against a dense reference
+#   triton_bench           one layer's decode + prefill step, Triton backend vs PyTorch backend
+#                          (float pool, int8, fp8, KVQuant 4-bit decode;
+#                          benchmarks/bench_triton_attention.py)
 #   parity / parity_eager  greedy parity with HF on CUDA (tiny models; plain, prefix hits,
 #                          chunking, preemption, int8), decode through CUDA graphs / eagerly
 #   make_model             the Qwen3-0.6B-shaped random model (benchmarks/make_qwen3_0_6b.py)
-#   bench_{256,64}[_eager] nano-vLLM's benchmark shape (random prompts 100-1024, outputs
+#   bench_256 / bench_64_eager  nano-vLLM's benchmark shape (random prompts 100-1024, outputs
 #                          100-1024, ignore_eos, greedy, bf16) with graphs / --enforce-eager
 #   profile                torch profiler over 3 decode steps at 256 running, graphs and eager
-#   triton_bench           one layer's decode + prefill step, Triton backend vs PyTorch backend
-#                          (float pool, int8, fp8; benchmarks/bench_triton_attention.py)
-#   suite                  the whole test suite on CUDA (CUDA-only tests first)
+#   suite                  the whole test suite (the CPU paths under this machine's torch and
+#                          transformers; FastAPI's are not there): only with STAGES=suite
 # Results are recorded in docs/results/gpu/ with the machine, command and date.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,12 +38,14 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 stage() {  # name, seconds, command...
   local name=$1 limit=$2; shift 2
   [[ $name =~ ${STAGES:-.} ]] || return 0
+  [[ $name != suite || -n ${STAGES:-} ]] || return 0  # the whole suite only when asked for
   echo "== $name (limit ${limit}s)"
   local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - t0))" "$limit" >> "$OUT/stages.tsv"
   echo "   rc=$rc in $((SECONDS - t0))s ($OUT/$name.log)"
+  [ -z "${PACK:-}" ] || tar czf "$PACK" -C "$OUT" . 2>/dev/null
 }
 
 bench() {  # name, seconds, requests, extra flags...
@@ -44,19 +55,23 @@ bench() {  # name, seconds, requests, extra flags...
     --max-num-seqs 256 --max-num-batched-tokens 16384 --max-model-len 4096 "$@"
 }
 
-stage parity 90 $PY scripts/cuda_parity.py --out "$OUT"
-stage parity_eager 60 $PY scripts/cuda_parity.py --out "$OUT" --enforce-eager
-[ -f "$MODEL/config.json" ] || stage make_model 40 $PY benchmarks/make_qwen3_0_6b.py --out "$MODEL"
-bench bench_256 75 256
-bench bench_256_eager 75 256 --enforce-eager
-bench bench_64 30 64
-bench bench_64_eager 30 64 --enforce-eager
-stage profile 40 $PY scripts/gpu_profile_decode.py --model "$MODEL" --out "$OUT"
-stage triton_bench 35 $PY benchmarks/bench_triton_attention.py --device cuda --repeats 5 \
+CUDA_TESTS="tests/cuda tests/unit/test_triton_attention.py tests/unit/test_triton_kvquant.py
+  tests/model/test_decode_graphs.py tests/model/test_hf_parity.py tests/unit/test_seams.py"
+# shellcheck disable=SC2086
+stage suite_cuda 110 $PY -m pytest -p no:cacheprovider -rfE -n 8 $CUDA_TESTS
+stage triton_sweep 50 $PY benchmarks/bench_triton_attention.py --device cuda --repeats 20 \
+  --sweep-contexts 1024 4096 16384 32768 --sweep-requests 1 16 --out "$OUT"
+stage triton_bench 30 $PY benchmarks/bench_triton_attention.py --device cuda --repeats 5 \
   --out "$OUT"
-stage suite 70 $PY -m pytest -p no:cacheprovider --continue-on-collection-errors -rfE \
-  tests/cuda tests/unit/test_triton_attention.py tests/model/test_hf_parity.py \
-  tests/model/test_decode_graphs.py tests/unit tests/model tests/e2e
+stage parity 70 $PY scripts/cuda_parity.py --out "$OUT"
+stage parity_eager 45 $PY scripts/cuda_parity.py --out "$OUT" --enforce-eager
+[ -f "$MODEL/config.json" ] || stage make_model 35 $PY benchmarks/make_qwen3_0_6b.py --out "$MODEL"
+bench bench_256 75 256
+stage profile 35 $PY scripts/gpu_profile_decode.py --model "$MODEL" --out "$OUT"
+bench bench_64_eager 25 64 --enforce-eager
+# shellcheck disable=SC2086
+stage suite 300 $PY -m pytest -p no:cacheprovider --continue-on-collection-errors -rfE -n 12 \
+  -q tests/unit tests/model tests/e2e
 
 $PY - "$OUT" > "$OUT/summary.md" <<'EOF'
 import json, pathlib, sys
@@ -74,7 +89,7 @@ for name in ("cuda_parity.json", "cuda_parity_eager.json"):
         print(f"\n{name}: {len(rows) - len(bad)}/{len(rows)} equal to HF, graph steps {steps}"
               + (f"; differ: {bad}" if bad else ""))
 print("\n| run | output tok/s | median TTFT s | median TPOT ms | elapsed s |\n|---|---|---|---|---|")
-for name in ("bench_256", "bench_256_eager", "bench_64", "bench_64_eager"):
+for name in ("bench_256", "bench_64_eager"):
     log = out / f"{name}.log"
     lines = [l for l in log.read_text().splitlines() if l.startswith("{")] if log.exists() else []
     if not lines:
@@ -93,9 +108,15 @@ if p.exists():
             m = prof[mode]
             print(f"- {mode}: step wall ms {m['step_wall_ms']}, GPU ms/step {m['gpu_ms_per_step']},"
                   f" launches/step {m['launch_calls_per_step']}")
-log = out / "suite.log"
-if log.exists():
-    tail = [l for l in log.read_text().splitlines() if " passed" in l or " failed" in l]
-    print(f"\nsuite: {tail[-1] if tail else '(no final line: cut by its time limit?)'}")
+for name in ("triton_decode_sweep", "triton_attention"):
+    p = out / f"{name}.md"
+    if p.exists():
+        print(f"\n{name}:\n\n{p.read_text()}")
+for name in ("suite_cuda", "suite"):
+    log = out / f"{name}.log"
+    if log.exists():
+        tail = [l for l in log.read_text().splitlines() if " passed" in l or " failed" in l]
+        print(f"\n{name}: {tail[-1] if tail else '(no final line: cut by its time limit?)'}")
 EOF
 cat "$OUT/summary.md"
+[ -z "${PACK:-}" ] || tar czf "$PACK" -C "$OUT" . 2>/dev/null
