@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from nanokv.quant.int8 import row_scale
+
 FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 SCALE_DTYPE = torch.float32
 _TINY = torch.finfo(torch.float32).tiny
@@ -30,7 +32,7 @@ def quantize_fp8(x: torch.Tensor, fmt: str = "e4m3") -> tuple[torch.Tensor, torc
     """x: [..., D] -> (codes uint8 [..., D] holding fp8 bits, scale float32 [...])."""
     dt, fmax = fp8_dtype(fmt), fp8_max(fmt)
     xf = x.float()
-    scale = xf.abs().amax(-1) / fmax  # [...]
+    scale = row_scale(xf, fmax)  # [...]
     scaled = (xf / scale.clamp_min(_TINY).unsqueeze(-1)).clamp_(-fmax, fmax)
     return scaled.to(dt).view(torch.uint8), scale.to(SCALE_DTYPE)
 

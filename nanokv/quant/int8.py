@@ -16,10 +16,18 @@ SCALE_DTYPE = torch.float32
 _TINY = torch.finfo(torch.float32).tiny
 
 
+def row_scale(xf: torch.Tensor, code_max: float) -> torch.Tensor:
+    """max |x| / code_max over the last dim: [...], float32, correctly rounded on every device.
+    CUDA divides by a host scalar as a multiply by its reciprocal (448 * (1 / 448) != 1), so the
+    divisor is a tensor on x's device, as the Triton write divides (`tl.div_rn`)."""
+    amax = xf.abs().amax(-1)
+    return amax / torch.full_like(amax, code_max)
+
+
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [..., D] -> (codes uint8 [..., D] holding int8 bits, scale float32 [...])."""
     xf = x.float()
-    scale = xf.abs().amax(-1) / INT8_MAX  # [...]
+    scale = row_scale(xf, INT8_MAX)  # [...]
     codes = torch.round(xf / scale.clamp_min(_TINY).unsqueeze(-1)).clamp_(-INT8_MAX, INT8_MAX)
     return codes.to(torch.int8).view(torch.uint8), scale.to(SCALE_DTYPE)
 

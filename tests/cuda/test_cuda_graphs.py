@@ -65,7 +65,7 @@ def test_greedy_with_graphs_equals_hf_and_eager(tiny_model, options, seed, longe
 
 
 def test_seeded_sampling_with_graphs_equals_eager(tiny_llama):
-    prompts, _ = workload(2, 6, 2)
+    prompts, _ = workload(2, 6, 8)
     params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=100 + i, max_tokens=8,
                              ignore_eos=True) for i in range(6)]
     llm = engine(tiny_llama, enforce_eager=False)
@@ -81,7 +81,7 @@ def test_a_graph_decode_step_synchronises_once(tiny_llama):
     llm = engine(tiny_llama, enforce_eager=False)
     graphs = graphs_of(llm)
     eng = llm.engine
-    prompts, _ = workload(3, 5, 2)
+    prompts, _ = workload(3, 5, 8)
     for i, p in enumerate(prompts):
         eng.add_request(p, SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=i,
                                           max_tokens=30, ignore_eos=True))

@@ -1,4 +1,5 @@
-"""The decode-graph runner's logic on CPU: bucket choice, padding, static buffers filled in place,
+"""The decode-graph runner's logic on CPU (also where there is a GPU: tests/cuda captures
+graphs there): bucket choice, padding, static buffers filled in place,
 replay-or-eager decisions, run eagerly (`capture=False`) over a small backend that implements the
 graph contract on the PyTorch reference. Its tokens are checked against Hugging Face greedy
 decoding and against the ordinary (eager) step, with batch sizes between buckets and under
@@ -23,6 +24,7 @@ from nanokv.worker.cuda_graph import DecodeGraphs, graph_batch_sizes
 from tiny_models import VOCAB, hf_greedy, load_hf
 
 BLOCK, MAX_LEN = 16, 128
+CPU = dict(device="cpu")  # the engine's default device is CUDA where there is one
 
 
 @dataclass
@@ -106,7 +108,7 @@ def test_static_decode_equals_hf_and_eager(tiny_model, options):
     hf = load_hf(tiny_model)
     expected = [hf_greedy(hf, p, n)[0] for p, n in zip(prompts, lengths)]
     kw = dict(block_size=BLOCK, max_model_len=MAX_LEN, max_num_seqs=20,
-              attention_backend="torch", **options)
+              attention_backend="torch", **CPU, **options)
     eager = [o.token_ids for o in LLM(tiny_model, **kw).generate(prompts, params)]
     llm = LLM(tiny_model, **kw)
     graphs = with_static_graphs(llm, 20)
@@ -127,7 +129,7 @@ def test_seeded_sampling_is_the_same_through_static_buffers(tiny_llama):
     params = [SamplingParams(temperature=0.8, top_k=20, seed=100 + i, max_tokens=8,
                              ignore_eos=True) for i in range(6)]
     kw = dict(block_size=BLOCK, max_model_len=MAX_LEN, max_num_seqs=8,
-              attention_backend="torch")
+              attention_backend="torch", **CPU)
     eager = [o.token_ids for o in LLM(tiny_llama, **kw).generate(prompts, params)]
     llm = LLM(tiny_llama, **kw)
     graphs = with_static_graphs(llm, 8)
@@ -146,7 +148,7 @@ def test_batch_sizes_and_buckets():
 
 def test_eager_when_the_step_does_not_fit(tiny_llama):
     llm = LLM(tiny_llama, block_size=BLOCK, max_model_len=MAX_LEN, max_num_seqs=4,
-              attention_backend="torch")
+              attention_backend="torch", **CPU)
     graphs = with_static_graphs(llm, 4)
     assert [graphs.bucket(n) for n in (1, 2, 3, 4)] == [1, 2, 4, 4]
     with pytest.raises(ValueError, match="exceed"):
@@ -178,7 +180,7 @@ def test_eager_when_the_step_does_not_fit(tiny_llama):
 
 
 def test_graphs_need_cuda_and_a_backend_that_supports_them(tiny_llama):
-    llm = LLM(tiny_llama, block_size=BLOCK, max_model_len=MAX_LEN)
+    llm = LLM(tiny_llama, block_size=BLOCK, max_model_len=MAX_LEN, **CPU)
     runner = llm.engine.runner
     assert runner.graphs is None  # CPU: always eager
     with pytest.raises(ValueError, match="does not support CUDA graphs"):
@@ -198,7 +200,7 @@ def test_triton_backend_through_static_buffers_equals_hf(tiny_llama):
     hf = load_hf(tiny_llama)
     expected = [hf_greedy(hf, p, n)[0] for p, n in zip(prompts, lengths)]
     llm = LLM(tiny_llama, block_size=BLOCK, max_model_len=MAX_LEN, max_num_seqs=8,
-              attention_backend="triton")
+              attention_backend="triton", **CPU)
     runner = llm.engine.runner
     runner.graphs = DecodeGraphs(runner.model, runner.backend, runner.device, 8,
                                  cdiv(MAX_LEN, BLOCK), capture=False)

@@ -46,7 +46,7 @@ class LogitRecorder:
 
     def sample(self, logits, params, output_indices, *args, **kwargs):
         for row, idx in enumerate(output_indices):
-            self.rows.append((idx, logits[row].clone()))
+            self.rows.append((idx, logits[row].cpu()))  # the engine's device may be CUDA
         return self.sampler.sample(logits, params, output_indices, *args, **kwargs)
 
 
