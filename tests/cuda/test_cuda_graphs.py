@@ -100,7 +100,10 @@ def test_a_graph_decode_step_synchronises_once(tiny_llama):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert graphs.num_graph_steps == before + 1
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    # each synchronising call warns "called a synchronizing CUDA operation"; the mode's own
+    # notice ("... a prototype feature and does not yet detect all synchronizing operations")
+    # is not one
+    syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
     assert len(syncs) <= 1, syncs
 
 

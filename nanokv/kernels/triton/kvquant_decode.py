@@ -32,7 +32,7 @@ import triton.language as tl
 
 from nanokv.kernels.triton import decode
 from nanokv.kernels.triton.decode import MAX_SPLITS, own_token_state, store_split
-from nanokv.kernels.triton.paged_tile import LOG2E, attend_tile, dot_dtype
+from nanokv.kernels.triton.paged_tile import LOG2E, attend_scores, dot, dot_dtype
 
 
 @dataclass(frozen=True)
@@ -137,6 +137,56 @@ def _value_rows(blk, g, s, d, m, staged, vc_ptr, v_off_ptr, v_half_ptr, v_oidx_p
     return x
 
 
+@triton.jit
+def _key_outlier_scores(blk, g, s, staged, q_row, g_mask, kc_ptr, k_off_ptr, k_half_ptr,
+                        k_oidx_ptr, k_oval_ptr, sink_slot_ptr, k_lut_ptr, pos_ptr, cos_ptr,
+                        sin_ptr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr, PACKED: tl.constexpr,
+                        CAP: tl.constexpr, NUM_SINKS: tl.constexpr, G_PAD: tl.constexpr,
+                        DOT_DTYPE: tl.constexpr):
+    """What block blk's key outliers (KV head g, keys before RoPE) add to the scores [G_PAD, B]
+    of rows q (at q_row [G_PAD, 1]) over keys decoded without them: an outlier at (slot, c)
+    changes the key there by delta = its value - the decoded entry, i.e. the rotated key by
+    delta (cos, sin) at (c, c + HALF) for c < HALF, by delta (-sin, cos) at (c - HALF, c)
+    above, so each query's score by the two products with q. None on a staged block (exact
+    rows) or at a sink slot (its full-precision row), as `_key_rows` puts them in place."""
+    HALF = HEAD_DIM // 2
+    corr = tl.zeros([G_PAD, BLOCK_SIZE], tl.float32)
+    for e in range(CAP):
+        entry = (blk * HKV + g) * CAP + e
+        idx = tl.load(k_oidx_ptr + entry).to(tl.int32)
+        used = (idx >= 0) & (idx < BLOCK_SIZE * HEAD_DIM) & (staged < 0)
+        idx = tl.where(used, idx, 0)
+        slot = idx // HEAD_DIM
+        c = idx % HEAD_DIM
+        for p in range(NUM_SINKS):
+            used = used & (slot != tl.load(sink_slot_ptr + blk * NUM_SINKS + p).to(tl.int32))
+        row = kc_ptr + ((blk * BLOCK_SIZE + slot) * HKV + g) * PACKED
+        if BITS == 8:
+            code = tl.load(row + c).to(tl.int32)
+        else:
+            byte = c * BITS // 8
+            lo = tl.load(row + byte).to(tl.int32)
+            hi = tl.load(row + byte + 1, mask=byte + 1 < PACKED, other=0).to(tl.int32)
+            code = ((lo | (hi << 8)) >> (c * BITS % 8)) & ((1 << BITS) - 1)
+        stat = (blk * HKV + g) * HEAD_DIM + c
+        decoded = tl.load(k_lut_ptr + code) * tl.load(k_half_ptr + stat).to(tl.float32) \
+            + tl.load(k_off_ptr + stat).to(tl.float32)
+        delta = tl.where(used, tl.load(k_oval_ptr + entry).to(tl.float32) - decoded, 0.0)
+        ch = c % HALF
+        pos = tl.maximum(tl.load(pos_ptr + blk * BLOCK_SIZE + slot), 0).to(tl.int64)
+        cos = tl.load(cos_ptr + pos * HEAD_DIM + ch)
+        sin = tl.load(sin_ptr + pos * HEAD_DIM + ch)
+        upper = c >= HALF
+        d_lo = tl.where(upper, -delta * sin, delta * cos)
+        d_hi = tl.where(upper, delta * cos, delta * sin)
+        q_lo = tl.load(q_row + ch, mask=g_mask[:, None], other=0.0).to(DOT_DTYPE)
+        q_hi = tl.load(q_row + HALF + ch, mask=g_mask[:, None], other=0.0).to(DOT_DTYPE)
+        add = q_lo.to(tl.float32) * d_lo + q_hi.to(tl.float32) * d_hi  # [G_PAD, 1]
+        corr = tl.where(s[None, :] == slot, corr + add, corr)
+    return corr
+
+
 _PER_STEP = ["table_ptr", "stride_table", "context_ptr", "stride_context", "num_splits"]
 
 
@@ -153,7 +203,8 @@ def _kvquant_decode_kernel(
         K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_PACKED: tl.constexpr,
         V_PACKED: tl.constexpr, V_GROUPS: tl.constexpr, K_CAP: tl.constexpr,
         V_CAP: tl.constexpr, NUM_SINKS: tl.constexpr, ROPE: tl.constexpr,
-        STAGED_V: tl.constexpr, DIRECT_OUT: tl.constexpr, DOT_DTYPE: tl.constexpr):
+        STAGED_V: tl.constexpr, DIRECT_OUT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+        H_PAD: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -176,36 +227,60 @@ def _kvquant_decode_kernel(
                                     b, kv_head, split, context, d, d_mask, qk_scale, G_PAD,
                                     D_PAD)
 
-    half_dim = HEAD_DIM // 2
-    partner = tl.where(d < half_dim, d + half_dim, d - half_dim)  # rotate-half's partner
-    sign = tl.where(d < half_dim, -1.0, 1.0)
+    HALF = HEAD_DIM // 2
+    dh = tl.arange(0, H_PAD)  # the first half's channels, the second half's minus HALF
+    dh_mask = dh < HALF
+    q_row = q_ptr + b * stride_qt + q_head[:, None] * stride_qh  # [G_PAD, 1]
+    if ROPE:  # rotate-half: channel c < HALF pairs with c + HALF
+        q_lo = tl.load(q_row + dh[None, :], mask=g_mask[:, None] & dh_mask[None, :],
+                       other=0.0).to(DOT_DTYPE)
+        q_hi = tl.load(q_row + HALF + dh[None, :], mask=g_mask[:, None] & dh_mask[None, :],
+                       other=0.0).to(DOT_DTYPE)
     table = table_ptr + b * stride_table
     for j in range(lo, hi):
         blk = tl.load(table + j).to(tl.int64)
         live = j * BLOCK_SIZE + s < past  # [B]
         m = live[:, None] & d_mask[None, :]
         staged = tl.load(staging_index_ptr + blk)
-        k = _key_rows(blk, kv_head, s, d, m, staged, kc_ptr, k_off_ptr, k_half_ptr, k_oidx_ptr,
-                      k_oval_ptr, sink_slot_ptr, k_sink_ptr, k_stage_ptr, k_lut_ptr, HKV,
-                      HEAD_DIM, BLOCK_SIZE, K_BITS, K_PACKED, K_CAP, NUM_SINKS)
-        if ROPE:  # x cos + (-x[d + D/2] | x[d - D/2]) sin at each slot's position
-            kp = _key_rows(blk, kv_head, s, partner, m, staged, kc_ptr, k_off_ptr, k_half_ptr,
-                           k_oidx_ptr, k_oval_ptr, sink_slot_ptr, k_sink_ptr, k_stage_ptr,
-                           k_lut_ptr, HKV, HEAD_DIM, BLOCK_SIZE, K_BITS, K_PACKED, K_CAP,
-                           NUM_SINKS)
+        if ROPE:
+            # each half decoded once (outliers aside), rotated to the slots' positions in
+            # registers: lo' = lo cos - hi sin, hi' = hi cos + lo sin (cos, sin the same on
+            # both halves); scores = q_lo . lo' + q_hi . hi', plus each outlier's correction
+            mh = live[:, None] & dh_mask[None, :]
+            k_lo = _key_rows(blk, kv_head, s, dh, mh, staged, kc_ptr, k_off_ptr, k_half_ptr,
+                             k_oidx_ptr, k_oval_ptr, sink_slot_ptr, k_sink_ptr, k_stage_ptr,
+                             k_lut_ptr, HKV, HEAD_DIM, BLOCK_SIZE, K_BITS, K_PACKED, 0,
+                             NUM_SINKS)
+            k_hi = _key_rows(blk, kv_head, s, dh + HALF, mh, staged, kc_ptr, k_off_ptr,
+                             k_half_ptr, k_oidx_ptr, k_oval_ptr, sink_slot_ptr, k_sink_ptr,
+                             k_stage_ptr, k_lut_ptr, HKV, HEAD_DIM, BLOCK_SIZE, K_BITS,
+                             K_PACKED, 0, NUM_SINKS)
             pos = tl.maximum(tl.load(pos_ptr + blk * BLOCK_SIZE + s, mask=live, other=0), 0)
-            at = pos.to(tl.int64)[:, None] * HEAD_DIM + d[None, :]
-            cos = tl.load(cos_ptr + at, mask=m, other=0.0)
-            sin = tl.load(sin_ptr + at, mask=m, other=0.0)
-            k = k * cos + sign[None, :] * kp * sin
+            at = pos.to(tl.int64)[:, None] * HEAD_DIM + dh[None, :]
+            cos = tl.load(cos_ptr + at, mask=mh, other=0.0)
+            sin = tl.load(sin_ptr + at, mask=mh, other=0.0)
+            r_lo = tl.where(mh, k_lo * cos - k_hi * sin, 0.0).to(DOT_DTYPE)
+            r_hi = tl.where(mh, k_hi * cos + k_lo * sin, 0.0).to(DOT_DTYPE)
+            scores = dot(q_lo, tl.trans(r_lo), DOT_DTYPE) + dot(q_hi, tl.trans(r_hi), DOT_DTYPE)
+            if K_CAP > 0:
+                scores += _key_outlier_scores(blk, kv_head, s, staged, q_row, g_mask, kc_ptr,
+                                              k_off_ptr, k_half_ptr, k_oidx_ptr, k_oval_ptr,
+                                              sink_slot_ptr, k_lut_ptr, pos_ptr, cos_ptr,
+                                              sin_ptr, HKV, HEAD_DIM, BLOCK_SIZE, K_BITS,
+                                              K_PACKED, K_CAP, NUM_SINKS, G_PAD, DOT_DTYPE)
+        else:
+            k = _key_rows(blk, kv_head, s, d, m, staged, kc_ptr, k_off_ptr, k_half_ptr,
+                          k_oidx_ptr, k_oval_ptr, sink_slot_ptr, k_sink_ptr, k_stage_ptr,
+                          k_lut_ptr, HKV, HEAD_DIM, BLOCK_SIZE, K_BITS, K_PACKED, K_CAP,
+                          NUM_SINKS)
+            scores = dot(q, tl.trans(tl.where(m, k, 0.0).to(DOT_DTYPE)), DOT_DTYPE)
         v = _value_rows(blk, kv_head, s, d, m, staged, vc_ptr, v_off_ptr, v_half_ptr,
                         v_oidx_ptr, v_oval_ptr, sink_slot_ptr, v_sink_ptr, v_stage_ptr,
                         v_lut_ptr, HKV, HEAD_DIM, BLOCK_SIZE, V_BITS, V_PACKED, V_GROUPS,
                         V_CAP, NUM_SINKS, STAGED_V)
-        k = tl.where(m, k, 0.0)
         v = tl.where(m, v, 0.0)
-        m_i, l_i, acc = attend_tile(q, k, v, 1.0, 1.0, live[None, :], m_i, l_i, acc, qk_scale,
-                                    False, DOT_DTYPE)
+        m_i, l_i, acc = attend_scores(scores, v, 1.0, live[None, :], m_i, l_i, acc, qk_scale,
+                                      False, DOT_DTYPE)
 
     store_split(out_ptr, stride_ot, stride_oh, part_m_ptr, part_l_ptr, part_acc_ptr, b, q_head,
                 g_mask, d, d_mask, split, num_splits, m_i, l_i, acc, GROUP, D_PAD, DIRECT_OUT)
@@ -257,7 +332,7 @@ def kvquant_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         V_PACKED=layer.v_codes.shape[-1], V_GROUPS=layer.v_half.shape[-1], K_CAP=k_cap,
         V_CAP=v_cap, NUM_SINKS=num_sinks, ROPE=rope, STAGED_V=layer.v_stage is not None,
         DIRECT_OUT=num_splits == 1, DOT_DTYPE=dot_dtype(_kvquant_decode_kernel, q.dtype),
-        num_warps=num_warps)
+        H_PAD=max(16, triton.next_power_of_2(dim // 2)), num_warps=num_warps)
     decode.merge_splits(part_m, part_l, parts, out, num_splits, d_pad)
 
 

@@ -54,13 +54,26 @@ def attend_tile(q, k, v, k_scale, v_scale, col_mask, m_i, l_i, acc, qk_scale,
     col_mask: [R, N] or [1, N], the keys each row may see; m_i, l_i: [R] running max (log2
     units) and sum; acc: [R, D_PAD] float32. qk_scale = softmax scale * log2(e).
     Returns (m_i, l_i, acc)."""
-    kd = k.to(DOT_DTYPE)
-    if DOT_DTYPE == tl.float32:  # exact products, not TF32
-        s = tl.dot(q, tl.trans(kd), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(kd))
+    s = dot(q, tl.trans(k.to(DOT_DTYPE)), DOT_DTYPE)
     if SCALED:
         s = s * k_scale[None, :]
+    return attend_scores(s, v, v_scale, col_mask, m_i, l_i, acc, qk_scale, SCALED, DOT_DTYPE)
+
+
+@triton.jit
+def dot(a, b, DOT_DTYPE: tl.constexpr):
+    """a @ b in float32 accumulation; exact products (not TF32) when the operands are float32."""
+    if DOT_DTYPE == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def attend_scores(s, v, v_scale, col_mask, m_i, l_i, acc, qk_scale, SCALED: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr):
+    """Fold a tile's raw scores s [R, N] (q . k, float32) and its values v [N, D_PAD] into the
+    online softmax state (attend_tile's second half, for kernels that make their scores
+    themselves)."""
     s = tl.where(col_mask, s * qk_scale, float("-inf"))  # [R, N]
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
@@ -69,12 +82,7 @@ def attend_tile(q, k, v, k_scale, v_scale, col_mask, m_i, l_i, acc, qk_scale,
     l_i = l_i * alpha + tl.sum(p, 1)
     if SCALED:
         p = p * v_scale[None, :]
-    pv = p.to(DOT_DTYPE)
-    vd = v.to(DOT_DTYPE)
-    if DOT_DTYPE == tl.float32:
-        acc = acc * alpha[:, None] + tl.dot(pv, vd, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(pv, vd)
+    acc = acc * alpha[:, None] + dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), DOT_DTYPE)
     return m_new, l_i, acc
 
 
