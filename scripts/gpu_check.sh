@@ -68,7 +68,7 @@ stage parity_eager 45 $PY scripts/cuda_parity.py --out "$OUT" --enforce-eager
 [ -f "$MODEL/config.json" ] || stage make_model 35 $PY benchmarks/make_qwen3_0_6b.py --out "$MODEL"
 bench bench_256 75 256
 stage profile 35 $PY scripts/gpu_profile_decode.py --model "$MODEL" --out "$OUT"
-bench bench_64_eager 25 64 --enforce-eager
+bench bench_64_eager 45 64 --enforce-eager
 # shellcheck disable=SC2086
 stage suite 300 $PY -m pytest -p no:cacheprovider --continue-on-collection-errors -rfE -n 12 \
   -q tests/unit tests/model tests/e2e

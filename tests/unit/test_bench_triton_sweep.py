@@ -1,0 +1,48 @@
+"""benchmarks/bench_triton_attention.py --sweep-contexts, dry-run in Triton's interpreter: every
+cache's decode kernel equal to the dense float32 reference the sweep reads back from the cache
+(the check the sweep reports on a GPU), and its rows and table written."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+from nanokv.attention import triton_paged  # noqa: E402
+
+if not triton_paged.interpreter_on():
+    pytest.skip("needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py sets it)",
+                allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import bench_triton_attention  # noqa: E402
+
+
+def test_sweep_rows_match_the_dense_reference(tmp_path):
+    bench_triton_attention.main([
+        "--device", "cpu", "--sweep-contexts", "5", "40", "--sweep-requests", "1", "2",
+        "--q-heads", "4", "--kv-heads", "2", "--head-dim", "32", "--repeats", "1",
+        "--kv-dtypes", "auto", "int8", "kvquant", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "triton_decode_sweep.json").read_text())["rows"]
+    assert [(r["kv_cache_dtype"], r["requests"], r["context"]) for r in rows] == [
+        (kind, n, c) for n in (1, 2) for c in (5, 40) for kind in ("auto", "int8", "kvquant")]
+    for r in rows:
+        assert r["max_abs_err"] < 1e-4, r
+        assert r["triton_ms"] > 0 and r["cache_bytes_per_token"] > 0
+    assert rows[0]["vs_first"] == 1.0
+    assert "| kvquant | 2 | 40 |" in (tmp_path / "triton_decode_sweep.md").read_text()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--kv-heads", "3"], "--q-heads must be a multiple of --kv-heads"),
+    (["--min-context", "9", "--max-context", "8"], "--min-context must not exceed"),
+    (["--sweep-contexts", "0"], "positive numbers"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
+])
+def test_bad_arguments_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench_triton_attention.main(["--device", "cpu", *argv])
+    assert message in capsys.readouterr().err
