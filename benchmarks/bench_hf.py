@@ -7,6 +7,7 @@ each request's own ``output_len`` counts as useful output (the rest is the waste
 batching). Prints one JSON line (BenchResult).
 
     .venv/bin/python benchmarks/bench_hf.py --model /tmp/qwen3-0.6b-random
+    python benchmarks/bench_hf.py --model M --device cuda --dtype bfloat16   # on a GPU
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ def left_pad(requests, pad_id: int):
     return ids, mask
 
 
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="HF transformers static-batching peer benchmark")
     ap.add_argument("--model", required=True)
@@ -50,7 +58,14 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument("--device", default="cpu", help="torch device of the model (cpu, cuda)")
     args = ap.parse_args(argv)
+    if args.num_requests < 1:
+        ap.error("--num-requests must be at least 1")
+    for name in ("prompt_len", "output_len"):
+        low, high = getattr(args, name)
+        if not 1 <= low <= high:
+            ap.error(f"--{name.replace('_', '-')} takes MIN MAX with 1 <= MIN <= MAX")
 
     wl = load_workload_module()
 
@@ -59,9 +74,12 @@ def main(argv=None) -> None:
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: no CUDA device here")
     dtype = getattr(torch, args.dtype)
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
     print(
         f"[bench_hf] load {time.perf_counter() - t0:.1f}s, torch threads {torch.get_num_threads()}",
         file=sys.stderr,
@@ -80,7 +98,7 @@ def main(argv=None) -> None:
         pad_id = pad_id[0]
     if pad_id is None:
         pad_id = 0
-    ids, mask = left_pad(requests, pad_id)
+    ids, mask = (x.to(device) for x in left_pad(requests, pad_id))
     max_new = max(r.output_len for r in requests)
     gen_kw = {"do_sample": False, "pad_token_id": pad_id, "temperature": None, "top_p": None}
     gen_kw["top_k"] = None
@@ -95,6 +113,7 @@ def main(argv=None) -> None:
             min_new_tokens=4,
             **gen_kw,
         )
+        sync(device)
         print(f"[bench_hf] warm-up {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
 
         t0 = time.perf_counter()
@@ -105,6 +124,7 @@ def main(argv=None) -> None:
             min_new_tokens=max_new,
             **gen_kw,
         )
+        sync(device)
         elapsed = time.perf_counter() - t0
 
     generated = out.shape[1] - ids.shape[1]

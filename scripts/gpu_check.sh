@@ -19,8 +19,10 @@
 #   parity / parity_eager  greedy parity with HF on CUDA (tiny models; plain, prefix hits,
 #                          chunking, preemption, int8), decode through CUDA graphs / eagerly
 #   make_model             the Qwen3-0.6B-shaped random model (benchmarks/make_qwen3_0_6b.py)
-#   bench_256 / bench_64_eager  nano-vLLM's benchmark shape (random prompts 100-1024, outputs
-#                          100-1024, ignore_eos, greedy, bf16) with graphs / --enforce-eager
+#   bench_256 / bench_64   nano-vLLM's benchmark shape (random prompts 100-1024, outputs
+#                          100-1024, ignore_eos, greedy, bf16) with graphs
+#   peer_hf_64             the same 64 requests through Hugging Face transformers (static
+#                          batching, benchmarks/bench_hf.py): the peer for bench_64's ratio
 #   profile                torch profiler over 3 decode steps at 256 running, graphs and eager
 #   suite                  the whole test suite (the CPU paths under this machine's torch and
 #                          transformers; FastAPI's are not there): only with STAGES=suite
@@ -59,16 +61,18 @@ CUDA_TESTS="tests/cuda tests/unit/test_triton_attention.py tests/unit/test_trito
   tests/model/test_decode_graphs.py tests/model/test_hf_parity.py tests/unit/test_seams.py"
 # shellcheck disable=SC2086
 stage suite_cuda 110 $PY -m pytest -p no:cacheprovider -rfE -n 8 $CUDA_TESTS
-stage triton_sweep 50 $PY benchmarks/bench_triton_attention.py --device cuda --repeats 20 \
+stage triton_sweep 30 $PY benchmarks/bench_triton_attention.py --device cuda --repeats 20 \
   --sweep-contexts 1024 4096 16384 32768 --sweep-requests 1 16 --out "$OUT"
 stage triton_bench 30 $PY benchmarks/bench_triton_attention.py --device cuda --repeats 5 \
   --out "$OUT"
-stage parity 70 $PY scripts/cuda_parity.py --out "$OUT"
-stage parity_eager 45 $PY scripts/cuda_parity.py --out "$OUT" --enforce-eager
+stage parity 45 $PY scripts/cuda_parity.py --out "$OUT"
+stage parity_eager 35 $PY scripts/cuda_parity.py --out "$OUT" --enforce-eager
 [ -f "$MODEL/config.json" ] || stage make_model 35 $PY benchmarks/make_qwen3_0_6b.py --out "$MODEL"
-bench bench_256 75 256
-stage profile 35 $PY scripts/gpu_profile_decode.py --model "$MODEL" --out "$OUT"
-bench bench_64_eager 45 64 --enforce-eager
+bench bench_256 60 256
+stage profile 30 $PY scripts/gpu_profile_decode.py --model "$MODEL" --out "$OUT"
+bench bench_64 30 64
+stage peer_hf_64 60 $PY benchmarks/bench_hf.py --model "$MODEL" --device cuda --dtype bfloat16 \
+  --num-requests 64 --prompt-len 100 1024 --output-len 100 1024
 # shellcheck disable=SC2086
 stage suite 300 $PY -m pytest -p no:cacheprovider --continue-on-collection-errors -rfE -n 12 \
   -q tests/unit tests/model tests/e2e
@@ -89,16 +93,20 @@ for name in ("cuda_parity.json", "cuda_parity_eager.json"):
         print(f"\n{name}: {len(rows) - len(bad)}/{len(rows)} equal to HF, graph steps {steps}"
               + (f"; differ: {bad}" if bad else ""))
 print("\n| run | output tok/s | median TTFT s | median TPOT ms | elapsed s |\n|---|---|---|---|---|")
-for name in ("bench_256", "bench_64_eager"):
+results = {}
+for name in ("bench_256", "bench_64", "peer_hf_64"):
     log = out / f"{name}.log"
     lines = [l for l in log.read_text().splitlines() if l.startswith("{")] if log.exists() else []
     if not lines:
         print(f"| {name} | (no result) | | | |")
         continue
-    r = json.loads(lines[-1])
+    r = results[name] = json.loads(lines[-1])
     tpot = r.get("tpot_median_s")
     print(f"| {name} | {r['output_tok_s']:.0f} | {r.get('ttft_median_s') or 0:.2f} | "
           f"{(tpot or 0) * 1e3:.1f} | {r['elapsed_s']:.1f} |")
+if "bench_64" in results and "peer_hf_64" in results:
+    ratio = results["bench_64"]["output_tok_s"] / results["peer_hf_64"]["output_tok_s"]
+    print(f"\nnanokv / HF transformers, the same 64 requests, same run: {ratio:.2f}x")
 p = out / "profile_decode.json"
 if p.exists():
     prof = json.loads(p.read_text())
