@@ -16,13 +16,17 @@
 #   triton_bench           one layer's decode + prefill step, Triton backend vs PyTorch backend
 #                          (float pool, int8, fp8, KVQuant 4-bit decode;
 #                          benchmarks/bench_triton_attention.py)
-#   parity / parity_eager  greedy parity with HF on CUDA (tiny models; plain, prefix hits,
-#                          chunking, preemption, int8), decode through CUDA graphs / eagerly
+#   parity                 greedy parity with HF on CUDA (tiny models; plain, prefix hits,
+#                          chunking, preemption, int8), decode through CUDA graphs
+#                          (parity_eager, --enforce-eager: only with STAGES=parity_eager)
 #   make_model             the Qwen3-0.6B-shaped random model (benchmarks/make_qwen3_0_6b.py)
 #   bench_256 / bench_64   nano-vLLM's benchmark shape (random prompts 100-1024, outputs
 #                          100-1024, ignore_eos, greedy, bf16) with graphs
 #   peer_hf_64             the same 64 requests through Hugging Face transformers (static
 #                          batching, benchmarks/bench_hf.py): the peer for bench_64's ratio
+#   kv_auto / kv_int8 / kv_kvquant  the engine with a bf16 pool, an int8 store and a KVQuant
+#                          4-bit store (Triton decode over the codes) on one long-prompt
+#                          workload (32 requests, prompts 1024-2048, 128 outputs)
 #   profile                torch profiler over 3 decode steps at 256 running, graphs and eager
 #   suite                  the whole test suite (the CPU paths under this machine's torch and
 #                          transformers; FastAPI's are not there): only with STAGES=suite
@@ -40,7 +44,8 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 stage() {  # name, seconds, command...
   local name=$1 limit=$2; shift 2
   [[ $name =~ ${STAGES:-.} ]] || return 0
-  [[ $name != suite || -n ${STAGES:-} ]] || return 0  # the whole suite only when asked for
+  # the whole suite and the eager parity only when asked for
+  [[ ($name != suite && $name != parity_eager) || -n ${STAGES:-} ]] || return 0
   echo "== $name (limit ${limit}s)"
   local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
@@ -60,19 +65,24 @@ bench() {  # name, seconds, requests, extra flags...
 CUDA_TESTS="tests/cuda tests/unit/test_triton_attention.py tests/unit/test_triton_kvquant.py
   tests/model/test_decode_graphs.py tests/model/test_hf_parity.py tests/unit/test_seams.py"
 # shellcheck disable=SC2086
-stage suite_cuda 110 $PY -m pytest -p no:cacheprovider -rfE -n 8 $CUDA_TESTS
+stage suite_cuda 90 $PY -m pytest -p no:cacheprovider -rfE -n 12 $CUDA_TESTS
 stage triton_sweep 30 $PY benchmarks/bench_triton_attention.py --device cuda --repeats 20 \
   --sweep-contexts 1024 4096 16384 32768 --sweep-requests 1 16 --out "$OUT"
 stage triton_bench 30 $PY benchmarks/bench_triton_attention.py --device cuda --repeats 5 \
   --out "$OUT"
 stage parity 45 $PY scripts/cuda_parity.py --out "$OUT"
-stage parity_eager 35 $PY scripts/cuda_parity.py --out "$OUT" --enforce-eager
 [ -f "$MODEL/config.json" ] || stage make_model 35 $PY benchmarks/make_qwen3_0_6b.py --out "$MODEL"
 bench bench_256 60 256
 stage profile 30 $PY scripts/gpu_profile_decode.py --model "$MODEL" --out "$OUT"
 bench bench_64 30 64
-stage peer_hf_64 60 $PY benchmarks/bench_hf.py --model "$MODEL" --device cuda --dtype bfloat16 \
+stage peer_hf_64 50 $PY benchmarks/bench_hf.py --model "$MODEL" --device cuda --dtype bfloat16 \
   --num-requests 64 --prompt-len 100 1024 --output-len 100 1024
+for kv in auto:25 int8:25 kvquant:40; do  # name:seconds
+  stage "kv_${kv%:*}" "${kv#*:}" $PY -m nanokv.cli bench --model "$MODEL" --device cuda --dtype bfloat16 \
+    --skip-tokenizer-init --json --num-requests 32 --prompt-len 1024 2048 --output-len 128 128 \
+    --max-num-seqs 32 --max-model-len 4096 --kv-cache-dtype "${kv%:*}"
+done
+stage parity_eager 35 $PY scripts/cuda_parity.py --out "$OUT" --enforce-eager
 # shellcheck disable=SC2086
 stage suite 300 $PY -m pytest -p no:cacheprovider --continue-on-collection-errors -rfE -n 12 \
   -q tests/unit tests/model tests/e2e
@@ -94,7 +104,7 @@ for name in ("cuda_parity.json", "cuda_parity_eager.json"):
               + (f"; differ: {bad}" if bad else ""))
 print("\n| run | output tok/s | median TTFT s | median TPOT ms | elapsed s |\n|---|---|---|---|---|")
 results = {}
-for name in ("bench_256", "bench_64", "peer_hf_64"):
+for name in ("bench_256", "bench_64", "peer_hf_64", "kv_auto", "kv_int8", "kv_kvquant"):
     log = out / f"{name}.log"
     lines = [l for l in log.read_text().splitlines() if l.startswith("{")] if log.exists() else []
     if not lines:
@@ -104,6 +114,10 @@ for name in ("bench_256", "bench_64", "peer_hf_64"):
     tpot = r.get("tpot_median_s")
     print(f"| {name} | {r['output_tok_s']:.0f} | {r.get('ttft_median_s') or 0:.2f} | "
           f"{(tpot or 0) * 1e3:.1f} | {r['elapsed_s']:.1f} |")
+for kv in ("kv_int8", "kv_kvquant"):
+    if kv in results and "kv_auto" in results:
+        ratio = results[kv]["output_tok_s"] / results["kv_auto"]["output_tok_s"]
+        print(f"\n{kv[3:]} / bf16 pool, output tok/s, same workload and run: {ratio:.2f}x")
 if "bench_64" in results and "peer_hf_64" in results:
     ratio = results["bench_64"]["output_tok_s"] / results["peer_hf_64"]["output_tok_s"]
     print(f"\nnanokv / HF transformers, the same 64 requests, same run: {ratio:.2f}x")
