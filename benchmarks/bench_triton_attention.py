@@ -41,6 +41,7 @@ from nanokv.attention.torch_paged import TorchPagedBackend  # noqa: E402
 from nanokv.attention.triton_paged import TritonPagedBackend  # noqa: E402
 from nanokv.attention.triton_quantized import TritonQuantizedBackend  # noqa: E402
 from nanokv.cache.kv_pool import KVLayout, KVPool  # noqa: E402
+from nanokv.kernels.triton.decode import MAX_SPLITS  # noqa: E402
 from nanokv.layers.rotary import RotaryEmbedding  # noqa: E402
 from nanokv.quant import KVQuantConfig, KVQuantStore, make_kv_store  # noqa: E402
 from nanokv.quant.attention import quantized_paged_attention  # noqa: E402
@@ -177,33 +178,74 @@ def reference_decode(cache, tables, lens, q, k, v, scale) -> torch.Tensor:
     return torch.stack(out)
 
 
-def sweep_fn(cache, tables, lens, q, k, v, device):
-    """The Triton decode attention alone over `cache` (no write; the own token from k, v)."""
+def sweep_fn(cache, tables, lens, q, k, v, device, variant: dict | None = None):
+    """The Triton decode attention alone over `cache` (no write; the own token from k, v).
+    variant: launch settings in place of the backend's own (num_splits, num_warps, tile_n)."""
     scale = q.shape[-1] ** -0.5
     bs = cache.layout.block_size
     slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens)]
     common = CommonAttentionMetadata(slots, len(lens), tables, lens, [])
     common.write_plan = torch.empty(0, dtype=torch.long, device=device)
     out = torch.empty_like(q)
-    if isinstance(cache, KVQuantStore):
-        backend = TritonQuantizedBackend(cache, device)
-        step, views = backend.build(common), backend.layer_views(0)
+    quantized = isinstance(cache, KVQuantStore)
+    backend = (TritonQuantizedBackend if quantized else TritonPagedBackend)(cache, device)
+    step = backend.build(common)
+    launch = {"num_splits": step.num_splits, "num_warps": backend.num_warps,
+              **({} if quantized else {"tile_n": backend.tile_n}), **(variant or {})}
+    if quantized:
+        views = backend.layer_views(0)
 
         def run():
             backend._kernels.kvquant_decode_attention(
                 q, k, v, views, step.block_tables, step.context_lens, out, scale,
-                step.num_splits, backend.num_warps)
+                launch["num_splits"], launch["num_warps"])
             return out
         return run
-    backend = TritonPagedBackend(cache, device)
-    step, kv = backend.build(common), backend.paged_kv(0)
+    kv = backend.paged_kv(0)
 
     def run():
         backend._decode.decode_attention(q, k, v, kv, step.block_tables, step.context_lens, out,
-                                         scale, step.num_splits, backend.tile_n,
-                                         backend.num_warps)
+                                         scale, launch["num_splits"], launch["tile_n"],
+                                         launch["num_warps"])
         return out
     return run
+
+
+def launch_variants(cache) -> list[dict]:
+    """The launch settings --sweep-variants tries beside the backend's own: all splits, and
+    the warps (and the float / int8 / fp8 kernel's key tile) around the defaults."""
+    variants = [{"num_splits": MAX_SPLITS}]
+    if isinstance(cache, KVQuantStore):
+        return variants + [{"num_warps": w} for w in (2, 8)]
+    return variants + [{"tile_n": t, "num_warps": w} for t in (32, 64, 128) for w in (4, 8)]
+
+
+def time_variants(args, caches, tables, n, c, device, gen) -> list[dict]:
+    """Each cache's launch variants at n requests x c tokens against its own default launch,
+    measured in the same rounds."""
+    part = [t[:cdiv(c, args.block_size)] for t in tables[:n]]
+    lens = [c] * n
+    q, k, v = (torch.randn(n, h, args.head_dim, generator=gen, device=device).to(q_dtype(caches))
+               for h in (args.q_heads, args.kv_heads, args.kv_heads))
+    rows = []
+    for kind, cache in caches.items():
+        fns = {"default": sweep_fn(cache, part, lens, q, k, v, device)}
+        for variant in launch_variants(cache):
+            name = " ".join(f"{key}={value}" for key, value in variant.items())
+            fns[name] = sweep_fn(cache, part, lens, q, k, v, device, variant)
+        want = fns["default"]().clone()
+        t = timed(fns, args.repeats, device)
+        for name, fn in fns.items():
+            rows.append({"kv_cache_dtype": kind, "requests": n, "context": c, "launch": name,
+                         "triton_ms": t[name] * 1e3, "vs_default": t[name] / t["default"],
+                         "max_abs_diff_vs_default": (fn().float() - want.float()).abs().max()
+                         .item()})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def q_dtype(caches) -> torch.dtype:
+    return next(iter(caches.values())).layout.dtype
 
 
 def decode_sweep(args, device, dtype, rng, gen) -> None:
@@ -258,6 +300,19 @@ def decode_sweep(args, device, dtype, rng, gen) -> None:
                      f"{r['max_abs_err']:.1e} |")
     print("\n".join(lines))
     write_results(args, device, "triton_decode_sweep", rows, lines)
+    if not args.sweep_variants:
+        return
+    variants = []
+    for n in sorted({min(args.sweep_requests), n_max}):
+        variants += time_variants(args, caches, tables, n, c_max, device, gen)
+    lines = ["| KV cache | requests | context | launch | Triton decode ms | time vs default | "
+             "max abs diff vs default |", "|---|---|---|---|---|---|---|"]
+    for r in variants:
+        lines.append(f"| {r['kv_cache_dtype']} | {r['requests']} | {r['context']} | "
+                     f"{r['launch']} | {r['triton_ms']:.4f} | {r['vs_default']:.2f}x | "
+                     f"{r['max_abs_diff_vs_default']:.1e} |")
+    print("\n".join(lines))
+    write_results(args, device, "triton_launch_variants", variants, lines)
 
 
 def write_results(args, device, name: str, rows: list, lines: list) -> None:
@@ -293,6 +348,10 @@ def main(argv=None) -> None:
                    "against the float pool (e.g. 1024 4096 16384 32768)")
     p.add_argument("--sweep-requests", type=int, nargs="+", default=[1, 16], metavar="N",
                    help="with --sweep-contexts: the batch sizes (default 1 16)")
+    p.add_argument("--sweep-variants", action="store_true",
+                   help="with --sweep-contexts: also each kernel's launch settings around its "
+                   "defaults (all splits, warps, the key tile) at the longest context, for the "
+                   "fewest and the most requests (triton_launch_variants.{json,md})")
     args = p.parse_args(argv)
     for name in ("requests", "min_context", "max_context", "prefill_chunks", "chunk_len",
                  "q_heads", "kv_heads", "head_dim", "block_size", "repeats"):
@@ -304,6 +363,8 @@ def main(argv=None) -> None:
         p.error("--q-heads must be a multiple of --kv-heads")
     if args.sweep_contexts and min(args.sweep_contexts + args.sweep_requests) < 1:
         p.error("--sweep-contexts and --sweep-requests take positive numbers")
+    if args.sweep_variants and not args.sweep_contexts:
+        p.error("--sweep-variants needs --sweep-contexts")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device (--device cpu with TRITON_INTERPRET=1 dry-runs the logic)")

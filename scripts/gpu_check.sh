@@ -16,12 +16,15 @@
 #   triton_bench           one layer's decode + prefill step, Triton backend vs PyTorch backend
 #                          (float pool, int8, fp8, KVQuant 4-bit decode;
 #                          benchmarks/bench_triton_attention.py)
+#   triton_variants        each decode kernel's launch settings around its defaults (splits,
+#                          warps, key tile) at 32k tokens, 1 and 16 requests (--sweep-variants)
 #   parity                 greedy parity with HF on CUDA (tiny models; plain, prefix hits,
 #                          chunking, preemption, int8), decode through CUDA graphs
 #                          (parity_eager, --enforce-eager: only with STAGES=parity_eager)
 #   make_model             the Qwen3-0.6B-shaped random model (benchmarks/make_qwen3_0_6b.py)
-#   bench_256 / bench_64   nano-vLLM's benchmark shape (random prompts 100-1024, outputs
-#                          100-1024, ignore_eos, greedy, bf16) with graphs
+#   bench_64 (bench_256)   nano-vLLM's benchmark shape (random prompts 100-1024, outputs
+#                          100-1024, ignore_eos, greedy, bf16) with graphs, 64 requests (256
+#                          only with STAGES=bench_256: 11,096 output tok/s on 2026-12-04)
 #   peer_hf_64             the same 64 requests through Hugging Face transformers (static
 #                          batching, benchmarks/bench_hf.py): the peer for bench_64's ratio
 #   kv_auto / kv_int8 / kv_kvquant  the engine with a bf16 pool, an int8 store and a KVQuant
@@ -44,8 +47,8 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 stage() {  # name, seconds, command...
   local name=$1 limit=$2; shift 2
   [[ $name =~ ${STAGES:-.} ]] || return 0
-  # the whole suite and the eager parity only when asked for
-  [[ ($name != suite && $name != parity_eager) || -n ${STAGES:-} ]] || return 0
+  # some stages only when asked for by name
+  [[ " suite parity_eager bench_256 " != *" $name "* || -n ${STAGES:-} ]] || return 0
   echo "== $name (limit ${limit}s)"
   local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
@@ -70,6 +73,9 @@ stage triton_sweep 30 $PY benchmarks/bench_triton_attention.py --device cuda --r
   --sweep-contexts 1024 4096 16384 32768 --sweep-requests 1 16 --out "$OUT"
 stage triton_bench 30 $PY benchmarks/bench_triton_attention.py --device cuda --repeats 5 \
   --out "$OUT"
+mkdir -p "$OUT/variants"
+stage triton_variants 60 $PY benchmarks/bench_triton_attention.py --device cuda --repeats 20 \
+  --sweep-contexts 32768 --sweep-requests 1 16 --sweep-variants --out "$OUT/variants"
 stage parity 45 $PY scripts/cuda_parity.py --out "$OUT"
 [ -f "$MODEL/config.json" ] || stage make_model 35 $PY benchmarks/make_qwen3_0_6b.py --out "$MODEL"
 bench bench_256 60 256
@@ -130,7 +136,7 @@ if p.exists():
             m = prof[mode]
             print(f"- {mode}: step wall ms {m['step_wall_ms']}, GPU ms/step {m['gpu_ms_per_step']},"
                   f" launches/step {m['launch_calls_per_step']}")
-for name in ("triton_decode_sweep", "triton_attention"):
+for name in ("triton_decode_sweep", "triton_attention", "variants/triton_launch_variants"):
     p = out / f"{name}.md"
     if p.exists():
         print(f"\n{name}:\n\n{p.read_text()}")

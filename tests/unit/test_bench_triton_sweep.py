@@ -1,6 +1,7 @@
 """benchmarks/bench_triton_attention.py --sweep-contexts, dry-run in Triton's interpreter: every
 cache's decode kernel equal to the dense float32 reference the sweep reads back from the cache
-(the check the sweep reports on a GPU), and its rows and table written."""
+(the check the sweep reports on a GPU), its rows and table written, and the launch variants
+(splits, warps, key tiles) giving the default launch's output."""
 
 import json
 import sys
@@ -36,11 +37,27 @@ def test_sweep_rows_match_the_dense_reference(tmp_path):
     assert "| kvquant | 2 | 40 |" in (tmp_path / "triton_decode_sweep.md").read_text()
 
 
+
+def test_launch_variants_give_the_default_output(tmp_path):
+    bench_triton_attention.main([
+        "--device", "cpu", "--sweep-contexts", "20", "--sweep-requests", "1", "--q-heads", "2",
+        "--kv-heads", "1", "--head-dim", "32", "--repeats", "1", "--kv-dtypes", "int8",
+        "kvquant", "--sweep-variants", "--out", str(tmp_path)])
+    variants = json.loads((tmp_path / "triton_launch_variants.json").read_text())["rows"]
+    launches = {r["launch"] for r in variants if r["kv_cache_dtype"] == "kvquant"}
+    assert launches == {"default", "num_splits=16", "num_warps=2", "num_warps=8"}
+    assert len([r for r in variants if r["kv_cache_dtype"] == "int8"]) == 2 + 3 * 2
+    for r in variants:
+        assert (r["requests"], r["context"]) == (1, 20)
+        assert r["max_abs_diff_vs_default"] < 1e-5, r
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--kv-heads", "3"], "--q-heads must be a multiple of --kv-heads"),
     (["--min-context", "9", "--max-context", "8"], "--min-context must not exceed"),
     (["--sweep-contexts", "0"], "positive numbers"),
     (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--sweep-variants"], "--sweep-variants needs --sweep-contexts"),
 ])
 def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
