@@ -5,10 +5,13 @@ are decoded in registers: codes of 2, 3, 4 or 8 bits unpacked from their packed 
 in the layer's codebook (`lut`: the centroid of each code, uniform grid or non-uniform), mapped
 by the block's per-channel key statistics / the token's value statistics (`lut[c] * half +
 offset`), the dense-and-sparse outliers put in place of their decoded entries, the sink rows and
-a staged (partial) block's full-precision rows in place of theirs, and keys stored before RoPE
-rotated to their positions (rotate-half: each channel and its partner decoded). Nothing is
-written back to memory; the step's own token attends with its fresh K/V, as in
-`nanokv.quant.attention.reference_quantized_attention`, the oracle of the tests.
+a staged (partial) block's full-precision rows in place of theirs. Keys stored before RoPE are
+decoded once as two halves (channels below and above D / 2, each the other's rotate-half
+partner), rotated to their slots' positions in registers and dotted with the query's two halves;
+their outliers then add per-outlier corrections to the scores (`_key_outlier_scores`) instead
+of being put in the tile. Nothing is written back to memory; the step's own token attends with
+its fresh K/V, as in `nanokv.quant.attention.reference_quantized_attention`, the oracle of the
+tests.
 
 The layout (`QuantLayerViews`, one layer, every tensor contiguous):
 
