@@ -44,7 +44,11 @@ from nanokv.cache.kv_pool import KVLayout, KVPool  # noqa: E402
 from nanokv.kernels.triton.decode import MAX_SPLITS  # noqa: E402
 from nanokv.layers.rotary import RotaryEmbedding  # noqa: E402
 from nanokv.quant import KVQuantConfig, KVQuantStore, make_kv_store  # noqa: E402
-from nanokv.quant.attention import quantized_paged_attention  # noqa: E402
+from nanokv.layers.attention import dense_reference_attention  # noqa: E402
+from nanokv.quant.attention import (  # noqa: E402
+    quantized_paged_attention,
+    reference_quantized_attention,
+)
 from nanokv.utils import cdiv  # noqa: E402
 
 
@@ -108,10 +112,9 @@ def fill_past(store, common, max_position: int, gen, device) -> None:
     for start in range(0, len(slots), 65536):
         part = slots[start:start + 65536]
         plan = store.begin_step(part, [s % max_position for s in part])
-        k = torch.randn(len(part), heads, dim, generator=gen, device=device)
-        v = torch.randn(len(part), heads, dim, generator=gen, device=device)
-        store.write_layer(0, plan, k.to(store.layout.dtype), v.to(store.layout.dtype),
-                          k.to(store.layout.dtype))
+        k, v = (torch.randn(len(part), heads, dim, generator=gen, device=device)
+                .to(store.layout.dtype) for _ in range(2))
+        store.write_layer(0, plan, k, v, k)
 
 
 def decode_only_fns(store, common, q, k, v, device) -> dict:
@@ -121,15 +124,10 @@ def decode_only_fns(store, common, q, k, v, device) -> dict:
     common.write_plan = SimpleNamespace(slot_mapping=torch.empty(0, dtype=torch.long,
                                                                  device=device))
     meta = QuantizedTorchBackend(store, device).build(common).meta
-    triton = TritonQuantizedBackend(store, device)
-    step = triton.build(common)
-    views = triton.layer_views(0)
-    out = torch.empty_like(q)
     return {"torch": lambda: quantized_paged_attention(q, k, v, None, store, 0, meta, None,
                                                        scale, store.rope),
-            "triton": lambda: triton._kernels.kvquant_decode_attention(
-                q, k, v, views, step.block_tables, step.context_lens, out, scale,
-                step.num_splits)}
+            "triton": sweep_fn(store, common.decode_block_tables, common.decode_context_lens,
+                               q, k, v, device)}
 
 
 def decode_step(args, rng, num_blocks) -> tuple[CommonAttentionMetadata, int]:
@@ -158,23 +156,21 @@ def prefill_step(args, rng, num_blocks) -> CommonAttentionMetadata:
 
 
 def reference_decode(cache, tables, lens, q, k, v, scale) -> torch.Tensor:
-    """Dense float32 attention of each request's query over its context, read back from the
-    cache (quantized stores dequantize, keys rotated), its own token from k, v: [B, Hq, D]."""
+    """The oracle of each request's decode: its past read back from the cache (a quantized
+    store's dequantized, `reference_quantized_attention`), its own token from k, v, dense
+    attention in float64 (`dense_reference_attention`): [B, Hq, D] float32."""
     bs, out = cache.layout.block_size, []
-    group = q.shape[1] // k.shape[1]
     for b, (table, n) in enumerate(zip(tables, lens)):
-        ids = torch.tensor(table[:cdiv(n, bs)], dtype=torch.long, device=q.device)
+        qb, kb, vb = (x[b:b + 1].float() for x in (q, k, v))  # [1, H, D]
         if isinstance(cache, KVPool):
-            kc, vc = (x[ids] for x in cache.layer(0))  # each [blocks, bs, Hkv, D]
+            ids = torch.tensor(table[:cdiv(n, bs)], dtype=torch.long, device=q.device)
+            kc, vc = (x[ids].reshape(-1, *x.shape[2:])[:n - 1].float()  # [n - 1, Hkv, D]
+                      for x in cache.layer(0))
+            out.append(dense_reference_attention(qb, torch.cat([kc, kb]), torch.cat([vc, vb]),
+                                                 scale)[0])
         else:
-            kc, vc = cache.read_blocks(0, ids, cache.rope)
-        kc = kc.reshape(-1, *k.shape[1:])[:n].float()  # [n, Hkv, D]
-        vc = vc.reshape(-1, *v.shape[1:])[:n].float()
-        kc[n - 1], vc[n - 1] = k[b].float(), v[b].float()
-        kc = kc.repeat_interleave(group, 1).transpose(0, 1)  # [Hq, n, D]
-        vc = vc.repeat_interleave(group, 1).transpose(0, 1)
-        p = torch.softmax((kc @ q[b].float()[:, :, None]).squeeze(-1) * scale, -1)  # [Hq, n]
-        out.append((p[:, None, :] @ vc).squeeze(1))  # [Hq, D]
+            out.append(reference_quantized_attention(qb, kb, vb, cache, 0, table, n - 1, scale,
+                                                     cache.rope)[0])
     return torch.stack(out)
 
 
@@ -220,12 +216,12 @@ def launch_variants(cache) -> list[dict]:
     return variants + [{"tile_n": t, "num_warps": w} for t in (32, 64, 128) for w in (4, 8)]
 
 
-def time_variants(args, caches, tables, n, c, device, gen) -> list[dict]:
+def time_variants(args, caches, tables, n, c, device, dtype, gen) -> list[dict]:
     """Each cache's launch variants at n requests x c tokens against its own default launch,
     measured in the same rounds."""
     part = [t[:cdiv(c, args.block_size)] for t in tables[:n]]
     lens = [c] * n
-    q, k, v = (torch.randn(n, h, args.head_dim, generator=gen, device=device).to(q_dtype(caches))
+    q, k, v = (torch.randn(n, h, args.head_dim, generator=gen, device=device).to(dtype)
                for h in (args.q_heads, args.kv_heads, args.kv_heads))
     rows = []
     for kind, cache in caches.items():
@@ -242,10 +238,6 @@ def time_variants(args, caches, tables, n, c, device, gen) -> list[dict]:
                          .item()})
             print(json.dumps(rows[-1]), flush=True)
     return rows
-
-
-def q_dtype(caches) -> torch.dtype:
-    return next(iter(caches.values())).layout.dtype
 
 
 def decode_sweep(args, device, dtype, rng, gen) -> None:
@@ -304,7 +296,7 @@ def decode_sweep(args, device, dtype, rng, gen) -> None:
         return
     variants = []
     for n in sorted({min(args.sweep_requests), n_max}):
-        variants += time_variants(args, caches, tables, n, c_max, device, gen)
+        variants += time_variants(args, caches, tables, n, c_max, device, dtype, gen)
     lines = ["| KV cache | requests | context | launch | Triton decode ms | time vs default | "
              "max abs diff vs default |", "|---|---|---|---|---|---|---|"]
     for r in variants:

@@ -12,12 +12,12 @@
 #                          kernels against the dense reference, decode graphs, HF parity)
 #   triton_sweep           Triton decode attention alone at 1k-32k tokens of context, 1 and 16
 #                          requests: int8 / fp8 / KVQuant 4-bit codes read in place against the
-#                          bf16 pool, outputs checked against a dense reference
+#                          bf16 pool, outputs checked against a dense reference; then each
+#                          kernel's launch settings around its defaults (splits, warps, key
+#                          tile) at 32k tokens (--sweep-variants)
 #   triton_bench           one layer's decode + prefill step, Triton backend vs PyTorch backend
 #                          (float pool, int8, fp8, KVQuant 4-bit decode;
 #                          benchmarks/bench_triton_attention.py)
-#   triton_variants        each decode kernel's launch settings around its defaults (splits,
-#                          warps, key tile) at 32k tokens, 1 and 16 requests (--sweep-variants)
 #   parity                 greedy parity with HF on CUDA (tiny models; plain, prefix hits,
 #                          chunking, preemption, int8), decode through CUDA graphs
 #                          (parity_eager, --enforce-eager: only with STAGES=parity_eager)
@@ -58,10 +58,13 @@ stage() {  # name, seconds, command...
   [ -z "${PACK:-}" ] || tar czf "$PACK" -C "$OUT" . 2>/dev/null
 }
 
+# nanokv's bench on the GPU; nano-vLLM's benchmark shape (also the HF peer's workload)
+ENGINE_BENCH=($PY -m nanokv.cli bench --model "$MODEL" --device cuda --dtype bfloat16
+  --skip-tokenizer-init --json)
+NANO_SHAPE=(--prompt-len 100 1024 --output-len 100 1024)
 bench() {  # name, seconds, requests, extra flags...
   local name=$1 limit=$2 n=$3; shift 3
-  stage "$name" "$limit" $PY -m nanokv.cli bench --model "$MODEL" --device cuda --dtype bfloat16 \
-    --skip-tokenizer-init --json --num-requests "$n" --prompt-len 100 1024 --output-len 100 1024 \
+  stage "$name" "$limit" "${ENGINE_BENCH[@]}" --num-requests "$n" "${NANO_SHAPE[@]}" \
     --max-num-seqs 256 --max-num-batched-tokens 16384 --max-model-len 4096 "$@"
 }
 
@@ -69,24 +72,20 @@ CUDA_TESTS="tests/cuda tests/unit/test_triton_attention.py tests/unit/test_trito
   tests/model/test_decode_graphs.py tests/model/test_hf_parity.py tests/unit/test_seams.py"
 # shellcheck disable=SC2086
 stage suite_cuda 90 $PY -m pytest -p no:cacheprovider -rfE -n 12 $CUDA_TESTS
-stage triton_sweep 30 $PY benchmarks/bench_triton_attention.py --device cuda --repeats 20 \
-  --sweep-contexts 1024 4096 16384 32768 --sweep-requests 1 16 --out "$OUT"
+stage triton_sweep 75 $PY benchmarks/bench_triton_attention.py --device cuda --repeats 20 \
+  --sweep-contexts 1024 4096 16384 32768 --sweep-requests 1 16 --sweep-variants --out "$OUT"
 stage triton_bench 30 $PY benchmarks/bench_triton_attention.py --device cuda --repeats 5 \
   --out "$OUT"
-mkdir -p "$OUT/variants"
-stage triton_variants 60 $PY benchmarks/bench_triton_attention.py --device cuda --repeats 20 \
-  --sweep-contexts 32768 --sweep-requests 1 16 --sweep-variants --out "$OUT/variants"
 stage parity 45 $PY scripts/cuda_parity.py --out "$OUT"
 [ -f "$MODEL/config.json" ] || stage make_model 35 $PY benchmarks/make_qwen3_0_6b.py --out "$MODEL"
 bench bench_256 60 256
 stage profile 30 $PY scripts/gpu_profile_decode.py --model "$MODEL" --out "$OUT"
 bench bench_64 30 64
 stage peer_hf_64 50 $PY benchmarks/bench_hf.py --model "$MODEL" --device cuda --dtype bfloat16 \
-  --num-requests 64 --prompt-len 100 1024 --output-len 100 1024
+  --num-requests 64 "${NANO_SHAPE[@]}"
 for kv in auto:25 int8:25 kvquant:40; do  # name:seconds
-  stage "kv_${kv%:*}" "${kv#*:}" $PY -m nanokv.cli bench --model "$MODEL" --device cuda --dtype bfloat16 \
-    --skip-tokenizer-init --json --num-requests 32 --prompt-len 1024 2048 --output-len 128 128 \
-    --max-num-seqs 32 --max-model-len 4096 --kv-cache-dtype "${kv%:*}"
+  stage "kv_${kv%:*}" "${kv#*:}" "${ENGINE_BENCH[@]}" --num-requests 32 --prompt-len 1024 2048 \
+    --output-len 128 128 --max-num-seqs 32 --max-model-len 4096 --kv-cache-dtype "${kv%:*}"
 done
 stage parity_eager 35 $PY scripts/cuda_parity.py --out "$OUT" --enforce-eager
 # shellcheck disable=SC2086
@@ -136,7 +135,7 @@ if p.exists():
             m = prof[mode]
             print(f"- {mode}: step wall ms {m['step_wall_ms']}, GPU ms/step {m['gpu_ms_per_step']},"
                   f" launches/step {m['launch_calls_per_step']}")
-for name in ("triton_decode_sweep", "triton_attention", "variants/triton_launch_variants"):
+for name in ("triton_decode_sweep", "triton_launch_variants", "triton_attention"):
     p = out / f"{name}.md"
     if p.exists():
         print(f"\n{name}:\n\n{p.read_text()}")

@@ -52,6 +52,20 @@ def test_launch_variants_give_the_default_output(tmp_path):
         assert r["max_abs_diff_vs_default"] < 1e-5, r
 
 
+def test_step_mode_rows(tmp_path):
+    """The default mode (one layer's step, the PyTorch backend vs the Triton one) runs every
+    cache, KVQuant's decode alone."""
+    bench_triton_attention.main([
+        "--device", "cpu", "--requests", "2", "--min-context", "20", "--max-context", "40",
+        "--prefill-chunks", "2", "--chunk-len", "16", "--q-heads", "4", "--kv-heads", "2",
+        "--head-dim", "32", "--repeats", "1", "--kv-dtypes", "auto", "kvquant",
+        "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "triton_attention.json").read_text())["rows"]
+    assert [(r["kv_cache_dtype"], r["step"]) for r in rows] == [
+        ("auto", "decode"), ("auto", "prefill"), ("kvquant", "decode")]
+    assert all(r["torch_ms"] > 0 and r["triton_ms"] > 0 for r in rows)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--kv-heads", "3"], "--q-heads must be a multiple of --kv-heads"),
     (["--min-context", "9", "--max-context", "8"], "--min-context must not exceed"),

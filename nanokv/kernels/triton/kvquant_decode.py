@@ -69,16 +69,22 @@ class QuantLayerViews:
 
 @triton.jit
 def _codes(rows, d, m, BITS: tl.constexpr, PACKED: tl.constexpr):
-    """The codes [N, D_PAD] (int32) of channels d of packed rows starting at `rows` [N]: bit
-    d * BITS of a row's little-endian bit stream (8 codes in 3 bytes at 3 bits)."""
+    """The codes [N, D_PAD] (int32) of channels d of packed rows starting at `rows` [N]."""
+    return _code_at(rows[:, None], d[None, :], m, BITS, PACKED)
+
+
+@triton.jit
+def _code_at(row, c, m, BITS: tl.constexpr, PACKED: tl.constexpr):
+    """The code (int32) of channel c in the packed row at `row` (any shapes that broadcast;
+    0 where not m): bit c * BITS of the row's little-endian bit stream (8 codes in 3 bytes at 3
+    bits)."""
     if BITS == 8:
-        return tl.load(rows[:, None] + d[None, :], mask=m, other=0).to(tl.int32)
-    bit = d * BITS
+        return tl.load(row + c, mask=m, other=0).to(tl.int32)
+    bit = c * BITS
     byte = bit // 8
-    lo = tl.load(rows[:, None] + byte[None, :], mask=m, other=0).to(tl.int32)
-    hi = tl.load(rows[:, None] + byte[None, :] + 1, mask=m & (byte[None, :] + 1 < PACKED),
-                 other=0).to(tl.int32)
-    return ((lo | (hi << 8)) >> (bit % 8)[None, :]) & ((1 << BITS) - 1)
+    lo = tl.load(row + byte, mask=m, other=0).to(tl.int32)
+    hi = tl.load(row + byte + 1, mask=m & (byte + 1 < PACKED), other=0).to(tl.int32)
+    return ((lo | (hi << 8)) >> (bit % 8)) & ((1 << BITS) - 1)
 
 
 @triton.jit
@@ -164,14 +170,8 @@ def _key_outlier_scores(blk, g, s, staged, q_row, g_mask, kc_ptr, k_off_ptr, k_h
         c = idx % HEAD_DIM
         for p in range(NUM_SINKS):
             used = used & (slot != tl.load(sink_slot_ptr + blk * NUM_SINKS + p).to(tl.int32))
-        row = kc_ptr + ((blk * BLOCK_SIZE + slot) * HKV + g) * PACKED
-        if BITS == 8:
-            code = tl.load(row + c).to(tl.int32)
-        else:
-            byte = c * BITS // 8
-            lo = tl.load(row + byte).to(tl.int32)
-            hi = tl.load(row + byte + 1, mask=byte + 1 < PACKED, other=0).to(tl.int32)
-            code = ((lo | (hi << 8)) >> (c * BITS % 8)) & ((1 << BITS) - 1)
+        code = _code_at(kc_ptr + ((blk * BLOCK_SIZE + slot) * HKV + g) * PACKED, c, used, BITS,
+                        PACKED)
         stat = (blk * HKV + g) * HEAD_DIM + c
         decoded = tl.load(k_lut_ptr + code) * tl.load(k_half_ptr + stat).to(tl.float32) \
             + tl.load(k_off_ptr + stat).to(tl.float32)
@@ -230,11 +230,11 @@ def _kvquant_decode_kernel(
                                     b, kv_head, split, context, d, d_mask, qk_scale, G_PAD,
                                     D_PAD)
 
-    HALF = HEAD_DIM // 2
-    dh = tl.arange(0, H_PAD)  # the first half's channels, the second half's minus HALF
-    dh_mask = dh < HALF
-    q_row = q_ptr + b * stride_qt + q_head[:, None] * stride_qh  # [G_PAD, 1]
     if ROPE:  # rotate-half: channel c < HALF pairs with c + HALF
+        HALF = HEAD_DIM // 2
+        dh = tl.arange(0, H_PAD)  # the first half's channels, the second half's minus HALF
+        dh_mask = dh < HALF
+        q_row = q_ptr + b * stride_qt + q_head[:, None] * stride_qh  # [G_PAD, 1]
         q_lo = tl.load(q_row + dh[None, :], mask=g_mask[:, None] & dh_mask[None, :],
                        other=0.0).to(DOT_DTYPE)
         q_hi = tl.load(q_row + HALF + dh[None, :], mask=g_mask[:, None] & dh_mask[None, :],
