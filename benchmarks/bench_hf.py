@@ -74,7 +74,12 @@ def main(argv=None) -> None:
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        ap.error(f"--device takes cpu or cuda[:N], got {args.device!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device here")
     dtype = getattr(torch, args.dtype)

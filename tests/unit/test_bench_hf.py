@@ -33,6 +33,8 @@ def test_counts_the_shared_workloads_outputs(capsys):
     (["--prompt-len", "5", "2"], "--prompt-len takes MIN MAX"),
     (["--output-len", "0", "2"], "--output-len takes MIN MAX"),
     (["--num-requests", "0"], "--num-requests must be at least 1"),
+    (["--device", "gpu"], "--device takes cpu or cuda"),
+    (["--device", "meta"], "--device takes cpu or cuda"),
 ])
 def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit):
