@@ -16,6 +16,10 @@ time).
 
     PYTHONPATH=. python benchmarks/bench_triton_attention.py --out docs/results/gpu
 
+`--sweep-contexts` times the decode attention alone instead (--inner calls back to back a round:
+at one request a call is bound by Python's launch cost, about 0.1-0.15 ms), and with
+`--sweep-variants` each kernel's launch settings around the backend's defaults.
+
 `--device cpu` with TRITON_INTERPRET=1 dry-runs the script's logic on tiny shapes (no figures).
 """
 
@@ -57,8 +61,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fns: dict, repeats: int, device: torch.device) -> dict:
-    """Median seconds per call, rounds taking every fn in turn after one warm-up each."""
+def timed(fns: dict, repeats: int, device: torch.device, inner: int = 1) -> dict:
+    """Median seconds per call, rounds taking every fn in turn after one warm-up each; a round
+    times `inner` calls back to back between two synchronisations."""
     for fn in fns.values():
         fn()
     times = {name: [] for name in fns}
@@ -66,9 +71,10 @@ def timed(fns: dict, repeats: int, device: torch.device) -> dict:
         for name, fn in fns.items():
             sync(device)
             t0 = time.perf_counter()
-            fn()
+            for _ in range(inner):
+                fn()
             sync(device)
-            times[name].append(time.perf_counter() - t0)
+            times[name].append((time.perf_counter() - t0) / inner)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -176,7 +182,8 @@ def reference_decode(cache, tables, lens, q, k, v, scale) -> torch.Tensor:
 
 def sweep_fn(cache, tables, lens, q, k, v, device, variant: dict | None = None):
     """The Triton decode attention alone over `cache` (no write; the own token from k, v).
-    variant: launch settings in place of the backend's own (num_splits, num_warps, tile_n)."""
+    variant: launch settings in place of the backend's own (num_splits, num_warps, tile_n,
+    num_stages)."""
     scale = q.shape[-1] ** -0.5
     bs = cache.layout.block_size
     slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens)]
@@ -187,14 +194,16 @@ def sweep_fn(cache, tables, lens, q, k, v, device, variant: dict | None = None):
     backend = (TritonQuantizedBackend if quantized else TritonPagedBackend)(cache, device)
     step = backend.build(common)
     launch = {"num_splits": step.num_splits, "num_warps": backend.num_warps,
-              **({} if quantized else {"tile_n": backend.tile_n}), **(variant or {})}
+              "num_stages": backend.num_stages,
+              **({} if quantized else {"tile_n": backend.decode_tile_n}),
+              **(variant or {})}
     if quantized:
         views = backend.layer_views(0)
 
         def run():
             backend._kernels.kvquant_decode_attention(
                 q, k, v, views, step.block_tables, step.context_lens, out, scale,
-                launch["num_splits"], launch["num_warps"])
+                launch["num_splits"], launch["num_warps"], launch["num_stages"])
             return out
         return run
     kv = backend.paged_kv(0)
@@ -202,18 +211,24 @@ def sweep_fn(cache, tables, lens, q, k, v, device, variant: dict | None = None):
     def run():
         backend._decode.decode_attention(q, k, v, kv, step.block_tables, step.context_lens, out,
                                          scale, launch["num_splits"], launch["tile_n"],
-                                         launch["num_warps"])
+                                         launch["num_warps"], launch["num_stages"])
         return out
     return run
 
 
 def launch_variants(cache) -> list[dict]:
-    """The launch settings --sweep-variants tries beside the backend's own: all splits, and
-    the warps (and the float / int8 / fp8 kernel's key tile) around the defaults."""
-    variants = [{"num_splits": MAX_SPLITS}]
+    """The launch settings --sweep-variants tries beside the backend's own: other split counts,
+    the compiler's pipelining depth (num_stages; Triton's default is 3, 1 none), the warps, the
+    float / int8 / fp8 kernel's key tile, and a few combinations of them (variants equal to the
+    default launch are timed too: a measure of the noise)."""
+    variants = [{"num_splits": n} for n in (3, 16, 32, MAX_SPLITS)]
+    variants += [{"num_stages": n} for n in (1, 2)]
     if isinstance(cache, KVQuantStore):
         return variants + [{"num_warps": w} for w in (2, 8)]
-    return variants + [{"tile_n": t, "num_warps": w} for t in (32, 64, 128) for w in (4, 8)]
+    return variants + [{"tile_n": t} for t in (64, 128, 256)] + [
+        {"num_warps": 8}, {"tile_n": 256, "num_warps": 8}, {"tile_n": 64, "num_stages": 1},
+        {"tile_n": 64, "num_stages": 1, "num_splits": 32}, {"tile_n": 128, "num_splits": 3},
+        {"tile_n": 128, "num_warps": 8, "num_stages": 1}]
 
 
 def time_variants(args, caches, tables, n, c, device, dtype, gen) -> list[dict]:
@@ -230,7 +245,7 @@ def time_variants(args, caches, tables, n, c, device, dtype, gen) -> list[dict]:
             name = " ".join(f"{key}={value}" for key, value in variant.items())
             fns[name] = sweep_fn(cache, part, lens, q, k, v, device, variant)
         want = fns["default"]().clone()
-        t = timed(fns, args.repeats, device)
+        t = timed(fns, args.repeats, device, args.inner)
         for name, fn in fns.items():
             rows.append({"kv_cache_dtype": kind, "requests": n, "context": c, "launch": name,
                          "triton_ms": t[name] * 1e3, "vs_default": t[name] / t["default"],
@@ -270,7 +285,7 @@ def decode_sweep(args, device, dtype, rng, gen) -> None:
             for kind, cache in caches.items():  # also the warm-up (compiles)
                 want = reference_decode(cache, part, lens, q, k, v, scale)
                 errors[kind] = (fns[kind]().float() - want).abs().max().item()
-            t = timed(fns, args.repeats, device)
+            t = timed(fns, args.repeats, device, args.inner)
             base = t.get(args.kv_dtypes[0])
             for kind, cache in caches.items():
                 per_token = cache.nbytes / (cache.num_blocks * bs)
@@ -332,6 +347,9 @@ def main(argv=None) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-dtypes", nargs="+", default=["auto", "int8", "fp8_e4m3", "kvquant"])
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--inner", type=int, default=None, metavar="N",
+                   help="with --sweep-contexts: calls timed back to back in each round (default "
+                   "10 on CUDA, 1 on CPU)")
     p.add_argument("--out", default=None, help="directory for triton_attention.{json,md} "
                    "(triton_decode_sweep.{json,md} with --sweep-contexts)")
     p.add_argument("--sweep-contexts", type=int, nargs="+", default=None, metavar="TOKENS",
@@ -355,6 +373,8 @@ def main(argv=None) -> None:
         p.error("--q-heads must be a multiple of --kv-heads")
     if args.sweep_contexts and min(args.sweep_contexts + args.sweep_requests) < 1:
         p.error("--sweep-contexts and --sweep-requests take positive numbers")
+    if args.inner is not None and args.inner < 1:
+        p.error("--inner must be at least 1")
     if args.sweep_variants and not args.sweep_contexts:
         p.error("--sweep-variants needs --sweep-contexts")
     device = torch.device(args.device)
@@ -362,6 +382,7 @@ def main(argv=None) -> None:
         sys.exit("no CUDA device (--device cpu with TRITON_INTERPRET=1 dry-runs the logic)")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("on CPU the Triton kernels need TRITON_INTERPRET=1")
+    args.inner = args.inner or (10 if device.type == "cuda" else 1)
     rng, gen = random.Random(0), torch.Generator().manual_seed(0)
     device_gen = torch.Generator(device=device).manual_seed(1)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

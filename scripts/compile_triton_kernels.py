@@ -123,9 +123,11 @@ def record(dtype, hq, hkv, dim, block_size, quick: bool) -> None:
             continue
         kv_write.write_kv(k, k, torch.zeros(t, dtype=torch.long), kv)
         out = torch.empty_like(q)
+        decode_tile_n = B.decode_launch(dtype, kv.kv_format)[0]
         for splits in (1, 4):
             decode.decode_attention(q[:rows], k[:rows], k[:rows], kv, tables, i32[:rows],
-                                    out[:rows], 0.1, splits, tile_n, B.num_warps)
+                                    out[:rows], 0.1, splits, decode_tile_n, B.num_warps,
+                                    B.num_stages)
         prefill.prefill_attention(q, k, k, kv, i32[:2], i32[:2], i32[:2], tables[:2], 20, out,
                                   0.1, block_rows, tile_n, B.num_warps)
 

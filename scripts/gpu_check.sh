@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, as one script for a lent GPU machine (no FastAPI, no
 # downloads there; nanokv runs from the working tree with PYTHONPATH=.). Each stage has its own
-# time limit (together under 500 s, so one run and its machine's start fit a 15-minute lease
-# with room for a short rerun) and writes to $OUT (default /tmp/gpu_check); summary.md gathers
+# time limit (the default stages together under 600 s; pick fewer with STAGES to leave room
+# in a 15-minute lease for a machine start and a rerun) and writes to $OUT (default /tmp/gpu_check); summary.md gathers
 # the figures at the end. With PACK=FILE.tgz the logs so far are packed into FILE after every
 # stage (a tool that returns few files gets one, also when the run is cut short).
 # Run from the repository root:  OUT=/path bash scripts/gpu_check.sh
@@ -12,9 +12,10 @@
 #                          kernels against the dense reference, decode graphs, HF parity)
 #   triton_sweep           Triton decode attention alone at 1k-32k tokens of context, 1 and 16
 #                          requests: int8 / fp8 / KVQuant 4-bit codes read in place against the
-#                          bf16 pool, outputs checked against a dense reference; then each
-#                          kernel's launch settings around its defaults (splits, warps, key
-#                          tile) at 32k tokens (--sweep-variants)
+#                          bf16 pool, outputs checked against a dense reference, timed as CUDA
+#                          graph replays; then each kernel's launch settings around its
+#                          defaults (splits up to 64, pipelining depth, warps, key tile) at 32k
+#                          tokens (--sweep-variants)
 #   triton_bench           one layer's decode + prefill step, Triton backend vs PyTorch backend
 #                          (float pool, int8, fp8, KVQuant 4-bit decode;
 #                          benchmarks/bench_triton_attention.py)
@@ -72,7 +73,7 @@ CUDA_TESTS="tests/cuda tests/unit/test_triton_attention.py tests/unit/test_trito
   tests/model/test_decode_graphs.py tests/model/test_hf_parity.py tests/unit/test_seams.py"
 # shellcheck disable=SC2086
 stage suite_cuda 90 $PY -m pytest -p no:cacheprovider -rfE -n 12 $CUDA_TESTS
-stage triton_sweep 75 $PY benchmarks/bench_triton_attention.py --device cuda --repeats 20 \
+stage triton_sweep 200 $PY benchmarks/bench_triton_attention.py --device cuda --repeats 20 \
   --sweep-contexts 1024 4096 16384 32768 --sweep-requests 1 16 --sweep-variants --out "$OUT"
 stage triton_bench 30 $PY benchmarks/bench_triton_attention.py --device cuda --repeats 5 \
   --out "$OUT"
@@ -81,9 +82,9 @@ stage parity 45 $PY scripts/cuda_parity.py --out "$OUT"
 bench bench_256 60 256
 stage profile 30 $PY scripts/gpu_profile_decode.py --model "$MODEL" --out "$OUT"
 bench bench_64 30 64
-stage peer_hf_64 50 $PY benchmarks/bench_hf.py --model "$MODEL" --device cuda --dtype bfloat16 \
+stage peer_hf_64 100 $PY benchmarks/bench_hf.py --model "$MODEL" --device cuda --dtype bfloat16 \
   --num-requests 64 "${NANO_SHAPE[@]}"
-for kv in auto:25 int8:25 kvquant:40; do  # name:seconds
+for kv in auto:25 int8:25 kvquant:60; do  # name:seconds
   stage "kv_${kv%:*}" "${kv#*:}" "${ENGINE_BENCH[@]}" --num-requests 32 --prompt-len 1024 2048 \
     --output-len 128 128 --max-num-seqs 32 --max-model-len 4096 --kv-cache-dtype "${kv%:*}"
 done

@@ -41,7 +41,9 @@ from nanokv.quant.pertoken_store import FP8KVStore, Int8KVStore
 from nanokv.utils import cdiv
 
 POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MAX_SPLITS = 16  # nanokv.kernels.triton.decode.MAX_SPLITS (not imported: that imports Triton)
+# the most decode splits the backends choose: all the kernels take
+# (nanokv.kernels.triton.decode.MAX_SPLITS; not imported here: that imports Triton)
+SPLIT_CAP = 64
 
 
 def interpreter_on() -> bool:
@@ -78,6 +80,7 @@ class TritonPagedBackend(AttentionBackend):
     supports_cuda_graphs = True
     auto_devices = ("cuda",)
     num_warps = 4
+    num_stages = None  # decode's pipelining depth (None: Triton's default)
 
     def __init__(self, kv_cache, device: torch.device) -> None:
         super().__init__(kv_cache, device)
@@ -90,9 +93,11 @@ class TritonPagedBackend(AttentionBackend):
         self.num_kv_heads = kv_cache.layout.num_kv_heads
         # keys per tile, and rows of a prefill tile (query tokens x the GQA group's heads)
         self.tile_n, self.block_rows = self.tiles_for(kv_cache.layout.dtype)
-        # decode programs to aim for (request x KV head x split): two waves of the GPU
-        self.target_programs = (2 * torch.cuda.get_device_properties(device).multi_processor_count
-                                if device.type == "cuda" else 1)
+        # decode's keys per tile, and programs to aim for (request x KV head x split) in waves
+        # of the GPU's multiprocessors
+        self.decode_tile_n, waves = self.decode_launch(kv_cache.layout.dtype, self.kv_format)
+        self.target_programs = (waves * torch.cuda.get_device_properties(device)
+                                .multi_processor_count if device.type == "cuda" else 1)
         self._layers: dict[int, PagedKV] = {}
 
     @staticmethod
@@ -101,6 +106,20 @@ class TritonPagedBackend(AttentionBackend):
         float32, whose exact (non tensor-core) dot needs more registers (what
         scripts/compile_triton_kernels.py reports for sm_90: no spills at these sizes)."""
         return (32, 32) if dtype == torch.float32 else (64, 64)
+
+    @classmethod
+    def decode_launch(cls, dtype: torch.dtype, kv_format: int | None) -> tuple[int, int]:
+        """(keys per decode tile, waves of programs to aim for). The float pool: the prefill's
+        key tile, two waves. 1-byte codes of a 16-bit model: tiles of 128 keys (the bytes of a
+        float tile of 64) and 16 waves, many short splits: the int8 / fp8 kernels need more
+        registers than the float one (fewer programs fit a multiprocessor), so their loads'
+        latency is hidden by more programs in flight. On an H200 at 16 requests x 32k tokens
+        (docs/results/gpu/README.md) this took int8 from 0.94 to 0.49 ms, the bf16 pool's
+        0.52 ms; the float pool gained nothing from either."""
+        tile_n = cls.tiles_for(dtype)[0]
+        if kv_format in (None, FLOAT) or dtype == torch.float32:
+            return tile_n, 2
+        return 128, 16
 
     @classmethod
     def why_not(cls, kv_cache, device: torch.device) -> tuple[str, bool] | None:
@@ -124,9 +143,9 @@ class TritonPagedBackend(AttentionBackend):
     # ---- metadata ------------------------------------------------------------------------------
     def decode_splits(self, rows: int, max_context: int) -> int:
         """Splits of each decode's context: enough programs to fill the GPU, no more splits than
-        key tiles of the longest context, at most MAX_SPLITS. Depends only on its arguments."""
+        key tiles of the longest context, at most SPLIT_CAP. Depends only on its arguments."""
         wanted = cdiv(self.target_programs, max(1, rows * self.num_kv_heads))
-        return max(1, min(wanted, cdiv(max_context, self.tile_n), MAX_SPLITS))
+        return max(1, min(wanted, cdiv(max_context, self.decode_tile_n), SPLIT_CAP))
 
     def build(self, common: CommonAttentionMetadata) -> TritonStep:
         if common.per_layer is not None:  # each layer its own slices of the flat pool
@@ -179,7 +198,8 @@ class TritonPagedBackend(AttentionBackend):
         if nd:
             self._decode.decode_attention(
                 q[:nd], k[:nd], v[:nd], kv, step.block_tables[:nd], step.context_lens[:nd],
-                out[:nd], scale, step.num_splits, self.tile_n, self.num_warps)
+                out[:nd], scale, step.num_splits, self.decode_tile_n, self.num_warps,
+                self.num_stages)
         chunks = step.prefill
         if chunks is not None:
             self._prefill.prefill_attention(

@@ -19,7 +19,7 @@ from nanokv.attention.backend import AttentionBackend
 from nanokv.attention.common import CommonAttentionMetadata
 from nanokv.attention.quantized import prefill_only_metadata, write_prefill_then_decode
 from nanokv.attention.triton_metadata import padded_rows
-from nanokv.attention.triton_paged import MAX_SPLITS, interpreter_on, triton_unavailable
+from nanokv.attention.triton_paged import SPLIT_CAP, interpreter_on, triton_unavailable
 from nanokv.layers.attention import AttentionMetadata
 from nanokv.quant.kivi_store import KIVIStore
 from nanokv.quant.kvquant import centroid_table
@@ -60,6 +60,7 @@ class TritonQuantizedBackend(AttentionBackend):
     description = "Triton decode over the kvquant / kivi codes in place, PyTorch prefill"
     auto_devices = ("cuda",)
     num_warps = 4
+    num_stages = None  # the pipelining depth of a split's block loop (None: Triton's)
 
     def __init__(self, kv_cache, device: torch.device) -> None:
         super().__init__(kv_cache, device)
@@ -93,9 +94,9 @@ class TritonQuantizedBackend(AttentionBackend):
     # ---- metadata ------------------------------------------------------------------------------
     def decode_splits(self, rows: int, max_context: int) -> int:
         """Splits (runs of whole blocks) of each decode's context: enough programs to fill the
-        GPU, no more than the longest context's blocks, at most MAX_SPLITS."""
+        GPU, no more than the longest context's blocks, at most SPLIT_CAP."""
         wanted = cdiv(self.target_programs, max(1, rows * self.num_kv_heads))
-        return max(1, min(wanted, cdiv(max_context, self.block_size), MAX_SPLITS))
+        return max(1, min(wanted, cdiv(max_context, self.block_size), SPLIT_CAP))
 
     def build(self, common: CommonAttentionMetadata) -> TritonQuantStep:
         prefill_meta = prefill_only_metadata(common, self.device)
@@ -114,7 +115,7 @@ class TritonQuantizedBackend(AttentionBackend):
             out = torch.empty_like(qd)
             self._kernels.kvquant_decode_attention(
                 qd, kd, vd, self.layer_views(layer), step.block_tables, step.context_lens, out,
-                scale, step.num_splits, self.num_warps)
+                scale, step.num_splits, self.num_warps, self.num_stages)
             return out
 
         return write_prefill_then_decode(self.kv_cache, layer, q, k, v, k_pre, step.write_plan,

@@ -140,6 +140,7 @@ def test_write_equals_the_stores_write_and_skips_padded_slots(kind):
 def new_backend(cache, tile_n=32, block_rows=32, target_programs=64):
     backend = TritonPagedBackend(cache, DEVICE)
     backend.tile_n, backend.block_rows = tile_n, block_rows  # small tiles: several per context
+    backend.decode_tile_n = tile_n
     backend.target_programs = target_programs  # several decode splits
     return backend
 
@@ -235,6 +236,17 @@ def test_prefill_and_decode_equal_dense_reference(kind, bs, hq, dim):
     for c, past in zip(chunks, (cont_past, 0)):
         rows = slice(c.query_start, c.query_start + c.query_len)
         check(out[rows], reference(cache, q[rows], k[rows], v[rows], c.block_table, past))
+
+    # the same decodes launched with more splits than the backend chooses (most of them empty
+    # at these lengths) and another pipelining depth, as the GPU sweep tries
+    wide = torch.empty_like(out[:nd])
+    backend._decode.decode_attention(
+        q[:nd], k[:nd], v[:nd], backend.paged_kv(0), meta.block_tables[:nd],
+        meta.context_lens[:nd], wide, q.shape[-1] ** -0.5, num_splits=24, tile_n=16,
+        num_stages=2)
+    for i, n in enumerate(lens):
+        check(wide[i:i + 1], reference(cache, q[i:i + 1], k[i:i + 1], v[i:i + 1], tables[i],
+                                       n - 1))
 
 
 @pytest.mark.parametrize("kind", ["float32", "int8"])
@@ -333,6 +345,31 @@ def test_graph_metadata_rejects_what_it_cannot_hold():
             [1], 1, [[0]], [2], [], write_plan=torch.tensor([1]))), None, 1)
     with pytest.raises(ValueError, match="max_batch and max_blocks must be >= 1"):
         backend.graph_decode_metadata(0, 2)
+
+
+def test_decode_launch_by_cache_format():
+    """Codes of a 16-bit model decode in tiles of 128 keys over 16 waves of programs, the float
+    pool (and any float32 model) in its prefill tile over 2; the split count fills the target,
+    stays within the longest context's tiles and the kernels' MAX_SPLITS (brute force)."""
+    from nanokv.kernels.triton.decode import MAX_SPLITS
+    from nanokv.kernels.triton.paged_kv import FLOAT, INT8, FP8_E4M3
+
+    launch = TritonPagedBackend.decode_launch
+    assert launch(torch.bfloat16, FLOAT) == (64, 2)
+    assert launch(torch.bfloat16, INT8) == launch(torch.float16, FP8_E4M3) == (128, 16)
+    assert launch(torch.float32, INT8) == launch(torch.float32, FLOAT) == (32, 2)
+    assert triton_paged.SPLIT_CAP == MAX_SPLITS
+    backend = new_backend(make_cache("int8", 32, 16, 8))
+    backend.decode_tile_n, backend.target_programs = 128, 16 * 132
+    for rows in (1, 2, 16, 64, 256, 2000):
+        for context in (1, 100, 128, 129, 4096, 32768):
+            n = backend.decode_splits(rows, context)
+            programs = rows * backend.num_kv_heads
+            want = min(-(-16 * 132 // programs), -(-context // 128), MAX_SPLITS)
+            assert n == max(1, want), (rows, context, n)
+    assert backend.decode_splits(1, 32768) == MAX_SPLITS  # one request: every split
+    assert backend.decode_splits(1, 129) == 2  # no split without a tile of keys
+    assert backend.decode_splits(2000, 32768) == 1  # the GPU filled by requests alone
 
 
 # ---- the GPU compiler -----------------------------------------------------------------------

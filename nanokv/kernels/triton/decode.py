@@ -25,7 +25,7 @@ import triton.language as tl
 from nanokv.kernels.triton.paged_kv import PagedKV
 from nanokv.kernels.triton.paged_tile import LOG2E, attend_paged_span, dot_dtype
 
-MAX_SPLITS = 16
+MAX_SPLITS = 64  # the most splits the kernels take (the backends choose at most 16 by default)
 _PER_STEP = ["table_ptr", "stride_table", "context_ptr", "stride_context", "num_splits"]
 
 
@@ -130,13 +130,15 @@ def _decode_merge_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_o
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor,
                      scale: float, num_splits: int = 1, tile_n: int = 64,
-                     num_warps: int = 4) -> None:
+                     num_warps: int = 4, num_stages: int | None = None) -> None:
     """q, out: [B, Hq, D]; k, v: [B, Hkv, D] the step's own (fresh) K/V; block_tables:
     [B, max_blocks] int32 (any row stride); context_lens: [B] int32 cached slots after this
-    step, the own token included (0: a padded row, output zeros). Writes out."""
+    step, the own token included (0: a padded row, output zeros). num_stages: the compiler's
+    software-pipelining depth of the key-tile loop (None: Triton's default, 3 on NVIDIA GPUs;
+    1 none). Writes out."""
     rows, num_q_heads, dim = q.shape
     heads = kv.num_kv_heads
-    _check(q, k, v, out, kv, block_tables, context_lens, num_splits, tile_n)
+    _check(q, k, v, out, kv, block_tables, context_lens, num_splits, tile_n, num_stages)
     if rows == 0:
         return
     group = num_q_heads // heads
@@ -151,7 +153,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Page
         GROUP=group, HEAD_DIM=dim, G_PAD=max(16, triton.next_power_of_2(group)), D_PAD=d_pad,
         BLOCK_SIZE=kv.block_size, TILE_N=tile_n, DIRECT_OUT=num_splits == 1,
         KV_FORMAT=kv.kv_format, DOT_DTYPE=dot_dtype(_decode_split_kernel, q.dtype),
-        num_warps=num_warps)
+        num_warps=num_warps, **stages(num_stages))
     merge_splits(part_m, part_l, parts, out, num_splits, d_pad)
 
 
@@ -172,10 +174,11 @@ def merge_splits(part_m, part_l, parts, out: torch.Tensor, num_splits: int, d_pa
     if num_splits > 1:
         _decode_merge_kernel[out.shape[:2]](
             part_m, part_l, parts, out, out.stride(0), out.stride(1), num_splits,
-            HEAD_DIM=out.shape[2], D_PAD=d_pad, S_PAD=MAX_SPLITS)
+            HEAD_DIM=out.shape[2], D_PAD=d_pad, S_PAD=max(16, triton.next_power_of_2(num_splits)))
 
 
-def _check(q, k, v, out, kv: PagedKV, block_tables, context_lens, num_splits, tile_n) -> None:
+def _check(q, k, v, out, kv: PagedKV, block_tables, context_lens, num_splits, tile_n,
+           num_stages) -> None:
     rows, num_q_heads, dim = q.shape
     heads = kv.num_kv_heads
     if dim != kv.head_dim or num_q_heads % heads:
@@ -196,3 +199,15 @@ def _check(q, k, v, out, kv: PagedKV, block_tables, context_lens, num_splits, ti
     if not 1 <= num_splits <= MAX_SPLITS or tile_n < 16 or tile_n & (tile_n - 1):
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}] and tile_n a power of two "
                          f">= 16, got {num_splits} and {tile_n}")
+    check_num_stages(num_stages)
+
+
+def check_num_stages(num_stages: int | None) -> None:
+    if num_stages is not None and not 1 <= num_stages <= 4:
+        raise ValueError(f"num_stages must be None (Triton's default), 1 (no pipelining) to 4, "
+                         f"got {num_stages}")
+
+
+def stages(num_stages: int | None) -> dict:
+    """The launch option for a kernel's pipelining depth (none: Triton's default)."""
+    return {} if num_stages is None else {"num_stages": num_stages}

@@ -34,7 +34,12 @@ import triton
 import triton.language as tl
 
 from nanokv.kernels.triton import decode
-from nanokv.kernels.triton.decode import MAX_SPLITS, own_token_state, store_split
+from nanokv.kernels.triton.decode import (
+    MAX_SPLITS,
+    check_num_stages,
+    own_token_state,
+    store_split,
+)
 from nanokv.kernels.triton.paged_tile import LOG2E, attend_scores, dot, dot_dtype
 
 
@@ -292,7 +297,8 @@ def _kvquant_decode_kernel(
 def kvquant_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              layer: QuantLayerViews, block_tables: torch.Tensor,
                              context_lens: torch.Tensor, out: torch.Tensor, scale: float,
-                             num_splits: int = 1, num_warps: int = 4) -> None:
+                             num_splits: int = 1, num_warps: int = 4,
+                             num_stages: int | None = None) -> None:
     """q, out: [B, Hq, D]; k (after RoPE), v: [B, Hkv, D] the step's own K/V; block_tables
     [B, max_blocks] int32 (contiguous rows); context_lens [B] int32: cached slots after this
     step, the own token included (0: a padded row, output zeros). Writes out."""
@@ -307,6 +313,7 @@ def kvquant_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError("block_tables (contiguous rows) and context_lens must be int32")
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    check_num_stages(num_stages)
     if block_size & (block_size - 1):
         raise ValueError(f"the kernel takes power-of-two block sizes, got {block_size}")
     if rows == 0:
@@ -335,7 +342,8 @@ def kvquant_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         V_PACKED=layer.v_codes.shape[-1], V_GROUPS=layer.v_half.shape[-1], K_CAP=k_cap,
         V_CAP=v_cap, NUM_SINKS=num_sinks, ROPE=rope, STAGED_V=layer.v_stage is not None,
         DIRECT_OUT=num_splits == 1, DOT_DTYPE=dot_dtype(_kvquant_decode_kernel, q.dtype),
-        H_PAD=max(16, triton.next_power_of_2(dim // 2)), num_warps=num_warps)
+        H_PAD=max(16, triton.next_power_of_2(dim // 2)), num_warps=num_warps,
+        **decode.stages(num_stages))
     decode.merge_splits(part_m, part_l, parts, out, num_splits, d_pad)
 
 

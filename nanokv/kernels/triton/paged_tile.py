@@ -23,26 +23,27 @@ LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E): the kernels' softmax run
 
 
 @triton.jit
-def load_paged_rows(cache_ptr, table_ptr, t, t_mask, kv_head, stride_cb, stride_cs, stride_ch,
-                    d, d_mask, BLOCK_SIZE: tl.constexpr, KV_FORMAT: tl.constexpr):
-    """Tokens t [N] of one request (block-table row at table_ptr), one KV head ->
-    [N, D_PAD]: the pool's elements, or the codes' float32 values (scale not applied)."""
+def paged_slots(table_ptr, t, t_mask, kv_head, stride_cb, stride_cs, stride_ch, stride_sb,
+                stride_ss, BLOCK_SIZE: tl.constexpr):
+    """Where tokens t [N] of one request (block-table row at table_ptr), one KV head, live:
+    (row [N], the element offset of each token's head row in a cache tensor; scale [N], the
+    offset of its scale). One block-table read for the tile's keys, values and scales."""
     blk = tl.load(table_ptr + t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-    row = blk * stride_cb + (t % BLOCK_SIZE) * stride_cs + kv_head * stride_ch  # [N]
+    slot = t % BLOCK_SIZE
+    row = blk * stride_cb + slot * stride_cs + kv_head * stride_ch
+    scale = blk * stride_sb + slot * stride_ss + kv_head
+    return row, scale
+
+
+@triton.jit
+def load_paged_rows(cache_ptr, row, t_mask, d, d_mask, KV_FORMAT: tl.constexpr):
+    """The head rows at element offsets row [N] (`paged_slots`) -> [N, D_PAD]: the pool's
+    elements, or the codes' float32 values (scale not applied)."""
     x = tl.load(cache_ptr + row[:, None] + d[None, :], mask=t_mask[:, None] & d_mask[None, :],
                 other=0)
     if KV_FORMAT != 0:
         x = code_values(x, KV_FORMAT)
     return x
-
-
-@triton.jit
-def load_paged_scales(scale_ptr, table_ptr, t, t_mask, kv_head, stride_sb, stride_ss,
-                      BLOCK_SIZE: tl.constexpr):
-    """The per-token scales [N] float32 of tokens t (0 where masked)."""
-    blk = tl.load(table_ptr + t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
-    return tl.load(scale_ptr + blk * stride_sb + (t % BLOCK_SIZE) * stride_ss + kv_head,
-                   mask=t_mask, other=0.0)
 
 
 @triton.jit
@@ -97,17 +98,15 @@ def attend_paged_span(q, m_i, l_i, acc, lo, hi, table_ptr, kv_head, k_cache_ptr,
     for start in range(lo, hi, TILE_N):
         t = start + tl.arange(0, TILE_N)
         t_mask = t < hi
-        k = load_paged_rows(k_cache_ptr, table_ptr, t, t_mask, kv_head, stride_cb, stride_cs,
-                            stride_ch, d, d_mask, BLOCK_SIZE, KV_FORMAT)  # [TILE_N, D_PAD]
-        v = load_paged_rows(v_cache_ptr, table_ptr, t, t_mask, kv_head, stride_cb, stride_cs,
-                            stride_ch, d, d_mask, BLOCK_SIZE, KV_FORMAT)
+        row, at = paged_slots(table_ptr, t, t_mask, kv_head, stride_cb, stride_cs, stride_ch,
+                              stride_sb, stride_ss, BLOCK_SIZE)
+        k = load_paged_rows(k_cache_ptr, row, t_mask, d, d_mask, KV_FORMAT)  # [TILE_N, D_PAD]
+        v = load_paged_rows(v_cache_ptr, row, t_mask, d, d_mask, KV_FORMAT)
         k_scale = 1.0
         v_scale = 1.0
         if KV_FORMAT != 0:
-            k_scale = load_paged_scales(k_scale_ptr, table_ptr, t, t_mask, kv_head, stride_sb,
-                                        stride_ss, BLOCK_SIZE)
-            v_scale = load_paged_scales(v_scale_ptr, table_ptr, t, t_mask, kv_head, stride_sb,
-                                        stride_ss, BLOCK_SIZE)
+            k_scale = tl.load(k_scale_ptr + at, mask=t_mask, other=0.0)  # [TILE_N]
+            v_scale = tl.load(v_scale_ptr + at, mask=t_mask, other=0.0)
         m_i, l_i, acc = attend_tile(q, k, v, k_scale, v_scale, t_mask[None, :], m_i, l_i, acc,
                                     qk_scale, KV_FORMAT != 0, DOT_DTYPE)
     return m_i, l_i, acc
