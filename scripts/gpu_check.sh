@@ -31,6 +31,9 @@
 #   kv_auto / kv_int8 / kv_kvquant  the engine with a bf16 pool, an int8 store and a KVQuant
 #                          4-bit store (Triton decode over the codes) on one long-prompt
 #                          workload (32 requests, prompts 1024-2048, 128 outputs)
+#   profile_kvquant        the KVQuant 4-bit engine's prefill timed and 2 decode steps profiled
+#                          at 32 requests x 1024 tokens (it ran at ~50 output tok/s on an H200,
+#                          70x slower than the bf16 pool: where does its time go?)
 #   profile                torch profiler over 3 decode steps at 256 running, graphs and eager
 #   suite                  the whole test suite (the CPU paths under this machine's torch and
 #                          transformers; FastAPI's are not there): only with STAGES=suite
@@ -88,6 +91,8 @@ for kv in auto:25 int8:25 kvquant:60; do  # name:seconds
   stage "kv_${kv%:*}" "${kv#*:}" "${ENGINE_BENCH[@]}" --num-requests 32 --prompt-len 1024 2048 \
     --output-len 128 128 --max-num-seqs 32 --max-model-len 4096 --kv-cache-dtype "${kv%:*}"
 done
+stage profile_kvquant 60 $PY scripts/gpu_profile_decode.py --model "$MODEL" --out "$OUT" \
+  --kv-cache-dtype kvquant --requests 32 --prompt-len 1024 --steps 2
 stage parity_eager 35 $PY scripts/cuda_parity.py --out "$OUT" --enforce-eager
 # shellcheck disable=SC2086
 stage suite 300 $PY -m pytest -p no:cacheprovider --continue-on-collection-errors -rfE -n 12 \
@@ -127,10 +132,12 @@ for kv in ("kv_int8", "kv_kvquant"):
 if "bench_64" in results and "peer_hf_64" in results:
     ratio = results["bench_64"]["output_tok_s"] / results["peer_hf_64"]["output_tok_s"]
     print(f"\nnanokv / HF transformers, the same 64 requests, same run: {ratio:.2f}x")
-p = out / "profile_decode.json"
-if p.exists():
+for p in (out / "profile_decode.json", out / "profile_decode_kvquant.json"):
+    if not p.exists():
+        continue
     prof = json.loads(p.read_text())
-    print(f"\nprofile ({prof['requests']} running, backend {prof['backend']}):")
+    print(f"\nprofile ({prof['requests']} running, KV {prof.get('kv_cache_dtype', 'auto')}, "
+          f"backend {prof['backend']}, prefill {prof.get('prefill_s')} s):")
     for mode in ("graphs", "eager"):
         if mode in prof:
             m = prof[mode]

@@ -3,10 +3,11 @@ engine, its graphs set aside): wall time per step, GPU time by kernel, kernel la
 
     PYTHONPATH=. python scripts/gpu_profile_decode.py --model DIR --out OUT_DIR
 
-`--requests` requests with `--prompt-len`-token random prompts are prefilled, then `--steps`
-decode-only steps are profiled each way. Writes OUT_DIR/profile_decode.json (the figures) and
-OUT_DIR/profile_decode_{graphs,eager}.txt (the profiler's tables); exits 2 without CUDA
-(`--device cpu`: a dry run of the script's own logic).
+`--requests` requests with `--prompt-len`-token random prompts are prefilled (timed), then
+`--steps` decode-only steps are profiled each way (graphs only where the cache's backend takes
+them). Writes OUT_DIR/profile_decode{_DTYPE}.json (the figures; the suffix for a
+`--kv-cache-dtype` other than auto) and OUT_DIR/profile_decode{_DTYPE}_{graphs,eager}.txt (the
+profiler's tables); exits 2 without CUDA (`--device cpu`: a dry run of the script's own logic).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def decode_steps(engine, steps: int) -> list[float]:
 
 
 def profiled(engine, steps: int, table_path: Path) -> dict:
+    """The profiler over `steps` decode steps: wall ms per step, GPU ms per step, kernel-launch
+    calls per step; the profiler's table (top 40 by device time) written to table_path."""
     activities = [ProfilerActivity.CPU]
     if engine.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
@@ -68,7 +71,14 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="the engine's --kv-cache-dtype (e.g. int8, kvquant; default auto)")
     args = ap.parse_args(argv)
+    for name in ("requests", "prompt_len", "steps"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.prompt_len >= 4000:
+        ap.error("--prompt-len must be under 4000 (the engine's max_model_len is 4096)")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 2
@@ -76,27 +86,34 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     llm = LLM(args.model, device=args.device,
               dtype="bfloat16" if args.device == "cuda" else "float32", skip_tokenizer_init=True,
-              max_num_seqs=args.requests, max_num_batched_tokens=16384, max_model_len=4096)
+              max_num_seqs=args.requests, max_num_batched_tokens=16384, max_model_len=4096,
+              kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=4000 - args.prompt_len, ignore_eos=True)
     vocab = engine.hf_config.vocab_size
     for _ in range(args.requests):
         engine.add_request([rng.randrange(vocab) for _ in range(args.prompt_len)], params)
+    t0, prefill_steps = time.perf_counter(), 0
     while engine.scheduler.waiting or any(  # prefill everything first
             r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
         engine.step()
+        prefill_steps += 1
+    sync(engine)
+    prefill_s = time.perf_counter() - t0
     decode_steps(engine, 3)  # warm
     result = {"model": args.model, "requests": args.requests, "prompt_len": args.prompt_len,
-              "backend": engine.attention_backend.name,
+              "kv_cache_dtype": args.kv_cache_dtype, "prefill_s": round(prefill_s, 3),
+              "prefill_steps": prefill_steps, "backend": engine.attention_backend.name,
               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
+    name = "profile_decode" + ("" if args.kv_cache_dtype == "auto" else f"_{args.kv_cache_dtype}")
     graphs = engine.runner.graphs
     if graphs is not None:
-        result["graphs"] = profiled(engine, args.steps, out / "profile_decode_graphs.txt")
+        result["graphs"] = profiled(engine, args.steps, out / f"{name}_graphs.txt")
         engine.runner.graphs = None
-    result["eager"] = profiled(engine, args.steps, out / "profile_decode_eager.txt")
+    result["eager"] = profiled(engine, args.steps, out / f"{name}_eager.txt")
     engine.runner.graphs = graphs
-    (out / "profile_decode.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
     return 0
 
