@@ -182,8 +182,8 @@ def reference_decode(cache, tables, lens, q, k, v, scale) -> torch.Tensor:
 
 def sweep_fn(cache, tables, lens, q, k, v, device, variant: dict | None = None):
     """The Triton decode attention alone over `cache` (no write; the own token from k, v).
-    variant: launch settings in place of the backend's own (num_splits, num_warps, tile_n,
-    num_stages)."""
+    variant: launch settings in place of the backend's own (num_splits, num_warps, num_stages;
+    tile_n for the float / int8 / fp8 kernel, unroll for the KVQuant / KIVI one)."""
     scale = q.shape[-1] ** -0.5
     bs = cache.layout.block_size
     slots = [t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens)]
@@ -195,7 +195,7 @@ def sweep_fn(cache, tables, lens, q, k, v, device, variant: dict | None = None):
     step = backend.build(common)
     launch = {"num_splits": step.num_splits, "num_warps": backend.num_warps,
               "num_stages": backend.num_stages,
-              **({} if quantized else {"tile_n": backend.decode_tile_n}),
+              **({"unroll": backend.unroll} if quantized else {"tile_n": backend.decode_tile_n}),
               **(variant or {})}
     if quantized:
         views = backend.layer_views(0)
@@ -203,7 +203,8 @@ def sweep_fn(cache, tables, lens, q, k, v, device, variant: dict | None = None):
         def run():
             backend._kernels.kvquant_decode_attention(
                 q, k, v, views, step.block_tables, step.context_lens, out, scale,
-                launch["num_splits"], launch["num_warps"], launch["num_stages"])
+                launch["num_splits"], launch["num_warps"], launch["num_stages"],
+                launch["unroll"])
             return out
         return run
     kv = backend.paged_kv(0)
@@ -223,8 +224,10 @@ def launch_variants(cache) -> list[dict]:
     default launch are timed too: a measure of the noise)."""
     variants = [{"num_splits": n} for n in (3, 16, 32, MAX_SPLITS)]
     variants += [{"num_stages": n} for n in (1, 2)]
-    if isinstance(cache, KVQuantStore):
-        return variants + [{"num_warps": w} for w in (2, 8)]
+    if isinstance(cache, KVQuantStore):  # and blocks a loop iteration (unroll)
+        return variants + [{"num_warps": w} for w in (2, 8)] + [
+            {"unroll": 2}, {"unroll": 2, "num_warps": 8}, {"unroll": 4, "num_warps": 8},
+            {"unroll": 2, "num_splits": 32}]
     return variants + [{"tile_n": t} for t in (64, 128, 256)] + [
         {"num_warps": 8}, {"tile_n": 256, "num_warps": 8}, {"tile_n": 64, "num_stages": 1},
         {"tile_n": 64, "num_stages": 1, "num_splits": 32}, {"tile_n": 128, "num_splits": 3},

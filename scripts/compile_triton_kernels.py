@@ -162,6 +162,9 @@ def record_quant(dtype, hq, hkv, dim, block_size, quick: bool) -> None:
         for splits in ((1,) if quick else (1, 4)):
             kvquant_decode.kvquant_decode_attention(q, k, k, view, tables, lens,
                                                     torch.empty_like(q), 0.1, splits)
+    if not quick:  # two blocks a loop iteration (a launch variant the GPU sweep tries)
+        kvquant_decode.kvquant_decode_attention(q, k, k, views[0], tables, lens,
+                                                torch.empty_like(q), 0.1, 4, unroll=2)
 
 
 def main() -> None:

@@ -61,6 +61,7 @@ class TritonQuantizedBackend(AttentionBackend):
     auto_devices = ("cuda",)
     num_warps = 4
     num_stages = None  # the pipelining depth of a split's block loop (None: Triton's)
+    unroll = 1  # blocks a loop iteration (2, 4: each block's loads independent of the last's)
 
     def __init__(self, kv_cache, device: torch.device) -> None:
         super().__init__(kv_cache, device)
@@ -115,7 +116,7 @@ class TritonQuantizedBackend(AttentionBackend):
             out = torch.empty_like(qd)
             self._kernels.kvquant_decode_attention(
                 qd, kd, vd, self.layer_views(layer), step.block_tables, step.context_lens, out,
-                scale, step.num_splits, self.num_warps, self.num_stages)
+                scale, step.num_splits, self.num_warps, self.num_stages, self.unroll)
             return out
 
         return write_prefill_then_decode(self.kv_cache, layer, q, k, v, k_pre, step.write_plan,

@@ -45,7 +45,8 @@ def test_launch_variants_give_the_default_output(tmp_path):
         "kvquant", "--sweep-variants", "--out", str(tmp_path)])
     variants = json.loads((tmp_path / "triton_launch_variants.json").read_text())["rows"]
     launches = {r["launch"] for r in variants if r["kv_cache_dtype"] == "kvquant"}
-    assert {"default", "num_splits=16", "num_splits=64", "num_stages=1", "num_warps=2"} <= launches
+    assert {"default", "num_splits=16", "num_splits=64", "num_stages=1", "num_warps=2", "unroll=2",
+            "unroll=4 num_warps=8"} <= launches
     int8 = {r["launch"] for r in variants if r["kv_cache_dtype"] == "int8"}
     assert {"default", "num_splits=64", "num_stages=2", "tile_n=256 num_warps=8",
             "tile_n=64 num_stages=1 num_splits=32"} <= int8

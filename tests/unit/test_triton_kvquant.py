@@ -37,7 +37,8 @@ LENS = {16: [1, 2, 15, 16, 17, 40], 32: [3, 32, 33, 70]}
 
 
 class _Splits(TritonQuantizedBackend):
-    """The backend with a fixed split count (the interpreter has no SMs to fill)."""
+    """The backend with a fixed split count (the interpreter has no SMs to fill) and blocks per
+    loop iteration (`unroll`)."""
 
     splits = 3
 
@@ -46,15 +47,16 @@ class _Splits(TritonQuantizedBackend):
 
 
 @pytest.mark.parametrize("kind", STORES)
-@pytest.mark.parametrize("block_size,hq,splits", [(16, 2, 1), (16, 4, 3), (32, 16, 2)])
-def test_decode_equals_dequantize_then_dense(kind, block_size, hq, splits):
+@pytest.mark.parametrize("block_size,hq,splits,unroll", [(16, 2, 1, 2), (16, 4, 3, 1),
+                                                         (32, 16, 2, 4)])
+def test_decode_equals_dequantize_then_dense(kind, block_size, hq, splits, unroll):
     rng = random.Random(hash((kind, block_size, hq)) % 1000)
     gen = torch.Generator().manual_seed(block_size + hq)
     lens = LENS[block_size]
     d = 32 if hq != 4 else 64
     store = make_store(kind, d, block_size, sum(cdiv(n, block_size) for n in lens) + 3,
                        len(lens) + 1, device=DEVICE)
-    backend = type("Backend", (_Splits,), {"splits": splits})
+    backend = type("Backend", (_Splits,), {"splits": splits, "unroll": unroll})
     outs, refs = scenario(store, hq, lens, rng, gen, chunk=block_size // 2 + 3,
                           backend_cls=backend, device=DEVICE)
     if "2bit" in kind:  # outliers were kept

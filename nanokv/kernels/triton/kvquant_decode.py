@@ -1,17 +1,18 @@
 """Decode attention over the KVQuant and KIVI stores, their codes read in place (flash-decoding).
 
-Grid (request, KV head, split) as `decode.py`; a split is a run of whole blocks. A block's rows
-are decoded in registers: codes of 2, 3, 4 or 8 bits unpacked from their packed rows, looked up
-in the layer's codebook (`lut`: the centroid of each code, uniform grid or non-uniform), mapped
-by the block's per-channel key statistics / the token's value statistics (`lut[c] * half +
-offset`), the dense-and-sparse outliers put in place of their decoded entries, the sink rows and
-a staged (partial) block's full-precision rows in place of theirs. Keys stored before RoPE are
-decoded once as two halves (channels below and above D / 2, each the other's rotate-half
-partner), rotated to their slots' positions in registers and dotted with the query's two halves;
-their outliers then add per-outlier corrections to the scores (`_key_outlier_scores`) instead
-of being put in the tile. Nothing is written back to memory; the step's own token attends with
-its fresh K/V, as in `nanokv.quant.attention.reference_quantized_attention`, the oracle of the
-tests.
+Grid (request, KV head, split) as `decode.py`; a split is a run of whole blocks, UNROLL of them an
+iteration of its loop (each block's loads independent of the one before, for the compiler to issue
+together; blocks past the split masked out). A block's rows are decoded in registers: codes of 2,
+3, 4 or 8 bits unpacked from their packed rows, looked up in the layer's codebook (`lut`: the
+centroid of each code, uniform grid or non-uniform), mapped by the block's per-channel key
+statistics / the token's value statistics (`lut[c] * half + offset`), the dense-and-sparse outliers
+put in place of their decoded entries, the sink rows and a staged (partial) block's full-precision
+rows in place of theirs. Keys stored before RoPE are decoded once as two halves (channels below and
+above D / 2, each the other's rotate-half partner), rotated to their slots' positions in registers
+and dotted with the query's two halves; their outliers then add per-outlier corrections to the
+scores (`_key_outlier_scores`) instead of being put in the tile. Nothing is written back to memory;
+the step's own token attends with its fresh K/V, as in
+`nanokv.quant.attention.reference_quantized_attention`, the oracle of the tests.
 
 The layout (`QuantLayerViews`, one layer, every tensor contiguous):
 
@@ -212,7 +213,7 @@ def _kvquant_decode_kernel(
         V_PACKED: tl.constexpr, V_GROUPS: tl.constexpr, K_CAP: tl.constexpr,
         V_CAP: tl.constexpr, NUM_SINKS: tl.constexpr, ROPE: tl.constexpr,
         STAGED_V: tl.constexpr, DIRECT_OUT: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        H_PAD: tl.constexpr):
+        H_PAD: tl.constexpr, UNROLL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -245,50 +246,56 @@ def _kvquant_decode_kernel(
         q_hi = tl.load(q_row + HALF + dh[None, :], mask=g_mask[:, None] & dh_mask[None, :],
                        other=0.0).to(DOT_DTYPE)
     table = table_ptr + b * stride_table
-    for j in range(lo, hi):
-        blk = tl.load(table + j).to(tl.int64)
-        live = j * BLOCK_SIZE + s < past  # [B]
-        m = live[:, None] & d_mask[None, :]
-        staged = tl.load(staging_index_ptr + blk)
-        if ROPE:
-            # each half decoded once (outliers aside), rotated to the slots' positions in
-            # registers: lo' = lo cos - hi sin, hi' = hi cos + lo sin (cos, sin the same on
-            # both halves); scores = q_lo . lo' + q_hi . hi', plus each outlier's correction
-            mh = live[:, None] & dh_mask[None, :]
-            k_lo = _key_rows(blk, kv_head, s, dh, mh, staged, kc_ptr, k_off_ptr, k_half_ptr,
-                             k_oidx_ptr, k_oval_ptr, sink_slot_ptr, k_sink_ptr, k_stage_ptr,
-                             k_lut_ptr, HKV, HEAD_DIM, BLOCK_SIZE, K_BITS, K_PACKED, 0,
-                             NUM_SINKS)
-            k_hi = _key_rows(blk, kv_head, s, dh + HALF, mh, staged, kc_ptr, k_off_ptr,
-                             k_half_ptr, k_oidx_ptr, k_oval_ptr, sink_slot_ptr, k_sink_ptr,
-                             k_stage_ptr, k_lut_ptr, HKV, HEAD_DIM, BLOCK_SIZE, K_BITS,
-                             K_PACKED, 0, NUM_SINKS)
-            pos = tl.maximum(tl.load(pos_ptr + blk * BLOCK_SIZE + s, mask=live, other=0), 0)
-            at = pos.to(tl.int64)[:, None] * HEAD_DIM + dh[None, :]
-            cos = tl.load(cos_ptr + at, mask=mh, other=0.0)
-            sin = tl.load(sin_ptr + at, mask=mh, other=0.0)
-            r_lo = tl.where(mh, k_lo * cos - k_hi * sin, 0.0).to(DOT_DTYPE)
-            r_hi = tl.where(mh, k_hi * cos + k_lo * sin, 0.0).to(DOT_DTYPE)
-            scores = dot(q_lo, tl.trans(r_lo), DOT_DTYPE) + dot(q_hi, tl.trans(r_hi), DOT_DTYPE)
-            if K_CAP > 0:
-                scores += _key_outlier_scores(blk, kv_head, s, staged, q_row, g_mask, kc_ptr,
-                                              k_off_ptr, k_half_ptr, k_oidx_ptr, k_oval_ptr,
-                                              sink_slot_ptr, k_lut_ptr, pos_ptr, cos_ptr,
-                                              sin_ptr, HKV, HEAD_DIM, BLOCK_SIZE, K_BITS,
-                                              K_PACKED, K_CAP, NUM_SINKS, G_PAD, DOT_DTYPE)
-        else:
-            k = _key_rows(blk, kv_head, s, d, m, staged, kc_ptr, k_off_ptr, k_half_ptr,
-                          k_oidx_ptr, k_oval_ptr, sink_slot_ptr, k_sink_ptr, k_stage_ptr,
-                          k_lut_ptr, HKV, HEAD_DIM, BLOCK_SIZE, K_BITS, K_PACKED, K_CAP,
-                          NUM_SINKS)
-            scores = dot(q, tl.trans(tl.where(m, k, 0.0).to(DOT_DTYPE)), DOT_DTYPE)
-        v = _value_rows(blk, kv_head, s, d, m, staged, vc_ptr, v_off_ptr, v_half_ptr,
-                        v_oidx_ptr, v_oval_ptr, sink_slot_ptr, v_sink_ptr, v_stage_ptr,
-                        v_lut_ptr, HKV, HEAD_DIM, BLOCK_SIZE, V_BITS, V_PACKED, V_GROUPS,
-                        V_CAP, NUM_SINKS, STAGED_V)
-        v = tl.where(m, v, 0.0)
-        m_i, l_i, acc = attend_scores(scores, v, 1.0, live[None, :], m_i, l_i, acc, qk_scale,
-                                      False, DOT_DTYPE)
+    for j0 in range(lo, hi, UNROLL):  # UNROLL blocks an iteration, each its own loads
+        for u in tl.static_range(UNROLL):
+            j = j0 + u
+            if UNROLL == 1:
+                blk = tl.load(table + j).to(tl.int64)
+                live = j * BLOCK_SIZE + s < past  # [B]
+            else:  # the last iteration may run past the split: those blocks see no keys
+                blk = tl.load(table + j, mask=j < hi, other=0).to(tl.int64)
+                live = (j * BLOCK_SIZE + s < past) & (j < hi)
+            m = live[:, None] & d_mask[None, :]
+            staged = tl.load(staging_index_ptr + blk)
+            if ROPE:
+                # each half decoded once (outliers aside), rotated to the slots' positions in
+                # registers: lo' = lo cos - hi sin, hi' = hi cos + lo sin (cos, sin the same on
+                # both halves); scores = q_lo . lo' + q_hi . hi', plus each outlier's correction
+                mh = live[:, None] & dh_mask[None, :]
+                k_lo = _key_rows(blk, kv_head, s, dh, mh, staged, kc_ptr, k_off_ptr, k_half_ptr,
+                                 k_oidx_ptr, k_oval_ptr, sink_slot_ptr, k_sink_ptr, k_stage_ptr,
+                                 k_lut_ptr, HKV, HEAD_DIM, BLOCK_SIZE, K_BITS, K_PACKED, 0,
+                                 NUM_SINKS)
+                k_hi = _key_rows(blk, kv_head, s, dh + HALF, mh, staged, kc_ptr, k_off_ptr,
+                                 k_half_ptr, k_oidx_ptr, k_oval_ptr, sink_slot_ptr, k_sink_ptr,
+                                 k_stage_ptr, k_lut_ptr, HKV, HEAD_DIM, BLOCK_SIZE, K_BITS,
+                                 K_PACKED, 0, NUM_SINKS)
+                pos = tl.maximum(tl.load(pos_ptr + blk * BLOCK_SIZE + s, mask=live, other=0), 0)
+                at = pos.to(tl.int64)[:, None] * HEAD_DIM + dh[None, :]
+                cos = tl.load(cos_ptr + at, mask=mh, other=0.0)
+                sin = tl.load(sin_ptr + at, mask=mh, other=0.0)
+                r_lo = tl.where(mh, k_lo * cos - k_hi * sin, 0.0).to(DOT_DTYPE)
+                r_hi = tl.where(mh, k_hi * cos + k_lo * sin, 0.0).to(DOT_DTYPE)
+                scores = dot(q_lo, tl.trans(r_lo), DOT_DTYPE) + dot(q_hi, tl.trans(r_hi), DOT_DTYPE)
+                if K_CAP > 0:
+                    scores += _key_outlier_scores(blk, kv_head, s, staged, q_row, g_mask, kc_ptr,
+                                                  k_off_ptr, k_half_ptr, k_oidx_ptr, k_oval_ptr,
+                                                  sink_slot_ptr, k_lut_ptr, pos_ptr, cos_ptr,
+                                                  sin_ptr, HKV, HEAD_DIM, BLOCK_SIZE, K_BITS,
+                                                  K_PACKED, K_CAP, NUM_SINKS, G_PAD, DOT_DTYPE)
+            else:
+                k = _key_rows(blk, kv_head, s, d, m, staged, kc_ptr, k_off_ptr, k_half_ptr,
+                              k_oidx_ptr, k_oval_ptr, sink_slot_ptr, k_sink_ptr, k_stage_ptr,
+                              k_lut_ptr, HKV, HEAD_DIM, BLOCK_SIZE, K_BITS, K_PACKED, K_CAP,
+                              NUM_SINKS)
+                scores = dot(q, tl.trans(tl.where(m, k, 0.0).to(DOT_DTYPE)), DOT_DTYPE)
+            v = _value_rows(blk, kv_head, s, d, m, staged, vc_ptr, v_off_ptr, v_half_ptr,
+                            v_oidx_ptr, v_oval_ptr, sink_slot_ptr, v_sink_ptr, v_stage_ptr,
+                            v_lut_ptr, HKV, HEAD_DIM, BLOCK_SIZE, V_BITS, V_PACKED, V_GROUPS,
+                            V_CAP, NUM_SINKS, STAGED_V)
+            v = tl.where(m, v, 0.0)
+            m_i, l_i, acc = attend_scores(scores, v, 1.0, live[None, :], m_i, l_i, acc, qk_scale,
+                                          False, DOT_DTYPE)
 
     store_split(out_ptr, stride_ot, stride_oh, part_m_ptr, part_l_ptr, part_acc_ptr, b, q_head,
                 g_mask, d, d_mask, split, num_splits, m_i, l_i, acc, GROUP, D_PAD, DIRECT_OUT)
@@ -298,7 +305,7 @@ def kvquant_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              layer: QuantLayerViews, block_tables: torch.Tensor,
                              context_lens: torch.Tensor, out: torch.Tensor, scale: float,
                              num_splits: int = 1, num_warps: int = 4,
-                             num_stages: int | None = None) -> None:
+                             num_stages: int | None = None, unroll: int = 1) -> None:
     """q, out: [B, Hq, D]; k (after RoPE), v: [B, Hkv, D] the step's own K/V; block_tables
     [B, max_blocks] int32 (contiguous rows); context_lens [B] int32: cached slots after this
     step, the own token included (0: a padded row, output zeros). Writes out."""
@@ -314,6 +321,8 @@ def kvquant_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     check_num_stages(num_stages)
+    if unroll not in (1, 2, 4):
+        raise ValueError(f"unroll must be 1, 2 or 4 blocks an iteration, got {unroll}")
     if block_size & (block_size - 1):
         raise ValueError(f"the kernel takes power-of-two block sizes, got {block_size}")
     if rows == 0:
@@ -342,7 +351,7 @@ def kvquant_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         V_PACKED=layer.v_codes.shape[-1], V_GROUPS=layer.v_half.shape[-1], K_CAP=k_cap,
         V_CAP=v_cap, NUM_SINKS=num_sinks, ROPE=rope, STAGED_V=layer.v_stage is not None,
         DIRECT_OUT=num_splits == 1, DOT_DTYPE=dot_dtype(_kvquant_decode_kernel, q.dtype),
-        H_PAD=max(16, triton.next_power_of_2(dim // 2)), num_warps=num_warps,
+        H_PAD=max(16, triton.next_power_of_2(dim // 2)), UNROLL=unroll, num_warps=num_warps,
         **decode.stages(num_stages))
     decode.merge_splits(part_m, part_l, parts, out, num_splits, d_pad)
 
