@@ -363,7 +363,8 @@ def main(argv=None) -> None:
                    help="with --sweep-contexts: the batch sizes (default 1 16)")
     p.add_argument("--sweep-variants", action="store_true",
                    help="with --sweep-contexts: also each kernel's launch settings around its "
-                   "defaults (all splits, warps, the key tile) at the longest context, for the "
+                   "defaults (splits up to 64, pipelining depth, warps; the key tile, or the "
+                   "KVQuant kernel's blocks an iteration) at the longest context, for the "
                    "fewest and the most requests (triton_launch_variants.{json,md})")
     args = p.parse_args(argv)
     for name in ("requests", "min_context", "max_context", "prefill_chunks", "chunk_len",

@@ -15,8 +15,8 @@
 #                          requests: int8 / fp8 / KVQuant 4-bit codes read in place against the
 #                          bf16 pool, outputs checked against a dense reference, timed as CUDA
 #                          graph replays; then each kernel's launch settings around its
-#                          defaults (splits up to 64, pipelining depth, warps, key tile) at 32k
-#                          tokens (--sweep-variants)
+#                          defaults (splits up to 64, pipelining depth, warps, key tile or the
+#                          KVQuant kernel's unroll) at 32k tokens (--sweep-variants)
 #   triton_bench           one layer's decode + prefill step, Triton backend vs PyTorch backend
 #                          (float pool, int8, fp8, KVQuant 4-bit decode;
 #                          benchmarks/bench_triton_attention.py)

@@ -25,7 +25,7 @@ import triton.language as tl
 from nanokv.kernels.triton.paged_kv import PagedKV
 from nanokv.kernels.triton.paged_tile import LOG2E, attend_paged_span, dot_dtype
 
-MAX_SPLITS = 64  # the most splits the kernels take (the backends choose at most 16 by default)
+MAX_SPLITS = 64  # the most splits the kernels take (triton_paged.SPLIT_CAP: all of them)
 _PER_STEP = ["table_ptr", "stride_table", "context_ptr", "stride_context", "num_splits"]
 
 
