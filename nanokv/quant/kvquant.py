@@ -13,9 +13,10 @@ layer's codebook (nuq), or the uniform grid linspace(-1, 1, 2**bits) without one
 centroid * half + offset. Uniform error bound for a non-outlier element:
 |x - x_hat| <= half / (2**bits - 1) (+ the fp16 rounding of offset and half).
 
-Dense-and-sparse outliers. A group [B, D] per head keeps at most
-`capacity` = 2 * ceil(fraction / 2 * B * D) elements exactly (sparse-dtype value + index
-slot * D + channel; unused entries have index -1; a per-channel group's list in index order,
+Dense-and-sparse outliers. A group [B, D] per head lists at most
+`capacity` = 2 * ceil(fraction / 2 * B * D) elements (index slot * D + channel, and the sparse
+dtype's delta: the element minus its dense decoding, x - (centroid * half + offset); unused
+entries have index -1 and delta 0; a per-channel group's list in index order,
 unused entries last, so that a slot's entries lie next to each other for a decode kernel):
   - keys with calibrated thresholds (lower, upper) per channel: the elements outside them, the
     most extreme first (distance beyond the threshold / threshold range), up to half the capacity
@@ -27,8 +28,12 @@ The store quantizes values (and keys without per-channel statistics) token by to
 of B = 1: that is the paper's online per-token percentile, with capacity 2 * ceil(fraction / 2 *
 D) (at least one each side: 2 of 128 channels = 1.6% at fraction 1%). Per-channel keys use the
 whole block (B tokens), where fraction / 2 of B * D is a whole number of elements.
-The statistics are then taken over the remaining (clipped) elements; outliers are written back
-exactly on dequantization.
+The statistics are then taken over the remaining (clipped) elements. Dequantized, an outlier is
+its dense decoding plus its delta: dense plus sparse, as KVQuant's kernels sum the two products.
+It comes back to within the sparse dtype's rounding of the delta (fp16: |delta| * 2^-11; an
+outlier decodes to the edge of its group's range, so |delta| is its distance beyond that range,
+mostly below |x|). A kernel adds the delta's correction to what it decoded: no gather of the
+outlier's code and statistics (`nanokv/layers/csrc/kvquant_block_avx512.h`).
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ class KVQuantConfig:
     key_outlier_thresholds: [L, 2, Hkv, D] (lower, upper) per key channel, calibrated offline;
         None = per-block thresholds.
     num_sink_tokens: the first N positions of a sequence stay in full precision (0 disables).
-    sparse_dtype: dtype of outlier and sink values ('float16' as in the paper).
+    sparse_dtype: dtype of the outliers' deltas and of the sink rows ('float16' as in the paper).
     """
 
     bits: int = 4
@@ -195,7 +200,7 @@ class QuantizedBlocks:
     offset: torch.Tensor  # float16: [n, H, D] per channel, [n, B, H] per token
     half_range: torch.Tensor  # same shape as offset
     outlier_index: torch.Tensor  # int64 [n, H, capacity]: slot * D + channel, -1 = unused
-    outlier_value: torch.Tensor  # sparse dtype [n, H, capacity]
+    outlier_delta: torch.Tensor  # sparse dtype [n, H, capacity]: x minus its dense decoding
 
 
 def _to_fp16(x: torch.Tensor) -> torch.Tensor:
@@ -204,7 +209,7 @@ def _to_fp16(x: torch.Tensor) -> torch.Tensor:
 
 def _select_outliers(x: torch.Tensor, valid: torch.Tensor, per_channel: bool, capacity: int,
                      thresholds: torch.Tensor | None) -> torch.Tensor:
-    """Indices [n, H, capacity] (slot * D + channel, -1 unused) of the elements kept exactly."""
+    """Indices [n, H, capacity] (slot * D + channel, -1 unused) of the outlier elements."""
     n, bsz, heads, dim = x.shape
     side = capacity // 2
     vmask = valid[:, :, None, None].expand_as(x)
@@ -279,10 +284,13 @@ def quantize_blocks(x: torch.Tensor, valid: torch.Tensor, *, bits: int, per_chan
     offset, half = _to_fp16((hi + lo) / 2), _to_fp16((hi - lo) / 2)
     xn = ((x - offset.float()) / half.float().clamp_min(_TINY)).clamp_(-1.0, 1.0)
     codes = encode(xn, bits, codebook)
-    values = x.permute(0, 2, 1, 3).reshape(n, heads, bsz * dim).gather(-1, index.clamp_min(0))
-    values = values.masked_fill(index < 0, 0.0).to(sparse_dtype)
+    # the outliers' deltas to their dense decoding (the reader's float32 operations: the
+    # centroid times the fp16 half-range, plus the fp16 offset)
+    dense = decode(codes, bits, codebook) * half.float() + offset.float()  # [n, B, H, D]
+    delta = (x - dense).permute(0, 2, 1, 3).reshape(n, heads, bsz * dim)  # [n, H, B * D]
+    delta = delta.gather(-1, index.clamp_min(0)).masked_fill(index < 0, 0.0).to(sparse_dtype)
     squeeze = 1 if per_channel else 3
-    return QuantizedBlocks(codes, offset.squeeze(squeeze), half.squeeze(squeeze), index, values)
+    return QuantizedBlocks(codes, offset.squeeze(squeeze), half.squeeze(squeeze), index, delta)
 
 
 def encode(xn: torch.Tensor, bits: int, codebook: torch.Tensor | None) -> torch.Tensor:
@@ -311,23 +319,25 @@ def centroid_table(bits: int, codebook: torch.Tensor | None) -> torch.Tensor:
 
 def dequantize_blocks(q: QuantizedBlocks, *, bits: int, per_channel: bool,
                       codebook: torch.Tensor | None = None) -> torch.Tensor:
-    """QuantizedBlocks -> float32 [n, B, H, D], outliers restored exactly."""
+    """QuantizedBlocks -> float32 [n, B, H, D]: the dense decoding plus the outliers' deltas."""
     unsq = 1 if per_channel else 3
     x = decode(q.codes, bits, codebook) * q.half_range.float().unsqueeze(unsq) \
         + q.offset.float().unsqueeze(unsq)
     if q.outlier_index.shape[-1] == 0:
         return x
-    return scatter_outliers(x, q.outlier_index, q.outlier_value)
+    return add_outliers(x, q.outlier_index, q.outlier_delta)
 
 
-def scatter_outliers(x: torch.Tensor, index: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """Write sparse values [n, H, cap] at indices (slot * D + channel; < 0 unused) into x."""
+def add_outliers(x: torch.Tensor, index: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """Add sparse deltas [n, H, cap] at indices (slot * D + channel; < 0 unused) to x. A
+    group's indices are distinct, so each element gets at most one delta."""
     n, bsz, heads, dim = x.shape
     flat = x.permute(0, 2, 1, 3).reshape(n, heads, bsz * dim)  # [n, H, B * D] (a copy)
     flat = torch.cat([flat, flat.new_zeros(n, heads, 1)], dim=-1)  # + a dump column
     index = index.long()  # unused: -1, or any value >= B * D (255 in a uint8 store)
     idx = torch.where((index < 0) | (index >= bsz * dim), bsz * dim, index)
-    flat.scatter_(-1, idx, value.to(flat.dtype))
+    exact = flat.gather(-1, idx) + delta.to(flat.dtype)  # [n, H, cap]
+    flat.scatter_(-1, idx, exact)
     return flat[..., :-1].view(n, heads, bsz, dim).permute(0, 2, 1, 3)
 
 

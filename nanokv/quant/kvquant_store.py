@@ -16,7 +16,9 @@ Per layer l (bits b_l, P = packed bytes of D codes):
 
 capB = 2 * ceil(f / 2 * B * D) per block-head, capT = 2 * ceil(f / 2 * D) per token-head (the
 top and bottom f / 2 of each token's values, at least one each side when f > 0: with D = 128 and
-f = 1% that is 2 of 128 = 1.6%; the 1-byte index keeps its cost near the block's).
+f = 1% that is 2 of 128 = 1.6%; the 1-byte index keeps its cost near the block's). An `oval`
+entry is the outlier's delta, x minus its dense decoding (`nanokv.quant.kvquant`): a reader adds
+it to what it decodes.
 
 Why staging: per-channel key statistics need all B tokens of a block, so a key block is
 quantized when its last slot is written. Until then its keys live in full precision in one of
@@ -295,7 +297,7 @@ class KVQuantStore(QuantizedKVStore):
         """Store quantized blocks at block ids, or single-slot groups at flat slots."""
         buf, bits = self.buffers, self.codecs[layer].bits
         parts = {"codes": pack(q.codes, bits), "offset": q.offset, "half": q.half_range,
-                 "oidx": q.outlier_index, "oval": q.outlier_value}
+                 "oidx": q.outlier_index, "oval": q.outlier_delta}
         for field, value in parts.items():
             dst = buf[f"{name}_{field}{layer}"]
             if dst.numel() == 0:

@@ -74,7 +74,7 @@ class MemoryReport:
     block_size: int
     codes: int
     scales: int  # scales, zero-points / offsets, half-ranges, codebooks
-    outliers: int  # sparse indices + values
+    outliers: int  # sparse indices + deltas
     sinks: int  # full-precision sink values + their slot table
     staging: int  # full-precision copies of not-yet-full blocks
     bookkeeping: int  # slot positions (when the store owns them), staging index

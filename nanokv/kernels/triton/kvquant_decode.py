@@ -5,14 +5,14 @@ iteration of its loop (each block's loads independent of the one before, for the
 together; blocks past the split masked out). A block's rows are decoded in registers: codes of 2,
 3, 4 or 8 bits unpacked from their packed rows, looked up in the layer's codebook (`lut`: the
 centroid of each code, uniform grid or non-uniform), mapped by the block's per-channel key
-statistics / the token's value statistics (`lut[c] * half + offset`), the dense-and-sparse outliers
-put in place of their decoded entries, the sink rows and a staged (partial) block's full-precision
-rows in place of theirs. Keys stored before RoPE are decoded once as two halves (channels below and
-above D / 2, each the other's rotate-half partner), rotated to their slots' positions in registers
-and dotted with the query's two halves; their outliers then add per-outlier corrections to the
-scores (`_key_outlier_scores`) instead of being put in the tile. Nothing is written back to memory;
-the step's own token attends with its fresh K/V, as in
-`nanokv.quant.attention.reference_quantized_attention`, the oracle of the tests.
+statistics / the token's value statistics (`lut[c] * half + offset`), the dense-and-sparse
+outliers' deltas (exact - decoded, as the store keeps them) added to their decoded entries, the
+sink rows and a staged (partial) block's full-precision rows in place of theirs. Keys stored before
+RoPE are decoded once as two halves (channels below and above D / 2, each the other's rotate-half
+partner), rotated to their slots' positions in registers and dotted with the query's two halves;
+their outliers then add per-outlier corrections to the scores (`_key_outlier_scores`) instead of
+being put in the tile. Nothing is written back to memory; the step's own token attends with its
+fresh K/V, as in `nanokv.quant.attention.reference_quantized_attention`, the oracle of the tests.
 
 The layout (`QuantLayerViews`, one layer, every tensor contiguous):
 
@@ -20,7 +20,7 @@ The layout (`QuantLayerViews`, one layer, every tensor contiguous):
     k_off,   [nb, Hkv, D] fp16           v_off,   [nb, B, Hkv, G] fp16 (G groups of D / G
     k_half   (per channel, per block)    v_half    channels: KIVI; KVQuant G = 1)
     k_oidx   [nb, Hkv, CK] slot * D + ch v_oidx   [nb, B, Hkv, CV] channel (unused: out of
-    k_oval   [nb, Hkv, CK]               v_oval    range or < 0)
+    k_oval   [nb, Hkv, CK] (deltas)      v_oval    range or < 0; deltas)
     sink_slot [nb, NS] int16 (the slot of sink p, -1 none); k_sink, v_sink [nb, NS, Hkv, D]
     staging_index [nb] int32 (-1 none); k_stage [S, B, Hkv, D] (and v_stage for KIVI)
     k_lut, v_lut [2^bits] float32; positions [nb, B] int32 and cos, sin [P, D] (keys before RoPE)
@@ -110,7 +110,7 @@ def _key_rows(blk, g, s, dd, m, staged, kc_ptr, k_off_ptr, k_half_ptr, k_oidx_pt
     for e in range(CAP):
         entry = (blk * HKV + g) * CAP + e
         idx = tl.load(k_oidx_ptr + entry).to(tl.int32)
-        x = tl.where(at == idx, tl.load(k_oval_ptr + entry).to(tl.float32), x)
+        x = tl.where(at == idx, x + tl.load(k_oval_ptr + entry).to(tl.float32), x)
     for p in range(NUM_SINKS):
         slot = tl.load(sink_slot_ptr + blk * NUM_SINKS + p).to(tl.int32)
         sink = tl.load(k_sink_ptr + ((blk * NUM_SINKS + p) * HKV + g) * HEAD_DIM + dd,
@@ -137,8 +137,8 @@ def _value_rows(blk, g, s, d, m, staged, vc_ptr, v_off_ptr, v_half_ptr, v_oidx_p
     x = tl.load(v_lut_ptr + code, mask=m, other=0.0) * half + off
     for e in range(CAP):
         ch = tl.load(v_oidx_ptr + row * CAP + e).to(tl.int32)  # [B]
-        val = tl.load(v_oval_ptr + row * CAP + e).to(tl.float32)
-        x = tl.where(d[None, :] == ch[:, None], val[:, None], x)
+        delta = tl.load(v_oval_ptr + row * CAP + e).to(tl.float32)
+        x = tl.where(d[None, :] == ch[:, None], x + delta[:, None], x)
     for p in range(NUM_SINKS):
         slot = tl.load(sink_slot_ptr + blk * NUM_SINKS + p).to(tl.int32)
         sink = tl.load(v_sink_ptr + ((blk * NUM_SINKS + p) * HKV + g) * HEAD_DIM + d,
@@ -153,15 +153,13 @@ def _value_rows(blk, g, s, d, m, staged, vc_ptr, v_off_ptr, v_half_ptr, v_oidx_p
 
 
 @triton.jit
-def _key_outlier_scores(blk, g, s, staged, q_row, g_mask, kc_ptr, k_off_ptr, k_half_ptr,
-                        k_oidx_ptr, k_oval_ptr, sink_slot_ptr, k_lut_ptr, pos_ptr, cos_ptr,
-                        sin_ptr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr, PACKED: tl.constexpr,
-                        CAP: tl.constexpr, NUM_SINKS: tl.constexpr, G_PAD: tl.constexpr,
-                        DOT_DTYPE: tl.constexpr):
+def _key_outlier_scores(blk, g, s, staged, q_row, g_mask, k_oidx_ptr, k_oval_ptr, sink_slot_ptr,
+                        pos_ptr, cos_ptr, sin_ptr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr, NUM_SINKS: tl.constexpr,
+                        G_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """What block blk's key outliers (KV head g, keys before RoPE) add to the scores [G_PAD, B]
     of rows q (at q_row [G_PAD, 1]) over keys decoded without them: an outlier at (slot, c)
-    changes the key there by delta = its value - the decoded entry, i.e. the rotated key by
+    changes the key there by its stored delta (exact - decoded), i.e. the rotated key by
     delta (cos, sin) at (c, c + HALF) for c < HALF, by delta (-sin, cos) at (c - HALF, c)
     above, so each query's score by the two products with q. None on a staged block (exact
     rows) or at a sink slot (its full-precision row), as `_key_rows` puts them in place."""
@@ -176,12 +174,7 @@ def _key_outlier_scores(blk, g, s, staged, q_row, g_mask, kc_ptr, k_off_ptr, k_h
         c = idx % HEAD_DIM
         for p in range(NUM_SINKS):
             used = used & (slot != tl.load(sink_slot_ptr + blk * NUM_SINKS + p).to(tl.int32))
-        code = _code_at(kc_ptr + ((blk * BLOCK_SIZE + slot) * HKV + g) * PACKED, c, used, BITS,
-                        PACKED)
-        stat = (blk * HKV + g) * HEAD_DIM + c
-        decoded = tl.load(k_lut_ptr + code) * tl.load(k_half_ptr + stat).to(tl.float32) \
-            + tl.load(k_off_ptr + stat).to(tl.float32)
-        delta = tl.where(used, tl.load(k_oval_ptr + entry).to(tl.float32) - decoded, 0.0)
+        delta = tl.where(used, tl.load(k_oval_ptr + entry).to(tl.float32), 0.0)
         ch = c % HALF
         pos = tl.maximum(tl.load(pos_ptr + blk * BLOCK_SIZE + slot), 0).to(tl.int64)
         cos = tl.load(cos_ptr + pos * HEAD_DIM + ch)
@@ -278,11 +271,10 @@ def _kvquant_decode_kernel(
                 r_hi = tl.where(mh, k_hi * cos + k_lo * sin, 0.0).to(DOT_DTYPE)
                 scores = dot(q_lo, tl.trans(r_lo), DOT_DTYPE) + dot(q_hi, tl.trans(r_hi), DOT_DTYPE)
                 if K_CAP > 0:
-                    scores += _key_outlier_scores(blk, kv_head, s, staged, q_row, g_mask, kc_ptr,
-                                                  k_off_ptr, k_half_ptr, k_oidx_ptr, k_oval_ptr,
-                                                  sink_slot_ptr, k_lut_ptr, pos_ptr, cos_ptr,
-                                                  sin_ptr, HKV, HEAD_DIM, BLOCK_SIZE, K_BITS,
-                                                  K_PACKED, K_CAP, NUM_SINKS, G_PAD, DOT_DTYPE)
+                    scores += _key_outlier_scores(blk, kv_head, s, staged, q_row, g_mask,
+                                                  k_oidx_ptr, k_oval_ptr, sink_slot_ptr, pos_ptr,
+                                                  cos_ptr, sin_ptr, HKV, HEAD_DIM, BLOCK_SIZE,
+                                                  K_CAP, NUM_SINKS, G_PAD, DOT_DTYPE)
             else:
                 k = _key_rows(blk, kv_head, s, d, m, staged, kc_ptr, k_off_ptr, k_half_ptr,
                               k_oidx_ptr, k_oval_ptr, sink_slot_ptr, k_sink_ptr, k_stage_ptr,

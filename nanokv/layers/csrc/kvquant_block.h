@@ -17,7 +17,8 @@
  *      slots are reduced together (sum16 / sum8). On AVX-512 with 2 or 4-bit keys, the tile's
  *      16 slots are the lanes instead (kvquant_slot_keys_avx512.h: a channel of 16 slots per
  *      table permute, no reduction). Then per KV head:
- *   2. key outliers enter as corrections of the scores they touch, (exact - decoded value)
+ *   2. key outliers enter as corrections of the scores they touch, the stored delta (exact -
+ *      decoded, `nanokv.quant.kvquant`: no code or statistic of the outlier's element is read)
  *      times that channel's coefficient in q . RoPE(k) (RoPE is linear): on AVX-512 16 at a
  *      time per KV head after the key pass, on AVX2 a tile at a time inside it (while the
  *      tile's rows are in L1); a sink slot's score is recomputed from its full-precision row;
@@ -41,7 +42,8 @@ typedef struct {
     float *pb;             /* [group]: P . the slots' value offsets, per query head */
     int32_t *patch_ch;     /* [B, Hkv, value cap]: a value outlier's channel, -1 none (small
                               heads; the store's order of a block's lists) */
-    float *patch_x;        /* [B, Hkv, value cap]: the value it stands for in centroid units */
+    float *patch_x;        /* [B, Hkv, value cap]: its delta in centroid units (delta / half),
+                              added to the looked-up centroid */
     float *v_stats;        /* [2, B, Hkv]: the block's value half-ranges and offsets, float32
                               (converted once a block, for every KV head) */
     float *dots;           /* [Hkv * FAST_MAX_HEADS, 16, 16]: one tile's per-slot dot vectors
@@ -219,8 +221,8 @@ static inline float rope_coefficient(const float *qh, const float *cs, const flo
 /* The store lists every outlier once (`nanokv.quant.kvquant._select_outliers`), so each entry's
  * correction is added as it comes. */
 
-/* one key outlier of KV head g in the block: its slot and channel (index t * D + ch) and
- * exact - decoded (the block's key statistics in w) */
+/* one key outlier of KV head g in the block: its slot and channel (index t * D + ch) and its
+ * stored delta, exact - decoded */
 typedef struct {
     int64_t t, ch;
     float delta;
@@ -229,17 +231,11 @@ typedef struct {
 /* entry `at` of the store's lists (an index idx of the block) as a KeyOutlier (always inlined
  * with constant value kind and bits) */
 static inline __attribute__((always_inline)) KeyOutlier key_outlier_entry(
-        const KVQuantLayer *L, int64_t blk, int64_t g, int64_t at, int64_t idx,
-        const BlockScratch *w, const int64_t kind, const int bits) {
-    const KVQuantSide *K = &L->k;
-    const int64_t D = L->head_dim, Hkv = L->num_kv_heads;
+        const KVQuantLayer *L, int64_t at, int64_t idx, const int64_t kind) {
+    const int64_t D = L->head_dim;
     const int64_t t = (D & (D - 1)) == 0 ? idx >> __builtin_ctzll((unsigned long long)D)
                                          : idx / D;  /* a shift where D is a power of two */
-    const int64_t ch = idx - t * D;
-    const uint8_t *row = K->codes + ((blk * L->block_size + t) * Hkv + g) * K->packed;
-    const float decoded = fmaf(K->lut[code_at(row, bits, ch)], w->k_half[g * D + ch],
-                               w->k_off[g * D + ch]);
-    const KeyOutlier e = {t, ch, load_any(K->oval, at, kind) - decoded};
+    const KeyOutlier e = {t, idx - t * D, load_any(L->k.oval, at, kind)};
     return e;
 }
 
@@ -261,7 +257,7 @@ static inline __attribute__((always_inline)) void key_outliers(
     for (int64_t j = 0; j < K->cap; j++) {
         const int64_t idx = load_index(K->oidx, base + j, idx_bytes);
         if (idx < 0 || idx >= limit) continue;
-        const KeyOutlier e = key_outlier_entry(L, blk, g, base + j, idx, w, kind, K->bits);
+        const KeyOutlier e = key_outlier_entry(L, base + j, idx, kind);
         const int64_t pos = slot_rope_position(L, blk, e.t);
         const float *cs = L->cos + pos * R, *sn = L->sin + pos * R;
         for (int64_t hh = 0; hh < group; hh++)
@@ -270,22 +266,21 @@ static inline __attribute__((always_inline)) void key_outliers(
     }
 }
 
-/* the value outliers of non-sink slots as corrections of the accumulators */
+/* the value outliers of non-sink slots as corrections of the accumulators: P times the stored
+ * delta */
 static inline __attribute__((always_inline)) void value_outliers(
         const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n, float *restrict acc0,
         int64_t group, const float *restrict sg, const BlockScratch *w, const int64_t idx_bytes,
-        const int64_t kind, const int64_t bits) {
+        const int64_t kind) {
     const KVQuantSide *V = &L->v;
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, cap = V->cap;
     for (int64_t t = 0; t < n; t++) {
         if (w->sink_at[t] >= 0) continue;
         const int64_t i = (blk * B + t) * Hkv + g;  /* (block, slot, head) */
-        const uint8_t *row = V->codes + i * V->packed;
         for (int64_t j = 0; j < cap; j++) {
             const int64_t ch = load_index(V->oidx, i * cap + j, idx_bytes);
             if (ch < 0 || ch >= D) continue;
-            const float delta = load_any(V->oval, i * cap + j, kind)
-                                - (V->lut[code_at(row, bits, ch)] * w->v_half[t] + w->v_off[t]);
+            const float delta = load_any(V->oval, i * cap + j, kind);
             for (int64_t hh = 0; hh < group; hh++) acc0[hh * D + ch] += sg[hh * B + t] * delta;
         }
     }
@@ -300,10 +295,11 @@ static inline int block_value_patches_fit(const KVQuantLayer *L) {
 
 /* Small heads (head_dim <= 64: one or two chunks of 32 channels), where value outliers are a
  * large share (the per-token capacity rounds up: 2 of 32 channels at 1%): each outlier of a live
- * slot becomes a patch of its row in centroid units, x = (exact - offset) / half-range, put in
- * place of the looked-up centroid inside the value pass (then P * half * x + P * offset = P *
- * exact, within float rounding: x uses the row's reciprocal half-range). A row whose half-range
- * is 0 has no centroid scale: its outliers are added here, as value_outliers does. KV head g's
+ * slot becomes a patch of its row in centroid units, x = delta / half-range, added to the
+ * looked-up centroid inside the value pass (then P * half * (c + x) + P * offset = P * (decoded
+ * + delta), within float rounding: x uses the row's reciprocal half-range). A row whose
+ * half-range is 0 has no centroid scale: its outliers are added here, as value_outliers does.
+ * KV head g's
  * patches, at [t, g, j] of w->patch_ch / patch_x (`write`; else, block_value_patches having
  * written every head's, only the rows without a centroid scale are added). */
 static inline __attribute__((always_inline)) void value_patches_impl(
@@ -316,21 +312,21 @@ static inline __attribute__((always_inline)) void value_patches_impl(
     float *restrict patch_x = w->patch_x;
     for (int64_t t = 0; t < n; t++) {
         const int64_t i = (blk * B + t) * Hkv + g;  /* (block, slot, head) */
-        const float half = w->v_half[t], off = w->v_off[t];
+        const float half = w->v_half[t];
         if (!write && half != 0.f) continue;
         const float inv = half != 0.f ? 1.f / half : 0.f;
         const int live = w->sink_at[t] < 0;
         for (int64_t j = 0; j < cap; j++) {
             const int64_t ch = load_index(V->oidx, i * cap + j, idx_bytes);
-            const float exact = load_any(V->oval, i * cap + j, kind);
+            const float delta = load_any(V->oval, i * cap + j, kind);
             const int valid = live && ch >= 0 && ch < D;
             if (write) {
                 patch_ch[(t * Hkv + g) * cap + j] = valid && half != 0.f ? (int32_t)ch : -1;
-                patch_x[(t * Hkv + g) * cap + j] = (exact - off) * inv;
+                patch_x[(t * Hkv + g) * cap + j] = delta * inv;
             }
             if (valid && half == 0.f)  /* no centroid scale: added here */
                 for (int64_t hh = 0; hh < group; hh++)
-                    acc0[hh * D + ch] += sg[hh * B + t] * (exact - off);
+                    acc0[hh * D + ch] += sg[hh * B + t] * delta;
         }
     }
 }
@@ -355,17 +351,17 @@ static void block_value_fixes(const KVQuantLayer *L, int64_t blk, int64_t g, int
     if (elsewhere) {
         /* the outliers went into the value pass (value_patches) or come after every head's
          * value pass (block_value_outliers16) */
-    } else if (V->cap && V->idx_bytes == 1 && L->sparse_kind == 0 && V->bits == 4) {
-        /* uint8 channels, float16 values, 4-bit codes: constant sizes, and a constant group
-         * of 1, 2 or 4 (the inner loop unrolled) */
+    } else if (V->cap && V->idx_bytes == 1 && L->sparse_kind == 0) {
+        /* uint8 channels, float16 deltas: constant sizes, and a constant group of 1, 2 or 4
+         * (the inner loop unrolled) */
         switch (group) {
-        case 1: value_outliers(L, blk, g, n, acc0, 1, sg, w, 1, 0, 4); break;
-        case 2: value_outliers(L, blk, g, n, acc0, 2, sg, w, 1, 0, 4); break;
-        case 4: value_outliers(L, blk, g, n, acc0, 4, sg, w, 1, 0, 4); break;
-        default: value_outliers(L, blk, g, n, acc0, group, sg, w, 1, 0, 4); break;
+        case 1: value_outliers(L, blk, g, n, acc0, 1, sg, w, 1, 0); break;
+        case 2: value_outliers(L, blk, g, n, acc0, 2, sg, w, 1, 0); break;
+        case 4: value_outliers(L, blk, g, n, acc0, 4, sg, w, 1, 0); break;
+        default: value_outliers(L, blk, g, n, acc0, group, sg, w, 1, 0); break;
         }
     } else if (V->cap)
-        value_outliers(L, blk, g, n, acc0, group, sg, w, V->idx_bytes, L->sparse_kind, V->bits);
+        value_outliers(L, blk, g, n, acc0, group, sg, w, V->idx_bytes, L->sparse_kind);
     for (int64_t p = 0; p < L->num_sinks; p++) {
         const int64_t t = L->sink_slot[blk * L->num_sinks + p];
         if (t < 0 || t >= n) continue;

@@ -66,7 +66,7 @@ static inline __attribute__((always_inline)) void tile_key_outliers_impl(
         for (; j < K->cap; j++) {
             const int64_t idx = load_index(K->oidx, base + j, idx_bytes);
             if (idx < 0 || idx >= end) break;
-            const KeyOutlier e = key_outlier_entry(L, blk, g, base + j, idx, w, kind, bits);
+            const KeyOutlier e = key_outlier_entry(L, base + j, idx, kind);
             const float *cs, *sn;
             rope_rows_at(L, slot_rope_position(L, blk, e.t), &cs, &sn);
             for (int64_t hh = 0; hh < nh; hh++)
@@ -178,13 +178,13 @@ static inline __m256 elements8(const void *p, int64_t kind) {
 
 /* Where the store's layout fits (key_rotated_fit) and the lists are in index order, the key
  * outliers are corrected after the key pass from operands made during it for every query
- * head: an entry's correction of the score of query head h is (exact - decoded) times h's
- * coefficient in q . RoPE(k) (rope_coefficient), = q_h[ch] * A + q_h[partner] * B with A =
- * delta * cos and B = +-delta * sin at the slot's position, neither depending on the query.
- * The operands of a tile's entries are made right after its key pass (its rows and RoPE rows
- * still in L1; made from the whole block at once after the pass, those rows came back from
- * memory), every KV head's entries staged side by side and taken 8 at a time (a head's alone
- * filled a third of the lanes), codes, statistics and RoPE rows gathered; the corrections are
+ * head: an entry's correction of the score of query head h is its stored delta (exact -
+ * decoded) times h's coefficient in q . RoPE(k) (rope_coefficient), = q_h[ch] * A +
+ * q_h[partner] * B with A = delta * cos and B = +-delta * sin at the slot's position, neither
+ * depending on the query. The operands of a tile's entries are made right after its key pass
+ * (its RoPE rows still in L1; made from the whole block at once after the pass, those rows came
+ * back from memory), every KV head's entries staged side by side and taken 8 at a time (a
+ * head's alone filled a third of the lanes), the RoPE rows gathered; the corrections are
  * then four loads and two FMAs per entry and query head (key_rotated_fixes). Other layouts
  * correct a tile's entries one at a time (tile_key_outliers). */
 
@@ -259,9 +259,6 @@ static inline __attribute__((always_inline)) void tile_key_rotated_impl(
     const int folded = rows || L->rope_halves_equal;  /* both at the channel's first-half index */
     const __m256i half_rot = _mm256_set1_epi32((int)(R / 2)), rot = _mm256_set1_epi32((int)R);
     const __m256i d_mask = _mm256_set1_epi32((int)D - 1);
-    const __m256i words = _mm256_set1_epi32((int)(Hkv * K->packed / 4));  /* a slot's rows */
-    const __m256i head_words = _mm256_set1_epi32((int)(K->packed / 4));
-    const int32_t *codes = (const int32_t *)(K->codes + (blk * B + t0) * Hkv * K->packed);
     const int64_t out = w->ko_count;
     for (int64_t e = 0; e < staged; e += 8) {
         const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(staged - e)), lane);
@@ -271,20 +268,9 @@ static inline __attribute__((always_inline)) void tile_key_rotated_impl(
         const __m256i t = _mm256_srli_epi32(at, d_shift), ch = _mm256_and_si256(at, d_mask);
         const __m256i tt = _mm256_sub_epi32(t, _mm256_and_si256(_mm256_set1_epi32((int)t0),
                                                                 valid));
-        const __m256i stat = _mm256_add_epi32(_mm256_mullo_epi32(g, _mm256_set1_epi32((int)D)),
-                                              ch);  /* [Hkv, D] statistics */
-        /* delta = exact - (lut[code] * half + offset) */
-        const __m256i bitpos = _mm256_mullo_epi32(ch, _mm256_set1_epi32(bits));
-        const __m256i word = _mm256_add_epi32(
-            _mm256_add_epi32(_mm256_mullo_epi32(tt, words), _mm256_mullo_epi32(g, head_words)),
-            _mm256_srli_epi32(bitpos, 5));
-        const __m256i code = _mm256_srlv_epi32(_mm256_i32gather_epi32(codes, word, 4),
-                                               _mm256_and_si256(bitpos, _mm256_set1_epi32(31)));
-        const __m256 decoded = _mm256_fmadd_ps(lut16_lookup8(tlo, thi, code),
-                                               _mm256_i32gather_ps(w->k_half, stat, 4),
-                                               _mm256_i32gather_ps(w->k_off, stat, 4));
-        const __m256 delta = _mm256_and_ps(
-            _mm256_castsi256_ps(valid), _mm256_sub_ps(_mm256_loadu_ps(st_val + e), decoded));
+        /* the stored delta, exact - decoded: no code or statistic gathered */
+        const __m256 delta = _mm256_and_ps(_mm256_castsi256_ps(valid),
+                                           _mm256_loadu_ps(st_val + e));
         __m256 a = delta, b = _mm256_setzero_ps();
         __m256i partner = ch;
         if (R) {  /* cos and +-sin of the channel's pair at the slot's position */
@@ -463,13 +449,14 @@ static inline __attribute__((always_inline)) void block_values(
                 centroids32(row, d, planes, 0, v);
             else
                 for (int c = 0; c < CV; c++) v[c] = centroids8(row, bits, d + 8 * c, tlo, thi);
-            for (int64_t j = 0; j < patches; j++) {  /* the row's outliers, in centroid units */
+            for (int64_t j = 0; j < patches; j++) {  /* the row's outliers' deltas, in centroid
+                                                      * units, added at their channels */
                 const __m256i ch = _mm256_set1_epi32(w->patch_ch[(t * Hkv + g) * patches + j]);
                 const __m256 x = _mm256_set1_ps(w->patch_x[(t * Hkv + g) * patches + j]);
                 for (int c = 0; c < CV; c++) {
                     const __m256i lane = _mm256_add_epi32(lane0, _mm256_set1_epi32(8 * c));
-                    v[c] = _mm256_blendv_ps(v[c], x,
-                                            _mm256_castsi256_ps(_mm256_cmpeq_epi32(lane, ch)));
+                    v[c] = _mm256_add_ps(v[c], _mm256_and_ps(
+                        x, _mm256_castsi256_ps(_mm256_cmpeq_epi32(lane, ch))));
                 }
             }
             for (int hh = 0; hh < nh; hh++) {
@@ -539,16 +526,15 @@ static void block_softmax(Softmax *s, int64_t h, int64_t group, int64_t n, int64
  * read past the block's rows likewise (v_stats has 8 spare floats). Returns the lanes of
  * outliers in rows without a centroid scale (always inlined with a constant kind). */
 static inline __attribute__((always_inline)) int value_patches8(
-        const float *vh, const float *vo, int64_t e0, int c_shift, const uint8_t *ch8,
+        const float *vh, int64_t e0, int c_shift, const uint8_t *ch8,
         const uint8_t *val, int64_t have, int64_t D, const int64_t kind, BlockScratch *w) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i row_of = _mm256_srli_epi32(lane, c_shift);  /* an entry's row, from e0's */
     const __m256i have_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)have), lane);
     const int64_t r0 = e0 >> c_shift;
     const __m256 half = _mm256_permutevar8x32_ps(_mm256_loadu_ps(vh + r0), row_of);
-    const __m256 off = _mm256_permutevar8x32_ps(_mm256_loadu_ps(vo + r0), row_of);
     const __m256i ch = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)ch8));
-    const __m256 exact = elements8(val, kind);
+    const __m256 delta = elements8(val, kind);
     /* valid: an entry in range with a channel < D (unused entries hold 255) */
     const __m256i valid = _mm256_and_si256(have_mask,
                                            _mm256_cmpgt_epi32(_mm256_set1_epi32((int)D), ch));
@@ -558,14 +544,14 @@ static inline __attribute__((always_inline)) int value_patches8(
                                      _mm256_div_ps(_mm256_set1_ps(1.f), half));
     _mm256_storeu_si256((__m256i *)(w->patch_ch + e0),
                         _mm256_blendv_epi8(_mm256_set1_epi32(-1), ch, scaled));
-    _mm256_storeu_ps(w->patch_x + e0, _mm256_mul_ps(_mm256_sub_ps(exact, off), inv));
+    _mm256_storeu_ps(w->patch_x + e0, _mm256_mul_ps(delta, inv));
     return _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_andnot_si256(scaled, valid)));
 }
 
 /* value_patches of every KV head of the block at once, before the heads' value passes, as the
  * AVX-512 header's: the block's lists ([n, Hkv, cap], contiguous) 8 entries at a time (the last
- * from a zero-padded copy), each row's statistics permuted to its entries, x = (exact -
- * offset) / half-range. A sink slot's patches are left in (the value pass weighs its row by 0).
+ * from a zero-padded copy), each row's half-range permuted to its entries, x = delta /
+ * half-range. A sink slot's patches are left in (the value pass weighs its row by 0).
  * Returns whether an outlier lies in a row without a centroid scale (half-range 0), which
  * value_patches adds a KV head at a time. */
 static int block_value_patches(const KVQuantLayer *L, int64_t blk, int64_t n,
@@ -575,14 +561,14 @@ static int block_value_patches(const KVQuantLayer *L, int64_t blk, int64_t n,
     const int64_t rows = n * Hkv, entries = rows * cap, first = blk * B * Hkv * cap;
     const int64_t kind = L->sparse_kind, elem = kind == 2 ? 4 : 2;
     const int c_shift = __builtin_ctzll((unsigned long long)cap);
-    const float *vh = w->v_stats, *vo = w->v_stats + B * Hkv;
+    const float *vh = w->v_stats;
     const uint8_t *ch8 = (const uint8_t *)V->oidx + first;
     const uint8_t *val = (const uint8_t *)V->oval + first * elem;
     int unscaled = 0;
     int64_t e0 = 0;
 #define PATCHES8(k)                                                                            \
     for (; e0 + 8 <= entries; e0 += 8)                                                         \
-        unscaled |= value_patches8(vh, vo, e0, c_shift, ch8 + e0, val + e0 * elem, 8, D, k, w)
+        unscaled |= value_patches8(vh, e0, c_shift, ch8 + e0, val + e0 * elem, 8, D, k, w)
     switch (kind) {
     case 0: PATCHES8(0); break;
     case 1: PATCHES8(1); break;
@@ -594,7 +580,7 @@ static int block_value_patches(const KVQuantLayer *L, int64_t blk, int64_t n,
         uint8_t ch_tail[8] = {0}, val_tail[32] = {0};
         memcpy(ch_tail, ch8 + e0, (size_t)have);
         memcpy(val_tail, val + e0 * elem, (size_t)(have * elem));
-        unscaled |= value_patches8(vh, vo, e0, c_shift, ch_tail, val_tail, have, D, kind, w);
+        unscaled |= value_patches8(vh, e0, c_shift, ch_tail, val_tail, have, D, kind, w);
     }
     return unscaled != 0;
 }

@@ -374,11 +374,12 @@ static inline __attribute__((always_inline)) void block_values(
             const uint8_t *row = rows + t * stride;
             __m512 v0 = _mm512_permutexvar_ps(codes16(row, bits, d), lut);
             __m512 v1 = _mm512_permutexvar_ps(codes16(row, bits, d + 16), lut);
-            for (int64_t j = 0; j < patches; j++) {  /* the row's outliers, in centroid units */
+            for (int64_t j = 0; j < patches; j++) {  /* the row's outliers' deltas, in centroid
+                                                      * units, added at their channels */
                 const __m512i ch = _mm512_set1_epi32(w->patch_ch[(t * Hkv + g) * patches + j]);
                 const __m512 x = _mm512_set1_ps(w->patch_x[(t * Hkv + g) * patches + j]);
-                v0 = _mm512_mask_mov_ps(v0, _mm512_cmpeq_epi32_mask(lane0, ch), x);
-                v1 = _mm512_mask_mov_ps(v1, _mm512_cmpeq_epi32_mask(lane1, ch), x);
+                v0 = _mm512_mask_add_ps(v0, _mm512_cmpeq_epi32_mask(lane0, ch), v0, x);
+                v1 = _mm512_mask_add_ps(v1, _mm512_cmpeq_epi32_mask(lane1, ch), v1, x);
             }
             for (int hh = 0; hh < nh; hh++) {
                 const __m512 p = _mm512_set1_ps(w->pa[(h0 + hh) * B + t]);
@@ -426,12 +427,13 @@ static inline __attribute__((always_inline)) void block_values_planar(
             __m512 v[S_MAX];
             for (int c = 0; c < cp; c++)
                 planar_lookup(rows + t * stride, d + c * C, k, lut, v + c * k);
-            for (int64_t j = 0; j < patches; j++) {  /* the row's outliers, in centroid units */
+            for (int64_t j = 0; j < patches; j++) {  /* the row's outliers' deltas, in centroid
+                                                      * units, added at their channels */
                 const __m512i ch = _mm512_set1_epi32(w->patch_ch[(t * Hkv + g) * patches + j]);
                 const __m512 x = _mm512_set1_ps(w->patch_x[(t * Hkv + g) * patches + j]);
                 for (int sub = 0; sub < S; sub++)
-                    v[sub] = _mm512_mask_mov_ps(
-                        v[sub], _mm512_cmpeq_epi32_mask(chan[sub], ch), x);
+                    v[sub] = _mm512_mask_add_ps(
+                        v[sub], _mm512_cmpeq_epi32_mask(chan[sub], ch), v[sub], x);
             }
             for (int hh = 0; hh < nh; hh++) {
                 const __m512 p = _mm512_set1_ps(w->pa[(h0 + hh) * B + t]);
@@ -594,32 +596,25 @@ static inline __attribute__((always_inline)) void q_lookup(const float *qh, __m5
     *qp = _mm512_mask_blend_ps(m6, hi, lo);
 }
 
-/* key_outliers, 16 entries at a time with gathers (head_dim a power of two, 2 or 4-bit codes,
- * int16 / int32 indices: gather_codes); the score corrections of a query head go in together
- * (scores_add16). An entry's decoded value is one gather from the slot-lanes pass's tables
- * where that pass takes the layer, its position its slot's offset from the block's first
- * where they are consecutive (w->first_position; no gather), its query channel and the RoPE
- * partner's permuted from the head's where it has at most 128 (q_lookup; else gathered). */
+/* key_outliers, 16 entries at a time (head_dim a power of two, int16 / int32 indices); the
+ * score corrections of a query head go in together (scores_add16). An entry's delta is the
+ * store's (one load of 16, no code or statistic read), its position its slot's offset from
+ * the block's first where they are consecutive (w->first_position; no gather), its query
+ * channel and the RoPE partner's permuted from the head's where it has at most 128 (q_lookup;
+ * else gathered), its cos and sin gathered. */
 static void key_outliers16(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
                            const float *restrict q0, int64_t group, float *restrict sg,
                            const BlockScratch *w) {
     const KVQuantSide *K = &L->k;
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
     const int64_t base = (blk * Hkv + g) * K->cap;
-    const float *half = w->k_half + g * D, *off = w->k_off + g * D;
-    const uint8_t *rows = K->codes + (blk * B * Hkv + g) * K->packed;
     const int32_t *positions = R ? L->slot_positions + blk * B : NULL;
-    const __m512 lut = lut16(K->lut, K->bits);
     const __m512i zero = _mm512_setzero_si512(), limit = _mm512_set1_epi32((int)(n * D));
     const __m512i last_channel = _mm512_set1_epi32((int)(D - 1));
-    const __m512i stride = _mm512_set1_epi32((int)(Hkv * K->packed));
-    const __m512i code_mask = _mm512_set1_epi32((1 << K->bits) - 1);
     const __m512i half_rot = _mm512_set1_epi32((int)(R / 2)), rot = _mm512_set1_epi32((int)R);
-    const int d_shift = __builtin_ctzll((unsigned long long)D), b_shift = K->bits == 4 ? 2 : 1;
+    const int d_shift = __builtin_ctzll((unsigned long long)D);
     const int consecutive = R && w->first_position >= 0;
     const __m512i pos0 = _mm512_set1_epi32(consecutive ? w->first_position : 0);
-    const int tables = key_pass_kind(L) == SLOT_KEYS;  /* w->ktab made for the block */
-    const float *tab = w->ktab + g * D * 16;
     /* the query's lookups by permutes: its rotate-half partner is ch ^ D / 2 (R == D) */
     const int qperm = (R == D || R == 0) && q_lookup_fits(D);
     for (int64_t j0 = 0; j0 < K->cap; j0 += 16) {
@@ -634,14 +629,9 @@ static void key_outliers16(const KVQuantLayer *L, int64_t blk, int64_t g, int64_
         if (!live) continue;
         const __m512i t = _mm512_srli_epi32(idx, d_shift);
         const __m512i ch = _mm512_and_si512(idx, last_channel);
-        const __m512i code = gather_codes(rows, _mm512_mullo_epi32(t, stride), ch, b_shift,
-                                          code_mask, live);
-        const __m512 decoded = tables
-            ? gather_ps(tab, _mm512_add_epi32(_mm512_slli_epi32(ch, 4), code), live)
-            : _mm512_fmadd_ps(_mm512_permutexvar_ps(code, lut), gather_ps(half, ch, live),
-                              gather_ps(off, ch, live));
-        const __m512 delta = _mm512_maskz_sub_ps(live, elements16(K->oval, base + j0, have,
-                                                                  L->sparse_kind), decoded);
+        /* the stored delta, exact - decoded: no code or statistic gathered */
+        const __m512 delta = _mm512_maskz_mov_ps(live, elements16(K->oval, base + j0, have,
+                                                                  L->sparse_kind));
         __m512 cv = _mm512_set1_ps(1.f), sv = _mm512_setzero_ps();
         __m512i partner = ch;
         if (R) {  /* q[ch] cos[ch] +- q[partner] sin[partner] at the slot's position */
@@ -687,13 +677,12 @@ static void key_outliers16(const KVQuantLayer *L, int64_t blk, int64_t g, int64_
 }
 
 /* the block's key outliers of head g as score corrections: 16 at a time where the layout
- * allows (head_dim a power of two, 2 or 4-bit codes, int16 / int32 indices), else one by one */
+ * allows (head_dim a power of two, int16 / int32 indices), else one by one */
 static void block_key_outliers(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
                                const float *q0, int64_t group, float *sg, const BlockScratch *w) {
     const KVQuantSide *K = &L->k;
     const int64_t D = L->head_dim;
-    if ((D & (D - 1)) == 0 && (K->bits == 2 || K->bits == 4)
-            && (K->idx_bytes == 2 || K->idx_bytes == 4))
+    if ((D & (D - 1)) == 0 && (K->idx_bytes == 2 || K->idx_bytes == 4))
         key_outliers16(L, blk, g, n, q0, group, sg, w);
     else if (K->idx_bytes == 2 && L->sparse_kind == 0)  /* int16 indices, float16 values */
         key_outliers(L, blk, g, n, q0, group, sg, w, 2, 0);
@@ -702,9 +691,9 @@ static void block_key_outliers(const KVQuantLayer *L, int64_t blk, int64_t g, in
 }
 
 /* value_patches of every KV head of the block at once, before the heads' value passes: the
- * block's lists ([n, Hkv, cap], contiguous) 16 entries at a time, each row's statistics (w->
- * v_stats, converted once a block) permuted to its entries, x = (exact - offset) / half-range
- * with one vector division. A sink slot's patches are left in: the value pass weighs its row
+ * block's lists ([n, Hkv, cap], contiguous) 16 entries at a time, each row's half-range (w->
+ * v_stats, converted once a block) permuted to its entries, x = delta / half-range with one
+ * vector division. A sink slot's patches are left in: the value pass weighs its row
  * by 0 (w->pa: P * live * half-range; its full-precision row is added apart). Returns whether
  * an outlier lies in a row without a centroid scale (half-range 0), which value_patches adds a
  * KV head at a time. */
@@ -714,7 +703,7 @@ static int block_value_patches(const KVQuantLayer *L, int64_t blk, int64_t n,
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, cap = V->cap;
     const int64_t rows = n * Hkv, entries = rows * cap, first = blk * B * Hkv;
     const int c_shift = __builtin_ctzll((unsigned long long)cap);
-    const float *vh = w->v_stats, *vo = w->v_stats + B * Hkv;
+    const float *vh = w->v_stats;
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i row_of = _mm512_srli_epi32(lane, c_shift);  /* an entry's row, from e0's */
     const __m512i channels = _mm512_set1_epi32((int)D), unused = _mm512_set1_epi32(-1);
@@ -726,18 +715,16 @@ static int block_value_patches(const KVQuantLayer *L, int64_t blk, int64_t n,
         const __mmask16 in_rows = left >= 16 ? (__mmask16)0xFFFF
                                              : (__mmask16)((1u << left) - 1u);
         const __m512 half = _mm512_permutexvar_ps(row_of, _mm512_maskz_loadu_ps(in_rows, vh + r0));
-        const __m512 off = _mm512_permutexvar_ps(row_of, _mm512_maskz_loadu_ps(in_rows, vo + r0));
         const __m512i ch = _mm512_cvtepu8_epi32(
             _mm_maskz_loadu_epi8(have, (const uint8_t *)V->oidx + first * cap + e0));
-        const __m512 exact = elements16(V->oval, first * cap + e0, have, L->sparse_kind);
+        const __m512 delta = elements16(V->oval, first * cap + e0, have, L->sparse_kind);
         const __mmask16 valid = have & _mm512_cmplt_epi32_mask(ch, channels);
         const __mmask16 scaled = valid & _mm512_cmp_ps_mask(half, _mm512_setzero_ps(),
                                                             _CMP_NEQ_OQ);
         const __m512 inv = _mm512_maskz_div_ps(scaled, _mm512_set1_ps(1.f), half);
         _mm512_mask_storeu_epi32(w->patch_ch + e0, have,
                                  _mm512_mask_blend_epi32(scaled, unused, ch));
-        _mm512_mask_storeu_ps(w->patch_x + e0, have,
-                              _mm512_mul_ps(_mm512_sub_ps(exact, off), inv));
+        _mm512_mask_storeu_ps(w->patch_x + e0, have, _mm512_mul_ps(delta, inv));
         unscaled |= valid & ~scaled;
     }
     return unscaled != 0;
@@ -779,18 +766,16 @@ static inline void pairs_fma8(double *corr, __mmask8 live, __m256i at, __m512d p
         _mm512_castpd_ps(p), d, _mm512_castpd_ps(c))), 8);
 }
 
-/* does block_value_outliers16 take this layer: uint8 channels, 2 or 4-bit codes (a code within
- * one aligned 32-bit word of its row), at most 16 KV heads (a slot's statistics one vector) */
+/* does block_value_outliers16 take this layer: uint8 channels, at most 16 KV heads (a slot's
+ * query heads' P one vector, or gathered) */
 static inline int value_outliers16_fit(const KVQuantLayer *L) {
-    return L->v.cap > 0 && L->v.idx_bytes == 1 && (L->v.bits == 2 || L->v.bits == 4)
-           && L->num_kv_heads <= 16;
+    return L->v.cap > 0 && L->v.idx_bytes == 1 && L->num_kv_heads <= 16;
 }
 
 /* The value outliers of the block's non-sink slots, every KV head at once, as corrections of
- * the accumulators: acc[h, ch] += P[h, t] * (exact - decoded), after the block's softmax of
- * every head (P in w->scores). A slot's lists of all KV heads are contiguous ([Hkv, cap]), so
- * they go 16 entries at a time: the codes gathered from the slot's rows (L2: the value passes
- * just read them), the slot's statistics permuted to each entry's head, P permuted to them
+ * the accumulators: acc[h, ch] += P[h, t] * delta (the stored exact - decoded), after the
+ * block's softmax of every head (P in w->scores). A slot's lists of all KV heads are contiguous
+ * ([Hkv, cap]), so they go 16 entries at a time: the deltas loaded, P permuted to them
  * from the slot's row of every query head's P (w->p_slots: the block's P transposed once, up
  * to 16 query heads; else gathered per head), and the accumulators gathered and scattered
  * back (an entry's (head, channel) is listed once, so the 16 never collide). With P by slots
@@ -803,12 +788,7 @@ static void block_value_outliers16(const KVQuantLayer *L, int64_t blk, int64_t n
     const KVQuantSide *V = &L->v;
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim;
     const int64_t group = L->num_q_heads / Hkv, cap = V->cap, per = Hkv * cap;
-    const __m512 lut = lut16(V->lut, V->bits);
     const __m512i channels = _mm512_set1_epi32((int)D);
-    const __m512i packed = _mm512_set1_epi32((int)V->packed);
-    const __m512i code_mask = _mm512_set1_epi32((1 << V->bits) - 1);
-    const int b_shift = V->bits == 4 ? 2 : 1;
-    const __mmask16 heads = (__mmask16)((1u << Hkv) - 1u);
     const int column = Hkv * group <= 16;  /* a slot's P of every query head: one vector */
     if (column)  /* P by slots: row t holds every query head's P at slot t */
         for (int64_t t0 = 0; t0 < n; t0 += 16) {
@@ -831,9 +811,6 @@ static void block_value_outliers16(const KVQuantLayer *L, int64_t blk, int64_t n
     for (int64_t t = 0; t < n; t++) {
         if (w->sink_at[t] >= 0) continue;
         const int64_t i0 = (blk * B + t) * Hkv;  /* (block, slot, head 0) */
-        const uint8_t *rows = V->codes + i0 * V->packed;
-        const __m512 vh = _mm512_maskz_loadu_ps(heads, w->v_stats + t * Hkv);
-        const __m512 vo = _mm512_maskz_loadu_ps(heads, w->v_stats + (B + t) * Hkv);
         /* P of every query head at slot t (at most 16 heads): one row, permuted per entry */
         const __m512 pt = column ? _mm512_load_ps(w->p_slots + t * 16) : _mm512_setzero_ps();
         for (int64_t e0 = 0; e0 < per; e0 += 16) {
@@ -844,13 +821,9 @@ static void block_value_outliers16(const KVQuantLayer *L, int64_t blk, int64_t n
                 _mm_maskz_loadu_epi8(have, (const uint8_t *)V->oidx + i0 * cap + e0));
             const __mmask16 live = have & _mm512_cmplt_epi32_mask(ch, channels);
             if (!live) continue;
-            const __m512i code = gather_codes(rows, _mm512_mullo_epi32(g, packed), ch, b_shift,
-                                              code_mask, live);
-            const __m512 decoded = _mm512_fmadd_ps(_mm512_permutexvar_ps(code, lut),
-                                                   _mm512_permutexvar_ps(g, vh),
-                                                   _mm512_permutexvar_ps(g, vo));
-            const __m512 delta = _mm512_maskz_sub_ps(
-                live, elements16(V->oval, i0 * cap + e0, have, L->sparse_kind), decoded);
+            /* the stored delta, exact - decoded: no code or statistic read */
+            const __m512 delta = _mm512_maskz_mov_ps(
+                live, elements16(V->oval, i0 * cap + e0, have, L->sparse_kind));
             if (paired) {  /* the group's heads two at a time: 64-bit lanes of P and v_corr */
                 /* pair k of entry e's head: P at pair (g * group / 2 + k) of the slot's row,
                  * v_corr at pair ((g * D + ch) * group / 2 + k) */

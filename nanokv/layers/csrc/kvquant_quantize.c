@@ -15,9 +15,10 @@
  *             each element's z-score in its channel over the block's valid slots, or with
  *             calibrated (lower, upper) thresholds the distance beyond them over their span. An
  *             element picked from both ends is listed once (the bottom entry marked unused);
- *             sink slots (valid 0) are never outliers. Unused entries: index -1 (255 in a uint8
- *             index), value 0. A per-channel list is in index order (slot-major), its unused
- *             entries last.
+ *             sink slots (valid 0) are never outliers. An entry holds its delta, x minus its
+ *             dense decoding (centroid * half + offset, the reader's float operations). Unused
+ *             entries: index -1 (255 in a uint8 index), delta 0. A per-channel list is in index
+ *             order (slot-major), its unused entries last.
  *   offset, half   (max + min) / 2 and (max - min) / 2 over the rest (per channel: the valid,
  *             non-outlier slots), clamped to +-65504 and rounded to fp16 (0 when nothing is left)
  *   codes     xn = clamp((x - offset) / max(half, FLT_MIN), -1, 1), then the nearest of the
@@ -131,8 +132,23 @@ static inline uint8_t encode(float x, float off, float denom, int64_t levels,
         return (uint8_t)r;
     }
     int64_t n = 0;
+    if (levels <= 15) {  /* 2- to 4-bit: the midpoints below xn counted without a branch (they
+                          * ascend, so the count is the first not below it) */
+        for (int64_t j = 0; j < levels; j++) n += mids[j] < xn;
+        return (uint8_t)n;
+    }
     while (n < levels && mids[n] < xn) n++;
     return (uint8_t)n;
+}
+
+/* a code's dense decoding, centroid * half + offset, with the reader's float operations
+ * (`nanokv.quant.kvquant.decode`: the uniform grid's code * (2 / levels) - 1, or the codebook's
+ * centroid; then times the fp16 half-range, plus the fp16 offset, each rounded to float) */
+static inline float dense_value(uint8_t code, float off, float hr, int64_t levels,
+                                const float *codebook) {
+    const float centroid = codebook != NULL
+        ? codebook[code] : (float)code * (float)(2.0 / (double)levels) - 1.0f;
+    return centroid * hr + off;
 }
 
 static inline int64_t packed_bytes(int64_t D, int64_t bits) {
@@ -153,6 +169,34 @@ static int64_t next_extreme(const float *x, const uint8_t *taken, int64_t D, int
 #define MAX_D 1024
 #define MAX_CAP 256
 
+/* the cache lines of bytes [p, p + n), prefetched for writing */
+static inline void prefetch_for_write(const void *p, int64_t n) {
+    const uintptr_t first = (uintptr_t)p & ~(uintptr_t)63, last = ((uintptr_t)p + n - 1) & ~(uintptr_t)63;
+    for (uintptr_t a = first; a <= last; a += 64) __builtin_prefetch((const void *)a, 1, 3);
+}
+
+/* A decode step writes one token of each running request: T slots in as many blocks, whose
+ * lines of the five buffers the step's attention pass over the whole pool has evicted (and whose
+ * pages are often out of the TLB). Each token-head's stores would then wait on its own misses,
+ * one after the other (about 3x the quantizing's time at 45 requests of the shipped model): the
+ * lines of every token are requested first, so that their misses overlap. */
+static void prefetch_token_slots(const int64_t *slots, int64_t T, int64_t H, int64_t packed,
+                                 int64_t cap, int64_t idx_bytes, int64_t sparse_bytes,
+                                 const uint8_t *codes, const uint16_t *offset,
+                                 const uint16_t *half, const void *oidx, const void *oval) {
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t g = slots[t] * H; /* the token's (slot, head 0) */
+        prefetch_for_write(codes + g * packed, H * packed);
+        prefetch_for_write(offset + g, H * 2);
+        prefetch_for_write(half + g, H * 2);
+        if (cap) {
+            prefetch_for_write((const uint8_t *)oidx + g * cap * idx_bytes, H * cap * idx_bytes);
+            prefetch_for_write((const uint8_t *)oval + g * cap * sparse_bytes,
+                               H * cap * sparse_bytes);
+        }
+    }
+}
+
 int kvquant_quantize_tokens(const float *x, const uint8_t *valid, const int64_t *slots,
                             int64_t T, int64_t H, int64_t D, int64_t bits,
                             const float *codebook, int64_t cap, uint8_t *codes,
@@ -166,6 +210,9 @@ int kvquant_quantize_tokens(const float *x, const uint8_t *valid, const int64_t 
     const int64_t side = cap / 2;
     float mids[255];
     const float *book = midpoints(codebook, levels, mids);
+    if (T * H * D < 65536)  /* a decode step's few tokens (a prefill chunk writes its slots in order) */
+        prefetch_token_slots(slots, T, H, packed, cap, idx_bytes, sparse_kind == 2 ? 4 : 2, codes,
+                             offset, half, oidx, oval);
     #pragma omp parallel for schedule(static) if (T * H * D >= 65536)
     for (int64_t th = 0; th < T * H; th++) {
         const int64_t t = th / H, h = th % H;
@@ -207,15 +254,18 @@ int kvquant_quantize_tokens(const float *x, const uint8_t *valid, const int64_t 
         pack_codes(c, D, bits, codes + g * packed);
         offset[g] = off_bits;
         half[g] = half_bits;
-        /* entries: the top side (largest first), then the bottom side (smallest first) */
+        /* entries: the top side (largest first), then the bottom side (smallest first), each
+         * with its delta to the dense decoding */
+        #define DELTA(i) (row[i] - dense_value(c[i], off, hr, levels, codebook))
         for (int64_t j = 0; j < side; j++) {
             const int64_t i = j < n_top ? top[j] : -1;
             store_index(oidx, g * cap + j, i, idx_bytes);
-            store_sparse(oval, g * cap + j, i >= 0 ? row[i] : 0.0f, sparse_kind);
+            store_sparse(oval, g * cap + j, i >= 0 ? DELTA(i) : 0.0f, sparse_kind);
             const int64_t b = j < n_bottom ? bottom[j] : -1;
             store_index(oidx, g * cap + side + j, b, idx_bytes);
-            store_sparse(oval, g * cap + side + j, b >= 0 ? row[b] : 0.0f, sparse_kind);
+            store_sparse(oval, g * cap + side + j, b >= 0 ? DELTA(b) : 0.0f, sparse_kind);
         }
+        #undef DELTA
     }
     return 0;
 }
@@ -357,7 +407,7 @@ int kvquant_quantize_blocks(const float *x, const uint8_t *valid, const int64_t 
             if (taken[bottom[j].index]) bottom[j].index = -1;
             else taken[bottom[j].index] = 2;
         }
-        float lo[MAX_D], hi[MAX_D], off[MAX_D], denom[MAX_D];
+        float lo[MAX_D], hi[MAX_D], off[MAX_D], hrs[MAX_D], denom[MAX_D];
         for (int64_t d = 0; d < D; d++) lo[d] = INFINITY, hi[d] = -INFINITY;
         for (int64_t j = 0; j < B; j++) {
             if (!ok[j]) continue;
@@ -374,6 +424,7 @@ int kvquant_quantize_blocks(const float *x, const uint8_t *valid, const int64_t 
             uint16_t ob, hb;
             off[d] = fp16_clamped((hi[d] + lo[d]) / 2.0f, &ob);
             const float hr = fp16_clamped((hi[d] - lo[d]) / 2.0f, &hb);
+            hrs[d] = hr;
             denom[d] = hr > FLT_MIN ? hr : FLT_MIN;
             offset[(blk * H + h) * D + d] = ob;
             half[(blk * H + h) * D + d] = hb;
@@ -384,13 +435,18 @@ int kvquant_quantize_blocks(const float *x, const uint8_t *valid, const int64_t 
             for (int64_t d = 0; d < D; d++) c[d] = encode(row[d], off[d], denom[d], levels, book);
             pack_codes(c, D, bits, codes + ((blk * B + j) * H + h) * packed);
         }
-        /* the list in index order (the marked elements, slot-major), unused entries last */
+        /* the list in index order (the marked elements, slot-major), unused entries last; an
+         * entry's delta to its dense decoding (its code encoded again: the packed row holds it) */
         const int64_t g = (blk * H + h) * cap;
         int64_t listed = 0;
         for (int64_t e = 0; e < elems && listed < cap; e++) {
             if (!taken[e]) continue;
+            const int64_t j = e / D, d = e % D;
+            const uint8_t code = encode(X(j, d), off[d], denom[d], levels, book);
             store_index(oidx, g + listed, e, idx_bytes);
-            store_sparse(oval, g + listed, X(e / D, e % D), sparse_kind);
+            store_sparse(oval, g + listed,
+                         X(j, d) - dense_value(code, off[d], hrs[d], levels, codebook),
+                         sparse_kind);
             listed++;
         }
         for (; listed < cap; listed++) {

@@ -865,7 +865,8 @@ typedef struct {
     const uint16_t *half;      /* same; a code's value is lut[c] * half + offset */
     const void *oidx;          /* per channel [nb, Hkv, cap] (slot * D + channel); per token
                                   [nb, B, Hkv, cap] (channel); unused: < 0 or out of range */
-    const void *oval;          /* same shape, sparse kind */
+    const void *oval;          /* same shape, sparse kind: an outlier's delta, its exact
+                                  value minus lut[c] * half + offset (added to the decoding) */
     const float *lut;          /* [2^bits] centroid of each code (uniform grid or codebook) */
     const void *sink;          /* [nb, N, Hkv, D] sparse kind */
     int64_t per_channel, bits, packed, cap, idx_bytes, groups;
@@ -1110,7 +1111,7 @@ typedef struct {
     int64_t *first, *next;      /* the block's key outliers listed per (slot, head):
                                    [B * Hkv], [Hkv * cap] */
     int64_t *o_ch;              /* [Hkv * cap] channel */
-    float *o_val;               /* [Hkv * cap] */
+    float *o_val;               /* [Hkv * cap] the outliers' deltas */
     float *kt, *vt;             /* [Hkv, TILE, D] the tile's decoded keys, values */
     float *va, *vb;             /* [Hkv, TILE] the values' scales and offsets */
 } KVQuantScratch;
@@ -1168,9 +1169,9 @@ static void per_token_head(const KVQuantLayer *L, const KVQuantSide *S, int64_t 
         #pragma omp simd
         for (int64_t d = 0; d < width; d++) xg[d] = xg[d] * half + off;
     }
-    for (int64_t j = 0; j < S->cap; j++) {
+    for (int64_t j = 0; j < S->cap; j++) {  /* an outlier: its delta added */
         const int64_t ch = load_index(S->oidx, i * S->cap + j, S->idx_bytes);
-        if (ch >= 0 && ch < D) x[ch] = load_any(S->oval, i * S->cap + j, L->sparse_kind);
+        if (ch >= 0 && ch < D) x[ch] += load_any(S->oval, i * S->cap + j, L->sparse_kind);
     }
 }
 
@@ -1233,12 +1234,13 @@ static void key_head(const KVQuantLayer *L, int64_t blk, int64_t t, int64_t h, i
         decode_codes(x, S->codes + ((blk * B + t) * Hkv + h) * S->packed, S->lut, S->bits, D,
                      w->codes);
         int exact = sink_of(L, blk, t) < 0 && (R == D || R == 0);
-        /* an outlier enters as the centroid value the affine map takes to it (exact to float
-         * rounding), so the row stays one pass */
+        /* an outlier enters as its delta over the half-range, added to its centroid (the
+         * affine map takes it to the decoding plus the delta, to float rounding), so the row
+         * stays one pass */
         for (int64_t e = w->first[t * Hkv + h]; exact && e >= 0; e = w->next[e]) {
             const int64_t ch = w->o_ch[e];
             if (half[ch] == 0.f) exact = 0;
-            else x[ch] = (w->o_val[e] - off[ch]) / half[ch];
+            else x[ch] += w->o_val[e] / half[ch];
         }
         if (exact && R == 0) {
             #pragma omp simd
@@ -1261,7 +1263,7 @@ static void key_head(const KVQuantLayer *L, int64_t blk, int64_t t, int64_t h, i
                      w->codes);
         #pragma omp simd
         for (int64_t d = 0; d < D; d++) x[d] = x[d] * half[d] + off[d];
-        for (int64_t e = w->first[t * Hkv + h]; e >= 0; e = w->next[e]) x[w->o_ch[e]] = w->o_val[e];
+        for (int64_t e = w->first[t * Hkv + h]; e >= 0; e = w->next[e]) x[w->o_ch[e]] += w->o_val[e];
         sink_head(L, S->sink, blk, t, h, x);
     }
     if (R) rope_head(x, cos, sin, R);
@@ -1292,10 +1294,9 @@ static void value_head(const KVQuantLayer *L, int64_t blk, int64_t t, int64_t h,
         return;
     }
     decode_codes(x, S->codes + i * S->packed, S->lut, S->bits, D, w->codes);
-    for (int64_t j = 0; j < S->cap; j++) {  /* as keys: the centroid value mapped to it */
+    for (int64_t j = 0; j < S->cap; j++) {  /* as keys: the delta over the half-range added */
         const int64_t ch = load_index(S->oidx, i * S->cap + j, S->idx_bytes);
-        if (ch >= 0 && ch < D) x[ch] = (load_any(S->oval, i * S->cap + j, L->sparse_kind) - off)
-                                       / half;
+        if (ch >= 0 && ch < D) x[ch] += load_any(S->oval, i * S->cap + j, L->sparse_kind) / half;
     }
     *a = half;
     *b = off;
