@@ -98,6 +98,40 @@ def test_outliers_come_back_and_do_not_stretch_the_range():
     assert float((without - x)[b, :, h, d].abs().max()) > 1.0
 
 
+@pytest.mark.parametrize("sparse_dtype, ulp", [(torch.float16, 2.0 ** -11),
+                                                (torch.bfloat16, 2.0 ** -8),
+                                                (torch.float32, 2.0 ** -23)])
+@pytest.mark.parametrize("bits, per_channel", [(4, True), (2, True), (3, False)])
+def test_every_outlier_comes_back_within_its_deltas_rounding(sparse_dtype, ulp, bits,
+                                                            per_channel):
+    """Every listed element (not only planted ones) dequantizes to x within the sparse dtype's
+    rounding of its distance from the dense decoding; elements not listed are the dense
+    decoding itself."""
+    x = randn(3, 16, 2, 32, seed=bits) * torch.linspace(0.5, 4, 32)  # channels of other scales
+    x[0, 5, 1, 3] = 60.0
+    valid = torch.ones(3, 16, dtype=torch.bool)
+    valid[1, 0] = False  # a sink slot: never an outlier
+    q = quantize_blocks(x, valid, bits=bits, per_channel=per_channel, outlier_fraction=0.05,
+                        sparse_dtype=sparse_dtype)
+    assert q.outlier_delta.dtype == sparse_dtype
+    deq = dequantize_blocks(q, bits=bits, per_channel=per_channel)
+    dense = dequantize_blocks(dataclasses.replace(q, outlier_index=q.outlier_index[..., :0],
+                                                  outlier_delta=q.outlier_delta[..., :0]),
+                              bits=bits, per_channel=per_channel)
+    listed = torch.zeros(3, 2, 16 * 32, dtype=torch.bool)  # [n, H, B * D]
+    for b in range(3):
+        for h in range(2):
+            for i in q.outlier_index[b, h].tolist():
+                if i >= 0:
+                    listed[b, h, i] = True
+    listed = listed.view(3, 2, 16, 32).permute(0, 2, 1, 3)  # [n, B, H, D]
+    assert int(listed.sum()) > 20 and not listed[1, 0].any()
+    miss = (x - dense).abs()
+    err = (deq - x).abs()
+    assert bool((err[listed] <= miss[listed] * ulp + 1e-6).all())
+    assert torch.equal(deq[~listed], dense[~listed])
+
+
 def test_calibrated_key_thresholds_pick_only_values_beyond_them():
     x = randn(1, 16, 1, 8, seed=4)
     x[0, 5, 0, 2] = 9.0
