@@ -155,15 +155,6 @@ static int block_path_fits(const KVQuantLayer *L) {
            && L->staging_v == NULL && L->num_q_heads % L->num_kv_heads == 0;
 }
 
-/* one code of a packed row (the layouts of codes16 and unpack_codes) */
-static inline int code_at(const uint8_t *p, int64_t bits, int64_t ch) {
-    if (bits == 4) return (p[ch / 2] >> (4 * (ch & 1))) & 15;
-    if (bits == 2) return (p[ch / 4] >> (2 * (ch & 3))) & 3;
-    const uint8_t *b = p + ch / 8 * 3;
-    const uint32_t w = b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16;
-    return (w >> (3 * (ch & 7))) & 7;
-}
-
 /* part `part` of `parts` of a block's per-block data (statistics, outlier lists, positions),
  * prefetched into L2 while the block before it is read: the rows are prefetched tile by tile
  * (prefetch_rows, in quant_decode_attention.c), and these arrays are read a head at a time

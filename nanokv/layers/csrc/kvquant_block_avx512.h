@@ -458,18 +458,6 @@ static inline __m512 elements16(const void *p, int64_t i, __mmask16 have, int64_
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* the 2- or 4-bit codes of channels ch (one per lane) of the packed rows that start `row` bytes
- * into `base`: each read as the aligned 32-bit word that holds it (rows are whole words:
- * packed = bits * D / 8 with D % 32 == 0) */
-static inline __m512i gather_codes(const uint8_t *base, __m512i row, __m512i ch, int b_shift,
-                                   __m512i code_mask, __mmask16 live) {
-    const __m512i bit = _mm512_slli_epi32(ch, b_shift);  /* the code's bit in its row */
-    const __m512i byte = _mm512_add_epi32(row, _mm512_slli_epi32(_mm512_srli_epi32(bit, 5), 2));
-    const __m512i word = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, byte, base, 1);
-    return _mm512_and_si512(_mm512_srlv_epi32(word, _mm512_and_si512(bit, _mm512_set1_epi32(31))),
-                            code_mask);
-}
-
 /* sg[t[l]] += x[l] for the live lanes of 16 entries, where every query head's x shares t:
  * the lanes' runs of one slot, found once (scores_runs) for every head (scores_add16).
  * Where the live lanes' t never decrease (a list in index order, as the store writes it),

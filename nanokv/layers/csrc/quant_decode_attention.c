@@ -1263,7 +1263,8 @@ static void key_head(const KVQuantLayer *L, int64_t blk, int64_t t, int64_t h, i
                      w->codes);
         #pragma omp simd
         for (int64_t d = 0; d < D; d++) x[d] = x[d] * half[d] + off[d];
-        for (int64_t e = w->first[t * Hkv + h]; e >= 0; e = w->next[e]) x[w->o_ch[e]] += w->o_val[e];
+        for (int64_t e = w->first[t * Hkv + h]; e >= 0; e = w->next[e])
+            x[w->o_ch[e]] += w->o_val[e];
         sink_head(L, S->sink, blk, t, h, x);
     }
     if (R) rope_head(x, cos, sin, R);
