@@ -284,10 +284,9 @@ def quantize_blocks(x: torch.Tensor, valid: torch.Tensor, *, bits: int, per_chan
     offset, half = _to_fp16((hi + lo) / 2), _to_fp16((hi - lo) / 2)
     xn = ((x - offset.float()) / half.float().clamp_min(_TINY)).clamp_(-1.0, 1.0)
     codes = encode(xn, bits, codebook)
-    # the outliers' deltas to their dense decoding (the reader's float32 operations: the
-    # centroid times the fp16 half-range, plus the fp16 offset)
-    dense = decode(codes, bits, codebook) * half.float() + offset.float()  # [n, B, H, D]
-    delta = (x - dense).permute(0, 2, 1, 3).reshape(n, heads, bsz * dim)  # [n, H, B * D]
+    # the outliers' deltas to their dense decoding (the reader's float32 operations)
+    delta = x - dense_decoding(codes, offset, half, bits, codebook)  # [n, B, H, D]
+    delta = delta.permute(0, 2, 1, 3).reshape(n, heads, bsz * dim)  # [n, H, B * D]
     delta = delta.gather(-1, index.clamp_min(0)).masked_fill(index < 0, 0.0).to(sparse_dtype)
     squeeze = 1 if per_channel else 3
     return QuantizedBlocks(codes, offset.squeeze(squeeze), half.squeeze(squeeze), index, delta)
@@ -321,11 +320,18 @@ def dequantize_blocks(q: QuantizedBlocks, *, bits: int, per_channel: bool,
                       codebook: torch.Tensor | None = None) -> torch.Tensor:
     """QuantizedBlocks -> float32 [n, B, H, D]: the dense decoding plus the outliers' deltas."""
     unsq = 1 if per_channel else 3
-    x = decode(q.codes, bits, codebook) * q.half_range.float().unsqueeze(unsq) \
-        + q.offset.float().unsqueeze(unsq)
+    x = dense_decoding(q.codes, q.offset.unsqueeze(unsq), q.half_range.unsqueeze(unsq), bits,
+                       codebook)
     if q.outlier_index.shape[-1] == 0:
         return x
     return add_outliers(x, q.outlier_index, q.outlier_delta)
+
+
+def dense_decoding(codes: torch.Tensor, offset: torch.Tensor, half: torch.Tensor, bits: int,
+                   codebook: torch.Tensor | None) -> torch.Tensor:
+    """Codes [n, B, H, D] -> centroid * half + offset in float32, the fp16 statistics broadcast
+    over the slots (per channel: [n, 1, H, D]) or the channels (per token: [n, B, H, 1])."""
+    return decode(codes, bits, codebook) * half.float() + offset.float()
 
 
 def add_outliers(x: torch.Tensor, index: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

@@ -62,7 +62,7 @@ typedef struct {
                               heads, channels and RoPE partner channels */
     float *ko_a, *ko_b;    /* [Hkv * key cap + 8]: their delta * cos and +-delta * sin */
     int32_t *st_idx, *st_g; /* [Hkv * key cap + 8]: a tile's entries staged: indices, KV heads */
-    float *st_val;         /* [Hkv * key cap + 8]: and exact values */
+    float *st_val;         /* [Hkv * key cap + 8]: and deltas */
     float *unit;           /* [2, D]: cos 1 and sin 0, the AVX2 key pass's rows without RoPE */
     /* the AVX-512 planar key pass's operands in its channel order: the request's queries
      * (block_request_queries), the block's key statistics, a tile's RoPE rows */

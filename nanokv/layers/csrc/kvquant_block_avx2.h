@@ -24,9 +24,9 @@ static inline void rope_rows_at(const KVQuantLayer *L, int64_t pos, const float 
     }
 }
 
-/* Where key_rotated_fit does not (3-bit codes, head_dim not a power of two: below), key
+/* Where key_rotated_fit does not (head_dim not a power of two, uint8 indices: below), key
  * outliers enter as score corrections one at a time, a tile's right after the tile's key pass
- * (its rows and RoPE rows still in L1): (exact - decoded) times the channel's coefficient in
+ * (its rows and RoPE rows still in L1): the stored delta times the channel's coefficient in
  * q . RoPE(k) (RoPE is linear). The store keeps each KV head's per-channel list in index order
  * (slot-major), its unused entries last, so a tile's entries of a head follow the last tile's:
  * one cursor per KV head walks the lists (key_lists_sorted checks the order once per block;
@@ -50,11 +50,10 @@ static int key_lists_sorted(const KVQuantLayer *L, int64_t blk) {
 
 /* the corrections of the entries of tile [t0, t0 + nt) (t0 + nt <= n) for the query heads
  * [h0, h0 + nh) of every KV head, from each head's cursor (w->k_cursor[g]) on, into w->k_corr
- * (always inlined with constant index and value sizes and bits) */
+ * (always inlined with constant index and value sizes) */
 static inline __attribute__((always_inline)) void tile_key_outliers_impl(
         const KVQuantLayer *L, int64_t blk, int64_t t0, int64_t nt, const float *qb, int64_t h0,
-        int64_t nh, BlockScratch *w, const int64_t idx_bytes, const int64_t kind,
-        const int bits) {
+        int64_t nh, BlockScratch *w, const int64_t idx_bytes, const int64_t kind) {
     const KVQuantSide *K = &L->k;
     const int64_t Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
     const int64_t group = L->num_q_heads / Hkv, end = (t0 + nt) * D;
@@ -79,12 +78,11 @@ static inline __attribute__((always_inline)) void tile_key_outliers_impl(
 
 static inline __attribute__((always_inline)) void tile_key_outliers(
         const KVQuantLayer *L, int64_t blk, int64_t t0, int64_t nt, const float *qb, int64_t h0,
-        int64_t nh, BlockScratch *w, const int bits) {
-    if (L->k.idx_bytes == 2 && L->sparse_kind == 0)  /* int16 indices, float16 values */
-        tile_key_outliers_impl(L, blk, t0, nt, qb, h0, nh, w, 2, 0, bits);
+        int64_t nh, BlockScratch *w) {
+    if (L->k.idx_bytes == 2 && L->sparse_kind == 0)  /* int16 indices, float16 deltas */
+        tile_key_outliers_impl(L, blk, t0, nt, qb, h0, nh, w, 2, 0);
     else
-        tile_key_outliers_impl(L, blk, t0, nt, qb, h0, nh, w, L->k.idx_bytes, L->sparse_kind,
-                               bits);
+        tile_key_outliers_impl(L, blk, t0, nt, qb, h0, nh, w, L->k.idx_bytes, L->sparse_kind);
 }
 
 /* the 8 channel pairs (j, j + m) of one key row: centroids ca (channels j..j+7) and cb
@@ -188,22 +186,20 @@ static inline __m256 elements8(const void *p, int64_t kind) {
  * then four loads and two FMAs per entry and query head (key_rotated_fixes). Other layouts
  * correct a tile's entries one at a time (tile_key_outliers). */
 
-/* does the layout fit: 2- and 4-bit codes (a code never leaves its 32-bit word), head_dim a
- * power of two, int16 / int32 indices, 4-byte aligned codes */
+/* does the layout fit: head_dim a power of two, int16 / int32 indices (no code is read: the
+ * entries hold their deltas) */
 static inline int key_rotated_fit(const KVQuantLayer *L) {
     const int64_t D = L->head_dim;
-    return (L->k.bits == 4 || L->k.bits == 2) && (D & (D - 1)) == 0
-           && (L->k.idx_bytes == 2 || L->k.idx_bytes == 4)
-           && ((uintptr_t)L->k.codes & 3) == 0;
+    return (D & (D - 1)) == 0 && (L->k.idx_bytes == 2 || L->k.idx_bytes == 4);
 }
 
 /* the operands of the entries of tile [t0, t0 + nt) of every KV head, appended to w->ko_*
  * (w->ko_count so far this block): each head's entries from its cursor (w->k_cursor) on
- * staged side by side first (indices, KV heads, exact values), then 8 at a time across heads
- * (always inlined with constant index and value sizes and bits) */
+ * staged side by side first (indices, KV heads, deltas), then 8 at a time across heads
+ * (always inlined with constant index and value sizes) */
 static inline __attribute__((always_inline)) void tile_key_rotated_impl(
         const KVQuantLayer *L, int64_t blk, int64_t t0, int64_t nt, BlockScratch *w,
-        __m256 tlo, __m256 thi, const int64_t idx_bytes, const int64_t kind, const int bits) {
+        const int64_t idx_bytes, const int64_t kind) {
     const KVQuantSide *K = &L->k;
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, R = L->rot_dim;
     const int64_t cap = K->cap, elem = kind == 2 ? 4 : 2;
@@ -300,9 +296,8 @@ static inline __attribute__((always_inline)) void tile_key_rotated_impl(
 }
 
 static inline __attribute__((always_inline)) void tile_key_rotated(
-        const KVQuantLayer *L, int64_t blk, int64_t t0, int64_t nt, BlockScratch *w,
-        __m256 tlo, __m256 thi, const int bits) {
-#define ROTATED(ib, kd) tile_key_rotated_impl(L, blk, t0, nt, w, tlo, thi, ib, kd, bits)
+        const KVQuantLayer *L, int64_t blk, int64_t t0, int64_t nt, BlockScratch *w) {
+#define ROTATED(ib, kd) tile_key_rotated_impl(L, blk, t0, nt, w, ib, kd)
     if (L->k.idx_bytes == 2 && L->sparse_kind == 0) ROTATED(2, 0);  /* int16, float16 */
     else if (L->k.idx_bytes == 4 && L->sparse_kind == 0) ROTATED(4, 0);
     else ROTATED(L->k.idx_bytes, L->sparse_kind);
@@ -378,17 +373,8 @@ static inline __attribute__((always_inline)) void block_key_dots(
         default: TILE_DOTS(2); break;
         }
 #undef TILE_DOTS
-        if (rotated) {  /* the tile's key outlier operands */
-            if (K->bits == 4) tile_key_rotated(L, blk, t0, nt, w, tlo, thi, 4);
-            else tile_key_rotated(L, blk, t0, nt, w, tlo, thi, 2);
-        }
-        if (outliers) {  /* their corrections into w->k_corr */
-            switch (K->bits) {
-            case 4: tile_key_outliers(L, blk, t0, nt, qb, h0, nh, w, 4); break;
-            case 3: tile_key_outliers(L, blk, t0, nt, qb, h0, nh, w, 3); break;
-            default: tile_key_outliers(L, blk, t0, nt, qb, h0, nh, w, 2); break;
-            }
-        }
+        if (rotated) tile_key_rotated(L, blk, t0, nt, w);  /* the tile's key outlier operands */
+        if (outliers) tile_key_outliers(L, blk, t0, nt, qb, h0, nh, w);  /* into w->k_corr */
         for (int64_t g = 0; g < Hkv; g++)
             for (int hh = 0; hh < nh; hh++) {
                 __m256 sums = sum8(dots + (g * nh + hh) * 8);

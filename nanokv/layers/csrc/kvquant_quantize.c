@@ -151,6 +151,13 @@ static inline float dense_value(uint8_t code, float off, float hr, int64_t level
     return centroid * hr + off;
 }
 
+/* the delta of element i of a token-head row (its code c[i]) to its dense decoding; 0 for an
+ * unused entry (i < 0) */
+static inline float row_delta(const float *row, const uint8_t *c, int64_t i, float off, float hr,
+                              int64_t levels, const float *codebook) {
+    return i < 0 ? 0.0f : row[i] - dense_value(c[i], off, hr, levels, codebook);
+}
+
 static inline int64_t packed_bytes(int64_t D, int64_t bits) {
     return bits == 3 ? (D + 7) / 8 * 3 : (D * bits + 7) / 8;
 }
@@ -168,6 +175,7 @@ static int64_t next_extreme(const float *x, const uint8_t *taken, int64_t D, int
 
 #define MAX_D 1024
 #define MAX_CAP 256
+#define PARALLEL_ELEMENTS 65536 /* a call this large (a prefill chunk) splits across threads */
 
 /* the cache lines of bytes [p, p + n), prefetched for writing */
 static inline void prefetch_for_write(const void *p, int64_t n) {
@@ -211,10 +219,10 @@ int kvquant_quantize_tokens(const float *x, const uint8_t *valid, const int64_t 
     const int64_t side = cap / 2;
     float mids[255];
     const float *book = midpoints(codebook, levels, mids);
-    if (T * H * D < 65536)  /* a decode step's few tokens (a prefill chunk's slots are in order) */
+    if (T * H * D < PARALLEL_ELEMENTS)  /* a decode step (a prefill chunk's slots are in order) */
         prefetch_token_slots(slots, T, H, packed, cap, idx_bytes, sparse_kind == 2 ? 4 : 2, codes,
                              offset, half, oidx, oval);
-    #pragma omp parallel for schedule(static) if (T * H * D >= 65536)
+    #pragma omp parallel for schedule(static) if (T * H * D >= PARALLEL_ELEMENTS)
     for (int64_t th = 0; th < T * H; th++) {
         const int64_t t = th / H, h = th % H;
         const float *row = x + th * D;
@@ -257,16 +265,16 @@ int kvquant_quantize_tokens(const float *x, const uint8_t *valid, const int64_t 
         half[g] = half_bits;
         /* entries: the top side (largest first), then the bottom side (smallest first), each
          * with its delta to the dense decoding */
-        #define DELTA(i) (row[i] - dense_value(c[i], off, hr, levels, codebook))
         for (int64_t j = 0; j < side; j++) {
             const int64_t i = j < n_top ? top[j] : -1;
             store_index(oidx, g * cap + j, i, idx_bytes);
-            store_sparse(oval, g * cap + j, i >= 0 ? DELTA(i) : 0.0f, sparse_kind);
+            store_sparse(oval, g * cap + j, row_delta(row, c, i, off, hr, levels, codebook),
+                         sparse_kind);
             const int64_t b = j < n_bottom ? bottom[j] : -1;
             store_index(oidx, g * cap + side + j, b, idx_bytes);
-            store_sparse(oval, g * cap + side + j, b >= 0 ? DELTA(b) : 0.0f, sparse_kind);
+            store_sparse(oval, g * cap + side + j, row_delta(row, c, b, off, hr, levels, codebook),
+                         sparse_kind);
         }
-        #undef DELTA
     }
     return 0;
 }
@@ -409,6 +417,7 @@ int kvquant_quantize_blocks(const float *x, const uint8_t *valid, const int64_t 
             else taken[bottom[j].index] = 2;
         }
         float lo[MAX_D], hi[MAX_D], off[MAX_D], hrs[MAX_D], denom[MAX_D];
+        float *delta = up;  /* the scores are spent: each outlier's delta, at its index */
         for (int64_t d = 0; d < D; d++) lo[d] = INFINITY, hi[d] = -INFINITY;
         for (int64_t j = 0; j < B; j++) {
             if (!ok[j]) continue;
@@ -435,19 +444,18 @@ int kvquant_quantize_blocks(const float *x, const uint8_t *valid, const int64_t 
             const float *row = &X(j, 0);
             for (int64_t d = 0; d < D; d++) c[d] = encode(row[d], off[d], denom[d], levels, book);
             pack_codes(c, D, bits, codes + ((blk * B + j) * H + h) * packed);
+            for (int64_t d = 0; d < D; d++)
+                if (taken[j * D + d])
+                    delta[j * D + d] = row[d] - dense_value(c[d], off[d], hrs[d], levels,
+                                                            codebook);
         }
-        /* the list in index order (the marked elements, slot-major), unused entries last; an
-         * entry's delta to its dense decoding (its code encoded again: the packed row holds it) */
+        /* the list in index order (the marked elements, slot-major), unused entries last */
         const int64_t g = (blk * H + h) * cap;
         int64_t listed = 0;
         for (int64_t e = 0; e < elems && listed < cap; e++) {
             if (!taken[e]) continue;
-            const int64_t j = e / D, d = e % D;
-            const uint8_t code = encode(X(j, d), off[d], denom[d], levels, book);
             store_index(oidx, g + listed, e, idx_bytes);
-            store_sparse(oval, g + listed,
-                         X(j, d) - dense_value(code, off[d], hrs[d], levels, codebook),
-                         sparse_kind);
+            store_sparse(oval, g + listed, delta[e], sparse_kind);
             listed++;
         }
         for (; listed < cap; listed++) {
