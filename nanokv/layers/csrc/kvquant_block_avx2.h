@@ -305,11 +305,13 @@ static inline __attribute__((always_inline)) void tile_key_rotated(
 }
 
 /* the corrections of every entry the key pass took (the operands above) added to the scores
- * of the query heads of its KV head (qb: the request's queries) */
-static void key_rotated_fixes(const KVQuantLayer *L, const float *restrict qb,
-                              const BlockScratch *w) {
+ * of the query heads of its KV head (qb: the request's queries); always inlined with a constant
+ * group (0: read at run time) */
+static inline __attribute__((always_inline)) void key_rotated_fixes_impl(
+        const KVQuantLayer *L, const float *restrict qb, const BlockScratch *w,
+        const int64_t cgroup) {
     const int64_t B = L->block_size, D = L->head_dim;
-    const int64_t group = L->num_q_heads / L->num_kv_heads;
+    const int64_t group = cgroup ? cgroup : L->num_q_heads / L->num_kv_heads;
     float *restrict scores = w->scores;
     for (int64_t e = 0; e < w->ko_count; e++) {
         const int64_t h = w->ko_g[e] * group, t = w->ko_slot[e];
@@ -317,6 +319,16 @@ static void key_rotated_fixes(const KVQuantLayer *L, const float *restrict qb,
         const float a = w->ko_a[e], b = w->ko_b[e];
         for (int64_t hh = 0; hh < group; hh++)
             scores[(h + hh) * B + t] += qb[(h + hh) * D + ch] * a + qb[(h + hh) * D + pa] * b;
+    }
+}
+
+static void key_rotated_fixes(const KVQuantLayer *L, const float *restrict qb,
+                              const BlockScratch *w) {
+    switch (L->num_q_heads / L->num_kv_heads) {
+    case 1: key_rotated_fixes_impl(L, qb, w, 1); break;
+    case 2: key_rotated_fixes_impl(L, qb, w, 2); break;
+    case 4: key_rotated_fixes_impl(L, qb, w, 4); break;
+    default: key_rotated_fixes_impl(L, qb, w, 0); break;
     }
 }
 
@@ -397,21 +409,28 @@ static inline __attribute__((always_inline)) void block_key_dots(
 
 /* the group's query heads [h0, h0 + nh) of KV head g, nh <= FAST_MAX_HEADS, for the block's
  * first n slots: acc_h += sum_t pa[h, t] * lut[codes_t] + pb[h], CV vectors of 8 channels per
- * head held in registers (32 channels for up to 2 heads, 16 for up to 4, else 8) */
+ * head held in registers (32 channels for up to 2 heads, 16 for up to 4, else 8). Always
+ * inlined with constant nh, code width (`cbits`: 4, or 0 for V->bits read at run time) and
+ * whether rows carry patches: the loop over a block's slots is then the look-up and the FMAs
+ * alone (with the code width and the patch count read at run time, the compiler kept both
+ * look-ups and the patch loop's test in it and spilled an accumulator: the value pass took a
+ * third longer at the Qwen3-0.6B shape). */
 static inline __attribute__((always_inline)) void block_values(
         const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n, float *acc0, int64_t h0,
-        const int nh, const float *pb, const BlockScratch *w, const int64_t patches) {
+        const int nh, const float *pb, const BlockScratch *w, const int64_t patches,
+        const int cbits, const int patched) {
     enum { CV_MAX = 4 };
     const int CV = nh <= 2 ? 4 : (nh <= 4 ? 2 : 1);
     const KVQuantSide *V = &L->v;
-    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim, bits = V->bits;
+    const int64_t B = L->block_size, Hkv = L->num_kv_heads, D = L->head_dim;
+    const int64_t bits = cbits ? cbits : V->bits;
     /* 4-bit, 32 channels: centroids32 without its permutes, the accumulators held in its
      * channel order (permuted on load, back on store) */
-    const int planar = bits == 4 && CV == 4;
+    const int planar = cbits == 4 && CV == 4;
     __m256 tlo, thi;
     __m256i planes[4];
-    lut_halves8(V->lut, bits, &tlo, &thi);
-    lut_planes4(V->lut, bits, planes);
+    if (planar) lut_planes4(V->lut, bits, planes);
+    else lut_halves8(V->lut, bits, &tlo, &thi);
     const __m256i order = planar ? _mm256_setr_epi32(CENTROIDS32_ORDER)
                                  : _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i natural = planar ? _mm256_setr_epi32(CENTROIDS32_NATURAL) : order;
@@ -435,8 +454,8 @@ static inline __attribute__((always_inline)) void block_values(
                 centroids32(row, d, planes, 0, v);
             else
                 for (int c = 0; c < CV; c++) v[c] = centroids8(row, bits, d + 8 * c, tlo, thi);
-            for (int64_t j = 0; j < patches; j++) {  /* the row's outliers' deltas, in centroid
-                                                      * units, added at their channels */
+            for (int64_t j = 0; patched && j < patches; j++) {  /* the row's outliers' deltas,
+                                                                 * in centroid units */
                 const __m256i ch = _mm256_set1_epi32(w->patch_ch[(t * Hkv + g) * patches + j]);
                 const __m256 x = _mm256_set1_ps(w->patch_x[(t * Hkv + g) * patches + j]);
                 for (int c = 0; c < CV; c++) {
@@ -634,7 +653,16 @@ static void block_key_heads(const KVQuantLayer *L, int64_t blk, int64_t next_blk
 static void block_value_heads(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
                               float *acc0, int64_t h0, int nh, const float *pb,
                               const BlockScratch *w, int64_t patches) {
-#define VALUES(k) block_values(L, blk, g, n, acc0, h0, k, pb, w, patches)
-    BLOCK_HEADS_DISPATCH(VALUES, nh)
+#define VALUES(k) block_values(L, blk, g, n, acc0, h0, k, pb, w, patches, cbits, patched)
+#define VALUES_OF(b, p)                        \
+    {                                           \
+        const int cbits = b, patched = p;       \
+        BLOCK_HEADS_DISPATCH(VALUES, nh)        \
+    }
+    if (L->v.bits == 4 && patches == 0) VALUES_OF(4, 0)
+    else if (L->v.bits == 4) VALUES_OF(4, 1)
+    else if (patches == 0) VALUES_OF(0, 0)
+    else VALUES_OF(0, 1)
+#undef VALUES_OF
 #undef VALUES
 }
