@@ -415,6 +415,12 @@ static inline __attribute__((always_inline)) void block_key_dots(
  * alone (with the code width and the patch count read at run time, the compiler kept both
  * look-ups and the patch loop's test in it and spilled an accumulator: the value pass took a
  * third longer at the Qwen3-0.6B shape). */
+/* Where a head takes more than one value pass (32 channels for up to 2 heads), the first pass
+ * prefetches the row VALUE_AHEAD slots on into L1: the key pass's prefetches (one tile ahead,
+ * into L2) left the value pass waiting on its rows at 16 requests or 16k tokens (8 KV heads of
+ * 128 4-bit channels: 3-6% of the kernel; 8 and 24 slots on gained less; heads of 32, one pass
+ * over rows 64 bytes apart, gained nothing) */
+enum { VALUE_AHEAD = 64 };
 static inline __attribute__((always_inline)) void block_values(
         const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n, float *acc0, int64_t h0,
         const int nh, const float *pb, const BlockScratch *w, const int64_t patches,
@@ -436,6 +442,7 @@ static inline __attribute__((always_inline)) void block_values(
     const __m256i natural = planar ? _mm256_setr_epi32(CENTROIDS32_NATURAL) : order;
     const uint8_t *rows = V->codes + ((blk * B) * Hkv + g) * V->packed;
     const int64_t stride = Hkv * V->packed;
+    const int ahead = D > 8 * CV;  /* more than one pass over the rows: see VALUE_AHEAD */
     for (int64_t d = 0; d < D; d += 8 * CV) {
         __m256 a[FAST_MAX_HEADS][CV_MAX];
         for (int hh = 0; hh < nh; hh++) {
@@ -449,6 +456,8 @@ static inline __attribute__((always_inline)) void block_values(
         const __m256i lane0 = _mm256_add_epi32(order, _mm256_set1_epi32((int)d));
         for (int64_t t = 0; t < n; t++) {
             const uint8_t *row = rows + t * stride;
+            if (ahead && d == 0 && t + VALUE_AHEAD < n)  /* the first pass: later rows */
+                _mm_prefetch((const char *)(row + VALUE_AHEAD * stride), _MM_HINT_T0);
             __m256 v[CV_MAX];
             if (planar)
                 centroids32(row, d, planes, 0, v);
