@@ -384,6 +384,7 @@ def _one_request_with_outliers(bits, d, hkv, block_size, halves, position, seed,
     (4, 64, 8),    # neither: the tile's words gathered
     (2, 128, 2),   # 2-bit: 16 codes a word
     (2, 32, 8),
+    (4, 96, 2),    # not a power of two: the AVX2 pass corrects key outliers a tile at a time
 ])
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("halves", ["equal", "unequal", "none"])
@@ -511,10 +512,12 @@ def test_kernels_of_narrower_builds_equal_the_reference(tmp_path, flags):
     paths, the block path's AVX2 kernels among them, on a CPU that has AVX2) and without AVX2
     (`-mno-avx2`: the plain C paths every CPU builds, KVQuant a row at a time), in a fresh
     process with its own kernel cache. KVQuant at head_dim 128 too: its 4-bit key pass looks up
-    32 channels at a time only where half a head holds them; and heads of 32 in the AVX2 key
-    pass's fixed instances."""
+    32 channels at a time only where half a head holds them; heads of 32 in the AVX2 key
+    pass's fixed instances; the key passes over RoPE tables of every kind (head_dim 96: key
+    outliers corrected a tile at a time) and the compact RoPE rows switched on and off."""
     run_narrow_build(__file__, "(test_decode_equals_dequantize_then_dense and (kvquant or (int8 "
-                     "or fp8) and not hq-4)) or registers or fp8_codes or heads_of_32", tmp_path,
+                     "or fp8) and not hq-4)) or registers or fp8_codes or heads_of_32 or "
+                     "key_passes or compact_rope", tmp_path,
                      "quant_decode_attention",
                      flags=flags)
 
