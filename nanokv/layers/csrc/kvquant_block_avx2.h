@@ -416,10 +416,12 @@ static inline __attribute__((always_inline)) void block_key_dots(
  * look-ups and the patch loop's test in it and spilled an accumulator: the value pass took a
  * third longer at the Qwen3-0.6B shape). */
 /* Where a head takes more than one value pass (32 channels for up to 2 heads), the first pass
- * prefetches the row VALUE_AHEAD slots on into L1: the key pass's prefetches (one tile ahead,
- * into L2) left the value pass waiting on its rows at 16 requests or 16k tokens (8 KV heads of
- * 128 4-bit channels: 3-6% of the kernel; 8 and 24 slots on gained less; heads of 32, one pass
- * over rows 64 bytes apart, gained nothing) */
+ * prefetches the row VALUE_AHEAD slots on into L1 and the second the next KV head's row of the
+ * same slot (its pass comes next) into L2: the key pass prefetches only the next block's first
+ * rows, and a KV head's value rows are Hkv * packed bytes apart (512 at 8 heads of 128 4-bit
+ * channels), which left the value pass waiting on its rows at 16 requests or 16k tokens (there
+ * 3-6% of the kernel, the next head's rows 3-5% more; 8 and 24 slots on gained less; heads of
+ * 32, one pass over rows 64 bytes apart, gained nothing) */
 enum { VALUE_AHEAD = 64 };
 static inline __attribute__((always_inline)) void block_values(
         const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n, float *acc0, int64_t h0,
@@ -458,6 +460,8 @@ static inline __attribute__((always_inline)) void block_values(
             const uint8_t *row = rows + t * stride;
             if (ahead && d == 0 && t + VALUE_AHEAD < n)  /* the first pass: later rows */
                 _mm_prefetch((const char *)(row + VALUE_AHEAD * stride), _MM_HINT_T0);
+            if (ahead && d == 8 * CV && g + 1 < Hkv)  /* the second: the next KV head's row */
+                prefetch_rows(row + V->packed, V->packed);
             __m256 v[CV_MAX];
             if (planar)
                 centroids32(row, d, planes, 0, v);
