@@ -1,8 +1,9 @@
 /* Standalone timings of the AVX2 KVQuant decode loops, their data in cache: what each loop
  * costs alone, per slot and KV head, without the kernel around it (4-bit codes, head_dim 128,
  * 8 KV heads, 2 query heads per KV head, rotate-half RoPE over the whole head, 256-slot blocks).
- * Not the kernel (nanokv/layers/csrc/kvquant_block_avx2.h): the same arithmetic on random data,
- * to compare loop designs before building one into it.
+ * Not the kernel (nanokv/layers/csrc/kvquant_block_avx2.h): its loops' arithmetic on random
+ * data, with the kernel's own byte-plane look-up (byte_planes_avx2.h), to compare loop designs
+ * before building one into it.
  *
  *     cc -O3 -march=native -mno-avx512f benchmarks/micro_kvquant_avx2_loops.c -o /tmp/loops
  *     /tmp/loops
@@ -27,6 +28,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "../nanokv/layers/csrc/byte_planes_avx2.h" /* the kernel's lut_planes4, centroids32 */
+
 enum { SLOTS = 256, HKV = 8, D = 128, M = D / 2, PACKED = D / 2, POSITIONS = 4096 };
 
 static uint8_t codes[SLOTS * HKV * PACKED] __attribute__((aligned(64)));
@@ -43,49 +46,32 @@ static double now(void) {
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
-static void make_planes(void) {
-    uint8_t bytes[4][16];
-    for (int i = 0; i < 16; i++) {
-        uint32_t u;
-        memcpy(&u, lut + i, sizeof u);
-        for (int k = 0; k < 4; k++) bytes[k][i] = (uint8_t)(u >> (8 * k));
-    }
-    for (int k = 0; k < 4; k++)
-        planes[k] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)bytes[k]));
+/* the 2 heads' accumulators of channels [d, d + 32) in and out */
+static inline void acc_load(int d, __m256 a[2][4]) {
+    for (int h = 0; h < 2; h++)
+        for (int c = 0; c < 4; c++) a[h][c] = _mm256_loadu_ps(acc + h * D + d + 8 * c);
 }
 
-/* 32 centroids of a row's 16 bytes: out[i] holds channels 8i.. in the order 0,2,4,6,1,3,5,7 */
-static inline __attribute__((always_inline)) void byte_planes32(const uint8_t *p, __m256 out[4]) {
-    const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
-    const __m256i cd = _mm256_and_si256(_mm256_blend_epi32(bytes, _mm256_srli_epi16(bytes, 4), 0xF0),
-                                        _mm256_set1_epi8(0x0F));
-    const __m256i b0 = _mm256_shuffle_epi8(planes[0], cd), b1 = _mm256_shuffle_epi8(planes[1], cd);
-    const __m256i b2 = _mm256_shuffle_epi8(planes[2], cd), b3 = _mm256_shuffle_epi8(planes[3], cd);
-    const __m256i lo01 = _mm256_unpacklo_epi8(b0, b1), lo23 = _mm256_unpacklo_epi8(b2, b3);
-    const __m256i hi01 = _mm256_unpackhi_epi8(b0, b1), hi23 = _mm256_unpackhi_epi8(b2, b3);
-    out[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(lo01, lo23));
-    out[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(lo01, lo23));
-    out[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(hi01, hi23));
-    out[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(hi01, hi23));
+static inline void acc_store(int d, __m256 a[2][4]) {
+    for (int h = 0; h < 2; h++)
+        for (int c = 0; c < 4; c++) _mm256_storeu_ps(acc + h * D + d + 8 * c, a[h][c]);
 }
 
 static __attribute__((noinline)) void value_byte_planes(int g) {
     const uint8_t *rows = codes + g * PACKED;
     for (int d = 0; d < D; d += 32) {
         __m256 a[2][4];
-        for (int h = 0; h < 2; h++)
-            for (int c = 0; c < 4; c++) a[h][c] = _mm256_loadu_ps(acc + h * D + d + 8 * c);
+        acc_load(d, a);
         for (int t = 0; t < SLOTS; t++) {
             __m256 v[4];
-            byte_planes32(rows + t * HKV * PACKED + d / 2, v);
+            centroids32(rows + t * HKV * PACKED, d, planes, 0, v);
             const __m256 p0 = _mm256_broadcast_ss(pa + t), p1 = _mm256_broadcast_ss(pa + SLOTS + t);
             for (int c = 0; c < 4; c++) {
                 a[0][c] = _mm256_fmadd_ps(p0, v[c], a[0][c]);
                 a[1][c] = _mm256_fmadd_ps(p1, v[c], a[1][c]);
             }
         }
-        for (int h = 0; h < 2; h++)
-            for (int c = 0; c < 4; c++) _mm256_storeu_ps(acc + h * D + d + 8 * c, a[h][c]);
+        acc_store(d, a);
     }
 }
 
@@ -94,8 +80,7 @@ static __attribute__((noinline)) void value_permutes(int g) {
     const uint8_t *rows = codes + g * PACKED;
     for (int d = 0; d < D; d += 32) {
         __m256 a[2][4];
-        for (int h = 0; h < 2; h++)
-            for (int c = 0; c < 4; c++) a[h][c] = _mm256_loadu_ps(acc + h * D + d + 8 * c);
+        acc_load(d, a);
         for (int t = 0; t < SLOTS; t++) {
             const uint8_t *p = rows + t * HKV * PACKED + d / 2;
             const __m256 p0 = _mm256_broadcast_ss(pa + t), p1 = _mm256_broadcast_ss(pa + SLOTS + t);
@@ -112,9 +97,21 @@ static __attribute__((noinline)) void value_permutes(int g) {
                 a[1][c + 1] = _mm256_fmadd_ps(p1, odd, a[1][c + 1]);
             }
         }
-        for (int h = 0; h < 2; h++)
-            for (int c = 0; c < 4; c++) _mm256_storeu_ps(acc + h * D + d + 8 * c, a[h][c]);
+        acc_store(d, a);
     }
+}
+
+/* a channel pair (a, b) rotated (rotate-half: a cos - b sin, b cos + a sin) and dotted with
+ * two query heads' channels: dot[0..3] += qa0 ra, qb0 rb, qa1 ra, qb1 rb */
+static inline __attribute__((always_inline)) void rotate_dot2(
+        __m256 a, __m256 b, __m256 c1, __m256 s1, __m256 qa0, __m256 qb0, __m256 qa1,
+        __m256 qb1, __m256 dot[4]) {
+    const __m256 ra = _mm256_fmsub_ps(a, c1, _mm256_mul_ps(b, s1));
+    const __m256 rb = _mm256_fmadd_ps(b, c1, _mm256_mul_ps(a, s1));
+    dot[0] = _mm256_fmadd_ps(qa0, ra, dot[0]);
+    dot[1] = _mm256_fmadd_ps(qb0, rb, dot[1]);
+    dot[2] = _mm256_fmadd_ps(qa1, ra, dot[2]);
+    dot[3] = _mm256_fmadd_ps(qb1, rb, dot[3]);
 }
 
 static inline float hsum(__m256 x) {
@@ -124,34 +121,28 @@ static inline float hsum(__m256 x) {
 }
 
 static __attribute__((noinline)) void key_channel_lanes(int pos0) {
-    const __m256i back = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int t = 0; t < SLOTS; t++) {
         const float *cs = rope + (pos0 + t) * D, *sn = cs + M;
         for (int g = 0; g < HKV; g++) {
             const uint8_t *row = codes + (t * HKV + g) * PACKED;
             const float *hf = half + g * D, *of = off + g * D, *q0 = q + g * 2 * D;
-            __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0;
+            __m256 dot[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                             _mm256_setzero_ps()};  /* head 0's halves a, b; head 1's */
             for (int j = 0; j < M; j += 32) {
                 __m256 ca[4], cb[4];
-                byte_planes32(row + j / 2, ca);
-                byte_planes32(row + (j + M) / 2, cb);
+                centroids32(row, j, planes, 1, ca);  /* in channel order */
+                centroids32(row, j + M, planes, 1, cb);
                 for (int c = 0; c < 4; c++) {
                     const int jj = j + 8 * c;
-                    const __m256 x = _mm256_permutevar8x32_ps(ca[c], back);
-                    const __m256 y = _mm256_permutevar8x32_ps(cb[c], back);
-                    const __m256 a = _mm256_fmadd_ps(x, _mm256_loadu_ps(hf + jj), _mm256_loadu_ps(of + jj));
-                    const __m256 b = _mm256_fmadd_ps(y, _mm256_loadu_ps(hf + jj + M), _mm256_loadu_ps(of + jj + M));
-                    const __m256 c1 = _mm256_loadu_ps(cs + jj), s1 = _mm256_loadu_ps(sn + jj);
-                    const __m256 ra = _mm256_fmsub_ps(a, c1, _mm256_mul_ps(b, s1));
-                    const __m256 rb = _mm256_fmadd_ps(b, c1, _mm256_mul_ps(a, s1));
-                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + jj), ra, a0);
-                    b0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + jj + M), rb, b0);
-                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + D + jj), ra, a1);
-                    b1 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + D + jj + M), rb, b1);
+                    const __m256 a = _mm256_fmadd_ps(ca[c], _mm256_loadu_ps(hf + jj), _mm256_loadu_ps(of + jj));
+                    const __m256 b = _mm256_fmadd_ps(cb[c], _mm256_loadu_ps(hf + jj + M), _mm256_loadu_ps(of + jj + M));
+                rotate_dot2(a, b, _mm256_loadu_ps(cs + jj), _mm256_loadu_ps(sn + jj),
+                            _mm256_loadu_ps(q0 + jj), _mm256_loadu_ps(q0 + jj + M),
+                            _mm256_loadu_ps(q0 + D + jj), _mm256_loadu_ps(q0 + D + jj + M), dot);
                 }
             }
-            scores[(g * 2) * SLOTS + t] = hsum(_mm256_add_ps(a0, b0));
-            scores[(g * 2 + 1) * SLOTS + t] = hsum(_mm256_add_ps(a1, b1));
+            scores[(g * 2) * SLOTS + t] = hsum(_mm256_add_ps(dot[0], dot[1]));
+            scores[(g * 2 + 1) * SLOTS + t] = hsum(_mm256_add_ps(dot[2], dot[3]));
         }
     }
 }
@@ -208,24 +199,21 @@ static __attribute__((noinline)) void key_slot_lanes(int pos0) {
                 for (int i = 0; i < 8; i++) word[8 * w + i] = _mm256_castps_si256(r[i]);
             }
             const float *tb = tables + g * D * 16, *q0 = q + g * 2 * D;
-            __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0;
+            __m256 dot[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                             _mm256_setzero_ps()};
             for (int j = 0; j < 8; j++) {
 #pragma GCC unroll 8
                 for (int s = 0; s < 8; s++) {
                     const int c = 8 * j + s;  /* the pair (c, c + M) */
                     const __m256 a = slot_lookup(word[j], s, tb + c * 16);
                     const __m256 b = slot_lookup(word[j + 8], s, tb + (c + M) * 16);
-                    const __m256 c1 = _mm256_load_ps(tile_cos + c * 8), s1 = _mm256_load_ps(tile_sin + c * 8);
-                    const __m256 ra = _mm256_fmsub_ps(a, c1, _mm256_mul_ps(b, s1));
-                    const __m256 rb = _mm256_fmadd_ps(b, c1, _mm256_mul_ps(a, s1));
-                    a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(q0 + c), ra, a0);
-                    b0 = _mm256_fmadd_ps(_mm256_broadcast_ss(q0 + c + M), rb, b0);
-                    a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(q0 + D + c), ra, a1);
-                    b1 = _mm256_fmadd_ps(_mm256_broadcast_ss(q0 + D + c + M), rb, b1);
+                rotate_dot2(a, b, _mm256_load_ps(tile_cos + c * 8), _mm256_load_ps(tile_sin + c * 8),
+                            _mm256_broadcast_ss(q0 + c), _mm256_broadcast_ss(q0 + c + M),
+                            _mm256_broadcast_ss(q0 + D + c), _mm256_broadcast_ss(q0 + D + c + M), dot);
                 }
             }
-            _mm256_storeu_ps(scores + (g * 2) * SLOTS + t0, _mm256_add_ps(a0, b0));
-            _mm256_storeu_ps(scores + (g * 2 + 1) * SLOTS + t0, _mm256_add_ps(a1, b1));
+            _mm256_storeu_ps(scores + (g * 2) * SLOTS + t0, _mm256_add_ps(dot[0], dot[1]));
+            _mm256_storeu_ps(scores + (g * 2 + 1) * SLOTS + t0, _mm256_add_ps(dot[2], dot[3]));
         }
     }
 }
@@ -246,7 +234,7 @@ static double best_ns(void (*f)(int), int by_head) {
 int main(void) {
     srand(1);
     for (int i = 0; i < 16; i++) lut[i] = -1.f + 0.13f * (float)i;
-    make_planes();
+    lut_planes4(lut, 4, planes);
     for (size_t i = 0; i < sizeof codes; i++) codes[i] = (uint8_t)rand();
     for (int i = 0; i < POSITIONS * D; i++) rope[i] = (float)(rand() % 1000) / 1000.f;
     for (int i = 0; i < HKV * 2 * D; i++) q[i] = (float)(rand() % 1000) / 1000.f;
