@@ -342,8 +342,7 @@ def add_outliers(x: torch.Tensor, index: torch.Tensor, delta: torch.Tensor) -> t
     flat = torch.cat([flat, flat.new_zeros(n, heads, 1)], dim=-1)  # + a dump column
     index = index.long()  # unused: -1, or any value >= B * D (255 in a uint8 store)
     idx = torch.where((index < 0) | (index >= bsz * dim), bsz * dim, index)
-    exact = flat.gather(-1, idx) + delta.to(flat.dtype)  # [n, H, cap]
-    flat.scatter_(-1, idx, exact)
+    flat.scatter_add_(-1, idx, delta.to(flat.dtype))  # [n, H, cap] deltas at their elements
     return flat[..., :-1].view(n, heads, bsz, dim).permute(0, 2, 1, 3)
 
 

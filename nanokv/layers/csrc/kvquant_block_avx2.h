@@ -305,13 +305,12 @@ static inline __attribute__((always_inline)) void tile_key_rotated(
 }
 
 /* the corrections of every entry the key pass took (the operands above) added to the scores
- * of the query heads of its KV head (qb: the request's queries); always inlined with a constant
- * group (0: read at run time) */
+ * of the query heads of its KV head (qb: the request's queries); always inlined with the group
+ * a constant where BLOCK_HEADS_DISPATCH has an instance */
 static inline __attribute__((always_inline)) void key_rotated_fixes_impl(
         const KVQuantLayer *L, const float *restrict qb, const BlockScratch *w,
-        const int64_t cgroup) {
+        const int64_t group) {
     const int64_t B = L->block_size, D = L->head_dim;
-    const int64_t group = cgroup ? cgroup : L->num_q_heads / L->num_kv_heads;
     float *restrict scores = w->scores;
     for (int64_t e = 0; e < w->ko_count; e++) {
         const int64_t h = w->ko_g[e] * group, t = w->ko_slot[e];
@@ -324,12 +323,10 @@ static inline __attribute__((always_inline)) void key_rotated_fixes_impl(
 
 static void key_rotated_fixes(const KVQuantLayer *L, const float *restrict qb,
                               const BlockScratch *w) {
-    switch (L->num_q_heads / L->num_kv_heads) {
-    case 1: key_rotated_fixes_impl(L, qb, w, 1); break;
-    case 2: key_rotated_fixes_impl(L, qb, w, 2); break;
-    case 4: key_rotated_fixes_impl(L, qb, w, 4); break;
-    default: key_rotated_fixes_impl(L, qb, w, 0); break;
-    }
+    const int64_t group = L->num_q_heads / L->num_kv_heads;
+#define FIXES(k) key_rotated_fixes_impl(L, qb, w, k)
+    BLOCK_HEADS_DISPATCH(FIXES, group)
+#undef FIXES
 }
 
 /* scores[h * B + t] = q_h . RoPE_pos(t)(lut[codes] * half + off) for the query heads
@@ -407,14 +404,6 @@ static inline __attribute__((always_inline)) void block_key_dots(
     }
 }
 
-/* the group's query heads [h0, h0 + nh) of KV head g, nh <= FAST_MAX_HEADS, for the block's
- * first n slots: acc_h += sum_t pa[h, t] * lut[codes_t] + pb[h], CV vectors of 8 channels per
- * head held in registers (32 channels for up to 2 heads, 16 for up to 4, else 8). Always
- * inlined with constant nh, code width (`cbits`: 4, or 0 for V->bits read at run time) and
- * whether rows carry patches: the loop over a block's slots is then the look-up and the FMAs
- * alone (with the code width and the patch count read at run time, the compiler kept both
- * look-ups and the patch loop's test in it and spilled an accumulator: the value pass took a
- * third longer at the Qwen3-0.6B shape). */
 /* Where a head takes more than one value pass (32 channels for up to 2 heads), the first pass
  * prefetches the row VALUE_AHEAD slots on into L1 and the second the next KV head's row of the
  * same slot (its pass comes next) into L2: the key pass prefetches only the next block's first
@@ -423,6 +412,15 @@ static inline __attribute__((always_inline)) void block_key_dots(
  * 3-6% of the kernel, the next head's rows 3-5% more; 8 and 24 slots on gained less; heads of
  * 32, one pass over rows 64 bytes apart, gained nothing) */
 enum { VALUE_AHEAD = 64 };
+
+/* the group's query heads [h0, h0 + nh) of KV head g, nh <= FAST_MAX_HEADS, for the block's
+ * first n slots: acc_h += sum_t pa[h, t] * lut[codes_t] + pb[h], CV vectors of 8 channels per
+ * head held in registers (32 channels for up to 2 heads, 16 for up to 4, else 8). Always
+ * inlined with constant nh, code width (`cbits`: 4, or 0 for V->bits read at run time) and
+ * whether rows carry patches: the loop over a block's slots is then the look-up and the FMAs
+ * alone (with the code width and the patch count read at run time, the compiler kept both
+ * look-ups and the patch loop's test in it and spilled an accumulator: the value pass took a
+ * third longer at the Qwen3-0.6B shape). */
 static inline __attribute__((always_inline)) void block_values(
         const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n, float *acc0, int64_t h0,
         const int nh, const float *pb, const BlockScratch *w, const int64_t patches,
