@@ -152,8 +152,9 @@ def rope_tiles(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def set_int8_prefetch(on: bool) -> None:
-    """Whether the in-register int8 path, reading in place, prefetches the next tile's rows
-    (default True): an A/B switch, as set_int8_fused."""
+    """Whether the in-register int8 path prefetches the next tile's rows (default True): read
+    in place, a KV head's rows at a time; with the copy (set_int8_stage), in address order. An
+    A/B switch, as set_int8_fused."""
     load_quant_kernels().pertoken_set_int8_prefetch(int(bool(on)))
 
 
