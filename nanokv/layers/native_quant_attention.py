@@ -97,17 +97,19 @@ def set_int8_fused(on: bool) -> None:
 
 def set_slot_keys(on: bool) -> None:
     """KVQuant's key pass with a tile's slots in the vector lanes (True, the default where it
-    fits: AVX-512 builds, 2 or 4-bit keys, RoPE over the whole head or none) or with channels in
-    the lanes (False: the planar pass): an A/B switch for benchmarks and tests, as
-    set_int8_fused."""
+    fits: 2 or 4-bit keys; AVX-512 builds with RoPE over the whole head or none, AVX2 builds
+    with rotate-half RoPE over the whole head (repeating halves), head_dim a multiple of 64 at 4
+    bits or 128 at 2, blocks a multiple of 8 slots) or with channels in the lanes (False:
+    AVX-512's planar pass, AVX2's channel-lanes pass): an A/B switch for benchmarks and tests,
+    as set_int8_fused."""
     load_quant_kernels().kvquant_set_slot_keys(int(bool(on)))
 
 
 def set_rope_tiles(on: bool) -> None:
     """Whether the block path reads a layer's compact RoPE table where the layer has one (True,
     the default): the AVX-512 slot-lanes key pass its transposed tiles (`rope_tiles`; off: it
-    transposes each tile's rows itself), the AVX2 key pass its half rows (`rope_rows`; off: the
-    full tables). An A/B switch for benchmarks and tests."""
+    transposes each tile's rows itself), the AVX2 key passes their half rows (`rope_rows`; off:
+    the full tables' rows). An A/B switch for benchmarks and tests."""
     load_quant_kernels().kvquant_set_rope_tiles(int(bool(on)))
 
 

@@ -389,12 +389,14 @@ def _one_request_with_outliers(bits, d, hkv, block_size, halves, position, seed,
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("halves", ["equal", "unequal", "none"])
 def test_kvquant_key_passes_equal_the_reference(bits, d, hkv, block_size, halves):
-    """KVQuant's two AVX-512 key passes, slots in the lanes (the default where it fits) and
-    channels in the lanes (`set_slot_keys(False)`: the planar pass), each equal the reference
-    and each other: every way the slot-lanes pass reads a tile's codes, 2 and 4-bit, block
-    sizes 16 and 256 with a last tile cut short, GQA 2, outliers, and RoPE tables whose halves
-    are equal (the common rotate-half tables), unequal (each half's cos / sin read), or no
-    RoPE in the kernel (keys stored after RoPE)."""
+    """KVQuant's two key passes, slots in the lanes (the default where it fits) and channels in
+    the lanes (`set_slot_keys(False)`: AVX-512's planar pass, AVX2's channel-lanes pass), each
+    equal the reference and each other: every way the AVX-512 slot-lanes pass reads a tile's
+    codes, 2 and 4-bit, block sizes 16 and 256 with a last tile cut short, GQA 2, outliers, and
+    RoPE tables whose halves are equal (the common rotate-half tables), unequal (each half's
+    cos / sin read), or no RoPE in the kernel (keys stored after RoPE). The AVX2 slot-lanes
+    pass (halves equal; 4-bit at head_dim 64 and 128, 2-bit at 128) is checked by the AVX2
+    build of test_kernels_of_narrower_builds_equal_the_reference and on AVX2-only CPUs."""
     from nanokv.layers.native_quant_attention import set_slot_keys
 
     store, q, k_new, v_new, common, ref = _one_request_with_outliers(

@@ -70,6 +70,8 @@ typedef struct {
     float *pk_half, *pk_off; /* [Hkv, D] */
     float *pcos, *psin;    /* [16, D] (the slot-lanes pass: [D, 16], transposed) */
     float *ktab;           /* [Hkv, D, 16]: the slot-lanes key pass's per-channel tables */
+    uint8_t *k_words;      /* [D / 8, 32 bytes]: the AVX2 slot-lanes key pass's transposed
+                              words of a tile's rows of one KV head */
     int32_t first_position; /* the block's first slot's, where its slots' are consecutive
                               (the AVX-512 key outliers and RoPE tiles), else -1 */
     float *p_slots;        /* [B, 16]: the block's P by slots, of up to 16 query heads (the
@@ -120,8 +122,9 @@ static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int6
     w->pq = malloc(sizeof(float) * Hkv * group * D);
     w->pk_half = malloc(sizeof(float) * Hkv * D);
     w->pk_off = malloc(sizeof(float) * Hkv * D);
-    w->pcos = malloc(sizeof(float) * 16 * D);
-    w->psin = malloc(sizeof(float) * 16 * D);
+    w->pcos = aligned_alloc(64, sizeof(float) * 16 * D);
+    w->psin = aligned_alloc(64, sizeof(float) * 16 * D);
+    w->k_words = aligned_alloc(64, (size_t)((D / 8 + 7) / 8 * 8 * 32 + 64));  /* whole 8s */
     w->ktab = aligned_alloc(64, sizeof(float) * Hkv * D * 16);
     w->first_position = -1;
     w->p_slots = aligned_alloc(64, sizeof(float) * 16 * B);
@@ -129,7 +132,7 @@ static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int6
     return w->scores && w->pa && w->k_off && w->k_half && w->row && w->v_half && w->v_off
            && w->live && w->pb && w->patch_ch && w->patch_x && w->v_stats && w->dots && w->sink_at
            && w->v_head && w->k_cursor && w->k_corr && w->unit && w->pq
-           && w->pk_half && w->pk_off && w->pcos && w->psin && w->ktab && w->p_slots
+           && w->pk_half && w->pk_off && w->pcos && w->psin && w->k_words && w->ktab && w->p_slots
            && w->v_corr && w->ko_slot && w->ko_ch && w->ko_partner && w->ko_a && w->ko_b
            && w->ko_g && w->st_idx && w->st_g && w->st_val;
 }
@@ -140,7 +143,7 @@ static void block_scratch_free(BlockScratch *w) {
     free(w->v_stats); free(w->dots);
     free(w->sink_at); free(w->v_head); free(w->k_cursor); free(w->k_corr);
     free(w->unit); free(w->pq); free(w->pk_half); free(w->pk_off);
-    free(w->pcos); free(w->psin); free(w->ktab); free(w->p_slots);
+    free(w->pcos); free(w->psin); free(w->k_words); free(w->ktab); free(w->p_slots);
     free(w->v_corr); free(w->ko_slot); free(w->ko_ch); free(w->ko_partner); free(w->ko_a);
     free(w->ko_b); free(w->ko_g); free(w->st_idx); free(w->st_g); free(w->st_val);
 }

@@ -1,5 +1,6 @@
 /* The AVX2 kernels of the KVQuant block path (kvquant_block.h), for CPUs without AVX-512: key
- * dots by tiles of 8 slots (8 channels and their RoPE partners at a time), the block's online
+ * dots by tiles of 8 slots (8 channels and their RoPE partners at a time; where the layer fits,
+ * the tile's 8 slots in the lanes instead: kvquant_slot_keys_avx2.h), the block's online
  * softmax, and values up to 32 channels at a time; key outliers corrected a tile at a time
  * inside the key pass; the RoPE rows read from the layer's compact copy (rope_rows). Included
  * by quant_decode_attention.c after kvquant_block.h, on AVX2 + FMA + F16C builds without
@@ -23,6 +24,8 @@ static inline void rope_rows_at(const KVQuantLayer *L, int64_t pos, const float 
         *sn = L->sin + pos * R;
     }
 }
+
+#include "kvquant_slot_keys_avx2.h"
 
 /* Where key_rotated_fit does not (head_dim not a power of two, uint8 indices: below), key
  * outliers enter as score corrections one at a time, a tile's right after the tile's key pass
@@ -331,14 +334,16 @@ static void key_rotated_fixes(const KVQuantLayer *L, const float *restrict qb,
 
 /* scores[h * B + t] = q_h . RoPE_pos(t)(lut[codes] * half + off) for the query heads
  * h = g * group + hh, hh in [h0, h0 + nh), of every KV head g and the block's first n slots, by
- * tiles of 8 slots (key_tile_dots), each tile's key outliers added as corrections
- * (tile_key_outliers); the next block's data prefetched a share per tile, and its first tile's
- * rows and RoPE rows during this block's last (within a block the hardware prefetchers follow
- * the rows: prefetching them too was slower). Always inlined with a constant nh, and
- * head_dim as key_tile_dots takes it. */
+ * tiles of 8 slots (key_tile_dots, or key_tile_slots where `slots`: 0.89-0.96x the kernel's
+ * time at 4 bits, 0.87-0.91x at 2, Qwen3-0.6B's shape), each tile's key outliers added as
+ * corrections (tile_key_outliers); the next block's data prefetched a share per tile, and its
+ * first tile's rows and RoPE rows during this block's last (within a block the hardware
+ * prefetchers follow the rows: prefetching them too was slower). Always inlined with a
+ * constant nh, head_dim as key_tile_dots takes it, and `slots`: 0, or the code width of the
+ * slot-lanes pass. */
 static inline __attribute__((always_inline)) void block_key_dots(
         const KVQuantLayer *L, int64_t blk, int64_t next_blk, int64_t n, const float *qb,
-        int64_t h0, const int nh, BlockScratch *w, const int64_t head_dim) {
+        int64_t h0, const int nh, BlockScratch *w, const int64_t head_dim, const int slots) {
     const KVQuantSide *K = &L->k, *V = &L->v;
     const int64_t B = L->block_size, Hkv = L->num_kv_heads, R = L->rot_dim;
     const int64_t group = L->num_q_heads / Hkv, stride = Hkv * K->packed;
@@ -353,6 +358,7 @@ static inline __attribute__((always_inline)) void block_key_dots(
     lut_halves8(K->lut, K->bits, &tlo, &thi);
     lut_planes4(K->lut, K->bits, planes);
     for (int64_t g = 0; g < Hkv; g++) w->k_cursor[g] = 0;
+    if (slots && h0 == 0) slot_key_tables_avx2(L, w);
     for (int64_t t0 = 0; t0 < n; t0 += 8) {
         const int64_t nt = n - t0 < 8 ? n - t0 : 8;
         if (next_blk >= 0 && h0 == 0)  /* the next block's data, a share per tile */
@@ -376,7 +382,9 @@ static inline __attribute__((always_inline)) void block_key_dots(
         }
 #define TILE_DOTS(b) key_tile_dots(L, blk, t0, n, qb, h0, nh, b, tlo, thi, planes, w, dots, \
                                   head_dim)
-        switch (K->bits) {
+        if (slots)  /* the scores, stored; corrections added below */
+            key_tile_slots(L, blk, t0, n, qb, h0, nh, slots, w);
+        else switch (K->bits) {
         case 4: TILE_DOTS(4); break;
         case 3: if (!head_dim) TILE_DOTS(3); break;  /* never fixed: heads_of_32_fit */
         default: TILE_DOTS(2); break;
@@ -384,6 +392,10 @@ static inline __attribute__((always_inline)) void block_key_dots(
 #undef TILE_DOTS
         if (rotated) tile_key_rotated(L, blk, t0, nt, w);  /* the tile's key outlier operands */
         if (outliers) tile_key_outliers(L, blk, t0, nt, qb, h0, nh, w);  /* into w->k_corr */
+        if (slots) {
+            if (outliers) slot_scores_corrected(L, t0, nt, h0, nh, w);
+            continue;
+        }
         for (int64_t g = 0; g < Hkv; g++)
             for (int hh = 0; hh < nh; hh++) {
                 __m256 sums = sum8(dots + (g * nh + hh) * 8);
@@ -640,11 +652,27 @@ static __attribute__((noinline)) void block_key_heads_32(
         const KVQuantLayer *L, int64_t blk, int64_t next_blk, int64_t n, const float *qb,
         int64_t h0, int nh, BlockScratch *w) {
     switch (nh) {
-    case 1: block_key_dots(L, blk, next_blk, n, qb, h0, 1, w, 32); break;
-    case 2: block_key_dots(L, blk, next_blk, n, qb, h0, 2, w, 32); break;
-    case 4: block_key_dots(L, blk, next_blk, n, qb, h0, 4, w, 32); break;
-    default: block_key_dots(L, blk, next_blk, n, qb, h0, 8, w, 32); break;
+    case 1: block_key_dots(L, blk, next_blk, n, qb, h0, 1, w, 32, 0); break;
+    case 2: block_key_dots(L, blk, next_blk, n, qb, h0, 2, w, 32, 0); break;
+    case 4: block_key_dots(L, blk, next_blk, n, qb, h0, 4, w, 32, 0); break;
+    default: block_key_dots(L, blk, next_blk, n, qb, h0, 8, w, 32, 0); break;
     }
+}
+
+/* the slot-lanes key pass (slot_keys_avx2_fit): instances of block_key_dots of their own
+ * (built into the channel-lanes instances, its branches had left those 4-5% slower) */
+static __attribute__((noinline)) void block_key_slots(
+        const KVQuantLayer *L, int64_t blk, int64_t next_blk, int64_t n, const float *qb,
+        int64_t h0, int nh, BlockScratch *w) {
+#define SLOT_DOTS(k) block_key_dots(L, blk, next_blk, n, qb, h0, k, w, 0, bits)
+    if (L->k.bits == 4) {
+        const int bits = 4;
+        BLOCK_HEADS_DISPATCH(SLOT_DOTS, nh)
+    } else {
+        const int bits = 2;
+        BLOCK_HEADS_DISPATCH(SLOT_DOTS, nh)
+    }
+#undef SLOT_DOTS
 }
 
 /* the key dots of query heads [h0, h0 + nh) of every KV head (instances with nh constant) */
@@ -655,7 +683,11 @@ static void block_key_heads(const KVQuantLayer *L, int64_t blk, int64_t next_blk
         block_key_heads_32(L, blk, next_blk, n, qb, h0, nh, w);
         return;
     }
-#define KEY_DOTS(k) block_key_dots(L, blk, next_blk, n, qb, h0, k, w, 0)
+    if (slot_keys_avx2_fit(L, 0)) {  /* the slot-lanes pass, instanced per code width */
+        block_key_slots(L, blk, next_blk, n, qb, h0, nh, w);
+        return;
+    }
+#define KEY_DOTS(k) block_key_dots(L, blk, next_blk, n, qb, h0, k, w, 0, 0)
     BLOCK_HEADS_DISPATCH(KEY_DOTS, nh)
 #undef KEY_DOTS
 }
