@@ -561,16 +561,17 @@ def test_rope_rows_are_the_tables_first_halves_side_by_side():
 
 @pytest.mark.parametrize("bits,d,hkv", [(4, 32, 4), (4, 128, 2), (2, 64, 8)])
 @pytest.mark.parametrize("block_size", [16, 256])
-@pytest.mark.parametrize("first,gap", [(0, 1), (5, 1), (7, 3)])
+@pytest.mark.parametrize("first,gap", [(0, 1), (8, 1), (5, 1), (7, 3)])
 def test_kvquant_compact_rope_tables_equal_the_full_ones(bits, d, hkv, block_size, first, gap):
     """The block path reading the build's compact RoPE table gives the same outputs, bit for
     bit, as without it (`set_rope_tiles(False)`), and both equal the reference. AVX-512: the
     slot-lanes key pass reads transposed tiles (in place where a tile's 16 positions are
     consecutive from a multiple of 16; the key outliers' coefficients gathered from the tiles)
     where it would transpose each tile's rows; AVX2: the key pass reads the tables' first halves
-    side by side (`rope_rows`) where it would read the full tables. Positions from 0 (every
-    tile read in place), consecutive from 5 (none), and 3 apart (not consecutive); a last tile
-    cut short; outliers present."""
+    side by side (`rope_rows`) where it would read the full tables (its slot-lanes pass, 4-bit
+    at head_dim 128 here, transposes each tile's half rows). Positions from 0 (every tile read
+    in place), consecutive from 8 and from 5 (none), and 3 apart (not consecutive); a last
+    tile cut short; outliers present."""
     from nanokv.layers.native_quant_attention import (ROPE_ROWS, ROPE_TILES, rope_layout,
                                                       set_rope_tiles)
 
