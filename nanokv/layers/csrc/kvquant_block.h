@@ -58,8 +58,10 @@ typedef struct {
                               scores (AVX2), zero but while in use */
     int k_rotated;         /* are the block's key outliers corrected from ko_* (AVX2) */
     int64_t ko_count;      /* the block's key outliers taken so far by tile_key_rotated (AVX2) */
-    int32_t *ko_slot, *ko_g, *ko_ch, *ko_partner; /* [Hkv * key cap + 8]: their slots, KV
-                              heads, channels and RoPE partner channels */
+    int32_t *ko_score, *ko_q, *ko_qp; /* [Hkv * key cap + 8]: where they go for their KV
+                              head's first query head h = g * group: its score of their slot
+                              (h * B + slot) and its query's channel and RoPE partner channel
+                              (h * D + channel, h * D + partner) */
     float *ko_a, *ko_b;    /* [Hkv * key cap + 8]: their delta * cos and +-delta * sin */
     int32_t *st_idx, *st_g; /* [Hkv * key cap + 8]: a tile's entries staged: indices, KV heads */
     float *st_val;         /* [Hkv * key cap + 8]: and deltas */
@@ -108,13 +110,12 @@ static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int6
     if (w->k_corr) memset(w->k_corr, 0, sizeof(float) * Hkv * FAST_MAX_HEADS * 8);
     w->k_rotated = 0;  /* 8 spare entries: written 8 at a time */
     w->ko_count = 0;
-    w->ko_slot = malloc(sizeof(int32_t) * (Hkv * key_cap + 8));
-    w->ko_g = malloc(sizeof(int32_t) * (Hkv * key_cap + 8));
+    w->ko_score = malloc(sizeof(int32_t) * (Hkv * key_cap + 8));
     w->st_idx = malloc(sizeof(int32_t) * (Hkv * key_cap + 8));
     w->st_g = malloc(sizeof(int32_t) * (Hkv * key_cap + 8));
     w->st_val = malloc(sizeof(float) * (Hkv * key_cap + 8));
-    w->ko_ch = malloc(sizeof(int32_t) * (Hkv * key_cap + 8));
-    w->ko_partner = malloc(sizeof(int32_t) * (Hkv * key_cap + 8));
+    w->ko_q = malloc(sizeof(int32_t) * (Hkv * key_cap + 8));
+    w->ko_qp = malloc(sizeof(int32_t) * (Hkv * key_cap + 8));
     w->ko_a = malloc(sizeof(float) * (Hkv * key_cap + 8));
     w->ko_b = malloc(sizeof(float) * (Hkv * key_cap + 8));
     w->unit = calloc(2 * D, sizeof(float));
@@ -133,8 +134,8 @@ static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int6
            && w->live && w->pb && w->patch_ch && w->patch_x && w->v_stats && w->dots && w->sink_at
            && w->v_head && w->k_cursor && w->k_corr && w->unit && w->pq
            && w->pk_half && w->pk_off && w->pcos && w->psin && w->k_words && w->ktab && w->p_slots
-           && w->v_corr && w->ko_slot && w->ko_ch && w->ko_partner && w->ko_a && w->ko_b
-           && w->ko_g && w->st_idx && w->st_g && w->st_val;
+           && w->v_corr && w->ko_score && w->ko_q && w->ko_qp && w->ko_a && w->ko_b
+           && w->st_idx && w->st_g && w->st_val;
 }
 
 static void block_scratch_free(BlockScratch *w) {
@@ -144,8 +145,8 @@ static void block_scratch_free(BlockScratch *w) {
     free(w->sink_at); free(w->v_head); free(w->k_cursor); free(w->k_corr);
     free(w->unit); free(w->pq); free(w->pk_half); free(w->pk_off);
     free(w->pcos); free(w->psin); free(w->k_words); free(w->ktab); free(w->p_slots);
-    free(w->v_corr); free(w->ko_slot); free(w->ko_ch); free(w->ko_partner); free(w->ko_a);
-    free(w->ko_b); free(w->ko_g); free(w->st_idx); free(w->st_g); free(w->st_val);
+    free(w->v_corr); free(w->ko_score); free(w->ko_q); free(w->ko_qp); free(w->ko_a);
+    free(w->ko_b); free(w->st_idx); free(w->st_g); free(w->st_val);
 }
 
 /* is the block path valid for this layer (the staging of a block is checked per block) */
