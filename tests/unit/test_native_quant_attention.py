@@ -385,6 +385,7 @@ def _one_request_with_outliers(bits, d, hkv, block_size, halves, position, seed,
     (2, 128, 2),   # 2-bit: 16 codes a word
     (2, 32, 8),
     (4, 96, 2),    # not a power of two: the AVX2 pass corrects key outliers a tile at a time
+    (4, 192, 2),   # the same in the AVX2 slot-lanes pass (a head of 3 x 64 channels)
 ])
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("halves", ["equal", "unequal", "none"])
