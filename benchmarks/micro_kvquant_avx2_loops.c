@@ -12,10 +12,12 @@
  *   value_byte_planes  the value pass as built: 32 codes looked up through the codebook's 4 byte
  *                      planes (vpshufb), weighed into 2 heads x 4 accumulators
  *   value_permutes     the same with the 16-entry table as two permutes and a blend
- *   key_channel_lanes  the key pass as built: channels in the lanes, a row's 32 codes by byte
+ *   key_channel_lanes  the channel-lanes key pass (the kernel's where the slot-lanes pass does
+ *                      not fit): channels in the lanes, a row's 32 codes by byte
  *                      planes, permuted back to channel order, scaled, rotated, dotted with 2
  *                      query heads (the dots of 8 channels summed at the end of a row)
- *   key_slot_lanes     the AVX-512 pass's design on AVX2: a tile's 8 slots in the lanes, each
+ *   key_slot_lanes     the AVX-512 pass's design on AVX2, the kernel's where a layer fits
+ *                      (kvquant_slot_keys_avx2.h): a tile's 8 slots in the lanes, each
  *                      channel one look-up in its own table (centroids already scaled: two
  *                      permutes and a blend), the tile's RoPE rows and code words transposed,
  *                      no horizontal sum
@@ -29,6 +31,7 @@
 #include <time.h>
 
 #include "../nanokv/layers/csrc/byte_planes_avx2.h" /* the kernel's lut_planes4, centroids32 */
+#include "../nanokv/layers/csrc/transpose8_avx2.h"  /* the kernel's transpose8 */
 
 enum { SLOTS = 256, HKV = 8, D = 128, M = D / 2, PACKED = D / 2, POSITIONS = 4096 };
 
@@ -144,25 +147,6 @@ static __attribute__((noinline)) void key_channel_lanes(int pos0) {
             scores[(g * 2) * SLOTS + t] = hsum(_mm256_add_ps(dot[0], dot[1]));
             scores[(g * 2 + 1) * SLOTS + t] = hsum(_mm256_add_ps(dot[2], dot[3]));
         }
-    }
-}
-
-/* rows r[0..7] of 8 floats -> columns */
-static inline __attribute__((always_inline)) void transpose8(__m256 r[8]) {
-    __m256 t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
     }
 }
 

@@ -25,6 +25,17 @@ static inline void rope_rows_at(const KVQuantLayer *L, int64_t pos, const float 
     }
 }
 
+/* a tile's nt (<= 8) scores of one query head stored at sc */
+static inline void tile_scores_store(float *sc, __m256 sums, int64_t nt) {
+    if (nt == 8) {
+        _mm256_storeu_ps(sc, sums);
+    } else {
+        float part[8];
+        _mm256_storeu_ps(part, sums);
+        memcpy(sc, part, sizeof(float) * nt);
+    }
+}
+
 #include "kvquant_slot_keys_avx2.h"
 
 /* Where key_rotated_fit does not (head_dim not a power of two, uint8 indices: below), key
@@ -408,14 +419,7 @@ static inline __attribute__((always_inline)) void block_key_dots(
                     sums = _mm256_add_ps(sums, _mm256_load_ps(corr));
                     _mm256_store_ps(corr, _mm256_setzero_ps());
                 }
-                float *sc = w->scores + (g * group + h0 + hh) * B + t0;
-                if (nt == 8) {
-                    _mm256_storeu_ps(sc, sums);
-                } else {
-                    float part[8];
-                    _mm256_storeu_ps(part, sums);
-                    memcpy(sc, part, sizeof(float) * nt);
-                }
+                tile_scores_store(w->scores + (g * group + h0 + hh) * B + t0, sums, nt);
             }
     }
 }

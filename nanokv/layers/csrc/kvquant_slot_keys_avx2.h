@@ -30,24 +30,7 @@ static inline int slot_keys_avx2_fit(const KVQuantLayer *L, int64_t head_dim) {
     return (D * bits) % 256 == 0 && R == D && L->rope_halves_equal && L->block_size % 8 == 0;
 }
 
-/* rows r[0..7] of 8 floats -> columns: r[i] lane u = the input r[u] lane i */
-static inline __attribute__((always_inline)) void transpose8(__m256 r[8]) {
-    __m256 t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
-    }
-}
+#include "transpose8_avx2.h"  /* transpose8 */
 
 /* the block's per-channel tables of every KV head: ktab[(g * D + c) * 16 + i] = lut[i mod
  * 2^bits] * half[g, c] + off[g, c] (a 2-bit table repeats its 4 entries) */
@@ -175,14 +158,7 @@ static inline __attribute__((always_inline)) void key_tile_slots(
         }
         for (int hh = 0; hh < nh; hh++) {
             const __m256 sums = _mm256_add_ps(acc[hh][0], acc[hh][1]);
-            float *sc = w->scores + (g * group + h0 + hh) * B + t0;
-            if (nt == 8) {
-                _mm256_storeu_ps(sc, sums);
-            } else {
-                float part[8];
-                _mm256_storeu_ps(part, sums);
-                memcpy(sc, part, sizeof(float) * nt);
-            }
+            tile_scores_store(w->scores + (g * group + h0 + hh) * B + t0, sums, nt);
         }
     }
 }
