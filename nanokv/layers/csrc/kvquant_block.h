@@ -70,10 +70,11 @@ typedef struct {
      * (block_request_queries), the block's key statistics, a tile's RoPE rows */
     float *pq;             /* [Hq, D] */
     float *pk_half, *pk_off; /* [Hkv, D] */
-    float *pcos, *psin;    /* [16, D] (the slot-lanes pass: [D, 16], transposed) */
+    float *pcos, *psin;    /* [16, D] (the slot-lanes passes: transposed, [D, 16] on AVX-512,
+                              [D / 2, 8] on AVX2) */
     float *ktab;           /* [Hkv, D, 16]: the slot-lanes key pass's per-channel tables */
-    uint8_t *k_words;      /* [D / 8, 32 bytes]: the AVX2 slot-lanes key pass's transposed
-                              words of a tile's rows of one KV head */
+    uint8_t *k_words;      /* [words of a row, rounded up to 8, 32 bytes]: the AVX2 slot-lanes
+                              key pass's transposed words of a tile's rows of one KV head */
     int32_t first_position; /* the block's first slot's, where its slots' are consecutive
                               (the AVX-512 key outliers and RoPE tiles), else -1 */
     float *p_slots;        /* [B, 16]: the block's P by slots, of up to 16 query heads (the
@@ -125,7 +126,8 @@ static int block_scratch_alloc(BlockScratch *w, int64_t Hkv, int64_t group, int6
     w->pk_off = malloc(sizeof(float) * Hkv * D);
     w->pcos = aligned_alloc(64, sizeof(float) * 16 * D);
     w->psin = aligned_alloc(64, sizeof(float) * 16 * D);
-    w->k_words = aligned_alloc(64, (size_t)((D / 8 + 7) / 8 * 8 * 32 + 64));  /* whole 8s */
+    /* a 4-bit row's D / 8 words (the most), in whole 8s */
+    w->k_words = aligned_alloc(64, (size_t)((D / 8 + 7) / 8 * 8 * 32 + 64));
     w->ktab = aligned_alloc(64, sizeof(float) * Hkv * D * 16);
     w->first_position = -1;
     w->p_slots = aligned_alloc(64, sizeof(float) * 16 * B);
