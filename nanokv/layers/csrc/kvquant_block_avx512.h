@@ -459,7 +459,8 @@ static inline __m512 elements16(const void *p, int64_t i, __mmask16 have, int64_
 }
 
 /* sg[t[l]] += x[l] for the live lanes of 16 entries, where every query head's x shares t:
- * the lanes' runs of one slot, found once (scores_runs) for every head (scores_add16).
+ * the lanes' runs of one slot, found once (scores_runs) for every head (runs_summed,
+ * run_totals_add; scores_add_lanes out of order).
  * Where the live lanes' t never decrease (a list in index order, as the store writes it),
  * lanes of one slot lie next to each other: a segmented sum over each run of equal t (its
  * last lane ends with the run's total); then those lanes alone (their t differ, increasing)
@@ -477,44 +478,45 @@ typedef struct {
     int32_t first;       /* the first run's slot */
 } ScoreRuns;
 
-static inline ScoreRuns scores_runs(__m512i t, __mmask16 live) {
+/* the runs of t's live lanes into *r (filled whole, no early return: kept in registers once
+ * inlined; a returned struct went through the stack, its masks reloaded for every head) */
+static inline __attribute__((always_inline)) void scores_runs(__m512i t, __mmask16 live,
+                                                              ScoreRuns *r) {
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i one = _mm512_set1_epi32(1);
-    ScoreRuns r = {.t = t, .live = live, .ends = 0, .window = 0, .first = 0};
+    r->t = t;
+    r->live = live;
     const __m512i prev = _mm512_permutexvar_epi32(
         _mm512_max_epi32(_mm512_sub_epi32(lane, one), _mm512_setzero_si512()), t);
-    r.in_order = !_mm512_mask_cmplt_epi32_mask((__mmask16)(live & 0xFFFEu), t, prev);
-    if (!r.in_order) return r;
+    r->in_order = !_mm512_mask_cmplt_epi32_mask((__mmask16)(live & 0xFFFEu), t, prev);
     for (int i = 0, k = 1; k < 16; i++, k *= 2)  /* lane l and lane l - k in the same run */
-        r.same[i] = _mm512_mask_cmpeq_epi32_mask(
+        r->same[i] = _mm512_mask_cmpeq_epi32_mask(
             (__mmask16)(0xFFFFu << k), t,
             _mm512_permutexvar_epi32(_mm512_sub_epi32(lane, _mm512_set1_epi32(k)), t));
     const __m512i next = _mm512_permutexvar_epi32(
         _mm512_min_epi32(_mm512_add_epi32(lane, one), _mm512_set1_epi32(15)), t);
     const __mmask16 last = (__mmask16)(live & ~(live >> 1));  /* the last live lane */
-    r.ends = live & (_mm512_cmpneq_epi32_mask(t, next) | last);
-    if (!r.ends) return r;
-    r.first = _mm512_cvtsi512_si32(_mm512_maskz_compress_epi32(r.ends, t));
-    const __m512i off = _mm512_sub_epi32(t, _mm512_set1_epi32(r.first));
-    if (!_mm512_mask_cmpge_epi32_mask(r.ends, off, _mm512_set1_epi32(16)))
-        r.window = (__mmask16)_mm512_mask_reduce_or_epi32(r.ends, _mm512_sllv_epi32(one, off));
-    return r;
+    r->ends = r->in_order ? live & (_mm512_cmpneq_epi32_mask(t, next) | last) : 0;
+    r->first = _mm512_cvtsi512_si32(_mm512_maskz_compress_epi32(r->ends, t));
+    const __m512i off = _mm512_sub_epi32(t, _mm512_set1_epi32(r->first));
+    const int wide = _mm512_mask_cmpge_epi32_mask(r->ends, off, _mm512_set1_epi32(16)) != 0;
+    r->window = wide ? 0 : (__mmask16)_mm512_mask_reduce_or_epi32(r->ends,
+                                                                  _mm512_sllv_epi32(one, off));
 }
 
-static inline void scores_add16(float *sg, const ScoreRuns *r, __m512 x) {
+/* x summed over each run of r's lanes: its last lane holds the run's total (in-order lanes) */
+static inline __attribute__((always_inline)) __m512 runs_summed(const ScoreRuns *r, __m512 x) {
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    if (!r->in_order) {
-        float xs[16];  /* out of order */
-        int32_t ts[16];
-        _mm512_storeu_ps(xs, x);
-        _mm512_storeu_si512(ts, r->t);
-        for (unsigned m = r->live; m; m &= m - 1) sg[ts[__builtin_ctz(m)]] += xs[__builtin_ctz(m)];
-        return;
-    }
     x = _mm512_maskz_mov_ps(r->live, x);
     for (int i = 0, k = 1; k < 16; i++, k *= 2)  /* lane l += lane l - k while in the same run */
         x = _mm512_mask_add_ps(x, r->same[i], x, _mm512_permutexvar_ps(
             _mm512_sub_epi32(lane, _mm512_set1_epi32(k)), x));
+    return x;
+}
+
+/* the runs' totals of x (runs_summed) added to their slots' scores sg[t] */
+static inline __attribute__((always_inline)) void run_totals_add(float *sg, const ScoreRuns *r,
+                                                                 __m512 x) {
     if (r->window) {  /* the runs' totals in order, to the lanes of their slots */
         float *at = sg + r->first;
         const __m512 totals = _mm512_maskz_expand_ps(r->window,
@@ -525,6 +527,15 @@ static inline void scores_add16(float *sg, const ScoreRuns *r, __m512 x) {
         _mm512_mask_i32scatter_ps(sg, r->ends, r->t,
                                   _mm512_add_ps(gather_ps(sg, r->t, r->ends), x), 4);
     }
+}
+
+/* sg[t[l]] += x[l] for r's live lanes, one lane at a time (lanes out of order) */
+static inline void scores_add_lanes(float *sg, const ScoreRuns *r, __m512 x) {
+    float xs[16];
+    int32_t ts[16];
+    _mm512_storeu_ps(xs, x);
+    _mm512_storeu_si512(ts, r->t);
+    for (unsigned m = r->live; m; m &= m - 1) sg[ts[__builtin_ctz(m)]] += xs[__builtin_ctz(m)];
 }
 
 #include "kvquant_slot_keys_avx512.h"
@@ -585,11 +596,11 @@ static inline __attribute__((always_inline)) void q_lookup(const float *qh, __m5
 }
 
 /* key_outliers, 16 entries at a time (head_dim a power of two, int16 / int32 indices); the
- * score corrections of a query head go in together (scores_add16). An entry's delta is the
- * store's (one load of 16, no code or statistic read), its position its slot's offset from
- * the block's first where they are consecutive (w->first_position; no gather), its query
- * channel and the RoPE partner's permuted from the head's where it has at most 128 (q_lookup;
- * else gathered), its cos and sin gathered. */
+ * score corrections of a query head go in together (runs_summed, run_totals_add), two heads
+ * at a time. An entry's delta is the store's (one load of 16, no code or statistic read), its
+ * position its slot's offset from the block's first where they are consecutive
+ * (w->first_position; no gather), its query channel and the RoPE partner's permuted from the
+ * head's where it has at most 128 (q_lookup; else gathered), its cos and sin gathered. */
 static void key_outliers16(const KVQuantLayer *L, int64_t blk, int64_t g, int64_t n,
                            const float *restrict q0, int64_t group, float *restrict sg,
                            const BlockScratch *w) {
@@ -648,18 +659,30 @@ static void key_outliers16(const KVQuantLayer *L, int64_t blk, int64_t g, int64_
                 sv = _mm512_mul_ps(sign, gather_ps(L->sin, _mm512_add_epi32(row, s_at), live));
             }
         }
-        const ScoreRuns runs = scores_runs(t, live);
-        for (int64_t hh = 0; hh < group; hh++) {
-            const float *qh = q0 + hh * D;
-            __m512 qc, qp;
-            if (qperm) {
-                q_lookup(qh, ch, D, &qc, &qp);
-            } else {
-                qc = gather_ps(qh, ch, live);
-                qp = gather_ps(qh, partner, live);
+        ScoreRuns runs;
+        scores_runs(t, live, &runs);
+        /* two query heads at a time: their runs' sums are independent chains */
+        for (int64_t hh = 0; hh < group; hh += 2) {
+            const int64_t pair = hh + 1 < group ? 2 : 1;
+            __m512 x[2];
+            for (int64_t u = 0; u < pair; u++) {
+                const float *qh = q0 + (hh + u) * D;
+                __m512 qc, qp;
+                if (qperm) {
+                    q_lookup(qh, ch, D, &qc, &qp);
+                } else {
+                    qc = gather_ps(qh, ch, live);
+                    qp = gather_ps(qh, partner, live);
+                }
+                x[u] = _mm512_mul_ps(delta, _mm512_fmadd_ps(qc, cv, _mm512_mul_ps(qp, sv)));
             }
-            const __m512 coef = _mm512_fmadd_ps(qc, cv, _mm512_mul_ps(qp, sv));
-            scores_add16(sg + hh * B, &runs, _mm512_mul_ps(delta, coef));
+            if (!runs.in_order) {
+                for (int64_t u = 0; u < pair; u++)
+                    scores_add_lanes(sg + (hh + u) * B, &runs, x[u]);
+                continue;
+            }
+            for (int64_t u = 0; u < pair; u++) x[u] = runs_summed(&runs, x[u]);
+            for (int64_t u = 0; u < pair; u++) run_totals_add(sg + (hh + u) * B, &runs, x[u]);
         }
     }
 }
