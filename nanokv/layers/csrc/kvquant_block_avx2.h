@@ -691,7 +691,7 @@ static void block_key_heads(const KVQuantLayer *L, int64_t blk, int64_t next_blk
         block_key_heads_32(L, blk, next_blk, n, qb, h0, nh, w);
         return;
     }
-    if (slot_keys_avx2_fit(L, 0)) {  /* the slot-lanes pass, instanced per code width */
+    if (slot_keys_avx2_fit(L)) {  /* the slot-lanes pass, instanced per code width */
         block_key_slots(L, blk, next_blk, n, qb, h0, nh, w);
         return;
     }

@@ -22,11 +22,11 @@
 /* does the slot-lanes pass take this layer: 2- or 4-bit keys, a row whole groups of 8 32-bit
  * words (head_dim a multiple of 64 at 4 bits, of 128 at 2: transposed 8 at a time), RoPE
  * over the whole head with repeating halves (rotate-half tables: the first halves read, from
- * rope_rows where the layer has it), blocks of whole tiles (a tile's 8 rows lie in its block);
- * head_dim read at run time (heads of 32 keep their fixed instances) */
-static inline int slot_keys_avx2_fit(const KVQuantLayer *L, int64_t head_dim) {
+ * rope_rows where the layer has it), blocks of whole tiles (a tile's 8 rows lie in its block).
+ * Heads of 32 never get here: they keep their fixed instances (heads_of_32_fit, checked first) */
+static inline int slot_keys_avx2_fit(const KVQuantLayer *L) {
     const int64_t bits = L->k.bits, D = L->head_dim, R = L->rot_dim;
-    if (!nanokv_slot_keys || head_dim != 0 || (bits != 4 && bits != 2)) return 0;
+    if (!nanokv_slot_keys || (bits != 4 && bits != 2)) return 0;
     return (D * bits) % 256 == 0 && R == D && L->rope_halves_equal && L->block_size % 8 == 0;
 }
 
