@@ -5,13 +5,13 @@ iteration of its loop (each block's loads independent of the one before, for the
 together; blocks past the split masked out). A block's rows are decoded in registers: codes of 2,
 3, 4 or 8 bits unpacked from their packed rows, looked up in the layer's codebook (`lut`: the
 centroid of each code, uniform grid or non-uniform), mapped by the block's per-channel key
-statistics / the token's value statistics (`lut[c] * half + offset`), the dense-and-sparse
+statistics / the token's value statistics (`lut[c] * half + offset`), the values' dense-and-sparse
 outliers' deltas (exact - decoded, as the store keeps them) added to their decoded entries, the
 sink rows and a staged (partial) block's full-precision rows in place of theirs. Keys stored before
 RoPE are decoded once as two halves (channels below and above D / 2, each the other's rotate-half
-partner), rotated to their slots' positions in registers and dotted with the query's two halves;
-their outliers then add per-outlier corrections to the scores (`_key_outlier_scores`) instead of
-being put in the tile. Nothing is written back to memory; the step's own token attends with its
+partner), rotated to their slots' positions in registers and dotted with the query's two halves.
+The key outliers (before or after RoPE) are not put in the tile: the block's entries, loaded as
+vectors, add their corrections to the scores (`_key_outlier_scores`). Nothing is written back to memory; the step's own token attends with its
 fresh K/V, as in `nanokv.quant.attention.reference_quantized_attention`, the oracle of the tests.
 
 The layout (`QuantLayerViews`, one layer, every tensor contiguous):
@@ -89,28 +89,26 @@ def _code_at(row, c, m, BITS: tl.constexpr, PACKED: tl.constexpr):
     bit = c * BITS
     byte = bit // 8
     lo = tl.load(row + byte, mask=m, other=0).to(tl.int32)
+    if 8 % BITS == 0:  # 2 or 4 bits: a code never spans two bytes
+        return (lo >> (bit % 8)) & ((1 << BITS) - 1)
     hi = tl.load(row + byte + 1, mask=m & (byte + 1 < PACKED), other=0).to(tl.int32)
     return ((lo | (hi << 8)) >> (bit % 8)) & ((1 << BITS) - 1)
 
 
 @triton.jit
-def _key_rows(blk, g, s, dd, m, staged, kc_ptr, k_off_ptr, k_half_ptr, k_oidx_ptr, k_oval_ptr,
-              sink_slot_ptr, k_sink_ptr, k_stage_ptr, k_lut_ptr, HKV: tl.constexpr,
-              HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr,
-              PACKED: tl.constexpr, CAP: tl.constexpr, NUM_SINKS: tl.constexpr):
+def _key_rows(blk, g, s, dd, m, staged, kc_ptr, k_off_ptr, k_half_ptr, sink_slot_ptr,
+              k_sink_ptr, k_stage_ptr, k_lut_ptr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
+              BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr, PACKED: tl.constexpr,
+              NUM_SINKS: tl.constexpr):
     """Block blk's key rows of KV head g, slots s [B], channels dd [D_PAD] -> [B, D_PAD] float32
-    (before RoPE when the store keeps them so)."""
+    (before RoPE when the store keeps them so), without their outliers (`_key_outlier_scores`
+    adds what they change in the scores)."""
     rows = kc_ptr + ((blk * BLOCK_SIZE + s) * HKV + g) * PACKED
     code = _codes(rows, dd, m, BITS, PACKED)
     stat = (blk * HKV + g) * HEAD_DIM + dd  # per channel, per block
     half = tl.load(k_half_ptr + stat, mask=dd < HEAD_DIM, other=0.0).to(tl.float32)
     off = tl.load(k_off_ptr + stat, mask=dd < HEAD_DIM, other=0.0).to(tl.float32)
     x = tl.load(k_lut_ptr + code, mask=m, other=0.0) * half[None, :] + off[None, :]
-    at = s[:, None] * HEAD_DIM + dd[None, :]  # an outlier's index: slot * D + channel
-    for e in range(CAP):
-        entry = (blk * HKV + g) * CAP + e
-        idx = tl.load(k_oidx_ptr + entry).to(tl.int32)
-        x = tl.where(at == idx, x + tl.load(k_oval_ptr + entry).to(tl.float32), x)
     for p in range(NUM_SINKS):
         slot = tl.load(sink_slot_ptr + blk * NUM_SINKS + p).to(tl.int32)
         sink = tl.load(k_sink_ptr + ((blk * NUM_SINKS + p) * HKV + g) * HEAD_DIM + dd,
@@ -155,38 +153,48 @@ def _value_rows(blk, g, s, d, m, staged, vc_ptr, v_off_ptr, v_half_ptr, v_oidx_p
 @triton.jit
 def _key_outlier_scores(blk, g, s, staged, q_row, g_mask, k_oidx_ptr, k_oval_ptr, sink_slot_ptr,
                         pos_ptr, cos_ptr, sin_ptr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr, NUM_SINKS: tl.constexpr,
-                        G_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """What block blk's key outliers (KV head g, keys before RoPE) add to the scores [G_PAD, B]
-    of rows q (at q_row [G_PAD, 1]) over keys decoded without them: an outlier at (slot, c)
-    changes the key there by its stored delta (exact - decoded), i.e. the rotated key by
-    delta (cos, sin) at (c, c + HALF) for c < HALF, by delta (-sin, cos) at (c - HALF, c)
-    above, so each query's score by the two products with q. None on a staged block (exact
-    rows) or at a sink slot (its full-precision row), as `_key_rows` puts them in place."""
-    HALF = HEAD_DIM // 2
-    corr = tl.zeros([G_PAD, BLOCK_SIZE], tl.float32)
-    for e in range(CAP):
-        entry = (blk * HKV + g) * CAP + e
-        idx = tl.load(k_oidx_ptr + entry).to(tl.int32)
-        used = (idx >= 0) & (idx < BLOCK_SIZE * HEAD_DIM) & (staged < 0)
-        idx = tl.where(used, idx, 0)
-        slot = idx // HEAD_DIM
-        c = idx % HEAD_DIM
-        for p in range(NUM_SINKS):
-            used = used & (slot != tl.load(sink_slot_ptr + blk * NUM_SINKS + p).to(tl.int32))
-        delta = tl.where(used, tl.load(k_oval_ptr + entry).to(tl.float32), 0.0)
+                        BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr, CAP_PAD: tl.constexpr,
+                        NUM_SINKS: tl.constexpr, ROPE: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """What block blk's key outliers (KV head g) add to the scores [G_PAD, B] of rows q (at
+    q_row [G_PAD, 1]) over keys decoded without them. An outlier at (slot, c) changes the key
+    there by its stored delta (exact - decoded); kept before RoPE, it changes the rotated key by
+    delta (cos, sin) at (c, c + HALF) for c < HALF, by delta (-sin, cos) at (c - HALF, c) above.
+    So each query's score at that slot changes by the products with q. None on a staged block
+    (exact rows) or at a sink slot (its full-precision row), as `_key_rows` puts them in place.
+
+    All CAP entries at once: their index, delta, position, cos / sin and query channels are
+    loaded as vectors (each level of that chain once a block, not once an entry), and the
+    per-entry products [G_PAD, CAP_PAD] are summed into their slots by a dot with the entries'
+    one-hot slots [CAP_PAD, B] (float32, IEEE products)."""
+    e = tl.arange(0, CAP_PAD)
+    entry = (blk * HKV + g) * CAP + e  # [CAP_PAD]
+    idx = tl.load(k_oidx_ptr + entry, mask=e < CAP, other=-1).to(tl.int32)
+    used = (idx >= 0) & (idx < BLOCK_SIZE * HEAD_DIM) & (staged < 0)
+    idx = tl.where(used, idx, 0)
+    slot = idx // HEAD_DIM
+    c = idx % HEAD_DIM
+    for p in tl.static_range(NUM_SINKS):
+        used = used & (slot != tl.load(sink_slot_ptr + blk * NUM_SINKS + p).to(tl.int32))
+    delta = tl.load(k_oval_ptr + entry, mask=used, other=0.0).to(tl.float32)
+    q_mask = g_mask[:, None] & used[None, :]  # [G_PAD, CAP_PAD]
+    if ROPE:
+        HALF = HEAD_DIM // 2
         ch = c % HALF
-        pos = tl.maximum(tl.load(pos_ptr + blk * BLOCK_SIZE + slot), 0).to(tl.int64)
-        cos = tl.load(cos_ptr + pos * HEAD_DIM + ch)
-        sin = tl.load(sin_ptr + pos * HEAD_DIM + ch)
+        pos = tl.maximum(tl.load(pos_ptr + blk * BLOCK_SIZE + slot, mask=used, other=0), 0)
+        at = pos.to(tl.int64) * HEAD_DIM + ch
+        cos = tl.load(cos_ptr + at, mask=used, other=0.0)
+        sin = tl.load(sin_ptr + at, mask=used, other=0.0)
         upper = c >= HALF
         d_lo = tl.where(upper, -delta * sin, delta * cos)
         d_hi = tl.where(upper, delta * cos, delta * sin)
-        q_lo = tl.load(q_row + ch, mask=g_mask[:, None], other=0.0).to(DOT_DTYPE)
-        q_hi = tl.load(q_row + HALF + ch, mask=g_mask[:, None], other=0.0).to(DOT_DTYPE)
-        add = q_lo.to(tl.float32) * d_lo + q_hi.to(tl.float32) * d_hi  # [G_PAD, 1]
-        corr = tl.where(s[None, :] == slot, corr + add, corr)
-    return corr
+        q_lo = tl.load(q_row + ch[None, :], mask=q_mask, other=0.0).to(DOT_DTYPE)
+        q_hi = tl.load(q_row + HALF + ch[None, :], mask=q_mask, other=0.0).to(DOT_DTYPE)
+        add = q_lo.to(tl.float32) * d_lo[None, :] + q_hi.to(tl.float32) * d_hi[None, :]
+    else:
+        q_c = tl.load(q_row + c[None, :], mask=q_mask, other=0.0).to(DOT_DTYPE)
+        add = q_c.to(tl.float32) * delta[None, :]  # [G_PAD, CAP_PAD]
+    one_hot = tl.where(slot[:, None] == s[None, :], 1.0, 0.0)  # [CAP_PAD, B]
+    return tl.dot(add, one_hot, input_precision="ieee")
 
 
 _PER_STEP = ["table_ptr", "stride_table", "context_ptr", "stride_context", "num_splits"]
@@ -204,7 +212,8 @@ def _kvquant_decode_kernel(
         D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HKV: tl.constexpr,
         K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_PACKED: tl.constexpr,
         V_PACKED: tl.constexpr, V_GROUPS: tl.constexpr, K_CAP: tl.constexpr,
-        V_CAP: tl.constexpr, NUM_SINKS: tl.constexpr, ROPE: tl.constexpr,
+        V_CAP: tl.constexpr, K_CAP_PAD: tl.constexpr, NUM_SINKS: tl.constexpr,
+        ROPE: tl.constexpr,
         STAGED_V: tl.constexpr, DIRECT_OUT: tl.constexpr, DOT_DTYPE: tl.constexpr,
         H_PAD: tl.constexpr, UNROLL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -229,11 +238,11 @@ def _kvquant_decode_kernel(
                                     b, kv_head, split, context, d, d_mask, qk_scale, G_PAD,
                                     D_PAD)
 
+    q_row = q_ptr + b * stride_qt + q_head[:, None] * stride_qh  # [G_PAD, 1]
     if ROPE:  # rotate-half: channel c < HALF pairs with c + HALF
         HALF = HEAD_DIM // 2
         dh = tl.arange(0, H_PAD)  # the first half's channels, the second half's minus HALF
         dh_mask = dh < HALF
-        q_row = q_ptr + b * stride_qt + q_head[:, None] * stride_qh  # [G_PAD, 1]
         q_lo = tl.load(q_row + dh[None, :], mask=g_mask[:, None] & dh_mask[None, :],
                        other=0.0).to(DOT_DTYPE)
         q_hi = tl.load(q_row + HALF + dh[None, :], mask=g_mask[:, None] & dh_mask[None, :],
@@ -256,13 +265,11 @@ def _kvquant_decode_kernel(
                 # both halves); scores = q_lo . lo' + q_hi . hi', plus each outlier's correction
                 mh = live[:, None] & dh_mask[None, :]
                 k_lo = _key_rows(blk, kv_head, s, dh, mh, staged, kc_ptr, k_off_ptr, k_half_ptr,
-                                 k_oidx_ptr, k_oval_ptr, sink_slot_ptr, k_sink_ptr, k_stage_ptr,
-                                 k_lut_ptr, HKV, HEAD_DIM, BLOCK_SIZE, K_BITS, K_PACKED, 0,
-                                 NUM_SINKS)
+                                 sink_slot_ptr, k_sink_ptr, k_stage_ptr, k_lut_ptr, HKV, HEAD_DIM,
+                                 BLOCK_SIZE, K_BITS, K_PACKED, NUM_SINKS)
                 k_hi = _key_rows(blk, kv_head, s, dh + HALF, mh, staged, kc_ptr, k_off_ptr,
-                                 k_half_ptr, k_oidx_ptr, k_oval_ptr, sink_slot_ptr, k_sink_ptr,
-                                 k_stage_ptr, k_lut_ptr, HKV, HEAD_DIM, BLOCK_SIZE, K_BITS,
-                                 K_PACKED, 0, NUM_SINKS)
+                                 k_half_ptr, sink_slot_ptr, k_sink_ptr, k_stage_ptr, k_lut_ptr,
+                                 HKV, HEAD_DIM, BLOCK_SIZE, K_BITS, K_PACKED, NUM_SINKS)
                 pos = tl.maximum(tl.load(pos_ptr + blk * BLOCK_SIZE + s, mask=live, other=0), 0)
                 at = pos.to(tl.int64)[:, None] * HEAD_DIM + dh[None, :]
                 cos = tl.load(cos_ptr + at, mask=mh, other=0.0)
@@ -270,17 +277,16 @@ def _kvquant_decode_kernel(
                 r_lo = tl.where(mh, k_lo * cos - k_hi * sin, 0.0).to(DOT_DTYPE)
                 r_hi = tl.where(mh, k_hi * cos + k_lo * sin, 0.0).to(DOT_DTYPE)
                 scores = dot(q_lo, tl.trans(r_lo), DOT_DTYPE) + dot(q_hi, tl.trans(r_hi), DOT_DTYPE)
-                if K_CAP > 0:
-                    scores += _key_outlier_scores(blk, kv_head, s, staged, q_row, g_mask,
-                                                  k_oidx_ptr, k_oval_ptr, sink_slot_ptr, pos_ptr,
-                                                  cos_ptr, sin_ptr, HKV, HEAD_DIM, BLOCK_SIZE,
-                                                  K_CAP, NUM_SINKS, G_PAD, DOT_DTYPE)
             else:
                 k = _key_rows(blk, kv_head, s, d, m, staged, kc_ptr, k_off_ptr, k_half_ptr,
-                              k_oidx_ptr, k_oval_ptr, sink_slot_ptr, k_sink_ptr, k_stage_ptr,
-                              k_lut_ptr, HKV, HEAD_DIM, BLOCK_SIZE, K_BITS, K_PACKED, K_CAP,
-                              NUM_SINKS)
+                              sink_slot_ptr, k_sink_ptr, k_stage_ptr, k_lut_ptr, HKV, HEAD_DIM,
+                              BLOCK_SIZE, K_BITS, K_PACKED, NUM_SINKS)
                 scores = dot(q, tl.trans(tl.where(m, k, 0.0).to(DOT_DTYPE)), DOT_DTYPE)
+            if K_CAP > 0:  # the key outliers as score corrections, all of the block's at once
+                scores += _key_outlier_scores(blk, kv_head, s, staged, q_row, g_mask, k_oidx_ptr,
+                                              k_oval_ptr, sink_slot_ptr, pos_ptr, cos_ptr,
+                                              sin_ptr, HKV, HEAD_DIM, BLOCK_SIZE, K_CAP,
+                                              K_CAP_PAD, NUM_SINKS, ROPE, DOT_DTYPE)
             v = _value_rows(blk, kv_head, s, d, m, staged, vc_ptr, v_off_ptr, v_half_ptr,
                             v_oidx_ptr, v_oval_ptr, sink_slot_ptr, v_sink_ptr, v_stage_ptr,
                             v_lut_ptr, HKV, HEAD_DIM, BLOCK_SIZE, V_BITS, V_PACKED, V_GROUPS,
@@ -341,7 +347,8 @@ def kvquant_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         G_PAD=max(16, triton.next_power_of_2(group)), D_PAD=d_pad, BLOCK_SIZE=block_size,
         HKV=heads, K_BITS=layer.k_bits, V_BITS=layer.v_bits, K_PACKED=k_packed,
         V_PACKED=layer.v_codes.shape[-1], V_GROUPS=layer.v_half.shape[-1], K_CAP=k_cap,
-        V_CAP=v_cap, NUM_SINKS=num_sinks, ROPE=rope, STAGED_V=layer.v_stage is not None,
+        V_CAP=v_cap, K_CAP_PAD=max(16, triton.next_power_of_2(k_cap)), NUM_SINKS=num_sinks,
+        ROPE=rope, STAGED_V=layer.v_stage is not None,
         DIRECT_OUT=num_splits == 1, DOT_DTYPE=dot_dtype(_kvquant_decode_kernel, q.dtype),
         H_PAD=max(16, triton.next_power_of_2(dim // 2)), UNROLL=unroll, num_warps=num_warps,
         **decode.stages(num_stages))
