@@ -45,6 +45,7 @@ def kvquant_config(name, head_dim):
             num_sink_tokens=3),
         "mixed-8-4": lambda: KVQuantConfig(bits=4, layer_bits=(8, 4)),
         "per-channel-post-rope": lambda: KVQuantConfig(bits=4, pre_rope_keys=False),
+        "4bit-outliers5": lambda: KVQuantConfig(bits=4, outlier_fraction=0.05),
         "ablation-per-token-post-rope": lambda: KVQuantConfig(
             bits=4, per_channel_keys=False, pre_rope_keys=False, num_sink_tokens=0),
     }[name]()

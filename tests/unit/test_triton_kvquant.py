@@ -65,6 +65,25 @@ def test_decode_equals_dequantize_then_dense(kind, block_size, hq, splits, unrol
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["kvquant:4bit-outliers5", "kvquant:per-channel-post-rope"])
+def test_key_outliers_in_chunks(kind):
+    """Blocks whose key outliers take several of the kernel's chunks of entries (5% of a block
+    of 32 x 64: 104 entries, 2 chunks of 64; the post-RoPE store at 1%: 22 in one)."""
+    rng = random.Random(7)
+    gen = torch.Generator().manual_seed(7)
+    lens = [1, 33, 70, 95]
+    store = make_store(kind, 64, 32, sum(cdiv(n, 32) for n in lens) + 3, len(lens) + 1,
+                       device=DEVICE)
+    cap = store.buffers["k_oidx0"].shape[-1]
+    backend = type("Backend", (_Splits,), {"splits": 2, "unroll": 1})
+    outs, refs = scenario(store, 8, lens, rng, gen, chunk=40, backend_cls=backend, device=DEVICE)
+    if "outliers5" in kind:
+        assert cap > 64  # more than one chunk of 64
+        assert int((store.buffers["k_oidx0"] >= 0).sum(-1).max()) > 64  # and as many kept
+    for out, ref in zip(outs, refs):
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
 def test_backend_choice():
     cuda = torch.device("cuda")
     for kind in ("kvquant:4bit", "kvquant:per-channel-post-rope", "kivi:4"):

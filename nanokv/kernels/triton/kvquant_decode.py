@@ -11,8 +11,9 @@ sink rows and a staged (partial) block's full-precision rows in place of theirs.
 RoPE are decoded once as two halves (channels below and above D / 2, each the other's rotate-half
 partner), rotated to their slots' positions in registers and dotted with the query's two halves.
 The key outliers (before or after RoPE) are not put in the tile: the block's entries, loaded as
-vectors, add their corrections to the scores (`_key_outlier_scores`). Nothing is written back to memory; the step's own token attends with its
-fresh K/V, as in `nanokv.quant.attention.reference_quantized_attention`, the oracle of the tests.
+vectors, add their corrections to the scores (`_key_outlier_scores`). Nothing is written back to
+memory; the step's own token attends with its fresh K/V, as in
+`nanokv.quant.attention.reference_quantized_attention`, the oracle of the tests.
 
 The layout (`QuantLayerViews`, one layer, every tensor contiguous):
 
@@ -153,8 +154,9 @@ def _value_rows(blk, g, s, d, m, staged, vc_ptr, v_off_ptr, v_half_ptr, v_oidx_p
 @triton.jit
 def _key_outlier_scores(blk, g, s, staged, q_row, g_mask, k_oidx_ptr, k_oval_ptr, sink_slot_ptr,
                         pos_ptr, cos_ptr, sin_ptr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr, CAP_PAD: tl.constexpr,
-                        NUM_SINKS: tl.constexpr, ROPE: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                        BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr, CHUNK: tl.constexpr,
+                        NUM_SINKS: tl.constexpr, ROPE: tl.constexpr, G_PAD: tl.constexpr,
+                        DOT_DTYPE: tl.constexpr):
     """What block blk's key outliers (KV head g) add to the scores [G_PAD, B] of rows q (at
     q_row [G_PAD, 1]) over keys decoded without them. An outlier at (slot, c) changes the key
     there by its stored delta (exact - decoded); kept before RoPE, it changes the rotated key by
@@ -162,12 +164,28 @@ def _key_outlier_scores(blk, g, s, staged, q_row, g_mask, k_oidx_ptr, k_oval_ptr
     So each query's score at that slot changes by the products with q. None on a staged block
     (exact rows) or at a sink slot (its full-precision row), as `_key_rows` puts them in place.
 
-    All CAP entries at once: their index, delta, position, cos / sin and query channels are
-    loaded as vectors (each level of that chain once a block, not once an entry), and the
-    per-entry products [G_PAD, CAP_PAD] are summed into their slots by a dot with the entries'
-    one-hot slots [CAP_PAD, B] (float32, IEEE products)."""
-    e = tl.arange(0, CAP_PAD)
-    entry = (blk * HKV + g) * CAP + e  # [CAP_PAD]
+    CHUNK entries at a time (all of a small block's at once): their index, delta, position,
+    cos / sin and query channels are loaded as vectors (each level of that chain once a chunk,
+    not once an entry), and the per-entry products [G_PAD, CHUNK] are summed into their slots by
+    a dot with the entries' one-hot slots [CHUNK, B] (float32, IEEE products). Chunks keep both
+    operands small at any block size (a block of 256 keeps 328 entries at 1%)."""
+    corr = tl.zeros([G_PAD, BLOCK_SIZE], tl.float32)
+    for e0 in range(0, CAP, CHUNK):
+        corr += _key_outlier_chunk(blk, g, s, e0, staged, q_row, g_mask, k_oidx_ptr, k_oval_ptr,
+                                   sink_slot_ptr, pos_ptr, cos_ptr, sin_ptr, HKV, HEAD_DIM,
+                                   BLOCK_SIZE, CAP, CHUNK, NUM_SINKS, ROPE, DOT_DTYPE)
+    return corr
+
+
+@triton.jit
+def _key_outlier_chunk(blk, g, s, e0, staged, q_row, g_mask, k_oidx_ptr, k_oval_ptr,
+                       sink_slot_ptr, pos_ptr, cos_ptr, sin_ptr, HKV: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr,
+                       CHUNK: tl.constexpr, NUM_SINKS: tl.constexpr, ROPE: tl.constexpr,
+                       DOT_DTYPE: tl.constexpr):
+    """_key_outlier_scores of the entries [e0, e0 + CHUNK) -> [G_PAD, B]."""
+    e = e0 + tl.arange(0, CHUNK)
+    entry = (blk * HKV + g) * CAP + e  # [CHUNK]
     idx = tl.load(k_oidx_ptr + entry, mask=e < CAP, other=-1).to(tl.int32)
     used = (idx >= 0) & (idx < BLOCK_SIZE * HEAD_DIM) & (staged < 0)
     idx = tl.where(used, idx, 0)
@@ -176,7 +194,7 @@ def _key_outlier_scores(blk, g, s, staged, q_row, g_mask, k_oidx_ptr, k_oval_ptr
     for p in tl.static_range(NUM_SINKS):
         used = used & (slot != tl.load(sink_slot_ptr + blk * NUM_SINKS + p).to(tl.int32))
     delta = tl.load(k_oval_ptr + entry, mask=used, other=0.0).to(tl.float32)
-    q_mask = g_mask[:, None] & used[None, :]  # [G_PAD, CAP_PAD]
+    q_mask = g_mask[:, None] & used[None, :]  # [G_PAD, CHUNK]
     if ROPE:
         HALF = HEAD_DIM // 2
         ch = c % HALF
@@ -192,8 +210,8 @@ def _key_outlier_scores(blk, g, s, staged, q_row, g_mask, k_oidx_ptr, k_oval_ptr
         add = q_lo.to(tl.float32) * d_lo[None, :] + q_hi.to(tl.float32) * d_hi[None, :]
     else:
         q_c = tl.load(q_row + c[None, :], mask=q_mask, other=0.0).to(DOT_DTYPE)
-        add = q_c.to(tl.float32) * delta[None, :]  # [G_PAD, CAP_PAD]
-    one_hot = tl.where(slot[:, None] == s[None, :], 1.0, 0.0)  # [CAP_PAD, B]
+        add = q_c.to(tl.float32) * delta[None, :]  # [G_PAD, CHUNK]
+    one_hot = tl.where(slot[:, None] == s[None, :], 1.0, 0.0)  # [CHUNK, B]
     return tl.dot(add, one_hot, input_precision="ieee")
 
 
@@ -212,7 +230,7 @@ def _kvquant_decode_kernel(
         D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HKV: tl.constexpr,
         K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_PACKED: tl.constexpr,
         V_PACKED: tl.constexpr, V_GROUPS: tl.constexpr, K_CAP: tl.constexpr,
-        V_CAP: tl.constexpr, K_CAP_PAD: tl.constexpr, NUM_SINKS: tl.constexpr,
+        V_CAP: tl.constexpr, K_CAP_CHUNK: tl.constexpr, NUM_SINKS: tl.constexpr,
         ROPE: tl.constexpr,
         STAGED_V: tl.constexpr, DIRECT_OUT: tl.constexpr, DOT_DTYPE: tl.constexpr,
         H_PAD: tl.constexpr, UNROLL: tl.constexpr):
@@ -286,7 +304,7 @@ def _kvquant_decode_kernel(
                 scores += _key_outlier_scores(blk, kv_head, s, staged, q_row, g_mask, k_oidx_ptr,
                                               k_oval_ptr, sink_slot_ptr, pos_ptr, cos_ptr,
                                               sin_ptr, HKV, HEAD_DIM, BLOCK_SIZE, K_CAP,
-                                              K_CAP_PAD, NUM_SINKS, ROPE, DOT_DTYPE)
+                                              K_CAP_CHUNK, NUM_SINKS, ROPE, G_PAD, DOT_DTYPE)
             v = _value_rows(blk, kv_head, s, d, m, staged, vc_ptr, v_off_ptr, v_half_ptr,
                             v_oidx_ptr, v_oval_ptr, sink_slot_ptr, v_sink_ptr, v_stage_ptr,
                             v_lut_ptr, HKV, HEAD_DIM, BLOCK_SIZE, V_BITS, V_PACKED, V_GROUPS,
@@ -347,8 +365,8 @@ def kvquant_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         G_PAD=max(16, triton.next_power_of_2(group)), D_PAD=d_pad, BLOCK_SIZE=block_size,
         HKV=heads, K_BITS=layer.k_bits, V_BITS=layer.v_bits, K_PACKED=k_packed,
         V_PACKED=layer.v_codes.shape[-1], V_GROUPS=layer.v_half.shape[-1], K_CAP=k_cap,
-        V_CAP=v_cap, K_CAP_PAD=max(16, triton.next_power_of_2(k_cap)), NUM_SINKS=num_sinks,
-        ROPE=rope, STAGED_V=layer.v_stage is not None,
+        V_CAP=v_cap, K_CAP_CHUNK=min(64, max(16, triton.next_power_of_2(k_cap))),
+        NUM_SINKS=num_sinks, ROPE=rope, STAGED_V=layer.v_stage is not None,
         DIRECT_OUT=num_splits == 1, DOT_DTYPE=dot_dtype(_kvquant_decode_kernel, q.dtype),
         H_PAD=max(16, triton.next_power_of_2(dim // 2)), UNROLL=unroll, num_warps=num_warps,
         **decode.stages(num_stages))
