@@ -300,7 +300,7 @@ def _kvquant_decode_kernel(
                               sink_slot_ptr, k_sink_ptr, k_stage_ptr, k_lut_ptr, HKV, HEAD_DIM,
                               BLOCK_SIZE, K_BITS, K_PACKED, NUM_SINKS)
                 scores = dot(q, tl.trans(tl.where(m, k, 0.0).to(DOT_DTYPE)), DOT_DTYPE)
-            if K_CAP > 0:  # the key outliers as score corrections, all of the block's at once
+            if K_CAP > 0:  # the key outliers as score corrections, a chunk of entries at a time
                 scores += _key_outlier_scores(blk, kv_head, s, staged, q_row, g_mask, k_oidx_ptr,
                                               k_oval_ptr, sink_slot_ptr, pos_ptr, cos_ptr,
                                               sin_ptr, HKV, HEAD_DIM, BLOCK_SIZE, K_CAP,
