@@ -11,7 +11,8 @@ kernels replaced by recorders, then compiles each recorded launch to a cubin.
 Shapes: Qwen3-0.6B's attention (16 query heads, 8 KV heads, head dim 128, block size 16) in
 bfloat16 over the float pool and the int8 / fp8 stores and the KVQuant decode kernel over a
 4-bit store with keys before RoPE (with --quick: one split; else also 2-bit with outliers and
-sinks, and KIVI), plus a float32 pool with GQA 8 and head dim 64 (the dot in IEEE float32).
+sinks, and KIVI), KVQuant's quantize-on-write (4-bit; else also 2-, 3- and 8-bit), plus a
+float32 pool with GQA 8 and head dim 64 (the dot in IEEE float32).
 Exits non-zero on the first failure, naming the variant.
 """
 
@@ -33,7 +34,13 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from nanokv.kernels.triton import decode, kv_write, kvquant_decode, prefill  # noqa: E402
+from nanokv.kernels.triton import (  # noqa: E402
+    decode,
+    kv_write,
+    kvquant_decode,
+    kvquant_write,
+    prefill,
+)
 from nanokv.kernels.triton.paged_kv import FORMATS, PagedKV  # noqa: E402
 
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
@@ -76,7 +83,8 @@ def signature(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, dict
             attrs[(i,)] = [["tt.divisibility", 16]]
     for name in constexprs:
         sig[name] = "constexpr"
-    options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
+    options = {k: v for k, v in kwargs.items()
+               if k in ("num_warps", "num_stages", "enable_fp_fusion")}
     return sig, constexprs, attrs, options
 
 
@@ -167,6 +175,29 @@ def record_quant(dtype, hq, hkv, dim, block_size, quick: bool) -> None:
                                                 torch.empty_like(q), 0.1, 4, unroll=2)
 
 
+def record_quant_write(dtype, hkv, dim, block_size, quick: bool) -> None:
+    """KVQuant's quantize-on-write launches (`kvquant_write`), as the store makes them on CUDA:
+    a prefill of two blocks and a half, then a decode step that fills the third."""
+    from nanokv.cache.kv_pool import KVLayout
+    from nanokv.quant import KVQuantConfig, KVQuantStore
+
+    lay = KVLayout(1, hkv, dim, block_size, dtype)
+    configs = [KVQuantConfig(bits=4)] if quick else [
+        KVQuantConfig(bits=4), KVQuantConfig(bits=2, outlier_fraction=0.02, num_sink_tokens=3),
+        KVQuantConfig(bits=3, sparse_dtype="bfloat16"),
+        KVQuantConfig(bits=4, layer_bits=(8,),
+                      key_codebooks=(torch.linspace(-1, 1, 256).tolist(),),
+                      value_codebooks=(torch.linspace(-1, 1, 256).tolist(),))]
+    prompt = 2 * block_size + block_size // 2
+    for config in configs:
+        store = KVQuantStore(lay, 8, config, num_staging_blocks=4)
+        store.triton_write = True
+        for slots in (list(range(prompt)), list(range(prompt, 3 * block_size))):
+            plan = store.begin_step(slots, slots)
+            x = torch.zeros(len(slots), hkv, dim, dtype=dtype)
+            store.write(0, plan, x, x)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10")
@@ -179,7 +210,11 @@ def main() -> None:
         setattr(module, name, recorders[name])
     recorders["_kvquant_decode_kernel"] = Recorder(kvquant_decode._kvquant_decode_kernel)
     kvquant_decode._kvquant_decode_kernel = recorders["_kvquant_decode_kernel"]
+    for name in ("_quantize_tokens_kernel", "_quantize_blocks_kernel"):
+        recorders[name] = Recorder(getattr(kvquant_write, name))
+        setattr(kvquant_write, name, recorders[name])
     record(torch.bfloat16, 16, 8, 128, 16, args.quick)
+    record_quant_write(torch.bfloat16, 8, 128, 16, args.quick)
     record_quant(torch.bfloat16, 16, 8, 128, 16, args.quick)
     if not args.quick:
         record(torch.float32, 16, 2, 64, 64, quick=True)

@@ -35,6 +35,8 @@
 #   profile_kvquant        the KVQuant 4-bit engine's prefill timed and 2 decode steps profiled
 #                          at 32 requests x 1024 tokens (it ran at ~50 output tok/s on an H200,
 #                          70x slower than the bf16 pool: where does its time go?)
+#   profile_kvquant_torch_write  the same with the store's PyTorch quantize-on-write (the A/B
+#                          of the Triton write kernels, kernels/triton/kvquant_write.py)
 #   profile                torch profiler over 3 decode steps at 256 running, graphs and eager
 #   suite                  the whole test suite (the CPU paths under this machine's torch and
 #                          transformers; FastAPI's are not there): only with STAGES=suite
@@ -74,7 +76,7 @@ bench() {  # name, seconds, requests, extra flags...
 }
 
 CUDA_TESTS="tests/cuda tests/unit/test_triton_attention.py tests/unit/test_triton_kvquant.py
-  tests/model/test_decode_graphs.py tests/model/test_hf_parity.py tests/unit/test_seams.py"
+  tests/unit/test_kvquant_triton_write.py tests/model/test_decode_graphs.py tests/model/test_hf_parity.py tests/unit/test_seams.py"
 # shellcheck disable=SC2086
 stage suite_cuda 90 $PY -m pytest -p no:cacheprovider -rfE -n 12 $CUDA_TESTS
 stage triton_sweep 200 $PY benchmarks/bench_triton_attention.py --device cuda --repeats 20 \
@@ -94,6 +96,9 @@ for kv in auto:25 int8:25 kvquant:60; do  # name:seconds
 done
 stage profile_kvquant 60 $PY scripts/gpu_profile_decode.py --model "$MODEL" --out "$OUT" \
   --kv-cache-dtype kvquant --requests 32 --prompt-len 1024 --steps 2
+stage profile_kvquant_torch_write 60 $PY scripts/gpu_profile_decode.py --model "$MODEL" \
+  --out "$OUT" --kv-cache-dtype kvquant --requests 32 --prompt-len 1024 --steps 2 \
+  --kvquant-write torch
 stage parity_eager 35 $PY scripts/cuda_parity.py --out "$OUT" --enforce-eager
 # shellcheck disable=SC2086
 stage suite 300 $PY -m pytest -p no:cacheprovider --continue-on-collection-errors -rfE -n 12 \

@@ -6,8 +6,9 @@ engine, its graphs set aside): wall time per step, GPU time by kernel, kernel la
 `--requests` requests with `--prompt-len`-token random prompts are prefilled (timed), then
 `--steps` decode-only steps are profiled each way (graphs only where the cache's backend takes
 them). Writes OUT_DIR/profile_decode{_DTYPE}.json (the figures; the suffix for a
-`--kv-cache-dtype` other than auto) and OUT_DIR/profile_decode{_DTYPE}_{graphs,eager}.txt (the
-profiler's tables); exits 2 without CUDA (`--device cpu`: a dry run of the script's own logic).
+`--kv-cache-dtype` other than auto, then `_torch_write` with `--kvquant-write torch`) and
+OUT_DIR/profile_decode{_DTYPE}_{graphs,eager}.txt (the profiler's tables); exits 2 without
+CUDA (`--device cpu`: a dry run of the script's own logic).
 """
 
 from __future__ import annotations
@@ -73,7 +74,12 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help="the engine's --kv-cache-dtype (e.g. int8, kvquant; default auto)")
+    ap.add_argument("--kvquant-write", default="kernel", choices=["kernel", "torch"],
+                    help="a kvquant store's quantize-on-write: its kernels (Triton on CUDA, C "
+                         "on CPU; the default) or the PyTorch path (the A/B)")
     args = ap.parse_args(argv)
+    if args.kvquant_write == "torch" and args.kv_cache_dtype != "kvquant":
+        ap.error("--kvquant-write torch takes --kv-cache-dtype kvquant")
     for name in ("requests", "prompt_len", "steps"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -89,6 +95,8 @@ def main(argv=None) -> int:
               max_num_seqs=args.requests, max_num_batched_tokens=16384, max_model_len=4096,
               kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.engine
+    if args.kvquant_write == "torch":
+        engine.kv_cache.triton_write = engine.kv_cache.native_write = False
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=4000 - args.prompt_len, ignore_eos=True)
     vocab = engine.hf_config.vocab_size
@@ -107,6 +115,8 @@ def main(argv=None) -> int:
               "prefill_steps": prefill_steps, "backend": engine.attention_backend.name,
               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
     name = "profile_decode" + ("" if args.kv_cache_dtype == "auto" else f"_{args.kv_cache_dtype}")
+    name += "_torch_write" if args.kvquant_write == "torch" else ""
+    result["kvquant_write"] = args.kvquant_write
     graphs = engine.runner.graphs
     if graphs is not None:
         result["graphs"] = profiled(engine, args.steps, out / f"{name}_graphs.txt")

@@ -1,12 +1,15 @@
 """Triton decode over the KVQuant and KIVI stores, their codes read in place, on CUDA
-(`nanokv/kernels/triton/kvquant_decode.py`); the KV write (quantize on write) and prefill chunks
-go through the stores' PyTorch path, as on the CPU backends before their kernels.
+(`nanokv/kernels/triton/kvquant_decode.py`). The KV write is the store's: on CUDA a KVQuant
+store quantizes on write in Triton (`kernels/triton/kvquant_write.py`, two launches a layer), a
+KIVI store in PyTorch; prefill chunks go through the stores' PyTorch path, as on the CPU
+backends before their kernels.
 
 Serves KVQuant with per-channel keys (before RoPE over the whole head, or after it) and KIVI,
 at power-of-two block sizes; per-token KVQuant keys (the ablation layout) stay on the PyTorch
-backend. No CUDA graphs (the PyTorch write path allocates). On CPU only under Triton's
-interpreter (TRITON_INTERPRET=1: the tests, against `reference_quantized_attention`); "auto"
-chooses it on CUDA only. It has not yet run on a GPU.
+backend. No CUDA graphs (the write plan's tensors change shape from step to step). On CPU only
+under Triton's interpreter (TRITON_INTERPRET=1: the tests, against
+`reference_quantized_attention`); "auto" chooses it on CUDA only. The decode kernel ran on an
+H200 (docs/results/gpu/); the write kernels have not yet run on a GPU.
 """
 
 from __future__ import annotations

@@ -230,7 +230,10 @@ def _select_outliers(x: torch.Tensor, valid: torch.Tensor, per_channel: bool, ca
     picks = []
     for score in (up, down):
         flat = score.permute(0, 2, 1, 3).reshape(n, heads, bsz * dim)  # [n, H, B * D]
-        val, idx = flat.topk(min(side, bsz * dim), dim=-1)
+        # the highest first, ties to the lower index (a stable sort: topk's order of ties
+        # differs between devices; the C and Triton kernels pick the same way)
+        val, idx = flat.sort(dim=-1, descending=True, stable=True)
+        val, idx = val[..., :min(side, bsz * dim)], idx[..., :min(side, bsz * dim)]
         picks.append(torch.where(torch.isinf(val), -1, idx))
     # an element picked from both ends (ties, as in a constant row) is listed once: every entry
     # is unique, so a kernel may add each entry's correction without checking for repeats

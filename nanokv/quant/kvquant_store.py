@@ -56,6 +56,14 @@ from nanokv.quant.staging import BlockStaging
 from nanokv.quant.store import BufferSpec, QuantizedKVStore, Rope, WritePlan, as_list
 
 logger = logging.getLogger("nanokv")
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 _PARTS = ("codes", "offset", "half", "oidx", "oval")  # a layer's buffers of one kind
 
 
@@ -102,6 +110,10 @@ class KVQuantStore(QuantizedKVStore):
         self._sink = np.full((num_blocks, self.num_sinks), -1, dtype=np.int64)  # slot of pos p
         # quantize-on-write in C on CPU (`native_write`); False: the PyTorch path
         self.native_write = self.device.type == "cpu" and native_write.native_write_available()
+        # ... and as Triton kernels on CUDA (`kernels/triton/kvquant_write.py`; the tests turn it
+        # on for a CPU store under Triton's interpreter)
+        self.triton_write = self.device.type == "cuda" and _triton_available()
+        self._write_tables: dict[tuple[int, str], tuple] = {}  # the kernels' codebook tables
 
     # ---- the KV cache kind -----------------------------------------------------------------
     # unpacked codes, codebook lookups and sinks make its decode read heavier than int8's
@@ -257,7 +269,13 @@ class KVQuantStore(QuantizedKVStore):
         for name, kind, x in (("k", "key", k), ("v", "value", v)):
             if self._per_token(name):  # each token is its own group of one slot
                 parts = {f: buf[f"{name}_{f}{layer}"] for f in _PARTS}
-                if self.native_write and native_write.fits(x, parts, codec.bits):
+                if self.triton_write:
+                    from nanokv.kernels.triton import kvquant_write
+
+                    kvquant_write.quantize_tokens(x, plan.token_valid, plan.slot_mapping, parts,
+                                                  codec.bits, None,
+                                                  self._triton_tables(layer, kind))
+                elif self.native_write and native_write.fits(x, parts, codec.bits):
                     book = codec.value_codebook if kind == "value" else codec.key_codebook
                     native_write.quantize_tokens(x, plan.token_valid, plan.slot_mapping, parts,
                                                  codec.bits, book)
@@ -275,7 +293,15 @@ class KVQuantStore(QuantizedKVStore):
         heads, dim = self.layout.num_kv_heads, self.layout.head_dim
         staging = self.buffers[f"staging_{name}"][layer].view(-1, heads, dim)  # [S * B, Hkv, D]
         staged_slots = self.num_staging_blocks * self.block_size
-        if plan.quant_blocks.numel():  # before the staging writes: rows may be reused
+        if plan.quant_blocks.numel() and self.triton_write:  # the kernel gathers the slots
+            from nanokv.kernels.triton import kvquant_write
+
+            codec = self.codecs[layer]
+            kvquant_write.quantize_blocks(
+                x, staging, plan.quant_src, plan.quant_valid, plan.quant_blocks,
+                {f: self.buffers[f"{name}_{f}{layer}"] for f in _PARTS}, codec.bits, None,
+                codec.key_thresholds, self._triton_tables(layer, kind))
+        elif plan.quant_blocks.numel():  # before the staging writes: rows may be reused
             src = plan.quant_src  # [nq, B]
             old = staging[src.clamp(max=staged_slots - 1)].to(x.dtype)  # [nq, B, Hkv, D]
             new = x[(src - staged_slots).clamp_min(0)]
@@ -291,6 +317,18 @@ class KVQuantStore(QuantizedKVStore):
                 self._put(name, layer, plan.quant_blocks, q, per_token=False)
         if plan.stage_src.numel():
             staging.index_copy_(0, plan.stage_dst, x[plan.stage_src].to(staging.dtype))
+
+    def _triton_tables(self, layer: int, kind: str) -> tuple:
+        """The write kernels' (midpoints, centroids, non-uniform) of a layer's codebook, made
+        once."""
+        if (layer, kind) not in self._write_tables:
+            from nanokv.kernels.triton import kvquant_write
+
+            codec = self.codecs[layer]
+            book = codec.key_codebook if kind == "key" else codec.value_codebook
+            self._write_tables[(layer, kind)] = kvquant_write.codebook_tables(codec.bits, book,
+                                                                      self.device)
+        return self._write_tables[(layer, kind)]
 
     def _put(self, name: str, layer: int, index: torch.Tensor, q: QuantizedBlocks,
              per_token: bool) -> None:
