@@ -300,6 +300,18 @@ def _quantize_blocks_kernel(
                      INDEX_BYTES)
 
 
+def block_warps(elements: int) -> int:
+    """Warps for a per-channel program of `elements` (padded B x D), by what sm_90 compiles at
+    D = 128 (untimed): 4 up to blocks of 16 (168 registers a thread, no spills); 16 up to
+    blocks of 64 (128 registers, 240 B of spills, where 4 warps spilled 920 B and 8 took 255
+    registers and 288 B); 8 beyond (blocks of 256: 6.5 KB of spills and 32 KiB of shared
+    memory, where 16 warps spilled 3.5 KB but took 128 KiB of shared memory, more than some
+    GPUs have)."""
+    if elements <= 2048:
+        return 4
+    return 16 if elements <= 8192 else 8
+
+
 def _pow2(n: int, least: int = 1) -> int:
     return max(least, triton.next_power_of_2(max(n, 1)))
 
@@ -402,4 +414,5 @@ def quantize_blocks(x: torch.Tensor, staging: torch.Tensor, quant_src: torch.Ten
         P=packed_dim(dim, bits), CAP=cap, CAP_PAD=_pow2(cap), PICKS=min(cap // 2, bsz * dim),
         BITS=bits, LEVELS=2 ** bits - 1, NUQ=nuq, THRESHOLDS=thresholds is not None,
         INDEX_BYTES=buffers["oidx"].element_size(),
-        SPARSE_KIND=SPARSE_KINDS[buffers["oval"].dtype], EPS=_EPS, enable_fp_fusion=False)
+        SPARSE_KIND=SPARSE_KINDS[buffers["oval"].dtype], EPS=_EPS, enable_fp_fusion=False,
+        num_warps=block_warps(_pow2(bsz) * _pow2(dim, 8)))
