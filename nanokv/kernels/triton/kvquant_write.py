@@ -104,6 +104,31 @@ def _store_index(ptr, idx, mask, INDEX_BYTES: tl.constexpr):
 
 
 @triton.jit
+def _row_pick(score, taken, d, ok, D_PAD: tl.constexpr):
+    """Each row's highest score among the channels not yet taken (ties to the lower channel):
+    its channel [R] (-1 where not ok) and where it is [R, D_PAD]."""
+    cand = tl.where(taken == 0, score, float("-inf"))
+    best = tl.max(cand, 1)
+    i = tl.min(tl.where(cand == best[:, None], d[None, :], D_PAD), 1)
+    i = tl.where(ok, i, -1)
+    return i, d[None, :] == i[:, None]
+
+
+@triton.jit
+def _block_picks(score, e, none: tl.constexpr, PICKS: tl.constexpr):
+    """The PICKS highest finite scores of a group's [B_PAD, D_PAD] elements (ties to the lower
+    index e; padding's e is `none`), marked 1."""
+    taken = tl.zeros(score.shape, tl.int32)
+    for _ in range(PICKS):
+        cand = tl.where(taken == 0, score, float("-inf"))
+        best = tl.max(tl.max(cand, 1), 0)
+        i = tl.min(tl.min(tl.where(cand == best, e, none), 1), 0)
+        i = tl.where(best > float("-inf"), i, -1)  # none left: the entry stays unused
+        taken = tl.where(e == i, 1, taken)
+    return taken
+
+
+@triton.jit
 def _pack_store(codes, base, row_mask, codes_ptr, P: tl.constexpr, R: tl.constexpr,
                 D_PAD: tl.constexpr, BITS: tl.constexpr):
     """codes [R, D_PAD] int32 (0 past D) -> the R rows' P packed bytes at codes_ptr + base[r]
@@ -159,21 +184,15 @@ def _quantize_tokens_kernel(
     slot_of = tl.full((R, D_PAD), -1, tl.int32)  # each listed channel's entry (-1 none)
     top = tl.zeros((R, D_PAD), tl.int32)  # 1: picked by the top side
     seen = tl.zeros((R, D_PAD), tl.int32)  # 1: picked by the bottom side
-    for j in range(PICKS):  # the largest channel not yet taken, ties to the lower
-        cand = tl.where(in_row & (top == 0), x, float("-inf"))
-        best = tl.max(cand, 1)
-        i = tl.min(tl.where(cand == best[:, None], d[None, :], D_PAD), 1)
-        i = tl.where(pick_ok, i, -1)
-        hit = d[None, :] == i[:, None]
+    up = tl.where(in_row, x, float("-inf"))
+    down = tl.where(in_row, -x, float("-inf"))  # the smallest first
+    for j in range(PICKS):  # the largest channel not yet taken
+        i, hit = _row_pick(up, top, d, pick_ok, D_PAD)
         top = tl.where(hit, 1, top)
         slot_of = tl.where(hit, j, slot_of)
         entry = tl.where(col[None, :] == j, i[:, None], entry)
     for j in range(PICKS):  # the smallest, ranked over every channel again
-        cand = tl.where(in_row & (seen == 0), x, float("inf"))
-        worst = tl.min(cand, 1)
-        i = tl.min(tl.where(cand == worst[:, None], d[None, :], D_PAD), 1)
-        i = tl.where(pick_ok, i, -1)
-        hit = d[None, :] == i[:, None]
+        i, hit = _row_pick(down, seen, d, pick_ok, D_PAD)
         seen = tl.where(hit, 1, seen)
         again = tl.sum(tl.where(hit, top, 0), 1) > 0  # the top side listed it already
         i = tl.where(again, -1, i)
@@ -251,20 +270,8 @@ def _quantize_blocks_kernel(
         down = tl.where(scored, -z, float("-inf"))
     none: tl.constexpr = B * D
     e = tl.where(in_block, s[:, None] * D + d[None, :], none)  # [B_PAD, D_PAD] (padding: none)
-    top = tl.zeros((B_PAD, D_PAD), tl.int32)
-    for _ in range(PICKS):  # the best score not yet taken, ties to the lower index
-        cand = tl.where(top == 0, up, float("-inf"))
-        best = tl.max(tl.max(cand, 1), 0)
-        i = tl.min(tl.min(tl.where(cand == best, e, none), 1), 0)
-        i = tl.where(best > float("-inf"), i, -1)  # none left: the entry stays unused
-        top = tl.where(e == i, 1, top)
-    seen = tl.zeros((B_PAD, D_PAD), tl.int32)
-    for _ in range(PICKS):  # the bottom side, ranked over every element again
-        cand = tl.where(seen == 0, down, float("-inf"))
-        best = tl.max(tl.max(cand, 1), 0)
-        i = tl.min(tl.min(tl.where(cand == best, e, none), 1), 0)
-        i = tl.where(best > float("-inf"), i, -1)
-        seen = tl.where(e == i, 1, seen)
+    top = _block_picks(up, e, none, PICKS)
+    seen = _block_picks(down, e, none, PICKS)  # ranked over every element again
     listed = (top | seen) != 0  # an element picked by both ends is listed once
     keep = scored & ~listed
     lo = tl.min(tl.where(keep, x, float("inf")), 0)  # [D_PAD] per channel
