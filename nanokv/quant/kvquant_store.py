@@ -56,6 +56,7 @@ from nanokv.quant.staging import BlockStaging
 from nanokv.quant.store import BufferSpec, QuantizedKVStore, Rope, WritePlan, as_list
 
 logger = logging.getLogger("nanokv")
+_PARTS = ("codes", "offset", "half", "oidx", "oval")  # a layer's buffers of one kind
 
 
 def _triton_available() -> bool:
@@ -64,7 +65,6 @@ def _triton_available() -> bool:
     except ImportError:
         return False
     return True
-_PARTS = ("codes", "offset", "half", "oidx", "oval")  # a layer's buffers of one kind
 
 
 @dataclass
@@ -326,8 +326,8 @@ class KVQuantStore(QuantizedKVStore):
 
             codec = self.codecs[layer]
             book = codec.key_codebook if kind == "key" else codec.value_codebook
-            self._write_tables[(layer, kind)] = kvquant_write.codebook_tables(codec.bits, book,
-                                                                      self.device)
+            self._write_tables[(layer, kind)] = kvquant_write.codebook_tables(
+                codec.bits, book, self.device)
         return self._write_tables[(layer, kind)]
 
     def _put(self, name: str, layer: int, index: torch.Tensor, q: QuantizedBlocks,
