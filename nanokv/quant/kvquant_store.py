@@ -59,12 +59,11 @@ logger = logging.getLogger("nanokv")
 _PARTS = ("codes", "offset", "half", "oidx", "oval")  # a layer's buffers of one kind
 
 
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def _triton_importable() -> bool:
+    # imported here: nanokv.attention imports this module
+    from nanokv.attention.triton_paged import triton_unavailable
+
+    return triton_unavailable() is None
 
 
 @dataclass
@@ -112,7 +111,7 @@ class KVQuantStore(QuantizedKVStore):
         self.native_write = self.device.type == "cpu" and native_write.native_write_available()
         # ... and as Triton kernels on CUDA (`kernels/triton/kvquant_write.py`; the tests turn it
         # on for a CPU store under Triton's interpreter)
-        self.triton_write = self.device.type == "cuda" and _triton_available()
+        self.triton_write = self.device.type == "cuda" and _triton_importable()
         self._write_tables: dict[tuple[int, str], tuple] = {}  # the kernels' codebook tables
 
     # ---- the KV cache kind -----------------------------------------------------------------
@@ -273,8 +272,7 @@ class KVQuantStore(QuantizedKVStore):
                     from nanokv.kernels.triton import kvquant_write
 
                     kvquant_write.quantize_tokens(x, plan.token_valid, plan.slot_mapping, parts,
-                                                  codec.bits, None,
-                                                  self._triton_tables(layer, kind))
+                                                  codec.bits, self._triton_tables(layer, kind))
                 elif self.native_write and native_write.fits(x, parts, codec.bits):
                     book = codec.value_codebook if kind == "value" else codec.key_codebook
                     native_write.quantize_tokens(x, plan.token_valid, plan.slot_mapping, parts,
@@ -299,8 +297,8 @@ class KVQuantStore(QuantizedKVStore):
             codec = self.codecs[layer]
             kvquant_write.quantize_blocks(
                 x, staging, plan.quant_src, plan.quant_valid, plan.quant_blocks,
-                {f: self.buffers[f"{name}_{f}{layer}"] for f in _PARTS}, codec.bits, None,
-                codec.key_thresholds, self._triton_tables(layer, kind))
+                {f: self.buffers[f"{name}_{f}{layer}"] for f in _PARTS}, codec.bits,
+                self._triton_tables(layer, kind), codec.key_thresholds)
         elif plan.quant_blocks.numel():  # before the staging writes: rows may be reused
             src = plan.quant_src  # [nq, B]
             old = staging[src.clamp(max=staged_slots - 1)].to(x.dtype)  # [nq, B, Hkv, D]
@@ -326,8 +324,8 @@ class KVQuantStore(QuantizedKVStore):
 
             codec = self.codecs[layer]
             book = codec.key_codebook if kind == "key" else codec.value_codebook
-            self._write_tables[(layer, kind)] = kvquant_write.codebook_tables(
-                codec.bits, book, self.device)
+            self._write_tables[(layer, kind)] = kvquant_write.codebook_tables(book,
+                                                                              self.device)
         return self._write_tables[(layer, kind)]
 
     def _put(self, name: str, layer: int, index: torch.Tensor, q: QuantizedBlocks,

@@ -109,9 +109,10 @@ def test_bad_inputs_are_refused():
     x = torch.randn(2, HKV, 32, device=DEVICE)
     ok = torch.ones(2, dtype=torch.bool, device=DEVICE)
     slots = torch.tensor([0, 1], device=DEVICE)
+    tables = kvquant_write.codebook_tables(None, DEVICE)
     with pytest.raises(ValueError, match="unsupported x torch.float64"):
-        kvquant_write.quantize_tokens(x.double(), ok, slots, parts, 4, None)
+        kvquant_write.quantize_tokens(x.double(), ok, slots, parts, 4, tables)
     with pytest.raises(ValueError, match="unsupported bits 5"):
-        kvquant_write.quantize_tokens(x, ok, slots, parts, 5, None)
+        kvquant_write.quantize_tokens(x, ok, slots, parts, 5, tables)
     with pytest.raises(ValueError, match="must be"):
-        kvquant_write.quantize_tokens(x, ok[:1], slots, parts, 4, None)
+        kvquant_write.quantize_tokens(x, ok[:1], slots, parts, 4, tables)

@@ -36,13 +36,11 @@ import triton
 import triton.language as tl
 
 from nanokv.kernels.triton.codes import round_half_even
+from nanokv.quant.kvquant import _EPS, _TINY  # the reference's span floor, half-range divisor
+from nanokv.quant.native_write import INDEX_BYTES, SPARSE_KINDS  # the C kernels' buffer kinds
 from nanokv.quant.packing import packed_dim
 
-INDEX_DTYPES = (torch.uint8, torch.int16, torch.int32)
-SPARSE_KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_TINY = 1.1754943508222875e-38  # the smallest normal float32: a zero half-range's divisor
-_EPS = 1e-6  # nanokv.quant.kvquant._EPS: the z-scores' and the thresholds' span floor
 BLOCK_R = 4  # (token, head) rows a program of quantize_tokens
 
 
@@ -51,6 +49,21 @@ def _fp16_round(x):
     """x clamped to +-65504 and rounded to fp16 (to nearest even): (fp16, its float32 value)."""
     h = tl.minimum(tl.maximum(x, -65504.0), 65504.0).to(tl.float16)
     return h, h.to(tl.float32)
+
+
+@triton.jit
+def _group_stats(x, keep, AXIS: tl.constexpr, TINY: tl.constexpr):
+    """(max + min) / 2 and (max - min) / 2 of x's kept elements along AXIS (0 where none is
+    kept), rounded to fp16: (offset fp16, half fp16, offset, half, the codes' divisor
+    max(half, TINY)), each float32."""
+    lo = tl.min(tl.where(keep, x, float("inf")), AXIS)
+    hi = tl.max(tl.where(keep, x, float("-inf")), AXIS)
+    empty = lo == float("inf")  # every element an outlier (or a sink)
+    lo = tl.where(empty, 0.0, lo)
+    hi = tl.where(empty, 0.0, hi)
+    off16, off = _fp16_round((hi + lo) * 0.5)
+    half16, hr = _fp16_round((hi - lo) * 0.5)
+    return off16, half16, off, hr, tl.maximum(hr, TINY)
 
 
 @triton.jit
@@ -166,7 +179,8 @@ def _quantize_tokens_kernel(
         H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, P: tl.constexpr,
         CAP: tl.constexpr, CAP_PAD: tl.constexpr, SIDE: tl.constexpr, PICKS: tl.constexpr,
         BITS: tl.constexpr, LEVELS: tl.constexpr, NUQ: tl.constexpr,
-        INDEX_BYTES: tl.constexpr, SPARSE_KIND: tl.constexpr, R: tl.constexpr):
+        INDEX_BYTES: tl.constexpr, SPARSE_KIND: tl.constexpr, R: tl.constexpr,
+        TINY: tl.constexpr):
     """Rows are (token, KV head) pairs, token-major; group g = slot * H + head."""
     r = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
     row_ok = r < num_rows
@@ -198,16 +212,8 @@ def _quantize_tokens_kernel(
         i = tl.where(again, -1, i)
         slot_of = tl.where(hit & (i >= 0)[:, None], SIDE + j, slot_of)
         entry = tl.where(col[None, :] == SIDE + j, i[:, None], entry)
-    keep = in_row & (slot_of < 0)
-    lo = tl.min(tl.where(keep, x, float("inf")), 1)
-    hi = tl.max(tl.where(keep, x, float("-inf")), 1)
-    empty = lo == float("inf")  # every channel an outlier
-    lo = tl.where(empty, 0.0, lo)
-    hi = tl.where(empty, 0.0, hi)
-    off16, off = _fp16_round((hi + lo) * 0.5)
-    half16, hr = _fp16_round((hi - lo) * 0.5)
-    codes = _encode(x, off[:, None], tl.maximum(hr, 1.1754943508222875e-38)[:, None], mids_ptr,
-                    LEVELS, NUQ)
+    off16, half16, off, hr, denom = _group_stats(x, in_row & (slot_of < 0), 1, TINY)
+    codes = _encode(x, off[:, None], denom[:, None], mids_ptr, LEVELS, NUQ)
     codes = tl.where(in_row, codes, 0)
     _pack_store(codes, g * P, row_ok, codes_ptr, P, R, D_PAD, BITS)
     tl.store(offset_ptr + g, off16, mask=row_ok)
@@ -230,7 +236,7 @@ def _quantize_blocks_kernel(
         D: tl.constexpr, D_PAD: tl.constexpr, P: tl.constexpr, CAP: tl.constexpr,
         CAP_PAD: tl.constexpr, PICKS: tl.constexpr, BITS: tl.constexpr, LEVELS: tl.constexpr,
         NUQ: tl.constexpr, THRESHOLDS: tl.constexpr, INDEX_BYTES: tl.constexpr,
-        SPARSE_KIND: tl.constexpr, EPS: tl.constexpr):
+        SPARSE_KIND: tl.constexpr, EPS: tl.constexpr, TINY: tl.constexpr):
     """One program per (filling block q, KV head): slot s of block q is staging row src[q, s]
     (< STAGED) or the step's token src[q, s] - STAGED; element e = s * D + channel."""
     q = tl.program_id(0) // H
@@ -273,19 +279,11 @@ def _quantize_blocks_kernel(
     top = _block_picks(up, e, none, PICKS)
     seen = _block_picks(down, e, none, PICKS)  # ranked over every element again
     listed = (top | seen) != 0  # an element picked by both ends is listed once
-    keep = scored & ~listed
-    lo = tl.min(tl.where(keep, x, float("inf")), 0)  # [D_PAD] per channel
-    hi = tl.max(tl.where(keep, x, float("-inf")), 0)
-    empty = lo == float("inf")
-    lo = tl.where(empty, 0.0, lo)
-    hi = tl.where(empty, 0.0, hi)
-    off16, off = _fp16_round((hi + lo) * 0.5)
-    half16, hr = _fp16_round((hi - lo) * 0.5)
+    off16, half16, off, hr, denom = _group_stats(x, scored & ~listed, 0, TINY)  # [D_PAD]
     stat = (blk * H + h) * D + d
     tl.store(offset_ptr + stat, off16, mask=d < D)
     tl.store(half_ptr + stat, half16, mask=d < D)
-    codes = _encode(x, off[None, :], tl.maximum(hr, 1.1754943508222875e-38)[None, :], mids_ptr,
-                    LEVELS, NUQ)
+    codes = _encode(x, off[None, :], denom[None, :], mids_ptr, LEVELS, NUQ)
     codes = tl.where(in_block, codes, 0)
     _pack_store(codes, ((blk * B + s) * H + h) * P, s < B, codes_ptr, P, B_PAD, D_PAD, BITS)
     if CAP > 0:
@@ -330,7 +328,7 @@ def _check(x: torch.Tensor, buffers: dict[str, torch.Tensor], bits: int, what: s
         problems.append(f"x {x.dtype} with a contiguous head dim (float32, bfloat16, float16)")
     if bits not in (2, 3, 4, 8):
         problems.append(f"bits {bits} (2, 3, 4, 8)")
-    if oidx.dtype not in INDEX_DTYPES or oval.dtype not in SPARSE_KINDS:
+    if oidx.dtype not in INDEX_BYTES or oval.dtype not in SPARSE_KINDS:
         problems.append(f"outlier buffers {oidx.dtype} / {oval.dtype}")
     if any(b.device != x.device or not b.is_contiguous() for b in buffers.values()):
         problems.append("buffers contiguous and on x's device")
@@ -338,8 +336,8 @@ def _check(x: torch.Tensor, buffers: dict[str, torch.Tensor], bits: int, what: s
         raise ValueError(f"{what}: unsupported " + "; ".join(problems))
 
 
-def codebook_tables(bits: int, codebook: torch.Tensor | None, device: torch.device
-            ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def codebook_tables(codebook: torch.Tensor | None, device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """(midpoints, centroids, non-uniform) for the kernels; a dummy pair on the uniform grid."""
     if codebook is None:
         dummy = torch.zeros(1, dtype=torch.float32, device=device)
@@ -360,12 +358,11 @@ def _oval(buffers: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def quantize_tokens(x: torch.Tensor, valid: torch.Tensor, slots: torch.Tensor,
                     buffers: dict[str, torch.Tensor], bits: int,
-                    codebook: torch.Tensor | None,
-                    tables: tuple[torch.Tensor, torch.Tensor, bool] | None = None) -> None:
+                    tables: tuple[torch.Tensor, torch.Tensor, bool]) -> None:
     """Quantize each token-head of x [T, H, D] into the per-token buffers at the flat slots [T]
     (block * B + slot); valid [T] bool (False: a sink token, no outliers). buffers: the layer's
     `codes` [nb, B, H, P], `offset` / `half` [nb, B, H] fp16, `oidx` / `oval` [nb, B, H, cap].
-    tables: `codebook_tables(bits, codebook, device)` made once (else made here)."""
+    tables: the codebook's `codebook_tables`, made once per layer and kind."""
     _check(x, buffers, bits, "quantize_tokens")
     num_tokens, heads, dim = x.shape
     if valid.shape != (num_tokens,) or slots.shape != (num_tokens,):
@@ -373,7 +370,7 @@ def quantize_tokens(x: torch.Tensor, valid: torch.Tensor, slots: torch.Tensor,
                          f"{tuple(slots.shape)}")
     if num_tokens == 0:
         return
-    mids, book, nuq = tables or codebook_tables(bits, codebook, x.device)
+    mids, book, nuq = tables
     cap = buffers["oidx"].shape[-1]
     rows = num_tokens * heads
     _quantize_tokens_kernel[(triton.cdiv(rows, BLOCK_R),)](
@@ -382,20 +379,22 @@ def quantize_tokens(x: torch.Tensor, valid: torch.Tensor, slots: torch.Tensor,
         mids, book, H=heads, D=dim, D_PAD=_pow2(dim, 8), P=packed_dim(dim, bits), CAP=cap,
         CAP_PAD=_pow2(cap), SIDE=cap // 2, PICKS=min(cap // 2, dim), BITS=bits,
         LEVELS=2 ** bits - 1, NUQ=nuq, INDEX_BYTES=buffers["oidx"].element_size(),
-        SPARSE_KIND=SPARSE_KINDS[buffers["oval"].dtype], R=BLOCK_R, enable_fp_fusion=False)
+        SPARSE_KIND=SPARSE_KINDS[buffers["oval"].dtype], R=BLOCK_R, TINY=_TINY,
+        enable_fp_fusion=False)
 
 
 def quantize_blocks(x: torch.Tensor, staging: torch.Tensor, quant_src: torch.Tensor,
                     valid: torch.Tensor, block_ids: torch.Tensor,
                     buffers: dict[str, torch.Tensor], bits: int,
-                    codebook: torch.Tensor | None, thresholds: torch.Tensor | None,
-                    tables: tuple[torch.Tensor, torch.Tensor, bool] | None = None) -> None:
+                    tables: tuple[torch.Tensor, torch.Tensor, bool],
+                    thresholds: torch.Tensor | None) -> None:
     """Quantize the n blocks that fill this step, per channel, into the buffers at block_ids
     [n]: slot s of block i is staging row quant_src[i, s] of staging [S * B, H, D] when that is
     below S * B, else the step's key x[quant_src[i, s] - S * B] (x [T, H, D]); valid [n, B]
     bool (False: a sink slot, left out of the statistics and the outliers); thresholds [2, H, D]
     (calibrated lower, upper) or None (z-scores). buffers: the layer's `codes` [nb, B, H, P],
-    `offset` / `half` [nb, H, D] fp16, `oidx` / `oval` [nb, H, cap]."""
+    `offset` / `half` [nb, H, D] fp16, `oidx` / `oval` [nb, H, cap]; tables: as
+    `quantize_tokens`'s."""
     _check(x, buffers, bits, "quantize_blocks")
     n, bsz = quant_src.shape
     heads, dim = x.shape[1], x.shape[2]
@@ -410,7 +409,7 @@ def quantize_blocks(x: torch.Tensor, staging: torch.Tensor, quant_src: torch.Ten
                          f"{tuple(thresholds.shape)}")
     if n == 0:
         return
-    mids, book, nuq = tables or codebook_tables(bits, codebook, x.device)
+    mids, book, nuq = tables
     cap = buffers["oidx"].shape[-1]
     limits = mids if thresholds is None else thresholds.to(x.device, torch.float32).contiguous()
     _quantize_blocks_kernel[(n * heads,)](
@@ -421,5 +420,6 @@ def quantize_blocks(x: torch.Tensor, staging: torch.Tensor, quant_src: torch.Ten
         P=packed_dim(dim, bits), CAP=cap, CAP_PAD=_pow2(cap), PICKS=min(cap // 2, bsz * dim),
         BITS=bits, LEVELS=2 ** bits - 1, NUQ=nuq, THRESHOLDS=thresholds is not None,
         INDEX_BYTES=buffers["oidx"].element_size(),
-        SPARSE_KIND=SPARSE_KINDS[buffers["oval"].dtype], EPS=_EPS, enable_fp_fusion=False,
+        SPARSE_KIND=SPARSE_KINDS[buffers["oval"].dtype], EPS=_EPS, TINY=_TINY,
+        enable_fp_fusion=False,
         num_warps=block_warps(_pow2(bsz) * _pow2(dim, 8)))
