@@ -210,7 +210,7 @@ def main() -> None:
         setattr(module, name, recorders[name])
     recorders["_kvquant_decode_kernel"] = Recorder(kvquant_decode._kvquant_decode_kernel)
     kvquant_decode._kvquant_decode_kernel = recorders["_kvquant_decode_kernel"]
-    for name in ("_quantize_tokens_kernel", "_quantize_blocks_kernel"):
+    for name in ("_quantize_tokens_kernel", "_quantize_blocks_kernel", "_scatter_rows_kernel"):
         recorders[name] = Recorder(getattr(kvquant_write, name))
         setattr(kvquant_write, name, recorders[name])
     record(torch.bfloat16, 16, 8, 128, 16, args.quick)

@@ -33,9 +33,10 @@
 #                          4-bit store (Triton decode over the codes) on one long-prompt
 #                          workload (32 requests, prompts 1024-2048, 128 outputs)
 #   profile_kvquant        the KVQuant 4-bit engine's prefill timed and 2 decode steps profiled
-#                          at 32 requests x 1024 tokens (it ran at ~50 output tok/s on an H200,
-#                          70x slower than the bf16 pool: where does its time go?)
-#   profile_kvquant_torch_write  the same with the store's PyTorch quantize-on-write (the A/B
+#                          at 32 requests x 1024 tokens, through its CUDA graphs and eagerly (it
+#                          ran at ~50 output tok/s on an H200, 70x slower than the bf16 pool,
+#                          before its Triton write and graphs: where does its time go?)
+#   profile_kvquant_torch_write  eagerly with the store's PyTorch quantize-on-write (the A/B
 #                          of the Triton write kernels, kernels/triton/kvquant_write.py)
 #   profile                torch profiler over 3 decode steps at 256 running, graphs and eager
 #   suite                  the whole test suite (the CPU paths under this machine's torch and
@@ -76,7 +77,8 @@ bench() {  # name, seconds, requests, extra flags...
 }
 
 CUDA_TESTS="tests/cuda tests/unit/test_triton_attention.py tests/unit/test_triton_kvquant.py
-  tests/unit/test_kvquant_triton_write.py tests/model/test_decode_graphs.py tests/model/test_hf_parity.py tests/unit/test_seams.py"
+  tests/unit/test_kvquant_triton_write.py tests/unit/test_kvquant_graph_write.py
+  tests/model/test_decode_graphs.py tests/model/test_hf_parity.py tests/unit/test_seams.py"
 # shellcheck disable=SC2086
 stage suite_cuda 90 $PY -m pytest -p no:cacheprovider -rfE -n 12 $CUDA_TESTS
 stage triton_sweep 200 $PY benchmarks/bench_triton_attention.py --device cuda --repeats 20 \

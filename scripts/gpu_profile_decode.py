@@ -95,8 +95,9 @@ def main(argv=None) -> int:
               max_num_seqs=args.requests, max_num_batched_tokens=16384, max_model_len=4096,
               kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.engine
-    if args.kvquant_write == "torch":
+    if args.kvquant_write == "torch":  # eager only: the graphs were captured with the kernels
         engine.kv_cache.triton_write = engine.kv_cache.native_write = False
+        engine.runner.graphs = None
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=4000 - args.prompt_len, ignore_eos=True)
     vocab = engine.hf_config.vocab_size

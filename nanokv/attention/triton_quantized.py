@@ -6,7 +6,10 @@ backends before their kernels.
 
 Serves KVQuant with per-channel keys (before RoPE over the whole head, or after it) and KIVI,
 at power-of-two block sizes; per-token KVQuant keys (the ablation layout) stay on the PyTorch
-backend. No CUDA graphs (the write plan's tensors change shape from step to step). On CPU only
+backend. CUDA graphs for KVQuant's decode steps with the Triton write (`supports_cuda_graphs`):
+the step's write plan is copied into static tensors, one entry a row, padded entries skipped by
+the kernels (`KVQuantStore.graph_write_plan` / `fill_graph_write`); KIVI's PyTorch write changes
+shape from step to step, so KIVI runs eagerly. On CPU only
 under Triton's interpreter (TRITON_INTERPRET=1: the tests, against
 `reference_quantized_attention`); "auto" chooses it on CUDA only. The decode kernel ran on an
 H200 (docs/results/gpu/); the write kernels have not yet run on a GPU.
@@ -21,12 +24,12 @@ import torch
 from nanokv.attention.backend import AttentionBackend
 from nanokv.attention.common import CommonAttentionMetadata
 from nanokv.attention.quantized import prefill_only_metadata, write_prefill_then_decode
-from nanokv.attention.triton_metadata import padded_rows
+from nanokv.attention.triton_metadata import TritonStep, fill_graph_step, graph_step, padded_rows
 from nanokv.attention.triton_paged import SPLIT_CAP, interpreter_on, triton_unavailable
 from nanokv.layers.attention import AttentionMetadata
 from nanokv.quant.kivi_store import KIVIStore
 from nanokv.quant.kvquant import centroid_table
-from nanokv.quant.kvquant_store import KVQuantStore
+from nanokv.quant.kvquant_store import GraphWritePlan, KVQuantStore
 from nanokv.transfer import upload
 from nanokv.utils import cdiv
 
@@ -39,6 +42,8 @@ class TritonQuantStep:
     block_tables: torch.Tensor | None = None  # [B, max_blocks] int32, the decode rows'
     context_lens: torch.Tensor | None = None  # [B] int32, cached slots incl. the new token
     num_splits: int = 1
+    # a CUDA graph's static tables (block tables and context lengths) and write plan
+    graph: tuple[TritonStep, GraphWritePlan] | None = None
 
 
 def kernel_unfit(kv_cache) -> str | None:
@@ -77,6 +82,13 @@ class TritonQuantizedBackend(AttentionBackend):
                                 if device.type == "cuda" else 1)
         self._layers: dict[int, object] = {}
 
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """KVQuant with the Triton write: every launch of a decode step is the same whatever its
+        rows hold (KIVI's write is PyTorch's, its shapes change with the step)."""
+        store = self.kv_cache
+        return isinstance(store, KVQuantStore) and store.triton_write
+
     @classmethod
     def why_not(cls, kv_cache, device: torch.device) -> tuple[str, bool] | None:
         if device.type != "cuda" and not (device.type == "cpu" and interpreter_on()):
@@ -111,6 +123,24 @@ class TritonQuantizedBackend(AttentionBackend):
             step.block_tables, step.context_lens = rows[:, :-1], rows[:, -1]  # [B, width], [B]
             step.num_splits = self.decode_splits(len(lens), max(lens))
         return step
+
+    def graph_decode_metadata(self, max_batch: int, max_blocks: int) -> TritonQuantStep:
+        if not self.supports_cuda_graphs:
+            raise NotImplementedError("CUDA graphs need a kvquant store with the Triton write")
+        tables = graph_step(max_batch, max_blocks, self.device)
+        return TritonQuantStep(None, 0, None, tables.block_tables, tables.context_lens,
+                               graph=(tables, self.kv_cache.graph_write_plan(max_batch)))
+
+    def fill_graph_decode(self, meta: TritonQuantStep, common: CommonAttentionMetadata,
+                          batch: int) -> None:
+        if meta.graph is None:
+            raise ValueError("fill_graph_decode needs metadata from graph_decode_metadata")
+        tables, plan = meta.graph
+        max_blocks = tables.block_tables.shape[1]
+        fill_graph_step(tables, common, batch,
+                        self.decode_splits(batch, max_blocks * self.block_size))
+        meta.write_plan = self.kv_cache.fill_graph_write(plan, common.write_plan, batch)
+        meta.num_decode_tokens, meta.num_splits = batch, tables.num_splits
 
     # ---- one layer -----------------------------------------------------------------------------
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

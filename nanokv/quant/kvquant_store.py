@@ -54,6 +54,7 @@ from nanokv.quant import native_write
 from nanokv.quant.packing import pack, packed_dim, unpack
 from nanokv.quant.staging import BlockStaging
 from nanokv.quant.store import BufferSpec, QuantizedKVStore, Rope, WritePlan, as_list
+from nanokv.transfer import upload
 
 logger = logging.getLogger("nanokv")
 _PARTS = ("codes", "offset", "half", "oidx", "oval")  # a layer's buffers of one kind
@@ -76,6 +77,41 @@ class KVQuantWritePlan(WritePlan):
     quant_valid: torch.Tensor  # [nq, B] bool, False for sink slots
     sink_src: torch.Tensor  # [Tk] token index of each sink token
     sink_dst: torch.Tensor  # [Tk] block * N + position
+    host: HostWritePlan | None = None  # the same indexes as host lists (a graph plan's source)
+
+
+@dataclass
+class HostWritePlan:
+    """A step's write indexes on the host, as `plan_write` made them."""
+
+    slots: list[int]
+    positions: list[int]
+    stage_src: list[int]
+    stage_dst: list[int]
+    quant_blocks: list[int]
+    quant_src: list[list[int]]
+    quant_valid: list[list[bool]]
+    sink_src: list[int]
+    sink_dst: list[int]
+
+
+@dataclass
+class GraphWritePlan:
+    """Static write indexes for decode steps of up to max_batch rows, one token a row, that a
+    CUDA graph replays: every part holds max_batch entries (staging and sink writes at their
+    token's index, filling blocks first; -1: nothing to do), so the plan of a batch of b rows
+    is the first b entries of each (`KVQuantStore.fill_graph_write`)."""
+
+    max_batch: int
+    # int64 [(7 + B) * max_batch]: the parts of `_GRAPH_PARTS`, max_batch entries each, then
+    # quant_src [max_batch, B]
+    ints: torch.Tensor
+    flags: torch.Tensor  # bool [(1 + B) * max_batch]: token_valid, then quant_valid [max_batch, B]
+
+
+# the int64 parts of a GraphWritePlan, in order (stage_src and sink_src: row i's token is i)
+_GRAPH_PARTS = ("slot_mapping", "positions", "stage_src", "stage_dst", "quant_blocks",
+                "sink_src", "sink_dst")
 
 
 class KVQuantStore(QuantizedKVStore):
@@ -225,7 +261,6 @@ class KVQuantStore(QuantizedKVStore):
             raise ValueError(f"{len(slots)} slots but {len(pos)} positions")
         bsz, n_sink = self.block_size, self.num_sinks
         step = self.staging.plan(slots)  # validates before anything changes
-        base = super().plan_write(slots, pos)
         sink_src, sink_dst, fresh = [], [], []
         for b, toks, fill in step.completing + step.partial:
             if fill == 0:  # a fresh block: forget its old sinks
@@ -241,26 +276,97 @@ class KVQuantStore(QuantizedKVStore):
             for b, _, _ in step.completing:
                 sinks = set(self._sink[b].tolist())
                 quant_valid.append([j not in sinks for j in range(bsz)])
-        dev, long = self.device, torch.long
-        if fresh and n_sink:
-            self.buffers["sink_slot"][torch.tensor(fresh, device=dev)] = -1
-        if sink_dst:
-            self.buffers["sink_slot"].view(-1)[torch.tensor(sink_dst, device=dev)] = \
-                torch.tensor([slots[t] % bsz for t in sink_src], dtype=torch.int16, device=dev)
-        if step.row_changes:
-            self.buffers["staging_index"][torch.tensor(list(step.row_changes), device=dev)] = \
-                torch.tensor(list(step.row_changes.values()), dtype=torch.int32, device=dev)
         quant_blocks = step.quant_blocks if self.staged else []
+        host = HostWritePlan(slots, pos, step.stage_src, step.stage_dst, quant_blocks,
+                             step.quant_src, quant_valid, sink_src, sink_dst)
+        # every index list in one host -> device copy that does not wait for queued work
+        parts = {"slots": slots, "positions": pos, "stage_src": step.stage_src,
+                 "stage_dst": step.stage_dst, "quant_blocks": quant_blocks,
+                 "quant_src": [i for src in step.quant_src for i in src],
+                 "quant_valid": [int(ok) for row in quant_valid for ok in row],
+                 "sink_src": sink_src, "sink_dst": sink_dst,
+                 "sink_slot": [slots[t] % bsz for t in sink_src],
+                 "fresh": fresh if n_sink else [], "row_blocks": list(step.row_changes),
+                 "rows": list(step.row_changes.values())}
+        packed = upload(np.array([i for part in parts.values() for i in part], dtype=np.int64),
+                        self.device)
+        at, start = {}, 0
+        for name, part in parts.items():
+            at[name] = packed[start:start + len(part)]
+            start += len(part)
+        buf = self.buffers
+        self.slot_positions.view(-1)[at["slots"]] = at["positions"].to(self.slot_positions.dtype)
+        if at["fresh"].numel():
+            buf["sink_slot"][at["fresh"]] = -1
+        if sink_dst:
+            buf["sink_slot"].view(-1)[at["sink_dst"]] = at["sink_slot"].to(torch.int16)
+        if step.row_changes:
+            buf["staging_index"][at["row_blocks"]] = at["rows"].to(torch.int32)
         return KVQuantWritePlan(
-            base.slot_mapping, base.positions,
-            token_valid=base.positions >= n_sink,
-            stage_src=torch.tensor(step.stage_src, dtype=long, device=dev),
-            stage_dst=torch.tensor(step.stage_dst, dtype=long, device=dev),
-            quant_blocks=torch.tensor(quant_blocks, dtype=long, device=dev),
-            quant_src=torch.tensor(step.quant_src, dtype=long, device=dev).view(-1, bsz),
-            quant_valid=torch.tensor(quant_valid, dtype=torch.bool, device=dev).view(-1, bsz),
-            sink_src=torch.tensor(sink_src, dtype=long, device=dev),
-            sink_dst=torch.tensor(sink_dst, dtype=long, device=dev))
+            at["slots"], at["positions"], token_valid=at["positions"] >= n_sink,
+            stage_src=at["stage_src"], stage_dst=at["stage_dst"],
+            quant_blocks=at["quant_blocks"], quant_src=at["quant_src"].view(-1, bsz),
+            quant_valid=at["quant_valid"].bool().view(-1, bsz), sink_src=at["sink_src"],
+            sink_dst=at["sink_dst"], host=host)
+
+    # ---- decode steps through CUDA graphs ------------------------------------------------------
+    def graph_write_plan(self, max_batch: int) -> GraphWritePlan:
+        """Static write indexes for decode steps of up to max_batch rows (the Triton write
+        only: its kernels skip the padded entries)."""
+        if not self.triton_write:
+            raise RuntimeError("a graph write plan needs the Triton write (triton_write)")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        bsz = self.block_size
+        ints = torch.full(((len(_GRAPH_PARTS) + bsz) * max_batch,), -1, dtype=torch.long,
+                          device=self.device)
+        flags = torch.zeros((1 + bsz) * max_batch, dtype=torch.bool, device=self.device)
+        return GraphWritePlan(max_batch, ints, flags)
+
+    def fill_graph_write(self, graph: GraphWritePlan, plan: KVQuantWritePlan | None,
+                         batch: int) -> KVQuantWritePlan:
+        """The step's plan (one token a row, from `plan_write`; None: no rows) copied into the
+        graph plan's static tensors, rows from its tokens up to `batch` padded. Returns the plan
+        of `batch` rows, views of those tensors: the same views for every step of that batch."""
+        host = None if plan is None else plan.host
+        n = 0 if host is None else len(host.slots)
+        m, bsz = graph.max_batch, self.block_size
+        if plan is not None and host is None:
+            raise ValueError("fill_graph_write needs a plan from plan_write")
+        if not n <= batch <= m:
+            raise ValueError(f"batch must be between the step's {n} tokens and max_batch {m}, "
+                             f"got {batch}")
+        parts = {name: np.full(m, -1, dtype=np.int64) for name in _GRAPH_PARTS}
+        parts["stage_src"][:] = parts["sink_src"][:] = np.arange(m)  # row i's token is i
+        quant_src = np.zeros((m, bsz), dtype=np.int64)
+        valid, quant_valid = np.zeros(m, dtype=bool), np.zeros((m, bsz), dtype=bool)
+        if n:
+            parts["slot_mapping"][:n] = host.slots
+            parts["positions"][:n] = host.positions
+            valid[:n] = np.asarray(host.positions) >= self.num_sinks
+            parts["stage_dst"][host.stage_src] = host.stage_dst
+            parts["sink_dst"][host.sink_src] = host.sink_dst
+            nq = len(host.quant_blocks)  # <= n: a token fills at most one block
+            parts["quant_blocks"][:nq] = host.quant_blocks
+            quant_src[:nq] = np.asarray(host.quant_src, dtype=np.int64).reshape(nq, bsz)
+            quant_valid[:nq] = np.asarray(host.quant_valid, dtype=bool).reshape(nq, bsz)
+        ints = np.concatenate([parts[name] for name in _GRAPH_PARTS] + [quant_src.reshape(-1)])
+        graph.ints.copy_(torch.from_numpy(ints), non_blocking=True)
+        flags = np.concatenate([valid, quant_valid.reshape(-1)])
+        graph.flags.copy_(torch.from_numpy(flags), non_blocking=True)
+        return self._graph_views(graph, batch)
+
+    def _graph_views(self, graph: GraphWritePlan, batch: int) -> KVQuantWritePlan:
+        m, bsz = graph.max_batch, self.block_size
+        part = {name: graph.ints[i * m:i * m + batch] for i, name in enumerate(_GRAPH_PARTS)}
+        start = len(_GRAPH_PARTS) * m
+        quant_src = graph.ints[start:start + m * bsz].view(m, bsz)[:batch]  # [batch, B]
+        quant_valid = graph.flags[m:].view(m, bsz)[:batch]  # [batch, B]
+        return KVQuantWritePlan(
+            part["slot_mapping"], part["positions"], token_valid=graph.flags[:batch],
+            stage_src=part["stage_src"], stage_dst=part["stage_dst"],
+            quant_blocks=part["quant_blocks"], quant_src=quant_src, quant_valid=quant_valid,
+            sink_src=part["sink_src"], sink_dst=part["sink_dst"])
 
     def write(self, layer: int, plan: KVQuantWritePlan, k: torch.Tensor, v: torch.Tensor) -> None:
         buf, codec = self.buffers, self.codecs[layer]
@@ -284,7 +390,12 @@ class KVQuantStore(QuantizedKVStore):
                 self._write_blocks(name, kind, layer, plan, x)
             if plan.sink_src.numel():
                 sink = buf[f"sink_{name}{layer}"].view(-1, heads, dim)
-                sink.index_copy_(0, plan.sink_dst, x[plan.sink_src].to(sink.dtype))
+                if self.triton_write:
+                    from nanokv.kernels.triton import kvquant_write
+
+                    kvquant_write.scatter_rows(x, plan.sink_src, plan.sink_dst, sink)
+                else:
+                    sink.index_copy_(0, plan.sink_dst, x[plan.sink_src].to(sink.dtype))
 
     def _write_blocks(self, name: str, kind: str, layer: int, plan: KVQuantWritePlan,
                       x: torch.Tensor) -> None:
@@ -313,7 +424,11 @@ class KVQuantStore(QuantizedKVStore):
             else:
                 q = codec.quantize(kind, blocks, plan.quant_valid)
                 self._put(name, layer, plan.quant_blocks, q, per_token=False)
-        if plan.stage_src.numel():
+        if plan.stage_src.numel() and self.triton_write:
+            from nanokv.kernels.triton import kvquant_write
+
+            kvquant_write.scatter_rows(x, plan.stage_src, plan.stage_dst, staging)
+        elif plan.stage_src.numel():
             staging.index_copy_(0, plan.stage_dst, x[plan.stage_src].to(staging.dtype))
 
     def _triton_tables(self, layer: int, kind: str) -> tuple:

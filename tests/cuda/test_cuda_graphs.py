@@ -128,3 +128,41 @@ def test_device_sampling_equals_the_host_reference(seed):
     assert got.token_ids == want
     for p, lp in zip(params, got.logprobs):
         assert (lp is None) == (p.logprobs is None)
+
+
+def test_kvquant_decode_through_graphs_equals_eager(tiny_llama):
+    """The kvquant store's decode steps replayed from graphs (its Triton write and decode over
+    static, padded plans): the eager engine's greedy tokens, under preemption too; and a graph
+    step synchronises once (the sampled tokens), its write plan copied without a wait."""
+    prompts, lengths = workload(4, 5, 40)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    options = dict(kv_cache_dtype="kvquant", kv_quant_bits=4)
+    got, eager = {}, {}
+    for blocks in (8, None):  # a preemption (1 on a CPU), then room for all
+        llm = engine(tiny_llama, enforce_eager=False, num_kv_blocks=blocks, **options)
+        graphs = graphs_of(llm)
+        got[blocks] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        reference = engine(tiny_llama, enforce_eager=True, num_kv_blocks=blocks, **options)
+        eager[blocks] = [o.token_ids for o in reference.generate(prompts, params,
+                                                                 use_tqdm=False)]
+        assert graphs.num_graph_steps > 0 and graphs.padded_rows > 0
+        assert (llm.engine.scheduler.num_preemptions > 0) == (blocks is not None)
+        llm.engine.check_invariants()
+    assert got == eager
+    eng = llm.engine  # room for all: after the prefill every step is a decode through a graph
+    for p in prompts:
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    before = graphs.num_graph_steps
+    while graphs.num_graph_steps < before + 2:
+        eng.step()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            eng.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert graphs.num_graph_steps == before + 3
+    syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
+    assert len(syncs) <= 1, syncs

@@ -8,7 +8,8 @@ backend, `nanokv/attention/triton_paged.py`).
     decode.py              flash-decoding: (request, KV head, split) programs, then the merge
     prefill.py             all prefill chunks of a step in one launch (cached prefix + causal)
     kvquant_decode.py      decode over the KVQuant / KIVI codes in place (`triton_quantized`)
-    kvquant_write.py       KVQuant's quantize-on-write: per token, and per channel as blocks fill
+    kvquant_write.py       KVQuant's quantize-on-write: per token, and per channel as blocks fill;
+                           staging and sink rows (padded entries skipped: CUDA graphs)
     interpreter_compat.py  Triton 3.6's interpreter with numpy >= 2.4 (runtime loop bounds)
 
 Importing a kernel module imports Triton and defines the kernels; with TRITON_INTERPRET=1 set

@@ -10,6 +10,12 @@ per token kind (and some 130 more when a key block fills, top-k, sorts and scatt
                       KV head) group of B slots x D channels, each slot read from the staging
                       rows or from the step's new keys (the plan's `quant_src`), into the
                       per-channel buffers at the block's id
+    scatter_rows      a step's keys into their staging rows, and sink tokens into the sink
+                      buffers, cast to the buffer's dtype
+
+Every launcher takes padded entries (slot, block id or destination -1: nothing written), so a
+decode step replayed from a CUDA graph runs the same launches whatever its rows hold
+(`KVQuantStore.graph_write_plan`).
 
 The rules are the C kernels' (and so the reference's, `nanokv.quant.kvquant.quantize_blocks`
 followed by `KVQuantStore._put`): the `side` = cap / 2 highest and lowest scores are outliers,
@@ -183,12 +189,12 @@ def _quantize_tokens_kernel(
         TINY: tl.constexpr):
     """Rows are (token, KV head) pairs, token-major; group g = slot * H + head."""
     r = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)
-    row_ok = r < num_rows
-    t = tl.where(row_ok, r // H, 0)
+    t = tl.where(r < num_rows, r // H, 0)
     h = r % H
     slot = tl.load(slot_ptr + t).to(tl.int64)
+    row_ok = (r < num_rows) & (slot >= 0)  # slot -1: a padded row, nothing written
     pick_ok = row_ok & (tl.load(valid_ptr + t) != 0)  # a sink token has no outliers
-    g = slot * H + h
+    g = tl.where(row_ok, slot, 0) * H + h
     d = tl.arange(0, D_PAD)
     in_row = row_ok[:, None] & (d < D)[None, :]  # [R, D_PAD]
     x = tl.load(x_ptr + (t * stride_xt + h * stride_xh)[:, None] + d[None, :], mask=in_row,
@@ -238,10 +244,13 @@ def _quantize_blocks_kernel(
         NUQ: tl.constexpr, THRESHOLDS: tl.constexpr, INDEX_BYTES: tl.constexpr,
         SPARSE_KIND: tl.constexpr, EPS: tl.constexpr, TINY: tl.constexpr):
     """One program per (filling block q, KV head): slot s of block q is staging row src[q, s]
-    (< STAGED) or the step's token src[q, s] - STAGED; element e = s * D + channel."""
+    (< STAGED) or the step's token src[q, s] - STAGED; element e = s * D + channel. Block id
+    -1: a padded entry, nothing read or written."""
     q = tl.program_id(0) // H
     h = tl.program_id(0) % H
     blk = tl.load(block_ptr + q).to(tl.int64)
+    if blk < 0:
+        return
     s = tl.arange(0, B_PAD)
     d = tl.arange(0, D_PAD)
     in_block = (s < B)[:, None] & (d < D)[None, :]  # [B_PAD, D_PAD]
@@ -305,6 +314,22 @@ def _quantize_blocks_kernel(
                      INDEX_BYTES)
 
 
+@triton.jit
+def _scatter_rows_kernel(x_ptr, stride_xt, stride_xh, src_ptr, dst_ptr, out_ptr,
+                         H: tl.constexpr, D: tl.constexpr, HD_PAD: tl.constexpr,
+                         OUT_KIND: tl.constexpr):
+    """out[dst[i]] = x[src[i]] over every head, rounded to out's dtype (`_store_sparse`'s
+    kinds) to nearest even; dst[i] < 0: skipped."""
+    i = tl.program_id(0)
+    dst = tl.load(dst_ptr + i).to(tl.int64)
+    src = tl.load(src_ptr + i).to(tl.int64)
+    e = tl.arange(0, HD_PAD)  # element h * D + channel
+    ok = (e < H * D) & (dst >= 0)
+    row = tl.load(x_ptr + tl.maximum(src, 0) * stride_xt + (e // D) * stride_xh + e % D,
+                  mask=ok, other=0.0).to(tl.float32)  # exact from any of X_DTYPES
+    _store_sparse(out_ptr + tl.maximum(dst, 0) * (H * D) + e, row, ok, OUT_KIND)
+
+
 def block_warps(elements: int) -> int:
     """Warps for a per-channel program of `elements` (padded B x D), by what sm_90 compiles at
     D = 128 (untimed): 4 up to blocks of 16 (168 registers a thread, no spills); 16 up to
@@ -360,9 +385,10 @@ def quantize_tokens(x: torch.Tensor, valid: torch.Tensor, slots: torch.Tensor,
                     buffers: dict[str, torch.Tensor], bits: int,
                     tables: tuple[torch.Tensor, torch.Tensor, bool]) -> None:
     """Quantize each token-head of x [T, H, D] into the per-token buffers at the flat slots [T]
-    (block * B + slot); valid [T] bool (False: a sink token, no outliers). buffers: the layer's
-    `codes` [nb, B, H, P], `offset` / `half` [nb, B, H] fp16, `oidx` / `oval` [nb, B, H, cap].
-    tables: the codebook's `codebook_tables`, made once per layer and kind."""
+    (block * B + slot; -1: a padded token, skipped); valid [T] bool (False: a sink token, no
+    outliers). buffers: the layer's `codes` [nb, B, H, P], `offset` / `half` [nb, B, H] fp16,
+    `oidx` / `oval` [nb, B, H, cap]. tables: the codebook's `codebook_tables`, made once per
+    layer and kind."""
     _check(x, buffers, bits, "quantize_tokens")
     num_tokens, heads, dim = x.shape
     if valid.shape != (num_tokens,) or slots.shape != (num_tokens,):
@@ -389,8 +415,9 @@ def quantize_blocks(x: torch.Tensor, staging: torch.Tensor, quant_src: torch.Ten
                     tables: tuple[torch.Tensor, torch.Tensor, bool],
                     thresholds: torch.Tensor | None) -> None:
     """Quantize the n blocks that fill this step, per channel, into the buffers at block_ids
-    [n]: slot s of block i is staging row quant_src[i, s] of staging [S * B, H, D] when that is
-    below S * B, else the step's key x[quant_src[i, s] - S * B] (x [T, H, D]); valid [n, B]
+    [n] (-1: a padded entry, skipped): slot s of block i is staging row quant_src[i, s] of
+    staging [S * B, H, D] when that is below S * B, else the step's key
+    x[quant_src[i, s] - S * B] (x [T, H, D]); valid [n, B]
     bool (False: a sink slot, left out of the statistics and the outliers); thresholds [2, H, D]
     (calibrated lower, upper) or None (z-scores). buffers: the layer's `codes` [nb, B, H, P],
     `offset` / `half` [nb, H, D] fp16, `oidx` / `oval` [nb, H, cap]; tables: as
@@ -423,3 +450,27 @@ def quantize_blocks(x: torch.Tensor, staging: torch.Tensor, quant_src: torch.Ten
         SPARSE_KIND=SPARSE_KINDS[buffers["oval"].dtype], EPS=_EPS, TINY=_TINY,
         enable_fp_fusion=False,
         num_warps=block_warps(_pow2(bsz) * _pow2(dim, 8)))
+
+
+def scatter_rows(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, out: torch.Tensor
+                 ) -> None:
+    """out[dst[i]] = x[src[i]].to(out.dtype) for each i with dst[i] >= 0 (-1: a padded entry):
+    the staged keys and the sink tokens. x [T, H, D] (contiguous head dim); src, dst [n]
+    integers; out [M, H, D] contiguous. Destinations must be distinct."""
+    if out.dim() != 3 or x.dim() != 3 or x.shape[1:] != out.shape[1:] or x.stride(-1) != 1 \
+            or not out.is_contiguous() or out.device != x.device or x.dtype not in X_DTYPES \
+            or out.dtype not in X_DTYPES:
+        raise ValueError(f"scatter_rows: x must be [T, H, D] with a contiguous head dim and out "
+                         f"a contiguous [M, H, D] on its device, both float32, bfloat16 or "
+                         f"float16, got {tuple(x.shape)} {x.dtype} and {tuple(out.shape)} "
+                         f"{out.dtype}")
+    if src.shape != dst.shape or src.dim() != 1:
+        raise ValueError(f"scatter_rows: src and dst must be [n], got {tuple(src.shape)} and "
+                         f"{tuple(dst.shape)}")
+    if src.numel() == 0:
+        return
+    heads, dim = out.shape[1], out.shape[2]
+    _scatter_rows_kernel[(src.numel(),)](
+        x, x.stride(0), x.stride(1), src.contiguous(), dst.contiguous(),
+        out.view(torch.int16) if out.dtype == torch.bfloat16 else out, H=heads, D=dim,
+        HD_PAD=_pow2(heads * dim), OUT_KIND=SPARSE_KINDS[out.dtype])
