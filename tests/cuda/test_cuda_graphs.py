@@ -90,8 +90,18 @@ def test_a_graph_decode_step_synchronises_once(tiny_llama):
             break
         eng.step()
     assert graphs.num_graph_steps >= 2
-    torch.cuda.synchronize()
     before = graphs.num_graph_steps
+    syncs = synchronisations_of_one_step(eng)
+    assert graphs.num_graph_steps == before + 1
+    assert len(syncs) <= 1, syncs
+
+
+def synchronisations_of_one_step(eng) -> list[str]:
+    """The host synchronisations one engine step makes, as CUDA's sync debug mode reports them:
+    each synchronising call warns "called a synchronizing CUDA operation" (the mode's own notice,
+    "... a prototype feature and does not yet detect all synchronizing operations", is not
+    one)."""
+    torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -99,12 +109,7 @@ def test_a_graph_decode_step_synchronises_once(tiny_llama):
             eng.step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    assert graphs.num_graph_steps == before + 1
-    # each synchronising call warns "called a synchronizing CUDA operation"; the mode's own
-    # notice ("... a prototype feature and does not yet detect all synchronizing operations")
-    # is not one
-    syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
-    assert len(syncs) <= 1, syncs
+    return [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -155,14 +160,6 @@ def test_kvquant_decode_through_graphs_equals_eager(tiny_llama):
     before = graphs.num_graph_steps
     while graphs.num_graph_steps < before + 2:
         eng.step()
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            eng.step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    syncs = synchronisations_of_one_step(eng)
     assert graphs.num_graph_steps == before + 3
-    syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
     assert len(syncs) <= 1, syncs
