@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from nanokv.attention.common import CommonAttentionMetadata
-from nanokv.transfer import upload
+from nanokv.transfer import upload, upload_parts
 
 
 @dataclass
@@ -63,18 +63,11 @@ def build_step(common: CommonAttentionMetadata, device: torch.device,
     chunks = common.prefills
     parts = []  # int32 arrays, packed into one upload
     decode = padded_rows(common.decode_block_tables, common.decode_context_lens)
-    parts.append(decode.reshape(-1))  # [nd * (width + 1)]
+    parts.append(decode)  # [nd, width + 1]
     if chunks:
-        lens = [p.query_len for p in chunks]
-        parts += [np.array([p.query_start for p in chunks], np.int32), np.array(lens, np.int32),
-                  np.array([p.context_len for p in chunks], np.int32)]
-        tables = padded_rows([p.block_table for p in chunks])
-        parts.append(tables.reshape(-1))  # [C * max_blocks]
-    packed = upload(np.concatenate(parts), device)  # one copy, no wait for queued work
-    views, start = [], 0
-    for part in parts:
-        views.append(packed[start:start + part.size])
-        start += part.size
+        parts += [[p.query_start for p in chunks], [p.query_len for p in chunks],
+                  [p.context_len for p in chunks], padded_rows([p.block_table for p in chunks])]
+    views = upload_parts(parts, device, np.int32)  # one copy, no wait for queued work
     decode_view = views[0].view(nd, decode.shape[1])  # [nd, width + 1]
     prefill = None
     if chunks:
@@ -102,6 +95,17 @@ def fill_graph_step(meta: TritonStep, common: CommonAttentionMetadata, batch: in
                     num_splits: int) -> None:
     """This step's decodes into meta's static tensors, rows [n, batch) padded (slot -1,
     context 0), in place; meta.num_rows = batch."""
+    fill_graph_tables(meta, common, batch, num_splits)
+    n = common.num_decodes
+    slots = np.full(batch, -1, dtype=np.int64)
+    slots[:n] = common.slot_mapping
+    meta.slot_mapping[:batch].copy_(torch.from_numpy(slots), non_blocking=True)
+
+
+def fill_graph_tables(meta: TritonStep, common: CommonAttentionMetadata, batch: int,
+                      num_splits: int) -> None:
+    """`fill_graph_step` without the slots (for a backend whose KV cache plans its own
+    writes): the block tables and context lengths, num_rows and num_splits."""
     if meta.graph_buffer is None:
         raise ValueError("fill_graph_decode needs metadata from graph_decode_metadata")
     max_batch, width = meta.graph_buffer.shape[0], meta.graph_buffer.shape[1] - 1
@@ -121,10 +125,7 @@ def fill_graph_step(meta: TritonStep, common: CommonAttentionMetadata, batch: in
     for i, t in enumerate(common.decode_block_tables):
         host[i, :len(t)] = t
     host[:n, width] = common.decode_context_lens
-    slots = np.full(batch, -1, dtype=np.int64)
-    slots[:n] = common.slot_mapping
-    # pageable sources: staged at once, the copies do not wait for the device's queued work
+    # a pageable source: staged at once, the copy does not wait for the device's queued work
     meta.graph_buffer[:batch].copy_(torch.from_numpy(host), non_blocking=True)
-    meta.slot_mapping[:batch].copy_(torch.from_numpy(slots), non_blocking=True)
     meta.num_rows = batch
     meta.num_splits = num_splits

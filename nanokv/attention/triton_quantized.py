@@ -24,7 +24,12 @@ import torch
 from nanokv.attention.backend import AttentionBackend
 from nanokv.attention.common import CommonAttentionMetadata
 from nanokv.attention.quantized import prefill_only_metadata, write_prefill_then_decode
-from nanokv.attention.triton_metadata import TritonStep, fill_graph_step, graph_step, padded_rows
+from nanokv.attention.triton_metadata import (
+    TritonStep,
+    fill_graph_tables,
+    graph_step,
+    padded_rows,
+)
 from nanokv.attention.triton_paged import SPLIT_CAP, interpreter_on, triton_unavailable
 from nanokv.layers.attention import AttentionMetadata
 from nanokv.quant.kivi_store import KIVIStore
@@ -137,8 +142,8 @@ class TritonQuantizedBackend(AttentionBackend):
             raise ValueError("fill_graph_decode needs metadata from graph_decode_metadata")
         tables, plan = meta.graph
         max_blocks = tables.block_tables.shape[1]
-        fill_graph_step(tables, common, batch,
-                        self.decode_splits(batch, max_blocks * self.block_size))
+        fill_graph_tables(tables, common, batch,  # the slots: the store's write plan
+                          self.decode_splits(batch, max_blocks * self.block_size))
         meta.write_plan = self.kv_cache.fill_graph_write(plan, common.write_plan, batch)
         meta.num_decode_tokens, meta.num_splits = batch, tables.num_splits
 

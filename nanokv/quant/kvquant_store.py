@@ -54,7 +54,7 @@ from nanokv.quant import native_write
 from nanokv.quant.packing import pack, packed_dim, unpack
 from nanokv.quant.staging import BlockStaging
 from nanokv.quant.store import BufferSpec, QuantizedKVStore, Rope, WritePlan, as_list
-from nanokv.transfer import upload
+from nanokv.transfer import upload_parts
 
 logger = logging.getLogger("nanokv")
 _PARTS = ("codes", "offset", "half", "oidx", "oval")  # a layer's buffers of one kind
@@ -103,15 +103,15 @@ class GraphWritePlan:
     is the first b entries of each (`KVQuantStore.fill_graph_write`)."""
 
     max_batch: int
-    # int64 [(7 + B) * max_batch]: the parts of `_GRAPH_PARTS`, max_batch entries each, then
+    # int64 [(5 + B) * max_batch]: the parts of `_GRAPH_PARTS`, max_batch entries each, then
     # quant_src [max_batch, B]
     ints: torch.Tensor
     flags: torch.Tensor  # bool [(1 + B) * max_batch]: token_valid, then quant_valid [max_batch, B]
+    rows: torch.Tensor  # int64 [max_batch] 0, 1, ...: the staging and sink writes' token (fixed)
 
 
-# the int64 parts of a GraphWritePlan, in order (stage_src and sink_src: row i's token is i)
-_GRAPH_PARTS = ("slot_mapping", "positions", "stage_src", "stage_dst", "quant_blocks",
-                "sink_src", "sink_dst")
+# the int64 parts of a GraphWritePlan filled each step, in order
+_GRAPH_PARTS = ("slot_mapping", "positions", "stage_dst", "quant_blocks", "sink_dst")
 
 
 class KVQuantStore(QuantizedKVStore):
@@ -282,18 +282,12 @@ class KVQuantStore(QuantizedKVStore):
         # every index list in one host -> device copy that does not wait for queued work
         parts = {"slots": slots, "positions": pos, "stage_src": step.stage_src,
                  "stage_dst": step.stage_dst, "quant_blocks": quant_blocks,
-                 "quant_src": [i for src in step.quant_src for i in src],
-                 "quant_valid": [int(ok) for row in quant_valid for ok in row],
+                 "quant_src": step.quant_src, "quant_valid": quant_valid,
                  "sink_src": sink_src, "sink_dst": sink_dst,
                  "sink_slot": [slots[t] % bsz for t in sink_src],
                  "fresh": fresh if n_sink else [], "row_blocks": list(step.row_changes),
                  "rows": list(step.row_changes.values())}
-        packed = upload(np.array([i for part in parts.values() for i in part], dtype=np.int64),
-                        self.device)
-        at, start = {}, 0
-        for name, part in parts.items():
-            at[name] = packed[start:start + len(part)]
-            start += len(part)
+        at = dict(zip(parts, upload_parts(list(parts.values()), self.device)))
         buf = self.buffers
         self.slot_positions.view(-1)[at["slots"]] = at["positions"].to(self.slot_positions.dtype)
         if at["fresh"].numel():
@@ -321,7 +315,8 @@ class KVQuantStore(QuantizedKVStore):
         ints = torch.full(((len(_GRAPH_PARTS) + bsz) * max_batch,), -1, dtype=torch.long,
                           device=self.device)
         flags = torch.zeros((1 + bsz) * max_batch, dtype=torch.bool, device=self.device)
-        return GraphWritePlan(max_batch, ints, flags)
+        rows = torch.arange(max_batch, device=self.device)
+        return GraphWritePlan(max_batch, ints, flags, rows)
 
     def fill_graph_write(self, graph: GraphWritePlan, plan: KVQuantWritePlan | None,
                          batch: int) -> KVQuantWritePlan:
@@ -337,14 +332,13 @@ class KVQuantStore(QuantizedKVStore):
             raise ValueError(f"batch must be between the step's {n} tokens and max_batch {m}, "
                              f"got {batch}")
         parts = {name: np.full(m, -1, dtype=np.int64) for name in _GRAPH_PARTS}
-        parts["stage_src"][:] = parts["sink_src"][:] = np.arange(m)  # row i's token is i
         quant_src = np.zeros((m, bsz), dtype=np.int64)
         valid, quant_valid = np.zeros(m, dtype=bool), np.zeros((m, bsz), dtype=bool)
         if n:
             parts["slot_mapping"][:n] = host.slots
             parts["positions"][:n] = host.positions
             valid[:n] = np.asarray(host.positions) >= self.num_sinks
-            parts["stage_dst"][host.stage_src] = host.stage_dst
+            parts["stage_dst"][host.stage_src] = host.stage_dst  # at their token's row
             parts["sink_dst"][host.sink_src] = host.sink_dst
             nq = len(host.quant_blocks)  # <= n: a token fills at most one block
             parts["quant_blocks"][:nq] = host.quant_blocks
@@ -364,9 +358,9 @@ class KVQuantStore(QuantizedKVStore):
         quant_valid = graph.flags[m:].view(m, bsz)[:batch]  # [batch, B]
         return KVQuantWritePlan(
             part["slot_mapping"], part["positions"], token_valid=graph.flags[:batch],
-            stage_src=part["stage_src"], stage_dst=part["stage_dst"],
+            stage_src=graph.rows[:batch], stage_dst=part["stage_dst"],
             quant_blocks=part["quant_blocks"], quant_src=quant_src, quant_valid=quant_valid,
-            sink_src=part["sink_src"], sink_dst=part["sink_dst"])
+            sink_src=graph.rows[:batch], sink_dst=part["sink_dst"])
 
     def write(self, layer: int, plan: KVQuantWritePlan, k: torch.Tensor, v: torch.Tensor) -> None:
         buf, codec = self.buffers, self.codecs[layer]

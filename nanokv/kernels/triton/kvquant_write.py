@@ -98,8 +98,9 @@ def _dense(codes, hr, off, book_ptr, LEVELS: tl.constexpr, NUQ: tl.constexpr):
 
 @triton.jit
 def _store_sparse(ptr, x, mask, SPARSE_KIND: tl.constexpr):
-    """float32 deltas -> the sparse buffer: fp16 (0) or float32 (2) as they are; bfloat16 (1)
-    as its bits, rounded to nearest even (the buffer is passed as int16)."""
+    """float32 values (outliers' deltas, staged keys, sink tokens) -> a buffer of SPARSE_KIND:
+    fp16 (0) or float32 (2) as they are; bfloat16 (1) as its bits, rounded to nearest even (the
+    buffer is passed as int16; Triton's interpreter would truncate a plain cast)."""
     if SPARSE_KIND == 1:
         u = x.to(tl.uint32, bitcast=True)
         bits = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
@@ -381,6 +382,22 @@ def _oval(buffers: dict[str, torch.Tensor]) -> torch.Tensor:
     return oval.view(torch.int16) if oval.dtype == torch.bfloat16 else oval
 
 
+def _layer_args(buffers: dict[str, torch.Tensor], bits: int,
+                tables: tuple[torch.Tensor, torch.Tensor, bool], dim: int) -> tuple[tuple, dict]:
+    """What both quantize kernels take alike: the layer's buffers and the codebook tables (in the
+    kernels' argument order), and the codes' and outliers' layout (constexprs, FMA off)."""
+    mids, book, nuq = tables
+    cap = buffers["oidx"].shape[-1]
+    layer = (buffers["codes"], buffers["offset"], buffers["half"], buffers["oidx"],
+             _oval(buffers), mids, book)
+    meta = dict(D=dim, D_PAD=_pow2(dim, 8), P=packed_dim(dim, bits), CAP=cap,
+                CAP_PAD=_pow2(cap), BITS=bits, LEVELS=2 ** bits - 1, NUQ=nuq,
+                INDEX_BYTES=buffers["oidx"].element_size(),
+                SPARSE_KIND=SPARSE_KINDS[buffers["oval"].dtype], TINY=_TINY,
+                enable_fp_fusion=False)
+    return layer, meta
+
+
 def quantize_tokens(x: torch.Tensor, valid: torch.Tensor, slots: torch.Tensor,
                     buffers: dict[str, torch.Tensor], bits: int,
                     tables: tuple[torch.Tensor, torch.Tensor, bool]) -> None:
@@ -396,17 +413,12 @@ def quantize_tokens(x: torch.Tensor, valid: torch.Tensor, slots: torch.Tensor,
                          f"{tuple(slots.shape)}")
     if num_tokens == 0:
         return
-    mids, book, nuq = tables
-    cap = buffers["oidx"].shape[-1]
+    layer, meta = _layer_args(buffers, bits, tables, dim)
+    cap = meta["CAP"]
     rows = num_tokens * heads
     _quantize_tokens_kernel[(triton.cdiv(rows, BLOCK_R),)](
         x, x.stride(0), x.stride(1), _as_bytes(valid.contiguous()), slots.contiguous(), rows,
-        buffers["codes"], buffers["offset"], buffers["half"], buffers["oidx"], _oval(buffers),
-        mids, book, H=heads, D=dim, D_PAD=_pow2(dim, 8), P=packed_dim(dim, bits), CAP=cap,
-        CAP_PAD=_pow2(cap), SIDE=cap // 2, PICKS=min(cap // 2, dim), BITS=bits,
-        LEVELS=2 ** bits - 1, NUQ=nuq, INDEX_BYTES=buffers["oidx"].element_size(),
-        SPARSE_KIND=SPARSE_KINDS[buffers["oval"].dtype], R=BLOCK_R, TINY=_TINY,
-        enable_fp_fusion=False)
+        *layer, H=heads, SIDE=cap // 2, PICKS=min(cap // 2, dim), R=BLOCK_R, **meta)
 
 
 def quantize_blocks(x: torch.Tensor, staging: torch.Tensor, quant_src: torch.Tensor,
@@ -436,20 +448,15 @@ def quantize_blocks(x: torch.Tensor, staging: torch.Tensor, quant_src: torch.Ten
                          f"{tuple(thresholds.shape)}")
     if n == 0:
         return
-    mids, book, nuq = tables
-    cap = buffers["oidx"].shape[-1]
+    layer, meta = _layer_args(buffers, bits, tables, dim)
+    mids = tables[0]
     limits = mids if thresholds is None else thresholds.to(x.device, torch.float32).contiguous()
     _quantize_blocks_kernel[(n * heads,)](
         x, x.stride(0), x.stride(1), staging, quant_src.contiguous(),
-        _as_bytes(valid.contiguous()), block_ids.contiguous(), limits, buffers["codes"],
-        buffers["offset"], buffers["half"], buffers["oidx"], _oval(buffers), mids, book,
-        STAGED=staging.shape[0], H=heads, B=bsz, B_PAD=_pow2(bsz), D=dim, D_PAD=_pow2(dim, 8),
-        P=packed_dim(dim, bits), CAP=cap, CAP_PAD=_pow2(cap), PICKS=min(cap // 2, bsz * dim),
-        BITS=bits, LEVELS=2 ** bits - 1, NUQ=nuq, THRESHOLDS=thresholds is not None,
-        INDEX_BYTES=buffers["oidx"].element_size(),
-        SPARSE_KIND=SPARSE_KINDS[buffers["oval"].dtype], EPS=_EPS, TINY=_TINY,
-        enable_fp_fusion=False,
-        num_warps=block_warps(_pow2(bsz) * _pow2(dim, 8)))
+        _as_bytes(valid.contiguous()), block_ids.contiguous(), limits, *layer,
+        STAGED=staging.shape[0], H=heads, B=bsz, B_PAD=_pow2(bsz),
+        PICKS=min(meta["CAP"] // 2, bsz * dim), THRESHOLDS=thresholds is not None, EPS=_EPS,
+        num_warps=block_warps(_pow2(bsz) * _pow2(dim, 8)), **meta)
 
 
 def scatter_rows(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, out: torch.Tensor
