@@ -6,9 +6,11 @@ bfloat16, the issue's workload: --requests decodes with contexts drawn from 200.
 (prompt 100-1024 plus output 100-1024), and a prefill step of --prefill-chunks chunks of
 --chunk-len tokens, half of them over a cached prefix. Caches: the float pool, int8 / fp8
 stores (the PyTorch path dequantizes the blocks it reads), and a KVQuant 4-bit store (keys
-before RoPE): for it the decode attention alone, the Triton kernel over the codes against the
-PyTorch path (its prefill is the PyTorch path in both backends, and its blocks take their slots
-once, in order, so the write is not repeated). Each timing covers the backend's
+before RoPE): for it the attention alone, without the write (its blocks take their slots once,
+in order, so the write is not repeated): decode, the Triton kernel over the codes against the
+PyTorch path; prefill, the Triton backend's (prefixes decoded into a scratch cache, then the
+paged prefill kernel) against the PyTorch path's (each chunk's prefix dequantized, masked SDPA),
+their outputs compared first. Each timing covers the backend's
 `build` (the step's metadata, once per step) plus one layer's `forward` (write + attention);
 median of --repeats rounds after a warm-up, every method once per round in turn. Reported
 alongside: the decode's effective read bandwidth (the KV bytes the requests' contexts hold /
@@ -106,14 +108,18 @@ def step_fn(backend_cls, cache, common, q, k, v, device, max_position: int):
     return run
 
 
+def cached_past(common) -> list[tuple[list[int], int]]:
+    """(block table, cached slots before this step) of each request of the step."""
+    return [(t, n - 1) for t, n in zip(common.decode_block_tables, common.decode_context_lens)] \
+        + [(c.block_table, c.context_len - c.query_len) for c in common.prefills]
+
+
 def fill_past(store, common, max_position: int, gen, device) -> None:
-    """Write each decode request's cached tokens (all but its last) through the store, in slot
-    order (a KVQuant block fills in order; its partial last block is staged). `gen` is a
-    generator on `device` (the values are drawn there)."""
+    """Write each request's cached tokens (a decode's all but its last, a prefill chunk's
+    prefix) through the store, in slot order (a KVQuant block fills in order; its partial last
+    block is staged). `gen` is a generator on `device` (the values are drawn there)."""
     bs = store.layout.block_size
-    slots = [t[j // bs] * bs + j % bs for t, n in zip(common.decode_block_tables,
-                                                      common.decode_context_lens)
-             for j in range(n - 1)]
+    slots = [t[j // bs] * bs + j % bs for t, n in cached_past(common) for j in range(n)]
     heads, dim = store.layout.num_kv_heads, store.layout.head_dim
     for start in range(0, len(slots), 65536):
         part = slots[start:start + 65536]
@@ -136,6 +142,35 @@ def decode_only_fns(store, common, q, k, v, device) -> dict:
                                q, k, v, device)}
 
 
+def prefill_only_fns(store, common, q, k, v, device) -> dict:
+    """A KVQuant store's prefill attention alone (no write): the PyTorch path (each chunk's
+    prefix dequantized, then masked SDPA over prefix + chunk) and the Triton backend's (the
+    prefixes decoded into a scratch cache, then the paged prefill kernel over every chunk),
+    each step's metadata included. Their outputs are compared once first."""
+    scale = q.shape[-1] ** -0.5
+    common.write_plan = SimpleNamespace(slot_mapping=torch.empty(0, dtype=torch.long,
+                                                                 device=device))
+    torch_backend, triton_backend = QuantizedTorchBackend(store, device), \
+        TritonQuantizedBackend(store, device)
+
+    def torch_path():
+        meta = torch_backend.build(common).meta
+        return quantized_paged_attention(q, k, v, None, store, 0, meta, None, scale, store.rope)
+
+    def triton_path():
+        out = torch.empty_like(q)
+        triton_backend.attend_prefill(0, q, k, v, triton_backend.prefill_chunks(common), out,
+                                      scale)
+        return out
+
+    error = (triton_path().float() - torch_path().float()).abs().max().item()
+    print(json.dumps({"kvquant_prefill_max_abs_diff": error}))
+    if not error < 0.05:  # bf16 outputs of unit-scale attention
+        raise SystemExit(f"the Triton prefill over the KVQuant store differs from the PyTorch "
+                         f"path by {error}")
+    return {"torch": torch_path, "triton": triton_path}
+
+
 def decode_step(args, rng, num_blocks) -> tuple[CommonAttentionMetadata, int]:
     """Requests with random contexts in their own shuffled blocks; returns the step and the
     number of cached tokens it reads."""
@@ -148,8 +183,10 @@ def decode_step(args, rng, num_blocks) -> tuple[CommonAttentionMetadata, int]:
     return CommonAttentionMetadata(slots, len(lens), tables, lens, []), sum(lens)
 
 
-def prefill_step(args, rng, num_blocks) -> CommonAttentionMetadata:
-    blocks = list(range(num_blocks))
+def prefill_step(args, rng, blocks: range) -> CommonAttentionMetadata:
+    """Chunks of --chunk-len tokens, every other one over a cached prefix as long, in their
+    own shuffled blocks out of `blocks`."""
+    blocks = list(blocks)
     rng.shuffle(blocks)
     bs, n = args.block_size, args.chunk_len
     chunks, slots = [], []
@@ -394,10 +431,10 @@ def main(argv=None) -> None:
         return decode_sweep(args, device, dtype, rng, device_gen)
     layout = KVLayout(1, args.kv_heads, args.head_dim, args.block_size, dtype)
     per_request = cdiv(args.max_context, args.block_size)
-    num_blocks = max(args.requests * per_request, args.prefill_chunks * 2 * cdiv(
-        args.chunk_len, args.block_size)) + 1
-    decode, tokens = decode_step(args, rng, num_blocks)
-    prefill = prefill_step(args, rng, num_blocks)
+    decode_blocks = args.requests * per_request
+    num_blocks = decode_blocks + args.prefill_chunks * 2 * cdiv(args.chunk_len, args.block_size)
+    decode, tokens = decode_step(args, rng, decode_blocks)  # the two steps' blocks disjoint
+    prefill = prefill_step(args, rng, range(decode_blocks, num_blocks))
 
     def qkv(t):
         shapes = ((t, args.q_heads), (t, args.kv_heads), (t, args.kv_heads))
@@ -412,16 +449,16 @@ def main(argv=None) -> None:
         read = 2 * tokens * args.kv_heads * (args.head_dim * elem + (4 if kind != "auto" else 0))
         reference = TorchPagedBackend if kind == "auto" else QuantizedTorchBackend
         triton_cls = TritonPagedBackend
-        steps = (("decode", decode),) if kind == "kvquant" else (("decode", decode),
-                                                                  ("prefill", prefill))
         if kind == "kvquant":
             fill_past(cache, decode, max_position, device_gen, device)
-        for name, common in steps:
+            fill_past(cache, prefill, max_position, device_gen, device)
+        for name, common in (("decode", decode), ("prefill", prefill)):
             q, k, v = qkv(len(common.slot_mapping))
             fns = {"torch": step_fn(reference, cache, common, q, k, v, device, max_position),
                    "triton": step_fn(triton_cls, cache, common, q, k, v, device, max_position)}
             if kind == "kvquant":
-                fns = decode_only_fns(cache, common, q, k, v, device)
+                make = decode_only_fns if name == "decode" else prefill_only_fns
+                fns = make(cache, common, q, k, v, device)
             t = timed(fns, args.repeats, device)
             row = {"kv_cache_dtype": kind, "step": name, "torch_ms": t["torch"] * 1e3,
                    "triton_ms": t["triton"] * 1e3, "speedup": t["torch"] / t["triton"]}

@@ -11,7 +11,8 @@ kernels replaced by recorders, then compiles each recorded launch to a cubin.
 Shapes: Qwen3-0.6B's attention (16 query heads, 8 KV heads, head dim 128, block size 16) in
 bfloat16 over the float pool and the int8 / fp8 stores and the KVQuant decode kernel over a
 4-bit store with keys before RoPE (with --quick: one split; else also 2-bit with outliers and
-sinks, and KIVI), KVQuant's quantize-on-write (4-bit; else also 2-, 3- and 8-bit), plus a
+sinks, and KIVI) and the read of their blocks into a prefill's scratch cache, KVQuant's
+quantize-on-write (4-bit; else also 2-, 3- and 8-bit), plus a
 float32 pool with GQA 8 and head dim 64 (the dot in IEEE float32).
 Exits non-zero on the first failure, naming the variant.
 """
@@ -38,6 +39,7 @@ from nanokv.kernels.triton import (  # noqa: E402
     decode,
     kv_write,
     kvquant_decode,
+    kvquant_read,
     kvquant_write,
     prefill,
 )
@@ -170,6 +172,10 @@ def record_quant(dtype, hq, hkv, dim, block_size, quick: bool) -> None:
         for splits in ((1,) if quick else (1, 4)):
             kvquant_decode.kvquant_decode_attention(q, k, k, view, tables, lens,
                                                     torch.empty_like(q), 0.1, splits)
+    ids = torch.zeros(2, dtype=torch.int32)
+    scratch = torch.zeros(2, block_size, hkv, dim, dtype=dtype)  # a prefill's prefix, decoded
+    for view in views:
+        kvquant_read.kvquant_read_blocks(view, ids, scratch, scratch.clone())
     if not quick:  # two blocks a loop iteration (a launch variant the GPU sweep tries)
         kvquant_decode.kvquant_decode_attention(q, k, k, views[0], tables, lens,
                                                 torch.empty_like(q), 0.1, 4, unroll=2)
@@ -208,8 +214,10 @@ def main() -> None:
                          (prefill, "_prefill_kernel"), (kv_write, "_write_kv_kernel")):
         recorders[name] = Recorder(getattr(module, name))
         setattr(module, name, recorders[name])
-    recorders["_kvquant_decode_kernel"] = Recorder(kvquant_decode._kvquant_decode_kernel)
-    kvquant_decode._kvquant_decode_kernel = recorders["_kvquant_decode_kernel"]
+    for module, name in ((kvquant_decode, "_kvquant_decode_kernel"),
+                         (kvquant_read, "_kvquant_read_kernel")):
+        recorders[name] = Recorder(getattr(module, name))
+        setattr(module, name, recorders[name])
     for name in ("_quantize_tokens_kernel", "_quantize_blocks_kernel", "_scatter_rows_kernel"):
         recorders[name] = Recorder(getattr(kvquant_write, name))
         setattr(kvquant_write, name, recorders[name])

@@ -3,7 +3,7 @@
 # downloads there; nanokv runs from the working tree with PYTHONPATH=.). Each stage has its own
 # time limit (the default stages' limits add up to about 730 s, more than a 15-minute lease
 # leaves after a machine start and a rerun: pick some with STAGES, e.g. the next session's
-# STAGES='suite_cuda|triton_sweep|make_model|kv_|profile_kvquant') and writes to $OUT (default
+# STAGES='suite_cuda|triton_sweep|triton_bench|make_model|kv_|profile_kvquant') and writes to $OUT (default
 # /tmp/gpu_check); summary.md gathers the figures at the end. With PACK=FILE.tgz the logs so far are packed into FILE after every
 # stage (a tool that returns few files gets one, also when the run is cut short).
 # Run from the repository root:  OUT=/path bash scripts/gpu_check.sh
@@ -18,8 +18,8 @@
 #                          defaults (splits up to 64, pipelining depth, warps, key tile or the
 #                          KVQuant kernel's unroll) at 32k tokens (--sweep-variants)
 #   triton_bench           one layer's decode + prefill step, Triton backend vs PyTorch backend
-#                          (float pool, int8, fp8, KVQuant 4-bit decode;
-#                          benchmarks/bench_triton_attention.py)
+#                          (float pool, int8, fp8; KVQuant 4-bit decode and prefill attention
+#                          alone; benchmarks/bench_triton_attention.py)
 #   parity                 greedy parity with HF on CUDA (tiny models; plain, prefix hits,
 #                          chunking, preemption, int8), decode through CUDA graphs
 #                          (parity_eager, --enforce-eager: only with STAGES=parity_eager)
@@ -77,6 +77,7 @@ bench() {  # name, seconds, requests, extra flags...
 }
 
 CUDA_TESTS="tests/cuda tests/unit/test_triton_attention.py tests/unit/test_triton_kvquant.py
+  tests/unit/test_triton_kvquant_read.py
   tests/unit/test_kvquant_triton_write.py tests/unit/test_kvquant_graph_write.py
   tests/model/test_decode_graphs.py tests/model/test_hf_parity.py tests/unit/test_seams.py"
 # shellcheck disable=SC2086

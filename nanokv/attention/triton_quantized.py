@@ -1,8 +1,10 @@
-"""Triton decode over the KVQuant and KIVI stores, their codes read in place, on CUDA
-(`nanokv/kernels/triton/kvquant_decode.py`). The KV write is the store's: on CUDA a KVQuant
-store quantizes on write in Triton (`kernels/triton/kvquant_write.py`, two launches a layer), a
-KIVI store in PyTorch; prefill chunks go through the stores' PyTorch path, as on the CPU
-backends before their kernels.
+"""Triton attention over the KVQuant and KIVI stores on CUDA: decode reads the codes in place
+(`nanokv/kernels/triton/kvquant_decode.py`); a step's prefill chunks take two launches a layer,
+their cached prefixes decoded into a scratch float cache (`kvquant_read.py`, each block once)
+and then all chunks through the float pool's paged prefill kernel (`prefill.py`: the prefix from
+the scratch, the chunk's own tokens causally with their fresh K/V). The KV write is the store's:
+on CUDA a KVQuant store quantizes on write in Triton (`kernels/triton/kvquant_write.py`, two
+launches a layer), a KIVI store in PyTorch.
 
 Serves KVQuant with per-channel keys (before RoPE over the whole head, or after it) and KIVI,
 at power-of-two block sizes; per-token KVQuant keys (the ablation layout) stay on the PyTorch
@@ -12,38 +14,54 @@ the kernels (`KVQuantStore.graph_write_plan` / `fill_graph_write`); KIVI's PyTor
 shape from step to step, so KIVI runs eagerly. On CPU only
 under Triton's interpreter (TRITON_INTERPRET=1: the tests, against
 `reference_quantized_attention`); "auto" chooses it on CUDA only. The decode kernel ran on an
-H200 (docs/results/gpu/); the write kernels have not yet run on a GPU.
+H200 (docs/results/gpu/); the write and read kernels have not yet run on a GPU.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nanokv.attention.backend import AttentionBackend
 from nanokv.attention.common import CommonAttentionMetadata
-from nanokv.attention.quantized import prefill_only_metadata, write_prefill_then_decode
 from nanokv.attention.triton_metadata import (
+    PrefillChunks,
     TritonStep,
     fill_graph_tables,
     graph_step,
     padded_rows,
 )
-from nanokv.attention.triton_paged import SPLIT_CAP, interpreter_on, triton_unavailable
-from nanokv.layers.attention import AttentionMetadata
+from nanokv.attention.triton_paged import (
+    SPLIT_CAP,
+    TritonPagedBackend,
+    interpreter_on,
+    triton_unavailable,
+)
 from nanokv.quant.kivi_store import KIVIStore
 from nanokv.quant.kvquant import centroid_table
 from nanokv.quant.kvquant_store import GraphWritePlan, KVQuantStore
-from nanokv.transfer import upload
+from nanokv.transfer import upload, upload_parts
 from nanokv.utils import cdiv
+
+
+@dataclass
+class QuantPrefill:
+    """A step's prefill chunks: their cached prefixes' blocks, decoded into the scratch cache
+    each layer, and the chunks as the paged prefill kernel reads them."""
+
+    chunks: PrefillChunks  # block tables: rows of the scratch cache, not the store's blocks
+    read_ids: torch.Tensor  # [n] int32 the store's blocks: block i -> scratch row i
+    k_scratch: torch.Tensor  # [max(n, 1), B, Hkv, D] in the layout's dtype, reused by each layer
+    v_scratch: torch.Tensor
 
 
 @dataclass
 class TritonQuantStep:
     write_plan: object
     num_decode_tokens: int
-    prefill_meta: AttentionMetadata | None  # the prefill chunks (PyTorch path), None if none
+    prefill: QuantPrefill | None  # the step's prefill chunks, None if none
     block_tables: torch.Tensor | None = None  # [B, max_blocks] int32, the decode rows'
     context_lens: torch.Tensor | None = None  # [B] int32, cached slots incl. the new token
     num_splits: int = 1
@@ -70,7 +88,7 @@ def kernel_unfit(kv_cache) -> str | None:
 
 class TritonQuantizedBackend(AttentionBackend):
     name = "triton"
-    description = "Triton decode over the kvquant / kivi codes in place, PyTorch prefill"
+    description = "Triton over the kvquant / kivi codes (decode in place, prefix decoded once)"
     auto_devices = ("cuda",)
     num_warps = 4
     num_stages = None  # the pipelining depth of a split's block loop (None: Triton's)
@@ -78,9 +96,13 @@ class TritonQuantizedBackend(AttentionBackend):
 
     def __init__(self, kv_cache, device: torch.device) -> None:
         super().__init__(kv_cache, device)
-        from nanokv.kernels.triton import kvquant_decode  # reads TRITON_INTERPRET when defined
+        # these read TRITON_INTERPRET when defined
+        from nanokv.kernels.triton import kvquant_decode, kvquant_read, prefill
+        from nanokv.kernels.triton.paged_kv import PagedKV
 
-        self._kernels = kvquant_decode
+        self._kernels, self._read, self._prefill, self._paged = (kvquant_decode, kvquant_read,
+                                                                 prefill, PagedKV)
+        self.tile_n, self.block_rows = TritonPagedBackend.tiles_for(kv_cache.layout.dtype)
         self.block_size = kv_cache.block_size
         self.num_kv_heads = kv_cache.layout.num_kv_heads
         self.target_programs = (2 * torch.cuda.get_device_properties(device).multi_processor_count
@@ -120,14 +142,40 @@ class TritonQuantizedBackend(AttentionBackend):
         return max(1, min(wanted, cdiv(max_context, self.block_size), SPLIT_CAP))
 
     def build(self, common: CommonAttentionMetadata) -> TritonQuantStep:
-        prefill_meta = prefill_only_metadata(common, self.device)
-        step = TritonQuantStep(common.write_plan, common.num_decode_tokens, prefill_meta)
+        if common.per_layer is not None:
+            raise RuntimeError("per-layer block tables need the float KV pool")
+        step = TritonQuantStep(common.write_plan, common.num_decode_tokens,
+                               self.prefill_chunks(common) if common.prefills else None)
         if common.num_decodes:  # tables and context lengths in one upload (as triton_paged)
             lens = common.decode_context_lens
             rows = upload(padded_rows(common.decode_block_tables, lens), self.device)
             step.block_tables, step.context_lens = rows[:, :-1], rows[:, -1]  # [B, width], [B]
             step.num_splits = self.decode_splits(len(lens), max(lens))
         return step
+
+    def prefill_chunks(self, common: CommonAttentionMetadata) -> QuantPrefill:
+        """The chunks' prefixes in a scratch cache: chunk c's `past` cached slots are rows
+        [start_c, start_c + cdiv(past, B)) of it, read from its first blocks (one upload for
+        every chunk tensor)."""
+        chunks, bs = common.prefills, self.block_size
+        read, tables = [], []
+        for c in chunks:
+            n = cdiv(c.context_len - c.query_len, bs)  # the prefix's blocks
+            tables.append(range(len(read), len(read) + n))
+            read += c.block_table[:n]
+        tables = padded_rows(tables)  # [C, widest prefix] (at least one column: a view)
+        if tables.shape[1] == 0:
+            tables = np.zeros((len(chunks), 1), dtype=np.int32)
+        views = upload_parts([[c.query_start for c in chunks], [c.query_len for c in chunks],
+                              [c.context_len for c in chunks], tables, read], self.device,
+                             np.int32)
+        lay = self.kv_cache.layout
+        scratch = (max(1, len(read)), bs, lay.num_kv_heads, lay.head_dim)
+        return QuantPrefill(
+            PrefillChunks(views[0], views[1], views[2], views[3].view(tables.shape),
+                          max(c.query_len for c in chunks)),
+            views[4], torch.empty(scratch, dtype=lay.dtype, device=self.device),
+            torch.empty(scratch, dtype=lay.dtype, device=self.device))
 
     def graph_decode_metadata(self, max_batch: int, max_blocks: int) -> TritonQuantStep:
         if not self.supports_cuda_graphs:
@@ -150,16 +198,33 @@ class TritonQuantizedBackend(AttentionBackend):
     # ---- one layer -----------------------------------------------------------------------------
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_pre: torch.Tensor, step: TritonQuantStep, scale: float) -> torch.Tensor:
-        def decode(qd, kd, vd):
-            out = torch.empty_like(qd)
+        """The store writes the step's K/V, then the prefill rows and the decode rows
+        [0, num_decode_tokens) of out [T, Hq, D] are attended (the chunks' prefixes as stored,
+        the step's own tokens with their fresh K/V)."""
+        self.kv_cache.write_layer(layer, step.write_plan, k, v, k_pre)
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        out = torch.empty_like(q)
+        if step.prefill is not None:
+            self.attend_prefill(layer, q, k, v, step.prefill, out, scale)
+        nd = step.num_decode_tokens
+        if nd:
             self._kernels.kvquant_decode_attention(
-                qd, kd, vd, self.layer_views(layer), step.block_tables, step.context_lens, out,
-                scale, step.num_splits, self.num_warps, self.num_stages, self.unroll)
-            return out
+                q[:nd], k[:nd], v[:nd], self.layer_views(layer), step.block_tables,
+                step.context_lens, out[:nd], scale, step.num_splits, self.num_warps,
+                self.num_stages, self.unroll)
+        return out
 
-        return write_prefill_then_decode(self.kv_cache, layer, q, k, v, k_pre, step.write_plan,
-                                         step.prefill_meta, step.num_decode_tokens, scale,
-                                         decode)
+    def attend_prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       pre: QuantPrefill, out: torch.Tensor, scale: float) -> None:
+        """The prefill chunks' rows of out: their prefixes decoded into the scratch cache, then
+        every chunk in one launch of the paged prefill kernel over it."""
+        self._read.kvquant_read_blocks(self.layer_views(layer), pre.read_ids, pre.k_scratch,
+                                       pre.v_scratch)
+        chunks = pre.chunks
+        self._prefill.prefill_attention(
+            q, k, v, self._paged(pre.k_scratch, pre.v_scratch), chunks.query_start,
+            chunks.query_len, chunks.context_lens, chunks.block_tables, chunks.max_query_len,
+            out, scale, self.block_rows, self.tile_n, self.num_warps)
 
     def layer_views(self, layer: int):
         """The layer's buffers as the kernel reads them (views of the store's, made once)."""

@@ -55,9 +55,10 @@ def test_launch_variants_give_the_default_output(tmp_path):
         assert r["max_abs_diff_vs_default"] < 1e-5, r
 
 
-def test_step_mode_rows(tmp_path):
+def test_step_mode_rows(tmp_path, capsys):
     """The default mode (one layer's step, the PyTorch backend vs the Triton one) runs every
-    cache, KVQuant's decode alone."""
+    cache, KVQuant's attention alone: its decode, and its prefill over cached prefixes, whose
+    two outputs agree."""
     bench_triton_attention.main([
         "--device", "cpu", "--requests", "2", "--min-context", "20", "--max-context", "40",
         "--prefill-chunks", "2", "--chunk-len", "16", "--q-heads", "4", "--kv-heads", "2",
@@ -65,8 +66,11 @@ def test_step_mode_rows(tmp_path):
         "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "triton_attention.json").read_text())["rows"]
     assert [(r["kv_cache_dtype"], r["step"]) for r in rows] == [
-        ("auto", "decode"), ("auto", "prefill"), ("kvquant", "decode")]
+        ("auto", "decode"), ("auto", "prefill"), ("kvquant", "decode"), ("kvquant", "prefill")]
     assert all(r["torch_ms"] > 0 and r["triton_ms"] > 0 for r in rows)
+    diffs = [json.loads(line)["kvquant_prefill_max_abs_diff"]
+             for line in capsys.readouterr().out.splitlines() if "prefill_max_abs_diff" in line]
+    assert len(diffs) == 1 and diffs[0] < 1e-4, diffs  # float32 on CPU
 
 
 @pytest.mark.parametrize("argv,message", [

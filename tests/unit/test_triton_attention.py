@@ -378,7 +378,8 @@ def test_kernels_compile_for_a_gpu(tmp_path):
     operand types, constexpr use, registers): every kernel the backend launches for a bfloat16
     model over the float pool and int8 codes, the KVQuant decode kernel over a 4-bit store and
     that store's quantize-on-write kernels (per token, per channel, and the staging and sink
-    rows' copy for a bfloat16 staging and fp16 sinks) compiles to a cubin for
+    rows' copy for a bfloat16 staging and fp16 sinks) and the read of its blocks into a
+    prefill's scratch cache compiles to a cubin for
     sm_90 without a GPU, and none spills registers."""
     import subprocess
     import sys
@@ -392,9 +393,10 @@ def test_kernels_compile_for_a_gpu(tmp_path):
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = [line for line in done.stdout.splitlines() if line.startswith("ok")]
-    assert len(compiled) == 14, done.stdout
+    assert len(compiled) == 15, done.stdout
     assert sum("_quantize_" in line for line in compiled) == 2, done.stdout
     assert sum("_scatter_rows_" in line for line in compiled) == 2, done.stdout
+    assert sum("_kvquant_read_" in line for line in compiled) == 1, done.stdout
     spilled = [line for line in compiled if " stack 0 local 0 " not in line]
     assert not spilled, spilled  # registers spilled to local memory
 

@@ -97,7 +97,7 @@ def _code_at(row, c, m, BITS: tl.constexpr, PACKED: tl.constexpr):
 
 
 @triton.jit
-def _key_rows(blk, g, s, dd, m, staged, kc_ptr, k_off_ptr, k_half_ptr, sink_slot_ptr,
+def key_rows(blk, g, s, dd, m, staged, kc_ptr, k_off_ptr, k_half_ptr, sink_slot_ptr,
               k_sink_ptr, k_stage_ptr, k_lut_ptr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
               BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr, PACKED: tl.constexpr,
               NUM_SINKS: tl.constexpr):
@@ -122,7 +122,7 @@ def _key_rows(blk, g, s, dd, m, staged, kc_ptr, k_off_ptr, k_half_ptr, sink_slot
 
 
 @triton.jit
-def _value_rows(blk, g, s, d, m, staged, vc_ptr, v_off_ptr, v_half_ptr, v_oidx_ptr, v_oval_ptr,
+def value_rows(blk, g, s, d, m, staged, vc_ptr, v_off_ptr, v_half_ptr, v_oidx_ptr, v_oval_ptr,
                 sink_slot_ptr, v_sink_ptr, v_stage_ptr, v_lut_ptr, HKV: tl.constexpr,
                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr,
                 PACKED: tl.constexpr, GROUPS: tl.constexpr, CAP: tl.constexpr,
@@ -162,7 +162,7 @@ def _key_outlier_scores(blk, g, s, staged, q_row, g_mask, k_oidx_ptr, k_oval_ptr
     there by its stored delta (exact - decoded); kept before RoPE, it changes the rotated key by
     delta (cos, sin) at (c, c + HALF) for c < HALF, by delta (-sin, cos) at (c - HALF, c) above.
     So each query's score at that slot changes by the products with q. None on a staged block
-    (exact rows) or at a sink slot (its full-precision row), as `_key_rows` puts them in place.
+    (exact rows) or at a sink slot (its full-precision row), as `key_rows` puts them in place.
 
     CHUNK entries at a time (all of a small block's at once): their index, delta, position,
     cos / sin and query channels are loaded as vectors (each level of that chain once a chunk,
@@ -178,12 +178,12 @@ def _key_outlier_scores(blk, g, s, staged, q_row, g_mask, k_oidx_ptr, k_oval_ptr
 
 
 @triton.jit
-def _key_outlier_chunk(blk, g, s, e0, staged, q_row, g_mask, k_oidx_ptr, k_oval_ptr,
-                       sink_slot_ptr, pos_ptr, cos_ptr, sin_ptr, HKV: tl.constexpr,
-                       HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr,
-                       CHUNK: tl.constexpr, NUM_SINKS: tl.constexpr, ROPE: tl.constexpr,
-                       DOT_DTYPE: tl.constexpr):
-    """_key_outlier_scores of the entries [e0, e0 + CHUNK) -> [G_PAD, B]."""
+def key_outlier_entries(blk, g, e0, staged, k_oidx_ptr, k_oval_ptr, sink_slot_ptr,
+                        HKV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                        CAP: tl.constexpr, CHUNK: tl.constexpr, NUM_SINKS: tl.constexpr):
+    """Block blk's key outlier entries [e0, e0 + CHUNK) of KV head g, loaded as vectors:
+    (used, slot, channel, delta) [CHUNK] each. Not used (delta 0): an empty entry, any entry of
+    a staged block (its rows are exact) or one at a sink slot (its full-precision row)."""
     e = e0 + tl.arange(0, CHUNK)
     entry = (blk * HKV + g) * CAP + e  # [CHUNK]
     idx = tl.load(k_oidx_ptr + entry, mask=e < CAP, other=-1).to(tl.int32)
@@ -194,6 +194,19 @@ def _key_outlier_chunk(blk, g, s, e0, staged, q_row, g_mask, k_oidx_ptr, k_oval_
     for p in tl.static_range(NUM_SINKS):
         used = used & (slot != tl.load(sink_slot_ptr + blk * NUM_SINKS + p).to(tl.int32))
     delta = tl.load(k_oval_ptr + entry, mask=used, other=0.0).to(tl.float32)
+    return used, slot, c, delta
+
+
+@triton.jit
+def _key_outlier_chunk(blk, g, s, e0, staged, q_row, g_mask, k_oidx_ptr, k_oval_ptr,
+                       sink_slot_ptr, pos_ptr, cos_ptr, sin_ptr, HKV: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAP: tl.constexpr,
+                       CHUNK: tl.constexpr, NUM_SINKS: tl.constexpr, ROPE: tl.constexpr,
+                       DOT_DTYPE: tl.constexpr):
+    """_key_outlier_scores of the entries [e0, e0 + CHUNK) -> [G_PAD, B]."""
+    used, slot, c, delta = key_outlier_entries(blk, g, e0, staged, k_oidx_ptr, k_oval_ptr,
+                                               sink_slot_ptr, HKV, HEAD_DIM, BLOCK_SIZE, CAP,
+                                               CHUNK, NUM_SINKS)
     q_mask = g_mask[:, None] & used[None, :]  # [G_PAD, CHUNK]
     if ROPE:
         HALF = HEAD_DIM // 2
@@ -282,10 +295,10 @@ def _kvquant_decode_kernel(
                 # registers: lo' = lo cos - hi sin, hi' = hi cos + lo sin (cos, sin the same on
                 # both halves); scores = q_lo . lo' + q_hi . hi', plus each outlier's correction
                 mh = live[:, None] & dh_mask[None, :]
-                k_lo = _key_rows(blk, kv_head, s, dh, mh, staged, kc_ptr, k_off_ptr, k_half_ptr,
+                k_lo = key_rows(blk, kv_head, s, dh, mh, staged, kc_ptr, k_off_ptr, k_half_ptr,
                                  sink_slot_ptr, k_sink_ptr, k_stage_ptr, k_lut_ptr, HKV, HEAD_DIM,
                                  BLOCK_SIZE, K_BITS, K_PACKED, NUM_SINKS)
-                k_hi = _key_rows(blk, kv_head, s, dh + HALF, mh, staged, kc_ptr, k_off_ptr,
+                k_hi = key_rows(blk, kv_head, s, dh + HALF, mh, staged, kc_ptr, k_off_ptr,
                                  k_half_ptr, sink_slot_ptr, k_sink_ptr, k_stage_ptr, k_lut_ptr,
                                  HKV, HEAD_DIM, BLOCK_SIZE, K_BITS, K_PACKED, NUM_SINKS)
                 pos = tl.maximum(tl.load(pos_ptr + blk * BLOCK_SIZE + s, mask=live, other=0), 0)
@@ -296,7 +309,7 @@ def _kvquant_decode_kernel(
                 r_hi = tl.where(mh, k_hi * cos + k_lo * sin, 0.0).to(DOT_DTYPE)
                 scores = dot(q_lo, tl.trans(r_lo), DOT_DTYPE) + dot(q_hi, tl.trans(r_hi), DOT_DTYPE)
             else:
-                k = _key_rows(blk, kv_head, s, d, m, staged, kc_ptr, k_off_ptr, k_half_ptr,
+                k = key_rows(blk, kv_head, s, d, m, staged, kc_ptr, k_off_ptr, k_half_ptr,
                               sink_slot_ptr, k_sink_ptr, k_stage_ptr, k_lut_ptr, HKV, HEAD_DIM,
                               BLOCK_SIZE, K_BITS, K_PACKED, NUM_SINKS)
                 scores = dot(q, tl.trans(tl.where(m, k, 0.0).to(DOT_DTYPE)), DOT_DTYPE)
@@ -305,7 +318,7 @@ def _kvquant_decode_kernel(
                                               k_oval_ptr, sink_slot_ptr, pos_ptr, cos_ptr,
                                               sin_ptr, HKV, HEAD_DIM, BLOCK_SIZE, K_CAP,
                                               K_CAP_CHUNK, NUM_SINKS, ROPE, G_PAD, DOT_DTYPE)
-            v = _value_rows(blk, kv_head, s, d, m, staged, vc_ptr, v_off_ptr, v_half_ptr,
+            v = value_rows(blk, kv_head, s, d, m, staged, vc_ptr, v_off_ptr, v_half_ptr,
                             v_oidx_ptr, v_oval_ptr, sink_slot_ptr, v_sink_ptr, v_stage_ptr,
                             v_lut_ptr, HKV, HEAD_DIM, BLOCK_SIZE, V_BITS, V_PACKED, V_GROUPS,
                             V_CAP, NUM_SINKS, STAGED_V)

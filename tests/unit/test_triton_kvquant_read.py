@@ -1,0 +1,125 @@
+"""The Triton read of a KVQuant / KIVI store's blocks into dense K/V (`nanokv/kernels/triton/
+kvquant_read.py`: a prefill chunk's cached prefix on CUDA) against the store's own
+`read_blocks` (dequantize in PyTorch, rotate keys kept before RoPE): every store layout the
+Triton backend serves, block sizes 16, 32 and 256, blocks written part-way (staged rows),
+sinks, key outliers in one and in several chunks, bfloat16 staging.
+
+On a CUDA machine the kernel runs on the GPU; without one in Triton's interpreter on CPU
+(TRITON_INTERPRET=1, set by tests/conftest.py before triton is imported).
+"""
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from quant_stores import NUM_LAYERS, make_store  # noqa: E402
+
+from nanokv.attention import triton_paged  # noqa: E402
+from nanokv.attention.triton_quantized import TritonQuantizedBackend  # noqa: E402
+from nanokv.utils import cdiv  # noqa: E402
+
+CPU = torch.device("cpu")
+DEVICE = torch.device("cuda") if torch.cuda.is_available() else CPU
+if DEVICE.type == "cpu" and not triton_paged.interpreter_on():
+    pytest.skip("the Triton kernels need a GPU or TRITON_INTERPRET=1 before triton is imported "
+                "(tests/conftest.py sets it)", allow_module_level=True)
+
+from nanokv.kernels.triton.kvquant_read import kvquant_read_blocks  # noqa: E402
+
+STORES = ["kvquant:4bit", "kvquant:3bit-nuq", "kvquant:2bit-nuq-thresholds",
+          "kvquant:mixed-8-4", "kvquant:per-channel-post-rope", "kvquant:4bit-outliers5",
+          "kivi:2", "kivi:4"]
+
+
+def fill(store, lens, chunk, seed):
+    """Requests of `lens` tokens written in chunks of `chunk` (positions not the slots, as after
+    eviction; some large key entries, so outliers are kept). Returns their block tables."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    bs, d, heads = store.block_size, store.layout.head_dim, store.layout.num_kv_heads
+    blocks = list(range(store.num_blocks))
+    rng.shuffle(blocks)
+    tables = [[blocks.pop() for _ in range(cdiv(n, bs))] for n in lens]
+    for table, n in zip(tables, lens):
+        p0 = rng.randrange(0, 50)
+        for start in range(0, n, chunk):
+            m = min(chunk, n - start)
+            slots = [table[j // bs] * bs + j % bs for j in range(start, start + m)]
+            pos = list(range(p0 + start, p0 + start + m))
+            plan = store.begin_step(slots, pos)
+            for layer in range(NUM_LAYERS):
+                k_pre = torch.randn(m, heads, d, generator=gen)
+                k_pre[torch.rand(k_pre.shape, generator=gen) < 0.02] *= 8
+                v = torch.randn(m, heads, d, generator=gen)
+                k_pre, v = k_pre.to(store.device), v.to(store.device)
+                k = store.rotary.rotate(torch.tensor(pos, device=store.device), k_pre)
+                store.write_layer(layer, plan, k.to(store.layout.dtype),
+                                  v.to(store.layout.dtype), k_pre.to(store.layout.dtype))
+    return tables
+
+
+def check_read(store, tables, lens, atol=2e-5, rtol=1e-4):
+    """Every written slot of every table's blocks, through the kernel, against read_blocks
+    (the blocks given in one list, as the backend gives a step's prefixes)."""
+    backend = TritonQuantizedBackend(store, store.device)
+    ids = [b for t in tables for b in t]
+    written = torch.zeros(len(ids), store.block_size, dtype=torch.bool)
+    row = 0
+    for t, n in zip(tables, lens):
+        for j in range(len(t)):
+            written[row, :min(store.block_size, n - j * store.block_size)] = True
+            row += 1
+    block_ids = torch.tensor(ids, dtype=torch.int32, device=store.device)
+    rope = store.rotary.rotate if store.pre_rope_keys else None
+    for layer in range(NUM_LAYERS):
+        k_ref, v_ref = store.read_blocks(layer, block_ids, rope)  # [n, B, Hkv, D]
+        k_out, v_out = torch.full_like(k_ref, float("nan")), torch.full_like(v_ref, float("nan"))
+        kvquant_read_blocks(backend.layer_views(layer), block_ids, k_out, v_out)
+        torch.testing.assert_close(k_out[written], k_ref[written], atol=atol, rtol=rtol)
+        torch.testing.assert_close(v_out[written], v_ref[written], atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("kind", STORES)
+@pytest.mark.parametrize("block_size,d", [(16, 32), (32, 64)])
+def test_read_equals_the_stores_read_blocks(kind, block_size, d):
+    lens = [1, block_size - 1, block_size, 2 * block_size + 5, 3 * block_size]
+    store = make_store(kind, d, block_size, sum(cdiv(n, block_size) for n in lens) + 2,
+                       len(lens), device=DEVICE)
+    tables = fill(store, lens, block_size // 2 + 3, seed=block_size + d)
+    if "2bit" in kind or "outliers5" in kind:
+        assert bool((store.buffers["k_oidx0"] >= 0).any())  # outliers kept
+    assert bool((store.buffers["staging_index"] >= 0).any())  # a partial block staged
+    check_read(store, tables, lens)
+
+
+def test_read_blocks_of_256_with_key_outliers_in_several_chunks():
+    """Blocks of 256 slots (16 programs a block and KV head), 5% key outliers: 820 entries a
+    block and KV head at D = 64, 13 chunks of 64."""
+    lens = [256, 300, 600]
+    store = make_store("kvquant:4bit-outliers5", 64, 256, 6, len(lens), device=DEVICE)
+    tables = fill(store, lens, 200, seed=3)
+    assert int((store.buffers["k_oidx0"] >= 0).sum(-1).max()) > 64 * 4
+    check_read(store, tables, lens)
+
+
+def test_read_with_bfloat16_staging():
+    lens = [20, 37]
+    store = make_store("kvquant:2bit-nuq-thresholds", 32, 16, 6, len(lens),
+                       staging_dtype=torch.bfloat16, device=DEVICE)
+    tables = fill(store, lens, 9, seed=5)
+    check_read(store, tables, lens)
+
+
+def test_read_refuses_bad_arguments():
+    store = make_store("kvquant:4bit", 32, 16, 4, 1, device=DEVICE)
+    views = TritonQuantizedBackend(store, store.device).layer_views(0)
+    ids = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    good = torch.empty(2, 16, 2, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="k_out, v_out must be"):
+        kvquant_read_blocks(views, ids, torch.empty(1, 16, 2, 32, device=DEVICE), good[:1])
+    with pytest.raises(ValueError, match="block_ids must be"):
+        kvquant_read_blocks(views, ids.float(), good, good.clone())
+    kvquant_read_blocks(views, ids[:0], good, good.clone())  # nothing to read
