@@ -20,6 +20,7 @@ from nanokv.attention.backend import AttentionBackend
 from nanokv.attention.common import CommonAttentionMetadata
 from nanokv.layers.attention import AttentionMetadata
 from nanokv.layers.native_attention import DecodeRuns, NativeKernelUnavailable, build_decode_runs
+from nanokv.layers.rotary import halves_repeat
 from nanokv.layers.native_quant_attention import (
     ELEMENT_KINDS,
     INDEX_BYTES,
@@ -55,13 +56,6 @@ def pertoken_format(store) -> str | None:
             and store.fmt in ("e4m3", "e5m2"):
         return f"fp8_{store.fmt}"
     return None
-
-
-def _halves_equal(table: torch.Tensor) -> bool:
-    """Whether a rotate-half cos / sin table [positions, rot_dim] repeats its first half (as
-    `cat(freqs, freqs)` makes it): the kernel then reads that half only."""
-    half = table.shape[-1] // 2
-    return bool(torch.equal(table[:, :half], table[:, half:]))
 
 
 # stores read by block table (per-block statistics, partial blocks staged)
@@ -230,7 +224,7 @@ class NativeQuantizedBackend(AttentionBackend):
         rope = self._rope()
         pos, cos, sin = rope if rope is not None else (None, None, None)
         if cos is not None and self._rope_layout is None:  # the store's one rotary table
-            halves = _halves_equal(cos) and _halves_equal(sin)
+            halves = halves_repeat(cos) and halves_repeat(sin)  # the kernel reads one half
             layout = rope_layout() if halves else 0
             self._rope_layout = (halves, rope_tiles(cos, sin) if layout == ROPE_TILES else None,
                                  rope_rows(cos, sin) if layout == ROPE_ROWS else None)

@@ -39,6 +39,7 @@ from nanokv.attention.triton_paged import (
     interpreter_on,
     triton_unavailable,
 )
+from nanokv.layers.rotary import halves_repeat
 from nanokv.quant.kivi_store import KIVIStore
 from nanokv.quant.kvquant import centroid_table
 from nanokv.quant.kvquant_store import GraphWritePlan, KVQuantStore
@@ -80,9 +81,12 @@ def kernel_unfit(kv_cache) -> str | None:
     if isinstance(kv_cache, KVQuantStore):
         if not kv_cache.staged:
             return "its kernel reads per-channel kvquant keys (per_channel_keys is off)"
-        rope = kv_cache.rope
-        if rope is not None and kv_cache.rotary.cos.shape[-1] != kv_cache.layout.head_dim:
+        rotary = kv_cache.rotary if kv_cache.rope is not None else None
+        if rotary is not None and rotary.cos.shape[-1] != kv_cache.layout.head_dim:
             return "its kernel rotates keys stored before RoPE over the whole head only"
+        if rotary is not None and not (halves_repeat(rotary.cos) and halves_repeat(rotary.sin)):
+            return ("its decode kernel rotates keys with RoPE tables whose two halves repeat "
+                    "(cat(freqs, freqs), as every Hugging Face rope type makes them)")
     return None
 
 

@@ -109,6 +109,13 @@ class RotaryEmbedding(nn.Module):
         return apply_rotary(x, cos / norm, -sin / norm, self.rot_dim)
 
 
+def halves_repeat(table: torch.Tensor) -> bool:
+    """Whether a rotate-half cos / sin table [positions, rot_dim] repeats its first half (as
+    `cat(freqs, freqs)` makes it; a kernel may then read that half only)."""
+    half = table.shape[-1] // 2
+    return bool(torch.equal(table[:, :half], table[:, half:]))
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)

@@ -1,10 +1,10 @@
-"""The Triton decode kernel over the KVQuant and KIVI stores (`nanokv/kernels/triton/
-kvquant_decode.py`, backend `triton` on those stores) against dequantize-then-dense
-(`reference_quantized_attention`): uniform and non-uniform codebooks of 2, 3, 4 and 8 bits, key
-and value outliers, sinks, keys kept before and after RoPE, staged partial blocks, KIVI's value
-groups, block sizes 16 and 32, contexts ending mid-block, GQA ratios 1, 2 and 8, several splits,
-decodes next to a prefill chunk; and the backend choice (the engine's greedy tokens through it:
-tests/unit/test_triton_attention.py).
+"""The Triton backend over the KVQuant and KIVI stores (decode: `nanokv/kernels/triton/
+kvquant_decode.py`; prefill chunks over their prefixes: `kvquant_read.py` then `prefill.py`)
+against dequantize-then-dense (`reference_quantized_attention`): uniform and non-uniform
+codebooks of 2, 3, 4 and 8 bits, key and value outliers, sinks, keys kept before and after RoPE,
+staged partial blocks, KIVI's value groups, block sizes 16, 32 and 256, contexts ending
+mid-block, GQA ratios 1, 2 and 8, several splits, decodes next to a prefill chunk; and the
+backend choice (the engine's greedy tokens through it: tests/unit/test_triton_attention.py).
 
 On a CUDA machine the kernel compiles and runs on the GPU; without one it runs in Triton's
 interpreter on CPU (TRITON_INTERPRET=1, set by tests/conftest.py before triton is imported).
@@ -84,6 +84,22 @@ def test_key_outliers_in_chunks(kind):
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["kvquant:2bit-nuq-thresholds", "kivi:4"])
+def test_blocks_of_256(kind):
+    """Blocks of 256 slots, contexts ending before, at and after a block's end, GQA 8: decodes
+    and prefill chunks over their prefixes (read 16 slots a program) against the reference."""
+    rng = random.Random(11)
+    gen = torch.Generator().manual_seed(11)
+    lens = [3, 256, 300]
+    store = make_store(kind, 32, 256, sum(cdiv(n, 256) for n in lens) + 2, len(lens) + 1,
+                       device=DEVICE)
+    backend = type("Backend", (_Splits,), {"splits": 2, "unroll": 1})
+    outs, refs = scenario(store, 16, lens, rng, gen, chunk=150, backend_cls=backend,
+                          device=DEVICE)
+    for out, ref in zip(outs, refs):
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
 def test_backend_choice():
     cuda = torch.device("cuda")
     for kind in ("kvquant:4bit", "kvquant:per-channel-post-rope", "kivi:4"):
@@ -100,6 +116,11 @@ def test_backend_choice():
     int8 = make_store("int8", 32, 16, 4, 1)
     reason, structural = TritonQuantizedBackend.why_not(int8, cuda)
     assert structural and "kvquant and kivi" in reason
+    unequal = make_store("kvquant:4bit", 32, 16, 4, 1)  # RoPE tables whose halves differ
+    unequal.rotary.cos = unequal.rotary.cos.clone()
+    unequal.rotary.cos[:, -1] += 0.5
+    reason, structural = TritonQuantizedBackend.why_not(unequal, cuda)
+    assert structural and "two halves repeat" in reason
     if not torch.cuda.is_available():  # on CPU: chosen by name under the interpreter only
         kvq = make_store("kvquant:4bit", 32, 16, 4, 1)
         assert select_backend("triton", kvq, CPU)[0] is TritonQuantizedBackend
