@@ -241,14 +241,15 @@ class TritonQuantizedBackend(AttentionBackend):
 
 def kivi_views(store: KIVIStore, layer: int, views):
     """KIVI as the kernel's layout: per-channel keys (min as offset, scale as half, a code's own
-    value as its table entry), per-token values in groups, a partial block's keys and values
-    staged, no outliers or sinks."""
+    value as its centroid: the grid of step 1 from 0), per-token values in groups, a partial
+    block's keys and values staged, no outliers or sinks."""
     buf = store.buffers
     levels = torch.arange(2 ** store.bits, dtype=torch.float32, device=buf["k_codes"].device)
     return views(k_codes=buf["k_codes"][layer], v_codes=buf["v_codes"][layer],
                  k_off=buf["k_min"][layer], k_half=buf["k_scale"][layer],
                  v_off=buf["v_min"][layer], v_half=buf["v_scale"][layer], k_lut=levels,
-                 v_lut=levels, k_bits=store.bits, v_bits=store.bits,
+                 v_lut=levels, k_bits=store.bits, v_bits=store.bits, k_grid=(1.0, 0.0),
+                 v_grid=(1.0, 0.0),
                  staging_index=buf["staging_index"], k_stage=buf["staging_k"][layer],
                  v_stage=buf["staging_v"][layer])
 
@@ -260,13 +261,17 @@ def kvquant_views(store: KVQuantStore, layer: int, views):
     def lut(book) -> torch.Tensor:  # [2^bits] the centroid of each code
         return centroid_table(codec.bits, book).to(device)
 
+    def grid(book) -> tuple[float, float] | None:  # kvquant.decode's uniform grid, or None
+        return None if book is not None else (2.0 / (2 ** codec.bits - 1), -1.0)
+
     rope = store.rope is not None
     sinks = store.num_sinks > 0
     return views(
         k_codes=buf[f"k_codes{layer}"], v_codes=buf[f"v_codes{layer}"],
         k_off=buf[f"k_offset{layer}"], k_half=buf[f"k_half{layer}"],
         v_off=buf[f"v_offset{layer}"].unsqueeze(-1), v_half=buf[f"v_half{layer}"].unsqueeze(-1),
-        k_lut=lut(codec.key_codebook), v_lut=lut(codec.value_codebook), k_bits=codec.bits,
+        k_lut=lut(codec.key_codebook), v_lut=lut(codec.value_codebook),
+        k_grid=grid(codec.key_codebook), v_grid=grid(codec.value_codebook), k_bits=codec.bits,
         v_bits=codec.bits, staging_index=buf["staging_index"], k_stage=buf["staging_k"][layer],
         k_oidx=buf[f"k_oidx{layer}"], k_oval=buf[f"k_oval{layer}"],
         v_oidx=buf[f"v_oidx{layer}"], v_oval=buf[f"v_oval{layer}"],

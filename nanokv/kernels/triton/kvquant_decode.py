@@ -3,9 +3,10 @@
 Grid (request, KV head, split) as `decode.py`; a split is a run of whole blocks, UNROLL of them an
 iteration of its loop (each block's loads independent of the one before, for the compiler to issue
 together; blocks past the split masked out). A block's rows are decoded in registers: codes of 2,
-3, 4 or 8 bits unpacked from their packed rows, looked up in the layer's codebook (`lut`: the
-centroid of each code, uniform grid or non-uniform), mapped by the block's per-channel key
-statistics / the token's value statistics (`lut[c] * half + offset`), the values' dense-and-sparse
+3, 4 or 8 bits unpacked from their packed rows, turned into their centroids (a non-uniform
+codebook's table `lut`, read; a uniform grid's `code * step + base`, computed: no load), mapped
+by the block's per-channel key statistics / the token's value statistics (`centroid * half +
+offset`), the values' dense-and-sparse
 outliers' deltas (exact - decoded, as the store keeps them) added to their decoded entries, the
 sink rows and a staged (partial) block's full-precision rows in place of theirs. Keys stored before
 RoPE are decoded once as two halves (channels below and above D / 2, each the other's rotate-half
@@ -24,7 +25,8 @@ The layout (`QuantLayerViews`, one layer, every tensor contiguous):
     k_oval   [nb, Hkv, CK] (deltas)      v_oval    range or < 0; deltas)
     sink_slot [nb, NS] int16 (the slot of sink p, -1 none); k_sink, v_sink [nb, NS, Hkv, D]
     staging_index [nb] int32 (-1 none); k_stage [S, B, Hkv, D] (and v_stage for KIVI)
-    k_lut, v_lut [2^bits] float32; positions [nb, B] int32 and cos, sin [P, D] (keys before RoPE)
+    k_lut, v_lut [2^bits] float32 (read for non-uniform codebooks; uniform grids: k_grid, v_grid)
+    positions [nb, B] int32 and cos, sin [P, D] (keys before RoPE)
 """
 
 from __future__ import annotations
@@ -72,6 +74,19 @@ class QuantLayerViews:
     positions: torch.Tensor | None = None
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+    # a uniform grid's (step, base): centroid = code * step + base, computed, not looked up;
+    # None: read the table (a non-uniform codebook)
+    k_grid: tuple[float, float] | None = None
+    v_grid: tuple[float, float] | None = None
+
+    def centroid_args(self) -> dict:
+        """The kernels' constexprs for the two sides' centroids."""
+        out = {}
+        for side, grid in (("K", self.k_grid), ("V", self.v_grid)):
+            step, base = grid if grid is not None else (0.0, 0.0)
+            out.update({f"{side}_TABLE": grid is None, f"{side}_STEP": step,
+                        f"{side}_BASE": base})
+        return out
 
 
 @triton.jit
@@ -97,10 +112,21 @@ def _code_at(row, c, m, BITS: tl.constexpr, PACKED: tl.constexpr):
 
 
 @triton.jit
+def _centroids(lut_ptr, code, m, TABLE: tl.constexpr, STEP: tl.constexpr, BASE: tl.constexpr):
+    """Each code's centroid (float32, code's shape): a non-uniform codebook's table entry
+    (TABLE), else the uniform grid's code * STEP + BASE, with no load (`kvquant.decode`: STEP
+    2 / (2^bits - 1), BASE -1; KIVI: the code itself)."""
+    if TABLE:
+        return tl.load(lut_ptr + code, mask=m, other=0.0)
+    return code.to(tl.float32) * STEP + BASE
+
+
+@triton.jit
 def key_rows(blk, g, s, dd, m, staged, kc_ptr, k_off_ptr, k_half_ptr, sink_slot_ptr,
-              k_sink_ptr, k_stage_ptr, k_lut_ptr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
-              BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr, PACKED: tl.constexpr,
-              NUM_SINKS: tl.constexpr):
+             k_sink_ptr, k_stage_ptr, k_lut_ptr, HKV: tl.constexpr, HEAD_DIM: tl.constexpr,
+             BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr, PACKED: tl.constexpr,
+             NUM_SINKS: tl.constexpr, TABLE: tl.constexpr, STEP: tl.constexpr,
+             BASE: tl.constexpr):
     """Block blk's key rows of KV head g, slots s [B], channels dd [D_PAD] -> [B, D_PAD] float32
     (before RoPE when the store keeps them so), without their outliers (`_key_outlier_scores`
     adds what they change in the scores)."""
@@ -109,7 +135,7 @@ def key_rows(blk, g, s, dd, m, staged, kc_ptr, k_off_ptr, k_half_ptr, sink_slot_
     stat = (blk * HKV + g) * HEAD_DIM + dd  # per channel, per block
     half = tl.load(k_half_ptr + stat, mask=dd < HEAD_DIM, other=0.0).to(tl.float32)
     off = tl.load(k_off_ptr + stat, mask=dd < HEAD_DIM, other=0.0).to(tl.float32)
-    x = tl.load(k_lut_ptr + code, mask=m, other=0.0) * half[None, :] + off[None, :]
+    x = _centroids(k_lut_ptr, code, m, TABLE, STEP, BASE) * half[None, :] + off[None, :]
     for p in range(NUM_SINKS):
         slot = tl.load(sink_slot_ptr + blk * NUM_SINKS + p).to(tl.int32)
         sink = tl.load(k_sink_ptr + ((blk * NUM_SINKS + p) * HKV + g) * HEAD_DIM + dd,
@@ -123,17 +149,18 @@ def key_rows(blk, g, s, dd, m, staged, kc_ptr, k_off_ptr, k_half_ptr, sink_slot_
 
 @triton.jit
 def value_rows(blk, g, s, d, m, staged, vc_ptr, v_off_ptr, v_half_ptr, v_oidx_ptr, v_oval_ptr,
-                sink_slot_ptr, v_sink_ptr, v_stage_ptr, v_lut_ptr, HKV: tl.constexpr,
-                HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr,
-                PACKED: tl.constexpr, GROUPS: tl.constexpr, CAP: tl.constexpr,
-                NUM_SINKS: tl.constexpr, STAGED: tl.constexpr):
+               sink_slot_ptr, v_sink_ptr, v_stage_ptr, v_lut_ptr, HKV: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BITS: tl.constexpr,
+               PACKED: tl.constexpr, GROUPS: tl.constexpr, CAP: tl.constexpr,
+               NUM_SINKS: tl.constexpr, STAGED: tl.constexpr, TABLE: tl.constexpr,
+               STEP: tl.constexpr, BASE: tl.constexpr):
     """Block blk's value rows of KV head g -> [B, D_PAD] float32."""
     row = (blk * BLOCK_SIZE + s) * HKV + g  # [B] (block, slot, head)
     code = _codes(vc_ptr + row * PACKED, d, m, BITS, PACKED)
     stat = row[:, None] * GROUPS + d[None, :] // (HEAD_DIM // GROUPS)  # per token (and group)
     half = tl.load(v_half_ptr + stat, mask=m, other=0.0).to(tl.float32)
     off = tl.load(v_off_ptr + stat, mask=m, other=0.0).to(tl.float32)
-    x = tl.load(v_lut_ptr + code, mask=m, other=0.0) * half + off
+    x = _centroids(v_lut_ptr, code, m, TABLE, STEP, BASE) * half + off
     for e in range(CAP):
         ch = tl.load(v_oidx_ptr + row * CAP + e).to(tl.int32)  # [B]
         delta = tl.load(v_oval_ptr + row * CAP + e).to(tl.float32)
@@ -246,7 +273,9 @@ def _kvquant_decode_kernel(
         V_CAP: tl.constexpr, K_CAP_CHUNK: tl.constexpr, NUM_SINKS: tl.constexpr,
         ROPE: tl.constexpr,
         STAGED_V: tl.constexpr, DIRECT_OUT: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        H_PAD: tl.constexpr, UNROLL: tl.constexpr):
+        H_PAD: tl.constexpr, UNROLL: tl.constexpr, K_TABLE: tl.constexpr,
+        K_STEP: tl.constexpr, K_BASE: tl.constexpr, V_TABLE: tl.constexpr,
+        V_STEP: tl.constexpr, V_BASE: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -297,10 +326,11 @@ def _kvquant_decode_kernel(
                 mh = live[:, None] & dh_mask[None, :]
                 k_lo = key_rows(blk, kv_head, s, dh, mh, staged, kc_ptr, k_off_ptr, k_half_ptr,
                                  sink_slot_ptr, k_sink_ptr, k_stage_ptr, k_lut_ptr, HKV, HEAD_DIM,
-                                 BLOCK_SIZE, K_BITS, K_PACKED, NUM_SINKS)
+                                 BLOCK_SIZE, K_BITS, K_PACKED, NUM_SINKS, K_TABLE, K_STEP, K_BASE)
                 k_hi = key_rows(blk, kv_head, s, dh + HALF, mh, staged, kc_ptr, k_off_ptr,
                                  k_half_ptr, sink_slot_ptr, k_sink_ptr, k_stage_ptr, k_lut_ptr,
-                                 HKV, HEAD_DIM, BLOCK_SIZE, K_BITS, K_PACKED, NUM_SINKS)
+                                 HKV, HEAD_DIM, BLOCK_SIZE, K_BITS, K_PACKED, NUM_SINKS, K_TABLE,
+                                 K_STEP, K_BASE)
                 pos = tl.maximum(tl.load(pos_ptr + blk * BLOCK_SIZE + s, mask=live, other=0), 0)
                 at = pos.to(tl.int64)[:, None] * HEAD_DIM + dh[None, :]
                 cos = tl.load(cos_ptr + at, mask=mh, other=0.0)
@@ -311,7 +341,7 @@ def _kvquant_decode_kernel(
             else:
                 k = key_rows(blk, kv_head, s, d, m, staged, kc_ptr, k_off_ptr, k_half_ptr,
                               sink_slot_ptr, k_sink_ptr, k_stage_ptr, k_lut_ptr, HKV, HEAD_DIM,
-                              BLOCK_SIZE, K_BITS, K_PACKED, NUM_SINKS)
+                              BLOCK_SIZE, K_BITS, K_PACKED, NUM_SINKS, K_TABLE, K_STEP, K_BASE)
                 scores = dot(q, tl.trans(tl.where(m, k, 0.0).to(DOT_DTYPE)), DOT_DTYPE)
             if K_CAP > 0:  # the key outliers as score corrections, a chunk of entries at a time
                 scores += _key_outlier_scores(blk, kv_head, s, staged, q_row, g_mask, k_oidx_ptr,
@@ -321,7 +351,7 @@ def _kvquant_decode_kernel(
             v = value_rows(blk, kv_head, s, d, m, staged, vc_ptr, v_off_ptr, v_half_ptr,
                             v_oidx_ptr, v_oval_ptr, sink_slot_ptr, v_sink_ptr, v_stage_ptr,
                             v_lut_ptr, HKV, HEAD_DIM, BLOCK_SIZE, V_BITS, V_PACKED, V_GROUPS,
-                            V_CAP, NUM_SINKS, STAGED_V)
+                            V_CAP, NUM_SINKS, STAGED_V, V_TABLE, V_STEP, V_BASE)
             v = tl.where(m, v, 0.0)
             m_i, l_i, acc = attend_scores(scores, v, 1.0, live[None, :], m_i, l_i, acc, qk_scale,
                                           False, DOT_DTYPE)
@@ -382,7 +412,7 @@ def kvquant_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         NUM_SINKS=num_sinks, ROPE=rope, STAGED_V=layer.v_stage is not None,
         DIRECT_OUT=num_splits == 1, DOT_DTYPE=dot_dtype(_kvquant_decode_kernel, q.dtype),
         H_PAD=max(16, triton.next_power_of_2(dim // 2)), UNROLL=unroll, num_warps=num_warps,
-        **decode.stages(num_stages))
+        **layer.centroid_args(), **decode.stages(num_stages))
     decode.merge_splits(part_m, part_l, parts, out, num_splits, d_pad)
 
 

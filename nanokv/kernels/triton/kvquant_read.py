@@ -60,7 +60,9 @@ def _kvquant_read_kernel(
         V_BITS: tl.constexpr, K_PACKED: tl.constexpr, V_PACKED: tl.constexpr,
         V_GROUPS: tl.constexpr, K_CAP: tl.constexpr, V_CAP: tl.constexpr,
         K_CAP_CHUNK: tl.constexpr, NUM_SINKS: tl.constexpr, ROPE: tl.constexpr,
-        STAGED_V: tl.constexpr, ROWS: tl.constexpr):
+        STAGED_V: tl.constexpr, ROWS: tl.constexpr, K_TABLE: tl.constexpr,
+        K_STEP: tl.constexpr, K_BASE: tl.constexpr, V_TABLE: tl.constexpr,
+        V_STEP: tl.constexpr, V_BASE: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     s = tl.program_id(2) * ROWS + tl.arange(0, ROWS)  # [ROWS] slots of the block
@@ -75,10 +77,10 @@ def _kvquant_read_kernel(
         mh = (s < BLOCK_SIZE)[:, None] & (dh < HALF)[None, :]
         lo = key_rows(blk, g, s, dh, mh, staged, kc_ptr, k_off_ptr, k_half_ptr, sink_slot_ptr,
                       k_sink_ptr, k_stage_ptr, k_lut_ptr, HKV, HEAD_DIM, BLOCK_SIZE, K_BITS,
-                      K_PACKED, NUM_SINKS)
+                      K_PACKED, NUM_SINKS, K_TABLE, K_STEP, K_BASE)
         hi = key_rows(blk, g, s, dh + HALF, mh, staged, kc_ptr, k_off_ptr, k_half_ptr,
                       sink_slot_ptr, k_sink_ptr, k_stage_ptr, k_lut_ptr, HKV, HEAD_DIM,
-                      BLOCK_SIZE, K_BITS, K_PACKED, NUM_SINKS)
+                      BLOCK_SIZE, K_BITS, K_PACKED, NUM_SINKS, K_TABLE, K_STEP, K_BASE)
         if K_CAP > 0:
             lo += _key_outliers_at(blk, g, s, dh, staged, k_oidx_ptr, k_oval_ptr, sink_slot_ptr,
                                    HKV, HEAD_DIM, BLOCK_SIZE, K_CAP, K_CAP_CHUNK, NUM_SINKS,
@@ -98,7 +100,7 @@ def _kvquant_read_kernel(
     else:
         k = key_rows(blk, g, s, d, m, staged, kc_ptr, k_off_ptr, k_half_ptr, sink_slot_ptr,
                      k_sink_ptr, k_stage_ptr, k_lut_ptr, HKV, HEAD_DIM, BLOCK_SIZE, K_BITS,
-                     K_PACKED, NUM_SINKS)
+                     K_PACKED, NUM_SINKS, K_TABLE, K_STEP, K_BASE)
         if K_CAP > 0:
             k += _key_outliers_at(blk, g, s, d, staged, k_oidx_ptr, k_oval_ptr, sink_slot_ptr,
                                   HKV, HEAD_DIM, BLOCK_SIZE, K_CAP, K_CAP_CHUNK, NUM_SINKS, ROWS,
@@ -106,7 +108,8 @@ def _kvquant_read_kernel(
         tl.store(k_out_ptr + out_row[:, None] + d[None, :], k, mask=m)
     v = value_rows(blk, g, s, d, m, staged, vc_ptr, v_off_ptr, v_half_ptr, v_oidx_ptr,
                    v_oval_ptr, sink_slot_ptr, v_sink_ptr, v_stage_ptr, v_lut_ptr, HKV, HEAD_DIM,
-                   BLOCK_SIZE, V_BITS, V_PACKED, V_GROUPS, V_CAP, NUM_SINKS, STAGED_V)
+                   BLOCK_SIZE, V_BITS, V_PACKED, V_GROUPS, V_CAP, NUM_SINKS, STAGED_V, V_TABLE,
+                   V_STEP, V_BASE)
     tl.store(v_out_ptr + out_row[:, None] + d[None, :], v, mask=m)
 
 
@@ -153,4 +156,5 @@ def kvquant_read_blocks(layer: QuantLayerViews, block_ids: torch.Tensor, k_out: 
         V_CAP=0 if layer.v_oidx is None else layer.v_oidx.shape[-1],
         K_CAP_CHUNK=min(64, max(16, triton.next_power_of_2(k_cap))),
         NUM_SINKS=0 if layer.sink_slot is None else layer.sink_slot.shape[-1], ROPE=rope,
-        STAGED_V=layer.v_stage is not None, ROWS=ROWS, num_warps=num_warps)
+        STAGED_V=layer.v_stage is not None, ROWS=ROWS, num_warps=num_warps,
+        **layer.centroid_args())
