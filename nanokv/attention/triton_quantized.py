@@ -41,7 +41,7 @@ from nanokv.attention.triton_paged import (
 )
 from nanokv.layers.rotary import halves_repeat
 from nanokv.quant.kivi_store import KIVIStore
-from nanokv.quant.kvquant import centroid_table
+from nanokv.quant.kvquant import centroid_table, uniform_grid
 from nanokv.quant.kvquant_store import GraphWritePlan, KVQuantStore
 from nanokv.transfer import upload, upload_parts
 from nanokv.utils import cdiv
@@ -261,8 +261,8 @@ def kvquant_views(store: KVQuantStore, layer: int, views):
     def lut(book) -> torch.Tensor:  # [2^bits] the centroid of each code
         return centroid_table(codec.bits, book).to(device)
 
-    def grid(book) -> tuple[float, float] | None:  # kvquant.decode's uniform grid, or None
-        return None if book is not None else (2.0 / (2 ** codec.bits - 1), -1.0)
+    def grid(book) -> tuple[float, float] | None:  # the uniform grid, or None: the table
+        return None if book is not None else uniform_grid(codec.bits)
 
     rope = store.rope is not None
     sinks = store.num_sinks > 0

@@ -305,10 +305,16 @@ def encode(xn: torch.Tensor, bits: int, codebook: torch.Tensor | None) -> torch.
     return torch.bucketize(xn.contiguous(), mids).to(torch.uint8)
 
 
+def uniform_grid(bits: int) -> tuple[float, float]:
+    """(step, base) of the uniform codebook: code c decodes to c * step + base, -1 to 1."""
+    return 2.0 / (2 ** bits - 1), -1.0
+
+
 def decode(codes: torch.Tensor, bits: int, codebook: torch.Tensor | None) -> torch.Tensor:
     """Codes -> centroids in [-1, 1] (float32)."""
     if codebook is None:
-        return codes.float() * (2.0 / (2 ** bits - 1)) - 1.0
+        step, base = uniform_grid(bits)
+        return codes.float() * step + base
     return codebook.to(codes.device, torch.float32)[codes.long()]
 
 
