@@ -14,18 +14,15 @@ import random
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from triton_device import triton_device
+
+DEVICE = triton_device()  # the module skips without a GPU or the interpreter
 
 from kvquant_write_cases import HKV, activations, assert_same_bytes, config_for  # noqa: E402
 
-from nanokv.attention import triton_paged  # noqa: E402
 from nanokv.cache.kv_pool import KVLayout  # noqa: E402
 from nanokv.quant import KVQuantStore  # noqa: E402
 
-DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-if DEVICE.type == "cpu" and not triton_paged.interpreter_on():
-    pytest.skip("the Triton kernels need a GPU or TRITON_INTERPRET=1 before triton is imported "
-                "(tests/conftest.py sets it)", allow_module_level=True)
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 BLOCK = 8

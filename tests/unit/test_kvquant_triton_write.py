@@ -14,7 +14,9 @@ interpreter on CPU (TRITON_INTERPRET=1, set by tests/conftest.py before triton i
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from triton_device import triton_device
+
+DEVICE = triton_device()  # the module skips without a GPU or the interpreter
 
 from kvquant_write_cases import (  # noqa: E402
     BLOCK,
@@ -28,14 +30,9 @@ from kvquant_write_cases import (  # noqa: E402
     write_steps,
 )
 
-from nanokv.attention import triton_paged  # noqa: E402
 from nanokv.cache.kv_pool import KVLayout  # noqa: E402
 from nanokv.quant import KVQuantConfig, KVQuantStore  # noqa: E402
 
-DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-if DEVICE.type == "cpu" and not triton_paged.interpreter_on():
-    pytest.skip("the Triton kernels need a GPU or TRITON_INTERPRET=1 before triton is imported "
-                "(tests/conftest.py sets it)", allow_module_level=True)
 
 # the interpreter's numpy casts warn where a delta passes fp16's range: it becomes inf, as
 # PyTorch's `.to(torch.float16)` makes it (the bytes are compared)

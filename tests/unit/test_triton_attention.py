@@ -17,7 +17,10 @@ import random
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from triton_device import triton_device
+
+DEVICE = triton_device()  # the module skips without a GPU or the interpreter
+
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
@@ -39,10 +42,6 @@ from nanokv.quant.kivi_store import KIVIStore  # noqa: E402
 from nanokv.utils import cdiv  # noqa: E402
 
 CPU = torch.device("cpu")
-DEVICE = torch.device("cuda") if torch.cuda.is_available() else CPU
-if DEVICE.type == "cpu" and not triton_paged.interpreter_on():
-    pytest.skip("the Triton kernels need a GPU or TRITON_INTERPRET=1 before triton is imported "
-                "(tests/conftest.py sets it)", allow_module_level=True)
 HKV = 2
 
 

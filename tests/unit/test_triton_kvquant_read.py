@@ -13,21 +13,15 @@ import random
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from triton_device import triton_device
+
+DEVICE = triton_device()  # the module skips without a GPU or the interpreter
 
 from quant_stores import NUM_LAYERS, make_store  # noqa: E402
 
-from nanokv.attention import triton_paged  # noqa: E402
 from nanokv.attention.triton_quantized import TritonQuantizedBackend  # noqa: E402
-from nanokv.utils import cdiv  # noqa: E402
-
-CPU = torch.device("cpu")
-DEVICE = torch.device("cuda") if torch.cuda.is_available() else CPU
-if DEVICE.type == "cpu" and not triton_paged.interpreter_on():
-    pytest.skip("the Triton kernels need a GPU or TRITON_INTERPRET=1 before triton is imported "
-                "(tests/conftest.py sets it)", allow_module_level=True)
-
 from nanokv.kernels.triton.kvquant_read import kvquant_read_blocks  # noqa: E402
+from nanokv.utils import cdiv  # noqa: E402
 
 STORES = ["kvquant:4bit", "kvquant:3bit-nuq", "kvquant:2bit-nuq-thresholds",
           "kvquant:mixed-8-4", "kvquant:per-channel-post-rope", "kvquant:4bit-outliers5",
