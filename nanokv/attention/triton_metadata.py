@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nanokv.attention.common import CommonAttentionMetadata
+from nanokv.attention.common import CommonAttentionMetadata, PrefillChunk
 from nanokv.transfer import upload, upload_parts
 
 
@@ -64,20 +64,30 @@ def build_step(common: CommonAttentionMetadata, device: torch.device,
     parts = []  # int32 arrays, packed into one upload
     decode = padded_rows(common.decode_block_tables, common.decode_context_lens)
     parts.append(decode)  # [nd, width + 1]
+    tables = padded_rows([p.block_table for p in chunks])  # [C, max_blocks]
     if chunks:
-        parts += [[p.query_start for p in chunks], [p.query_len for p in chunks],
-                  [p.context_len for p in chunks], padded_rows([p.block_table for p in chunks])]
+        parts += chunk_parts(chunks, tables)
     views = upload_parts(parts, device, np.int32)  # one copy, no wait for queued work
     decode_view = views[0].view(nd, decode.shape[1])  # [nd, width + 1]
-    prefill = None
-    if chunks:
-        c = len(chunks)
-        prefill = PrefillChunks(views[1], views[2], views[3],
-                                views[4].view(c, -1),  # [C, max_blocks]
-                                max(p.query_len for p in chunks))
+    prefill = chunk_views(chunks, tables, views[1:]) if chunks else None
     max_context = max(common.decode_context_lens, default=0)
     return TritonStep(slot_mapping, nd, decode_view[:, :-1], decode_view[:, -1],
                       splits(nd, max_context) if nd else 1, prefill, flat_layers)
+
+
+def chunk_parts(chunks: list[PrefillChunk], tables: np.ndarray) -> list:
+    """A step's prefill chunks as parts of an int32 upload (`upload_parts`): query starts,
+    lengths and context lengths [C] each, then `tables` [C, width] (the chunks' block tables,
+    or rows of another cache)."""
+    return [[p.query_start for p in chunks], [p.query_len for p in chunks],
+            [p.context_len for p in chunks], tables]
+
+
+def chunk_views(chunks: list[PrefillChunk], tables: np.ndarray, views: list[torch.Tensor]
+                ) -> PrefillChunks:
+    """`chunk_parts`' uploaded views as the prefill kernel's chunk tensors."""
+    return PrefillChunks(views[0], views[1], views[2], views[3].view(tables.shape),
+                         max(p.query_len for p in chunks))
 
 
 def graph_step(max_batch: int, max_blocks: int, device: torch.device) -> TritonStep:

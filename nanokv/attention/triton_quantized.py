@@ -29,6 +29,8 @@ from nanokv.attention.common import CommonAttentionMetadata
 from nanokv.attention.triton_metadata import (
     PrefillChunks,
     TritonStep,
+    chunk_parts,
+    chunk_views,
     fill_graph_tables,
     graph_step,
     padded_rows,
@@ -170,16 +172,12 @@ class TritonQuantizedBackend(AttentionBackend):
         tables = padded_rows(tables)  # [C, widest prefix] (at least one column: a view)
         if tables.shape[1] == 0:
             tables = np.zeros((len(chunks), 1), dtype=np.int32)
-        views = upload_parts([[c.query_start for c in chunks], [c.query_len for c in chunks],
-                              [c.context_len for c in chunks], tables, read], self.device,
-                             np.int32)
+        views = upload_parts(chunk_parts(chunks, tables) + [read], self.device, np.int32)
         lay = self.kv_cache.layout
         scratch = (max(1, len(read)), bs, lay.num_kv_heads, lay.head_dim)
-        return QuantPrefill(
-            PrefillChunks(views[0], views[1], views[2], views[3].view(tables.shape),
-                          max(c.query_len for c in chunks)),
-            views[4], torch.empty(scratch, dtype=lay.dtype, device=self.device),
-            torch.empty(scratch, dtype=lay.dtype, device=self.device))
+        return QuantPrefill(chunk_views(chunks, tables, views), views[4],
+                            torch.empty(scratch, dtype=lay.dtype, device=self.device),
+                            torch.empty(scratch, dtype=lay.dtype, device=self.device))
 
     def graph_decode_metadata(self, max_batch: int, max_blocks: int) -> TritonQuantStep:
         if not self.supports_cuda_graphs:

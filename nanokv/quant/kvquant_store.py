@@ -288,8 +288,8 @@ class KVQuantStore(QuantizedKVStore):
                  "fresh": fresh if n_sink else [], "row_blocks": list(step.row_changes),
                  "rows": list(step.row_changes.values())}
         at = dict(zip(parts, upload_parts(list(parts.values()), self.device)))
+        base = super().plan_write(at["slots"], at["positions"])  # the slots' positions
         buf = self.buffers
-        self.slot_positions.view(-1)[at["slots"]] = at["positions"].to(self.slot_positions.dtype)
         if at["fresh"].numel():
             buf["sink_slot"][at["fresh"]] = -1
         if sink_dst:
@@ -297,7 +297,7 @@ class KVQuantStore(QuantizedKVStore):
         if step.row_changes:
             buf["staging_index"][at["row_blocks"]] = at["rows"].to(torch.int32)
         return KVQuantWritePlan(
-            at["slots"], at["positions"], token_valid=at["positions"] >= n_sink,
+            base.slot_mapping, base.positions, token_valid=base.positions >= n_sink,
             stage_src=at["stage_src"], stage_dst=at["stage_dst"],
             quant_blocks=at["quant_blocks"], quant_src=at["quant_src"].view(-1, bsz),
             quant_valid=at["quant_valid"].bool().view(-1, bsz), sink_src=at["sink_src"],
