@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, as one script for a lent GPU machine (no FastAPI, no
 # downloads there; nanokv runs from the working tree with PYTHONPATH=.). Each stage has its own
-# time limit (the default stages' limits add up to about 730 s, more than a 15-minute lease
+# time limit (the default stages' limits add up to about 790 s, more than a 15-minute lease
 # leaves after a machine start and a rerun: pick some with STAGES, e.g. the next session's
-# STAGES='suite_cuda|triton_sweep|triton_bench|make_model|kv_|profile_kvquant') and writes to $OUT (default
-# /tmp/gpu_check); summary.md gathers the figures at the end. With PACK=FILE.tgz the logs so far are packed into FILE after every
-# stage (a tool that returns few files gets one, also when the run is cut short).
+# STAGES='suite_cuda|triton_sweep|triton_bench|make_model|kv_|profile_kvquant', 585 s of
+# limits, both profile_kvquant stages included) and writes to $OUT (default /tmp/gpu_check);
+# summary.md gathers the figures at the end. With PACK=FILE.tgz the logs so far are packed into
+# FILE after every stage (a tool that returns few files gets one, also when the run is cut short).
 # Run from the repository root:  OUT=/path bash scripts/gpu_check.sh
 # STAGES=REGEX runs only the stages whose name matches (e.g. STAGES='bench|profile' to rerun).
 # Stages, most informative first:
