@@ -3,6 +3,9 @@ tests/unit/test_triton_kvquant.py): every layout they check, by name ("int8", "f
 "int8-pre-rope", "kvquant:<config>", "kivi:<bits>"), with a rotary table for keys kept before
 RoPE."""
 
+import random
+from types import SimpleNamespace
+
 import torch
 
 from nanokv.attention.common import CommonAttentionMetadata, PrefillChunk
@@ -68,6 +71,56 @@ def make_store(kind, head_dim, block_size, num_blocks, num_requests, staging_dty
     store.rotary = RotaryEmbedding(_HFConfig(), head_dim, MAX_POS)
     store.rotary.build_tables(torch.device(device))
     return store
+
+
+def fill(store, lens, chunk, seed):
+    """Requests of `lens` tokens written in chunks of `chunk` (positions not the slots, as after
+    eviction; some large key entries, so outliers are kept). Returns their block tables."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    bs, d, heads = store.block_size, store.layout.head_dim, store.layout.num_kv_heads
+    blocks = list(range(store.num_blocks))
+    rng.shuffle(blocks)
+    tables = [[blocks.pop() for _ in range(cdiv(n, bs))] for n in lens]
+    for table, n in zip(tables, lens):
+        p0 = rng.randrange(0, 50)
+        for start in range(0, n, chunk):
+            m = min(chunk, n - start)
+            slots = [table[j // bs] * bs + j % bs for j in range(start, start + m)]
+            pos = list(range(p0 + start, p0 + start + m))
+            plan = store.begin_step(slots, pos)
+            for layer in range(NUM_LAYERS):
+                k_pre = torch.randn(m, heads, d, generator=gen)
+                k_pre[torch.rand(k_pre.shape, generator=gen) < 0.02] *= 8
+                v = torch.randn(m, heads, d, generator=gen)
+                k_pre, v = k_pre.to(store.device), v.to(store.device)
+                k = store.rotary.rotate(torch.tensor(pos, device=store.device), k_pre)
+                store.write_layer(layer, plan, k.to(store.layout.dtype),
+                                  v.to(store.layout.dtype), k_pre.to(store.layout.dtype))
+    return tables
+
+
+def check_policy_view(store, tables, lens, atol=2e-5, rtol=1e-4):
+    """Each request's `policy_view` through the block reader an attention backend installed
+    against the one through the store's own `read_blocks`: every written slot of every layer,
+    the table and the positions."""
+    reader = store.block_reader
+    assert reader is not None, "no block reader installed"
+    for i, (table, n) in enumerate(zip(tables, lens)):
+        request = SimpleNamespace(num_cached_slots=n, block_table=table, request_id=f"r{i}")
+        fast = store.policy_view(request)
+        store.use_block_reader(None)
+        try:
+            ref = store.policy_view(request)
+        finally:
+            store.use_block_reader(reader)
+        assert fast.block_table == ref.block_table and torch.equal(fast.positions, ref.positions)
+        for (k, v), (k_ref, v_ref) in zip(fast.layers, ref.layers):  # each [nb, B, Hkv, D]
+            assert k.shape == k_ref.shape and k.dtype == k_ref.dtype and k.device == k_ref.device
+            torch.testing.assert_close(k.flatten(0, 1)[:n], k_ref.flatten(0, 1)[:n], atol=atol,
+                                       rtol=rtol)
+            torch.testing.assert_close(v.flatten(0, 1)[:n], v_ref.flatten(0, 1)[:n], atol=atol,
+                                       rtol=rtol)
 
 
 def step(store, backend, q, k, v, k_pre, slots, positions, decode_tables, decode_lens,

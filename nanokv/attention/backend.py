@@ -15,6 +15,11 @@ else (reason, structural) where structural means "not made for this cache or dev
 warning when auto passes it over) rather than "made for it but not usable here" (a failed build,
 an unsupported dtype: auto warns).
 
+Policy views: a backend that decodes a quantized store's blocks faster than the store's own
+`read_blocks` installs that reader on the store when it is built (`store.use_block_reader`); KV
+policies' `policy_view` then reads through it (the C reader on CPU, the Triton read on CUDA), and
+`read_blocks` stays the reference. The reader gives the same values within float rounding.
+
 CUDA graphs for decode (a backend that sets `supports_cuda_graphs = True`):
 
     meta = backend.graph_decode_metadata(max_batch, max_blocks)   # once, before capture

@@ -12,7 +12,6 @@ other stores and devices pass to the PyTorch backend.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
@@ -80,10 +79,14 @@ class NativeQuantizedBackend(AttentionBackend):
     def __init__(self, kv_cache, device: torch.device) -> None:
         super().__init__(kv_cache, device)
         self.block_size = kv_cache.block_size
-        self._layers: dict[int, tuple] = {}  # layer -> (C struct or tensors, kept alive)
+        # (layer, query heads) -> (C struct, tensors kept alive); reading takes query heads = KV
+        # heads (the read path has no queries)
+        self._layers: dict[tuple[int, int], tuple] = {}
         # (the RoPE tables' halves repeat, their tiles or None, their half rows or None): every
         # layer's, worked out once; of the compact tables, the one this CPU's kernel reads
         self._rope_layout: tuple[bool, torch.Tensor | None, torch.Tensor | None] | None = None
+        if isinstance(kv_cache, BLOCK_TABLE_STORES):  # policy views read through the C reader
+            kv_cache.use_block_reader(self.read_blocks)
 
     @classmethod
     def why_not(cls, kv_cache, device: torch.device) -> tuple[str, bool] | None:
@@ -126,8 +129,7 @@ class NativeQuantizedBackend(AttentionBackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_pre: torch.Tensor, step: NativeQuantStep, scale: float) -> torch.Tensor:
         store = self.kv_cache
-        read_past = partial(self._read_past, num_q_heads=q.shape[1]) \
-            if isinstance(store, BLOCK_TABLE_STORES) else None
+        read_past = self._read_past if isinstance(store, BLOCK_TABLE_STORES) else None
         return write_prefill_then_decode(
             store, layer, q, k, v, k_pre, step.write_plan, step.prefill_meta,
             step.num_decode_tokens, scale,
@@ -144,12 +146,28 @@ class NativeQuantizedBackend(AttentionBackend):
                                buf["v_codes"][layer], buf["k_scales"][layer],
                                buf["v_scales"][layer], step.runs, scale, self._rope())
 
-    def _read_past(self, layer: int, block_table: torch.Tensor, num_slots: int,
-                   num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read_past(self, layer: int, block_table: torch.Tensor, num_slots: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """A prefill chunk's cached prefix decoded in C (keys after RoPE, values):
         [num_slots, Hkv, D] each, as the PyTorch path's `read_blocks` gives it."""
         ids = block_table[:cdiv(num_slots, self.block_size)].to(torch.int64).contiguous()
-        return kvquant_read(self._block_layer(layer, num_q_heads), ids, num_slots)
+        return kvquant_read(self._read_layer(layer), ids, num_slots)
+
+    def read_blocks(self, layer: int, block_ids: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole blocks block_ids [n] decoded in C: (k, v) each [n, B, Hkv, D] in the layout's
+        dtype, keys after RoPE: the store's `read_blocks(layer, ids, store.rope)` (the block
+        reader of its policy views)."""
+        lay = self.kv_cache.layout
+        ids = block_ids.to(torch.int64).contiguous()
+        n = ids.numel()
+        k, v = kvquant_read(self._read_layer(layer), ids, n * self.block_size)  # [n * B, Hkv, D]
+        shape = (n, self.block_size, lay.num_kv_heads, lay.head_dim)
+        return k.view(shape).to(lay.dtype), v.view(shape).to(lay.dtype)
+
+    def _read_layer(self, layer: int) -> KVQuantLayer:
+        """The layer's descriptor for reading blocks (its query heads unused: the KV heads)."""
+        return self._block_layer(layer, self.kv_cache.layout.num_kv_heads)
 
     def _rope(self):
         """(slot positions, cos, sin) when the store keeps keys before RoPE, else None (as the
@@ -164,8 +182,10 @@ class NativeQuantizedBackend(AttentionBackend):
         return store.slot_positions, cos, sin
 
     def _block_layer(self, layer: int, num_q_heads: int) -> KVQuantLayer:
-        """The layer's C descriptor, built once (the store's buffers never move)."""
-        if layer not in self._layers:
+        """The layer's C descriptor for num_q_heads query heads, built once (the store's
+        buffers never move)."""
+        key = (layer, num_q_heads)
+        if key not in self._layers:
             keep: list[torch.Tensor] = []
 
             def ptr(t: torch.Tensor) -> int:  # the kernel reads the store's live buffers
@@ -177,8 +197,8 @@ class NativeQuantizedBackend(AttentionBackend):
 
             build = self._kivi_layer if isinstance(self.kv_cache, KIVIStore) \
                 else self._kvquant_layer
-            self._layers[layer] = (build(layer, num_q_heads, ptr), keep)
-        return self._layers[layer][0]
+            self._layers[key] = (build(layer, num_q_heads, ptr), keep)
+        return self._layers[key][0]
 
     def _kivi_layer(self, layer: int, num_q_heads: int, ptr) -> KVQuantLayer:
         """KIVI as the kernel's layout: per-channel keys (min as offset, scale as half, a code's

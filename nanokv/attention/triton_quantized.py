@@ -114,6 +114,7 @@ class TritonQuantizedBackend(AttentionBackend):
         self.target_programs = (2 * torch.cuda.get_device_properties(device).multi_processor_count
                                 if device.type == "cuda" else 1)
         self._layers: dict[int, object] = {}
+        kv_cache.use_block_reader(self.read_blocks)  # policy views read through the kernel
 
     @property
     def supports_cuda_graphs(self) -> bool:
@@ -227,6 +228,18 @@ class TritonQuantizedBackend(AttentionBackend):
             q, k, v, self._paged(pre.k_scratch, pre.v_scratch), chunks.query_start,
             chunks.query_len, chunks.context_lens, chunks.block_tables, chunks.max_query_len,
             out, scale, self.block_rows, self.tile_n, self.num_warps)
+
+    def read_blocks(self, layer: int, block_ids: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole blocks block_ids [n] decoded by the read kernel: (k, v) each [n, B, Hkv, D] in
+        the layout's dtype, keys after RoPE: the store's `read_blocks(layer, ids, store.rope)`
+        (the block reader of its policy views)."""
+        lay = self.kv_cache.layout
+        shape = (block_ids.numel(), self.block_size, lay.num_kv_heads, lay.head_dim)
+        k = torch.empty(shape, dtype=lay.dtype, device=self.device)
+        v = torch.empty(shape, dtype=lay.dtype, device=self.device)
+        self._read.kvquant_read_blocks(self.layer_views(layer), block_ids.to(self.device), k, v)
+        return k, v
 
     def layer_views(self, layer: int):
         """The layer's buffers as the kernel reads them (views of the store's, made once)."""

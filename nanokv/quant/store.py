@@ -46,6 +46,9 @@ from nanokv.utils import cdiv
 
 # (positions [n] int64, x [n, Hkv, D]) -> x rotated to those positions
 Rope = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (layer, block ids [n] int64) -> (k, v) each [n, B, Hkv, D] in the layout's dtype, keys after
+# RoPE: what `read_blocks(layer, ids, store.rope)` gives, from a faster reader
+BlockReader = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 CATEGORIES = ("codes", "scales", "outliers", "sinks", "staging", "bookkeeping")
 
@@ -147,6 +150,9 @@ class QuantizedKVStore(KVCache):
         self.slot_positions = slot_positions  # [num_blocks, block_size], -1 = never written
         self.buffers: dict[str, torch.Tensor] = {}
         self.rotary = None  # the model's RoPE (set by `create`): rotates pre-RoPE keys
+        # what policy views read the blocks with: None = `read_blocks` (the reference); an
+        # attention backend with its own reader of these codes installs it (`use_block_reader`)
+        self.block_reader: BlockReader | None = None
 
     # ---- the KV cache kind ---------------------------------------------------------------------
     @classmethod
@@ -197,17 +203,23 @@ class QuantizedKVStore(KVCache):
                     k_pre: torch.Tensor) -> None:
         self.write(layer, plan, k_pre if self.pre_rope_keys else k, v)
 
+    def use_block_reader(self, reader: BlockReader | None) -> None:
+        """Read policy views with `reader` (an attention backend's kernel that decodes these
+        codes as `read_blocks` does); None: back to `read_blocks`."""
+        self.block_reader = reader
+
     def policy_view(self, request) -> KVView:
         """The request's blocks dequantized into dense copies (keys rotated to their slot's
         position), table `0..n-1`, and each slot's recorded position (the table may shrink
-        before `apply_plan` runs)."""
+        before `apply_plan` runs). Read by the installed block reader, else `read_blocks`."""
         nb = cdiv(request.num_cached_slots, self.block_size)
         ids = torch.tensor(request.block_table[:nb], dtype=torch.long, device=self.device)
         rope = self.rope
         if self.pre_rope_keys and rope is None:
             raise RuntimeError("a store with pre-RoPE keys needs the model's rotary (create)")
-        layers = [self.read_blocks(layer, ids, rope)  # each [nb, B, Hkv, D]
-                  for layer in range(self.layout.num_layers)]
+        reader = self.block_reader
+        layers = [self.read_blocks(layer, ids, rope) if reader is None  # each [nb, B, Hkv, D]
+                  else reader(layer, ids) for layer in range(self.layout.num_layers)]
         return KVView(layers, list(range(nb)), self.slot_positions[ids].reshape(-1).long(),
                       request.request_id)
 

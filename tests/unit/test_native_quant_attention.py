@@ -10,7 +10,8 @@ import pytest
 import torch
 from narrow_builds import run_narrow_build
 
-from quant_stores import HKV, MAX_POS, NUM_LAYERS, _HFConfig, make_store, scenario, step
+from quant_stores import (HKV, MAX_POS, NUM_LAYERS, _HFConfig, check_policy_view, fill,
+                          make_store, scenario, step)
 
 from nanokv.attention.common import CommonAttentionMetadata
 from nanokv.attention.native_quantized import NativeQuantizedBackend
@@ -422,6 +423,30 @@ def test_kvquant_bf16_staging_and_all_slots_staged():
     outs, refs = scenario(store, 8, [3, 100, 255, 200], rng, gen, chunk=64)
     for out, ref in zip(outs, refs):
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+BLOCK_TABLE_KINDS = [k for k in STORES if k.startswith(("kvquant:", "kivi:"))]
+
+
+@pytest.mark.parametrize("kind", BLOCK_TABLE_KINDS + ["kvquant:4bit-outliers5"])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_policy_views_read_through_the_c_reader(kind, block_size):
+    """The backend installs its C read as the store's block reader: a policy's view of each
+    request (contexts ending mid-block, staged partial blocks, sinks, outliers, keys before
+    RoPE) equals the view through the store's `read_blocks`; per-token stores keep theirs."""
+    lens = [1, block_size - 1, 2 * block_size + 5]
+    store = make_store(kind, 64, block_size, sum(cdiv(n, block_size) for n in lens) + 2,
+                       len(lens))
+    assert store.block_reader is None
+    NativeQuantizedBackend(store, CPU)
+    tables = fill(store, lens, block_size // 2 + 3, seed=block_size)
+    check_policy_view(store, tables, lens)
+
+
+def test_per_token_stores_keep_their_reader():
+    store = make_store("int8", 32, 16, 4, 1)
+    NativeQuantizedBackend(store, CPU)
+    assert store.block_reader is None
 
 
 def test_backend_choice():

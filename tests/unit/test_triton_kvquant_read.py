@@ -8,8 +8,6 @@ On a CUDA machine the kernel runs on the GPU; without one in Triton's interprete
 (TRITON_INTERPRET=1, set by tests/conftest.py before triton is imported).
 """
 
-import random
-
 import pytest
 import torch
 
@@ -17,7 +15,7 @@ from triton_device import triton_device
 
 DEVICE = triton_device()  # the module skips without a GPU or the interpreter
 
-from quant_stores import NUM_LAYERS, make_store  # noqa: E402
+from quant_stores import NUM_LAYERS, check_policy_view, fill, make_store  # noqa: E402
 
 from nanokv.attention.triton_quantized import TritonQuantizedBackend  # noqa: E402
 from nanokv.kernels.triton.kvquant_read import kvquant_read_blocks  # noqa: E402
@@ -26,33 +24,6 @@ from nanokv.utils import cdiv  # noqa: E402
 STORES = ["kvquant:4bit", "kvquant:3bit-nuq", "kvquant:2bit-nuq-thresholds",
           "kvquant:mixed-8-4", "kvquant:per-channel-post-rope", "kvquant:4bit-outliers5",
           "kivi:2", "kivi:4"]
-
-
-def fill(store, lens, chunk, seed):
-    """Requests of `lens` tokens written in chunks of `chunk` (positions not the slots, as after
-    eviction; some large key entries, so outliers are kept). Returns their block tables."""
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    bs, d, heads = store.block_size, store.layout.head_dim, store.layout.num_kv_heads
-    blocks = list(range(store.num_blocks))
-    rng.shuffle(blocks)
-    tables = [[blocks.pop() for _ in range(cdiv(n, bs))] for n in lens]
-    for table, n in zip(tables, lens):
-        p0 = rng.randrange(0, 50)
-        for start in range(0, n, chunk):
-            m = min(chunk, n - start)
-            slots = [table[j // bs] * bs + j % bs for j in range(start, start + m)]
-            pos = list(range(p0 + start, p0 + start + m))
-            plan = store.begin_step(slots, pos)
-            for layer in range(NUM_LAYERS):
-                k_pre = torch.randn(m, heads, d, generator=gen)
-                k_pre[torch.rand(k_pre.shape, generator=gen) < 0.02] *= 8
-                v = torch.randn(m, heads, d, generator=gen)
-                k_pre, v = k_pre.to(store.device), v.to(store.device)
-                k = store.rotary.rotate(torch.tensor(pos, device=store.device), k_pre)
-                store.write_layer(layer, plan, k.to(store.layout.dtype),
-                                  v.to(store.layout.dtype), k_pre.to(store.layout.dtype))
-    return tables
 
 
 def check_read(store, tables, lens, atol=2e-5, rtol=1e-4):
@@ -117,3 +88,17 @@ def test_read_refuses_bad_arguments():
     with pytest.raises(ValueError, match="block_ids must be"):
         kvquant_read_blocks(views, ids.float(), good, good.clone())
     kvquant_read_blocks(views, ids[:0], good, good.clone())  # nothing to read
+
+
+@pytest.mark.parametrize("kind", ["kvquant:2bit-nuq-thresholds", "kvquant:4bit-outliers5",
+                                  "kivi:2"])
+def test_policy_views_read_through_the_kernel(kind):
+    """The backend installs its read as the store's block reader: a policy's view of each
+    request (sinks, outliers, keys before RoPE, partial blocks staged) equals the view through
+    `read_blocks`."""
+    lens = [5, 16, 37]
+    store = make_store(kind, 32, 16, 8, len(lens), device=DEVICE)
+    assert store.block_reader is None
+    TritonQuantizedBackend(store, store.device)
+    tables = fill(store, lens, 11, seed=9)
+    check_policy_view(store, tables, lens)
