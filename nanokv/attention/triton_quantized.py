@@ -1,8 +1,10 @@
 """Triton attention over the KVQuant and KIVI stores on CUDA: decode reads the codes in place
 (`nanokv/kernels/triton/kvquant_decode.py`); a step's prefill chunks take two launches a layer,
-their cached prefixes decoded into a scratch float cache (`kvquant_read.py`, each block once)
-and then all chunks through the float pool's paged prefill kernel (`prefill.py`: the prefix from
-the scratch, the chunk's own tokens causally with their fresh K/V). The KV write is the store's:
+their cached prefixes decoded into a scratch float cache (`kvquant_read.py`, each distinct block
+once, so a shared cached prefix is decoded once for all its chunks) and then all chunks through
+the float pool's paged prefill kernel (`prefill.py`: the prefix from the scratch, the chunk's
+own tokens causally with their fresh K/V); past `prefill_scratch_slots` prefix slots, chunks go
+in groups, two launches each. The KV write is the store's:
 on CUDA a KVQuant store quantizes on write in Triton (`kernels/triton/kvquant_write.py`, two
 launches a layer), a KIVI store in PyTorch.
 
@@ -50,13 +52,21 @@ from nanokv.utils import cdiv
 
 
 @dataclass
-class QuantPrefill:
-    """A step's prefill chunks: their cached prefixes' blocks, decoded into the scratch cache
-    each layer, and the chunks as the paged prefill kernel reads them."""
+class PrefixGroup:
+    """Prefill chunks whose prefixes fit the scratch cache together: one read launch and one
+    prefill launch a layer."""
 
     chunks: PrefillChunks  # block tables: rows of the scratch cache, not the store's blocks
-    read_ids: torch.Tensor  # [n] int32 the store's blocks: block i -> scratch row i
-    k_scratch: torch.Tensor  # [max(n, 1), B, Hkv, D] in the layout's dtype, reused by each layer
+    read_ids: torch.Tensor  # [n] int32 the prefixes' distinct blocks: block i -> scratch row i
+
+
+@dataclass
+class QuantPrefill:
+    """A step's prefill chunks in groups, each group's prefix blocks decoded into the scratch
+    cache in turn (each layer)."""
+
+    groups: list[PrefixGroup]
+    k_scratch: torch.Tensor  # [max(most rows of a group, 1), B, Hkv, D] in the layout's dtype
     v_scratch: torch.Tensor
 
 
@@ -99,6 +109,10 @@ class TritonQuantizedBackend(AttentionBackend):
     num_warps = 4
     num_stages = None  # the pipelining depth of a split's block loop (None: Triton's)
     unroll = 1  # blocks a loop iteration (2, 4: each block's loads independent of the last's)
+    # the most prefix slots a step's prefill decodes into its scratch cache at once (2 x this x
+    # Hkv x D elements of the layout's dtype: 256 MiB at 8 KV heads of 128 in bfloat16); more
+    # are read and attended in groups
+    prefill_scratch_slots = 1 << 16
 
     def __init__(self, kv_cache, device: torch.device) -> None:
         super().__init__(kv_cache, device)
@@ -161,22 +175,38 @@ class TritonQuantizedBackend(AttentionBackend):
         return step
 
     def prefill_chunks(self, common: CommonAttentionMetadata) -> QuantPrefill:
-        """The chunks' prefixes in a scratch cache: chunk c's `past` cached slots are rows
-        [start_c, start_c + cdiv(past, B)) of it, read from its first blocks (one upload for
-        every chunk tensor)."""
+        """The chunks in groups over one scratch cache (one upload for every group's tensors).
+        A block several chunks' prefixes share (a cached common prefix) is read once per group;
+        a group takes chunks in order while its distinct blocks stay within
+        `prefill_scratch_slots` (a chunk whose prefix alone is larger gets a group of its own)."""
         chunks, bs = common.prefills, self.block_size
-        read, tables = [], []
+        cap = max(1, self.prefill_scratch_slots // bs)  # blocks
+        # (chunks, their tables into the scratch, store block -> scratch row)
+        groups: list[tuple[list, list, dict[int, int]]] = [([], [], {})]
         for c in chunks:
-            n = cdiv(c.context_len - c.query_len, bs)  # the prefix's blocks
-            tables.append(range(len(read), len(read) + n))
-            read += c.block_table[:n]
-        tables = padded_rows(tables)  # [C, widest prefix] (at least one column: a view)
-        if tables.shape[1] == 0:
-            tables = np.zeros((len(chunks), 1), dtype=np.int32)
-        views = upload_parts(chunk_parts(chunks, tables) + [read], self.device, np.int32)
+            prefix = c.block_table[:cdiv(c.context_len - c.query_len, bs)]
+            members, _, rows = groups[-1]
+            new = len(set(prefix).difference(rows))  # blocks the group does not read yet
+            if members and new and len(rows) + new > cap:
+                groups.append(([], [], {}))
+            members, tables, rows = groups[-1]
+            members.append(c)
+            tables.append([rows.setdefault(b, len(rows)) for b in prefix])
+        parts, shapes = [], []
+        for members, tables, rows in groups:
+            table = padded_rows(tables)  # [C_g, widest prefix] (at least one column: a view)
+            if table.shape[1] == 0:
+                table = np.zeros((len(members), 1), dtype=np.int32)
+            parts += chunk_parts(members, table) + [list(rows)]
+            shapes.append(table)
+        views = upload_parts(parts, self.device, np.int32)
+        prefix_groups = [PrefixGroup(chunk_views(members, table, views[5 * g:5 * g + 4]),
+                                     views[5 * g + 4])
+                         for g, ((members, _, _), table) in enumerate(zip(groups, shapes))]
         lay = self.kv_cache.layout
-        scratch = (max(1, len(read)), bs, lay.num_kv_heads, lay.head_dim)
-        return QuantPrefill(chunk_views(chunks, tables, views), views[4],
+        scratch = (max(1, max(len(rows) for _, _, rows in groups)), bs, lay.num_kv_heads,
+                   lay.head_dim)
+        return QuantPrefill(prefix_groups,
                             torch.empty(scratch, dtype=lay.dtype, device=self.device),
                             torch.empty(scratch, dtype=lay.dtype, device=self.device))
 
@@ -219,15 +249,17 @@ class TritonQuantizedBackend(AttentionBackend):
 
     def attend_prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        pre: QuantPrefill, out: torch.Tensor, scale: float) -> None:
-        """The prefill chunks' rows of out: their prefixes decoded into the scratch cache, then
-        every chunk in one launch of the paged prefill kernel over it."""
-        self._read.kvquant_read_blocks(self.layer_views(layer), pre.read_ids, pre.k_scratch,
-                                       pre.v_scratch)
-        chunks = pre.chunks
-        self._prefill.prefill_attention(
-            q, k, v, self._paged(pre.k_scratch, pre.v_scratch), chunks.query_start,
-            chunks.query_len, chunks.context_lens, chunks.block_tables, chunks.max_query_len,
-            out, scale, self.block_rows, self.tile_n, self.num_warps)
+        """The prefill chunks' rows of out, group by group: the group's prefix blocks decoded
+        into the scratch cache, then its chunks in one launch of the paged prefill kernel."""
+        paged = self._paged(pre.k_scratch, pre.v_scratch)
+        for group in pre.groups:
+            self._read.kvquant_read_blocks(self.layer_views(layer), group.read_ids,
+                                           pre.k_scratch, pre.v_scratch)
+            chunks = group.chunks
+            self._prefill.prefill_attention(
+                q, k, v, paged, chunks.query_start, chunks.query_len, chunks.context_lens,
+                chunks.block_tables, chunks.max_query_len, out, scale, self.block_rows,
+                self.tile_n, self.num_warps)
 
     def read_blocks(self, layer: int, block_ids: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,9 +19,11 @@ from triton_device import triton_device
 
 DEVICE = triton_device()  # the module skips without a GPU or the interpreter
 
-from quant_stores import make_store, scenario  # noqa: E402
+from quant_stores import NUM_LAYERS, make_store, scenario, step  # noqa: E402
 
+from nanokv.attention.common import CommonAttentionMetadata, PrefillChunk  # noqa: E402
 from nanokv.attention.quantized import QuantizedTorchBackend  # noqa: E402
+from nanokv.quant.attention import reference_quantized_attention  # noqa: E402
 from nanokv.attention.selector import select_backend  # noqa: E402
 from nanokv.attention.triton_quantized import TritonQuantizedBackend  # noqa: E402
 from nanokv.utils import cdiv  # noqa: E402
@@ -95,6 +97,72 @@ def test_blocks_of_256(kind):
                           device=DEVICE)
     for out, ref in zip(outs, refs):
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def _tokens(store, n, positions, gen, hq=None):
+    """k_pre, k (rotated), v: [L, n, Hkv, D] (queries [L, n, hq, D] when hq is given)."""
+    heads, d = store.layout.num_kv_heads, store.layout.head_dim
+    k_pre = torch.randn(NUM_LAYERS, n, heads, d, generator=gen)
+    k_pre[torch.rand(k_pre.shape, generator=gen) < 0.02] *= 8
+    v = torch.randn(NUM_LAYERS, n, heads, d, generator=gen)
+    pos = torch.tensor(positions, device=store.device)
+    k_pre, v = k_pre.to(store.device), v.to(store.device)
+    k = torch.stack([store.rotary.rotate(pos, k_pre[layer]) for layer in range(NUM_LAYERS)])
+    if hq is None:
+        return k_pre, k, v
+    return k_pre, k, v, torch.randn(NUM_LAYERS, n, hq, d, generator=gen).to(store.device)
+
+
+def _write(store, slots, positions, gen):
+    k_pre, k, v = _tokens(store, len(slots), positions, gen)
+    plan = store.begin_step(slots, positions)
+    for layer in range(NUM_LAYERS):
+        store.write_layer(layer, plan, k[layer], v[layer], k_pre[layer])
+
+
+@pytest.mark.parametrize("kind", ["kvquant:2bit-nuq-thresholds", "kivi:2"])
+@pytest.mark.parametrize("scratch_slots,groups", [(1 << 16, 1), (32, 2)])
+def test_prefill_chunks_over_a_shared_prefix(kind, scratch_slots, groups):
+    """Prefill chunks of one step whose prefixes share cached blocks (prefix caching's common
+    prefix) and a chunk with no prefix: each shared block decoded once per group, outputs
+    against the reference. A scratch of 32 slots (2 blocks) splits them into groups: the first
+    chunk's prefix (3 blocks) alone, then the second's (4 blocks) with the two that add no
+    block to it (no prefix; a shared block)."""
+    bs, hq = 16, 4
+    gen = torch.Generator().manual_seed(13)
+    store = make_store(kind, 32, bs, 16, 5, device=DEVICE)
+    shared = [9, 4]  # two full blocks, positions 0..31
+    _write(store, [b * bs + j for b in shared for j in range(bs)], list(range(2 * bs)), gen)
+    # (table, cached slots before the step, new tokens this step)
+    requests = [(shared + [7], 37, 6), (shared + [1, 12], 52, 9), ([3], 0, 11),
+                ([shared[0], 15], 16, 4)]
+    for table, past, _ in requests:  # each request's own cached tokens after the shared ones
+        own = range(2 * bs if len(table) > 2 else bs if past else 0, past)
+        if len(own):
+            _write(store, [table[j // bs] * bs + j % bs for j in own], list(own), gen)
+    slots, positions, chunks, start = [], [], [], 0
+    for table, past, n in requests:
+        slots += [table[j // bs] * bs + j % bs for j in range(past, past + n)]
+        positions += list(range(past, past + n))
+        chunks.append(PrefillChunk(start, n, past + n, table))
+        start += n
+    k_pre, k, v, q = _tokens(store, start, positions, gen, hq)
+    backend = TritonQuantizedBackend(store, store.device)
+    backend.prefill_scratch_slots = scratch_slots
+    pre = backend.prefill_chunks(CommonAttentionMetadata(slots, 0, [], [], chunks))
+    assert len(pre.groups) == groups
+    read = [g.read_ids.tolist() for g in pre.groups]
+    assert all(len(ids) == len(set(ids)) for ids in read)  # each block once in a group
+    assert read == ([[9, 4, 7, 1, 12]] if groups == 1 else [[9, 4, 7], [9, 4, 1, 12]])
+    outs = step(store, backend, q, k, v, k_pre, slots, positions, [], [], chunks)
+    d = store.layout.head_dim
+    for layer, out in enumerate(outs):
+        for (table, past, n), c in zip(requests, chunks):
+            rows = slice(c.query_start, c.query_start + n)
+            ref = reference_quantized_attention(q[layer, rows], k[layer, rows], v[layer, rows],
+                                                store, layer, table, past, d ** -0.5,
+                                                store.rotary.rotate)
+            torch.testing.assert_close(out[rows], ref, atol=2e-5, rtol=1e-4)
 
 
 def test_backend_choice():
