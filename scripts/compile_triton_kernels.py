@@ -12,7 +12,8 @@ Shapes: Qwen3-0.6B's attention (16 query heads, 8 KV heads, head dim 128, block 
 bfloat16 over the float pool and the int8 / fp8 stores and the KVQuant decode kernel over a
 4-bit store with keys before RoPE (with --quick: one split; else also 2-bit with outliers and
 sinks, and KIVI) and the read of their blocks into a prefill's scratch cache, KVQuant's
-quantize-on-write (4-bit; else also 2-, 3- and 8-bit), plus a
+quantize-on-write (4-bit; else also 2-, 3- and 8-bit) and KIVI's (2-bit keys and values; else
+also 4-bit), plus a
 float32 pool with GQA 8 and head dim 64 (the dot in IEEE float32).
 Exits non-zero on the first failure, naming the variant.
 """
@@ -37,6 +38,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from nanokv.kernels.triton import (  # noqa: E402
     decode,
+    kivi_write,
     kv_write,
     kvquant_decode,
     kvquant_read,
@@ -204,6 +206,24 @@ def record_quant_write(dtype, hkv, dim, block_size, quick: bool) -> None:
             store.write(0, plan, x, x)
 
 
+def record_kivi_write(dtype, hkv, dim, block_size, quick: bool) -> None:
+    """KIVI's quantize-on-write launches (`kivi_write`, keys per channel and values in groups),
+    as the store makes them on CUDA: a prefill of two blocks and a half, then a decode step
+    that fills the third (2-bit; else also 4-bit)."""
+    from nanokv.cache.kv_pool import KVLayout
+    from nanokv.quant.kivi_store import KIVIStore
+
+    lay = KVLayout(1, hkv, dim, block_size, dtype)
+    prompt = 2 * block_size + block_size // 2
+    for bits in ((2,) if quick else (2, 4)):
+        store = KIVIStore.from_settings(lay, 8, "cpu", bits=bits, num_staging_blocks=4)
+        store.triton_write = True
+        for slots in (list(range(prompt)), list(range(prompt, 3 * block_size))):
+            plan = store.begin_step(slots, slots)
+            x = torch.zeros(len(slots), hkv, dim, dtype=dtype)
+            store.write(0, plan, x, x)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10")
@@ -221,8 +241,11 @@ def main() -> None:
     for name in ("_quantize_tokens_kernel", "_quantize_blocks_kernel", "_scatter_rows_kernel"):
         recorders[name] = Recorder(getattr(kvquant_write, name))
         setattr(kvquant_write, name, recorders[name])
+    recorders["kivi_quantize_blocks"] = Recorder(kivi_write._quantize_blocks_kernel)
+    kivi_write._quantize_blocks_kernel = recorders["kivi_quantize_blocks"]
     record(torch.bfloat16, 16, 8, 128, 16, args.quick)
     record_quant_write(torch.bfloat16, 8, 128, 16, args.quick)
+    record_kivi_write(torch.bfloat16, 8, 128, 16, args.quick)
     record_quant(torch.bfloat16, 16, 8, 128, 16, args.quick)
     if not args.quick:
         record(torch.float32, 16, 2, 64, 64, quick=True)

@@ -80,6 +80,7 @@ bench() {  # name, seconds, requests, extra flags...
 CUDA_TESTS="tests/cuda tests/unit/test_triton_attention.py tests/unit/test_triton_kvquant.py
   tests/unit/test_triton_kvquant_read.py
   tests/unit/test_kvquant_triton_write.py tests/unit/test_kvquant_graph_write.py
+  tests/unit/test_kivi_triton_write.py
   tests/model/test_decode_graphs.py tests/model/test_hf_parity.py tests/unit/test_seams.py"
 # shellcheck disable=SC2086
 stage suite_cuda 90 $PY -m pytest -p no:cacheprovider -rfE -n 12 $CUDA_TESTS

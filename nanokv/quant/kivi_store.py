@@ -49,7 +49,15 @@ import torch
 from nanokv.cache.kv_pool import KVLayout
 from nanokv.quant.packing import pack, packed_dim, unpack
 from nanokv.quant.staging import BlockStaging
-from nanokv.quant.store import BufferSpec, QuantizedKVStore, Rope, WritePlan, as_list
+from nanokv.quant.store import (
+    BufferSpec,
+    QuantizedKVStore,
+    Rope,
+    WritePlan,
+    as_list,
+    triton_importable,
+)
+from nanokv.transfer import upload_parts
 
 KIVI_BITS = (2, 4)
 FP16_MAX = 65504.0
@@ -103,8 +111,8 @@ def dequantize_groups(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor
 @dataclass
 class KIVIWritePlan(WritePlan):
     stage_src: torch.Tensor  # [Ts] token index of each token kept in staging
-    stage_dst: torch.Tensor  # [Ts] flat staging slot (row * B + slot)
-    quant_blocks: torch.Tensor  # [nq] blocks that fill up in this step
+    stage_dst: torch.Tensor  # [Ts] flat staging slot (row * B + slot), -1: padding
+    quant_blocks: torch.Tensor  # [nq] blocks that fill up in this step, -1: padding
     quant_src: torch.Tensor  # [nq, B] < S*B: staging slot; else S*B + token index
 
 
@@ -124,6 +132,11 @@ class KIVIStore(QuantizedKVStore):
         self._allocate(self.buffer_specs())
         self.buffers["staging_index"].fill_(-1)
         self.staging = BlockStaging(num_blocks, self.block_size, num_staging_blocks, "kivi")
+        # quantize-on-write as a Triton kernel on CUDA (`kernels/triton/kivi_write.py`; the
+        # tests turn it on for a CPU store under Triton's interpreter); value groups of a power
+        # of two channels (the default's gcd(32, head_dim) always is), else the PyTorch path
+        self.triton_write = self.device.type == "cuda" and triton_importable() \
+            and group_size & (group_size - 1) == 0
 
     @classmethod
     def from_settings(cls, layout: KVLayout, num_blocks: int, device: torch.device | str,
@@ -195,24 +208,27 @@ class KIVIStore(QuantizedKVStore):
         if len(slots) != len(pos):
             raise ValueError(f"{len(slots)} slots but {len(pos)} positions")
         step = self.staging.plan(slots)  # validates before anything changes
-        base = super().plan_write(slots, pos)
-        dev, long = self.device, torch.long
+        # every index list in one host -> device copy
+        parts = {"slots": slots, "positions": pos, "stage_src": step.stage_src,
+                 "stage_dst": step.stage_dst, "quant_blocks": step.quant_blocks,
+                 "quant_src": step.quant_src, "row_blocks": list(step.row_changes),
+                 "rows": list(step.row_changes.values())}
+        at = dict(zip(parts, upload_parts(list(parts.values()), self.device)))
+        base = super().plan_write(at["slots"], at["positions"])  # the slots' positions
         if step.row_changes:
-            self.buffers["staging_index"][torch.tensor(list(step.row_changes), device=dev)] = \
-                torch.tensor(list(step.row_changes.values()), dtype=torch.int32, device=dev)
-        return KIVIWritePlan(
-            base.slot_mapping, base.positions,
-            stage_src=torch.tensor(step.stage_src, dtype=long, device=dev),
-            stage_dst=torch.tensor(step.stage_dst, dtype=long, device=dev),
-            quant_blocks=torch.tensor(step.quant_blocks, dtype=long, device=dev),
-            quant_src=torch.tensor(step.quant_src, dtype=long, device=dev).view(
-                -1, self.block_size))
+            self.buffers["staging_index"][at["row_blocks"]] = at["rows"].to(torch.int32)
+        return KIVIWritePlan(base.slot_mapping, base.positions, stage_src=at["stage_src"],
+                             stage_dst=at["stage_dst"], quant_blocks=at["quant_blocks"],
+                             quant_src=at["quant_src"].view(-1, self.block_size))
 
     def write(self, layer: int, plan: KIVIWritePlan, k: torch.Tensor, v: torch.Tensor) -> None:
         heads, dim = self.layout.num_kv_heads, self.layout.head_dim
         staged_slots = self.num_staging_blocks * self.block_size
         for name, x in (("k", k), ("v", v)):
             staging = self.buffers[f"staging_{name}"][layer].view(-1, heads, dim)  # [S*B, H, D]
+            if self.triton_write:
+                self._triton_write(name, layer, plan, x, staging)
+                continue
             if plan.quant_blocks.numel():  # before the staging writes: rows may be reused
                 src = plan.quant_src  # [nq, B]
                 old = staging[src.clamp(max=staged_slots - 1)].float()  # [nq, B, Hkv, D]
@@ -221,6 +237,21 @@ class KIVIStore(QuantizedKVStore):
                 self._quantize_blocks(name, layer, plan.quant_blocks, blocks)
             if plan.stage_src.numel():
                 staging.index_copy_(0, plan.stage_dst, x[plan.stage_src].to(staging.dtype))
+
+    def _triton_write(self, name: str, layer: int, plan: KIVIWritePlan, x: torch.Tensor,
+                      staging: torch.Tensor) -> None:
+        """The filling blocks quantized, then the staged tokens written: two launches (each
+        skips padded entries, -1)."""
+        from nanokv.kernels.triton import kivi_write, kvquant_write
+
+        buf = self.buffers
+        if plan.quant_blocks.numel():  # before the staging writes: rows may be reused
+            kivi_write.quantize_blocks(x, staging, plan.quant_src, plan.quant_blocks,
+                                       buf[f"{name}_codes"][layer], buf[f"{name}_min"][layer],
+                                       buf[f"{name}_scale"][layer], self.bits, name == "k",
+                                       self.group_size)
+        if plan.stage_src.numel():
+            kvquant_write.scatter_rows(x, plan.stage_src, plan.stage_dst, staging)
 
     def _quantize_blocks(self, name: str, layer: int, blocks: torch.Tensor,
                          x: torch.Tensor) -> None:

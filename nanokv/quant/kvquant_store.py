@@ -53,18 +53,18 @@ from nanokv.quant.kvquant import (
 from nanokv.quant import native_write
 from nanokv.quant.packing import pack, packed_dim, unpack
 from nanokv.quant.staging import BlockStaging
-from nanokv.quant.store import BufferSpec, QuantizedKVStore, Rope, WritePlan, as_list
+from nanokv.quant.store import (
+    BufferSpec,
+    QuantizedKVStore,
+    Rope,
+    WritePlan,
+    as_list,
+    triton_importable,
+)
 from nanokv.transfer import upload_parts
 
 logger = logging.getLogger("nanokv")
 _PARTS = ("codes", "offset", "half", "oidx", "oval")  # a layer's buffers of one kind
-
-
-def _triton_importable() -> bool:
-    # imported here: nanokv.attention imports this module
-    from nanokv.attention.triton_paged import triton_unavailable
-
-    return triton_unavailable() is None
 
 
 @dataclass
@@ -147,7 +147,7 @@ class KVQuantStore(QuantizedKVStore):
         self.native_write = self.device.type == "cpu" and native_write.native_write_available()
         # ... and as Triton kernels on CUDA (`kernels/triton/kvquant_write.py`; the tests turn it
         # on for a CPU store under Triton's interpreter)
-        self.triton_write = self.device.type == "cuda" and _triton_importable()
+        self.triton_write = self.device.type == "cuda" and triton_importable()
         self._write_tables: dict[tuple[int, str], tuple] = {}  # the kernels' codebook tables
 
     # ---- the KV cache kind -----------------------------------------------------------------

@@ -117,6 +117,14 @@ class WritePlan:
     positions: torch.Tensor  # [T] int64 RoPE positions
 
 
+def triton_importable() -> bool:
+    """Whether Triton imports and works here (the stores' Triton writes on CUDA)."""
+    # imported here: nanokv.attention imports the stores
+    from nanokv.attention.triton_paged import triton_unavailable
+
+    return triton_unavailable() is None
+
+
 def as_list(x: Sequence[int] | torch.Tensor) -> list[int]:
     """Host list of ints (a tensor on an accelerator costs one sync: pass lists when you can)."""
     return x.tolist() if isinstance(x, torch.Tensor) else [int(i) for i in x]

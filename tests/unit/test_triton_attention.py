@@ -377,8 +377,9 @@ def test_kernels_compile_for_a_gpu(tmp_path):
     operand types, constexpr use, registers): every kernel the backend launches for a bfloat16
     model over the float pool and int8 codes, the KVQuant decode kernel over a 4-bit store and
     that store's quantize-on-write kernels (per token, per channel, and the staging and sink
-    rows' copy for a bfloat16 staging and fp16 sinks) and the read of its blocks into a
-    prefill's scratch cache compiles to a cubin for
+    rows' copy for a bfloat16 staging and fp16 sinks), KIVI's quantize-on-write (keys per
+    channel, values in groups) and the read of the KVQuant blocks into a prefill's scratch cache
+    compiles to a cubin for
     sm_90 without a GPU, and none spills registers."""
     import subprocess
     import sys
@@ -392,8 +393,9 @@ def test_kernels_compile_for_a_gpu(tmp_path):
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = [line for line in done.stdout.splitlines() if line.startswith("ok")]
-    assert len(compiled) == 15, done.stdout
-    assert sum("_quantize_" in line for line in compiled) == 2, done.stdout
+    assert len(compiled) == 17, done.stdout
+    assert sum(" _quantize_" in line for line in compiled) == 2, done.stdout  # KVQuant
+    assert sum("kivi_quantize_blocks" in line for line in compiled) == 2, done.stdout
     assert sum("_scatter_rows_" in line for line in compiled) == 2, done.stdout
     assert sum("_kvquant_read_" in line for line in compiled) == 1, done.stdout
     spilled = [line for line in compiled if " stack 0 local 0 " not in line]
@@ -457,17 +459,21 @@ def test_engine_greedy_tokens_equal_the_default_backend(tiny_llama, kv, triton_b
                                                         monkeypatch):
     """Chunked prefill next to decodes, through the engine: the same greedy tokens as the
     backend auto picks on CPU (the PyTorch path on a GPU, where auto is this one); kvquant and
-    kivi through the Triton KVQuant / KIVI decode (tests/unit/test_triton_kvquant.py), kvquant
-    also through its Triton quantize-on-write (tests/unit/test_kvquant_triton_write.py)."""
+    kivi through the Triton KVQuant / KIVI decode (tests/unit/test_triton_kvquant.py), and
+    through their Triton quantize-on-write (tests/unit/test_kvquant_triton_write.py,
+    test_kivi_triton_write.py)."""
     from nanokv import LLM, SamplingParams
 
     prompts = [list(range(1, 40)), list(range(5, 22))]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     reference_backend = "auto" if DEVICE.type == "cpu" else "torch"
     tokens = {}
-    writes = {"quantize_tokens": 0, "quantize_blocks": 0}
-    if kv["kv_cache_dtype"] == "kvquant":  # count the Triton write launches
-        from nanokv.kernels.triton import kvquant_write
+    quantized = kv["kv_cache_dtype"] in ("kvquant", "kivi")
+    writes = {"quantize_tokens": 0, "quantize_blocks": 0, "scatter_rows": 0}
+    if quantized:  # count the Triton write launches
+        from nanokv.kernels.triton import kivi_write, kvquant_write
+
+        module = kvquant_write if kv["kv_cache_dtype"] == "kvquant" else kivi_write
 
         def counted(name, fn):
             def call(*args, **kwargs):
@@ -475,16 +481,19 @@ def test_engine_greedy_tokens_equal_the_default_backend(tiny_llama, kv, triton_b
                 return fn(*args, **kwargs)
             return call
 
-        for name in writes:
-            monkeypatch.setattr(kvquant_write, name, counted(name, getattr(kvquant_write, name)))
+        for owner, name in ((module, "quantize_blocks"), (kvquant_write, "quantize_tokens"),
+                            (kvquant_write, "scatter_rows")):
+            monkeypatch.setattr(owner, name, counted(name, getattr(owner, name)))
     for backend in (reference_backend, "triton"):
         llm = LLM(tiny_llama, skip_tokenizer_init=True, block_size=16, num_kv_blocks=16,
                   max_num_batched_tokens=24, max_num_seqs=2, attention_backend=backend, **kv)
-        if backend == "triton" and kv["kv_cache_dtype"] == "kvquant":
-            llm.engine.kv_cache.triton_write = True  # as on CUDA (on CPU: the C kernels)
+        if backend == "triton" and quantized:
+            llm.engine.kv_cache.triton_write = True  # as on CUDA
         tokens[backend] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         if backend == "triton":
             assert type(llm.engine.attention_backend) is triton_backend
     assert tokens["triton"] == tokens[reference_backend]
     if kv["kv_cache_dtype"] == "kvquant":  # values every step and layer; key blocks filled
         assert writes["quantize_tokens"] > 0 and writes["quantize_blocks"] > 0, writes
+    if kv["kv_cache_dtype"] == "kivi":  # blocks filled, partial blocks staged
+        assert writes["quantize_blocks"] > 0 and writes["scatter_rows"] > 0, writes
