@@ -4,16 +4,16 @@ their cached prefixes decoded into a scratch float cache (`kvquant_read.py`, eac
 once, so a shared cached prefix is decoded once for all its chunks) and then all chunks through
 the float pool's paged prefill kernel (`prefill.py`: the prefix from the scratch, the chunk's
 own tokens causally with their fresh K/V); past `prefill_scratch_slots` prefix slots, chunks go
-in groups, two launches each. The KV write is the store's:
-on CUDA a KVQuant store quantizes on write in Triton (`kernels/triton/kvquant_write.py`, two
-launches a layer), a KIVI store in PyTorch.
+in groups, two launches each. The KV write is the store's: on CUDA both stores quantize on
+write in Triton (`kernels/triton/kvquant_write.py`, `kivi_write.py`).
 
 Serves KVQuant with per-channel keys (before RoPE over the whole head, or after it) and KIVI,
 at power-of-two block sizes; per-token KVQuant keys (the ablation layout) stay on the PyTorch
-backend. CUDA graphs for KVQuant's decode steps with the Triton write (`supports_cuda_graphs`):
-the step's write plan is copied into static tensors, one entry a row, padded entries skipped by
-the kernels (`KVQuantStore.graph_write_plan` / `fill_graph_write`); KIVI's PyTorch write changes
-shape from step to step, so KIVI runs eagerly. On CPU only
+backend. CUDA graphs for the decode steps of both with their Triton writes
+(`supports_cuda_graphs`): the step's write plan is copied into static tensors, one entry a row,
+padded entries skipped by the kernels (`graph_write_plan` / `fill_graph_write`,
+`nanokv/quant/graph_write.py`); a KIVI store whose value groups are not a power of two channels
+writes in PyTorch and runs eagerly. On CPU only
 under Triton's interpreter (TRITON_INTERPRET=1: the tests, against
 `reference_quantized_attention`); "auto" chooses it on CUDA only. The decode kernel ran on an
 H200 (docs/results/gpu/); the write and read kernels have not yet run on a GPU.
@@ -46,7 +46,8 @@ from nanokv.attention.triton_paged import (
 from nanokv.layers.rotary import halves_repeat
 from nanokv.quant.kivi_store import KIVIStore
 from nanokv.quant.kvquant import centroid_table, uniform_grid
-from nanokv.quant.kvquant_store import GraphWritePlan, KVQuantStore
+from nanokv.quant.graph_write import GraphWritePlan
+from nanokv.quant.kvquant_store import KVQuantStore
 from nanokv.transfer import upload, upload_parts
 from nanokv.utils import cdiv
 
@@ -132,10 +133,9 @@ class TritonQuantizedBackend(AttentionBackend):
 
     @property
     def supports_cuda_graphs(self) -> bool:
-        """KVQuant with the Triton write: every launch of a decode step is the same whatever its
-        rows hold (KIVI's write is PyTorch's, its shapes change with the step)."""
-        store = self.kv_cache
-        return isinstance(store, KVQuantStore) and store.triton_write
+        """KVQuant and KIVI with their Triton writes: every launch of a decode step is the same
+        whatever its rows hold (the PyTorch writes change shape with the step)."""
+        return self.kv_cache.triton_write
 
     @classmethod
     def why_not(cls, kv_cache, device: torch.device) -> tuple[str, bool] | None:
@@ -212,7 +212,8 @@ class TritonQuantizedBackend(AttentionBackend):
 
     def graph_decode_metadata(self, max_batch: int, max_blocks: int) -> TritonQuantStep:
         if not self.supports_cuda_graphs:
-            raise NotImplementedError("CUDA graphs need a kvquant store with the Triton write")
+            raise NotImplementedError("CUDA graphs need a kvquant or kivi store with its Triton "
+                                      "write")
         tables = graph_step(max_batch, max_blocks, self.device)
         return TritonQuantStep(None, 0, None, tables.block_tables, tables.context_lens,
                                graph=(tables, self.kv_cache.graph_write_plan(max_batch)))

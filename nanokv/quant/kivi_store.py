@@ -44,9 +44,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from nanokv.cache.kv_pool import KVLayout
+from nanokv.quant.graph_write import COMMON_PARTS, GraphWritePlan, HostWritePlan, padded_entries
 from nanokv.quant.packing import pack, packed_dim, unpack
 from nanokv.quant.staging import BlockStaging
 from nanokv.quant.store import (
@@ -114,6 +116,7 @@ class KIVIWritePlan(WritePlan):
     stage_dst: torch.Tensor  # [Ts] flat staging slot (row * B + slot), -1: padding
     quant_blocks: torch.Tensor  # [nq] blocks that fill up in this step, -1: padding
     quant_src: torch.Tensor  # [nq, B] < S*B: staging slot; else S*B + token index
+    host: HostWritePlan | None = None  # the same indexes as host lists (a graph plan's source)
 
 
 class KIVIStore(QuantizedKVStore):
@@ -219,7 +222,34 @@ class KIVIStore(QuantizedKVStore):
             self.buffers["staging_index"][at["row_blocks"]] = at["rows"].to(torch.int32)
         return KIVIWritePlan(base.slot_mapping, base.positions, stage_src=at["stage_src"],
                              stage_dst=at["stage_dst"], quant_blocks=at["quant_blocks"],
-                             quant_src=at["quant_src"].view(-1, self.block_size))
+                             quant_src=at["quant_src"].view(-1, self.block_size),
+                             host=HostWritePlan(slots, pos, step.stage_src, step.stage_dst,
+                                                step.quant_blocks, step.quant_src))
+
+    # ---- decode steps through CUDA graphs ------------------------------------------------------
+    def graph_write_plan(self, max_batch: int) -> GraphWritePlan:
+        """Static write indexes for decode steps of up to max_batch rows (the Triton write
+        only: its kernels skip the padded entries)."""
+        if not self.triton_write:
+            raise RuntimeError("a graph write plan needs the Triton write (triton_write)")
+        return GraphWritePlan.allocate(COMMON_PARTS, self.block_size, max_batch, self.device)
+
+    def fill_graph_write(self, graph: GraphWritePlan, plan: KIVIWritePlan | None,
+                         batch: int) -> KIVIWritePlan:
+        """The step's plan (one token a row, from `plan_write`; None: no rows) copied into the
+        graph plan's static tensors, rows up to `batch` padded; returns the plan of `batch`
+        rows, views of those tensors (the same views for every step of that batch)."""
+        host = None if plan is None else plan.host
+        if plan is not None and host is None:
+            raise ValueError("fill_graph_write needs a plan from plan_write")
+        entries, quant_src = padded_entries(graph, host, batch)
+        m = graph.max_batch
+        graph.fill(entries, quant_src, np.zeros(m, dtype=bool),
+                   np.zeros((m, self.block_size), dtype=bool))
+        views = graph.views(batch)
+        return KIVIWritePlan(views.part["slot_mapping"], views.part["positions"],
+                             stage_src=views.rows, stage_dst=views.part["stage_dst"],
+                             quant_blocks=views.part["quant_blocks"], quant_src=views.quant_src)
 
     def write(self, layer: int, plan: KIVIWritePlan, k: torch.Tensor, v: torch.Tensor) -> None:
         heads, dim = self.layout.num_kv_heads, self.layout.head_dim

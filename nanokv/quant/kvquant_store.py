@@ -50,7 +50,8 @@ from nanokv.quant.kvquant import (
     QuantizedBlocks,
     outlier_capacity,
 )
-from nanokv.quant import native_write
+from nanokv.quant import graph_write, native_write
+from nanokv.quant.graph_write import GraphWritePlan, padded_entries
 from nanokv.quant.packing import pack, packed_dim, unpack
 from nanokv.quant.staging import BlockStaging
 from nanokv.quant.store import (
@@ -81,37 +82,16 @@ class KVQuantWritePlan(WritePlan):
 
 
 @dataclass
-class HostWritePlan:
+class HostWritePlan(graph_write.HostWritePlan):
     """A step's write indexes on the host, as `plan_write` made them."""
 
-    slots: list[int]
-    positions: list[int]
-    stage_src: list[int]
-    stage_dst: list[int]
-    quant_blocks: list[int]
-    quant_src: list[list[int]]
     quant_valid: list[list[bool]]
     sink_src: list[int]
     sink_dst: list[int]
 
 
-@dataclass
-class GraphWritePlan:
-    """Static write indexes for decode steps of up to max_batch rows, one token a row, that a
-    CUDA graph replays: every part holds max_batch entries (staging and sink writes at their
-    token's index, filling blocks first; -1: nothing to do), so the plan of a batch of b rows
-    is the first b entries of each (`KVQuantStore.fill_graph_write`)."""
-
-    max_batch: int
-    # int64 [(5 + B) * max_batch]: the parts of `_GRAPH_PARTS`, max_batch entries each, then
-    # quant_src [max_batch, B]
-    ints: torch.Tensor
-    flags: torch.Tensor  # bool [(1 + B) * max_batch]: token_valid, then quant_valid [max_batch, B]
-    rows: torch.Tensor  # int64 [max_batch] 0, 1, ...: the staging and sink writes' token (fixed)
-
-
-# the int64 parts of a GraphWritePlan filled each step, in order
-_GRAPH_PARTS = ("slot_mapping", "positions", "stage_dst", "quant_blocks", "sink_dst")
+# the int64 parts of a decode step's graph plan (`graph_write.GraphWritePlan`), in order
+_GRAPH_PARTS = graph_write.COMMON_PARTS + ("sink_dst",)
 
 
 class KVQuantStore(QuantizedKVStore):
@@ -309,14 +289,7 @@ class KVQuantStore(QuantizedKVStore):
         only: its kernels skip the padded entries)."""
         if not self.triton_write:
             raise RuntimeError("a graph write plan needs the Triton write (triton_write)")
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        bsz = self.block_size
-        ints = torch.full(((len(_GRAPH_PARTS) + bsz) * max_batch,), -1, dtype=torch.long,
-                          device=self.device)
-        flags = torch.zeros((1 + bsz) * max_batch, dtype=torch.bool, device=self.device)
-        rows = torch.arange(max_batch, device=self.device)
-        return GraphWritePlan(max_batch, ints, flags, rows)
+        return GraphWritePlan.allocate(_GRAPH_PARTS, self.block_size, max_batch, self.device)
 
     def fill_graph_write(self, graph: GraphWritePlan, plan: KVQuantWritePlan | None,
                          batch: int) -> KVQuantWritePlan:
@@ -324,43 +297,23 @@ class KVQuantStore(QuantizedKVStore):
         graph plan's static tensors, rows from its tokens up to `batch` padded. Returns the plan
         of `batch` rows, views of those tensors: the same views for every step of that batch."""
         host = None if plan is None else plan.host
-        n = 0 if host is None else len(host.slots)
-        m, bsz = graph.max_batch, self.block_size
         if plan is not None and host is None:
             raise ValueError("fill_graph_write needs a plan from plan_write")
-        if not n <= batch <= m:
-            raise ValueError(f"batch must be between the step's {n} tokens and max_batch {m}, "
-                             f"got {batch}")
-        parts = {name: np.full(m, -1, dtype=np.int64) for name in _GRAPH_PARTS}
-        quant_src = np.zeros((m, bsz), dtype=np.int64)
-        valid, quant_valid = np.zeros(m, dtype=bool), np.zeros((m, bsz), dtype=bool)
-        if n:
-            parts["slot_mapping"][:n] = host.slots
-            parts["positions"][:n] = host.positions
+        entries, quant_src = padded_entries(graph, host, batch)
+        m = graph.max_batch
+        valid, quant_valid = np.zeros(m, dtype=bool), np.zeros((m, self.block_size), dtype=bool)
+        if host is not None and host.slots:
+            n, nq = len(host.slots), len(host.quant_blocks)
             valid[:n] = np.asarray(host.positions) >= self.num_sinks
-            parts["stage_dst"][host.stage_src] = host.stage_dst  # at their token's row
-            parts["sink_dst"][host.sink_src] = host.sink_dst
-            nq = len(host.quant_blocks)  # <= n: a token fills at most one block
-            parts["quant_blocks"][:nq] = host.quant_blocks
-            quant_src[:nq] = np.asarray(host.quant_src, dtype=np.int64).reshape(nq, bsz)
-            quant_valid[:nq] = np.asarray(host.quant_valid, dtype=bool).reshape(nq, bsz)
-        ints = np.concatenate([parts[name] for name in _GRAPH_PARTS] + [quant_src.reshape(-1)])
-        graph.ints.copy_(torch.from_numpy(ints), non_blocking=True)
-        flags = np.concatenate([valid, quant_valid.reshape(-1)])
-        graph.flags.copy_(torch.from_numpy(flags), non_blocking=True)
-        return self._graph_views(graph, batch)
-
-    def _graph_views(self, graph: GraphWritePlan, batch: int) -> KVQuantWritePlan:
-        m, bsz = graph.max_batch, self.block_size
-        part = {name: graph.ints[i * m:i * m + batch] for i, name in enumerate(_GRAPH_PARTS)}
-        start = len(_GRAPH_PARTS) * m
-        quant_src = graph.ints[start:start + m * bsz].view(m, bsz)[:batch]  # [batch, B]
-        quant_valid = graph.flags[m:].view(m, bsz)[:batch]  # [batch, B]
+            entries["sink_dst"][host.sink_src] = host.sink_dst
+            quant_valid[:nq] = np.asarray(host.quant_valid, dtype=bool).reshape(nq, self.block_size)
+        graph.fill(entries, quant_src, valid, quant_valid)
+        views = graph.views(batch)
         return KVQuantWritePlan(
-            part["slot_mapping"], part["positions"], token_valid=graph.flags[:batch],
-            stage_src=graph.rows[:batch], stage_dst=part["stage_dst"],
-            quant_blocks=part["quant_blocks"], quant_src=quant_src, quant_valid=quant_valid,
-            sink_src=graph.rows[:batch], sink_dst=part["sink_dst"])
+            views.part["slot_mapping"], views.part["positions"], token_valid=views.token_valid,
+            stage_src=views.rows, stage_dst=views.part["stage_dst"],
+            quant_blocks=views.part["quant_blocks"], quant_src=views.quant_src,
+            quant_valid=views.quant_valid, sink_src=views.rows, sink_dst=views.part["sink_dst"])
 
     def write(self, layer: int, plan: KVQuantWritePlan, k: torch.Tensor, v: torch.Tensor) -> None:
         buf, codec = self.buffers, self.codecs[layer]

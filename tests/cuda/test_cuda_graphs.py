@@ -135,13 +135,15 @@ def test_device_sampling_equals_the_host_reference(seed):
         assert (lp is None) == (p.logprobs is None)
 
 
-def test_kvquant_decode_through_graphs_equals_eager(tiny_llama):
-    """The kvquant store's decode steps replayed from graphs (its Triton write and decode over
-    static, padded plans): the eager engine's greedy tokens, under preemption too; and a graph
-    step synchronises once (the sampled tokens), its write plan copied without a wait."""
+@pytest.mark.parametrize("options", [dict(kv_cache_dtype="kvquant", kv_quant_bits=4),
+                                     dict(kv_cache_dtype="kivi", kv_quant_bits=2)])
+def test_quantized_decode_through_graphs_equals_eager(tiny_llama, options):
+    """The kvquant and kivi stores' decode steps replayed from graphs (their Triton writes and
+    decode over static, padded plans): the eager engine's greedy tokens, under preemption too;
+    and a graph step synchronises once (the sampled tokens), its write plan copied without a
+    wait."""
     prompts, lengths = workload(4, 5, 40)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
-    options = dict(kv_cache_dtype="kvquant", kv_quant_bits=4)
     got, eager = {}, {}
     for blocks in (8, None):  # a preemption (1 on a CPU), then room for all
         llm = engine(tiny_llama, enforce_eager=False, num_kv_blocks=blocks, **options)
