@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, as one script for a lent GPU machine (no FastAPI, no
 # downloads there; nanokv runs from the working tree with PYTHONPATH=.). Each stage has its own
-# time limit (the default stages' limits add up to about 790 s, more than a 15-minute lease
+# time limit (the default stages' limits add up to about 835 s, more than a 15-minute lease
 # leaves after a machine start and a rerun: pick some with STAGES, e.g. the next session's
-# STAGES='suite_cuda|triton_sweep|triton_bench|make_model|kv_|profile_kvquant', 585 s of
-# limits, both profile_kvquant stages included) and writes to $OUT (default /tmp/gpu_check);
+# STAGES='suite_cuda|triton_sweep|triton_bench|make_model|kv_|profile_kvquant$', 570 s of
+# limits, the Triton-write profile_kvquant only) and writes to $OUT (default /tmp/gpu_check);
 # summary.md gathers the figures at the end. With PACK=FILE.tgz the logs so far are packed into
 # FILE after every stage (a tool that returns few files gets one, also when the run is cut short).
 # Run from the repository root:  OUT=/path bash scripts/gpu_check.sh
@@ -30,9 +30,10 @@
 #                          only with STAGES=bench_256: 11,096 output tok/s on 2026-12-04)
 #   peer_hf_64             the same 64 requests through Hugging Face transformers (static
 #                          batching, benchmarks/bench_hf.py): the peer for bench_64's ratio
-#   kv_auto / kv_int8 / kv_kvquant  the engine with a bf16 pool, an int8 store and a KVQuant
-#                          4-bit store (Triton decode over the codes) on one long-prompt
-#                          workload (32 requests, prompts 1024-2048, 128 outputs)
+#   kv_auto / kv_int8 / kv_kvquant / kv_kivi  the engine with a bf16 pool, an int8 store, a
+#                          KVQuant 4-bit store and a KIVI 2-bit store (Triton decode over the
+#                          codes, Triton writes, CUDA graphs) on one long-prompt workload (32
+#                          requests, prompts 1024-2048, 128 outputs)
 #   profile_kvquant        the KVQuant 4-bit engine's prefill timed and 2 decode steps profiled
 #                          at 32 requests x 1024 tokens, through its CUDA graphs and eagerly (it
 #                          ran at ~50 output tok/s on an H200, 70x slower than the bf16 pool,
@@ -95,7 +96,7 @@ stage profile 30 $PY scripts/gpu_profile_decode.py --model "$MODEL" --out "$OUT"
 bench bench_64 30 64
 stage peer_hf_64 100 $PY benchmarks/bench_hf.py --model "$MODEL" --device cuda --dtype bfloat16 \
   --num-requests 64 "${NANO_SHAPE[@]}"
-for kv in auto:25 int8:25 kvquant:60; do  # name:seconds
+for kv in auto:25 int8:25 kvquant:60 kivi:45; do  # name:seconds
   stage "kv_${kv%:*}" "${kv#*:}" "${ENGINE_BENCH[@]}" --num-requests 32 --prompt-len 1024 2048 \
     --output-len 128 128 --max-num-seqs 32 --max-model-len 4096 --kv-cache-dtype "${kv%:*}"
 done
@@ -126,7 +127,8 @@ for name in ("cuda_parity.json", "cuda_parity_eager.json"):
               + (f"; differ: {bad}" if bad else ""))
 print("\n| run | output tok/s | median TTFT s | median TPOT ms | elapsed s |\n|---|---|---|---|---|")
 results = {}
-for name in ("bench_256", "bench_64", "peer_hf_64", "kv_auto", "kv_int8", "kv_kvquant"):
+for name in ("bench_256", "bench_64", "peer_hf_64", "kv_auto", "kv_int8", "kv_kvquant",
+             "kv_kivi"):
     log = out / f"{name}.log"
     lines = [l for l in log.read_text().splitlines() if l.startswith("{")] if log.exists() else []
     if not lines:
@@ -136,7 +138,7 @@ for name in ("bench_256", "bench_64", "peer_hf_64", "kv_auto", "kv_int8", "kv_kv
     tpot = r.get("tpot_median_s")
     print(f"| {name} | {r['output_tok_s']:.0f} | {r.get('ttft_median_s') or 0:.2f} | "
           f"{(tpot or 0) * 1e3:.1f} | {r['elapsed_s']:.1f} |")
-for kv in ("kv_int8", "kv_kvquant"):
+for kv in ("kv_int8", "kv_kvquant", "kv_kivi"):
     if kv in results and "kv_auto" in results:
         ratio = results[kv]["output_tok_s"] / results["kv_auto"]["output_tok_s"]
         print(f"\n{kv[3:]} / bf16 pool, output tok/s, same workload and run: {ratio:.2f}x")
