@@ -7,8 +7,8 @@ part, one token a row: staging (and sink) writes at their token's row, filling b
 everything else -1, which the Triton write kernels skip. The plan of a batch of b rows is the
 first b entries of each part.
 
-    graph = GraphWritePlan.allocate(parts, block_size, max_batch, device)   # once
-    entries, quant_src = padded_entries(graph, host, batch)   # per step: the common parts
+    graph = store.graph_write_plan(max_batch)                  # once
+    host, entries, quant_src = padded_entries(graph, plan, batch)   # per step: common parts
     ... the store adds its own parts (sinks) and flags ...
     graph.fill(entries, quant_src, token_valid, quant_valid)  # two non-blocking copies
     views = graph.views(batch)                                 # the same views every step
@@ -90,11 +90,14 @@ class GraphWritePlan:
                           self.rows[:batch])
 
 
-def padded_entries(graph: GraphWritePlan, host: HostWritePlan | None, batch: int
-                   ) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """The common parts of a step's plan (None: no rows) padded to the graph's max_batch, and
-    quant_src [max_batch, B] (a store's own parts start padded, -1). Refuses a batch that is not
-    between the step's tokens and max_batch."""
+def padded_entries(graph: GraphWritePlan, plan, batch: int
+                   ) -> tuple[HostWritePlan | None, dict[str, np.ndarray], np.ndarray]:
+    """The step's host plan (`plan.host`; None: no rows), its common parts padded to the
+    graph's max_batch, and quant_src [max_batch, B] (a store's own parts start padded, -1).
+    Refuses a plan without host lists and a batch not between the step's tokens and max_batch."""
+    host = None if plan is None else plan.host
+    if plan is not None and host is None:
+        raise ValueError("fill_graph_write needs a plan from plan_write")
     n = 0 if host is None else len(host.slots)
     m, bsz = graph.max_batch, graph.block_size
     if not n <= batch <= m:
@@ -109,4 +112,4 @@ def padded_entries(graph: GraphWritePlan, host: HostWritePlan | None, batch: int
         nq = len(host.quant_blocks)  # <= n: a token fills at most one block
         entries["quant_blocks"][:nq] = host.quant_blocks
         quant_src[:nq] = np.asarray(host.quant_src, dtype=np.int64).reshape(nq, bsz)
-    return entries, quant_src
+    return host, entries, quant_src

@@ -121,6 +121,7 @@ class KIVIWritePlan(WritePlan):
 
 class KIVIStore(QuantizedKVStore):
     kv_cache_dtype = "kivi"
+    graph_parts = COMMON_PARTS  # its decode steps' graph plan
 
     # the engine options it reads beyond kv_cache_dtype (nanokv.cache.registry)
     engine_options: ClassVar[frozenset[str]] = frozenset({"kv_quant_bits"})
@@ -227,22 +228,12 @@ class KIVIStore(QuantizedKVStore):
                                                 step.quant_blocks, step.quant_src))
 
     # ---- decode steps through CUDA graphs ------------------------------------------------------
-    def graph_write_plan(self, max_batch: int) -> GraphWritePlan:
-        """Static write indexes for decode steps of up to max_batch rows (the Triton write
-        only: its kernels skip the padded entries)."""
-        if not self.triton_write:
-            raise RuntimeError("a graph write plan needs the Triton write (triton_write)")
-        return GraphWritePlan.allocate(COMMON_PARTS, self.block_size, max_batch, self.device)
-
     def fill_graph_write(self, graph: GraphWritePlan, plan: KIVIWritePlan | None,
                          batch: int) -> KIVIWritePlan:
         """The step's plan (one token a row, from `plan_write`; None: no rows) copied into the
         graph plan's static tensors, rows up to `batch` padded; returns the plan of `batch`
         rows, views of those tensors (the same views for every step of that batch)."""
-        host = None if plan is None else plan.host
-        if plan is not None and host is None:
-            raise ValueError("fill_graph_write needs a plan from plan_write")
-        entries, quant_src = padded_entries(graph, host, batch)
+        host, entries, quant_src = padded_entries(graph, plan, batch)
         m = graph.max_batch
         graph.fill(entries, quant_src, np.zeros(m, dtype=bool),
                    np.zeros((m, self.block_size), dtype=bool))

@@ -90,12 +90,9 @@ class HostWritePlan(graph_write.HostWritePlan):
     sink_dst: list[int]
 
 
-# the int64 parts of a decode step's graph plan (`graph_write.GraphWritePlan`), in order
-_GRAPH_PARTS = graph_write.COMMON_PARTS + ("sink_dst",)
-
-
 class KVQuantStore(QuantizedKVStore):
     kv_cache_dtype = "kvquant"
+    graph_parts = graph_write.COMMON_PARTS + ("sink_dst",)  # its decode steps' graph plan
 
     def __init__(self, layout: KVLayout, num_blocks: int, config: KVQuantConfig,
                  num_staging_blocks: int, device: torch.device | str = "cpu",
@@ -284,22 +281,12 @@ class KVQuantStore(QuantizedKVStore):
             sink_dst=at["sink_dst"], host=host)
 
     # ---- decode steps through CUDA graphs ------------------------------------------------------
-    def graph_write_plan(self, max_batch: int) -> GraphWritePlan:
-        """Static write indexes for decode steps of up to max_batch rows (the Triton write
-        only: its kernels skip the padded entries)."""
-        if not self.triton_write:
-            raise RuntimeError("a graph write plan needs the Triton write (triton_write)")
-        return GraphWritePlan.allocate(_GRAPH_PARTS, self.block_size, max_batch, self.device)
-
     def fill_graph_write(self, graph: GraphWritePlan, plan: KVQuantWritePlan | None,
                          batch: int) -> KVQuantWritePlan:
         """The step's plan (one token a row, from `plan_write`; None: no rows) copied into the
         graph plan's static tensors, rows from its tokens up to `batch` padded. Returns the plan
         of `batch` rows, views of those tensors: the same views for every step of that batch."""
-        host = None if plan is None else plan.host
-        if plan is not None and host is None:
-            raise ValueError("fill_graph_write needs a plan from plan_write")
-        entries, quant_src = padded_entries(graph, host, batch)
+        host, entries, quant_src = padded_entries(graph, plan, batch)
         m = graph.max_batch
         valid, quant_valid = np.zeros(m, dtype=bool), np.zeros((m, self.block_size), dtype=bool)
         if host is not None and host.slots:

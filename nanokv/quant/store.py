@@ -211,6 +211,21 @@ class QuantizedKVStore(KVCache):
                     k_pre: torch.Tensor) -> None:
         self.write(layer, plan, k_pre if self.pre_rope_keys else k, v)
 
+    # ---- decode steps through CUDA graphs (stores with a Triton write) -------------------------
+    # the int64 parts of its graph write plan (`graph_write.GraphWritePlan`), in order
+    graph_parts: ClassVar[tuple[str, ...]] = ()
+    triton_write = False  # its write runs Triton kernels that skip padded entries
+
+    def graph_write_plan(self, max_batch: int):
+        """Static write indexes for decode steps of up to max_batch rows (the Triton write
+        only: its kernels skip the padded entries); `fill_graph_write` fills them each step."""
+        from nanokv.quant.graph_write import GraphWritePlan
+
+        if not self.triton_write or not self.graph_parts:
+            raise RuntimeError("a graph write plan needs the Triton write (triton_write)")
+        return GraphWritePlan.allocate(self.graph_parts, self.block_size, max_batch,
+                                       self.device)
+
     def use_block_reader(self, reader: BlockReader | None) -> None:
         """Read policy views with `reader` (an attention backend's kernel that decodes these
         codes as `read_blocks` does); None: back to `read_blocks`."""

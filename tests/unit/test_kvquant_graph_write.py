@@ -60,22 +60,19 @@ def decode_steps(seed: int, num_steps: int):
     return steps
 
 
-@pytest.mark.parametrize("name", ["4bit", "2bit-nuq-thresholds", "4bit-bf16-sparse-wide"])
-def test_graph_plan_writes_what_the_ordinary_plan_writes(name):
-    config, head_dim = config_for(name)
-    graph_store = _store(config, head_dim, triton_write=True)
-    reference = _store(config, head_dim, triton_write=False)  # the PyTorch path
-    max_batch = 8
+def write_decode_steps(graph_store, reference, head_dim, seed, max_batch=8):
+    """`decode_steps(seed, 70)` written to both stores: the reference through its ordinary
+    plan, graph_store through its graph plan padded to a random bucket at or above the step's
+    rows, the padded rows' keys and values garbage. Returns (blocks filled, sink tokens)."""
     graph = graph_store.graph_write_plan(max_batch)
-    steps = decode_steps(len(name), 70)
     filled = sinks = 0
-    for i, (released, slots, positions) in enumerate(steps):
+    for i, (released, slots, positions) in enumerate(decode_steps(seed, 70)):
         for store in (graph_store, reference):
             store.release(released)
         n = len(slots)
         if not n:
             continue
-        batch = random.Random(i).randint(n, max_batch)  # a bucket at or above the step's rows
+        batch = random.Random(i).randint(n, max_batch)
         k = activations(n, head_dim, 2 * i).to(DEVICE)
         v = activations(n, head_dim, 2 * i + 1).to(DEVICE)
         garbage = torch.full((batch - n, HKV, head_dim), 1e4, device=DEVICE)  # never written
@@ -84,11 +81,20 @@ def test_graph_plan_writes_what_the_ordinary_plan_writes(name):
                                               batch)
         assert static.slot_mapping.shape == (batch,) and static.quant_src.shape == (batch, BLOCK)
         filled += plan.quant_blocks.numel()
-        sinks += plan.sink_src.numel()
+        sinks += getattr(plan, "sink_src", torch.empty(0)).numel()
         for layer in range(2):
             kl, vl = k * (layer + 1), v - layer
             reference.write(layer, plan, kl, vl)
             graph_store.write(layer, static, torch.cat([kl, garbage]), torch.cat([vl, -garbage]))
+    return filled, sinks
+
+
+@pytest.mark.parametrize("name", ["4bit", "2bit-nuq-thresholds", "4bit-bf16-sparse-wide"])
+def test_graph_plan_writes_what_the_ordinary_plan_writes(name):
+    config, head_dim = config_for(name)
+    graph_store = _store(config, head_dim, triton_write=True)
+    reference = _store(config, head_dim, triton_write=False)  # the PyTorch path
+    filled, sinks = write_decode_steps(graph_store, reference, head_dim, len(name))
     assert filled >= 8 and sinks >= 4  # the steps filled blocks and wrote sink tokens
     assert assert_same_bytes(graph_store, reference) >= 10
 
@@ -99,31 +105,11 @@ def test_kivi_graph_plan_writes_what_the_ordinary_plan_writes(bits, head_dim):
     graph_store, reference = (KIVIStore.from_settings(layout, 24, DEVICE, bits=bits,
                                                       num_staging_blocks=6) for _ in range(2))
     graph_store.triton_write, reference.triton_write = True, False
-    graph = graph_store.graph_write_plan(8)
-    filled = 0
-    for i, (released, slots, positions) in enumerate(decode_steps(bits, 70)):
-        for store in (graph_store, reference):
-            store.release(released)
-        n = len(slots)
-        if not n:
-            continue
-        batch = random.Random(i).randint(n, 8)
-        k = activations(n, head_dim, 2 * i).to(DEVICE)
-        v = activations(n, head_dim, 2 * i + 1).to(DEVICE)
-        garbage = torch.full((batch - n, HKV, head_dim), 1e4, device=DEVICE)  # never written
-        plan = reference.begin_step(slots, positions)
-        static = graph_store.fill_graph_write(graph, graph_store.begin_step(slots, positions),
-                                              batch)
-        assert static.slot_mapping.shape == (batch,) and static.quant_src.shape == (batch, BLOCK)
-        filled += plan.quant_blocks.numel()
-        for layer in range(2):
-            reference.write(layer, plan, k * (layer + 1), v - layer)
-            graph_store.write(layer, static, torch.cat([k * (layer + 1), garbage]),
-                              torch.cat([v - layer, -garbage]))
+    filled, _ = write_decode_steps(graph_store, reference, head_dim, bits)
     assert filled >= 8
     assert assert_same_bytes(graph_store, reference) == 9
     with pytest.raises(ValueError, match="between the step's 0 tokens and max_batch 8"):
-        graph_store.fill_graph_write(graph, None, 9)
+        graph_store.fill_graph_write(graph_store.graph_write_plan(8), None, 9)
     with pytest.raises(RuntimeError, match="Triton write"):
         reference.graph_write_plan(4)
 

@@ -26,7 +26,13 @@ import triton
 import triton.language as tl
 
 from nanokv.kernels.triton.codes import round_half_even
-from nanokv.kernels.triton.kvquant_write import X_DTYPES, _pack_store, _pow2, block_warps
+from nanokv.kernels.triton.kvquant_write import (
+    X_DTYPES,
+    pack_store,
+    pow2,
+    block_slots,
+    block_warps,
+)
 from nanokv.quant.packing import packed_dim
 
 
@@ -83,15 +89,9 @@ def _quantize_blocks_kernel(
     s = tl.arange(0, B_PAD)
     d = tl.arange(0, D_PAD)
     in_block = (s < B)[:, None] & (d < D)[None, :]  # [B_PAD, D_PAD]
-    src = tl.load(src_ptr + q * B + s, mask=s < B, other=0).to(tl.int64)
-    staged = src < STAGED
-    row = tl.where(staged, src, 0)
-    tok = tl.where(staged, 0, src - STAGED)
-    old = tl.load(staging_ptr + ((row * H + h) * D)[:, None] + d[None, :],
-                  mask=in_block & staged[:, None], other=0.0).to(tl.float32)
-    new = tl.load(x_ptr + (tok * stride_xt + h * stride_xh)[:, None] + d[None, :],
-                  mask=in_block & ~staged[:, None], other=0.0).to(tl.float32)
-    x = tl.where(staged[:, None], old, new)
+    staged, old, new = block_slots(x_ptr, stride_xt, stride_xh, staging_ptr, src_ptr, q, h, s,
+                                   d, in_block, STAGED, H, B, D)
+    x = tl.where(staged[:, None], old.to(tl.float32), new.to(tl.float32))  # as `.float()`
     if PER_CHANNEL:  # keys: one group per channel, over the block's slots
         lo16, lo, scale16, step = _min_scale(tl.min(tl.where(in_block, x, float("inf")), 0),
                                              tl.max(tl.where(in_block, x, float("-inf")), 0),
@@ -115,7 +115,7 @@ def _quantize_blocks_kernel(
         tl.store(min_ptr + stat, lo16, mask=kept)
         tl.store(scale_ptr + stat, scale16, mask=kept)
     codes = tl.where(in_block, codes, 0)
-    _pack_store(codes, ((blk * B + s) * H + h) * P, s < B, codes_ptr, P, B_PAD, D_PAD, BITS)
+    pack_store(codes, ((blk * B + s) * H + h) * P, s < B, codes_ptr, P, B_PAD, D_PAD, BITS)
 
 
 def fits(group_size: int) -> bool:
@@ -162,7 +162,7 @@ def quantize_blocks(x: torch.Tensor, staging: torch.Tensor, quant_src: torch.Ten
     _quantize_blocks_kernel[(n * heads,)](
         x, x.stride(0), x.stride(1), staging, quant_src.contiguous(), block_ids.contiguous(),
         codes, lo.view(torch.int16), scale.view(torch.int16), STAGED=staging.shape[0],
-        PER_CHANNEL=per_channel, H=heads, B=bsz, B_PAD=_pow2(bsz), D=dim,
-        D_PAD=_pow2(dim, max(8, group_size)), G=1 if per_channel else group_size,
+        PER_CHANNEL=per_channel, H=heads, B=bsz, B_PAD=pow2(bsz), D=dim,
+        D_PAD=pow2(dim, max(8, group_size)), G=1 if per_channel else group_size,
         P=packed_dim(dim, bits), BITS=bits, LEVELS=2 ** bits - 1,
-        num_warps=block_warps(_pow2(bsz) * _pow2(dim, 8)), enable_fp_fusion=False)
+        num_warps=block_warps(pow2(bsz) * pow2(dim, 8)), enable_fp_fusion=False)

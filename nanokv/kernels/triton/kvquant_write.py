@@ -149,7 +149,7 @@ def _block_picks(score, e, none: tl.constexpr, PICKS: tl.constexpr):
 
 
 @triton.jit
-def _pack_store(codes, base, row_mask, codes_ptr, P: tl.constexpr, R: tl.constexpr,
+def pack_store(codes, base, row_mask, codes_ptr, P: tl.constexpr, R: tl.constexpr,
                 D_PAD: tl.constexpr, BITS: tl.constexpr):
     """codes [R, D_PAD] int32 (0 past D) -> the R rows' P packed bytes at codes_ptr + base[r]
     (`nanokv.quant.packing.pack`: low bits first, 3-bit codes in 24-bit words)."""
@@ -222,7 +222,7 @@ def _quantize_tokens_kernel(
     off16, half16, off, hr, denom = _group_stats(x, in_row & (slot_of < 0), 1, TINY)
     codes = _encode(x, off[:, None], denom[:, None], mids_ptr, LEVELS, NUQ)
     codes = tl.where(in_row, codes, 0)
-    _pack_store(codes, g * P, row_ok, codes_ptr, P, R, D_PAD, BITS)
+    pack_store(codes, g * P, row_ok, codes_ptr, P, R, D_PAD, BITS)
     tl.store(offset_ptr + g, off16, mask=row_ok)
     tl.store(half_ptr + g, half16, mask=row_ok)
     if CAP > 0:
@@ -233,6 +233,23 @@ def _quantize_tokens_kernel(
         _store_sparse(oval_ptr + (g * CAP)[:, None] + col[None, :],
                       tl.zeros((R, CAP_PAD), tl.float32), used & (entry < 0), SPARSE_KIND)
         _store_index(oidx_ptr + (g * CAP)[:, None] + col[None, :], entry, used, INDEX_BYTES)
+
+
+@triton.jit
+def block_slots(x_ptr, stride_xt, stride_xh, staging_ptr, src_ptr, q, h, s, d, in_block,
+                STAGED: tl.constexpr, H: tl.constexpr, B: tl.constexpr, D: tl.constexpr):
+    """KV head h of filling block q as loaded: slot s is staging row src[q, s] (< STAGED) or
+    the step's token src[q, s] - STAGED. Returns (staged [B_PAD], the staged rows, the new rows
+    [B_PAD, D_PAD] each, 0 where the slot is the other kind), in their buffers' dtypes."""
+    src = tl.load(src_ptr + q * B + s, mask=s < B, other=0).to(tl.int64)
+    staged = src < STAGED
+    row = tl.where(staged, src, 0)
+    tok = tl.where(staged, 0, src - STAGED)
+    old = tl.load(staging_ptr + ((row * H + h) * D)[:, None] + d[None, :],
+                  mask=in_block & staged[:, None], other=0.0)
+    new = tl.load(x_ptr + (tok * stride_xt + h * stride_xh)[:, None] + d[None, :],
+                  mask=in_block & ~staged[:, None], other=0.0)
+    return staged, old, new
 
 
 @triton.jit
@@ -255,15 +272,9 @@ def _quantize_blocks_kernel(
     s = tl.arange(0, B_PAD)
     d = tl.arange(0, D_PAD)
     in_block = (s < B)[:, None] & (d < D)[None, :]  # [B_PAD, D_PAD]
-    src = tl.load(src_ptr + q * B + s, mask=s < B, other=0).to(tl.int64)
-    staged = src < STAGED
+    staged, old, new = block_slots(x_ptr, stride_xt, stride_xh, staging_ptr, src_ptr, q, h, s,
+                                   d, in_block, STAGED, H, B, D)
     ok = tl.load(valid_ptr + q * B + s, mask=s < B, other=0) != 0  # [B_PAD], False: a sink
-    row = tl.where(staged, src, 0)
-    tok = tl.where(staged, 0, src - STAGED)
-    old = tl.load(staging_ptr + ((row * H + h) * D)[:, None] + d[None, :],
-                  mask=in_block & staged[:, None], other=0.0)
-    new = tl.load(x_ptr + (tok * stride_xt + h * stride_xh)[:, None] + d[None, :],
-                  mask=in_block & ~staged[:, None], other=0.0)
     # a staged key passes through the new keys' dtype first, as the PyTorch path's `.to(x.dtype)`
     x = tl.where(staged[:, None], old.to(new.dtype).to(tl.float32), new.to(tl.float32))
     scored = in_block & ok[:, None]
@@ -295,7 +306,7 @@ def _quantize_blocks_kernel(
     tl.store(half_ptr + stat, half16, mask=d < D)
     codes = _encode(x, off[None, :], denom[None, :], mids_ptr, LEVELS, NUQ)
     codes = tl.where(in_block, codes, 0)
-    _pack_store(codes, ((blk * B + s) * H + h) * P, s < B, codes_ptr, P, B_PAD, D_PAD, BITS)
+    pack_store(codes, ((blk * B + s) * H + h) * P, s < B, codes_ptr, P, B_PAD, D_PAD, BITS)
     if CAP > 0:
         delta = x - _dense(codes, hr[None, :], off[None, :], book_ptr, LEVELS, NUQ)
         # the list in index order: an element's entry is the count of listed ones before it
@@ -343,7 +354,7 @@ def block_warps(elements: int) -> int:
     return 16 if elements <= 8192 else 8
 
 
-def _pow2(n: int, least: int = 1) -> int:
+def pow2(n: int, least: int = 1) -> int:
     return max(least, triton.next_power_of_2(max(n, 1)))
 
 
@@ -390,8 +401,8 @@ def _layer_args(buffers: dict[str, torch.Tensor], bits: int,
     cap = buffers["oidx"].shape[-1]
     layer = (buffers["codes"], buffers["offset"], buffers["half"], buffers["oidx"],
              _oval(buffers), mids, book)
-    meta = dict(D=dim, D_PAD=_pow2(dim, 8), P=packed_dim(dim, bits), CAP=cap,
-                CAP_PAD=_pow2(cap), BITS=bits, LEVELS=2 ** bits - 1, NUQ=nuq,
+    meta = dict(D=dim, D_PAD=pow2(dim, 8), P=packed_dim(dim, bits), CAP=cap,
+                CAP_PAD=pow2(cap), BITS=bits, LEVELS=2 ** bits - 1, NUQ=nuq,
                 INDEX_BYTES=buffers["oidx"].element_size(),
                 SPARSE_KIND=SPARSE_KINDS[buffers["oval"].dtype], TINY=_TINY,
                 enable_fp_fusion=False)
@@ -454,9 +465,9 @@ def quantize_blocks(x: torch.Tensor, staging: torch.Tensor, quant_src: torch.Ten
     _quantize_blocks_kernel[(n * heads,)](
         x, x.stride(0), x.stride(1), staging, quant_src.contiguous(),
         _as_bytes(valid.contiguous()), block_ids.contiguous(), limits, *layer,
-        STAGED=staging.shape[0], H=heads, B=bsz, B_PAD=_pow2(bsz),
+        STAGED=staging.shape[0], H=heads, B=bsz, B_PAD=pow2(bsz),
         PICKS=min(meta["CAP"] // 2, bsz * dim), THRESHOLDS=thresholds is not None, EPS=_EPS,
-        num_warps=block_warps(_pow2(bsz) * _pow2(dim, 8)), **meta)
+        num_warps=block_warps(pow2(bsz) * pow2(dim, 8)), **meta)
 
 
 def scatter_rows(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, out: torch.Tensor
@@ -480,4 +491,4 @@ def scatter_rows(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, out: tor
     _scatter_rows_kernel[(src.numel(),)](
         x, x.stride(0), x.stride(1), src.contiguous(), dst.contiguous(),
         out.view(torch.int16) if out.dtype == torch.bfloat16 else out, H=heads, D=dim,
-        HD_PAD=_pow2(heads * dim), OUT_KIND=SPARSE_KINDS[out.dtype])
+        HD_PAD=pow2(heads * dim), OUT_KIND=SPARSE_KINDS[out.dtype])
