@@ -28,10 +28,10 @@ import triton.language as tl
 from nanokv.kernels.triton.codes import round_half_even
 from nanokv.kernels.triton.kvquant_write import (
     X_DTYPES,
-    pack_store,
-    pow2,
     block_slots,
     block_warps,
+    pack_store,
+    pow2,
 )
 from nanokv.quant.packing import packed_dim
 
