@@ -151,7 +151,9 @@ class NativeQuantizedBackend(AttentionBackend):
         """A prefill chunk's cached prefix decoded in C (keys after RoPE, values):
         [num_slots, Hkv, D] each, as the PyTorch path's `read_blocks` gives it."""
         ids = block_table[:cdiv(num_slots, self.block_size)].to(torch.int64).contiguous()
-        return kvquant_read(self._read_layer(layer), ids, num_slots)
+        # the read has no queries: the descriptor of query heads = KV heads
+        return kvquant_read(self._block_layer(layer, self.kv_cache.layout.num_kv_heads), ids,
+                            num_slots)
 
     def read_blocks(self, layer: int, block_ids: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,15 +161,10 @@ class NativeQuantizedBackend(AttentionBackend):
         dtype, keys after RoPE: the store's `read_blocks(layer, ids, store.rope)` (the block
         reader of its policy views)."""
         lay = self.kv_cache.layout
-        ids = block_ids.to(torch.int64).contiguous()
-        n = ids.numel()
-        k, v = kvquant_read(self._read_layer(layer), ids, n * self.block_size)  # [n * B, Hkv, D]
+        n = block_ids.numel()
+        k, v = self._read_past(layer, block_ids, n * self.block_size)  # [n * B, Hkv, D] each
         shape = (n, self.block_size, lay.num_kv_heads, lay.head_dim)
         return k.view(shape).to(lay.dtype), v.view(shape).to(lay.dtype)
-
-    def _read_layer(self, layer: int) -> KVQuantLayer:
-        """The layer's descriptor for reading blocks (its query heads unused: the KV heads)."""
-        return self._block_layer(layer, self.kv_cache.layout.num_kv_heads)
 
     def _rope(self):
         """(slot positions, cos, sin) when the store keeps keys before RoPE, else None (as the

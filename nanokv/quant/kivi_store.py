@@ -139,8 +139,11 @@ class KIVIStore(QuantizedKVStore):
         # quantize-on-write as a Triton kernel on CUDA (`kernels/triton/kivi_write.py`; the
         # tests turn it on for a CPU store under Triton's interpreter); value groups of a power
         # of two channels (the default's gcd(32, head_dim) always is), else the PyTorch path
-        self.triton_write = self.device.type == "cuda" and triton_importable() \
-            and group_size & (group_size - 1) == 0
+        self.triton_write = False
+        if self.device.type == "cuda" and triton_importable():
+            from nanokv.kernels.triton import kivi_write
+
+            self.triton_write = kivi_write.fits(group_size)
 
     @classmethod
     def from_settings(cls, layout: KVLayout, num_blocks: int, device: torch.device | str,

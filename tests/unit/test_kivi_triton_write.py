@@ -104,9 +104,16 @@ def test_padded_entries_are_skipped():
 
 
 def test_group_sizes_not_a_power_of_two_stay_on_pytorch():
+    """The kernel takes value groups of a power of two channels (`fits`); a CUDA store with
+    others keeps the PyTorch write (a CPU store always does)."""
+    from nanokv.kernels.triton import kivi_write
+
+    assert [g for g in range(1, 65) if kivi_write.fits(g)] == [1, 2, 4, 8, 16, 32, 64]
     layout = KVLayout(1, HKV, 48, 16, torch.float32)
-    store = KIVIStore(layout, 4, DEVICE, bits=2, group_size=12, num_staging_blocks=1)
-    assert not store.triton_write
+    odd, even = (KIVIStore(layout, 4, DEVICE, bits=2, group_size=g, num_staging_blocks=1)
+                 for g in (12, 16))
+    assert not odd.triton_write
+    assert even.triton_write == (DEVICE.type == "cuda")
 
 
 def test_bad_inputs_are_refused():
