@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from nanokv.outputs import RequestMetrics
 from nanokv.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestStatus(enum.Enum):
@@ -73,6 +77,9 @@ class Request:
         # of the queries since its last selection: H2O)
         self.capture_decode_queries = False
         self.captured_queries: list[list] = []  # per step: per layer [w, Hq, D]
+        # a block-wise policy's scores of the request's full blocks, by block id: each [L],
+        # computed once (cleared when a compaction or a preemption changes the blocks' content)
+        self.block_scores: dict[int, torch.Tensor] = {}
         # what the request held when it finished (the metrics and the eval harness read these)
         self.final_kv_blocks = 0
         self.final_kv_slots = 0

@@ -55,8 +55,9 @@ def kvquant_config(name, head_dim):
 
 
 def make_store(kind, head_dim, block_size, num_blocks, num_requests, staging_dtype=None,
-               device=CPU):
-    lay = KVLayout(NUM_LAYERS, HKV, head_dim, block_size, torch.float32)
+               device=CPU, num_layers=NUM_LAYERS):
+    """num_layers: other than NUM_LAYERS only for configs without per-layer tables."""
+    lay = KVLayout(num_layers, HKV, head_dim, block_size, torch.float32)
     if kind.startswith("kvquant:"):
         store = KVQuantStore(lay, num_blocks, kvquant_config(kind[8:], head_dim),
                              num_staging_blocks=num_requests, device=device,
@@ -89,7 +90,7 @@ def fill(store, lens, chunk, seed):
             slots = [table[j // bs] * bs + j % bs for j in range(start, start + m)]
             pos = list(range(p0 + start, p0 + start + m))
             plan = store.begin_step(slots, pos)
-            for layer in range(NUM_LAYERS):
+            for layer in range(store.layout.num_layers):
                 k_pre = torch.randn(m, heads, d, generator=gen)
                 k_pre[torch.rand(k_pre.shape, generator=gen) < 0.02] *= 8
                 v = torch.randn(m, heads, d, generator=gen)

@@ -12,7 +12,7 @@ interface only:
   * the block manager calls `release(block_ids)` when blocks' ref counts reach zero;
   * KV policies read `policy_view(request)` (per layer dense `[nb, B, Hkv, D]` K/V with keys
     after RoPE, and a block table into them), and the policy runner writes their plan back with
-    `copy_blocks` (copy-on-write) and `apply_plan`.
+    `copy_blocks` (copy-on-write) and `apply_plan`, then frees the blocks the plan dropped.
 
 A kind registers under its `kv_cache_dtype` name in `nanokv/cache/registry.py` and declares, as
 class attributes, what it can do: `supports_layer_slices` (per-layer block tables, which
@@ -23,7 +23,7 @@ and `engine_options` (the engine options it reads beyond `kv_cache_dtype`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -57,16 +57,56 @@ class KVCacheOptions:
     kv_quant_config: str | None = None
 
 
+class LayerReads(Sequence):
+    """A view's layers read when indexed: `[layer]` -> (k, v) `[nb, B, Hkv, D]` of the view's
+    blocks, dense copies made by `read(layer, block_ids)`. Iterating holds one layer at a time,
+    not every layer at once (a 32k-token request of a 28-layer model is 7 GB of float32 K/V);
+    `blocks(layer, indexes)` reads only some of the view's blocks. Valid while those blocks keep
+    their content: a policy plan is applied before the request's dropped blocks are freed."""
+
+    def __init__(self, num_layers: int, block_ids: torch.Tensor,
+                 read: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.num_layers = num_layers
+        self.block_ids = block_ids  # [nb] the view's table 0..nb-1 maps to these cache blocks
+        self.read = read
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    def __getitem__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(layer, int):
+            raise TypeError(f"a layer index is an int, got {type(layer).__name__}")
+        if not -self.num_layers <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} of {self.num_layers}")
+        return self.read(layer % self.num_layers, self.block_ids)
+
+    def blocks(self, layer: int, indexes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Only the view's blocks at `indexes` [m] (into its table): each [m, B, Hkv, D]."""
+        return self.read(layer, self.block_ids[indexes])
+
+
 @dataclass
 class KVView:
     """One request's cache as KV policies see it: per layer (k, v) `[nb, B, Hkv, D]` with keys
-    after RoPE, the block table into them, and (where the cache needs them to write a plan back)
+    after RoPE (a list of the cache's own tensors, or `LayerReads` copying one layer when
+    indexed), the block table into them, and (where the cache needs them to write a plan back)
     each slot's RoPE position `[nb * B]`."""
 
-    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    layers: Sequence[tuple[torch.Tensor, torch.Tensor]]
     block_table: list[int]
     positions: torch.Tensor | None
     request_id: str
+
+    def blocks(self, layer: int, indexes: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K/V of the table's entries at `indexes` only: each [m, B, Hkv, D]."""
+        if isinstance(self.layers, LayerReads):
+            device = self.layers.block_ids.device
+            return self.layers.blocks(layer, torch.tensor(indexes, dtype=torch.long,
+                                                          device=device))
+        k, v = self.layers[layer]
+        table = torch.tensor([self.block_table[i] for i in indexes], dtype=torch.long,
+                             device=k.device)
+        return k[table], v[table]
 
 
 class KVCache(ABC):
@@ -76,9 +116,6 @@ class KVCache(ABC):
     # True: a policy's extra scoring forward pass (KVzip's reconstruction) can run over it
     supports_reconstruction: ClassVar[bool] = False
     engine_options: ClassVar[frozenset[str]] = frozenset()  # read beyond kv_cache_dtype
-    # True: `apply_plan` re-writes kept tokens from the view's dense copies, so the blocks a
-    # compaction drops can be freed before it; False: it moves slots inside the cache itself
-    rewrites_from_copies: ClassVar[bool] = False
     # True: `begin_step` takes the step's slots and positions as device tensors (no host values
     # needed: the runner's one upload serves it); False: host lists (its bookkeeping reads them)
     begin_step_on_device: ClassVar[bool] = False
@@ -157,7 +194,9 @@ class KVCache(ABC):
 
     @abstractmethod
     def apply_plan(self, request, plan, view: KVView) -> None:
-        """Write a policy's `CompressionPlan` (chosen on `view`) into the request's blocks."""
+        """Write a policy's `CompressionPlan` (chosen on `view`) into the request's blocks. The
+        request still holds every block of the view: the caller frees the blocks past
+        `plan.num_blocks` afterwards."""
 
     def check_policy(self, policy) -> None:
         """Raise ValueError when this cache cannot serve the policy (where they meet)."""

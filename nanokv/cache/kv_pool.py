@@ -23,7 +23,6 @@ __all__ = ["KVLayout", "KVPool"]
 class KVPool(KVCache):
     supports_layer_slices = True
     supports_reconstruction = True
-    rewrites_from_copies = False  # compaction moves slots inside the pool: free the tail after
     begin_step_on_device = True
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str) -> None:

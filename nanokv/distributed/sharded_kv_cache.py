@@ -25,9 +25,10 @@ from nanokv.utils import cdiv
 
 def view_blocks(view: KVView, num_blocks: int) -> torch.Tensor:
     """The first `num_blocks` blocks of a view's table, all layers: [L, 2, nb, B, Hkv, D]."""
-    table = torch.tensor(view.block_table[:num_blocks], dtype=torch.long,
-                         device=view.layers[0][0].device)
-    return torch.stack([torch.stack((k[table], v[table])) for k, v in view.layers])
+    table = torch.tensor(view.block_table[:num_blocks], dtype=torch.long)
+    # one layer read at a time (a view may copy each layer when indexed), each [2, nb, B, Hkv, D]
+    return torch.stack([torch.stack((k[table.to(k.device)], v[table.to(k.device)]))
+                        for k, v in view.layers])
 
 
 class ShardedKVCache(KVCache):
@@ -42,7 +43,6 @@ class ShardedKVCache(KVCache):
 
     # what the local cache can do, this wrapper can
     supports_layer_slices = property(lambda self: self.local.supports_layer_slices)
-    rewrites_from_copies = property(lambda self: self.local.rewrites_from_copies)
     pre_rope_keys = property(lambda self: self.local.pre_rope_keys)
     slot_positions = property(lambda self: self.local.slot_positions)
 

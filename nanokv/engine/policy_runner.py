@@ -35,12 +35,13 @@ import torch
 
 from nanokv.cache.block_manager import BlockManager
 from nanokv.cache.kv_cache import KVCache, raise_reconstruction_unsupported
-from nanokv.policies.apply import decode_block_to_evict, plan_compression
+from nanokv.policies.apply import plan_compression
 from nanokv.policies.base import KVPolicy, LayerKV, PolicyConfig
 from nanokv.policies.compaction import gather_request_kv
 from nanokv.policies.kvzip import chunk_scores
 from nanokv.request import Request
 from nanokv.sampling_params import SamplingParams
+from nanokv.utils import cdiv
 
 _SCRATCH_PARAMS = SamplingParams(temperature=0, max_tokens=1)
 
@@ -175,11 +176,10 @@ class PolicyRunner:
         if copies is None:
             return False
         kv.copy_blocks(copies)
+        kv.apply_plan(request, plan, view)  # reads kept tokens from any block of the view
+        request.block_scores = {}  # blocks from first_changed_block on hold other tokens now
         tail = list(range(plan.num_blocks, len(request.block_table)))
-        if tail and kv.rewrites_from_copies:  # the kept tokens are in the view: free first
-            bm.free_blocks_at(request, tail)
-        kv.apply_plan(request, plan, view)
-        if tail and not kv.rewrites_from_copies:  # untouched: their prefix hashes stay
+        if tail:  # untouched: their prefix hashes stay
             bm.free_blocks_at(request, tail)
         bm.mark_content_changed(request, from_block=plan.first_changed_block)
         request.num_evicted_tokens += plan.num_evicted
@@ -236,11 +236,10 @@ class PolicyRunner:
         if not policy.should_evict_on_decode(num_slots, request.kv_budget):
             return
         if policy.decode_mode == "evict_block":
-            view = self.kv_cache.policy_view(request)
-            index = decode_block_to_evict(policy, view.layers, view.block_table, num_slots,
-                                          request.kv_budget)
+            scores = self._block_scores(request, self.kv_cache.policy_view(request))
+            index = policy.block_to_evict(scores, num_slots, request.kv_budget)
             if index is not None:
-                self.block_manager.free_blocks_at(request, [index])
+                self._free_blocks(request, [index])
                 request.num_evicted_tokens += self.block_size
                 self.stats.decode_evicted_blocks += 1
         elif policy.decode_mode == "reselect":
@@ -252,6 +251,37 @@ class PolicyRunner:
                              for layer in range(self.num_layers)]  # each [W, Hq, D]
             if self._compact(request, policy, request.kv_budget, q_windows):
                 request.captured_queries = []
+
+    # ---- block-wise policies: scores of whole blocks --------------------------------------------
+    def _block_scores(self, request: Request, view) -> torch.Tensor:
+        """[L, nb] the policy's `block_scores` of each of the request's blocks in every layer.
+        A block-wise policy scores a block from its own tokens, and a full block's content stays
+        as it is until a compaction or a preemption (which clear `request.block_scores`): each
+        full block is read and scored once, then its scores are kept by block id. The partial
+        newest block is scored afresh."""
+        n, bs = request.num_cached_slots, self.block_size
+        nb, full = cdiv(n, bs), n // bs
+        ids = request.block_table[:nb]
+        kept = request.block_scores
+        fresh = [i for i in range(nb) if i >= full or ids[i] not in kept]  # partial one last
+        new = {}  # block-table index -> [L]
+        if fresh:
+            num_tokens = n - (nb - len(fresh)) * bs  # the blocks not read are full
+            per_layer = []
+            for layer in range(self.num_layers):
+                k, v = view.blocks(layer, fresh)  # each [m, B, Hkv, D]
+                keys = k.flatten(0, 1)[:num_tokens]  # [m * B - unwritten slots, Hkv, D]
+                values = v.flatten(0, 1)[:num_tokens]
+                per_layer.append(request.kv_policy.block_scores(LayerKV(keys, values)))  # [m]
+            new = dict(zip(fresh, torch.stack(per_layer).unbind(1)))  # [L, m] -> m x [L]
+            kept.update({ids[i]: s for i, s in new.items() if i < full})
+        return torch.stack([new[i] if i in new else kept[ids[i]] for i in range(nb)], dim=1)
+
+    def _free_blocks(self, request: Request, indices: list[int]) -> None:
+        """Free the blocks at these block-table indexes (their kept scores go with them)."""
+        for i in indices:
+            request.block_scores.pop(request.block_table[i], None)
+        self.block_manager.free_blocks_at(request, indices)
 
     # ---- pool pressure -------------------------------------------------------------------------
     def relieve_pressure(self, running: list[Request],
@@ -274,20 +304,13 @@ class PolicyRunner:
         if bm.usage <= 1 - policy.eviction_ratio and not blocks_to_admit:
             return 0
         t0 = time.perf_counter()
-        scores = []
-        for request in candidates:
-            per_layer = []
-            view = self.kv_cache.policy_view(request)
-            for k_cache, v_cache in view.layers:
-                keys, values = gather_request_kv(k_cache, v_cache, view.block_table,
-                                                 request.num_cached_slots)
-                per_layer.append(request.kv_policy.block_scores(LayerKV(keys, values)))
-            scores.append(torch.stack(per_layer))  # [L, nb]
+        scores = [self._block_scores(r, self.kv_cache.policy_view(r))  # each [L, nb]
+                  for r in candidates]
         freed = 0
         for request, indices in zip(candidates, policy.pool_evictions(
                 scores, bm.num_used_blocks, bm.num_blocks, blocks_to_admit)):
             if indices:
-                bm.free_blocks_at(request, list(indices))
+                self._free_blocks(request, list(indices))
                 request.num_evicted_tokens += self.block_size * len(indices)
                 freed += len(indices)
         self.stats.pressure_evicted_blocks += freed

@@ -81,7 +81,9 @@ def plan_compression(policy: KVPolicy, layers: Sequence[tuple[torch.Tensor, torc
                          f"(layer_scores, {num_layers} tensors [Hkv, n])")
     kept_per_layer = []
     first_changed = num_slots
-    for layer, (k_cache, v_cache) in enumerate(layers):
+    bs = 1
+    for layer, (k_cache, v_cache) in enumerate(layers):  # one layer at a time (see LayerReads)
+        bs = k_cache.shape[1]
         keys, values = gather_request_kv(k_cache, v_cache, block_table, num_slots)  # [n, Hkv, D]
         attn = (window_attention(q_windows[layer], keys, scale)  # [Hq, W, n]
                 if policy.needs_attention else None)
@@ -93,7 +95,6 @@ def plan_compression(policy: KVPolicy, layers: Sequence[tuple[torch.Tensor, torc
         kept_per_layer.append(kept)
     counts = [k.shape[-1] for k in kept_per_layer]
     new_slots = max(counts)
-    bs = layers[0][0].shape[1]
     # a block keeps its content only if every layer keeps all of its slots unmoved
     return CompressionPlan(kept_per_layer, num_slots, new_slots, cdiv(new_slots, bs), counts,
                            min(first_changed, min(counts)) // bs)
@@ -144,8 +145,9 @@ def decode_block_to_evict(policy: KVPolicy, layers: Sequence[tuple[torch.Tensor,
     Cheap when nothing is due (no gather unless `should_evict_on_decode`). The caller frees it
     (`free_blocks_at(request, [index])`, which also stops prefix caching for the request) and adds
     B to `request.num_evicted_tokens`. The policy must have decode_mode "evict_block"
-    (PagedEviction). A block's scores never change once it is full, so an engine that keeps them
-    per request can skip the gather; this helper recomputes them.
+    (PagedEviction). A block's scores never change once it is full: the engine's policy runner
+    keeps them per request and reads only new blocks; this helper (the reference) recomputes
+    them all.
     """
     if policy.decode_mode != "evict_block":
         raise ValueError(f"policy {policy.name!r} does not evict blocks while decoding")

@@ -96,6 +96,8 @@ class KVPolicy(abc.ABC):
                        "reselect"    when `should_evict_on_decode`: select again with the same
                                      budget and compact (costs one compaction per B steps)
                        "evict_block" when `should_evict_on_decode`: free `blocks_to_free(...)`
+                                     (its `block_scores` must score each block from that
+                                     block's tokens alone: the engine scores a full block once)
       per_layer_budgets  layers may get different budgets (PyramidKV)
       needs_reconstruction  True: the runner runs the policy's extra forward pass over the cache
                        (`chunks`) and passes `LayerKV.scores` (KVzip)

@@ -33,6 +33,7 @@ PyTorch attention backend then work on it unchanged.
 
 from __future__ import annotations
 
+import functools
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from typing import ClassVar
 
 import torch
 
-from nanokv.cache.kv_cache import KVCache, KVCacheOptions, KVCacheSpec, KVView
+from nanokv.cache.kv_cache import KVCache, KVCacheOptions, KVCacheSpec, KVView, LayerReads
 from nanokv.cache.layout import POSITION_BYTES, KVLayout
 from nanokv.utils import cdiv
 
@@ -134,10 +135,12 @@ class QuantizedKVStore(KVCache):
     """Quantized paged KV storage for all layers of one engine (see the module contract)."""
 
     kv_cache_dtype = ""
-    rewrites_from_copies = True  # policies' kept tokens are re-written from dense copies
     # peak live bytes of a decode read per block read, in units of one layer's K and V in
     # float32 (codes gathered and unpacked, dequantized, keys rotated): reserved per pool block
     decode_scratch_factor: ClassVar[float] = 2.0
+    # a policy's compaction re-writes kept tokens in chunks of at most this many bytes of float
+    # K/V (all layers; at least one block): its transient memory, whatever the request's length
+    compaction_chunk_bytes: ClassVar[int] = 64 << 20
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str,
                  pre_rope_keys: bool, slot_positions: torch.Tensor | None = None) -> None:
@@ -232,17 +235,17 @@ class QuantizedKVStore(KVCache):
         self.block_reader = reader
 
     def policy_view(self, request) -> KVView:
-        """The request's blocks dequantized into dense copies (keys rotated to their slot's
-        position), table `0..n-1`, and each slot's recorded position (the table may shrink
-        before `apply_plan` runs). Read by the installed block reader, else `read_blocks`."""
+        """The request's blocks, each layer dequantized into a dense copy when the policy reads
+        it (`LayerReads`; keys rotated to their slot's position), table `0..nb-1` over the
+        blocks it holds now (copy-on-write may replace table entries before `apply_plan`), and
+        each slot's recorded position. Read by the block reader installed now, else
+        `read_blocks`."""
         nb = cdiv(request.num_cached_slots, self.block_size)
         ids = torch.tensor(request.block_table[:nb], dtype=torch.long, device=self.device)
-        rope = self.rope
-        if self.pre_rope_keys and rope is None:
+        if self.pre_rope_keys and self.rope is None:
             raise RuntimeError("a store with pre-RoPE keys needs the model's rotary (create)")
-        reader = self.block_reader
-        layers = [self.read_blocks(layer, ids, rope) if reader is None  # each [nb, B, Hkv, D]
-                  else reader(layer, ids) for layer in range(self.layout.num_layers)]
+        read = self.block_reader or functools.partial(self.read_blocks, rope=self.rope)
+        layers = LayerReads(self.layout.num_layers, ids, read)  # the reader installed now
         return KVView(layers, list(range(nb)), self.slot_positions[ids].reshape(-1).long(),
                       request.request_id)
 
@@ -253,40 +256,58 @@ class QuantizedKVStore(KVCache):
         all layers and heads, but a slot may now hold different tokens per layer (and head):
         the slot gets the position of layer 0 / head 0's token, p, and each stored key is the
         kept post-RoPE key rotated back by p, so reading it (rotation by p) gives exactly the
-        kept key. For a slot whose token is the same everywhere this is the plain pre-RoPE key."""
-        from nanokv.policies.compaction import flat_slots, gather_request_kv
+        kept key. For a slot whose token is the same everywhere this is the plain pre-RoPE key.
+
+        Chunk by chunk of whole blocks (`compaction_chunk_bytes` of float K/V, all layers): a
+        chunk's kept tokens are read from the blocks that hold them, then written. Kept indexes
+        ascend, so slot i's token comes from slot kept[i] >= i: a chunk never overwrites a block
+        a later chunk reads (nor its recorded positions or staging)."""
+        from nanokv.policies.compaction import flat_slots
 
         if len(set(plan.layer_num_slots)) > 1:
             raise ValueError("per-layer budgets need the float KV pool (kv_cache_dtype 'auto')")
         if view.request_id != request.request_id:
             raise RuntimeError("apply_plan() must follow policy_view() of the same request")
-        bs = self.block_size
-        n_before, n = plan.num_slots_before, plan.num_slots
+        if not isinstance(view.layers, LayerReads):
+            raise TypeError("apply_plan() takes this store's own policy_view()")
+        bs, n = self.block_size, plan.num_slots
         start = plan.first_changed_block * bs
-        if start >= n:
-            return
-        kept_keys, kept_values, slot_pos = [], [], None
-        for (k_blocks, v_blocks), kept in zip(view.layers, plan.kept):
-            keys, values = gather_request_kv(k_blocks, v_blocks, view.block_table,
-                                             n_before)  # [n, Hkv, D]
-            if kept.dim() == 1:
-                ks, vs, pos = keys[kept], values[kept], view.positions[kept]  # [C, Hkv, D], [C]
-            else:  # per KV head: [Hkv, C]
-                heads = torch.arange(kept.shape[0], device=kept.device)[:, None]  # [Hkv, 1]
-                ks = keys[kept, heads].transpose(0, 1)  # [Hkv, C, D] -> [C, Hkv, D]
-                vs = values[kept, heads].transpose(0, 1)
-                pos = view.positions[kept[0]]  # head 0's tokens: [C]
-            if slot_pos is None:
-                slot_pos = pos
-            kept_keys.append(ks)
-            kept_values.append(vs)
-        new_slots = flat_slots(request.block_table, n, bs, self.device)[start:]  # [n - start]
-        write = self.plan_write(new_slots.tolist(), slot_pos[start:].tolist())
-        for layer, (ks, vs) in enumerate(zip(kept_keys, kept_values)):
-            ks = ks[start:]
-            if self.pre_rope_keys:
-                ks = self.rotary.unrotate(slot_pos[start:], ks)
-            self.write(layer, write, ks.contiguous(), vs[start:].contiguous())
+        new_slots = flat_slots(request.block_table, n, bs, self.device)  # [n]
+        first = plan.kept[0]
+        positions = view.positions[first if first.dim() == 1 else first[0]]  # head 0's: [n]
+        lay = self.layout
+        token_bytes = 2 * lay.num_layers * lay.num_kv_heads * lay.head_dim * lay.dtype.itemsize
+        chunk = max(1, self.compaction_chunk_bytes // (token_bytes * bs)) * bs
+        for lo in range(start, n, chunk):
+            hi = min(n, lo + chunk)
+            kept_kv = [self._read_kept(view, layer, kept[..., lo:hi])  # each [hi - lo, Hkv, D]
+                       for layer, kept in enumerate(plan.kept)]
+            if hi == n:
+                # the blocks past the new length are freed after this: a partial one's staging
+                # row (its tokens read above) goes back now, for the new partial block (a
+                # request's partial block is its own: prefix caching shares full blocks only)
+                self.release(request.block_table[plan.num_blocks:])
+            write = self.plan_write(new_slots[lo:hi].tolist(), positions[lo:hi].tolist())
+            for layer, (ks, vs) in enumerate(kept_kv):
+                if self.pre_rope_keys:
+                    ks = self.rotary.unrotate(positions[lo:hi], ks)
+                self.write(layer, write, ks.contiguous(), vs.contiguous())
+
+    def _read_kept(self, view: KVView, layer: int, kept: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's kept tokens `kept` ([C] or per KV head [Hkv, C], indexes into the view's
+        slots), reading only the view's m blocks that hold them: k, v each [C, Hkv, D]."""
+        bs, heads, dim = self.block_size, self.layout.num_kv_heads, self.layout.head_dim
+        blocks = torch.unique(kept // bs)  # [m] sorted indexes into the view's table
+        k_blocks, v_blocks = view.layers.blocks(layer, blocks)  # each [m, B, Hkv, D]
+        keys = k_blocks.reshape(-1, heads, dim)  # [m * B, Hkv, D]
+        values = v_blocks.reshape(-1, heads, dim)
+        local = torch.searchsorted(blocks, kept // bs) * bs + kept % bs  # kept, into keys
+        if kept.dim() == 1:
+            return keys[local], values[local]
+        head = torch.arange(kept.shape[0], device=kept.device)[:, None]  # [Hkv, 1]
+        # [Hkv, C, D] -> [C, Hkv, D]
+        return keys[local, head].transpose(0, 1), values[local, head].transpose(0, 1)
 
     def _allocate(self, specs: Sequence[BufferSpec]) -> None:
         # zeros: never-written slots dequantize to finite values (masked, but 0 * NaN = NaN)

@@ -198,6 +198,7 @@ class Scheduler:
         request.compressed = False  # the recomputed cache is compressed again
         request.kv_budget = None
         request.captured_queries = []
+        request.block_scores = {}
         if request.num_output_tokens == 0:  # incomplete prompt logits: recomputed from scratch
             request.prompt_logits = []
         request.prefix_cacheable = True

@@ -66,19 +66,46 @@ def test_kept_tokens_read_back_from_the_store(tiny_qwen3, monkeypatch, dtype, st
     llm = LLM(tiny_qwen3, skip_tokenizer_init=True, block_size=BS, max_model_len=256,
               kv_cache_dtype=dtype, kv_policy=policy, kv_budget=40, kv_policy_options=options,
               **store_options)
+    check_kept_read_back(llm, tiny_qwen3, prompt, plans, bound)
+
+
+def check_kept_read_back(llm, model, prompt, plans, bound, budget=40):
+    """Run the prompt, then every layer's cache holds the last plan's kept tokens of the float
+    cache's K/V (keys at their true positions) within `bound` of relative error."""
     request = run_prompt(llm, prompt)
-    assert request.compressed and request.num_cached_slots == 40
-    assert len(request.block_table) == 3  # ceil(40 / 16): the tail went back to the pool
+    assert request.compressed and request.num_cached_slots == budget
+    assert len(request.block_table) == -(-budget // BS)  # the tail went back to the pool
     kept = plans[-1].kept
-    reference = float_prompt_kv(tiny_qwen3, prompt)
+    reference = float_prompt_kv(model, prompt)
     store = llm.engine.kv_cache
     rope = rope_from_rotary(llm.engine.model.rotary) if store.pre_rope_keys else None
     for layer, ((k_ref, v_ref), layer_kept) in enumerate(zip(reference, kept)):
-        k, v = store.read(layer, request.block_table, 40, rope)  # keys rotated back to position
+        k, v = store.read(layer, request.block_table, budget, rope)  # keys rotated back
         for got, ref in ((k, take(k_ref, layer_kept)), (v, take(v_ref, layer_kept))):
             err = (got - ref).abs().max() / ref.abs().max()
             assert err < bound, (layer, float(err))
     llm.engine.check_invariants()
+
+
+@pytest.mark.parametrize("dtype,store_options,bound", [
+    ("kvquant", {"kv_quant_bits": 4}, 0.6), ("kivi", {"kv_quant_bits": 4}, 0.6),
+])
+@pytest.mark.parametrize("policy,options", [
+    ("snapkv", {"window": 8, "per_head": True}), ("streaming", {"n_sink": 4}),
+])
+def test_compaction_with_one_staging_row(tiny_qwen3, monkeypatch, dtype, store_options, bound,
+                                         policy, options):
+    """max_num_seqs=1: the store has one staging row, held by the prompt's partial last block
+    (90 = 5 * 16 + 10 tokens). The compaction's new partial block (40 = 2 * 16 + 8) needs it
+    while the old one is still in the request's table (it is freed after the plan is written):
+    the store hands the old block's row over, and the kept tokens read back."""
+    plans = spy_plans(monkeypatch)
+    llm = LLM(tiny_qwen3, skip_tokenizer_init=True, block_size=BS, max_model_len=256,
+              max_num_seqs=1, kv_cache_dtype=dtype, kv_policy=policy, kv_budget=40,
+              kv_policy_options=options, **store_options)
+    assert llm.engine.kv_cache.staging.num_rows == 1
+    check_kept_read_back(llm, tiny_qwen3, tokens(90, 7), plans, bound)
+    assert llm.engine.kv_cache.staging.num_free_rows == 0  # the new partial block holds it
 
 
 def test_a_wrong_position_would_be_caught(tiny_qwen3, monkeypatch):
