@@ -25,10 +25,10 @@ from nanokv.utils import cdiv
 
 def view_blocks(view: KVView, num_blocks: int) -> torch.Tensor:
     """The first `num_blocks` blocks of a view's table, all layers: [L, 2, nb, B, Hkv, D]."""
-    table = torch.tensor(view.block_table[:num_blocks], dtype=torch.long)
-    # one layer read at a time (a view may copy each layer when indexed), each [2, nb, B, Hkv, D]
-    return torch.stack([torch.stack((k[table.to(k.device)], v[table.to(k.device)]))
-                        for k, v in view.layers])
+    indexes = list(range(num_blocks))
+    # one layer read at a time (a view may copy each layer when read), each [2, nb, B, Hkv, D]
+    return torch.stack([torch.stack(view.blocks(layer, indexes))
+                        for layer in range(len(view.layers))])
 
 
 class ShardedKVCache(KVCache):
