@@ -43,7 +43,7 @@ def take(x: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     """x [n, Hkv, D] at kept [C] or per head [Hkv, C] -> [C, Hkv, D]."""
     if kept.dim() == 1:
         return x[kept]
-    heads = torch.arange(kept.shape[0])[:, None]
+    heads = torch.arange(kept.shape[0], device=kept.device)[:, None]
     return x[kept, heads].transpose(0, 1)
 
 
@@ -173,7 +173,7 @@ def test_policy_views_through_the_backends_reader(tiny_qwen3, monkeypatch, dtype
     def run(reference: bool):
         llm = LLM(tiny_qwen3, skip_tokenizer_init=True, block_size=BS, max_model_len=256,
                   kv_cache_dtype=dtype, kv_policy=policy, kv_budget=40,
-                  kv_policy_options=options, **store_options)
+                  kv_policy_options=options, device="cpu", **store_options)
         store = llm.engine.kv_cache
         assert llm.engine.attention_backend.name == "native" and store.block_reader is not None
         if reference:
