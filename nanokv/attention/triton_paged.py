@@ -20,9 +20,7 @@ on a GPU, so nothing about its speed is measured.
 
 from __future__ import annotations
 
-import importlib
 import os
-from functools import cache
 
 import torch
 
@@ -36,6 +34,7 @@ from nanokv.attention.triton_metadata import (
     graph_step,
 )
 from nanokv.cache.kv_pool import KVPool
+from nanokv.kernels.triton import triton_unavailable
 from nanokv.kernels.triton.paged_kv import FLOAT, FORMATS, PagedKV
 from nanokv.quant.pertoken_store import FP8KVStore, Int8KVStore
 from nanokv.utils import cdiv
@@ -49,16 +48,6 @@ SPLIT_CAP = 64
 def interpreter_on() -> bool:
     """TRITON_INTERPRET set: the kernels run on CPU tensors in Triton's interpreter."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-@cache
-def triton_unavailable() -> str | None:
-    """Why Triton cannot be imported here, or None."""
-    try:
-        importlib.import_module("triton")
-    except Exception as e:  # not installed, or a broken install
-        return f"triton is not importable ({type(e).__name__}: {e})"
-    return None
 
 
 def kv_format_of(kv_cache) -> int | None:

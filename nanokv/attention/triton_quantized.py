@@ -37,12 +37,8 @@ from nanokv.attention.triton_metadata import (
     graph_step,
     padded_rows,
 )
-from nanokv.attention.triton_paged import (
-    SPLIT_CAP,
-    TritonPagedBackend,
-    interpreter_on,
-    triton_unavailable,
-)
+from nanokv.attention.triton_paged import SPLIT_CAP, TritonPagedBackend, interpreter_on
+from nanokv.kernels.triton import triton_unavailable
 from nanokv.layers.rotary import halves_repeat
 from nanokv.quant.kivi_store import KIVIStore
 from nanokv.quant.kvquant import centroid_table, uniform_grid

@@ -43,6 +43,7 @@ import torch
 
 from nanokv.cache.kv_cache import KVCache, KVCacheOptions, KVCacheSpec, KVView, LayerReads
 from nanokv.cache.layout import POSITION_BYTES, KVLayout
+from nanokv.kernels.triton import triton_unavailable
 from nanokv.utils import cdiv
 
 # (positions [n] int64, x [n, Hkv, D]) -> x rotated to those positions
@@ -120,9 +121,6 @@ class WritePlan:
 
 def triton_importable() -> bool:
     """Whether Triton imports and works here (the stores' Triton writes on CUDA)."""
-    # imported here: nanokv.attention imports the stores
-    from nanokv.attention.triton_paged import triton_unavailable
-
     return triton_unavailable() is None
 
 

@@ -14,7 +14,24 @@ backend, `nanokv/attention/triton_paged.py`).
                            staging and sink rows (padded entries skipped: CUDA graphs)
     interpreter_compat.py  Triton 3.6's interpreter with numpy >= 2.4 (runtime loop bounds)
 
-Importing a kernel module imports Triton and defines the kernels; with TRITON_INTERPRET=1 set
+This package's own module imports no Triton: `triton_unavailable()` says whether Triton can be
+imported (the backends and the stores' Triton writes ask it). Importing a kernel module imports
+Triton and defines the kernels; with TRITON_INTERPRET=1 set
 before that, they run in Triton's interpreter on CPU tensors (how the tests check them against
 the dense reference). Tile sizes are constexpr arguments of the launchers.
 """
+
+from __future__ import annotations
+
+import importlib
+from functools import cache
+
+
+@cache
+def triton_unavailable() -> str | None:
+    """Why Triton cannot be imported here, or None (imports nothing of the kernels)."""
+    try:
+        importlib.import_module("triton")
+    except Exception as e:  # not installed, or a broken install
+        return f"triton is not importable ({type(e).__name__}: {e})"
+    return None
