@@ -97,15 +97,17 @@ class KVView:
     positions: torch.Tensor | None
     request_id: str
 
-    def blocks(self, layer: int, indexes: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's K/V of the table's entries at `indexes` only: each [m, B, Hkv, D]."""
+    def blocks(self, layer: int, indexes: Sequence[int] | torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K/V of the table's entries at `indexes` [m] only (a lazy view reads
+        just those blocks): each [m, B, Hkv, D]."""
         if isinstance(self.layers, LayerReads):
             device = self.layers.block_ids.device
-            return self.layers.blocks(layer, torch.tensor(indexes, dtype=torch.long,
-                                                          device=device))
+            return self.layers.blocks(layer, torch.as_tensor(indexes, dtype=torch.long,
+                                                             device=device))
         k, v = self.layers[layer]
-        table = torch.tensor([self.block_table[i] for i in indexes], dtype=torch.long,
-                             device=k.device)
+        table = torch.as_tensor(self.block_table, dtype=torch.long, device=k.device)
+        table = table[torch.as_tensor(indexes, dtype=torch.long, device=k.device)]  # [m]
         return k[table], v[table]
 
 

@@ -257,17 +257,16 @@ class QuantizedKVStore(KVCache):
         kept key. For a slot whose token is the same everywhere this is the plain pre-RoPE key.
 
         Chunk by chunk of whole blocks (`compaction_chunk_bytes` of float K/V, all layers): a
-        chunk's kept tokens are read from the blocks that hold them, then written. Kept indexes
-        ascend, so slot i's token comes from slot kept[i] >= i: a chunk never overwrites a block
-        a later chunk reads (nor its recorded positions or staging)."""
+        chunk's kept tokens are read from the blocks that hold them (a `LayerReads` view reads
+        only those), then written. Kept indexes ascend, so slot i's token comes from slot
+        kept[i] >= i: a chunk never overwrites a block a later chunk reads (nor its recorded
+        positions or staging)."""
         from nanokv.policies.compaction import flat_slots
 
         if len(set(plan.layer_num_slots)) > 1:
             raise ValueError("per-layer budgets need the float KV pool (kv_cache_dtype 'auto')")
         if view.request_id != request.request_id:
             raise RuntimeError("apply_plan() must follow policy_view() of the same request")
-        if not isinstance(view.layers, LayerReads):
-            raise TypeError("apply_plan() takes this store's own policy_view()")
         bs, n = self.block_size, plan.num_slots
         start = plan.first_changed_block * bs
         new_slots = flat_slots(request.block_table, n, bs, self.device)  # [n]
@@ -297,7 +296,7 @@ class QuantizedKVStore(KVCache):
         slots), reading only the view's m blocks that hold them: k, v each [C, Hkv, D]."""
         bs, heads, dim = self.block_size, self.layout.num_kv_heads, self.layout.head_dim
         blocks = torch.unique(kept // bs)  # [m] sorted indexes into the view's table
-        k_blocks, v_blocks = view.layers.blocks(layer, blocks)  # each [m, B, Hkv, D]
+        k_blocks, v_blocks = view.blocks(layer, blocks)  # each [m, B, Hkv, D]
         keys = k_blocks.reshape(-1, heads, dim)  # [m * B, Hkv, D]
         values = v_blocks.reshape(-1, heads, dim)
         local = torch.searchsorted(blocks, kept // bs) * bs + kept % bs  # kept, into keys

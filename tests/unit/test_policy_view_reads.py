@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from nanokv.cache.kv_cache import KVView
 from nanokv.policies.apply import plan_compression
 from nanokv.policies.base import PolicyConfig
 from quant_stores import fill, make_store
@@ -101,11 +102,12 @@ def test_layer_reads_index_like_a_sequence():
 @pytest.mark.parametrize("policy,options", [
     ("knorm", {"per_head": True}), ("streaming", {"n_sink": 4}),
 ])
-@pytest.mark.parametrize("chunk_blocks", [1, 3])
+@pytest.mark.parametrize("chunk_blocks,dense", [(1, False), (3, False), (3, True)])
 def test_compaction_in_chunks_writes_the_same_bytes(monkeypatch, kind, policy, options,
-                                                   chunk_blocks):
+                                                   chunk_blocks, dense):
     """`apply_plan` in chunks of `chunk_blocks` blocks (each chunk read, then written) leaves
-    every buffer of the store as one chunk does, and reads at most a chunk's blocks at once."""
+    every buffer of the store as one chunk does, and reads only each chunk's blocks. `dense`:
+    the chunked run gets a view of dense copies of every layer (a `KVView` built by hand)."""
     lens = [N, 37]  # a second request's blocks stay untouched
     policy = PolicyConfig(policy, BUDGET, options=options).build(block_size=BS)
     results = []
@@ -122,16 +124,20 @@ def test_compaction_in_chunks_writes_the_same_bytes(monkeypatch, kind, policy, o
             lay = store.layout
             per_block = 2 * lay.num_layers * BS * lay.num_kv_heads * lay.head_dim * 4
             monkeypatch.setattr(store, "compaction_chunk_bytes", chunk_bytes * per_block)
+            if dense:
+                view = KVView(list(view.layers), view.block_table, view.positions,
+                              view.request_id)
         del reader.reads[:]
         store.apply_plan(request, plan, view)
         results.append((store, reader.reads, plan))
     (ref, ref_reads, plan), (got, reads, _) = results
     start, step = plan.first_changed_block * BS, chunk_blocks * BS
     assert len(ref_reads) == ref.layout.num_layers  # one chunk
-    # chunk by chunk, each layer's read: the blocks holding that chunk's kept tokens
-    assert reads == [(layer, [table[b] for b in torch.unique(kept[..., lo:lo + step] // BS)])
-                     for lo in range(start, BUDGET, step) for layer, kept in enumerate(plan.kept)]
-    assert len(reads) > len(ref_reads)
+    if not dense:  # chunk by chunk, each layer's read: the blocks holding that chunk's tokens
+        assert reads == [(layer, [table[b] for b in torch.unique(kept[..., lo:lo + step] // BS)])
+                         for lo in range(start, BUDGET, step)
+                         for layer, kept in enumerate(plan.kept)]
+        assert len(reads) > len(ref_reads)
     assert ref.buffers.keys() == got.buffers.keys()
     for name in ref.buffers:
         assert torch.equal(ref.buffers[name], got.buffers[name]), name
