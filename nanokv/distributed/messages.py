@@ -61,10 +61,19 @@ class Step(Command):
 
 @dataclass
 class GatherView(Command):
-    """Take the request's `policy_view`, keep it for a following `ApplyPlan`, and gather its
-    blocks' K/V (this rank's heads) on rank 0."""
+    """Take the request's `policy_view` and keep it, for the `GatherLayer` reads and the
+    `ApplyPlan` that follow (until the next `GatherView`)."""
 
     request: RequestRef | None = None
+
+
+@dataclass
+class GatherLayer(Command):
+    """Gather one layer's K/V (this rank's heads) of the kept view's table entries at
+    `indexes` on rank 0."""
+
+    layer: int = 0
+    indexes: list[int] = field(default_factory=list)
 
 
 @dataclass

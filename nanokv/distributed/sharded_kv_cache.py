@@ -4,7 +4,8 @@ Each rank's cache holds its KV heads (a `KVLayout` with num_kv_heads / N) for th
 the one block manager on rank 0 decides for all. This wrapper forwards what they do to rank 0's
 own cache at once and queues it for the other ranks (`release`, `copy_blocks`, `copy_slices`
 reach them before their next command). KV policies see every head: `policy_view` gathers the
-request's blocks from all ranks on rank 0 (a policy then scores exactly as in one process:
+request's blocks from all ranks on rank 0, one layer (or some blocks of it) when the policy
+reads it (a policy then scores exactly as in one process:
 per-head scores, sums over heads, block decisions and pool-pressure evictions alike), and
 `apply_plan` sends each rank its heads' part of the plan (a kept-slot list shared by all heads
 goes to every rank whole), written with the view that rank kept from the gather. So every rank
@@ -18,17 +19,9 @@ from collections.abc import Sequence
 
 import torch
 
-from nanokv.cache.kv_cache import KVCache, KVView
-from nanokv.distributed.messages import ApplyPlan, GatherView, KVOp, RequestRef
+from nanokv.cache.kv_cache import KVCache, KVView, LayerReads
+from nanokv.distributed.messages import ApplyPlan, GatherLayer, GatherView, KVOp, RequestRef
 from nanokv.utils import cdiv
-
-
-def view_blocks(view: KVView, num_blocks: int) -> torch.Tensor:
-    """The first `num_blocks` blocks of a view's table, all layers: [L, 2, nb, B, Hkv, D]."""
-    indexes = list(range(num_blocks))
-    # one layer read at a time (a view may copy each layer when read), each [2, nb, B, Hkv, D]
-    return torch.stack([torch.stack(view.blocks(layer, indexes))
-                        for layer in range(len(view.layers))])
 
 
 class ShardedKVCache(KVCache):
@@ -94,16 +87,28 @@ class ShardedKVCache(KVCache):
 
     # ---- KV policies -----------------------------------------------------------------------------
     def policy_view(self, request) -> KVView:
-        """Every rank's heads of the request's blocks, dense: per layer [nb, B, Hkv, D] (all KV
-        heads, in rank order = the model's order), table 0..nb-1."""
+        """Every rank's heads of the request's blocks: per layer [nb, B, Hkv, D] (all KV heads,
+        in rank order = the model's order), table 0..nb-1. Each rank keeps its own view; a layer
+        (or some of its blocks: `KVView.blocks`) is gathered on rank 0 when the policy reads it,
+        until the next `policy_view`."""
         nb = cdiv(request.num_cached_slots, self.layout.block_size)
         ref = RequestRef(request.request_id, list(request.block_table), request.num_cached_slots)
         self.executor.send(GatherView(request=ref))
-        with self.executor.guard():
-            self._held = self.local.policy_view(request)
-            dense = self.executor.tp.gather(view_blocks(self._held, nb), dim=4)
-        layers = [(dense[layer, 0], dense[layer, 1]) for layer in range(dense.shape[0])]
-        positions = self._held.positions
+        held = self._held = self.local.policy_view(request)
+
+        def gather(layer: int, indexes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if self._held is not held:  # the other ranks keep the newest view only
+                raise RuntimeError("a tensor-parallel policy view is read only until the next "
+                                   "policy_view()")
+            entries = indexes.tolist()
+            self.executor.send(GatherLayer(layer=layer, indexes=entries))
+            with self.executor.guard():
+                local = torch.stack(held.blocks(layer, entries))  # [2, m, B, Hkv / N, D]
+                k, v = self.executor.tp.gather(local, dim=3)  # [2, m, B, Hkv, D] -> k, v
+            return k, v
+
+        layers = LayerReads(self.layout.num_layers, torch.arange(nb), gather)
+        positions = held.positions
         if positions is not None:
             positions = positions[:nb * self.layout.block_size]
         return KVView(layers, list(range(nb)), positions, request.request_id)

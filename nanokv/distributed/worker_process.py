@@ -46,7 +46,10 @@ class RankWorker:
         if isinstance(command, msg.Step):
             self.runner.execute(command.sched)
         elif isinstance(command, msg.GatherView):
-            self.gather_view(command.request)
+            self.held = (command.request, self.kv_cache.policy_view(command.request))
+        elif isinstance(command, msg.GatherLayer):
+            _, view = self.held
+            self.tp.gather(torch.stack(view.blocks(command.layer, command.indexes)), dim=3)
         elif isinstance(command, msg.ApplyPlan):
             ref, view = self.held
             self.held = None
@@ -77,15 +80,6 @@ class RankWorker:
         backend = backend_class(self.kv_cache, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, backend, self.device,
                                   self.config.seed, tp=self.tp)
-
-    def gather_view(self, ref: msg.RequestRef) -> None:
-        from nanokv.distributed.sharded_kv_cache import view_blocks
-        from nanokv.utils import cdiv
-
-        view = self.kv_cache.policy_view(ref)
-        self.held = (ref, view)
-        nb = cdiv(ref.num_cached_slots, self.kv_cache.layout.block_size)
-        self.tp.gather(view_blocks(view, nb), dim=4)
 
 
 def worker_main(rank: int, size: int, config, store_path: str, device_type: str,

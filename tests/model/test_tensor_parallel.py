@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+import torch
 from tiny_models import build_tiny_model
 
 from nanokv import LLM, SamplingParams
@@ -72,6 +73,49 @@ def test_qwen3_int8_kv(tiny_qwen3):
                                                                         compression_ratio=0.5),
                 None]
     compare(tiny_qwen3, policies, kv_cache_dtype="int8")
+
+
+def test_policy_views_gather_a_layer_when_read(tiny_qwen3, monkeypatch):
+    """A 2-rank policy view sends nothing but GatherView when taken; reading a layer (or some
+    of its blocks) gathers just that from both ranks, equal to one process's cache; a view is
+    read only until the next one is taken."""
+    prompt = workload(1, 1)[0]
+
+    def prefill(llm):
+        rid = llm.engine.add_request(prompt, GREEDY)
+        request = llm.engine.scheduler.requests[rid]
+        while request.num_computed_tokens < len(prompt):
+            llm.engine.step()
+        return request
+
+    one = LLM(tiny_qwen3, **OPTIONS)
+    expected = prefill(one)
+    k_one, v_one = one.engine.kv_cache.layer(1)  # [num_blocks, B, Hkv, D]
+    two = LLM(tiny_qwen3, tensor_parallel_size=2, **OPTIONS)
+    try:
+        request = prefill(two)
+        kv = two.engine.policies.kv_cache
+        sent = []
+        send = kv.executor.send
+        monkeypatch.setattr(kv.executor, "send",
+                            lambda command: (sent.append(type(command).__name__), send(command)))
+        view = kv.policy_view(request)
+        assert sent == ["GatherView"]
+        nb = len(view.block_table)
+        k, v = view.layers[1]  # [nb, B, Hkv, D], all heads
+        assert sent == ["GatherView", "GatherLayer"] and k.shape[0] == nb
+        n = len(prompt)
+        for got, ref in ((k, k_one), (v, v_one)):
+            torch.testing.assert_close(got.flatten(0, 1)[:n],
+                                       ref[expected.block_table].flatten(0, 1)[:n])
+        k_last, _ = view.blocks(1, [nb - 1])
+        torch.testing.assert_close(k_last, k[nb - 1:])
+        assert sent[-1] == "GatherLayer" and len(sent) == 3
+        kv.policy_view(request)
+        with pytest.raises(RuntimeError, match="until the next policy_view"):
+            view.layers[0]
+    finally:
+        two.engine.close()
 
 
 def test_unsupported_combinations_are_rejected_before_starting(tmp_path, tiny_qwen3):
