@@ -84,7 +84,8 @@ def plan_compression(policy: KVPolicy, layers: Sequence[tuple[torch.Tensor, torc
     bs = 1
     for layer, (k_cache, v_cache) in enumerate(layers):  # one layer at a time (see LayerReads)
         bs = k_cache.shape[1]
-        keys, values = gather_request_kv(k_cache, v_cache, block_table, num_slots)  # [n, Hkv, D]
+        # [n, Hkv, D]; only read, before anything is written
+        keys, values = gather_request_kv(k_cache, v_cache, block_table, num_slots, copy=False)
         attn = (window_attention(q_windows[layer], keys, scale)  # [Hq, W, n]
                 if policy.needs_attention else None)
         scores = layer_scores[layer] if policy.needs_reconstruction else None
@@ -155,6 +156,6 @@ def decode_block_to_evict(policy: KVPolicy, layers: Sequence[tuple[torch.Tensor,
         return None
     scores = []
     for k_cache, v_cache in layers:
-        keys, values = gather_request_kv(k_cache, v_cache, block_table, num_slots)
+        keys, values = gather_request_kv(k_cache, v_cache, block_table, num_slots, copy=False)
         scores.append(policy.block_scores(LayerKV(keys, values)))  # [nb]
     return policy.block_to_evict(torch.stack(scores), num_slots, budget)  # [L, nb] in

@@ -23,9 +23,17 @@ def flat_slots(block_table, num_slots: int, block_size: int, device=None) -> tor
 
 
 def gather_request_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table,
-                      num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A request's cached keys and values, dense: two `[num_slots, Hkv, D]` copies."""
+                      num_slots: int, copy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's cached keys and values, dense: two `[num_slots, Hkv, D]` copies.
+    copy=False: views of the caches where the table is 0, 1, 2 ... (as a quantized cache's
+    policy view, itself a dense copy, is), for a caller that only reads them before the caches
+    change; copies otherwise."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
+    nb = cdiv(num_slots, block_size)
+    if not copy and isinstance(block_table, list) and block_table[:nb] == list(range(nb)) \
+            and nb <= k_cache.shape[0]:
+        return (k_cache[:nb].reshape(-1, num_kv_heads, head_dim)[:num_slots],  # [n, Hkv, D]
+                v_cache[:nb].reshape(-1, num_kv_heads, head_dim)[:num_slots])
     flat = flat_slots(block_table, num_slots, block_size, k_cache.device)
     keys = k_cache.reshape(-1, num_kv_heads, head_dim)[flat]  # [n, Hkv, D]
     values = v_cache.reshape(-1, num_kv_heads, head_dim)[flat]  # [n, Hkv, D]

@@ -75,6 +75,22 @@ def test_compaction_of_slot_positions_and_bad_input():
         compact_slots(positions, table, 8, torch.tensor([[0, 1], [1, 2]]))
 
 
+@pytest.mark.parametrize("n", [1, 11, 12])
+def test_views_where_the_table_is_the_first_blocks_in_order(n):
+    """copy=False and table 0, 1, 2 (a quantized cache's policy view): views of the caches,
+    equal to the copies the default gives."""
+    k_cache, v_cache = torch.randn(5, 4, 2, 3), torch.randn(5, 4, 2, 3)
+    keys, values = gather_request_kv(k_cache, v_cache, [0, 1, 2], n, copy=False)
+    ref_k, ref_v = gather_request_kv(k_cache, v_cache, [0, 1, 2], n)
+    assert torch.equal(keys, ref_k) and torch.equal(values, ref_v) and keys.shape == (n, 2, 3)
+    assert keys.data_ptr() == k_cache.data_ptr() and values.data_ptr() == v_cache.data_ptr()
+    assert ref_k.data_ptr() != k_cache.data_ptr()  # the default copies
+    other, _ = gather_request_kv(k_cache, v_cache, [0, 2, 1], n, copy=False)
+    # past block 0 the table is not in order: a copy (n <= 4 reads block 0 alone: a view)
+    assert (other.data_ptr() == k_cache.data_ptr()) == (n <= 4)
+    torch.testing.assert_close(other, gather_request_kv(k_cache, v_cache, [0, 2, 1], n)[0])
+
+
 def test_attention_over_the_compacted_cache_equals_dense_attention_over_the_kept_tokens():
     g = torch.Generator().manual_seed(0)
     bs, n, hq = 4, 14, 4
