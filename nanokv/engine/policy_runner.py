@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from nanokv.cache.block_manager import BlockManager
-from nanokv.cache.kv_cache import KVCache, raise_reconstruction_unsupported
+from nanokv.cache.kv_cache import KVCache, KVView, raise_reconstruction_unsupported
 from nanokv.policies.apply import plan_compression
 from nanokv.policies.base import KVPolicy, LayerKV, PolicyConfig
 from nanokv.policies.compaction import gather_request_kv
@@ -253,7 +253,7 @@ class PolicyRunner:
                 request.captured_queries = []
 
     # ---- block-wise policies: scores of whole blocks --------------------------------------------
-    def _block_scores(self, request: Request, view) -> torch.Tensor:
+    def _block_scores(self, request: Request, view: KVView) -> torch.Tensor:
         """[L, nb] the policy's `block_scores` of each of the request's blocks in every layer.
         A block-wise policy scores a block from its own tokens, and a full block's content stays
         as it is until a compaction or a preemption (which clear `request.block_scores`): each

@@ -81,9 +81,7 @@ def plan_compression(policy: KVPolicy, layers: Sequence[tuple[torch.Tensor, torc
                          f"(layer_scores, {num_layers} tensors [Hkv, n])")
     kept_per_layer = []
     first_changed = num_slots
-    bs = 1
     for layer, (k_cache, v_cache) in enumerate(layers):  # one layer at a time (see LayerReads)
-        bs = k_cache.shape[1]
         # [n, Hkv, D]; only read, before anything is written
         keys, values = gather_request_kv(k_cache, v_cache, block_table, num_slots, copy=False)
         attn = (window_attention(q_windows[layer], keys, scale)  # [Hq, W, n]
@@ -96,6 +94,7 @@ def plan_compression(policy: KVPolicy, layers: Sequence[tuple[torch.Tensor, torc
         kept_per_layer.append(kept)
     counts = [k.shape[-1] for k in kept_per_layer]
     new_slots = max(counts)
+    bs = k_cache.shape[1]  # the block size (of the last layer read: reading one again copies it)
     # a block keeps its content only if every layer keeps all of its slots unmoved
     return CompressionPlan(kept_per_layer, num_slots, new_slots, cdiv(new_slots, bs), counts,
                            min(first_changed, min(counts)) // bs)
