@@ -236,7 +236,8 @@ class PolicyRunner:
         if not policy.should_evict_on_decode(num_slots, request.kv_budget):
             return
         if policy.decode_mode == "evict_block":
-            scores = self._block_scores(request, self.kv_cache.policy_view(request))
+            scores = (self._block_scores(request, self.kv_cache.policy_view(request))
+                      if policy.needs_block_scores else None)
             index = policy.block_to_evict(scores, num_slots, request.kv_budget)
             if index is not None:
                 self._free_blocks(request, [index])

@@ -153,6 +153,8 @@ def decode_block_to_evict(policy: KVPolicy, layers: Sequence[tuple[torch.Tensor,
         raise ValueError(f"policy {policy.name!r} does not evict blocks while decoding")
     if not policy.should_evict_on_decode(num_slots, budget):
         return None
+    if not policy.needs_block_scores:  # a positional choice (StreamingLLM's block slide)
+        return policy.block_to_evict(None, num_slots, budget)
     scores = []
     for k_cache, v_cache in layers:
         keys, values = gather_request_kv(k_cache, v_cache, block_table, num_slots, copy=False)

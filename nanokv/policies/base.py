@@ -116,6 +116,9 @@ class KVPolicy(abc.ABC):
     # True: frees blocks across running requests when the pool fills (`pool_evictions`, the
     # pool-pressure mode of a policy run without a budget)
     pool_pressure: ClassVar[bool] = False
+    # decode_mode "evict_block": the runner passes every layer's block scores to `block_to_evict`
+    # (False: it passes None; the choice is positional)
+    needs_block_scores: ClassVar[bool] = True
     # True: the engine scores the cache with an extra forward pass (`chunks(...)`, KVzip) and
     # passes the scores as `LayerKV.scores`
     needs_reconstruction: ClassVar[bool] = False

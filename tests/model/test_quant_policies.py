@@ -190,3 +190,46 @@ def test_policy_views_through_the_backends_reader(tiny_qwen3, monkeypatch, dtype
     assert len(fast[1]) == len(ref[1])
     for kept, kept_ref in zip(fast[1], ref[1]):
         assert all(torch.equal(a, b) for a, b in zip(kept, kept_ref))
+
+
+@pytest.mark.parametrize("dtype,store_options", [("auto", {}), ("kvquant", {"kv_quant_bits": 4}),
+                                                 ("kivi", {"kv_quant_bits": 4})])
+def test_streaming_block_slide_moves_nothing(tiny_qwen3, dtype, store_options):
+    """StreamingLLM with slide="block": after the prompt's compaction the window slides by
+    freeing the oldest block after the sinks' block, in place. The blocks that stay hold the
+    same bytes from slide to slide (nothing re-written, so nothing rounded again), the cache
+    stays within [C, C + B - 1] slots, the sinks' block stays, and nothing leaks."""
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    llm = LLM(tiny_qwen3, skip_tokenizer_init=True, block_size=BS, max_model_len=256,
+              kv_cache_dtype=dtype, kv_policy="streaming", kv_budget=48,
+              kv_policy_options={"n_sink": 4, "slide": "block"}, **store_options)
+    engine = llm.engine
+    rid = engine.add_request(tokens(90, 7), params)
+    request = engine.scheduler.requests[rid]
+    cache = engine.kv_cache
+    buffers = (cache.buffers if dtype != "auto"
+               else {"k": cache.kv[0].transpose(0, 1), "v": cache.kv[1].transpose(0, 1)})
+
+    def block_bytes(block: int) -> list[torch.Tensor]:  # every per-block buffer of the block
+        return [b[block].clone() for name, b in buffers.items()
+                if not name.startswith("staging") and b.dim() and b.shape[0] == cache.num_blocks]
+
+    seen, slides, sink_block = {}, 0, None
+    while not request.is_finished:
+        before = len(request.block_table)
+        engine.step()
+        if not request.compressed or request.is_finished:
+            continue
+        sink_block = sink_block if sink_block is not None else request.block_table[0]
+        assert request.block_table[0] == sink_block
+        assert 48 <= request.num_cached_slots <= 48 + BS - 1
+        slides += len(request.block_table) < before
+        seen = {b: v for b, v in seen.items() if b in request.block_table}  # freed: re-used
+        for block in request.block_table[:request.num_cached_slots // BS]:  # full blocks
+            now = block_bytes(block)
+            if block in seen:
+                assert all(torch.equal(a, b) for a, b in zip(seen[block], now)), block
+            seen[block] = now
+    stats = engine.policies.stats
+    assert slides >= 5 and stats.decode_evicted_blocks == slides and stats.compressions == 1
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -80,6 +80,7 @@ def test_registry_lists_builtin_policies_and_rejects_unknown_names_and_options()
     ("snapkv", {"compression_ratio": 1.0}, r"\[0, 1\)"),
     ("h2o", {"budget": 64, "recent_fraction": 1.5}, "recent_fraction"),
     ("streaming", {"budget": 64, "n_sink": -1}, "n_sink"),
+    ("streaming", {"budget": 64, "slide": "tokens"}, r"slide must be one of \['token', 'block'\]"),
     ("pyramidkv", {"budget": 64, "beta": 0.5}, "beta"),
     ("paged_eviction", {"budget": 64}, "block_size"),
     ("paged_eviction", {"budget": 64, "block_size": 16, "score": "l2"}, "score"),
@@ -147,6 +148,19 @@ def test_streaming_keeps_sinks_and_the_newest_tokens():
     assert p.select(kv_of(10), 6).tolist() == [0, 1, 2, 3, 8, 9]
     assert make_policy("streaming", budget=3, n_sink=1).select(kv_of(10), 3).tolist() == [0, 8, 9]
     assert p.should_evict_on_decode(12, 6) is False  # no block size given: never
+
+
+@pytest.mark.parametrize("n_sink,first", [(0, 0), (4, 1), (16, 1), (17, 2)])
+def test_streaming_block_slide_frees_the_oldest_block_after_the_sinks(n_sink, first):
+    """slide="block": the oldest block after those holding the sinks, only when the newest block
+    just filled and one block can go; never the newest block; no scores read."""
+    p = make_policy("streaming", budget=48, block_size=16, n_sink=n_sink, slide="block")
+    assert p.decode_mode == "evict_block" and not p.needs_block_scores
+    assert make_policy("streaming", budget=48).decode_mode == "reselect"  # the default
+    assert p.block_to_evict(None, 80, 48) == first  # 5 blocks, 64 >= 48 after one goes
+    assert p.block_to_evict(None, 79, 48) is None  # the newest block is not full
+    assert p.block_to_evict(None, 64, 64) is None  # losing a block would go under budget
+    assert p.block_to_evict(None, 16 * (first + 1), 0) is None  # only sinks and the newest
 
 
 # ---- H2O -----------------------------------------------------------------------------------------
