@@ -40,6 +40,27 @@ def gather_request_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table,
     return keys, values
 
 
+def whole_block_sources(kept, block_size: int, first: int, last: int) -> dict[int, int]:
+    """The new full blocks first .. last-1 that a plan fills with one old block's slots whole,
+    in order, in every layer and KV head: {new block index: old block index}. Such a block can
+    be copied instead of re-written. kept: per layer `[C]` or `[Hkv, C]` (C >= last * B)."""
+    if last <= first:
+        return {}
+    bs = block_size
+    source = whole = None
+    for k in kept:
+        rows = (k.unsqueeze(0) if k.dim() == 1 else k)[:, first * bs:last * bs]  # [h, m * B]
+        blocks = rows.reshape(rows.shape[0], last - first, bs)  # [h, m, B]
+        src = blocks[..., 0] // bs  # [h, m]
+        steps = src[..., None] * bs + torch.arange(bs, device=k.device)  # [h, m, B]
+        ok = (blocks == steps).all(-1).all(0) & (src == src[:1]).all(0)  # [m]
+        if source is None:
+            source, whole = src[0], ok
+        else:
+            whole = whole & ok & (src[0] == source)
+    return {first + i: int(source[i]) for i in torch.nonzero(whole).flatten().tolist()}
+
+
 def compact_slots(cache: torch.Tensor, block_table, num_slots: int,
                   kept: torch.Tensor) -> int:
     """Move the kept slots of one per-slot tensor to the front of the request's blocks.

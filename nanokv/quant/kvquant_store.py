@@ -398,7 +398,8 @@ class KVQuantStore(QuantizedKVStore):
             self.buffers["staging_index"][torch.tensor(dropped, device=self.device)] = -1
 
     def _block_axis(self, name: str) -> int | None:
-        return None if name.startswith("staging") else 0
+        # staging rows (copied by their own bookkeeping) and the codebooks are not per block
+        return None if name.startswith(("staging", "key_codebook", "value_codebook")) else 0
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         pairs = list(pairs)

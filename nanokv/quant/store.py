@@ -256,12 +256,16 @@ class QuantizedKVStore(KVCache):
         kept post-RoPE key rotated back by p, so reading it (rotation by p) gives exactly the
         kept key. For a slot whose token is the same everywhere this is the plain pre-RoPE key.
 
+        A new block that takes one old full block's slots whole and in order, in every layer
+        and head (StreamingLLM's window after the sinks' block, whole blocks a policy keeps), is
+        copied, codes and all: exact, and nothing is rounded again.
+
         Chunk by chunk of whole blocks (`compaction_chunk_bytes` of float K/V, all layers): a
         chunk's kept tokens are read from the blocks that hold them (a `LayerReads` view reads
         only those), then written. Kept indexes ascend, so slot i's token comes from slot
         kept[i] >= i: a chunk never overwrites a block a later chunk reads (nor its recorded
         positions or staging)."""
-        from nanokv.policies.compaction import flat_slots
+        from nanokv.policies.compaction import flat_slots, whole_block_sources
 
         if len(set(plan.layer_num_slots)) > 1:
             raise ValueError("per-layer budgets need the float KV pool (kv_cache_dtype 'auto')")
@@ -275,19 +279,29 @@ class QuantizedKVStore(KVCache):
         lay = self.layout
         token_bytes = 2 * lay.num_layers * lay.num_kv_heads * lay.head_dim * lay.dtype.itemsize
         chunk = max(1, self.compaction_chunk_bytes // (token_bytes * bs)) * bs
+        table = request.block_table  # copy-on-write made [first changed, num_blocks) private
+        moves = whole_block_sources(plan.kept, bs, plan.first_changed_block, n // bs)
         for lo in range(start, n, chunk):
             hi = min(n, lo + chunk)
-            kept_kv = [self._read_kept(view, layer, kept[..., lo:hi])  # each [hi - lo, Hkv, D]
-                       for layer, kept in enumerate(plan.kept)]
+            copied = [j for j in range(lo // bs, cdiv(hi, bs)) if j in moves]
+            rewrite = torch.ones(hi - lo, dtype=torch.bool)  # [hi - lo]: slots re-written
+            for j in copied:
+                rewrite[j * bs - lo:(j + 1) * bs - lo] = False
+            slots = (torch.arange(lo, hi)[rewrite]).to(self.device)  # [r]
+            kept_kv = [self._read_kept(view, layer, kept[..., slots])  # each [r, Hkv, D]
+                       for layer, kept in enumerate(plan.kept)] if slots.numel() else []
             if hi == n:
                 # the blocks past the new length are freed after this: a partial one's staging
                 # row (its tokens read above) goes back now, for the new partial block (a
                 # request's partial block is its own: prefix caching shares full blocks only)
-                self.release(request.block_table[plan.num_blocks:])
-            write = self.plan_write(new_slots[lo:hi].tolist(), positions[lo:hi].tolist())
+                self.release(table[plan.num_blocks:])
+            self.copy_blocks([(table[moves[j]], table[j]) for j in copied])
+            if not kept_kv:
+                continue
+            write = self.plan_write(new_slots[slots].tolist(), positions[slots].tolist())
             for layer, (ks, vs) in enumerate(kept_kv):
                 if self.pre_rope_keys:
-                    ks = self.rotary.unrotate(positions[lo:hi], ks)
+                    ks = self.rotary.unrotate(positions[slots], ks)
                 self.write(layer, write, ks.contiguous(), vs.contiguous())
 
     def _read_kept(self, view: KVView, layer: int, kept: torch.Tensor

@@ -123,3 +123,23 @@ def test_window_attention_matches_a_per_query_softmax(w, n, hq):
             assert torch.allclose(probs[h, j].double(), want, atol=1e-6)
     with pytest.raises(ValueError):
         window_attention(torch.randn(n + 1, hq, D), keys, 1.0)
+
+
+def test_whole_block_sources_finds_blocks_kept_whole_in_every_layer_and_head():
+    """B = 4. Kept slots shifted by one block after 2 sinks: new blocks 1 and 2 take old blocks
+    2 and 3 whole; block 0 mixes sinks and window. Per head, per layer: all must agree."""
+    from nanokv.policies.compaction import whole_block_sources
+
+    shared = torch.tensor([0, 1, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15])  # n = 16, C = 12
+    assert whole_block_sources([shared, shared], 4, 0, 3) == {1: 2, 2: 3}
+    assert whole_block_sources([shared], 4, 2, 3) == {2: 3}  # only the blocks asked about
+    assert whole_block_sources([shared], 4, 3, 3) == {}
+    per_head = torch.stack([shared, shared])  # [Hkv, C]
+    assert whole_block_sources([per_head], 4, 0, 3) == {1: 2, 2: 3}
+    other_head = shared.clone()
+    other_head[4:8] = torch.tensor([4, 5, 6, 7])  # head 1 keeps old block 1 at new block 1
+    other_head[2:4] = torch.tensor([2, 3])
+    assert whole_block_sources([torch.stack([shared, other_head])], 4, 0, 3) == {2: 3}
+    assert whole_block_sources([shared, other_head], 4, 0, 3) == {2: 3}  # layers disagree
+    unaligned = torch.tensor([0, 1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14])  # shifted by 3
+    assert whole_block_sources([unaligned], 4, 0, 3) == {}

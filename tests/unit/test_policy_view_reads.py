@@ -142,3 +142,45 @@ def test_compaction_in_chunks_writes_the_same_bytes(monkeypatch, kind, policy, o
     for name in ref.buffers:
         assert torch.equal(ref.buffers[name], got.buffers[name]), name
     assert torch.equal(ref.slot_positions, got.slot_positions)
+
+
+@pytest.mark.parametrize("kind", ["kvquant:2bit-nuq-thresholds", "kvquant:per-channel-post-rope",
+                                  "kivi:2", "int8-pre-rope"])
+def test_blocks_kept_whole_are_copied_not_rewritten(kind):
+    """A window slide by one block (StreamingLLM's decode step: sinks, then every later slot
+    shifted by B): the new blocks after the sinks' block take old blocks whole and are copied,
+    every buffer and recorded position equal to the old block's; only the slots of the sinks'
+    block are read and re-written, and they read back as the kept tokens."""
+    store = make_store(kind, 32, BS, num_blocks=24, num_requests=2)
+    n, budget = 5 * BS, 4 * BS
+    table = fill(store, [n, 37], chunk=37, seed=9)[0]
+    request = SimpleNamespace(num_cached_slots=n, block_table=list(table), request_id="r")
+    dense = [store.read(layer, table, n, store.rope) for layer in range(store.layout.num_layers)]
+    before = {name: buf.clone() for name, buf in store.buffers.items()}
+    positions = store.slot_positions.clone()
+    reader = CountingReader(store)
+    store.use_block_reader(reader)
+    policy = PolicyConfig("streaming", budget, options={"n_sink": 4}).build(block_size=BS)
+    view = store.policy_view(request)
+    plan = plan_compression(policy, view.layers, view.block_table, n, budget=budget)
+    del reader.reads[:]
+    store.apply_plan(request, plan, view)
+    assert plan.first_changed_block == 0
+    # block 0 re-written from old blocks 0 and 1 (sinks, then slots 20..31); 1..3 <- 2..4
+    assert reader.reads == [(layer, [table[0], table[1]])
+                            for layer in range(store.layout.num_layers)]
+    for new, old in ((1, 2), (2, 3), (3, 4)):
+        for name, buf in store.buffers.items():
+            axis = store._block_axis(name)
+            if axis is None:
+                continue
+            got = buf.select(axis, table[new])
+            assert torch.equal(got, before[name].select(axis, table[old])), (name, new)
+        assert torch.equal(store.slot_positions[table[new]], positions[table[old]])
+    store.use_block_reader(None)
+    kept = plan.kept[0]
+    for layer, (k_ref, v_ref) in enumerate(dense):
+        k, v = store.read(layer, table, budget, store.rope)
+        for got, ref in ((k, k_ref[kept]), (v, v_ref[kept])):
+            err = (got - ref).abs().max() / ref.abs().max()
+            assert err < 0.5, (layer, float(err))

@@ -343,3 +343,23 @@ def test_paged_attention_over_store_matches_dequantize_then_dense(name):
                                             scale, rope)
         torch.testing.assert_close(out[sl], ref, atol=1e-5, rtol=1e-5)
         offset += new
+
+
+@pytest.mark.parametrize("kind", ["kvquant:3bit-nuq", "kvquant:2bit-nuq-thresholds"])
+def test_copy_blocks_with_codebooks(kind):
+    """Copy-on-write of a store with non-uniform codebooks (a calibrated KVQuant cache): the
+    copy reads as its source, and the codebook buffers (one per layer, not per block) stay as
+    they were. Copying them as per-block buffers indexed past a 2-bit codebook's 4 entries."""
+    from quant_stores import fill, make_store
+
+    store = make_store(kind, 32, 16, num_blocks=12, num_requests=2)
+    table = fill(store, [48], chunk=48, seed=4)[0]
+    books = {name: b.clone() for name, b in store.buffers.items() if "codebook" in name}
+    assert books
+    free = [b for b in range(12) if b not in table][:2]
+    store.copy_blocks([(table[0], free[0]), (table[1], free[1])])
+    for layer in range(store.layout.num_layers):
+        k_src, v_src = store.read(layer, table[:2], 32, store.rope)
+        k_dst, v_dst = store.read(layer, free, 32, store.rope)
+        assert torch.equal(k_src, k_dst) and torch.equal(v_src, v_dst)
+    assert all(torch.equal(store.buffers[name], b) for name, b in books.items())
