@@ -116,6 +116,11 @@ class KVQuantStore(QuantizedKVStore):
         self._allocate(self.buffer_specs())
         self.buffers["staging_index"].fill_(-1)
         self.buffers["sink_slot"].fill_(-1)
+        for layer in range(layout.num_layers):  # the non-uniform codebooks, on the device
+            for kind in ("key", "value"):
+                book = config.codebook(layer, kind)
+                if book is not None:
+                    self.buffers[f"{kind}_codebook{layer}"].copy_(book)
         # host bookkeeping (no device sync on the hot path)
         self.staging = BlockStaging(num_blocks, self.block_size, self.num_staging_blocks,
                                     "kvquant", staged=staged)

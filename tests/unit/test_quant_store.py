@@ -348,14 +348,17 @@ def test_paged_attention_over_store_matches_dequantize_then_dense(name):
 @pytest.mark.parametrize("kind", ["kvquant:3bit-nuq", "kvquant:2bit-nuq-thresholds"])
 def test_copy_blocks_with_codebooks(kind):
     """Copy-on-write of a store with non-uniform codebooks (a calibrated KVQuant cache): the
-    copy reads as its source, and the codebook buffers (one per layer, not per block) stay as
-    they were. Copying them as per-block buffers indexed past a 2-bit codebook's 4 entries."""
+    copy reads as its source, and the codebook buffers (one per layer, not per block: the codecs'
+    centroids) stay as they were. Copied as per-block buffers, a 3-bit codebook's entries were
+    overwritten and a 2-bit one's 4 entries indexed past."""
     from quant_stores import fill, make_store
 
     store = make_store(kind, 32, 16, num_blocks=12, num_requests=2)
     table = fill(store, [48], chunk=48, seed=4)[0]
     books = {name: b.clone() for name, b in store.buffers.items() if "codebook" in name}
-    assert books
+    for layer, codec in enumerate(store.codecs):  # the buffers hold the codecs' centroids
+        assert torch.equal(books[f"key_codebook{layer}"], codec.key_codebook)
+        assert torch.equal(books[f"value_codebook{layer}"], codec.value_codebook)
     free = [b for b in range(12) if b not in table][:2]
     store.copy_blocks([(table[0], free[0]), (table[1], free[1])])
     for layer in range(store.layout.num_layers):
