@@ -48,17 +48,11 @@ import numpy as np
 import torch
 
 from nanokv.cache.kv_pool import KVLayout
+from nanokv.kernels.triton import triton_unavailable
 from nanokv.quant.graph_write import COMMON_PARTS, GraphWritePlan, HostWritePlan, padded_entries
 from nanokv.quant.packing import pack, packed_dim, unpack
 from nanokv.quant.staging import BlockStaging
-from nanokv.quant.store import (
-    BufferSpec,
-    QuantizedKVStore,
-    Rope,
-    WritePlan,
-    as_list,
-    triton_importable,
-)
+from nanokv.quant.store import BufferSpec, QuantizedKVStore, Rope, WritePlan, as_list
 from nanokv.transfer import upload_parts
 
 KIVI_BITS = (2, 4)
@@ -140,7 +134,7 @@ class KIVIStore(QuantizedKVStore):
         # tests turn it on for a CPU store under Triton's interpreter); value groups of a power
         # of two channels (the default's gcd(32, head_dim) always is), else the PyTorch path
         self.triton_write = False
-        if self.device.type == "cuda" and triton_importable():
+        if self.device.type == "cuda" and triton_unavailable() is None:
             from nanokv.kernels.triton import kivi_write
 
             self.triton_write = kivi_write.fits(group_size)

@@ -50,18 +50,12 @@ from nanokv.quant.kvquant import (
     QuantizedBlocks,
     outlier_capacity,
 )
+from nanokv.kernels.triton import triton_unavailable
 from nanokv.quant import graph_write, native_write
 from nanokv.quant.graph_write import GraphWritePlan, padded_entries
 from nanokv.quant.packing import pack, packed_dim, unpack
 from nanokv.quant.staging import BlockStaging
-from nanokv.quant.store import (
-    BufferSpec,
-    QuantizedKVStore,
-    Rope,
-    WritePlan,
-    as_list,
-    triton_importable,
-)
+from nanokv.quant.store import BufferSpec, QuantizedKVStore, Rope, WritePlan, as_list
 from nanokv.transfer import upload_parts
 
 logger = logging.getLogger("nanokv")
@@ -116,11 +110,11 @@ class KVQuantStore(QuantizedKVStore):
         self._allocate(self.buffer_specs())
         self.buffers["staging_index"].fill_(-1)
         self.buffers["sink_slot"].fill_(-1)
-        for layer in range(layout.num_layers):  # the non-uniform codebooks, on the device
+        for layer, codec in enumerate(self.codecs):  # the codebook buffers: the codecs' own
             for kind in ("key", "value"):
-                book = config.codebook(layer, kind)
+                book = getattr(codec, f"{kind}_codebook")
                 if book is not None:
-                    self.buffers[f"{kind}_codebook{layer}"].copy_(book)
+                    self.buffers[f"{kind}_codebook{layer}"] = book
         # host bookkeeping (no device sync on the hot path)
         self.staging = BlockStaging(num_blocks, self.block_size, self.num_staging_blocks,
                                     "kvquant", staged=staged)
@@ -129,7 +123,7 @@ class KVQuantStore(QuantizedKVStore):
         self.native_write = self.device.type == "cpu" and native_write.native_write_available()
         # ... and as Triton kernels on CUDA (`kernels/triton/kvquant_write.py`; the tests turn it
         # on for a CPU store under Triton's interpreter)
-        self.triton_write = self.device.type == "cuda" and triton_importable()
+        self.triton_write = self.device.type == "cuda" and triton_unavailable() is None
         self._write_tables: dict[tuple[int, str], tuple] = {}  # the kernels' codebook tables
 
     # ---- the KV cache kind -----------------------------------------------------------------

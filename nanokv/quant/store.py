@@ -43,7 +43,6 @@ import torch
 
 from nanokv.cache.kv_cache import KVCache, KVCacheOptions, KVCacheSpec, KVView, LayerReads
 from nanokv.cache.layout import POSITION_BYTES, KVLayout
-from nanokv.kernels.triton import triton_unavailable
 from nanokv.utils import cdiv
 
 # (positions [n] int64, x [n, Hkv, D]) -> x rotated to those positions
@@ -117,11 +116,6 @@ class WritePlan:
 
     slot_mapping: torch.Tensor  # [T] int64 flat slots
     positions: torch.Tensor  # [T] int64 RoPE positions
-
-
-def triton_importable() -> bool:
-    """Whether Triton imports and works here (the stores' Triton writes on CUDA)."""
-    return triton_unavailable() is None
 
 
 def as_list(x: Sequence[int] | torch.Tensor) -> list[int]:
