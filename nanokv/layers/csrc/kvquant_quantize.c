@@ -31,8 +31,11 @@
  * Per-channel buffers, by block id: offset, half [nb, H, D]; oidx, oval [nb, H, cap] (idx_bytes
  * 2 or 4, index slot * D + channel). Sparse kind 0 fp16, 1 bf16, 2 fp32. x float32. The
  * per-channel z-scores sum in double where PyTorch sums in float32, so an element whose score
- * ties the last one picked within rounding may be chosen differently; everything else is the
- * reference's to the byte (tests/unit/test_kvquant_write.py). */
+ * ties the last one picked within rounding may be chosen differently, and a per-token group
+ * whose smallest or largest value is a zero of both signs may take either zero for its offset;
+ * everything else is the reference's to the byte (tests/unit/test_kvquant_write.py). The loops
+ * over a group's elements are written for the compiler to vectorize (`encode_row`,
+ * `untaken_min_max`, the runs of `top_k`). */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -40,6 +43,8 @@
 #include <string.h>
 
 #include "half.h"
+
+#define MAX_D 1024 /* the largest head_dim */
 
 static inline uint32_t float_bits(float f) {
     uint32_t u;
@@ -141,6 +146,33 @@ static inline uint8_t encode(float x, float off, float denom, int64_t levels,
     return (uint8_t)n;
 }
 
+/* `encode` over a row of D elements, with per-element (step 1) or shared (step 0) offset and
+ * denominator: the same float operations, written as loops the compiler vectorizes */
+static void encode_row(const float *x, const float *off, const float *denom, int64_t step,
+                       int64_t D, int64_t levels, const float *mids, uint8_t *c) {
+    if (mids == NULL) {
+        const float scale = (float)levels / 2.0f, top = (float)levels;
+        for (int64_t i = 0; i < D; i++) {
+            float xn = (x[i] - off[i * step]) / denom[i * step];
+            xn = xn < -1.0f ? -1.0f : (xn > 1.0f ? 1.0f : xn);
+            float r = nearbyintf((xn + 1.0f) * scale);
+            r = r < 0.0f ? 0.0f : (r > top ? top : r);
+            c[i] = (uint8_t)(int32_t)r;
+        }
+    } else if (levels <= 15) {
+        for (int64_t i = 0; i < D; i++) {
+            float xn = (x[i] - off[i * step]) / denom[i * step];
+            xn = xn < -1.0f ? -1.0f : (xn > 1.0f ? 1.0f : xn);
+            int32_t n = 0;
+            for (int64_t j = 0; j < levels; j++) n += mids[j] < xn;
+            c[i] = (uint8_t)n;
+        }
+    } else {
+        for (int64_t i = 0; i < D; i++)
+            c[i] = encode(x[i], off[i * step], denom[i * step], levels, mids);
+    }
+}
+
 /* a code's dense decoding, centroid * half + offset, with the reader's float operations
  * (`nanokv.quant.kvquant.decode`: the uniform grid's code * (2 / levels) - 1, or the codebook's
  * centroid; then times the fp16 half-range, plus the fp16 offset, each rounded to float) */
@@ -162,9 +194,38 @@ static inline int64_t packed_bytes(int64_t D, int64_t bits) {
     return bits == 3 ? (D + 7) / 8 * 3 : (D * bits + 7) / 8;
 }
 
+/* the smallest and largest of x[i] over the i not taken (lo = INFINITY, hi = -INFINITY when
+ * every one is; D <= MAX_D): elementwise, then halving, loops the compiler vectorizes. Min and
+ * max give the same values in any order (a row whose extreme is a zero of both signs may give
+ * either zero). */
+static void untaken_min_max(const float *x, const uint8_t *taken, int64_t D, float *lo,
+                            float *hi) {
+    float l[MAX_D], h[MAX_D];
+    for (int64_t i = 0; i < D; i++) {
+        l[i] = taken[i] ? INFINITY : x[i];
+        h[i] = taken[i] ? -INFINITY : x[i];
+    }
+    for (int64_t n = D; n > 1;) { /* [0, half) against [rest, n): the middle one stays */
+        const int64_t half = n / 2, rest = n - half;
+        for (int64_t i = 0; i < half; i++) {
+            l[i] = l[i + rest] < l[i] ? l[i + rest] : l[i];
+            h[i] = h[i + rest] > h[i] ? h[i + rest] : h[i];
+        }
+        n = rest;
+    }
+    *lo = D ? l[0] : INFINITY;
+    *hi = D ? h[0] : -INFINITY;
+}
+
 /* the n-th extreme channel of x not yet taken: largest (dir > 0) or smallest; ties go to the
- * lower channel */
+ * lower channel. The extreme value first (vectorized), then its first untaken channel; the
+ * plain scan where that finds none (NaNs). */
 static int64_t next_extreme(const float *x, const uint8_t *taken, int64_t D, int dir) {
+    float lo, hi;
+    untaken_min_max(x, taken, D, &lo, &hi);
+    const float target = dir > 0 ? hi : lo;
+    for (int64_t i = 0; i < D; i++)
+        if (!taken[i] && x[i] == target) return i;
     int64_t best = -1;
     for (int64_t i = 0; i < D; i++) {
         if (taken[i]) continue;
@@ -173,8 +234,8 @@ static int64_t next_extreme(const float *x, const uint8_t *taken, int64_t D, int
     return best;
 }
 
-#define MAX_D 1024
 #define MAX_CAP 256
+#define TOP_K_RUN 16 /* top_k's runs of scores */
 #define PARALLEL_ELEMENTS 65536 /* a call this large (a prefill chunk) splits across threads */
 
 /* the cache lines of bytes [p, p + n), prefetched for writing */
@@ -248,18 +309,14 @@ int kvquant_quantize_tokens(const float *x, const uint8_t *valid, const int64_t 
             for (int64_t j = 0; j < n_bottom; j++)
                 if (bottom[j] >= 0) taken[bottom[j]] = 1;
         }
-        float lo = INFINITY, hi = -INFINITY;
-        for (int64_t i = 0; i < D; i++) {
-            if (taken[i]) continue;
-            lo = row[i] < lo ? row[i] : lo;
-            hi = row[i] > hi ? row[i] : hi;
-        }
+        float lo, hi;
+        untaken_min_max(row, taken, D, &lo, &hi);
         if (isinf(lo)) lo = hi = 0.0f; /* every channel an outlier */
         uint16_t off_bits, half_bits;
         const float off = fp16_clamped((hi + lo) / 2.0f, &off_bits);
         const float hr = fp16_clamped((hi - lo) / 2.0f, &half_bits);
         const float denom = hr > FLT_MIN ? hr : FLT_MIN;
-        for (int64_t i = 0; i < D; i++) c[i] = encode(row[i], off, denom, levels, book);
+        encode_row(row, &off, &denom, 0, D, levels, book, c);
         pack_codes(c, D, bits, codes + g * packed);
         offset[g] = off_bits;
         half[g] = half_bits;
@@ -309,14 +366,21 @@ static int better_first(const void *a, const void *b) {
     return worse(*x, *y) ? 1 : (worse(*y, *x) ? -1 : 0);
 }
 
-/* the k best finite scores of n, best first, into out (its length: the number found). A
- * min-heap of the k best so far: scanning in index order, most elements fail the comparison
- * with its root, so this is about one pass over the scores. */
-static int64_t top_k(const float *scores, int64_t n, int64_t k, Pick *out) {
+/* the k best finite scores of n at or above floor_score, best first, into out (its length:
+ * the number found): a min-heap of the k best so far, scanning in index order (a tie keeps the
+ * earlier index). run_max (or NULL): each whole run of TOP_K_RUN scores' maximum; a run below
+ * the floor is skipped. */
+static int64_t heap_top_k(const float *scores, int64_t n, int64_t k, float floor_score,
+                          const float *run_max, Pick *out) {
     int64_t m = 0;
     for (int64_t i = 0; i < n; i++) {
+        if (run_max != NULL && i % TOP_K_RUN == 0 && i + TOP_K_RUN <= n
+            && run_max[i / TOP_K_RUN] < floor_score) {
+            i += TOP_K_RUN - 1; /* a run with nothing at or above the floor */
+            continue;
+        }
         const float v = scores[i];
-        if (v == -INFINITY) continue;
+        if (v == -INFINITY || v < floor_score) continue;
         const Pick p = {v, i};
         if (m < k) {
             out[m++] = p;
@@ -328,6 +392,142 @@ static int64_t top_k(const float *scores, int64_t n, int64_t k, Pick *out) {
         }
     }
     qsort(out, (size_t)m, sizeof(Pick), better_first);
+    return m;
+}
+
+/* heap_top_k over all n scores, with a floor first: the k-th best of the maxima of runs of
+ * TOP_K_RUN scores is at most the k-th best score (k runs hold a score at least that high), so
+ * no score below it is among the k best, and the heap sees only the few runs that reach it.
+ * run_max: scratch of n / TOP_K_RUN floats. */
+static int64_t top_k(const float *scores, int64_t n, int64_t k, float *run_max, Pick *out) {
+    const int64_t runs = n / TOP_K_RUN;
+    if (k == 0 || k > runs) return heap_top_k(scores, n, k, -INFINITY, NULL, out);
+    for (int64_t r = 0; r < runs; r++) { /* vectorized: each run's maximum */
+        float best = -INFINITY;
+        for (int64_t j = 0; j < TOP_K_RUN; j++) {
+            const float v = scores[r * TOP_K_RUN + j];
+            best = v > best ? v : best;
+        }
+        run_max[r] = best;
+    }
+    const int64_t found = heap_top_k(run_max, runs, k, -INFINITY, NULL, out);
+    const float floor_score = found == k ? out[k - 1].score : -INFINITY;
+    return heap_top_k(scores, n, k, floor_score, run_max, out);
+}
+
+static int ascending(const void *a, const void *b) {
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* One block-head group of kvquant_quantize_blocks: x points at its slot 0, channel 0 (slot j
+ * is row_stride floats further), ok [B] its valid slots; codes at its slot 0 (slot j is H *
+ * packed bytes further), offset / half at its channel 0. Scratch: up, down [B * D] scores
+ * (down followed by B * D / TOP_K_RUN floats for top_k), taken [B * D] zeros (left zero),
+ * picks [2 * side + 2]. Returns the m outliers: their
+ * indexes (slot * D + channel, ascending) in listed_index, their deltas in up[0 .. m). */
+static int64_t quantize_channel_group(const float *x, int64_t row_stride, const uint8_t *ok,
+                                   int64_t B, int64_t D, int64_t h, int64_t H, int64_t levels,
+                                   const float *mids, const float *codebook,
+                                   const float *thresholds, int64_t side, int64_t packed,
+                                   int64_t bits, float *up, float *down, uint8_t *taken,
+                                   Pick *picks, int64_t *listed_index, uint8_t *codes,
+                                   uint16_t *offset, uint16_t *half) {
+    const int64_t elems = B * D;
+    Pick *top = picks, *bottom = picks + side + 1;
+    #define X(j, d) x[(j) * row_stride + (d)]
+    /* slot-major passes: per-channel sums in double, then each element's score */
+    double sum[MAX_D], sq[MAX_D];
+    float mean[MAX_D], sd[MAX_D], lo_t[MAX_D], hi_t[MAX_D], span[MAX_D];
+    if (thresholds != NULL) { /* calibrated (lower, upper) [2, H, D] */
+        for (int64_t d = 0; d < D; d++) {
+            lo_t[d] = thresholds[h * D + d];
+            hi_t[d] = thresholds[(H + h) * D + d];
+            const float w = hi_t[d] - lo_t[d];
+            span[d] = w > 1e-6f ? w : 1e-6f;
+        }
+        for (int64_t j = 0; j < B; j++) {
+            const float *row = &X(j, 0);
+            for (int64_t d = 0; d < D; d++) {
+                const float v = row[d];
+                up[j * D + d] = ok[j] && v > hi_t[d] ? (v - hi_t[d]) / span[d] : -INFINITY;
+                down[j * D + d] = ok[j] && v < lo_t[d] ? (lo_t[d] - v) / span[d] : -INFINITY;
+            }
+        }
+    } else {
+        double count = 0.0;
+        for (int64_t d = 0; d < D; d++) sum[d] = sq[d] = 0.0;
+        for (int64_t j = 0; j < B; j++) {
+            if (!ok[j]) continue;
+            const float *row = &X(j, 0);
+            for (int64_t d = 0; d < D; d++) sum[d] += row[d];
+            count += 1.0;
+        }
+        count = count > 1.0 ? count : 1.0;
+        for (int64_t d = 0; d < D; d++) mean[d] = (float)(sum[d] / count);
+        for (int64_t j = 0; j < B; j++) {
+            if (!ok[j]) continue;
+            const float *row = &X(j, 0);
+            for (int64_t d = 0; d < D; d++) {
+                const double e = (double)(row[d] - mean[d]);
+                sq[d] += e * e;
+            }
+        }
+        for (int64_t d = 0; d < D; d++) sd[d] = sqrtf((float)(sq[d] / count)) + 1e-6f;
+        for (int64_t j = 0; j < B; j++) {
+            const float *row = &X(j, 0);
+            for (int64_t d = 0; d < D; d++) {
+                const float z = (row[d] - mean[d]) / sd[d];
+                up[j * D + d] = ok[j] ? z : -INFINITY;
+                down[j * D + d] = ok[j] ? -z : -INFINITY;
+            }
+        }
+    }
+    const int64_t k = side < elems ? side : elems;
+    float *run_max = down + elems;
+    const int64_t n_top = side ? top_k(up, elems, k, run_max, top) : 0;
+    const int64_t n_bottom = side ? top_k(down, elems, k, run_max, bottom) : 0;
+    int64_t m = 0; /* the marked elements: picked by either end, listed once */
+    for (int64_t j = 0; j < n_top; j++) taken[listed_index[m++] = top[j].index] = 1;
+    for (int64_t j = 0; j < n_bottom; j++)
+        if (!taken[bottom[j].index]) taken[listed_index[m++] = bottom[j].index] = 1;
+    float lo[MAX_D], hi[MAX_D], off[MAX_D], hrs[MAX_D], denom[MAX_D];
+    for (int64_t d = 0; d < D; d++) lo[d] = INFINITY, hi[d] = -INFINITY;
+    for (int64_t j = 0; j < B; j++) {
+        if (!ok[j]) continue;
+        const float *row = &X(j, 0);
+        const uint8_t *out = taken + j * D;
+        for (int64_t d = 0; d < D; d++) {
+            const float v = out[d] ? INFINITY : row[d], w = out[d] ? -INFINITY : row[d];
+            lo[d] = v < lo[d] ? v : lo[d];
+            hi[d] = w > hi[d] ? w : hi[d];
+        }
+    }
+    for (int64_t j = 0; j < m; j++) taken[listed_index[j]] = 0; /* zeros for the next group */
+    for (int64_t d = 0; d < D; d++) {
+        if (isinf(lo[d])) lo[d] = hi[d] = 0.0f;
+        uint16_t ob, hb;
+        off[d] = fp16_clamped((hi[d] + lo[d]) / 2.0f, &ob);
+        const float hr = fp16_clamped((hi[d] - lo[d]) / 2.0f, &hb);
+        hrs[d] = hr;
+        denom[d] = hr > FLT_MIN ? hr : FLT_MIN;
+        offset[d] = ob;
+        half[d] = hb;
+    }
+    uint8_t c[MAX_D];
+    for (int64_t j = 0; j < B; j++) {
+        encode_row(&X(j, 0), off, denom, 1, D, levels, mids, c);
+        pack_codes(c, D, bits, codes + j * H * packed);
+    }
+    /* the list in index order (slot-major), each entry's delta to its dense decoding */
+    qsort(listed_index, (size_t)m, sizeof(int64_t), ascending);
+    for (int64_t j = 0; j < m; j++) {
+        const int64_t e = listed_index[j], d = e % D;
+        const float v = X(e / D, d);
+        const uint8_t code = encode(v, off[d], denom[d], levels, mids);
+        up[j] = v - dense_value(code, off[d], hrs[d], levels, codebook); /* scores spent */
+    }
+    #undef X
     return m;
 }
 
@@ -344,126 +544,31 @@ int kvquant_quantize_blocks(const float *x, const uint8_t *valid, const int64_t 
     float mids[255];
     const float *book = midpoints(codebook, levels, mids);
     int failed = 0;
-    #pragma omp parallel for schedule(dynamic) reduction(| : failed)
-    for (int64_t bh = 0; bh < n * H; bh++) {
-        const int64_t b = bh / H, h = bh % H, blk = block_ids[b];
-        const uint8_t *ok = valid + b * B;
-        /* up / down scores [B * D] (slot-major: index j * D + d), the outlier mark, picks */
-        float *up = malloc((size_t)elems * 2 * sizeof(float));
+    #pragma omp parallel reduction(| : failed)
+    {
+        /* each thread's scratch, reused by its groups */
+        float *up = malloc((size_t)(elems * 2 + elems / TOP_K_RUN) * sizeof(float));
         uint8_t *taken = calloc((size_t)elems, 1);
-        Pick *top = malloc((size_t)(side + 1) * 2 * sizeof(Pick));
-        if (up == NULL || taken == NULL || top == NULL) {
-            free(up), free(taken), free(top);
-            failed = 1;
-            continue;
-        }
-        float *down = up + elems;
-        Pick *bottom = top + side + 1;
-        #define X(j, d) x[(((b * B) + (j)) * H + h) * D + (d)]
-        /* slot-major passes (row j of the block is H * D floats from the next): per-channel
-         * sums in double, then each element's score */
-        double sum[MAX_D], sq[MAX_D];
-        float mean[MAX_D], sd[MAX_D], lo_t[MAX_D], hi_t[MAX_D], span[MAX_D];
-        if (thresholds != NULL) { /* calibrated (lower, upper) [2, H, D] */
-            for (int64_t d = 0; d < D; d++) {
-                lo_t[d] = thresholds[h * D + d];
-                hi_t[d] = thresholds[(H + h) * D + d];
-                const float w = hi_t[d] - lo_t[d];
-                span[d] = w > 1e-6f ? w : 1e-6f;
-            }
-            for (int64_t j = 0; j < B; j++) {
-                const float *row = &X(j, 0);
-                for (int64_t d = 0; d < D; d++) {
-                    const float v = row[d];
-                    up[j * D + d] = ok[j] && v > hi_t[d] ? (v - hi_t[d]) / span[d] : -INFINITY;
-                    down[j * D + d] = ok[j] && v < lo_t[d] ? (lo_t[d] - v) / span[d] : -INFINITY;
-                }
-            }
-        } else {
-            double count = 0.0;
-            for (int64_t d = 0; d < D; d++) sum[d] = sq[d] = 0.0;
-            for (int64_t j = 0; j < B; j++) {
-                if (!ok[j]) continue;
-                const float *row = &X(j, 0);
-                for (int64_t d = 0; d < D; d++) sum[d] += row[d];
-                count += 1.0;
-            }
-            count = count > 1.0 ? count : 1.0;
-            for (int64_t d = 0; d < D; d++) mean[d] = (float)(sum[d] / count);
-            for (int64_t j = 0; j < B; j++) {
-                if (!ok[j]) continue;
-                const float *row = &X(j, 0);
-                for (int64_t d = 0; d < D; d++) {
-                    const double e = (double)(row[d] - mean[d]);
-                    sq[d] += e * e;
-                }
-            }
-            for (int64_t d = 0; d < D; d++) sd[d] = sqrtf((float)(sq[d] / count)) + 1e-6f;
-            for (int64_t j = 0; j < B; j++) {
-                const float *row = &X(j, 0);
-                for (int64_t d = 0; d < D; d++) {
-                    const float z = (row[d] - mean[d]) / sd[d];
-                    up[j * D + d] = ok[j] ? z : -INFINITY;
-                    down[j * D + d] = ok[j] ? -z : -INFINITY;
-                }
+        Pick *picks = malloc((size_t)(side + 1) * 2 * sizeof(Pick));
+        int64_t *listed = malloc((size_t)(2 * side + 1) * sizeof(int64_t));
+        const int ready = up != NULL && taken != NULL && picks != NULL && listed != NULL;
+        failed |= !ready;
+        #pragma omp for schedule(dynamic)
+        for (int64_t bh = 0; bh < n * H; bh++) {
+            if (!ready) continue;
+            const int64_t b = bh / H, h = bh % H, blk = block_ids[b];
+            const int64_t m = quantize_channel_group(
+                x + (b * B * H + h) * D, H * D, valid + b * B, B, D, h, H, levels, book,
+                codebook, thresholds, side, packed, bits, up, up + elems, taken, picks, listed,
+                codes + (blk * B * H + h) * packed, offset + (blk * H + h) * D,
+                half + (blk * H + h) * D);
+            const int64_t g = (blk * H + h) * cap; /* its list: unused entries last */
+            for (int64_t j = 0; j < cap; j++) {
+                store_index(oidx, g + j, j < m ? listed[j] : -1, idx_bytes);
+                store_sparse(oval, g + j, j < m ? up[j] : 0.0f, sparse_kind);
             }
         }
-        const int64_t k = side < elems ? side : elems;
-        const int64_t n_top = side ? top_k(up, elems, k, top) : 0;
-        const int64_t n_bottom = side ? top_k(down, elems, k, bottom) : 0;
-        for (int64_t j = 0; j < n_top; j++) taken[top[j].index] = 1;
-        for (int64_t j = 0; j < n_bottom; j++) { /* listed once: picked by both ends */
-            if (taken[bottom[j].index]) bottom[j].index = -1;
-            else taken[bottom[j].index] = 2;
-        }
-        float lo[MAX_D], hi[MAX_D], off[MAX_D], hrs[MAX_D], denom[MAX_D];
-        float *delta = up;  /* the scores are spent: each outlier's delta, at its index */
-        for (int64_t d = 0; d < D; d++) lo[d] = INFINITY, hi[d] = -INFINITY;
-        for (int64_t j = 0; j < B; j++) {
-            if (!ok[j]) continue;
-            const float *row = &X(j, 0);
-            const uint8_t *out = taken + j * D;
-            for (int64_t d = 0; d < D; d++) {
-                const float v = out[d] ? INFINITY : row[d], w = out[d] ? -INFINITY : row[d];
-                lo[d] = v < lo[d] ? v : lo[d];
-                hi[d] = w > hi[d] ? w : hi[d];
-            }
-        }
-        for (int64_t d = 0; d < D; d++) {
-            if (isinf(lo[d])) lo[d] = hi[d] = 0.0f;
-            uint16_t ob, hb;
-            off[d] = fp16_clamped((hi[d] + lo[d]) / 2.0f, &ob);
-            const float hr = fp16_clamped((hi[d] - lo[d]) / 2.0f, &hb);
-            hrs[d] = hr;
-            denom[d] = hr > FLT_MIN ? hr : FLT_MIN;
-            offset[(blk * H + h) * D + d] = ob;
-            half[(blk * H + h) * D + d] = hb;
-        }
-        uint8_t c[MAX_D];
-        for (int64_t j = 0; j < B; j++) {
-            const float *row = &X(j, 0);
-            for (int64_t d = 0; d < D; d++) c[d] = encode(row[d], off[d], denom[d], levels, book);
-            pack_codes(c, D, bits, codes + ((blk * B + j) * H + h) * packed);
-            for (int64_t d = 0; d < D; d++)
-                if (taken[j * D + d])
-                    delta[j * D + d] = row[d] - dense_value(c[d], off[d], hrs[d], levels,
-                                                            codebook);
-        }
-        /* the list in index order (the marked elements, slot-major), unused entries last */
-        const int64_t g = (blk * H + h) * cap;
-        int64_t listed = 0;
-        for (int64_t e = 0; e < elems && listed < cap; e++) {
-            if (!taken[e]) continue;
-            store_index(oidx, g + listed, e, idx_bytes);
-            store_sparse(oval, g + listed, delta[e], sparse_kind);
-            listed++;
-        }
-        for (; listed < cap; listed++) {
-            store_index(oidx, g + listed, -1, idx_bytes);
-            store_sparse(oval, g + listed, 0.0f, sparse_kind);
-        }
-        #undef X
-        free(up), free(taken), free(top);
+        free(up), free(taken), free(picks), free(listed);
     }
     return failed ? 2 : 0;
 }
