@@ -53,6 +53,7 @@ class RequestOutput:
     kv_blocks_at_finish: int = 0  # KV blocks the request held when it finished
     kv_slots_at_finish: int = 0  # cached token slots then (< logical tokens after eviction)
     logical_tokens_at_finish: int = 0  # tokens whose K/V were computed (cached or evicted)
+    error: str | None = None  # why the engine aborted it (finish_reason "abort"), if it failed
 
     @property
     def text(self) -> str:

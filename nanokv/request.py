@@ -50,6 +50,7 @@ class Request:
         self.cache_salt = cache_salt
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        self.error: str | None = None  # why the engine aborted it, when it failed
 
         self.num_computed_tokens = 0
         self.num_evicted_tokens = 0

@@ -236,10 +236,15 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self.policies.relieve_pressure(self.scheduler.running, self.scheduler.blocks_to_admit)
+        running = list(self.scheduler.running)
+        try:
+            self.policies.relieve_pressure(running, self.scheduler.blocks_to_admit)
+            failed = []
+        except Exception as e:  # noqa: BLE001 - the requests it was evicting from fail, not all
+            failed = self._fail(self.policies.pressure_candidates(running), e)
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            return [self._output(request, []) for request in failed]
         try:
             runner_out = self.runner.execute(sched)
         except Exception:
@@ -256,8 +261,9 @@ class LLMEngine:
         stepped = [self.scheduler.requests[s.request_id] for s in sched.scheduled
                    if s.request_id in self.scheduler.requests]
         progressed = self.scheduler.update_from_output(sched, runner_out)
-        self.policies.after_step(stepped)
-        outputs = []
+        for request, error in self.policies.after_step(stepped):
+            self._fail([request], error)  # finished: its output below says so
+        outputs = [self._output(request, []) for request in failed]
         for request in progressed:
             stop = update_text(request, self.tokenizer)
             if stop is not None and not request.is_finished:
@@ -268,6 +274,17 @@ class LLMEngine:
             outputs.append(self._output(request, new,
                                         [logprobs] if logprobs is not None and new else None))
         return outputs
+
+    def _fail(self, requests: list[Request], error: Exception) -> list[Request]:
+        """Abort requests a KV policy failed on (their caches may be half compacted: the blocks
+        are freed and their hashes forgotten); each output carries the error. The engine goes
+        on with the others."""
+        failed = [r for r in requests if not r.is_finished]
+        for request in failed:
+            logger.error("KV policy failed on request %s", request.request_id, exc_info=error)
+            request.error = f"KV policy failed: {type(error).__name__}: {error}"
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED, drop_cache=True)
+        return failed
 
     def _output(self, request: Request, new_token_ids: list[int],
                 new_logprobs: list | None = None) -> RequestOutput:
@@ -283,7 +300,8 @@ class LLMEngine:
             prompt_logits=_prompt_logits(request) if finished else None,
             kv_blocks_at_finish=request.final_kv_blocks,
             kv_slots_at_finish=request.final_kv_slots,
-            logical_tokens_at_finish=request.num_computed_tokens if finished else 0)
+            logical_tokens_at_finish=request.num_computed_tokens if finished else 0,
+            error=request.error)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do in one process); idempotent."""

@@ -111,19 +111,26 @@ class PolicyRunner:
             if request is not None:
                 request.captured_queries.append(per_layer)
 
-    def after_step(self, requests: list[Request]) -> None:
-        """Apply each scheduled request's policy once its step's K/V are written."""
+    def after_step(self, requests: list[Request]) -> list[tuple[Request, Exception]]:
+        """Apply each scheduled request's policy once its step's K/V are written. A request
+        whose policy raises is returned with its error (its cache may be half compacted: the
+        engine aborts it); the others go on."""
         t0 = time.perf_counter()
+        failures = []
         for request in requests:
             policy = request.kv_policy
             if policy is None or request.is_finished:
                 continue
-            if not request.compressed:
-                if request.num_computed_tokens >= request.compress_point:
-                    self.compress(request)
-            elif request.kv_budget is not None:
-                self._decode_evict(request, policy)
+            try:
+                if not request.compressed:
+                    if request.num_computed_tokens >= request.compress_point:
+                        self.compress(request)
+                elif request.kv_budget is not None:
+                    self._decode_evict(request, policy)
+            except Exception as e:  # noqa: BLE001 - one request's failure is its own
+                failures.append((request, e))
         self.stats.seconds += time.perf_counter() - t0
+        return failures
 
     def compress(self, request: Request) -> None:
         """Cut the request's cache to its budget (once, at its compression point)."""
@@ -285,6 +292,12 @@ class PolicyRunner:
         self.block_manager.free_blocks_at(request, indices)
 
     # ---- pool pressure -------------------------------------------------------------------------
+    @staticmethod
+    def pressure_candidates(running: list[Request]) -> list[Request]:
+        """The running requests whose blocks pool pressure may evict."""
+        return [r for r in running if r.kv_policy is not None and r.compressed
+                and r.kv_budget is None and r.kv_policy.pool_pressure]
+
     def relieve_pressure(self, running: list[Request],
                          blocks_to_admit: Callable[[], int] | None = None) -> int:
         """Pool-pressure mode: free the least important blocks across running requests while
@@ -292,8 +305,7 @@ class PolicyRunner:
         are free (`blocks_to_admit()`, asked only when there are candidates; only when they can
         free that many). Returns the number of blocks freed."""
         bm = self.block_manager
-        candidates = [r for r in running if r.kv_policy is not None and r.compressed
-                      and r.kv_budget is None and r.kv_policy.pool_pressure]
+        candidates = self.pressure_candidates(running)
         if not candidates:
             return 0
         policy = candidates[0].kv_policy

@@ -21,6 +21,9 @@ K_rep = floor(r K); block importance = mean of the base's (head-averaged) token 
 signature: "majority" (bit h = 1 if more than half of the block's tokens have bit h) or
 "token_bits" (OpenVINO: B bits, bit s = 1 if the block's token s is in the top half of the middle
 tokens by head-averaged score). The selection keeps K blocks = (K - 1) B + p <= C slots.
+A budget must hold, for every prompt length, the newest block and the blocks of the protected
+slots inside the K - K_rep important blocks (`min_budget` is the smallest that does; a budget
+from compression_ratio is raised to the next one that does).
 """
 
 from __future__ import annotations
@@ -122,6 +125,14 @@ class KVCrush(KVPolicy):
         self.signature_heads = signature_heads
         self.block_granular = block_granular
         self.block_signature = block_signature
+        self._block_min_budget = self._smallest_block_budget() if block_granular else None
+        if block_granular and budget is not None and not self._blocks_fit(budget):
+            raise ValueError(
+                f"block_granular kvcrush keeps whole blocks of {block_size}: budget {budget} "
+                f"cannot hold the newest block and the blocks of the base's protected slots "
+                f"within the {1 - kvcrush_ratio:g} share left after the representatives, for "
+                f"every prompt length; allowed: a budget that can (the smallest is "
+                f"{self._block_min_budget}), or a lower kvcrush_ratio or base window / sinks")
         self._check_budget_option()
         if budget is not None:  # the base's protected slots must fit in the important share
             probe = budget + self.base.min_budget + 1  # any sequence longer than the budget
@@ -138,7 +149,51 @@ class KVCrush(KVPolicy):
 
     @property
     def min_budget(self) -> int:
+        if self._block_min_budget is not None:
+            return self._block_min_budget
         return math.ceil(self.base.min_budget / (1 - self.kvcrush_ratio))
+
+    def resolve_budget(self, num_tokens: int) -> int:
+        c = super().resolve_budget(num_tokens)
+        while self.block_granular and c < num_tokens and not self._blocks_fit(c):
+            c += 1  # a ratio's budget, raised to one that holds the protected blocks
+        return c
+
+    def _blocks_fit(self, budget: int) -> bool:
+        """Can the block variant keep `budget` slots for every prompt length longer than it?
+        For each size p of the newest block: K = (budget - p) // B + 1 blocks fit, and the
+        newest block plus every block holding a protected slot must be among the K - floor(r K)
+        important ones. The base's protected slots are sinks at the start and slots counted
+        from the end (`edge_mask`): most blocks at a prompt long enough to keep them apart."""
+        bs = self.block_size
+        if budget < bs:  # a full newest block
+            return False
+        full = (2 * cdiv(budget, bs) + 2) * bs  # a prompt of whole blocks, longer than 2 budgets
+        protected = torch.nonzero(self.base.protected_mask(full, budget)).squeeze(1).tolist()
+        head_blocks = len({q // bs for q in protected if q < full // 2})
+        from_end = {full - q for q in protected if q >= full // 2} | {1}  # 1: the newest slot
+        span = max(from_end)
+        contiguous = len(from_end) == span  # a window of the last `span` slots
+        for p in range(1, bs + 1):  # slots in the newest block
+            n = full + p
+            if contiguous:
+                tail_blocks = (n - 1) // bs - (n - span) // bs + 1
+            else:
+                tail_blocks = len({(n - o) // bs for o in from_end})
+            blocks = (budget - p) // bs + 1
+            if blocks - math.floor(self.kvcrush_ratio * blocks) < head_blocks + tail_blocks:
+                return False
+        return True
+
+    def _smallest_block_budget(self) -> int:
+        start = max(math.ceil(self.base.min_budget / (1 - self.kvcrush_ratio)), self.block_size)
+        for budget in range(start, start + 64 * self.block_size):
+            if self._blocks_fit(budget):
+                return budget
+        raise ValueError(f"block_granular kvcrush: the base's protected slots grow with the "
+                         f"budget as fast as the {1 - self.kvcrush_ratio:g} share left after the "
+                         f"representatives (blocks of {self.block_size}); lower kvcrush_ratio or "
+                         f"the base's recent share")
 
     def layer_budgets(self, num_tokens: int, num_layers: int) -> list[int]:
         return self.base.layer_budgets(num_tokens, num_layers)

@@ -111,6 +111,10 @@ class KVQuantConfig:
             if books is not None:
                 setattr(self, name, tuple(None if b is None else tuple(float(c) for c in b)
                                           for b in books))
+                for layer, book in enumerate(getattr(self, name)):
+                    if book is not None and not all(math.isfinite(c) for c in book):
+                        raise ValueError(f"{name}[{layer}] must hold finite centroids in "
+                                         f"[-1, 1], got {book!r}")
         if self.key_outlier_thresholds is not None:
             t = torch.as_tensor(self.key_outlier_thresholds, dtype=torch.float32)
             if t.dim() != 4 or t.shape[1] != 2 or not bool((t[:, 0] <= t[:, 1]).all()):

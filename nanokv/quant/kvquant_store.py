@@ -60,6 +60,7 @@ from nanokv.transfer import upload_parts
 
 logger = logging.getLogger("nanokv")
 _PARTS = ("codes", "offset", "half", "oidx", "oval")  # a layer's buffers of one kind
+STAGING_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # partial blocks' keys
 
 
 @dataclass
@@ -97,6 +98,9 @@ class KVQuantStore(QuantizedKVStore):
                 or num_staging_blocks < (1 if staged else 0)):
             raise ValueError(f"num_staging_blocks must be an integer >= 1 (0 allowed without "
                              f"per-channel keys), got {num_staging_blocks!r}")
+        if staging_dtype is not None and staging_dtype not in STAGING_DTYPES:
+            raise ValueError(f"staging_dtype must be one of {list(STAGING_DTYPES)} (or None: "
+                             f"the layout's dtype), got {staging_dtype!r}")
         config.validate_for(layout.num_layers, layout.num_kv_heads, layout.head_dim,
                             layout.block_size)
         super().__init__(layout, num_blocks, device, config.pre_rope_keys, slot_positions)

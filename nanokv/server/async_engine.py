@@ -314,6 +314,10 @@ class AsyncLLMEngine:
                 peak_kv_bytes=request.peak_blocks * self.bytes_per_block))
             if self.trace is not None:
                 self.trace.record(request, "/".join(stream.request_class))
+        if out.error is not None:  # the engine aborted it (a KV policy failed on it)
+            stream._put(RuntimeError(f"the engine failed while running this request: "
+                                     f"{out.error}"))
+            return
         stream._put(out)
 
     def _fail_dropped(self, error: Exception, it: IterationStats) -> None:

@@ -95,6 +95,50 @@ def test_admission_is_bounded_and_idle_loop_sleeps(llm):
     asyncio.run(after_shutdown())
 
 
+def test_a_kv_policy_failure_fails_its_stream_only(llm, monkeypatch):
+    """A KV policy raising on one request: its reader gets the error, the other stream gets
+    every token, the loop keeps serving, nothing stays allocated."""
+    from nanokv.engine.policy_runner import PolicyRunner
+    from nanokv.policies.base import PolicyConfig
+
+    original = PolicyRunner.compress
+
+    def compress(self, request):
+        if request.request_id == "bad":
+            raise ValueError("simulated policy failure")
+        return original(self, request)
+
+    monkeypatch.setattr(PolicyRunner, "compress", compress)
+    engine = llm.engine
+    policy = PolicyConfig("snapkv", budget=40)
+    prompt = list(range(3, 63))
+    expected = llm.generate_requests([engine.make_request(prompt, GREEDY, kv_policy=policy)],
+                                     use_tqdm=False)[0].token_ids
+    a = AsyncLLMEngine(engine, max_waiting=4)
+    a.start()
+    try:
+        async def read(request):
+            ids = []
+            async with a.open(request) as stream:
+                async for out in stream:
+                    ids += out.new_token_ids
+            return ids
+
+        async def run():
+            bad = engine.make_request(prompt, GREEDY, kv_policy=policy, request_id="bad")
+            good = engine.make_request(prompt, GREEDY, kv_policy=policy, request_id="good")
+            return await asyncio.gather(read(bad), read(good), return_exceptions=True)
+
+        bad, good = asyncio.run(run())
+        assert isinstance(bad, RuntimeError) and "simulated policy failure" in str(bad)
+        assert good == expected
+        assert asyncio.run(read(engine.make_request(prompt, GREEDY))) == \
+            llm.generate([prompt], GREEDY)[0].token_ids
+    finally:
+        a.shutdown()
+    assert idle_and_consistent(engine)
+
+
 def test_server_side_timeout_aborts(tiny_llama):
     server = start_in_process(tiny_llama, step_delay=0.01, num_kv_blocks=64,
                               settings=dict(request_timeout=0.3))

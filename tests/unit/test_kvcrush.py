@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from nanokv.policies import LayerKV, make_policy, validate_kept, window_attention
+from nanokv.policies.knorm import KeyNorm
 from nanokv.policies.kvcrush import (hamming_to_anchor, make_anchor, pick_representatives,
                                      top_half_bits)
 
@@ -173,6 +174,69 @@ def test_block_variant_keeps_the_partial_newest_block_and_fits_the_budget():
                     base_options={"per_head": True})
     with pytest.raises(ValueError, match="block_size"):
         make_policy("kvcrush", budget=6, block_granular=True)
+
+
+@pytest.mark.parametrize("bs,base,base_options,ratio", [
+    (4, "knorm", {"n_sink": 1}, 0.25),
+    (4, "snapkv", {"window": 3}, 0.25),
+    (8, "snapkv", {"window": 8, "n_sink": 2}, 0.5),
+    (4, "h2o", {"recent_fraction": 0.25}, 0.25),
+    (16, "snapkv", {"window": 8}, 0.25),
+    (4, "gapped", {}, 0.25),
+])
+def test_block_variant_budgets_brute_force(bs, base, base_options, ratio, monkeypatch):
+    """Every budget the block variant accepts selects for every longer prompt (brute force over
+    prompt lengths); every one it refuses fails for some prompt length or is below the block
+    size; min_budget is the smallest accepted; a ratio's budget is raised to one that selects.
+    "gapped": a base whose protected slots from the end are not one window (the sink, the
+    newest slot and the one 6 slots back)."""
+    if base == "gapped":
+        def gapped(self, n, budget):
+            mask = torch.zeros(n, dtype=torch.bool)
+            mask[[0, n - 1, n - 6]] = True
+            return mask
+
+        monkeypatch.setattr(KeyNorm, "protected_mask", gapped)
+        base = "knorm"
+    def make(**kw):
+        return make_policy("kvcrush", block_size=bs, block_granular=True, base=base,
+                           base_options=dict(base_options), kvcrush_ratio=ratio, anchor="mean",
+                           **kw)
+
+    def layer_kv(n, policy):
+        window = min(policy.observation_window or n, n)  # the queries the runner would pass
+        return LayerKV(torch.randn(n, 1, 4, generator=gen), torch.randn(n, 1, 4, generator=gen),
+                       attention=torch.rand(2, window, n, generator=gen))
+
+    def selects_always(budget, policy):
+        for n in range(budget + 1, budget + 4 * bs + 12):
+            kv = layer_kv(n, policy)
+            try:
+                kept = policy._select_blocks(kv, budget)  # the selection itself, no pre-checks
+            except ValueError:
+                return False
+            validate_kept(kept, n, budget)
+        return True
+
+    gen = torch.Generator().manual_seed(bs)
+    accepted = []
+    for budget in range(1, 8 * bs):
+        try:
+            policy = make(budget=budget)
+        except ValueError as e:
+            assert "block" in str(e) or "budget" in str(e)
+            probe = make(budget=None, compression_ratio=0.5)
+            assert budget < bs or not selects_always(budget, probe), budget
+            continue
+        assert selects_always(budget, policy), budget
+        accepted.append(budget)
+    assert accepted and make(compression_ratio=0.5).min_budget == accepted[0]
+    ratio_policy = make(compression_ratio=0.9)
+    for n in range(1, 6 * bs):
+        budget = ratio_policy.resolve_budget(n)
+        assert budget >= min(n, accepted[0])
+        if budget < n:
+            validate_kept(ratio_policy.select(layer_kv(n, ratio_policy), budget), n, budget)
 
 
 # ---- against a loop reference on random attention -----------------------------------------------

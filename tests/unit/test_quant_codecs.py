@@ -194,6 +194,8 @@ def test_fisher_weights_steer_the_centroids():
     ({"sparse_dtype": "int8"}, "sparse_dtype"), ({"per_channel_keys": 1}, "per_channel_keys"),
     ({"per_channel_keys": False, "key_outlier_thresholds": torch.zeros(1, 2, 1, 4)},
      "per_channel"),
+    ({"bits": 2, "key_codebooks": ((-1.0, float("nan"), 0.5, 1.0),)}, "finite centroids"),
+    ({"bits": 2, "value_codebooks": (None, (float("-inf"), 0.0, 0.5, 1.0))}, "finite"),
 ])
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -229,6 +229,9 @@ def test_registry_validation():
         make_kv_store("kvquant", layout(), 2)
     with pytest.raises(ValueError, match="only applies"):
         make_kv_store("int8", layout(), 2, kvquant_config=KVQuantConfig())
+    for bad in (torch.int8, "float16"):  # partial blocks' keys are kept in a float dtype
+        with pytest.raises(ValueError, match="staging_dtype must be one of"):
+            make_kv_store("kvquant", layout(), 2, num_staging_blocks=1, staging_dtype=bad)
     assert make_kv_store("auto", layout(), 2) is None
     a = make_kv_store("kvquant", layout(), 2, num_staging_blocks=1)
     b = make_kv_store("kvquant", layout(), 2, num_staging_blocks=1,
