@@ -40,6 +40,8 @@ def run(args, slide: str) -> list[float]:
     options = KVCacheOptions(args.kv_cache_dtype, max_num_seqs=1, kv_quant_bits=args.bits)
     # (the registry refuses --bits for a kind without bit widths, naming the kinds that have them)
     kind, settings = kv_cache_settings(options, layout)
+    if args.kvquant_sinks is not None:  # KVQuant's full-precision first positions
+        settings["config"] = settings["config"].replace(num_sink_tokens=args.kvquant_sinks)
     max_pos = args.prompt + (args.slides + 1) * bs
     rotary = RotaryEmbedding(_RopeConfig(), dim, max_pos)
     rotary.build_tables(torch.device("cpu"))
@@ -104,7 +106,8 @@ def run(args, slide: str) -> list[float]:
         k, _ = store.read(0, table, len(held), rope)  # [n, Hkv, D]
         ref = torch.stack([true_keys[p] for p in held])
         err = (k - ref).abs().amax(dim=(1, 2)) / ref.abs().max()  # [n] per slot
-        errors.append((round(float(err[:bs].max()), 4), round(float(err[bs:].max()), 4)))
+        errors.append((round(float(err[:bs].max()), 4), round(float(err[bs:].max()), 4),
+                       round(float(err[:args.n_sink].max()), 4) if args.n_sink else 0.0))
     return errors
 
 
@@ -122,15 +125,24 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kvquant-sinks", type=int, default=None,
+                    help="KVQuant's num_sink_tokens, the first positions kept at full precision "
+                         "(default: the store's, 1)")
     args = ap.parse_args(argv)
     if args.prompt <= args.budget:
         ap.error(f"--prompt ({args.prompt}) must exceed --budget ({args.budget})")
+    if args.kvquant_sinks is not None and (args.kv_cache_dtype != "kvquant"
+                                           or not 0 <= args.kvquant_sinks <= args.block_size):
+        ap.error(f"--kvquant-sinks needs --kv-cache-dtype kvquant and a value in [0, "
+                 f"--block-size ({args.block_size})]")
     for slide in ("token", "block"):
         errors = run(args, slide)
         print(json.dumps({"kv_cache_dtype": args.kv_cache_dtype, "bits": args.bits,
                           "slide": slide, "budget": args.budget, "n_sink": args.n_sink,
+                          "kvquant_sinks": args.kvquant_sinks,
                           "sinks_block_error": [e[0] for e in errors],
-                          "other_blocks_error": [e[1] for e in errors]}))
+                          "other_blocks_error": [e[1] for e in errors],
+                          "sinks_error": [e[2] for e in errors]}))
     return 0
 
 

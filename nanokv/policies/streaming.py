@@ -3,11 +3,13 @@ recent ones, `budget` in all. Position only: no scores, no attention.
 
 While decoding, the window slides one block each time the newest block fills (and the cache
 would keep >= budget after losing a block), in one of two ways (option `slide`):
-  "token" (default)  reselect and compact: exactly n_sink sinks and the newest tokens, but every
-                     kept token after the sinks moves, so a quantized cache re-writes (and
-                     rounds again) the whole window at each slide: with per-channel block
-                     statistics (KVQuant, KIVI) the error grows slide after slide
-                     (docs/results/policies/compaction_memory.md)
+  "token" (default)  reselect and compact: exactly n_sink sinks and the newest tokens. Every
+                     kept token after the sinks moves by one block: the blocks after the
+                     sinks' block are copied whole (exact), but a quantized cache re-writes,
+                     and rounds again, the sinks' block at each slide. With per-channel block
+                     statistics (KVQuant, KIVI) its sinks' error grows slide after slide
+                     (docs/results/policies/compaction_memory.md), unless the cache keeps them
+                     at full precision (KVQuant's num_sink_tokens >= n_sink)
   "block"            free the oldest block after the sink blocks, in place: nothing moves or is
                      rounded again, for any cache; the blocks holding the sinks stay whole (up
                      to B - 1 more old tokens than n_sink, kept for good)

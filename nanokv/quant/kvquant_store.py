@@ -109,6 +109,7 @@ class KVQuantStore(QuantizedKVStore):
         self.num_staging_blocks = num_staging_blocks if staged else 0
         self.staging_dtype = staging_dtype or layout.dtype
         self.num_sinks = config.num_sink_tokens
+        self._warned_sinks: set[tuple[str, int]] = set()  # (policy, n_sink) warned about
         self.codecs = [LayerCodec.from_config(config, layer, self.device)
                        for layer in range(layout.num_layers)]
         self._allocate(self.buffer_specs())
@@ -394,6 +395,19 @@ class KVQuantStore(QuantizedKVStore):
                 dst = dst.view(-1, *dst.shape[2:])
                 value = value.reshape(value.shape[0], *dst.shape[1:])
             dst.index_copy_(0, index, value.to(dst.dtype))
+
+    def check_policy(self, policy) -> None:
+        super().check_policy(policy)
+        n_sink = getattr(policy, "n_sink", 0)
+        if policy.decode_mode == "reselect" and n_sink > self.num_sinks \
+                and (policy.name, n_sink) not in self._warned_sinks:
+            self._warned_sinks.add((policy.name, n_sink))
+            logger.warning(
+                "kv_policy %r re-selects while decoding and keeps its first %d tokens, but "
+                "KVQuant keeps only the first %d at full precision: the others are rounded again "
+                "at every re-selection and their error grows. Set num_sink_tokens >= %d in the "
+                "KVQuant settings (kv_quant_config)%s.", policy.name, n_sink, self.num_sinks,
+                n_sink, " or slide='block'" if policy.name == "streaming" else "")
 
     def release(self, block_ids: Sequence[int]) -> None:
         dropped = self.staging.release(block_ids)

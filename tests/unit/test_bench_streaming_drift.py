@@ -26,6 +26,24 @@ def test_reports_both_slides(capsys, kind):
                 assert max(errors) < 0.02
 
 
+def test_full_precision_sinks_do_not_drift(capsys):
+    """KVQuant keeping StreamingLLM's sinks at full precision (num_sink_tokens >= n_sink): the
+    token slide re-writes the sinks' block at every slide, yet the sinks keep their one fp16
+    rounding (the sink rows' dtype); with one full-precision sink the other three are rounded
+    again at every slide."""
+    for sinks in ("4", "1"):
+        bench_streaming_drift.main(["--kv-cache-dtype", "kvquant", "--bits", "4", "--prompt",
+                                    "70", "--budget", "48", "--slides", "6", "--kvquant-sinks",
+                                    sinks])
+    rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    full, one = rows[0], rows[2]  # the token slides
+    assert full["slide"] == one["slide"] == "token"
+    assert len(set(full["sinks_error"])) == 1 and full["sinks_error"][0] < 1e-3
+    assert min(one["sinks_error"]) > 0.01
+
+
 def test_refuses_a_prompt_within_the_budget():
     with pytest.raises(SystemExit):
         bench_streaming_drift.main(["--prompt", "40", "--budget", "40"])
+    with pytest.raises(SystemExit):
+        bench_streaming_drift.main(["--kv-cache-dtype", "int8", "--kvquant-sinks", "4"])

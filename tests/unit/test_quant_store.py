@@ -369,3 +369,30 @@ def test_copy_blocks_with_codebooks(kind):
         k_dst, v_dst = store.read(layer, free, 32, store.rope)
         assert torch.equal(k_src, k_dst) and torch.equal(v_src, v_dst)
     assert all(torch.equal(store.buffers[name], b) for name, b in books.items())
+
+
+def test_reselecting_policy_with_more_sinks_than_kvquant_keeps_warns_once(caplog):
+    """A policy that re-selects while decoding and keeps more first tokens than KVQuant holds at
+    full precision: a warning naming the fix, once per (policy, n_sink); none where KVQuant
+    keeps them all or the policy never re-selects."""
+    from nanokv.policies.base import PolicyConfig
+
+    def policy(name, **options):
+        return PolicyConfig(name, 64, options=options).build(block_size=16)
+
+    store = make_kv_store("kvquant", layout(), 8, num_staging_blocks=1)  # 1 sink
+    with caplog.at_level("WARNING", logger="nanokv"):
+        store.check_policy(policy("streaming", n_sink=4))
+        store.check_policy(policy("streaming", n_sink=4))
+        store.check_policy(policy("streaming", n_sink=4, slide="block"))
+        store.check_policy(policy("streaming", n_sink=1))
+        store.check_policy(policy("snapkv", n_sink=4))  # compacts once
+    assert len(caplog.records) == 1
+    assert "num_sink_tokens >= 4" in caplog.text and "slide='block'" in caplog.text
+    caplog.clear()
+    four = make_kv_store("kvquant", layout(), 8, num_staging_blocks=1,
+                         kvquant_config=KVQuantConfig(num_sink_tokens=4))
+    with caplog.at_level("WARNING", logger="nanokv"):
+        four.check_policy(policy("streaming", n_sink=4))
+        store.check_policy(policy("h2o", n_sink=2))
+    assert len(caplog.records) == 1 and "'h2o'" in caplog.text and "slide" not in caplog.text
