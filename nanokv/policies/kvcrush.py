@@ -105,7 +105,14 @@ class KVCrush(KVPolicy):
             raise ValueError(f"block_granular must be True or False, got {block_granular!r}")
         if block_granular and block_size is None:
             raise ValueError("kvcrush with block_granular=True needs the engine's block_size")
+        if base_options is not None and not isinstance(base_options, dict):
+            raise ValueError(f"base_options must be a dict of the base policy's options, got "
+                             f"{base_options!r}")
         base_options = dict(base_options or {})
+        shared = sorted({"budget", "compression_ratio", "block_size"} & set(base_options))
+        if shared:
+            raise ValueError(f"base_options cannot set {shared}: kvcrush passes its own budget, "
+                             f"compression_ratio and block_size to the base")
         if base == "kvcrush":
             raise ValueError("kvcrush cannot wrap itself; base must be a scored policy")
         if block_granular:

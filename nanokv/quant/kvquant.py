@@ -101,6 +101,9 @@ class KVQuantConfig:
             raise ValueError(f"sparse_dtype must be one of {sorted(SPARSE_DTYPES)}, "
                              f"got {self.sparse_dtype!r}")
         if self.layer_bits is not None:
+            if not isinstance(self.layer_bits, (list, tuple)):
+                raise ValueError(f"layer_bits must be a list of per-layer widths in "
+                                 f"{list(LAYER_BITS)}, got {self.layer_bits!r}")
             self.layer_bits = tuple(self.layer_bits)
             bad = [b for b in self.layer_bits if b not in LAYER_BITS or isinstance(b, bool)]
             if not self.layer_bits or bad:

@@ -138,6 +138,8 @@ class QuantizedKVStore(KVCache):
                  pre_rope_keys: bool, slot_positions: torch.Tensor | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if not isinstance(pre_rope_keys, bool):
+            raise ValueError(f"pre_rope_keys must be True or False, got {pre_rope_keys!r}")
         self.layout = layout
         self.num_blocks = num_blocks
         self.block_size = layout.block_size

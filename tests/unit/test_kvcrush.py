@@ -174,6 +174,10 @@ def test_block_variant_keeps_the_partial_newest_block_and_fits_the_budget():
                     base_options={"per_head": True})
     with pytest.raises(ValueError, match="block_size"):
         make_policy("kvcrush", budget=6, block_granular=True)
+    with pytest.raises(ValueError, match="base_options must be a dict"):
+        make_policy("kvcrush", budget=32, base="snapkv", base_options=[1])
+    with pytest.raises(ValueError, match=r"base_options cannot set \['budget'\]"):
+        make_policy("kvcrush", budget=32, base="knorm", base_options={"budget": 10})
 
 
 @pytest.mark.parametrize("bs,base,base_options,ratio", [

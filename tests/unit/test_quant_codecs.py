@@ -195,6 +195,7 @@ def test_fisher_weights_steer_the_centroids():
     ({"per_channel_keys": False, "key_outlier_thresholds": torch.zeros(1, 2, 1, 4)},
      "per_channel"),
     ({"bits": 2, "key_codebooks": ((-1.0, float("nan"), 0.5, 1.0),)}, "finite centroids"),
+    ({"layer_bits": 4}, "layer_bits must be a list"),
     ({"bits": 2, "value_codebooks": (None, (float("-inf"), 0.0, 0.5, 1.0))}, "finite"),
 ])
 def test_config_validation(kwargs, match):

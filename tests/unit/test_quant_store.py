@@ -229,6 +229,8 @@ def test_registry_validation():
         make_kv_store("kvquant", layout(), 2)
     with pytest.raises(ValueError, match="only applies"):
         make_kv_store("int8", layout(), 2, kvquant_config=KVQuantConfig())
+    with pytest.raises(ValueError, match="pre_rope_keys must be True or False"):
+        make_kv_store("int8", layout(), 2, pre_rope_keys="yes")
     for bad in (torch.int8, "float16"):  # partial blocks' keys are kept in a float dtype
         with pytest.raises(ValueError, match="staging_dtype must be one of"):
             make_kv_store("kvquant", layout(), 2, num_staging_blocks=1, staging_dtype=bad)
