@@ -102,3 +102,13 @@ def test_policy_views_read_through_the_kernel(kind):
     TritonQuantizedBackend(store, store.device)
     tables = fill(store, lens, 11, seed=9)
     check_policy_view(store, tables, lens)
+
+
+@pytest.mark.parametrize("kind", ["kvquant:ablation-per-token-post-rope", "int8"])
+def test_built_directly_over_a_store_it_cannot_read(kind):
+    """The selector asks why_not before it builds the backend; built directly over a store its
+    kernels cannot read, the backend refuses (it would read the codes wrongly)."""
+    store = make_store(kind, 32, 16, 8, 2, device=DEVICE)
+    with pytest.raises(ValueError, match="cannot serve this cache"):
+        TritonQuantizedBackend(store, store.device)
+    assert store.block_reader is None
