@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field, fields
 
@@ -29,8 +30,8 @@ def parse_memory(value: int | float | str) -> int:
             raise ValueError(f"memory size {value!r} not understood: use bytes or a number with "
                              f"one of the units B, KB, MB, GB, KiB, MiB, GiB (e.g. '4GiB')")
         n = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if n <= 0:
-        raise ValueError(f"memory size must be > 0, got {value!r}")
+    if not math.isfinite(n) or n <= 0:
+        raise ValueError(f"memory size must be finite and > 0 (bytes), got {value!r}")
     return int(n)
 
 
@@ -168,8 +169,10 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "skip_tokenizer_init",
                      "enforce_eager"):
             check_bool(name, getattr(self, name))
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) \
+                or not -2**63 <= self.seed < 2**64:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64) (torch.manual_seed's "
+                             f"range), got {self.seed!r}")
         if self.num_threads is not None:
             check_int("num_threads", self.num_threads, 1)
         if self.kv_policy is None and (self.kv_budget is not None or self.kv_policy_options

@@ -10,7 +10,9 @@ def update_text(request: Request, tokenizer) -> str | None:
     any (the text is then cut before it, or after it with include_stop_str_in_output)."""
     if tokenizer is None:
         return None
-    previous = len(request.text)
+    # the text before this step's tokens, less its trailing U+FFFD: a character whose bytes
+    # come over several tokens decodes to U+FFFD until its last byte, then replaces it
+    previous = len(request.text.rstrip("\ufffd"))
     text = tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
     request.text = text
     stops = request.params.stop

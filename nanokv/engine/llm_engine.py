@@ -179,6 +179,10 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params)}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings are matched in the output text, which needs a "
+                             "tokenizer; this engine was started with skip_tokenizer_init=True: "
+                             "use stop_token_ids")
         text = None
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -269,6 +273,9 @@ class LLMEngine:
             if stop is not None and not request.is_finished:
                 request.stop_reason = stop
                 self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+            elif stop is not None and request.status == RequestStatus.FINISHED_LENGTH:
+                request.stop_reason = stop  # its last token completed a stop string: as vLLM,
+                request.status = RequestStatus.FINISHED_STOPPED  # the stop string wins
             new = request.output_token_ids[before[request.request_id]:]
             logprobs = runner_out.logprobs.get(request.request_id)
             outputs.append(self._output(request, new,

@@ -120,8 +120,11 @@ class KVCrush(KVPolicy):
                 raise ValueError("block_granular kvcrush selects blocks shared by all heads: "
                                  "per_head=True is not allowed in base_options")
             base_options["per_head"] = False
-        self.base = make_policy(base, budget=budget, compression_ratio=compression_ratio,
-                                block_size=block_size, **base_options)
+        try:
+            self.base = make_policy(base, budget=budget, compression_ratio=compression_ratio,
+                                    block_size=block_size, **base_options)
+        except ValueError as e:
+            raise ValueError(f"kvcrush's base policy {base!r}: {e}") from None
         if not isinstance(self.base, ScoredPolicy):
             raise ValueError(f"kvcrush needs a scored base policy (snapkv, pyramidkv, h2o, knorm), "
                              f"got {base!r}")

@@ -113,8 +113,7 @@ class PromptTokenizer:
                 if self._too_long(sum(len(m["content"]) for m in plain)):
                     return None
                 tok, chat = self._thread_tools()
-                text = chat.render(plain, req.add_generation_prompt,
-                                   **(req.chat_template_kwargs or {}))
+                text = chat.render(plain, req.add_generation_prompt, req.chat_template_kwargs)
                 return list(tok.encode(text, add_special_tokens=req.add_special_tokens)), \
                     req.cache_salt
         except (ValueError, ValidationError, TypeError):  # the replica gives the real error

@@ -30,9 +30,10 @@ class ChatRenderer:
         self.source = "--chat-template" if template else ("tokenizer" if own else "fallback")
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               **template_kwargs) -> str:
+               template_kwargs: dict | None = None) -> str:
         """template_kwargs: extra template variables (vLLM's chat_template_kwargs, such as
         Qwen3's enable_thinking)."""
+        template_kwargs = template_kwargs or {}
         reserved = {"messages", "chat_template", "tokenize", "add_generation_prompt"}
         if reserved & set(template_kwargs):
             raise ValueError(f"chat_template_kwargs must not set {sorted(reserved)}")

@@ -171,7 +171,7 @@ class _SamplingRequest(_Body):
             temperature=temperature, top_k=top_k,
             top_p=1.0 if self.top_p is None else self.top_p,
             min_p=self.min_p or 0.0, seed=self.seed, min_tokens=self.min_tokens,
-            stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
+            stop=self.stop_list(), stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             repetition_penalty=(1.0 if self.repetition_penalty is None

@@ -215,9 +215,11 @@ class OpenAIServer:
         def work() -> tuple[str, list[int]]:
             tok, chat = self._thread_tokenizer()
             try:
-                text = chat.render(plain, add_generation_prompt, **(template_kwargs or {}))
+                text = chat.render(plain, add_generation_prompt, template_kwargs)
             except ValueError as e:
-                raise APIError(400, str(e), param="messages") from e
+                param = ("chat_template_kwargs" if str(e).startswith("chat_template_kwargs")
+                         else "messages")
+                raise APIError(400, str(e), param=param) from e
             self.check_chars(len(text), "messages")
             return text, list(tok.encode(text, add_special_tokens=add_special_tokens))
 
@@ -280,7 +282,8 @@ class OpenAIServer:
                                                    request_id=f"{request_id}-{j}",
                                                    cache_salt=body.cache_salt)
             except ValueError as e:
-                param = "cache_salt" if "cache_salt" in str(e) else prompt_param
+                param = ("cache_salt" if "cache_salt" in str(e)
+                         else "stop" if str(e).startswith("stop strings") else prompt_param)
                 raise APIError(400, str(e), param=param, code="invalid_value") from e
             request.prompt = text
             requests.append(request)
@@ -291,6 +294,12 @@ class OpenAIServer:
             raise APIError(503, "the server is shutting down; retry on another replica",
                            "server_error", code="shutting_down",
                            headers={"Retry-After": str(self.settings.retry_after)})
+        capacity = self.async_engine.max_in_flight
+        if len(requests) > capacity:  # never admitted, however long the client waits
+            raise APIError(400, f"the request asks for {len(requests)} sequences (n x prompts); "
+                                f"this server holds at most {capacity} in flight "
+                                f"(max_num_seqs + --max-waiting)", param="n",
+                           code="invalid_value")
         streams: list[RequestStream] = []
         try:
             for request in requests:

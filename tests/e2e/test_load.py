@@ -58,3 +58,20 @@ def test_bounded_load_no_request_lost_no_block_leaked(tight_server):
     assert delta("nanokv:generation_tokens_total") == result.output_tokens
     assert delta("nanokv:time_to_first_token_seconds_count") == result.completed
     tight_server.assert_healthy()  # --check-invariants held whenever the engine went idle
+
+
+def test_more_choices_than_the_server_holds_is_a_400(tight_server):
+    """n x prompts beyond max_num_seqs + max_waiting can never be admitted: a 400 naming the
+    limit, not a 503 to retry; the server stays idle and healthy."""
+    tight_server.wait_idle()
+    r = httpx.post(tight_server.url + "/v1/completions", timeout=30,
+                   json={"model": MODEL_NAME, "prompt": "a", "n": 5, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "n" and "at most 4 in flight" in err["message"]
+    r = httpx.post(tight_server.url + "/v1/completions", timeout=30,
+                   json={"model": MODEL_NAME, "prompt": "a", "n": 4, "max_tokens": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 4
+    tight_server.wait_idle()
+    tight_server.assert_healthy()
+

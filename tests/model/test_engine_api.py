@@ -50,6 +50,12 @@ def test_unknown_and_bad_options(tiny_llama):
                              (dict(max_num_seqs=0), "max_num_seqs"),
                              (dict(kv_cache_memory="lots"), "memory size"),
                              (dict(kv_cache_memory_fraction=1.5), "fraction"),
+                             (dict(kv_cache_memory=float("inf")), "memory size must be finite"),
+                             (dict(kv_cache_memory=float("nan")), "memory size must be finite"),
+                             (dict(seed=2**64), r"seed must be an integer in \[-2\*\*63"),
+                             (dict(seed=-2**63 - 1), "seed must be an integer in"),
+                             (dict(kv_policy="kvcrush", kv_budget=16),
+                              "kvcrush's base policy 'snapkv'"),
                              (dict(max_model_len=4096), "max_position_embeddings")]:
         with pytest.raises(ValueError, match=fragment):
             LLM(tiny_llama, **kwargs)
@@ -125,6 +131,37 @@ def test_stop_rules(llm):
         assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
         assert stop not in out.text and text.startswith(out.text)
     assert_no_blocks_held(llm)
+
+
+def test_a_stop_string_completed_by_the_last_token_is_a_stop(llm):
+    """The token that reaches max_tokens also completes a stop string: finish_reason "stop"
+    with the stop string (as vLLM: the stop string wins), the text cut before it."""
+    tok = llm.tokenizer
+    prompt = "def add(a, b):"
+    ids = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24,
+                                                ignore_eos=True))[0].token_ids
+    for k in range(2, len(ids) + 1):
+        before, text = tok.decode(ids[:k - 1]), tok.decode(ids[:k])
+        stop = text[-1]
+        if stop not in before and stop != "\ufffd" and not stop.isspace():
+            break
+    else:
+        pytest.fail("no token of the greedy run ends with a new character")
+    for max_tokens in (k, k + 3):
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                    stop=[stop], ignore_eos=True))[0]
+        assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
+        assert out.token_ids == ids[:k] and out.text == text[:text.index(stop)]
+    assert_no_blocks_held(llm)
+
+
+def test_stop_strings_need_a_tokenizer(tiny_llama):
+    llm = LLM(tiny_llama, block_size=16, max_model_len=128, skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="stop strings .* skip_tokenizer_init"):
+        llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, stop=["a"]))
+    assert_no_blocks_held(llm)
+    out = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, stop_token_ids=[1]))[0]
+    assert 1 <= len(out.token_ids) <= 4
 
 
 def test_max_model_len_ends_generation(llm):
