@@ -9,6 +9,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import fields
@@ -121,8 +122,16 @@ def _model_note(model_dir: str) -> str | None:
     return None
 
 
+def check_output_file(flag: str, path: str | None) -> None:
+    """Refuse, before any work, an output file whose directory does not exist."""
+    if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ValueError(f"{flag}: the directory of {path!r} does not exist")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from nanokv.workloads.run import run_bench
+
+    check_output_file("--step-model-out", args.step_model_out)
 
     recorders = []
 
@@ -214,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ValueError, MissingExtraError) as e:
         print(f"nanokv: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file named on the command line: missing, unreadable, unwritable
+        print(f"nanokv: error: {e.strerror or e}: {e.filename}" if e.filename
+              else f"nanokv: error: {e}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as e:
         extra = extra_for_module(e.name)

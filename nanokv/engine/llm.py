@@ -53,11 +53,13 @@ class LLM:
                           use_tqdm: bool | Callable[..., tqdm] = True) -> list[RequestOutput]:
         """Run prepared requests (`engine.make_request`) to completion, in order."""
         engine = self.engine
-        for request in requests:
-            engine.add_prepared(request)
-        bar = _progress_bar(use_tqdm, len(requests))
+        bar = _progress_bar(use_tqdm, len(requests))  # before any request is queued: it may raise
         finals: dict[str, RequestOutput] = {}
+        added: list = []
         try:
+            for request in requests:
+                engine.add_prepared(request)
+                added.append(request)
             while engine.has_unfinished_requests():
                 outs = engine.step()
                 for out in outs:
@@ -66,7 +68,7 @@ class LLM:
                 if bar is not None:
                     bar.record(outs)
         except BaseException:
-            for request in requests:
+            for request in added:  # only this call's: nothing else of the engine's is touched
                 engine.abort(request.request_id)
             raise
         finally:

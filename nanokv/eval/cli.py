@@ -62,11 +62,16 @@ def run(args: argparse.Namespace, engine_options) -> int:
         policy_options = json.loads(args.policy_options)
     except json.JSONDecodeError as e:
         raise ValueError(f"--policy-options is not valid JSON: {e}") from None
+    try:
+        compressions = [float(c) for c in _split(args.compressions)]
+    except ValueError:
+        raise ValueError(f"--compressions must be comma-separated numbers, got "
+                         f"{args.compressions!r}") from None
     opts = engine_options(args)
     opts = {k: v for k, v in opts.items() if v is not None}
     settings = EvalSettings(
         model=args.model, policies=_split(args.policies), tasks=_split(args.tasks),
-        compressions=[float(c) for c in _split(args.compressions)],
+        compressions=compressions,
         num_samples=args.num_samples, context_tokens=args.context_tokens,
         retrieval_context_tokens=args.retrieval_context_tokens,
         ppl_windows=args.ppl_windows, context_fraction=args.context_fraction,

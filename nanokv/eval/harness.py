@@ -80,6 +80,12 @@ class EvalSettings:
             raise ValueError(f"depth must be None (random) or in [0, 1], got {self.depth!r}")
         if not self.policies:
             raise ValueError("at least one policy is needed ('full' is the uncompressed cache)")
+        from nanokv.policies.base import available_policies
+
+        unknown = sorted(set(self.policies) - {"full"} - set(available_policies()))
+        if unknown:  # before any task runs
+            raise ValueError(f"unknown KV policy {unknown}; available: 'full', "
+                             f"{', '.join(available_policies())}")
         passkey_formats.parse_format(self.passkey_format)
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")

@@ -116,8 +116,9 @@ class Calibration:
         layer_bits = None
         if bits is None:
             if cand is None or cand.kv_cache_dtype != "kvquant":
-                raise ValueError(f"the calibration chose kv_cache_dtype "
-                                 f"{self.kv_cache_dtype!r}; pass bits= for a kvquant config")
+                raise ValueError(f"the calibration file holds no kvquant decision (its "
+                                 f"kv_cache_dtype: {self.kv_cache_dtype!r}): give the bits "
+                                 f"(kv_quant_bits, --kv-quant-bits) for a kvquant config")
             bits, layer_bits = cand.bits, cand.layer_bits
         use_nuq = self.settings.get("nuq", True) if nuq is None else nuq
         widths = layer_bits or (bits,) * self.num_layers
@@ -171,7 +172,7 @@ def load_calibration(path: str | Path) -> Calibration:
     """Read and validate a calibration file (ValueError naming what is wrong)."""
     try:
         data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError) as e:  # JSON and UTF-8 decode errors are ValueErrors
         raise ValueError(f"cannot read calibration file {path}: {e}") from None
     return from_json(data, str(path))
 

@@ -11,11 +11,41 @@ from nanokv.sim.synthetic import WORKLOADS
 
 
 def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
+    """Comma-separated integers >= 1 (argparse names the flag when this raises)."""
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") \
+            from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def _positive_int(text: str) -> int:
+    values = _ints(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one integer >= 1, got {text!r}")
+    return values[0]
 
 
 def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(",") if x.strip())
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") \
+            from None
+
+
+def _kv_dtypes(text: str) -> tuple[str, ...]:
+    from nanokv.cache.registry import KV_CACHE_DTYPES
+
+    values = tuple(d.strip() for d in text.split(",") if d.strip())
+    bad = [d for d in values if d not in KV_CACHE_DTYPES]
+    if not values or bad:
+        raise argparse.ArgumentTypeError(f"unknown kv_cache_dtype {bad or text!r}; allowed: "
+                                         f"{', '.join(KV_CACHE_DTYPES)}")
+    return values
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -55,7 +85,7 @@ def add_advise_parser(sub, add_engine_args=None, engine_options=None) -> None:
                                       "KV dtypes, max_num_seqs and KV policies")
     _add_common(a)
     a.add_argument("--block-sizes", type=_ints, default=(16, 32, 64, 128, 256, 512, 1024))
-    a.add_argument("--kv-dtypes", default="auto,fp8,kvquant",
+    a.add_argument("--kv-dtypes", type=_kv_dtypes, default=("auto", "fp8", "kvquant"),
                    help="comma-separated kv_cache_dtype values (default auto,fp8,kvquant)")
     a.add_argument("--max-num-seqs", type=_ints, default=(64, 128, 256, 512))
     a.add_argument("--compressions", type=_floats, default=(0.5, 0.75),
@@ -73,7 +103,7 @@ def add_advise_parser(sub, add_engine_args=None, engine_options=None) -> None:
     _add_common(s)
     s.add_argument("--block-size", type=int, default=256)
     s.add_argument("--kv-cache-dtype", default="auto")
-    s.add_argument("--max-num-seqs-sim", dest="max_num_seqs", type=int, default=256)
+    s.add_argument("--max-num-seqs-sim", dest="max_num_seqs", type=_positive_int, default=256)
     s.add_argument("--compression-ratio", type=float, default=None)
     s.add_argument("--eviction-ratio", type=float, default=None)
     s.add_argument("--num-kv-blocks", type=int, default=None,
@@ -159,7 +189,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
 
     records, settings, make = _load(args)
     settings = replace(settings, block_sizes=args.block_sizes,
-                       kv_dtypes=tuple(d.strip() for d in args.kv_dtypes.split(",") if d),
+                       kv_dtypes=args.kv_dtypes,
                        max_num_seqs=args.max_num_seqs, compressions=args.compressions,
                        eviction_ratios=args.eviction_ratios)
     if args.out:

@@ -109,9 +109,12 @@ class LinearStepModel(StepModel):
 
     @classmethod
     def load(cls, path: str) -> LinearStepModel:
-        with open(path, encoding="utf-8") as f:
-            d = json.load(f)
-        if d.pop("kind", None) != "linear":
+        try:
+            with open(path, encoding="utf-8") as f:
+                d = json.load(f)
+        except ValueError as e:  # not JSON, or not UTF-8
+            raise ValueError(f"{path} is not a fitted step model: {e}") from None
+        if not isinstance(d, dict) or d.pop("kind", None) != "linear":
             raise ValueError(f"{path} is not a fitted step model (kind 'linear')")
         return cls(**d)
 

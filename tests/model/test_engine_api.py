@@ -223,6 +223,22 @@ def test_failed_step_frees_blocks(llm, monkeypatch):
     assert len(llm.generate([[1, 2, 3, 4] * 10], GREEDY)[0].token_ids) == 8
 
 
+def test_a_progress_bar_that_raises_leaves_nothing_queued(llm):
+    """use_tqdm's callable raising: no request of the call stays in the engine (the next
+    generate would run them), and requests of the engine's other users are left alone."""
+    engine = llm.engine
+    other = engine.add_request([9, 9, 9], GREEDY)
+
+    def bar(*args, **kwargs):
+        raise RuntimeError("bar failed")
+
+    with pytest.raises(RuntimeError, match="bar failed"):
+        llm.generate([[1, 2, 3], [4, 5, 6]], GREEDY, use_tqdm=bar)
+    assert list(engine.scheduler.requests) == [other]
+    engine.abort(other)
+    assert_no_blocks_held(llm)
+
+
 def test_cli_generate_and_errors(tiny_llama, capsys):
     assert cli_main(["generate", "--model", tiny_llama, "--prompt", "def add", "--max-tokens",
                      "4", "--block-size", "16", "--max-model-len", "128", "--json"]) == 0
