@@ -198,7 +198,8 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("the prompt is empty: at least one token is needed")
         vocab = self.hf_config.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in token_ids
+               if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
         if len(token_ids) >= self.config.max_model_len:

@@ -213,6 +213,10 @@ def load_eos_token_ids(path: str, cfg, tokenizer) -> tuple[int, ...]:
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
+    if not os.path.isdir(path):  # nothing is downloaded: a tokenizer is a local directory
+        raise ValueError(f"tokenizer directory {path} does not exist (nanokv reads tokenizers "
+                         f"from local directories); pass a tokenizer directory, or "
+                         f"skip_tokenizer_init=True for token-id prompts")
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:

@@ -33,6 +33,7 @@ def assert_no_blocks_held(llm):
     ("", "empty"),
     ([1, 2, 100000], "token ids"),
     ([1.5], "token ids"),
+    ([True, 2], "token ids"),
 ])
 def test_bad_prompts_rejected_without_allocating(llm, prompt, fragment):
     with pytest.raises(ValueError, match=fragment):
@@ -50,6 +51,8 @@ def test_unknown_and_bad_options(tiny_llama):
                              (dict(max_num_seqs=0), "max_num_seqs"),
                              (dict(kv_cache_memory="lots"), "memory size"),
                              (dict(kv_cache_memory_fraction=1.5), "fraction"),
+                             (dict(tokenizer="/nonexistent/tok"),
+                              "tokenizer directory /nonexistent/tok does not exist"),
                              (dict(kv_cache_memory=float("inf")), "memory size must be finite"),
                              (dict(kv_cache_memory=float("nan")), "memory size must be finite"),
                              (dict(seed=2**64), r"seed must be an integer in \[-2\*\*63"),
