@@ -114,6 +114,7 @@ def test_a_kv_policy_failure_fails_its_stream_only(llm, monkeypatch):
     prompt = list(range(3, 63))
     expected = llm.generate_requests([engine.make_request(prompt, GREEDY, kv_policy=policy)],
                                      use_tqdm=False)[0].token_ids
+    plain = llm.generate([prompt], GREEDY)[0].token_ids  # before the loop thread owns the engine
     a = AsyncLLMEngine(engine, max_waiting=4)
     a.start()
     try:
@@ -132,8 +133,7 @@ def test_a_kv_policy_failure_fails_its_stream_only(llm, monkeypatch):
         bad, good = asyncio.run(run())
         assert isinstance(bad, RuntimeError) and "simulated policy failure" in str(bad)
         assert good == expected
-        assert asyncio.run(read(engine.make_request(prompt, GREEDY))) == \
-            llm.generate([prompt], GREEDY)[0].token_ids
+        assert asyncio.run(read(engine.make_request(prompt, GREEDY))) == plain
     finally:
         a.shutdown()
     assert idle_and_consistent(engine)
