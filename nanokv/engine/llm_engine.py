@@ -241,7 +241,7 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        running = list(self.scheduler.running)
+        running = self.scheduler.running  # pool pressure frees blocks, never running requests
         try:
             self.policies.relieve_pressure(running, self.scheduler.blocks_to_admit)
             failed = []
