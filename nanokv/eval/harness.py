@@ -82,13 +82,58 @@ class EvalSettings:
             raise ValueError("at least one policy is needed ('full' is the uncompressed cache)")
         from nanokv.policies.base import available_policies
 
-        unknown = sorted(set(self.policies) - {"full"} - set(available_policies()))
+        names = {policy_name(p) for p in self.policies}
+        unknown = sorted(names - {"full"} - set(available_policies()))
         if unknown:  # before any task runs
             raise ValueError(f"unknown KV policy {unknown}; available: 'full', "
-                             f"{', '.join(available_policies())}")
+                             f"{', '.join(available_policies())} (or label=name)")
+        if not self.compressions and names - {"full"}:
+            raise ValueError(f"compressions is empty: policies {sorted(names - {'full'})} would "
+                             f"not run (give factors >= 1, 2 = keep half)")
+        self._check_policy_options()
         passkey_formats.parse_format(self.passkey_format)
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
+
+
+    def _check_policy_options(self) -> None:
+        """policy_options: {label: {option: value}} for labels in `policies`; each policy's
+        options are checked as its engine would (names, then values at a compression) before
+        any task runs."""
+        from nanokv.policies.base import PolicyConfig
+
+        if not isinstance(self.policy_options, dict) or not all(
+                isinstance(k, str) and isinstance(v, dict) for k, v in self.policy_options.items()):
+            raise ValueError(f"policy_options must map a policy label to a dict of its options, "
+                             f"got {self.policy_options!r}")
+        labels = {policy_label(p) for p in self.policies}
+        stray = sorted(set(self.policy_options) - labels)
+        if stray:
+            raise ValueError(f"policy_options for {stray}, which is not a policy of this run "
+                             f"(policies: {self.policies})")
+        block_size = self.engine_options.get("block_size")  # "auto" or absent: the policy's
+        block_size = block_size if isinstance(block_size, int) else None
+        for policy in self.policies:
+            name = policy_name(policy)
+            if name == "full":
+                continue
+            options = self.policy_options.get(policy_label(policy), {})
+            for c in self.compressions:
+                try:
+                    PolicyConfig(name, compression_ratio=1.0 - 1.0 / c,
+                                 options=dict(options)).build(block_size=block_size)
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"policy {policy!r} at compression {c:g}: {e}") from None
+
+
+def policy_label(policy: str) -> str:
+    """A policy entry's label: `label` of `label=name`, else the name itself."""
+    return policy.split("=", 1)[0]
+
+
+def policy_name(policy: str) -> str:
+    """A policy entry's registered policy name: `name` of `label=name`, else the entry."""
+    return policy.split("=", 1)[1] if "=" in policy else policy
 
 
 @dataclass
@@ -111,7 +156,7 @@ class EvalRow:
 def policy_engine_options(policy: str, compression: float, options: dict) -> dict:
     """Engine options for a policy entry: a registered name, or `label=name` so one policy can
     appear with several option sets (options are looked up by label)."""
-    name = policy.split("=", 1)[1] if "=" in policy else policy
+    name = policy_name(policy)
     if name == "full":
         return {}
     return {"kv_policy": name, "kv_compression_ratio": 1.0 - 1.0 / compression,
@@ -126,9 +171,8 @@ class _Run:
 
         self.settings = settings
         opts = dict(settings.engine_options)
-        label = policy.split("=", 1)[0]
         opts.update(policy_engine_options(policy, compression,
-                                          settings.policy_options.get(label, {})))
+                                          settings.policy_options.get(policy_label(policy), {})))
         opts.setdefault("max_model_len", max(settings.context_tokens,
                                              settings.retrieval_context_tokens or 0) + 64)
         self.llm = LLM(settings.model, **opts)

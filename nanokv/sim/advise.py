@@ -28,14 +28,23 @@ import torch
 
 from nanokv.cache.kv_cache import KVCacheOptions
 from nanokv.cache.layout import KVLayout
-from nanokv.cache.registry import kv_cache_settings
+from nanokv.cache.registry import KV_CACHE_DTYPES, kv_cache_settings
+from nanokv.config import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
 from nanokv.sim.server_overhead import ServerOverhead
 from nanokv.sim.simulator import SimConfig, SimResult, Simulator
 from nanokv.sim.step_model import DeviceSpec, LinearStepModel, ModelShape, RooflineStepModel
 from nanokv.sim.trace import TraceRecord
+from nanokv.validation import check_choice, check_fraction, check_int
 
 SATURATING = (8.0, 64.0, 512.0)  # arrival-time compressions tried until requests queue
 SATURATED_FRACTION = 0.5  # of the run's duration with requests waiting
+
+
+def check_block_size(block_size) -> None:
+    if (isinstance(block_size, bool) or not isinstance(block_size, int)
+            or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE):
+        raise ValueError(f"block size must be an integer in [{MIN_BLOCK_SIZE}, "
+                         f"{MAX_BLOCK_SIZE}] (the engine's), got {block_size!r}")
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,16 @@ class Candidate:
     max_num_seqs: int
     compression_ratio: float | None = None
     eviction_ratio: float | None = None
+
+    def __post_init__(self) -> None:
+        check_block_size(self.block_size)
+        check_choice("kv_cache_dtype", self.kv_dtype, KV_CACHE_DTYPES)
+        check_int("max_num_seqs", self.max_num_seqs, 1)
+        if self.compression_ratio is not None:
+            check_fraction("compression ratio", self.compression_ratio, low_open=False,
+                           high_open=True, meaning=" (fraction removed)")
+        if self.eviction_ratio is not None:
+            check_fraction("eviction ratio", self.eviction_ratio)
 
     @property
     def policy(self) -> str:
@@ -92,6 +111,19 @@ class AdviseSettings:
     default_max_num_seqs: int = 256
     admission: str = "arrival"  # or "recorded" (a served trace's own step boundaries)
     num_blocks: int | None = None  # a served run's pool, instead of kv_memory's
+
+    def __post_init__(self) -> None:
+        check_int("max_model_len", self.max_model_len, 2)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.num_blocks is not None:
+            check_int("num_kv_blocks", self.num_blocks, 1)
+        for b in self.block_sizes:
+            check_block_size(b)
+        for c in self.compressions:
+            check_fraction("compression ratio", c, low_open=False, high_open=True,
+                           meaning=" (fraction removed)")
+        for e in self.eviction_ratios:
+            check_fraction("eviction ratio", e)
 
 
 def kv_cost(model: ModelShape, kv_dtype: str, block_size: int, max_num_seqs: int,

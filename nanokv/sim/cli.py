@@ -37,6 +37,21 @@ def _floats(text: str) -> tuple[float, ...]:
             from None
 
 
+def _positive_floats(text: str) -> tuple[float, ...]:
+    """Comma-separated finite numbers > 0."""
+    values = _floats(text)
+    if not values or not all(0 < v < float("inf") for v in values):
+        raise argparse.ArgumentTypeError(f"expected finite numbers > 0, got {text!r}")
+    return values
+
+
+def _positive_float(text: str) -> float:
+    values = _positive_floats(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one number > 0, got {text!r}")
+    return values[0]
+
+
 def _kv_dtypes(text: str) -> tuple[str, ...]:
     from nanokv.cache.registry import KV_CACHE_DTYPES
 
@@ -52,9 +67,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="a trace file (nanokv serve --trace-file)")
     src.add_argument("--workload", choices=WORKLOADS, help="a synthetic trace of this shape")
-    p.add_argument("--num-requests", type=int, default=2000,
+    p.add_argument("--num-requests", type=_positive_int, default=2000,
                    help="requests of the synthetic workload (default 2000)")
-    p.add_argument("--rate", type=float, default=10.0,
+    p.add_argument("--rate", type=_positive_float, default=10.0,
                    help="mean arrival rate of the synthetic workload, requests/s (default 10)")
     p.add_argument("--workload-seed", type=int, default=0)
     p.add_argument("--save-trace", default=None, metavar="FILE",
@@ -72,9 +87,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="fit the step model and the server's time around each step to a "
                         "served run's step log (nanokv serve --trace-steps) instead of "
                         "--device")
-    p.add_argument("--max-model-len", type=int, default=None,
+    p.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="default: min(the model's, 8192)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192)
     p.add_argument("--compute-dtype", default="bfloat16", choices=("bfloat16", "float16",
                                                                    "float32"))
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -92,7 +107,7 @@ def add_advise_parser(sub, add_engine_args=None, engine_options=None) -> None:
                    help="KV policy compression ratios to try (kvpress convention: 0.75 = 4x)")
     a.add_argument("--eviction-ratios", type=_floats, default=(0.2,),
                    help="pool-pressure eviction ratios to try (PagedEviction's eviction_ratio)")
-    a.add_argument("--rates", type=_floats, default=(),
+    a.add_argument("--rates", type=_positive_floats, default=(),
                    help="synthetic workloads only: also simulate the recommendation at these "
                         "arrival rates (req/s) and say where the KV pool becomes the bottleneck")
     a.add_argument("--out", default=None, help="directory for advise.md, advise.json, plot")
@@ -101,12 +116,12 @@ def add_advise_parser(sub, add_engine_args=None, engine_options=None) -> None:
     s = sub.add_parser("simulate", help="replay a trace through the block manager and "
                                         "scheduler with a step-time model (no weights)")
     _add_common(s)
-    s.add_argument("--block-size", type=int, default=256)
+    s.add_argument("--block-size", type=_positive_int, default=256)
     s.add_argument("--kv-cache-dtype", default="auto")
     s.add_argument("--max-num-seqs-sim", dest="max_num_seqs", type=_positive_int, default=256)
     s.add_argument("--compression-ratio", type=float, default=None)
     s.add_argument("--eviction-ratio", type=float, default=None)
-    s.add_argument("--num-kv-blocks", type=int, default=None,
+    s.add_argument("--num-kv-blocks", type=_positive_int, default=None,
                    help="the pool in blocks (a served run's --num-kv-blocks) instead of what "
                         "--kv-memory holds")
     s.add_argument("--admission", choices=("arrival", "recorded"), default="arrival",
@@ -170,12 +185,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     from dataclasses import replace
 
-    records, settings, _ = _load(args)
-    if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
-        raise ValueError(f"--num-kv-blocks must be >= 1, got {args.num_kv_blocks}")
-    settings = replace(settings, admission=args.admission, num_blocks=args.num_kv_blocks)
     c = Candidate(args.block_size, args.kv_cache_dtype, args.max_num_seqs,
-                  args.compression_ratio, args.eviction_ratio)
+                  args.compression_ratio, args.eviction_ratio)  # checked before any work
+    records, settings, _ = _load(args)
+    settings = replace(settings, admission=args.admission, num_blocks=args.num_kv_blocks)
     o = evaluate(records, settings, c)
     print(json.dumps({"num_blocks": o.num_blocks, "bytes_per_token": o.bytes_per_token,
                       **o.result.summary()}, indent=1, default=str))
@@ -187,6 +200,8 @@ def cmd_advise(args: argparse.Namespace) -> int:
 
     from nanokv.sim import advise as adv
 
+    if args.rates and args.trace:  # before any work
+        raise ValueError("--rates needs --workload (a trace has its own arrival times)")
     records, settings, make = _load(args)
     settings = replace(settings, block_sizes=args.block_sizes,
                        kv_dtypes=args.kv_dtypes,
@@ -205,8 +220,6 @@ def cmd_advise(args: argparse.Namespace) -> int:
     best = outcomes[0].candidate
     rows = []
     if args.rates:
-        if args.trace:
-            raise ValueError("--rates needs --workload (a trace has its own arrival times)")
         rows = adv.pool_bottleneck(make, settings, best, list(args.rates))
         text += ["", f"## Offered load, {best.block_size} / {best.kv_dtype} / max_num_seqs "
                      f"{best.max_num_seqs} / {best.policy}", "",

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import threading
 import time
@@ -36,6 +37,7 @@ from array import array
 from dataclasses import asdict, dataclass, field
 
 from nanokv.request import RequestStatus
+from nanokv.validation import check_int
 
 DEFAULT_HASH_BLOCK_SIZE = 16  # the finest block size the engine accepts
 TOKEN_ID_BITS = 62  # replayed token ids stay positive int64 (the block manager hashes int64s)
@@ -63,6 +65,18 @@ class TraceRecord:
     extra: dict = field(default_factory=dict)  # generator metadata (session id, turn ...)
 
     def __post_init__(self) -> None:
+        check_time("t", self.t)
+        check_int("prompt_len", self.prompt_len, 1)
+        check_int("output_len", self.output_len, 0)
+        check_int("hash_block_size", self.hash_block_size, 1)
+        if not isinstance(self.hashes, list) or not all(_is_hex(h) for h in self.hashes):
+            raise ValueError(f"hashes must be a list of hex strings, got {self.hashes!r}")
+        for name in ("cached", "preemptions", "step", "order", "abort_step", "max_tokens"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 0)
+        for name in ("abort_t", "ttft_s", "e2e_s"):
+            if getattr(self, name) is not None:
+                check_time(name, getattr(self, name))
         if self.prompt_len < 1 or self.output_len < 0:
             raise ValueError(f"a trace record needs prompt_len >= 1 and output_len >= 0, got "
                              f"{self.prompt_len}, {self.output_len}")
@@ -97,6 +111,20 @@ class TraceRecord:
         if unknown:
             raise ValueError(f"unknown trace fields {sorted(unknown)}")
         return cls(**d)
+
+
+def check_time(name: str, value) -> None:
+    """A trace's time: a finite number of seconds (an int or a float, not a bool)."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
+
+
+def _is_hex(h) -> bool:
+    try:
+        return isinstance(h, str) and int(h, 16) >= 0
+    except ValueError:
+        return False
 
 
 class BlockHasher:

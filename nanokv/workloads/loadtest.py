@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import sys
 import time
@@ -23,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 from nanokv.extras import MissingExtraError, require
 from nanokv.metrics.stats import percentile
+from nanokv.validation import check_int
 
 PREFIXES = [
     "You are a helpful assistant. Answer briefly and precisely.\n",
@@ -48,6 +50,7 @@ class LoadTestResult:
     itl_s: list[float] = field(default_factory=list, repr=False)
     errors: list[str] = field(default_factory=list)
     idle_metrics: dict[str, float] = field(default_factory=dict)  # /metrics after the run
+    idle_error: str | None = None  # why /metrics could not be read after the run
 
     @property
     def requests_per_s(self) -> float:
@@ -78,7 +81,14 @@ class LoadTestResult:
                 f"refused(503) {self.refused}, failed {self.failed}, hung {self.hung}\n"
                 f"{self.requests_per_s:.2f} requests/s, {self.output_tokens_per_s:.1f} output "
                 f"tokens/s\nTTFT {ms(s['ttft_s'])}\nITL  {ms(s['itl_s'])}\n"
-                f"after the run: {self.idle_metrics}")
+                f"after the run: {self.idle_error or self.idle_metrics}")
+
+    @property
+    def clean(self) -> bool:
+        """Every request answered (completed or refused) and the server seen idle after."""
+        lost = self.sent - self.completed - self.refused
+        return (lost == 0 and self.idle_error is None
+                and all(v == 0 for v in self.idle_metrics.values()))
 
 
 def make_prompt(rng: random.Random) -> str:
@@ -147,8 +157,14 @@ async def run_load(base_url: str, model: str, concurrency: int = 8, duration_s: 
                    idle_timeout: float = 10.0) -> LoadTestResult:
     import httpx
 
-    if concurrency < 1 or duration_s <= 0:
-        raise ValueError("concurrency must be >= 1 and duration_s > 0")
+    check_int("concurrency", concurrency, 1)
+    for name, value in (("duration_s", duration_s), ("request_timeout", request_timeout)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not 0 < value < math.inf:
+            raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    lo, hi = max_tokens
+    check_int("max_tokens minimum", lo, 1)
+    check_int("max_tokens maximum", hi, lo)
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     result = LoadTestResult(concurrency, duration_s, 0.0)
@@ -170,7 +186,10 @@ async def run_load(base_url: str, model: str, concurrency: int = 8, duration_s: 
 
         await asyncio.gather(*(worker(k) for k in range(concurrency)))
         result.elapsed_s = time.perf_counter() - start
-        result.idle_metrics = await wait_idle(client, base_url, headers, idle_timeout)
+        try:
+            result.idle_metrics = await wait_idle(client, base_url, headers, idle_timeout)
+        except httpx.HTTPError as e:  # the server's counts are unknown: say so, keep the rest
+            result.idle_error = f"/metrics not read: {e!r}"[:200]
     return result
 
 
@@ -199,10 +218,10 @@ def main(argv: list[str] | None = None) -> int:
                                 description=__doc__.splitlines()[0])
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     p.add_argument("--model", default=None, help="model name (default: the server's first)")
-    p.add_argument("--concurrency", type=int, default=8, help="concurrent clients")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds of sending")
+    p.add_argument("--concurrency", type=int, default=8, help="concurrent clients (>= 1)")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of sending (> 0)")
     p.add_argument("--max-tokens", type=int, nargs=2, default=[8, 32], metavar=("MIN", "MAX"),
-                   help="output length range of each request")
+                   help="output length range of each request (1 <= MIN <= MAX)")
     p.add_argument("--request-timeout", type=float, default=60.0,
                    help="client-side limit per request; past it the request counts as hung")
     p.add_argument("--api-key", default=None, help="bearer key of the server")
@@ -214,19 +233,34 @@ def main(argv: list[str] | None = None) -> int:
     except MissingExtraError as e:
         print(f"loadtest: error: {e}", file=sys.stderr)
         return 2
-    model = args.model
-    if model is None:
-        import httpx
+    import httpx
 
-        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        model = httpx.get(args.url.rstrip("/") + "/v1/models",
-                          headers=headers).json()["data"][0]["id"]
-    result = asyncio.run(run_load(args.url, model, args.concurrency, args.duration,
-                                  tuple(args.max_tokens), args.api_key, args.request_timeout,
-                                  args.seed))
+    try:
+        model = args.model or _first_model(args.url, args.api_key)
+        result = asyncio.run(run_load(args.url, model, args.concurrency, args.duration,
+                                      tuple(args.max_tokens), args.api_key,
+                                      args.request_timeout, args.seed))
+    except ValueError as e:
+        print(f"loadtest: error: {e}", file=sys.stderr)
+        return 2
+    except httpx.HTTPError as e:
+        print(f"loadtest: error: cannot list the models of {args.url}: {e!r}", file=sys.stderr)
+        return 2
     print(json.dumps(result.summary()) if args.json else result.format())
-    lost = result.sent - result.completed - result.refused
-    return 0 if lost == 0 and all(v == 0 for v in result.idle_metrics.values()) else 1
+    return 0 if result.clean else 1
+
+
+def _first_model(url: str, api_key: str | None) -> str:
+    """The server's first model id (GET /v1/models)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(url.rstrip("/") + "/v1/models", headers=headers)
+    r.raise_for_status()
+    try:
+        return r.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ValueError(f"{url}/v1/models lists no model: {r.text[:200]!r}") from None
 
 
 if __name__ == "__main__":

@@ -81,3 +81,30 @@ def test_retrieval_prompts_can_be_shorter_than_the_windows(tok_model):
     assert held["perplexity"] == {r.task: r.kv_bytes for r in same}["perplexity"]
     with pytest.raises(ValueError, match="retrieval_context_tokens"):
         EvalSettings(**common, retrieval_context_tokens=10)
+
+
+def test_labelled_policies_and_their_options(tok_model):
+    """`label=name` runs policy `name` with the options given under `label`, and its rows carry
+    the label; policy options are checked before any task runs."""
+    settings = EvalSettings(model=tok_model, policies=["full", "s4=streaming", "s8=streaming"],
+                            compressions=[2], tasks=["perplexity"], context_tokens=256,
+                            ppl_windows=1, engine_options={"block_size": 16},
+                            policy_options={"s4": {"n_sink": 4}, "s8": {"n_sink": 8}})
+    rows = run_eval(settings, log=lambda line: None)
+    assert [r.policy for r in rows] == ["full", "s4", "s8"]
+    # same kept fraction, different sinks: different scores
+    assert rows[1].kept_fraction == rows[2].kept_fraction < 1.0
+    assert rows[1].score != rows[2].score
+    common = dict(model=tok_model, policies=["full", "s4=streaming"], compressions=[2])
+    with pytest.raises(ValueError, match="unknown KV policy"):
+        EvalSettings(model=tok_model, policies=["s4=bogus"])
+    with pytest.raises(ValueError, match="label to a dict"):
+        EvalSettings(**common, policy_options=[])
+    with pytest.raises(ValueError, match="label to a dict"):
+        EvalSettings(**common, policy_options={"s4": 5})
+    with pytest.raises(ValueError, match="not a policy of this run"):
+        EvalSettings(**common, policy_options={"streaming": {"n_sink": 4}})
+    with pytest.raises(ValueError, match=r"'s4=streaming'.*unknown option"):
+        EvalSettings(**common, policy_options={"s4": {"bogus": 1}})
+    with pytest.raises(ValueError, match="compressions is empty"):
+        EvalSettings(**dict(common, compressions=[]))

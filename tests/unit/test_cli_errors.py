@@ -39,6 +39,28 @@ def run(argv, capsys) -> tuple[int, str]:
      "--block-sizes: expected comma-separated integers"),
     (["eval", "--model", TINY, "--compressions", "abc"],
      "--compressions must be comma-separated numbers"),
+    (["simulate", "--workload", "chat", *SIM, "--block-size", "0"],
+     "--block-size: expected integers >= 1"),
+    (["simulate", "--workload", "chat", *SIM, "--block-size", "8"],
+     "block size must be an integer in [16, 1024]"),
+    (["simulate", "--workload", "chat", *SIM, "--max-num-batched-tokens", "0"],
+     "--max-num-batched-tokens: expected integers >= 1"),
+    (["simulate", "--workload", "chat", *SIM, "--max-model-len", "0"],
+     "--max-model-len: expected integers >= 1"),
+    (["simulate", "--workload", "chat", *SIM, "--rate", "nan"],
+     "--rate: expected finite numbers > 0"),
+    (["simulate", "--workload", "chat", *SIM, "--compression-ratio", "1"],
+     "compression ratio (fraction removed) must be in [0, 1)"),
+    (["simulate", "--workload", "chat", *SIM, "--eviction-ratio", "0"],
+     "eviction ratio must be in (0, 1]"),
+    (["simulate", "--workload", "chat", *SIM, "--kv-cache-dtype", "int4"],
+     "kv_cache_dtype must be one of"),
+    (["advise", "--workload", "rag", *SIM, "--compressions", "0.5,1.5"],
+     "compression ratio (fraction removed) must be in [0, 1), got 1.5"),
+    (["advise", "--workload", "rag", *SIM, "--block-sizes", "16,2048"],
+     "block size must be an integer in [16, 1024] (the engine's), got 2048"),
+    (["advise", "--workload", "rag", *SIM, "--rates", "1,-2"],
+     "--rates: expected finite numbers > 0"),
 ])
 def test_user_errors_exit_2_with_one_line(argv, fragment, capsys):
     rc, last = run(argv, capsys)
@@ -60,13 +82,26 @@ def test_checks_come_before_the_work(monkeypatch, capsys):
     def no_work(*args, **kwargs):
         raise AssertionError("ran before the arguments were checked")
 
+    import nanokv.sim.advise
+
     monkeypatch.setattr(nanokv.eval.harness, "run_eval", no_work)
+    monkeypatch.setattr(nanokv.sim.advise, "sweep", no_work)
+    monkeypatch.setattr(nanokv.sim.advise, "evaluate", no_work)
     monkeypatch.setattr(nanokv.workloads.run, "run_bench", no_work)
     rc, last = run(["eval", "--model", TINY, "--policies", "full,bogus"], capsys)
     assert rc == 2 and "unknown KV policy ['bogus']" in last
     rc, last = run(["bench", "--model", TINY, "--step-model-out", "/nonexistent/x.json"],
                    capsys)
     assert rc == 2 and "--step-model-out: the directory of '/nonexistent/x.json'" in last
+    trace = Path(__file__).resolve().parent / "_no_trace_needed.jsonl"  # never opened
+    rc, last = run(["advise", "--trace", str(trace), *SIM, "--rates", "1"], capsys)
+    assert rc == 2 and "--rates needs --workload" in last
+    rc, last = run(["eval", "--model", TINY, "--policies", "full,snapkv", "--policy-options",
+                    '{"snapkv": {"bogus": 1}}'], capsys)
+    assert rc == 2 and "unknown option(s) ['bogus'] for KV policy 'snapkv'" in last
+    rc, last = run(["eval", "--model", TINY, "--policies", "full,snapkv", "--compressions", ""],
+                   capsys)
+    assert rc == 2 and "compressions is empty" in last
 
 
 def test_unreadable_calibration_files(tmp_path):
@@ -76,3 +111,26 @@ def test_unreadable_calibration_files(tmp_path):
     binary.write_bytes(b"{\x80\x81")
     with pytest.raises(ValueError, match="cannot read calibration file .*binary.json"):
         load_calibration(binary)
+
+
+def test_load_tester_options_and_an_unreachable_server(capsys):
+    """Bad load-test options exit 2 naming the option; a server that cannot be reached gives the
+    summary (every request failed, /metrics not read) and exit 1, not a traceback."""
+    from nanokv.workloads import loadtest
+
+    url = "http://127.0.0.1:9"  # the discard port: connections are refused
+    base = ["--url", url, "--model", "m", "--duration", "0.2"]
+    assert loadtest.main(base + ["--concurrency", "0"]) == 2
+    assert "concurrency must be an integer >= 1, got 0" in capsys.readouterr().err
+    assert loadtest.main(base + ["--max-tokens", "5", "3"]) == 2
+    assert "max_tokens maximum must be an integer >= 5, got 3" in capsys.readouterr().err
+    assert loadtest.main(base + ["--request-timeout", "0"]) == 2
+    assert "request_timeout must be a finite number of seconds > 0" in capsys.readouterr().err
+    assert loadtest.main(["--url", url, "--duration", "0.2"]) == 2  # no --model: listing fails
+    assert f"cannot list the models of {url}" in capsys.readouterr().err
+    assert loadtest.main(base + ["--concurrency", "1", "--json"]) == 1
+    import json
+
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["sent"] >= 1 and summary["failed"] == summary["sent"]
+    assert summary["completed"] == 0 and summary["idle_error"].startswith("/metrics not read")

@@ -90,6 +90,27 @@ def test_trace_roundtrip_and_bad_lines(tmp_path):
         read_trace(str(path))
 
 
+@pytest.mark.parametrize("fields,message", [
+    ('"t": NaN', "t must be a finite number"),  # the simulator's clock never advanced past NaN
+    ('"t": Infinity', "t must be a finite number"),
+    ('"t": "0"', "t must be a finite number"),
+    ('"t": 0, "hash_block_size": 0', "hash_block_size must be an integer >= 1"),
+    ('"t": 0, "prompt_len": 40.5', "prompt_len must be an integer >= 1"),
+    ('"t": 0, "output_len": true', "output_len must be an integer >= 0"),
+    ('"t": 0, "hashes": ["zz"]', "hashes must be a list of hex strings"),
+    ('"t": 0, "hashes": "00ff"', "hashes must be a list of hex strings"),
+    ('"t": 0, "cached": -1', "cached must be an integer >= 0"),
+    ('"t": 0, "abort_t": NaN', "abort_t must be a finite number"),
+])
+def test_malformed_trace_fields_are_named(tmp_path, fields, message):
+    line = {"prompt_len": 40, "output_len": 4, "hashes": []}
+    text = json.dumps(line)[:-1] + ", " + fields + "}"
+    path = tmp_path / "t.jsonl"
+    path.write_text(text + "\n")
+    with pytest.raises(ValueError, match=f"t.jsonl:1: not a trace record: {message}"):
+        read_trace(str(path))
+
+
 def test_generators_are_deterministic_and_share_their_prefixes():
     shape = WorkloadShape(system_prompts=2, system_len=(64, 64), user_len=(8, 8),
                           output_len=(4, 4), max_model_len=4096)
