@@ -35,6 +35,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    # nanokv.layers.sampler.TokenLogprobs of every token in token_ids, when the params ask for
+    # logprobs (vLLM's CompletionOutput.logprobs); None otherwise
+    logprobs: list | None = None
 
 
 @dataclass

@@ -62,6 +62,8 @@ class Request:
         self.peak_blocks = 0  # most blocks this request held at once
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
         self.text = ""  # detokenized output, maintained by the engine
+        # TokenLogprobs of each output token, when params.logprobs asks (engine-maintained)
+        self.output_logprobs: list = []
         self.prompt_logits: list = []  # chunks of [n, vocab] rows when params ask for them
         # KV policy: the engine's, or a per-request override (a PolicyConfig); None = full cache
         self.kv_policy = None

@@ -6,14 +6,18 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's chat limit)
+GREEDY_BELOW = 1e-5  # vLLM's: a temperature below this decodes greedily (argmax)
 
 
 @dataclass
 class SamplingParams:
     """How one request samples its output.
 
-    temperature == 0 means greedy decoding (argmax); top_k, top_p, min_p and seed are then
+    temperature 0 (or any below GREEDY_BELOW, 1e-5, as in vLLM: dividing by such a temperature
+    overflows float32) means greedy decoding (argmax); top_k, top_p, min_p and seed are then
     ignored, the penalties are not (as in vLLM they change the logits greedy decoding reads).
+    min_tokens: EOS (unless ignore_eos) and stop_token_ids cannot be sampled before the request
+    has that many output tokens (vLLM's), and stop strings do not stop it before then.
     """
 
     temperature: float = 1.0
@@ -43,8 +47,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = _as_list("stop", self.stop, "a string or a list of non-empty strings")
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids,
+                                       "a list of non-negative integers")
         _check(_finite(self.temperature) and self.temperature >= 0,
                f"temperature must be a finite number >= 0 (0 = greedy), got "
                f"{self.temperature!r}")
@@ -79,13 +84,22 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:
         """True when sampling needs the request's token history."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def _as_list(name: str, value, allowed: str) -> list:
+    """None -> [], a list or tuple -> a list; anything else (a lone number) is refused."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return list(value)
 
 
 def _int(x) -> bool:

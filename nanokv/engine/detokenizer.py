@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-from nanokv.request import Request
+from nanokv.request import Request, RequestStatus
 
 
 def update_text(request: Request, tokenizer) -> str | None:
     """Refresh `request.text` from its output tokens; return the stop string that matched, if
-    any (the text is then cut before it, or after it with include_stop_str_in_output)."""
+    any (the text is then cut before it, or after it with include_stop_str_in_output). A
+    request the scheduler stopped on a token (EOS or stop_token_ids) leaves that token out of
+    its text unless include_stop_str_in_output (its token ids keep it)."""
     if tokenizer is None:
         return None
     # the text before this step's tokens, less its trailing U+FFFD: a character whose bytes
     # come over several tokens decodes to U+FFFD until its last byte, then replaces it
     previous = len(request.text.rstrip("\ufffd"))
-    text = tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+    ids = request.output_token_ids
+    if (request.status == RequestStatus.FINISHED_STOPPED
+            and not request.params.include_stop_str_in_output):
+        ids = ids[:-1]  # the token that stopped it (EOS, a stop token id) is not text (vLLM's)
+    text = tokenizer.decode(ids, skip_special_tokens=True)
     request.text = text
     stops = request.params.stop
     if not stops or request.num_output_tokens < request.params.min_tokens:

@@ -279,6 +279,8 @@ class LLMEngine:
                 request.status = RequestStatus.FINISHED_STOPPED  # the stop string wins
             new = request.output_token_ids[before[request.request_id]:]
             logprobs = runner_out.logprobs.get(request.request_id)
+            if logprobs is not None and new:
+                request.output_logprobs.append(logprobs)
             outputs.append(self._output(request, new,
                                         [logprobs] if logprobs is not None and new else None))
         return outputs
@@ -302,7 +304,9 @@ class LLMEngine:
             request_id=request.request_id, prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             outputs=[CompletionOutput(request.text, list(request.output_token_ids), reason,
-                                      request.stop_reason)],
+                                      request.stop_reason,
+                                      list(request.output_logprobs)
+                                      if request.params.logprobs is not None else None)],
             finished=finished, num_cached_tokens=max(0, request.num_cached_tokens),
             metrics=request.metrics, new_token_ids=new_token_ids, new_logprobs=new_logprobs,
             prompt_logits=_prompt_logits(request) if finished else None,

@@ -136,6 +136,21 @@ def apply_penalties_batch(logits: torch.Tensor, params: list[SamplingParams],
     return out_logits
 
 
+def ban_tokens(logits: torch.Tensor, banned: list[tuple[int, ...]],
+               raw: torch.Tensor) -> torch.Tensor:
+    """Row i's `banned[i]` token ids to -inf (min_tokens: a row may not stop yet). logits:
+    [N, vocab] -> the same tensor when it is already a penalised copy, else a masked copy (the
+    raw logits stay as they are: log-probabilities read them)."""
+    vocab = logits.shape[1]
+    pairs = np.array([(i, t) for i, ids in enumerate(banned) for t in ids if t < vocab],
+                     dtype=np.int64).reshape(-1, 2).T  # [2 = row | token, n]
+    out = logits.clone() if logits is raw else logits
+    if pairs.shape[1]:
+        index = upload(pairs.reshape(-1), logits.device).view(2, -1)
+        out[index[0], index[1]] = float("-inf")
+    return out
+
+
 def filter_logits_batch(scaled: torch.Tensor, rp: RowParams) -> torch.Tensor:
     """min_p, then top-k, then top-p, each on the rows that asked with their own parameters, as
     `filter_logits` does row by row. scaled: [S, vocab] (tempered, changed in place) -> masked

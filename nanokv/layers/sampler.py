@@ -1,8 +1,9 @@
 """Token sampling: penalties, then greedy rows by argmax; the rest with temperature, min-p,
 top-k, top-p; log-probabilities of the sampled tokens on request.
 
-The order is vLLM's: penalties change the logits every row reads (greedy ones too), then the
-temperature, then min_p on the tempered distribution, then top-k and top-p. Log-probabilities are
+The order is vLLM's: penalties change the logits every row reads (greedy ones too), and a row's
+banned tokens (EOS and stop tokens before `min_tokens`) are masked, then the temperature, then
+min_p on the tempered distribution, then top-k and top-p. Log-probabilities are
 those of the model's raw distribution (vLLM's default `raw_logprobs`): what the model thought,
 not what the sampling settings made of it.
 
@@ -32,6 +33,7 @@ import torch
 from nanokv.layers.batch_sampling import (
     RowParams,
     apply_penalties_batch,
+    ban_tokens,
     draw,
     logprob_parts,
 )
@@ -70,11 +72,15 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                output_indices: list[int],
-               histories: list[History | None] | None = None) -> SamplerOutput:
+               histories: list[History | None] | None = None,
+               banned: list[tuple[int, ...]] | None = None) -> SamplerOutput:
         """logits: [N, vocab] on the model's device; histories[i] is needed where
-        params[i].has_penalties. All rows on the device at once; one transfer back."""
+        params[i].has_penalties; banned[i]: token ids row i may not pick (min_tokens). All rows
+        on the device at once; one transfer back."""
         raw = logits
         logits = apply_penalties_batch(logits, params, histories)
+        if banned is not None and any(banned):
+            logits = ban_tokens(logits, banned, raw)
         # [N]: the greedy rows' tokens; max's indices are argmax's (the first maximum, NaN
         # first) and on CPU 3x faster over 8 x 151,936 logits (one vectorised pass)
         tokens = logits.max(dim=-1).indices
@@ -113,7 +119,8 @@ class Sampler:
 
     def sample_reference(self, logits: torch.Tensor, params: list[SamplingParams],
                          output_indices: list[int],
-                         histories: list[History | None] | None = None) -> list[int]:
+                         histories: list[History | None] | None = None,
+                         banned: list[tuple[int, ...]] | None = None) -> list[int]:
         """Row by row on the host with `apply_penalties` and `filter_logits`, the same uniforms
         as `sample` draws: the oracle the batched device path is tested against, token for
         token."""
@@ -124,6 +131,9 @@ class Sampler:
             row = logits[i].float().cpu()
             if p.has_penalties:
                 row = apply_penalties(row, p, *histories[i])
+            if banned is not None and banned[i]:
+                row = row.clone()
+                row[[t for t in banned[i] if t < row.shape[0]]] = float("-inf")
             if p.greedy:
                 tokens.append(int(row.argmax()))
                 continue

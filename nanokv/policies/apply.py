@@ -103,8 +103,9 @@ def plan_compression(policy: KVPolicy, layers: Sequence[tuple[torch.Tensor, torc
 def apply_compression(plan: CompressionPlan, layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
                       block_table: list[int], slot_positions: torch.Tensor | None = None) -> None:
     """Write the plan: compact every layer. slot_positions `[num_blocks, B]` (the pool's) is
-    compacted along when every layer kept the same shared slots; otherwise its kept region is set
-    to -1 (positions then differ per layer or head; the engine does not read them after prefill).
+    compacted along when every layer kept the same shared slots; otherwise its kept region from
+    the first changed block on is set to -1 (positions then differ per layer or head; the engine
+    does not read them after prefill).
 
     Blocks from `plan.first_changed_block` to `plan.num_blocks` are overwritten: they must not be
     shared with another request (ref_cnt 1; copy-on-write or no prefix caching, see the report).
@@ -115,10 +116,11 @@ def apply_compression(plan: CompressionPlan, layers: Sequence[tuple[torch.Tensor
         first = plan.kept[0]
         if first.dim() == 1 and all(torch.equal(k, first) for k in plan.kept[1:]):
             compact_slots(slot_positions, block_table, plan.num_slots_before, first)
-        else:
+        else:  # from the first changed block on: the blocks before it (maybe shared) keep
+            start = plan.first_changed_block * slot_positions.shape[1]  # their positions
             flat = flat_slots(block_table, plan.num_slots, slot_positions.shape[1],
                               slot_positions.device)
-            slot_positions.view(-1)[flat] = -1
+            slot_positions.view(-1)[flat[start:]] = -1
 
 
 def compress_request(policy: KVPolicy, layers: Sequence[tuple[torch.Tensor, torch.Tensor]],

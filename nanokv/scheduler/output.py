@@ -26,6 +26,9 @@ class ScheduledRequest:
     layer_start_slots: list[int] | None = None
     # (prompt token ids, output token ids) when the sampling params have penalties, else None
     history: tuple[list[int], list[int]] | None = None
+    # tokens the sampler may not pick for this output token: EOS (unless ignore_eos) and
+    # stop_token_ids while the request has fewer than min_tokens outputs (vLLM's min_tokens)
+    banned_token_ids: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

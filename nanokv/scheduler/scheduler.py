@@ -188,7 +188,18 @@ class Scheduler:
             history=((request.prompt_token_ids, request.output_token_ids)
                      if request.params.has_penalties and start + num_new == request.num_tokens
                      else None),
+            banned_token_ids=self._banned(request),
         )
+
+    @staticmethod
+    def _banned(request: Request) -> tuple[int, ...]:
+        """What the next output token may not be: before min_tokens outputs, the tokens that
+        would stop the request (EOS unless ignore_eos, and stop_token_ids)."""
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens:
+            return ()
+        eos = () if params.ignore_eos else request.eos_token_ids
+        return tuple(dict.fromkeys((*eos, *params.stop_token_ids)))
 
     def _preempt(self, request: Request) -> None:
         self.num_recomputed_tokens += request.num_computed_tokens

@@ -20,7 +20,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-GREEDY_EPS = 1e-5  # temperatures in [0, GREEDY_EPS) decode greedily
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
 MAX_N = 64  # choices per prompt
 
@@ -163,9 +162,6 @@ class _SamplingRequest(_Body):
         if temperature > MAX_TEMPERATURE:
             raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got "
                              f"{temperature!r}")
-        # like vLLM, a temperature too small to divide the logits by safely means greedy
-        if 0 <= temperature < GREEDY_EPS:
-            temperature = 0.0
         top_k = -1 if self.top_k in (None, 0) else self.top_k
         return dict(
             temperature=temperature, top_k=top_k,

@@ -112,7 +112,7 @@ def test_stop_rules(llm):
                                                 stop_token_ids=[stop_tok], ignore_eos=True))[0]
     assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop_tok
     assert out.token_ids == tokens[:tokens.index(stop_tok) + 1]
-    # EOS stops unless ignore_eos; min_tokens defers it
+    # EOS stops unless ignore_eos; before min_tokens it cannot be sampled (vLLM's min_tokens)
     eos = llm.engine.eos_token_ids
     llm.engine.eos_token_ids = (stop_tok,)
     try:
@@ -121,8 +121,8 @@ def test_stop_rules(llm):
         first = tokens.index(stop_tok)
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12,
                                                     min_tokens=first + 2))[0]
-        # the first occurrence (output token first + 1) came before min_tokens: ignored
-        assert len(out.token_ids) > first + 1
+        assert stop_tok not in out.token_ids[:first + 1]
+        assert out.token_ids[:first] == tokens[:first] and out.token_ids[first] != stop_tok
     finally:
         llm.engine.eos_token_ids = eos
     # a stop string cuts the text before it
@@ -263,3 +263,82 @@ def test_reference_linear_backend_matches_hf(tiny_qwen3):
             assert any(line.startswith("transparent huge pages: ")
                        for line in llm.engine.startup_lines)
         assert llm.generate([prompt], GREEDY)[0].token_ids == expected
+
+
+@pytest.mark.parametrize("min_tokens", [3, 6, 12])
+def test_min_tokens_masks_stop_tokens_as_hf_does(llm, tiny_llama, min_tokens):
+    """Before min_tokens outputs, EOS and stop_token_ids cannot be sampled; after, the first one
+    stops. Oracle: HF generate with min_new_tokens (its processor masks the EOS ids) and the stop
+    token as HF's EOS."""
+    prompt = [7, 8, 9, 10]
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12,
+                                                 ignore_eos=True))[0].token_ids
+    stop_tok = free[1]  # greedy would stop at the second token
+    hf = load_hf(tiny_llama)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        seq = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          max_new_tokens=12, min_new_tokens=min_tokens, eos_token_id=[stop_tok],
+                          pad_token_id=0)[0, len(prompt):].tolist()
+    expected = seq[:seq.index(stop_tok) + 1] if stop_tok in seq else seq
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12,
+                                                min_tokens=min_tokens, stop_token_ids=[stop_tok],
+                                                ignore_eos=True))[0]
+    assert out.token_ids == expected
+    assert stop_tok not in out.token_ids[:min_tokens]
+    # sampled rows too: with a seed, never a stop token before min_tokens
+    for seed in range(8):
+        out = llm.generate([prompt], SamplingParams(temperature=1.0, seed=seed, max_tokens=12,
+                                                    min_tokens=min_tokens,
+                                                    stop_token_ids=[stop_tok],
+                                                    ignore_eos=True))[0]
+        assert stop_tok not in out.token_ids[:min_tokens]
+    assert_no_blocks_held(llm)
+
+
+def test_stop_token_text_is_left_out_unless_asked(llm):
+    """A stop token id ends the output with the token in token_ids and, as vLLM, its text left
+    out of text unless include_stop_str_in_output."""
+    tok = llm.tokenizer
+    prompt = "def fibonacci(n):"
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8,
+                                                 ignore_eos=True))[0].token_ids
+    k = next(i for i in range(1, len(free)) if tok.decode([free[i]]).strip()
+             and free[i] not in free[:i])
+    for include in (False, True):
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8,
+                                                    stop_token_ids=[free[k]],
+                                                    include_stop_str_in_output=include))[0]
+        assert out.token_ids == free[:k + 1] and out.finish_reason == "stop"
+        assert out.text == tok.decode(free[:k + 1] if include else free[:k],
+                                      skip_special_tokens=True)
+
+
+def test_generate_returns_every_tokens_logprobs(llm, tiny_llama):
+    """outputs[0].logprobs holds one entry per output token: HF's raw log-softmax of it."""
+    prompt = [7, 8, 9, 10]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, logprobs=3,
+                                                ignore_eos=True))[0]
+    lps = out.outputs[0].logprobs
+    assert [lp.token_id for lp in lps] == out.token_ids
+    _, logits = hf_greedy(load_hf(tiny_llama), prompt, 6)  # [6, vocab]
+    ref = logits.log_softmax(-1)
+    for lp, row in zip(lps, ref):
+        assert lp.logprob == pytest.approx(float(row[lp.token_id]), abs=1e-4)
+        assert [t for t, _ in lp.top] == row.topk(3).indices.tolist()
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6,
+                                                  ignore_eos=True))[0]
+    assert plain.outputs[0].logprobs is None
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy(llm):
+    """As vLLM: temperatures below 1e-5 decode greedily (dividing float32 logits by 1e-40
+    overflowed, and every row then picked the last token id)."""
+    prompt = [7, 8, 9, 10]
+    greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6,
+                                                   ignore_eos=True))[0].token_ids
+    for t in (1e-40, 1e-300, 9e-6):
+        out = llm.generate([prompt], SamplingParams(temperature=t, seed=0, max_tokens=6,
+                                                    ignore_eos=True))[0]
+        assert out.token_ids == greedy
+

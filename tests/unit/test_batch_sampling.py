@@ -64,6 +64,28 @@ def test_batched_equals_per_row_reference(seed):
     assert any(not p.greedy for p in params) and any(p.has_penalties for p in params)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_banned_tokens_are_never_picked_and_match_the_reference(seed):
+    """min_tokens' banned tokens (each row's EOS / stop ids) are masked before every filter:
+    the batched path equals the host reference, no row picks a banned token, and the raw
+    log-probabilities are those of the unmasked logits."""
+    logits, params, indices, histories = random_batch(seed, 24)
+    rng = random.Random(seed)
+    # each row bans its 1-3 likeliest tokens (what greedy or top-k would pick), or nothing
+    banned = [tuple(logits[i].topk(rng.randint(1, 3)).indices.tolist())
+              if rng.random() < 0.7 else () for i in range(len(params))]
+    banned[0] = (VOCAB + 5,)  # an id past the vocabulary: nothing to mask
+    out = Sampler(3).sample(logits, params, indices, histories, banned)
+    assert out.token_ids == Sampler(3).sample_reference(logits, params, indices, histories,
+                                                        banned)
+    assert all(t not in b for t, b in zip(out.token_ids, banned))
+    raw = Sampler(3).sample(logits, params, indices, histories)
+    for lp, ref, p in zip(out.logprobs, raw.logprobs, params):
+        assert (lp is None) == (p.logprobs is None)
+        if lp is not None:
+            assert lp.top == ref.top  # the unmasked distribution
+
+
 def test_seeded_row_does_not_depend_on_its_batch():
     logits, params, indices, histories = random_batch(7, 16)
     mine = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, min_p=0.02, seed=4242,

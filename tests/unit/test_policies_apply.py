@@ -84,6 +84,22 @@ def test_streaming_compacts_positions_and_keeps_unchanged_blocks_cached():
     bm.check_invariants([req])
 
 
+def test_per_head_compaction_keeps_the_positions_of_unchanged_blocks():
+    """Kept slots that differ per head make the changed region's positions unknown (-1); the
+    blocks before the first changed one are not written at all: with prefix caching another
+    request may hold them."""
+    n, budget, w = 30, 13, 4
+    pool, bm, req, q = prefilled(n, prefix_caching=True)
+    policy = make_policy("snapkv", budget=budget, window=w, per_head=True, n_sink=2 * BS)
+    plan = compress_request(policy, layers_of(pool), req.block_table, n,
+                            q_windows=[x[-w:] for x in q], scale=D ** -0.5,
+                            slot_positions=pool.slot_positions)
+    assert plan.first_changed_block == 2 and plan.kept[0].dim() == 2
+    pos = pool.slot_positions.view(-1)[flat_slots(req.block_table, budget, BS)]
+    assert pos[:2 * BS].tolist() == list(range(2 * BS))  # the sinks' blocks, untouched
+    assert (pos[2 * BS:] == -1).all()
+
+
 def test_per_layer_budgets_need_engine_support():
     pool, _, req, q = prefilled(40)
     policy = make_policy("pyramidkv", budget=12, window=4)

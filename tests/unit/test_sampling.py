@@ -65,6 +65,10 @@ def test_sampling_follows_distribution():
     (dict(top_k=0), "top_k"),
     (dict(stop=[""]), "stop"),
     (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    (dict(stop=5), "stop must be a string or a list"),
+    (dict(stop=0), "stop must be a string or a list"),  # was silently no stop at all
+    (dict(stop_token_ids=7), "stop_token_ids must be a list"),
+    (dict(stop_token_ids=0), "stop_token_ids must be a list"),
 ])
 def test_bad_sampling_params(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):

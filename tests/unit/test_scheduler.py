@@ -397,6 +397,25 @@ def test_stop_conditions(case):
     assert r.stop_reason == stop_reason
 
 
+@pytest.mark.parametrize("params,eos,expected", [
+    # (params, eos ids, what each of the first four sampled tokens may not be)
+    ({"min_tokens": 2}, (7,), [(7,), (7,), (), ()]),
+    ({"min_tokens": 3, "stop_token_ids": [9, 7]}, (7,), [(7, 9), (7, 9), (7, 9), ()]),
+    ({"min_tokens": 2, "stop_token_ids": [9], "ignore_eos": True}, (7,), [(9,), (9,), (), ()]),
+    ({"min_tokens": 0, "stop_token_ids": [9]}, (7,), [(), (), (), ()]),
+])
+def test_banned_tokens_before_min_tokens(params, eos, expected):
+    """The scheduler tells the sampler what each output token may not be: EOS (unless
+    ignore_eos) and stop_token_ids while fewer than min_tokens outputs exist."""
+    h = Harness(script=scripted([11, 12, 13, 14, 15]))
+    h.add("r", range(100, 110), eos=eos, max_tokens=5, **params)
+    seen = []
+    while h.sched.has_unfinished and len(seen) < 4:
+        out = h.step()
+        seen += [set(s.banned_token_ids) for s in out.scheduled if s.sample]
+    assert seen == [set(e) for e in expected]
+
+
 def test_stop_at_max_model_len():
     h = Harness(max_model_len=16)
     r = h.add("r", range(100, 110), max_tokens=100, ignore_eos=True)
