@@ -22,13 +22,6 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
-def _positive_int(text: str) -> int:
-    values = _ints(text)
-    if len(values) != 1:
-        raise argparse.ArgumentTypeError(f"expected one integer >= 1, got {text!r}")
-    return values[0]
-
-
 def _floats(text: str) -> tuple[float, ...]:
     try:
         return tuple(float(x) for x in text.split(",") if x.strip())
@@ -45,11 +38,18 @@ def _positive_floats(text: str) -> tuple[float, ...]:
     return values
 
 
-def _positive_float(text: str) -> float:
-    values = _positive_floats(text)
-    if len(values) != 1:
-        raise argparse.ArgumentTypeError(f"expected one number > 0, got {text!r}")
-    return values[0]
+def _single(parse, what: str):
+    """An argparse type of one value from a comma-separated one (`parse`)."""
+    def one(text: str):
+        values = parse(text)
+        if len(values) != 1:
+            raise argparse.ArgumentTypeError(f"expected one {what}, got {text!r}")
+        return values[0]
+    return one
+
+
+_positive_int = _single(_ints, "integer >= 1")
+_positive_float = _single(_positive_floats, "number > 0")
 
 
 def _kv_dtypes(text: str) -> tuple[str, ...]:
