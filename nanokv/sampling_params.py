@@ -6,18 +6,19 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's chat limit)
-GREEDY_BELOW = 1e-5  # vLLM's: a temperature below this decodes greedily (argmax)
+GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily (argmax)
 
 
 @dataclass
 class SamplingParams:
     """How one request samples its output.
 
-    temperature 0 (or any below GREEDY_BELOW, 1e-5, as in vLLM: dividing by such a temperature
-    overflows float32) means greedy decoding (argmax); top_k, top_p, min_p and seed are then
-    ignored, the penalties are not (as in vLLM they change the logits greedy decoding reads).
+    temperature 0 (or any below GREEDY_BELOW, 1e-5: dividing float32 logits by such a
+    temperature overflows; vLLM 0.32 raises temperatures below 1e-2 to 1e-2 instead) means
+    greedy decoding (argmax); top_k, top_p, min_p and seed are then ignored, the penalties are
+    not (as in vLLM they change the logits greedy decoding reads).
     min_tokens: EOS (unless ignore_eos) and stop_token_ids cannot be sampled before the request
-    has that many output tokens (vLLM's), and stop strings do not stop it before then.
+    has that many output tokens (vLLM's), and a stop string must end in a later token.
     """
 
     temperature: float = 1.0

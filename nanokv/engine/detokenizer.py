@@ -22,17 +22,18 @@ def update_text(request: Request, tokenizer) -> str | None:
     text = tokenizer.decode(ids, skip_special_tokens=True)
     request.text = text
     stops = request.params.stop
-    if not stops or request.num_output_tokens < request.params.min_tokens:
-        return None
-    longest = max(len(s) for s in stops)
-    search_from = max(0, previous - longest + 1)  # a stop may straddle the old/new boundary
-    best: tuple[int, str] | None = None
+    if not stops or request.num_output_tokens <= request.params.min_tokens:
+        return None  # as EOS, a stop string may end in output token min_tokens + 1 at the earliest
+    # the stop that ends first in this step's new text (ties: the first listed, as vLLM): each
+    # is looked for where it would end past `previous` (one ending before was looked for then,
+    # or fell in the first min_tokens tokens)
+    best: tuple[int, int, str] | None = None  # (end, start, stop)
     for stop in stops:
-        at = text.find(stop, search_from)
-        if at >= 0 and (best is None or at < best[0]):
-            best = (at, stop)
+        at = text.find(stop, max(0, previous - len(stop) + 1))
+        if at >= 0 and (best is None or at + len(stop) < best[0]):
+            best = (at + len(stop), at, stop)
     if best is None:
         return None
-    at, stop = best
+    _, at, stop = best
     request.text = text[:at + len(stop)] if request.params.include_stop_str_in_output else text[:at]
     return stop

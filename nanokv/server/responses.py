@@ -31,10 +31,12 @@ def _lp(x: float) -> float:
     return max(x, LOGPROB_FLOOR)
 
 
-def completion_logprobs(lps: list[TokenLogprobs], token_text: Callable[[int], str]) -> dict:
+def completion_logprobs(lps: list[TokenLogprobs], token_text: Callable[[int], str],
+                        offset: int = 0) -> dict:
     """/v1/completions: tokens, token_logprobs, top_logprobs ({token: logprob}, the sampled
-    token included) and text_offset."""
-    tokens, values, tops, offsets, at = [], [], [], [], 0
+    token included) and text_offset (each token's offset in the whole completion: a streamed
+    chunk passes the length of the tokens' text sent before it as `offset`)."""
+    tokens, values, tops, offsets, at = [], [], [], [], offset
     for lp in lps:
         text = token_text(lp.token_id)
         tokens.append(text)
@@ -97,6 +99,7 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
     deltas = [TextDelta(stop) for _ in range(num_choices)]
     pending_ids: list[list[int]] = [[] for _ in range(num_choices)]
     pending_lps: list[list[TokenLogprobs]] = [[] for _ in range(num_choices)]
+    text_offsets = [0] * num_choices  # tokens' text sent with logprobs so far (text_offset)
     finals: list[RequestOutput | None] = [None] * num_choices
     n = body.num_choices
     generated = 0
@@ -126,9 +129,11 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
             if out.finished:
                 finals[i] = out
             logprobs = None
-            if want_logprobs and pending_lps[i]:
-                logprobs = (chat_logprobs if chat else completion_logprobs)(pending_lps[i],
-                                                                            token_text)
+            if want_logprobs and pending_lps[i] and chat:
+                logprobs = chat_logprobs(pending_lps[i], token_text)
+            elif want_logprobs and pending_lps[i]:
+                logprobs = completion_logprobs(pending_lps[i], token_text, text_offsets[i])
+                text_offsets[i] += sum(len(t) for t in logprobs["tokens"])
             reason = out.finish_reason if out.finished else None
             if chat:
                 choice = {"index": i, "delta": {"content": piece} if piece else {},

@@ -142,6 +142,18 @@ def test_logprobs_equal_the_models_distribution(client, offline):
         assert max(top.values()) == pytest.approx(expected[k], abs=1e-4)  # greedy: the top
         assert 1 <= len(top) <= 3  # tokens that decode alike share a key
     assert choice.logprobs.tokens == [offline.tokenizer.decode([t]) for t in out]
+    offsets = [0]
+    for t in choice.logprobs.tokens[:-1]:
+        offsets.append(offsets[-1] + len(t))
+    assert choice.logprobs.text_offset == offsets
+    # streamed: the same offsets (into the whole completion, not restarting in each chunk)
+    streamed = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5,
+                                         temperature=0, logprobs=3, stream=True,
+                                         extra_body={"ignore_eos": True})
+    chunks = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert len(chunks) > 1
+    assert [o for c in chunks for o in c.text_offset] == offsets
+    assert [t for c in chunks for t in c.tokens] == choice.logprobs.tokens
 
     chat = client.chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=4,

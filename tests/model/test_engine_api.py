@@ -296,6 +296,13 @@ def test_min_tokens_masks_stop_tokens_as_hf_does(llm, tiny_llama, min_tokens):
     assert_no_blocks_held(llm)
 
 
+def test_stop_token_ids_outside_the_vocabulary_are_refused(llm):
+    vocab = llm.engine.hf_config.vocab_size
+    with pytest.raises(ValueError, match=rf"stop_token_ids must be in \[0, {vocab}\)"):
+        llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, stop_token_ids=[2, vocab]))
+    assert_no_blocks_held(llm)
+
+
 def test_stop_token_text_is_left_out_unless_asked(llm):
     """A stop token id ends the output with the token in token_ids and, as vLLM, its text left
     out of text unless include_stop_str_in_output."""
