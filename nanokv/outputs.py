@@ -38,6 +38,7 @@ class CompletionOutput:
     # nanokv.layers.sampler.TokenLogprobs of every token in token_ids, when the params ask for
     # logprobs (vLLM's CompletionOutput.logprobs); None otherwise
     logprobs: list | None = None
+    index: int = 0  # which of the request's n samples
 
 
 @dataclass

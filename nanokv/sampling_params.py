@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's chat limit)
 GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily (argmax)
@@ -21,6 +21,7 @@ class SamplingParams:
     has that many output tokens (vLLM's), and a stop string must end in a later token.
     """
 
+    n: int = 1  # samples of the prompt (LLM.generate fans them out; seeded ones use seed + j)
     temperature: float = 1.0
     top_k: int = -1  # -1: no top-k filtering
     top_p: float = 1.0
@@ -51,6 +52,7 @@ class SamplingParams:
         self.stop = _as_list("stop", self.stop, "a string or a list of non-empty strings")
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids,
                                        "a list of non-negative integers")
+        _check(_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         _check(_finite(self.temperature) and self.temperature >= 0,
                f"temperature must be a finite number >= 0 (0 = greedy), got "
                f"{self.temperature!r}")
@@ -82,6 +84,11 @@ class SamplingParams:
                                          and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got "
                f"{self.logprobs!r}")
+
+    def sample(self, j: int) -> SamplingParams:
+        """The params of sample j of n: one sample, a seeded one with seed + j (the server's
+        rule for n choices), so the samples differ."""
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + j)
 
     @property
     def greedy(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from tqdm.auto import tqdm
 
@@ -29,6 +30,10 @@ class LLM:
 
         A single prompt (a string or one list of token ids) is accepted as a batch of one. Every
         prompt is validated before any is queued, so a bad one leaves the engine untouched.
+        Params with n > 1 run n requests of the prompt (sample j seeded with seed + j when a
+        seed is given; samples 1.. start once sample 0 has computed the prompt, so with prefix
+        caching they share its full blocks) and return one output whose `outputs` are the n
+        samples, as vLLM's.
         `use_tqdm` (as in vLLM): a progress bar over the prompts with running input and output
         tokens/s on stderr; False for none, or a callable taking tqdm's arguments that returns
         the bar to use (e.g. `functools.partial(tqdm, leave=False)`).
@@ -45,26 +50,52 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; "
                                  f"pass one, or one per prompt")
-        requests = [self.engine.make_request(p, sp, cache_salt=cache_salt)
-                    for p, sp in zip(prompts, params)]
-        return self.generate_requests(requests, use_tqdm=use_tqdm)
+        requests, groups = [], []  # groups: (request id, its samples' indexes in requests)
+        for p, sp in zip(prompts, params):
+            if sp.n == 1:
+                request = self.engine.make_request(p, sp, cache_salt=cache_salt)
+                groups.append((request.request_id, [len(requests)]))
+                requests.append(request)
+                continue
+            rid = self.engine.new_request_id()
+            groups.append((rid, list(range(len(requests), len(requests) + sp.n))))
+            requests += [self.engine.make_request(p, sp.sample(j), f"{rid}-{j}",
+                                                  cache_salt=cache_salt) for j in range(sp.n)]
+        # a prompt's other samples start once its first has computed the prompt: they find its
+        # full blocks in the prefix cache instead of computing them again
+        leaders = {i: rows[0] for _, rows in groups for i in rows[1:]}
+        outputs = self.generate_requests(requests, use_tqdm=use_tqdm, leaders=leaders)
+        return [outputs[rows[0]] if len(rows) == 1 else _merge(rid, [outputs[i] for i in rows])
+                for rid, rows in groups]
 
     def generate_requests(self, requests: list,
-                          use_tqdm: bool | Callable[..., tqdm] = True) -> list[RequestOutput]:
-        """Run prepared requests (`engine.make_request`) to completion, in order."""
+                          use_tqdm: bool | Callable[..., tqdm] = True,
+                          leaders: dict[int, int] | None = None) -> list[RequestOutput]:
+        """Run prepared requests (`engine.make_request`) to completion, in order. leaders:
+        request index -> the index of the request it is queued after, once that one has its
+        first output token or has finished (the samples of one prompt share its blocks)."""
         engine = self.engine
         bar = _progress_bar(use_tqdm, len(requests))  # before any request is queued: it may raise
         finals: dict[str, RequestOutput] = {}
         added: list = []
+        leaders = leaders or {}
+        waiting = {requests[leader].request_id: [] for leader in leaders.values()}
+        for i, leader in sorted(leaders.items()):
+            waiting[requests[leader].request_id].append(requests[i])
         try:
-            for request in requests:
-                engine.add_prepared(request)
-                added.append(request)
+            for i, request in enumerate(requests):
+                if i not in leaders:
+                    engine.add_prepared(request)
+                    added.append(request)
             while engine.has_unfinished_requests():
                 outs = engine.step()
                 for out in outs:
                     if out.finished:
                         finals[out.request_id] = out
+                    if out.request_id in waiting and (out.new_token_ids or out.finished):
+                        for request in waiting.pop(out.request_id):
+                            engine.add_prepared(request)
+                            added.append(request)
                 if bar is not None:
                     bar.record(outs)
         except BaseException:
@@ -75,6 +106,17 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finals[r.request_id] for r in requests]
+
+
+def _merge(request_id: str, samples: list[RequestOutput]) -> RequestOutput:
+    """One RequestOutput of a prompt's n samples (as vLLM's): outputs[j] is sample j; the
+    request's own figures (cached prompt tokens, metrics, KV held at the end) are sample 0's,
+    which computed the prompt (the others shared its full blocks); an error is any sample's."""
+    return replace(
+        samples[0], request_id=request_id,
+        outputs=[replace(s.outputs[0], index=j) for j, s in enumerate(samples)],
+        new_token_ids=None, new_logprobs=None,
+        error="; ".join(s.error for s in samples if s.error) or None)
 
 
 class _ThroughputBar:

@@ -179,6 +179,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params)}")
+        if params.n != 1:
+            raise ValueError(f"an engine request is one sample (n=1), got n={params.n}: "
+                             f"LLM.generate and the server fan n out into n requests")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings are matched in the output text, which needs a "
                              "tokenizer; this engine was started with skip_tokenizer_init=True: "
@@ -212,7 +215,7 @@ class LLMEngine:
                              f"{self.config.max_model_len - 1}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
-        rid = request_id if request_id is not None else str(next(self._ids))
+        rid = request_id if request_id is not None else self.new_request_id()
         if rid in self.scheduler.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         if compress_after is not None and not 1 <= compress_after <= len(token_ids):
@@ -224,6 +227,10 @@ class LLMEngine:
         # kv_policy: a PolicyConfig overriding the engine's default for this request
         self.policies.attach(request, kv_policy)
         return request
+
+    def new_request_id(self) -> str:
+        """An id no request of this engine was given by default."""
+        return str(next(self._ids))
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None,

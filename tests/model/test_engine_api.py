@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import nanokv.engine.llm as llm_module
 from nanokv import LLM, SamplingParams
 from nanokv.cli import main as cli_main
 from tiny_models import hf_greedy, load_hf
@@ -348,4 +349,47 @@ def test_a_temperature_too_small_to_divide_by_is_greedy(llm):
         out = llm.generate([prompt], SamplingParams(temperature=t, seed=0, max_tokens=6,
                                                     ignore_eos=True))[0]
         assert out.token_ids == greedy
+
+
+def test_n_samples_of_one_prompt(llm):
+    """n > 1: one output per prompt whose outputs are the n samples, sample j equal to a single
+    request seeded with seed + j; greedy samples agree; other prompts keep their order."""
+    prompt = [7, 8, 9, 10]
+    sp = SamplingParams(temperature=1.0, seed=21, n=3, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([[3, 4, 5], prompt, [11, 12]],
+                        [GREEDY, sp, SamplingParams(temperature=0, n=2, max_tokens=5,
+                                                    ignore_eos=True)])
+    assert len(outs) == 3 and [len(o.outputs) for o in outs] == [1, 3, 2]
+    assert outs[0].token_ids == llm.generate([[3, 4, 5]], GREEDY)[0].token_ids
+    samples = outs[1].outputs
+    assert [s.index for s in samples] == [0, 1, 2]
+    for j, s in enumerate(samples):
+        alone = llm.generate([prompt], SamplingParams(temperature=1.0, seed=21 + j, max_tokens=6,
+                                                      ignore_eos=True))[0]
+        assert s.token_ids == alone.token_ids and s.text == alone.text
+    assert len({tuple(s.token_ids) for s in samples}) > 1  # seeds 21, 22, 23 differ
+    assert outs[2].outputs[0].token_ids == outs[2].outputs[1].token_ids
+    assert outs[1].prompt_token_ids == prompt
+    assert_no_blocks_held(llm)
+    # samples 1.. start after sample 0 computed the prompt: they find its full blocks cached
+    long_prompt = list(range(10, 60))  # 3 full blocks of 16 and 2 tokens
+    seen = []
+    real_merge = llm_module._merge
+
+    def spy(request_id, samples):
+        seen.extend(s.num_cached_tokens for s in samples)
+        return real_merge(request_id, samples)
+
+    llm_module._merge = spy
+    try:
+        llm.engine.block_manager.reset_prefix_cache()
+        llm.generate([long_prompt], SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=3))
+    finally:
+        llm_module._merge = real_merge
+    assert seen == [0, 48, 48]
+    with pytest.raises(ValueError, match="n must be an integer >= 1"):
+        SamplingParams(n=0)
+    with pytest.raises(ValueError, match="an engine request is one sample"):
+        llm.engine.add_request(prompt, SamplingParams(n=2))
+    assert_no_blocks_held(llm)
 
