@@ -31,9 +31,9 @@ class LLM:
         A single prompt (a string or one list of token ids) is accepted as a batch of one. Every
         prompt is validated before any is queued, so a bad one leaves the engine untouched.
         Params with n > 1 run n requests of the prompt (sample j seeded with seed + j when a
-        seed is given; samples 1.. start once sample 0 has computed the prompt, so with prefix
-        caching they share its full blocks) and return one output whose `outputs` are the n
-        samples, as vLLM's.
+        seed is given; admitted in one step, samples 1.. take the full blocks sample 0 computes
+        in it from the prefix cache, as in vLLM) and return one output whose `outputs` are the
+        n samples, as vLLM's.
         `use_tqdm` (as in vLLM): a progress bar over the prompts with running input and output
         tokens/s on stderr; False for none, or a callable taking tqdm's arguments that returns
         the bar to use (e.g. `functools.partial(tqdm, leave=False)`).
@@ -61,41 +61,26 @@ class LLM:
             groups.append((rid, list(range(len(requests), len(requests) + sp.n))))
             requests += [self.engine.make_request(p, sp.sample(j), f"{rid}-{j}",
                                                   cache_salt=cache_salt) for j in range(sp.n)]
-        # a prompt's other samples start once its first has computed the prompt: they find its
-        # full blocks in the prefix cache instead of computing them again
-        leaders = {i: rows[0] for _, rows in groups for i in rows[1:]}
-        outputs = self.generate_requests(requests, use_tqdm=use_tqdm, leaders=leaders)
+        outputs = self.generate_requests(requests, use_tqdm=use_tqdm)
         return [outputs[rows[0]] if len(rows) == 1 else _merge(rid, [outputs[i] for i in rows])
                 for rid, rows in groups]
 
     def generate_requests(self, requests: list,
-                          use_tqdm: bool | Callable[..., tqdm] = True,
-                          leaders: dict[int, int] | None = None) -> list[RequestOutput]:
-        """Run prepared requests (`engine.make_request`) to completion, in order. leaders:
-        request index -> the index of the request it is queued after, once that one has its
-        first output token or has finished (the samples of one prompt share its blocks)."""
+                          use_tqdm: bool | Callable[..., tqdm] = True) -> list[RequestOutput]:
+        """Run prepared requests (`engine.make_request`) to completion, in order."""
         engine = self.engine
         bar = _progress_bar(use_tqdm, len(requests))  # before any request is queued: it may raise
         finals: dict[str, RequestOutput] = {}
         added: list = []
-        leaders = leaders or {}
-        waiting = {requests[leader].request_id: [] for leader in leaders.values()}
-        for i, leader in sorted(leaders.items()):
-            waiting[requests[leader].request_id].append(requests[i])
         try:
-            for i, request in enumerate(requests):
-                if i not in leaders:
-                    engine.add_prepared(request)
-                    added.append(request)
+            for request in requests:
+                engine.add_prepared(request)
+                added.append(request)
             while engine.has_unfinished_requests():
                 outs = engine.step()
                 for out in outs:
                     if out.finished:
                         finals[out.request_id] = out
-                    if out.request_id in waiting and (out.new_token_ids or out.finished):
-                        for request in waiting.pop(out.request_id):
-                            engine.add_prepared(request)
-                            added.append(request)
                 if bar is not None:
                     bar.record(outs)
         except BaseException:

@@ -371,7 +371,7 @@ def test_n_samples_of_one_prompt(llm):
     assert outs[2].outputs[0].token_ids == outs[2].outputs[1].token_ids
     assert outs[1].prompt_token_ids == prompt
     assert_no_blocks_held(llm)
-    # samples 1.. start after sample 0 computed the prompt: they find its full blocks cached
+    # samples 1.. take the full blocks sample 0 computes in the same step from the prefix cache
     long_prompt = list(range(10, 60))  # 3 full blocks of 16 and 2 tokens
     seen = []
     real_merge = llm_module._merge
