@@ -35,6 +35,15 @@ def parse_memory(value: int | float | str) -> int:
     return int(n)
 
 
+def check_block_size(what: str, value) -> None:
+    """`what` an integer in [MIN_BLOCK_SIZE, MAX_BLOCK_SIZE] (the block sizes the engine runs),
+    else a ValueError."""
+    if (isinstance(value, bool) or not isinstance(value, int)
+            or not MIN_BLOCK_SIZE <= value <= MAX_BLOCK_SIZE):
+        raise ValueError(f"{what} an integer in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], "
+                         f"got {value!r}")
+
+
 def auto_block_size(max_model_len: int) -> int:
     """Larger blocks for longer contexts: the block table (and each step's per-block work) stays
     short, while a short context does not waste most of a large last block. 128 tokens below 2k,
@@ -155,10 +164,7 @@ class EngineConfig:
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 2)
         if self.block_size != "auto":
-            if (not isinstance(self.block_size, int) or isinstance(self.block_size, bool)
-                    or not MIN_BLOCK_SIZE <= self.block_size <= MAX_BLOCK_SIZE):
-                raise ValueError(f"block_size must be 'auto' or an integer in "
-                                 f"[{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], got {self.block_size!r}")
+            check_block_size("block_size must be 'auto' or", self.block_size)
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_memory(self.kv_cache_memory)
         check_fraction("kv_cache_memory_fraction", self.kv_cache_memory_fraction)

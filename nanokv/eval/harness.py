@@ -95,7 +95,6 @@ class EvalSettings:
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
 
-
     def _check_policy_options(self) -> None:
         """policy_options: {label: {option: value}} for labels in `policies`; each policy's
         options are checked as its engine would (names, then values at a compression) before

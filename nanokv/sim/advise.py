@@ -29,7 +29,7 @@ import torch
 from nanokv.cache.kv_cache import KVCacheOptions
 from nanokv.cache.layout import KVLayout
 from nanokv.cache.registry import KV_CACHE_DTYPES, kv_cache_settings
-from nanokv.config import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
+from nanokv.config import check_block_size
 from nanokv.sim.server_overhead import ServerOverhead
 from nanokv.sim.simulator import SimConfig, SimResult, Simulator
 from nanokv.sim.step_model import DeviceSpec, LinearStepModel, ModelShape, RooflineStepModel
@@ -38,13 +38,6 @@ from nanokv.validation import check_choice, check_fraction, check_int
 
 SATURATING = (8.0, 64.0, 512.0)  # arrival-time compressions tried until requests queue
 SATURATED_FRACTION = 0.5  # of the run's duration with requests waiting
-
-
-def check_block_size(block_size) -> None:
-    if (isinstance(block_size, bool) or not isinstance(block_size, int)
-            or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE):
-        raise ValueError(f"block size must be an integer in [{MIN_BLOCK_SIZE}, "
-                         f"{MAX_BLOCK_SIZE}] (the engine's), got {block_size!r}")
 
 
 @dataclass(frozen=True)
@@ -56,7 +49,7 @@ class Candidate:
     eviction_ratio: float | None = None
 
     def __post_init__(self) -> None:
-        check_block_size(self.block_size)
+        check_block_size("block size must be", self.block_size)
         check_choice("kv_cache_dtype", self.kv_dtype, KV_CACHE_DTYPES)
         check_int("max_num_seqs", self.max_num_seqs, 1)
         if self.compression_ratio is not None:
@@ -118,7 +111,7 @@ class AdviseSettings:
         if self.num_blocks is not None:
             check_int("num_kv_blocks", self.num_blocks, 1)
         for b in self.block_sizes:
-            check_block_size(b)
+            check_block_size("block sizes must each be", b)
         for c in self.compressions:
             check_fraction("compression ratio", c, low_open=False, high_open=True,
                            meaning=" (fraction removed)")

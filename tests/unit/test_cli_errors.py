@@ -58,7 +58,7 @@ def run(argv, capsys) -> tuple[int, str]:
     (["advise", "--workload", "rag", *SIM, "--compressions", "0.5,1.5"],
      "compression ratio (fraction removed) must be in [0, 1), got 1.5"),
     (["advise", "--workload", "rag", *SIM, "--block-sizes", "16,2048"],
-     "block size must be an integer in [16, 1024] (the engine's), got 2048"),
+     "block sizes must each be an integer in [16, 1024], got 2048"),
     (["advise", "--workload", "rag", *SIM, "--rates", "1,-2"],
      "--rates: expected finite numbers > 0"),
 ])
