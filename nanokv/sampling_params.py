@@ -27,7 +27,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0  # drop tokens whose probability is below min_p x the most likely one's
     seed: int | None = None  # per-request generator: same seed, same output
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: as many as max_model_len leaves after the prompt
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -64,9 +64,11 @@ class SamplingParams:
                f"min_p must be in [0, 1], got {self.min_p!r}")
         _check(self.seed is None or _int(self.seed),
                f"seed must be an integer or None, got {self.seed!r}")
-        _check(_int(self.max_tokens) and self.max_tokens >= 1,
-               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _check(_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+        _check(self.max_tokens is None or (_int(self.max_tokens) and self.max_tokens >= 1),
+               f"max_tokens must be an integer >= 1 or None (up to max_model_len), got "
+               f"{self.max_tokens!r}")
+        _check(_int(self.min_tokens) and 0 <= self.min_tokens
+               and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                f"got {self.min_tokens!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),

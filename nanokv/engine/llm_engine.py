@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -213,6 +214,9 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len "
                              f"{self.config.max_model_len} allows at most "
                              f"{self.config.max_model_len - 1}")
+        if params.max_tokens is None:  # vLLM's None: up to the model length
+            params = dataclasses.replace(params,
+                                         max_tokens=self.config.max_model_len - len(token_ids))
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
         rid = request_id if request_id is not None else self.new_request_id()

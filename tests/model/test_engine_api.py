@@ -393,3 +393,13 @@ def test_n_samples_of_one_prompt(llm):
         llm.engine.add_request(prompt, SamplingParams(n=2))
     assert_no_blocks_held(llm)
 
+
+def test_max_tokens_none_runs_to_the_model_length(llm):
+    """As vLLM: max_tokens None generates until max_model_len (128 here) is reached."""
+    out = llm.generate([[3, 4, 5, 6, 7]], SamplingParams(temperature=0, max_tokens=None,
+                                                         ignore_eos=True))[0]
+    assert len(out.token_ids) == 128 - 5 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="min_tokens must be an integer in"):
+        llm.generate([[3] * 100], SamplingParams(max_tokens=None, min_tokens=50))
+    assert_no_blocks_held(llm)
+
