@@ -34,9 +34,10 @@ class LLM:
         seed is given; admitted in one step, samples 1.. take the full blocks sample 0 computes
         in it from the prefix cache, as in vLLM) and return one output whose `outputs` are the
         n samples, as vLLM's.
-        `use_tqdm` (as in vLLM): a progress bar over the prompts with running input and output
-        tokens/s on stderr; False for none, or a callable taking tqdm's arguments that returns
-        the bar to use (e.g. `functools.partial(tqdm, leave=False)`).
+        `use_tqdm` (as in vLLM): a progress bar over the requests (n per prompt) with running
+        input and output tokens/s on stderr (each sample's prompt counts as input); False for
+        none, or a callable taking tqdm's arguments that returns the bar to use (e.g.
+        `functools.partial(tqdm, leave=False)`).
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], int)):

@@ -215,8 +215,12 @@ class LLMEngine:
                              f"{self.config.max_model_len} allows at most "
                              f"{self.config.max_model_len - 1}")
         if params.max_tokens is None:  # vLLM's None: up to the model length
-            params = dataclasses.replace(params,
-                                         max_tokens=self.config.max_model_len - len(token_ids))
+            room = self.config.max_model_len - len(token_ids)
+            if params.min_tokens > room:
+                raise ValueError(f"min_tokens {params.min_tokens} is more than the {room} output "
+                                 f"tokens a {len(token_ids)}-token prompt leaves in max_model_len "
+                                 f"{self.config.max_model_len}")
+            params = dataclasses.replace(params, max_tokens=room)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
         rid = request_id if request_id is not None else self.new_request_id()

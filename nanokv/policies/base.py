@@ -24,7 +24,8 @@ free in place (`blocks_to_free`): block j of the table holds slots j*B .. j*B + 
 table is shared by all layers, so such decisions take every layer's block scores at once.
 
 Budgets: `budget` (tokens per sequence and layer) OR `compression_ratio` (the fraction of the cached
-tokens to REMOVE, kvpress's convention: 0.75 keeps a quarter). `resolve_budget(n)` turns either
+tokens to REMOVE, kvpress's convention: 0.75 keeps a quarter, n tokens keep floor(n (1 - r)),
+`kept_by_ratio`). `resolve_budget(n)` turns either
 into C for a sequence of n cached tokens; it never returns less than the policy's `min_budget`
 (unless n itself is smaller) nor more than n.
 """
@@ -35,6 +36,7 @@ import abc
 import inspect
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, ClassVar
 
 import torch
@@ -165,8 +167,7 @@ class KVPolicy(abc.ABC):
         if self.budget is not None:
             c = self.budget
         elif self.compression_ratio is not None:
-            c = num_tokens - math.floor(num_tokens * self.compression_ratio)
-            c = max(c, self.min_budget)
+            c = max(kept_by_ratio(num_tokens, self.compression_ratio), self.min_budget)
         else:
             c = num_tokens
         return min(c, num_tokens)
@@ -311,6 +312,14 @@ class PolicyConfig:
         if block_size is not None:
             kwargs["block_size"] = block_size
         return make_policy(self.name, **kwargs)
+
+
+def kept_by_ratio(num_tokens: int, ratio: float) -> int:
+    """Tokens kept when the fraction `ratio` of num_tokens is removed: floor(n (1 - r)), in exact
+    decimal arithmetic (r as written: 0.29 is 29/100), so n = 100 at r = 0.29 keeps 71. kvpress
+    keeps int(n * (1 - r)), the same rounding in floats, which can come out one lower (n = 90 at
+    0.3: 62, where this keeps 63)."""
+    return math.floor(num_tokens * (1 - Fraction(repr(float(ratio)))))
 
 
 def _check_ratio(ratio: Any) -> None:

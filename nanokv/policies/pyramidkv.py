@@ -7,6 +7,12 @@ layer l keeps k_l = max - l (max - min) / (L - 1) prefix tokens plus the reserve
 are rounded to integers by largest remainder so that they sum to exactly L * budget and stay
 non-increasing; they therefore AVERAGE TO THE REQUESTED BUDGET. A layer whose budget exceeds the
 sequence keeps everything (then the average falls below the budget).
+
+Against kvpress 0.5.5's PyramidKVPress: it builds the pyramid over the whole budget (window
+included), caps the top layer at n - window and raises the bottom one to keep the average, and
+falls back to the same budget in every layer whenever the smallest layer's share (about
+budget / beta) would be below its window; here every layer reserves its window, so the pyramid
+always applies.
 """
 
 from __future__ import annotations

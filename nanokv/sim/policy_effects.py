@@ -1,8 +1,9 @@
 """KV policies modelled by what they do to the blocks, not by their scores.
 
   * `compress` (ratio r): when a request's prompt is computed its cache is cut to
-    n - floor(r n) tokens (token-level selection, as SnapKV/H2O: the kept blocks are rewritten,
-    so they are made private and leave the prefix cache; the tail blocks are freed);
+    floor(n (1 - r)) tokens (`kept_by_ratio`; token-level selection, as SnapKV/H2O: the kept
+    blocks are rewritten, so they are made private and leave the prefix cache; the tail blocks
+    are freed);
   * `relieve_pressure` (PagedEviction's pool-pressure mode, eviction ratio e): while usage >
     1 - e, whole middle blocks (never block 0 nor the newest) of the running requests that
     finished their prompt are freed, largest requests first (the real policy picks them by
@@ -11,9 +12,8 @@
 
 from __future__ import annotations
 
-import math
-
 from nanokv.cache.block_manager import BlockManager
+from nanokv.policies.base import kept_by_ratio
 from nanokv.request import Request
 from nanokv.utils import cdiv
 
@@ -21,7 +21,7 @@ from nanokv.utils import cdiv
 def compress(bm: BlockManager, request: Request, ratio: float) -> bool:
     """Cut a request's cache by `ratio`; False if copy-on-write lacked blocks (retry later)."""
     slots = request.num_cached_slots
-    keep = slots - math.floor(slots * ratio)
+    keep = kept_by_ratio(slots, ratio)
     if keep >= slots:
         return True
     nb = cdiv(keep, bm.block_size)

@@ -157,14 +157,7 @@ async def run_load(base_url: str, model: str, concurrency: int = 8, duration_s: 
                    idle_timeout: float = 10.0) -> LoadTestResult:
     import httpx
 
-    check_int("concurrency", concurrency, 1)
-    for name, value in (("duration_s", duration_s), ("request_timeout", request_timeout)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not 0 < value < math.inf:
-            raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
-    lo, hi = max_tokens
-    check_int("max_tokens minimum", lo, 1)
-    check_int("max_tokens maximum", hi, lo)
+    check_load_options(concurrency, duration_s, max_tokens, request_timeout)
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     result = LoadTestResult(concurrency, duration_s, 0.0)
@@ -188,9 +181,22 @@ async def run_load(base_url: str, model: str, concurrency: int = 8, duration_s: 
         result.elapsed_s = time.perf_counter() - start
         try:
             result.idle_metrics = await wait_idle(client, base_url, headers, idle_timeout)
-        except httpx.HTTPError as e:  # the server's counts are unknown: say so, keep the rest
-            result.idle_error = f"/metrics not read: {e!r}"[:200]
+        except (httpx.HTTPError, ValueError) as e:  # unreachable, or not Prometheus text: the
+            result.idle_error = f"/metrics not read: {e!r}"[:200]  # counts are unknown, say so
     return result
+
+
+def check_load_options(concurrency: int, duration_s: float, max_tokens: tuple[int, int],
+                       request_timeout: float) -> None:
+    """ValueError naming the first bad option of a load test."""
+    check_int("concurrency", concurrency, 1)
+    for name, value in (("duration_s", duration_s), ("request_timeout", request_timeout)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not 0 < value < math.inf:
+            raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    lo, hi = max_tokens
+    check_int("max_tokens minimum", lo, 1)
+    check_int("max_tokens maximum", hi, lo)
 
 
 IDLE_METRICS = ("nanokv:num_requests_running", "nanokv:num_requests_waiting",
@@ -236,16 +242,18 @@ def main(argv: list[str] | None = None) -> int:
     import httpx
 
     try:
+        check_load_options(args.concurrency, args.duration, tuple(args.max_tokens),
+                           args.request_timeout)
         model = args.model or _first_model(args.url, args.api_key)
-        result = asyncio.run(run_load(args.url, model, args.concurrency, args.duration,
-                                      tuple(args.max_tokens), args.api_key,
-                                      args.request_timeout, args.seed))
     except ValueError as e:
         print(f"loadtest: error: {e}", file=sys.stderr)
         return 2
     except httpx.HTTPError as e:
         print(f"loadtest: error: cannot list the models of {args.url}: {e!r}", file=sys.stderr)
         return 2
+    result = asyncio.run(run_load(args.url, model, args.concurrency, args.duration,
+                                  tuple(args.max_tokens), args.api_key, args.request_timeout,
+                                  args.seed))
     print(json.dumps(result.summary()) if args.json else result.format())
     return 0 if result.clean else 1
 

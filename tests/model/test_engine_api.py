@@ -399,7 +399,8 @@ def test_max_tokens_none_runs_to_the_model_length(llm):
     out = llm.generate([[3, 4, 5, 6, 7]], SamplingParams(temperature=0, max_tokens=None,
                                                          ignore_eos=True))[0]
     assert len(out.token_ids) == 128 - 5 and out.finish_reason == "length"
-    with pytest.raises(ValueError, match="min_tokens must be an integer in"):
+    with pytest.raises(ValueError, match="min_tokens 50 is more than the 28 output tokens a "
+                                         "100-token prompt leaves in max_model_len 128"):
         llm.generate([[3] * 100], SamplingParams(max_tokens=None, min_tokens=50))
     assert_no_blocks_held(llm)
 

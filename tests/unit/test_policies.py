@@ -330,3 +330,18 @@ def test_every_policy_honours_the_contract(name, options):
             assert c <= layer_budget and c % 4 == n % 4  # whole blocks + the newest partial one
         else:
             assert c == layer_budget
+
+
+@pytest.mark.parametrize("name", ["snapkv", "knorm", "streaming", "h2o"])
+def test_compression_ratio_keeps_the_kept_fraction_rounded_down(name):
+    """n (1 - r) rounded down, kvpress's rounding (the old n - floor(r n) kept one more whenever
+    n (1 - r) is not whole), without float error. Oracle: exact rationals of r as written."""
+    from fractions import Fraction
+
+    for n in (50, 90, 100, 180, 197, 357, 411, 600, 2048):
+        for r in (0.1, 0.25, 0.29, 0.3, 0.35, 0.5, 0.646, 0.75, 0.9):
+            policy = make_policy(name, compression_ratio=r)
+            expected = (n * (1 - Fraction(str(r)))).__floor__()
+            assert policy.resolve_budget(n) == min(n, max(expected, policy.min_budget)), (n, r)
+    assert make_policy("knorm", compression_ratio=0.29).resolve_budget(100) == 71
+    assert make_policy("knorm", compression_ratio=0.5).resolve_budget(197) == 98

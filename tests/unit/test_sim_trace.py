@@ -99,6 +99,8 @@ def test_trace_roundtrip_and_bad_lines(tmp_path):
     ('"t": 0, "output_len": true', "output_len must be an integer >= 0"),
     ('"t": 0, "hashes": ["zz"]', "hashes must be a list of hex strings"),
     ('"t": 0, "hashes": "00ff"', "hashes must be a list of hex strings"),
+    ('"t": 0, "hashes": ["0x1f"]', "hashes must be a list of hex strings"),
+    ('"t": 0, "hashes": [" ab"]', "hashes must be a list of hex strings"),
     ('"t": 0, "cached": -1', "cached must be an integer >= 0"),
     ('"t": 0, "abort_t": NaN', "abort_t must be a finite number"),
 ])
