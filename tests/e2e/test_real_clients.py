@@ -146,12 +146,11 @@ def test_logprobs_equal_the_models_distribution(client, offline):
     for t in choice.logprobs.tokens[:-1]:
         offsets.append(offsets[-1] + len(t))
     assert choice.logprobs.text_offset == offsets
-    # streamed: the same offsets (into the whole completion, not restarting in each chunk)
+    # streamed (however the server groups steps into chunks): the same tokens and offsets
     streamed = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5,
                                          temperature=0, logprobs=3, stream=True,
                                          extra_body={"ignore_eos": True})
     chunks = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
-    assert len(chunks) > 1
     assert [o for c in chunks for o in c.text_offset] == offsets
     assert [t for c in chunks for t in c.tokens] == choice.logprobs.tokens
 
