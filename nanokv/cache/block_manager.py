@@ -156,9 +156,12 @@ class BlockManager:
             tokens = tuple(request.token_ids_range(i * bs, (i + 1) * bs))
             h = hash_block(parent, tokens, extra)
             request.block_hashes.append(h)
-            if h in self.cached:  # the same content is already cached in another block
+            twin = self.cached.get(h)
+            if twin is not None and twin.ref_cnt > 0:  # held: it stays the cached copy
                 continue
             block = self.blocks[request.block_table[i]]
+            if twin is not None:  # a free twin hands its hash to this fresher copy, so the
+                self._uncache(twin, time.monotonic(), reason=None)  # LRU order sees the reuse
             block.block_hash, block.token_ids, block.extra_keys = h, tokens, (parent, i, extra)
             self.cached[h] = block
 

@@ -111,6 +111,8 @@ class Scheduler:
                 hit_tokens = len(hits) * bm.block_size
             if request.num_tokens - hit_tokens > budget and not self.enable_chunked_prefill:
                 break
+            if not self._whole_sequence_fits(request, hits):
+                break
             num_new = self._chunk(request, hit_tokens, budget)
             if not bm.allocate_slots(request, num_new, hits):
                 break
@@ -129,6 +131,17 @@ class Scheduler:
 
         scheduled.sort(key=lambda s: not s.is_decode)  # decodes first, then prefill chunks
         return SchedulerOutput(scheduled, [r.request_id for r in preempted])
+
+    def _whole_sequence_fits(self, request: Request, hits: list) -> bool:
+        """Admit a request only when the free blocks hold its whole known sequence (prompt, and
+        outputs of a preempted one) after its prefix hits, as vLLM's scheduler (its
+        `scheduler_reserve_full_isl`): a first prefill chunk that fits, of a prompt that does
+        not, would be preempted a step later and computed again."""
+        bm = self.block_manager
+        hits_in_queue = sum(1 for b in hits if b.ref_cnt == 0)  # taken from the free blocks
+        need = bm.num_new_blocks_needed(request, request.num_tokens - len(hits) * bm.block_size,
+                                        len(hits))
+        return need <= bm.num_free_blocks - hits_in_queue
 
     def blocks_to_admit(self) -> int:
         """Free blocks the first waiting request needs to be admitted and compute its whole

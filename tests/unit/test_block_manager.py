@@ -248,6 +248,48 @@ def test_lru_between_requests():
     bm.check_invariants([c])
 
 
+def test_a_recomputed_block_refreshes_its_prefix_in_lru_order():
+    """A prompt ending on a block boundary recomputes its last full block (the last token is
+    never a hit) while that block's twin sits free in the cache: the fresh copy takes over the
+    hash, so the prefix is as recently used as its last request (vLLM's order), and the stale
+    twin becomes a plain free block. A twin some request holds stays the cached copy."""
+    bm = BlockManager(num_blocks=6, block_size=2)
+    x = make_request([1, 2, 3, 4, 5])  # blocks [1,2] [3,4] cached, [5] partial
+    w = make_request([7, 8, 9, 10, 11])
+    admit(bm, x)
+    admit(bm, w)
+    x_hash = x.block_hashes[1]
+    bm.free(x)  # x's prefix is older than w's
+    bm.free(w)
+    twin = bm.cached[x_hash]
+    y = make_request([1, 2, 3, 4])  # hits [1,2]; [3,4] holds its last token: recomputed
+    hits, hit_tokens = admit(bm, y)
+    assert hit_tokens == 2 and y.block_hashes[1] == x_hash
+    fresh = bm.blocks[y.block_table[1]]
+    assert fresh is not twin and bm.cached[x_hash] is fresh
+    assert twin.block_hash is None and twin.ref_cnt == 0
+    bm.free(y)  # x's prefix is now the most recently used
+    bm.check_invariants([])
+    z = make_request([20, 21, 22, 23, 24, 25, 26])  # 4 blocks: evicts the two oldest
+    admit(bm, z)
+    assert bm.get_computed_blocks(make_request([1, 2, 3, 4, 5]))[1] == 4  # still cached
+    assert bm.get_computed_blocks(make_request([7, 8, 9, 10, 11]))[1] == 0  # w's went first
+    bm.check_invariants([z])
+    # a held twin is not replaced: the recomputed copy stays unregistered
+    bm.free(z)
+    a = make_request([30, 31, 32])
+    admit(bm, a)
+    held = bm.cached[a.block_hashes[0]]
+    b = make_request([30, 31, 40])  # its first block is a hit; then one like a's, computed
+    admit(bm, b)
+    c = make_request([30, 31])  # its only block holds its last token: computed afresh
+    admit(bm, c)
+    assert c.block_hashes[0] == a.block_hashes[0]
+    assert bm.cached[a.block_hashes[0]] is held and bm.blocks[c.block_table[0]] is not held
+    assert bm.blocks[c.block_table[0]].block_hash is None
+    bm.check_invariants([a, b, c])
+
+
 def test_reusing_evicted_block_drops_hash_entry():
     bm = BlockManager(num_blocks=3, block_size=2)
     a = make_request([1, 2, 3, 4, 5])

@@ -416,6 +416,25 @@ def test_banned_tokens_before_min_tokens(params, eos, expected):
     assert seen == [set(e) for e in expected]
 
 
+def test_a_prompt_is_admitted_only_when_all_of_it_fits():
+    """vLLM's rule: a waiting request starts when the free blocks hold its whole prompt (after
+    prefix hits), not just its first chunk; otherwise it would be preempted and computed again.
+    Brute force: it starts at the first step at which that is true, and nothing is preempted."""
+    h = Harness(num_blocks=8, block_size=4, max_num_batched_tokens=4, max_model_len=64)
+    r = h.add("r", range(100, 112), max_tokens=6, ignore_eos=True)  # 3 blocks, grows to 5
+    h.step()
+    big = h.add("big", range(200, 220), max_tokens=2, ignore_eos=True)  # 20 tokens: 5 blocks
+    while big.status == RequestStatus.WAITING:
+        free = h.bm.num_free_blocks
+        h.step()
+        if big.status == RequestStatus.RUNNING:
+            assert free >= 5  # admitted only once all of its blocks were free
+    assert h.sched.num_preemptions == 0
+    h.run()
+    assert r.status == big.status == RequestStatus.FINISHED_LENGTH
+    assert h.sched.num_preemptions == 0
+
+
 def test_stop_at_max_model_len():
     h = Harness(max_model_len=16)
     r = h.add("r", range(100, 110), max_tokens=100, ignore_eos=True)
