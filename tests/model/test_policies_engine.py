@@ -200,9 +200,11 @@ def test_delayed_compression_scores_with_the_last_window(tiny_llama, monkeypatch
 
     monkeypatch.setattr(policy_runner, "plan_compression", spy)
     prefix = prompt_of(37, 0)
-    prompts = [prefix + prompt_of(n, i + 1) for i, n in enumerate((3, 17, 40, 25))]
+    # (a waiting request starts only when its whole prompt fits: these sizes still fill the pool
+    # while a compaction needs its copies)
+    prompts = [prefix + prompt_of(n, i + 1) for i, n in enumerate((20, 30, 40, 50))]
     llm = LLM(tiny_llama, skip_tokenizer_init=True, block_size=16, num_kv_blocks=9,
-              max_num_batched_tokens=32, max_model_len=128, kv_policy="snapkv", kv_budget=32)
+              max_num_batched_tokens=64, max_model_len=128, kv_policy="snapkv", kv_budget=32)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert all(len(o.token_ids) == 12 for o in outs)
     assert llm.engine.scheduler.num_preemptions > 0
