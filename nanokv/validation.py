@@ -6,6 +6,7 @@ one kind of mistake reads the same wherever it is made.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -32,3 +33,13 @@ def check_fraction(name: str, value: Any, *, low_open: bool = True, high_open: b
     if not ok:
         interval = f"{'(' if low_open else '['}0, 1{')' if high_open else ']'}"
         raise ValueError(f"{name}{meaning} must be in {interval}, got {value!r}")
+
+
+def check_finite(name: str, value: Any, above: float | None = None, unit: str = "") -> None:
+    """value a finite int or float (not a bool), and > `above` when given."""
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
+          and math.isfinite(value) and (above is None or value > above))
+    if not ok:
+        bound = "" if above is None else f" > {above:g}"
+        raise ValueError(f"{name} must be a finite number{unit}{bound}, got {value!r}")
+

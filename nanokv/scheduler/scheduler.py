@@ -104,14 +104,13 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and not preempted):
             request = self.waiting[0]
-            hits, hit_tokens = bm.get_computed_blocks(request)
-            limit = self._hit_limit(request)
-            if limit is not None and hit_tokens > limit:
-                hits = hits[:limit // bm.block_size]
-                hit_tokens = len(hits) * bm.block_size
+            hits = self._hits(request)
+            hit_tokens = len(hits) * bm.block_size
             if request.num_tokens - hit_tokens > budget and not self.enable_chunked_prefill:
                 break
-            if not self._whole_sequence_fits(request, hits):
+            # the whole known sequence must fit, as vLLM's `scheduler_reserve_full_isl`: a first
+            # chunk that fits, of a prompt that does not, would be preempted a step later
+            if self._blocks_to_start(request, hits) > bm.num_free_blocks:
                 break
             num_new = self._chunk(request, hit_tokens, budget)
             if not bm.allocate_slots(request, num_new, hits):
@@ -132,16 +131,23 @@ class Scheduler:
         scheduled.sort(key=lambda s: not s.is_decode)  # decodes first, then prefill chunks
         return SchedulerOutput(scheduled, [r.request_id for r in preempted])
 
-    def _whole_sequence_fits(self, request: Request, hits: list) -> bool:
-        """Admit a request only when the free blocks hold its whole known sequence (prompt, and
-        outputs of a preempted one) after its prefix hits, as vLLM's scheduler (its
-        `scheduler_reserve_full_isl`): a first prefill chunk that fits, of a prompt that does
-        not, would be preempted a step later and computed again."""
+    def _hits(self, request: Request) -> list:
+        """The prefix-cache blocks a waiting request would take (`_hit_limit` applied)."""
         bm = self.block_manager
-        hits_in_queue = sum(1 for b in hits if b.ref_cnt == 0)  # taken from the free blocks
-        need = bm.num_new_blocks_needed(request, request.num_tokens - len(hits) * bm.block_size,
-                                        len(hits))
-        return need <= bm.num_free_blocks - hits_in_queue
+        hits, hit_tokens = bm.get_computed_blocks(request)
+        limit = self._hit_limit(request)
+        if limit is not None and hit_tokens > limit:
+            hits = hits[:limit // bm.block_size]
+        return hits
+
+    def _blocks_to_start(self, request: Request, hits: list, extra_tokens: int = 0) -> int:
+        """Free blocks a waiting request takes to hold its whole known sequence (prompt, and
+        the outputs of a preempted one) and `extra_tokens` more: new blocks after its hits, and
+        the hits that sit in the free queue."""
+        bm = self.block_manager
+        in_free_queue = sum(1 for b in hits if b.ref_cnt == 0)
+        new_tokens = request.num_tokens - len(hits) * bm.block_size + extra_tokens
+        return bm.num_new_blocks_needed(request, new_tokens, len(hits)) + in_free_queue
 
     def blocks_to_admit(self) -> int:
         """Free blocks the first waiting request needs to be admitted and compute its whole
@@ -149,15 +155,8 @@ class Scheduler:
         nothing waits or the batch is full."""
         if not self.waiting or len(self.running) >= self.max_num_seqs:
             return 0
-        bm, request = self.block_manager, self.waiting[0]
-        hits, hit_tokens = bm.get_computed_blocks(request)
-        limit = self._hit_limit(request)
-        if limit is not None and hit_tokens > limit:
-            hits = hits[:limit // bm.block_size]
-            hit_tokens = len(hits) * bm.block_size
-        in_free_queue = sum(1 for b in hits if b.ref_cnt == 0)  # taken from the free blocks
-        return (bm.num_new_blocks_needed(request, request.num_tokens - hit_tokens + 1, len(hits))
-                + in_free_queue)
+        request = self.waiting[0]
+        return self._blocks_to_start(request, self._hits(request), extra_tokens=1)
 
     @staticmethod
     def _hit_limit(request: Request) -> int | None:

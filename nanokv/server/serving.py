@@ -273,12 +273,8 @@ class OpenAIServer:
                            code="invalid_value") from e
         requests = []
         for j in range(body.num_choices):
-            params = base
-            if body.seed is not None and j:
-                params = SamplingParams(**{**kwargs, "seed": body.seed + j},
-                                        max_tokens=max_tokens, logprobs=body.num_logprobs)
             try:
-                request = self.engine.make_request(token_ids, params,
+                request = self.engine.make_request(token_ids, base.sample(j),
                                                    request_id=f"{request_id}-{j}",
                                                    cache_salt=body.cache_salt)
             except ValueError as e:

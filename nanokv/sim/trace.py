@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
 import threading
@@ -38,7 +37,7 @@ from array import array
 from dataclasses import asdict, dataclass, field
 
 from nanokv.request import RequestStatus
-from nanokv.validation import check_int
+from nanokv.validation import check_finite, check_int
 
 DEFAULT_HASH_BLOCK_SIZE = 16  # the finest block size the engine accepts
 HEX = re.compile(r"[0-9a-f]+")  # how BlockHasher writes a hash
@@ -67,7 +66,7 @@ class TraceRecord:
     extra: dict = field(default_factory=dict)  # generator metadata (session id, turn ...)
 
     def __post_init__(self) -> None:
-        check_time("t", self.t)
+        check_finite("t", self.t, unit=" of seconds")
         check_int("prompt_len", self.prompt_len, 1)
         check_int("output_len", self.output_len, 0)
         check_int("hash_block_size", self.hash_block_size, 1)
@@ -78,7 +77,7 @@ class TraceRecord:
                 check_int(name, getattr(self, name), 0)
         for name in ("abort_t", "ttft_s", "e2e_s"):
             if getattr(self, name) is not None:
-                check_time(name, getattr(self, name))
+                check_finite(name, getattr(self, name), unit=" of seconds")
         full = (self.prompt_len + self.output_len) // self.hash_block_size
         if len(self.hashes) > full:
             raise ValueError(f"{len(self.hashes)} block hashes for {full} full blocks of "
@@ -110,13 +109,6 @@ class TraceRecord:
         if unknown:
             raise ValueError(f"unknown trace fields {sorted(unknown)}")
         return cls(**d)
-
-
-def check_time(name: str, value) -> None:
-    """A trace's time: a finite number of seconds (an int or a float, not a bool)."""
-    if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not math.isfinite(value)):
-        raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
 
 
 def _is_hex(h) -> bool:

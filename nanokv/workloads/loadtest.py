@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import random
 import sys
 import time
@@ -24,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 from nanokv.extras import MissingExtraError, require
 from nanokv.metrics.stats import percentile
-from nanokv.validation import check_int
+from nanokv.validation import check_finite, check_int
 
 PREFIXES = [
     "You are a helpful assistant. Answer briefly and precisely.\n",
@@ -190,10 +189,8 @@ def check_load_options(concurrency: int, duration_s: float, max_tokens: tuple[in
                        request_timeout: float) -> None:
     """ValueError naming the first bad option of a load test."""
     check_int("concurrency", concurrency, 1)
-    for name, value in (("duration_s", duration_s), ("request_timeout", request_timeout)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not 0 < value < math.inf:
-            raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    check_finite("duration_s", duration_s, 0, " of seconds")
+    check_finite("request_timeout", request_timeout, 0, " of seconds")
     lo, hi = max_tokens
     check_int("max_tokens minimum", lo, 1)
     check_int("max_tokens maximum", hi, lo)
