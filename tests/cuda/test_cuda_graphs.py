@@ -135,6 +135,35 @@ def test_device_sampling_equals_the_host_reference(seed):
         assert (lp is None) == (p.logprobs is None)
 
 
+@pytest.mark.parametrize("with_penalties", [False, True])
+def test_device_sampling_of_banned_tokens_equals_the_host_reference(with_penalties):
+    """min_tokens' banned tokens masked on the device (`ban_tokens`: one upload of (row, token)
+    pairs; a masked copy when no penalty made one, the penalised copy otherwise): the host
+    reference's tokens, no banned token picked, and the raw log-probabilities untouched."""
+    rng = random.Random(5)
+    torch.manual_seed(5)
+    vocab = 2000
+    logits = torch.randn(24, vocab) * 3  # [N, vocab]
+    params = [SamplingParams(temperature=rng.choice([0, 0.7]), top_k=rng.choice([-1, 2]),
+                             repetition_penalty=1.2 if with_penalties else 1.0,
+                             seed=1000 + i, logprobs=2) for i in range(24)]
+    histories = [([rng.randrange(vocab) for _ in range(20)], [rng.randrange(vocab)])
+                 for _ in range(24)] if with_penalties else None
+    banned = [tuple(logits[i].topk(rng.randint(1, 3)).indices.tolist()) if i % 3 else ()
+              for i in range(24)]
+    indices = list(range(24))
+    device_logits = logits.cuda()
+    got = Sampler(7).sample(device_logits, params, indices, histories, banned)
+    assert got.token_ids == Sampler(7).sample_reference(logits, params, indices, histories,
+                                                        banned)
+    assert all(t not in b for t, b in zip(got.token_ids, banned))
+    assert torch.equal(device_logits.cpu(), logits)  # the raw logits were not masked
+    raw = Sampler(7).sample(logits, params, indices, histories)
+    for lp, ref in zip(got.logprobs, raw.logprobs):
+        assert [t for t, _ in lp.top] == [t for t, _ in ref.top]
+        assert [v for _, v in lp.top] == pytest.approx([v for _, v in ref.top], abs=1e-5)
+
+
 @pytest.mark.parametrize("options", [dict(kv_cache_dtype="kvquant", kv_quant_bits=4),
                                      dict(kv_cache_dtype="kivi", kv_quant_bits=2)])
 def test_quantized_decode_through_graphs_equals_eager(tiny_llama, options):
