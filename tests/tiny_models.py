@@ -54,9 +54,11 @@ def build_tiny_model(out_dir: str, arch: str = "llama", seed: int = 0, tokenizer
         raise ValueError(arch)
     # a larger init than HF's default makes the logits peaked, so greedy ties are rare
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
+            elif name.endswith("bias"):  # only with attention_bias / mlp_bias: not left zero
+                p.normal_(0, 0.3)
     model = model.to(torch.float32).eval()
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir

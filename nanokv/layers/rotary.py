@@ -17,9 +17,15 @@ def rope_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"RoPE type {rope_type!r} is not supported; supported: "
                          f"{list(SUPPORTED_ROPE_TYPES)}")
+    partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+    if partial is not None and partial != 1:
+        # Hugging Face's Llama / Mistral / Qwen2 / Qwen3 rotate the whole head: they ignore the
+        # factor with the default RoPE and fail with the scaled ones
+        raise ValueError(f"partial_rotary_factor {partial!r} is not supported: these "
+                         f"architectures rotate the whole head; supported: 1.0")
     if rope_type == "default":
         base = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
-        dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        dim = head_dim
         inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         return inv_freq, 1.0
     # the scaled variants follow transformers' reference formulas exactly

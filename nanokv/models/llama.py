@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,8 +37,18 @@ from nanokv.utils import head_dim_of
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class LinearBiases:
+    """Which projections carry a bias: q/k/v, o, and the MLP's gate/up/down. Each architecture
+    reads its own config flags, as its Hugging Face class does (`biases`)."""
+
+    qkv: bool = False
+    o: bool = False
+    mlp: bool = False
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg, rotary: RotaryEmbedding, qk_norm: bool, bias: bool,
+    def __init__(self, cfg, rotary: RotaryEmbedding, qk_norm: bool, biases: LinearBiases,
                  tp: TensorParallel | None = None) -> None:
         super().__init__()
         ranks = 1 if tp is None else tp.size
@@ -47,8 +58,9 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = column_linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias, tp)
-        self.o_proj = row_linear(self.q_size, cfg.hidden_size, False, tp)
+        self.qkv_proj = column_linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                                      biases.qkv, tp)
+        self.o_proj = row_linear(self.q_size, cfg.hidden_size, biases.o, tp)
         self.rotary = rotary
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
@@ -72,13 +84,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg, tp: TensorParallel | None = None) -> None:
+    def __init__(self, cfg, bias: bool, tp: TensorParallel | None = None) -> None:
         super().__init__()
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported; supported: ['silu']")
         self.intermediate = cfg.intermediate_size // (1 if tp is None else tp.size)
-        bias = getattr(cfg, "mlp_bias", False)
         self.gate_up_proj = column_linear(cfg.hidden_size, 2 * self.intermediate, bias, tp)
         self.down_proj = row_linear(self.intermediate, cfg.hidden_size, bias, tp)
         self.native = False  # SiLU-and-multiply in C on float32 CPU (use_native_elementwise)
@@ -92,11 +103,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, rotary: RotaryEmbedding, qk_norm: bool, bias: bool,
+    def __init__(self, cfg, rotary: RotaryEmbedding, qk_norm: bool, biases: LinearBiases,
                  tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary, qk_norm, bias, tp)
-        self.mlp = LlamaMLP(cfg, tp)
+        self.self_attn = LlamaAttention(cfg, rotary, qk_norm, biases, tp)
+        self.mlp = LlamaMLP(cfg, biases.mlp, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -114,10 +125,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Also serves MistralForCausalLM and Qwen2ForCausalLM (q/k/v bias)."""
+    """Llama; the subclasses differ in their biases, q/k norms and sliding windows."""
 
     qk_norm = False
-    qkv_bias = False
     # checkpoint name -> (our name, shard index) for the packed projections
     packed_modules = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -129,12 +139,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp
-        bias = self.qkv_bias or bool(getattr(cfg, "attention_bias", False))
+        biases = self.biases(cfg)
         self.rotary = RotaryEmbedding(cfg, head_dim_of(cfg), max_positions)
         self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None
                              else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, self.rotary, self.qk_norm, bias, tp)
+            LlamaDecoderLayer(cfg, self.rotary, self.qk_norm, biases, tp)
             for _ in range(cfg.num_hidden_layers))
         for index, layer in enumerate(self.layers):
             layer.self_attn.layer_index = index
@@ -142,6 +152,19 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = (Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if tp is None
                         else ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp))
+
+    @staticmethod
+    def biases(cfg) -> LinearBiases:
+        """Hugging Face's Llama: `attention_bias` on q/k/v and o, `mlp_bias` on the MLP."""
+        attention = bool(getattr(cfg, "attention_bias", False))
+        return LinearBiases(attention, attention, bool(getattr(cfg, "mlp_bias", False)))
+
+    @staticmethod
+    def sliding_window(cfg) -> int | None:
+        """The window of the layers that attend over a sliding window, None when every layer
+        attends over the whole context. Llama and Mistral: `sliding_window` when set (Hugging
+        Face's Llama forward ignores it, but its generate then keeps a sliding-window cache)."""
+        return getattr(cfg, "sliding_window", None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention
                 ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
@@ -217,9 +240,46 @@ class LlamaForCausalLM(nn.Module):
         return name if name.startswith("lm_head") else "model." + name
 
 
+def _window_of_layer_types(cfg) -> int | None:
+    """Qwen2 / Qwen3: a sliding window on the layers `layer_types` marks "sliding_attention"
+    (their configs derive it from use_sliding_window and max_window_layers)."""
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if types is None:  # a config object that did not derive them
+        if not getattr(cfg, "use_sliding_window", False):
+            return None
+        first = getattr(cfg, "max_window_layers", 0)
+        types = ["sliding_attention" if i >= first else "full_attention"
+                 for i in range(cfg.num_hidden_layers)]
+    return window if window is not None and "sliding_attention" in types else None
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """No biases (Hugging Face's Mistral ignores attention_bias and mlp_bias)."""
+
+    @staticmethod
+    def biases(cfg) -> LinearBiases:
+        return LinearBiases()
+
+
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    qkv_bias = True
+    """A bias on q/k/v always, none on o or the MLP."""
+
+    @staticmethod
+    def biases(cfg) -> LinearBiases:
+        return LinearBiases(qkv=True)
+
+    sliding_window = staticmethod(_window_of_layer_types)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
+    """q/k norms; `attention_bias` on q/k/v and o, no MLP bias."""
+
     qk_norm = True
+
+    @staticmethod
+    def biases(cfg) -> LinearBiases:
+        attention = bool(getattr(cfg, "attention_bias", False))
+        return LinearBiases(attention, attention, False)
+
+    sliding_window = staticmethod(_window_of_layer_types)

@@ -234,10 +234,9 @@ def load_model(model_path: str, dtype: str = "auto", device: str = "auto",
     cls = model_class(arch)
     dev = resolve_device(device)
     torch_dtype, note = resolve_dtype(dtype, checkpoint_dtype(cfg), dev)
-    sliding = getattr(cfg, "sliding_window", None)
-    use_sliding = getattr(cfg, "use_sliding_window", sliding is not None)
+    sliding = cls.sliding_window(cfg)
     n_pos = max_positions or cfg.max_position_embeddings
-    if sliding is not None and use_sliding and sliding < n_pos:
+    if sliding is not None and sliding < n_pos:
         raise ValueError(f"sliding-window attention (window {sliding}) is not supported; "
                          f"set max_model_len <= {sliding}")
     with torch.device("meta"):

@@ -1,7 +1,7 @@
 """Tensor parallelism on CPU (gloo, 2 ranks): the same greedy tokens as one process through
-prefix hits, chunked prefill, preemption, KV policies (per request, pool pressure included) and
-quantized KV; unsupported models rejected before any process starts; a killed rank ends the run
-with an error naming it, within a time limit."""
+prefix hits, chunked prefill, preemption, KV policies (per request, pool pressure included),
+biases and quantized KV; unsupported models rejected before any process starts; a killed rank
+ends the run with an error naming it, within a time limit."""
 
 from __future__ import annotations
 
@@ -73,6 +73,20 @@ def test_qwen3_int8_kv(tiny_qwen3):
                                                                         compression_ratio=0.5),
                 None]
     compare(tiny_qwen3, policies, kv_cache_dtype="int8")
+
+
+def test_biases_of_q_k_v_o_and_the_mlp(tmp_path):
+    """Column-parallel biases are split with their rows; row-parallel ones (o, down) are added
+    once, after the all-reduce."""
+    path = build_tiny_model(str(tmp_path / "biased"), "llama", attention_bias=True,
+                            mlp_bias=True)
+    prompts = workload(1, 4)
+    expected = run(LLM(path, **OPTIONS), prompts, [None])
+    two = LLM(path, tensor_parallel_size=2, **OPTIONS)
+    try:
+        assert run(two, prompts, [None]) == expected
+    finally:
+        two.engine.close()
 
 
 def test_policy_views_gather_a_layer_when_read(tiny_qwen3, monkeypatch):
