@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nanokv.outputs import RequestMetrics
@@ -26,6 +27,17 @@ class RequestStatus(enum.Enum):
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
                         RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class DecodeOffsets:
+    """Where a request's output text stands (`nanokv/engine/detokenizer.py`): its output tokens
+    [prefix, read) are the context the next ones decode in, and their text is in the text; of
+    the tokens from `read` on, the first `shown` characters (those before an incomplete one)."""
+
+    prefix: int = 0
+    read: int = 0
+    shown: int = 0
 
 
 class Request:
@@ -62,6 +74,7 @@ class Request:
         self.peak_blocks = 0  # most blocks this request held at once
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
         self.text = ""  # detokenized output, maintained by the engine
+        self.decode_offsets = DecodeOffsets()  # how far the text has decoded the output
         # TokenLogprobs of each output token, when params.logprobs asks (engine-maintained)
         self.output_logprobs: list = []
         self.prompt_logits: list = []  # chunks of [n, vocab] rows when params ask for them

@@ -1,0 +1,137 @@
+"""The incremental output text (`nanokv.engine.detokenizer`) against the tokenizer's own
+`decode` of the whole output: a byte-level BPE tokenizer (the shipped model's) and a
+byte-fallback one (Llama-2 / Mistral style) built here, outputs from random text with
+multi-byte characters and special tokens, fed a few tokens a step. The text only grows (what a
+stream sent stays a prefix), ends equal to `decode`, and each step decodes a few tokens whatever
+the output's length."""
+
+import os
+import random
+
+import pytest
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from nanokv.engine.detokenizer import update_text
+from nanokv.request import Request, RequestStatus
+from nanokv.sampling_params import SamplingParams
+
+SHIPPED = os.path.join(os.path.dirname(__file__), "..", "..", "models", "nanokv-tiny")
+WORDS = ["the", " cat", " 中文", "é", " 🙂", "\n", " in", "Җc", " a😀b", ",", " 👩‍💻", "  "]
+
+
+def byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
+    """SentencePiece-style BPE: "▁" for spaces, <0xNN> tokens for bytes not in the vocabulary,
+    a special end token."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for piece in ["▁", "t", "h", "e", "c", "a", "i", "n", "▁t", "▁th", "▁the", "in", "▁in", "中",
+                  "é", "▁c", "▁ca", "at", "▁cat", ","]:
+        vocab.setdefault(piece, len(vocab))
+    merges = [("▁", "t"), ("▁t", "h"), ("▁th", "e"), ("i", "n"), ("▁", "in"), ("▁", "c"),
+              ("▁c", "a"), ("▁ca", "t"), ("a", "t")]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True,
+                               unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                           normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken("<|end|>", special=True, normalized=False)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+@pytest.fixture(scope="module", params=["byte_level", "byte_fallback"])
+def tokenizer(request):
+    if request.param == "byte_level":
+        return AutoTokenizer.from_pretrained(SHIPPED)
+    return byte_fallback_tokenizer()
+
+
+def random_output(tokenizer, rng: random.Random) -> list[int]:
+    """Token ids of random text (valid UTF-8 throughout) with special tokens among them."""
+    ids = []
+    for _ in range(rng.randrange(1, 30)):
+        if rng.random() < 0.1:
+            ids += tokenizer.all_special_ids[:1] or []
+        ids += tokenizer.encode("".join(rng.choices(WORDS, k=rng.randrange(1, 4))),
+                                add_special_tokens=False)
+    return ids
+
+
+def feed(tokenizer, ids: list[int], rng: random.Random) -> tuple[str, list[str]]:
+    """Append ids a random few a step; returns the final text and the text after each step."""
+    request = Request("r", [1], SamplingParams(max_tokens=len(ids)))
+    seen, at = [], 0
+    while at < len(ids):
+        at += rng.randrange(1, 5)
+        request.output_token_ids = ids[:at]
+        if at >= len(ids):
+            request.status = RequestStatus.FINISHED_LENGTH
+        update_text(request, tokenizer)
+        seen.append(request.text)
+    return request.text, seen
+
+
+def test_the_text_grows_and_ends_equal_to_decode(tokenizer):
+    rng = random.Random(0)
+    for _ in range(150):
+        ids = random_output(tokenizer, rng)
+        final, seen = feed(tokenizer, ids, rng)
+        assert final == tokenizer.decode(ids, skip_special_tokens=True)
+        assert all(final.startswith(text) for text in seen)
+        assert all("\ufffd" not in text for text in seen[:-1])  # incomplete characters wait
+
+
+def test_random_token_ids_only_append(tokenizer):
+    """Any ids, invalid UTF-8 byte runs included: the text only grows. With byte-level BPE it
+    ends equal to decode (lossy decoding replaces just the invalid bytes)."""
+    rng = random.Random(1)
+    vocab = len(tokenizer)
+    for _ in range(150):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        final, seen = feed(tokenizer, ids, rng)
+        assert all(final.startswith(text) for text in seen)
+        if isinstance(tokenizer.backend_tokenizer.decoder, decoders.ByteLevel):
+            assert final == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_an_invalid_byte_run_keeps_the_bytes_already_shown():
+    """Byte fallback: decode turns a run with an invalid byte into U+FFFD as a whole, including
+    the valid "\\n" before it; the text keeps the "\\n" it showed (as vLLM's)."""
+    tok = byte_fallback_tokenizer()
+    word, newline, lead = tok.convert_tokens_to_ids(["in", "<0x0A>", "<0xE4>"])
+    ids = [word, newline, lead, word]
+    assert tok.decode(ids) == "in\ufffd\ufffdin"
+    request = Request("r", [1], SamplingParams(max_tokens=4))
+    texts = []
+    for k in range(1, 5):
+        request.output_token_ids = ids[:k]
+        request.status = RequestStatus.FINISHED_LENGTH if k == 4 else RequestStatus.RUNNING
+        update_text(request, tok)
+        texts.append(request.text)
+    assert texts == ["in", "in\n", "in\n", "in\n\ufffdin"]
+
+
+class CountingTokenizer:
+    """Records how many ids each decode call gets."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, []
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.calls.append(len(ids))
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_a_step_decodes_a_few_tokens_at_any_output_length():
+    tok = CountingTokenizer(AutoTokenizer.from_pretrained(SHIPPED))
+    ids = tok.inner.encode(" the cat sat on the mat," * 400, add_special_tokens=False)
+    assert len(ids) > 2000
+    request = Request("r", [1], SamplingParams(max_tokens=len(ids)))
+    for k in range(1, len(ids) + 1):
+        request.output_token_ids = ids[:k]
+        update_text(request, tok)
+    assert request.text == tok.inner.decode(ids)
+    assert max(tok.calls) <= 2  # the token before and the new one, not the whole output
