@@ -68,6 +68,8 @@ class Request:
         self.num_evicted_tokens = 0
         self.block_table: list[int] = []  # physical block ids, in logical order
         self.block_hashes: list[int] = []  # chained hashes of this request's full token blocks
+        # the prefix cache's content id of each (None: not cached; `BlockManager`)
+        self.block_content_ids: list[int | None] = []
         self.prefix_cacheable = True  # False once a policy changed the cached content
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling (-1: not yet)
         self.num_preemptions = 0

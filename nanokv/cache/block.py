@@ -8,11 +8,15 @@ class KVCacheBlock:
 
     `ref_cnt` counts the requests whose block table holds this block. `block_hash` is set while the
     block is registered in the prefix cache; `token_ids` and `extra_keys` are kept with it so a hit
-    compares content, not only hashes. `prev_free` / `next_free` link it into the free queue.
+    compares content, not only hashes (`content_id`: the id of the whole prefix it ends, in the
+    block manager's prefix cache). `copy_of` is set instead of `block_hash` on a held block
+    whose content another registered block already holds (the prefix cache keeps one block per
+    hash; this copy takes over the hash when the registered one goes, `BlockManager`).
+    `prev_free` / `next_free` link it into the free queue.
     """
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "extra_keys",
-                 "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "extra_keys", "content_id",
+                 "copy_of", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -20,6 +24,8 @@ class KVCacheBlock:
         self.block_hash: int | None = None
         self.token_ids: tuple[int, ...] | None = None
         self.extra_keys: tuple | None = None
+        self.content_id: int | None = None
+        self.copy_of: int | None = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -27,9 +33,12 @@ class KVCacheBlock:
         self.block_hash = None
         self.token_ids = None
         self.extra_keys = None
+        self.content_id = None
+        self.copy_of = None
 
     def __repr__(self) -> str:
-        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+        copy = "" if self.copy_of is None else f", copy of {self.copy_of}"
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={self.block_hash}{copy})"
 
 
 class FreeBlockQueue:

@@ -2,10 +2,27 @@
 
 Vocabulary follows vLLM: `get_computed_blocks` finds prefix-cache hits, `allocate_slots` makes a
 request's block table cover the tokens it is about to compute, `free` returns its blocks.
+
+One block per hash is registered in the prefix cache (vLLM registers every copy). A copy arises
+when a request computes a block whose content is already cached: a prompt that ends on a block
+boundary recomputes its last block (the last token is never a hit), and two requests can compute
+the same block in different steps. The copy never takes a second place in the LRU order, and a
+hit never pulls a free copy out of the queue while another is held. What the one registered
+block must not lose, the copies give back:
+  - a held copy (`copy_of`) takes over the hash when the registered block is evicted or
+    rewritten, so content a request holds stays a hit;
+  - a copy freed after its registered twin takes over the hash, so the content's place in the
+    LRU order is its latest use, and the twin (nothing to serve now) is reused first.
+
+A hit compares content, not only hashes: each cached content has an id (`content_id`), and a
+block's identity is its tokens, its index and its parent's content id, so a chain of hits is
+the same whole prefix even where 64-bit hashes collide. A block whose hash another content holds
+is not cached (nor are the blocks after it).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -16,6 +33,8 @@ from nanokv.cache.hashing import ROOT_HASH, hash_block
 from nanokv.cache.layer_slices import LayerSlices
 from nanokv.request import Request
 from nanokv.utils import cdiv
+
+ROOT_CONTENT = 0  # the content id of the empty prefix
 
 
 @dataclass
@@ -47,6 +66,8 @@ class BlockManager:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVCacheBlock] = {}  # block hash -> block
+        self.copies: dict[int, list[KVCacheBlock]] = {}  # block hash -> held copies, oldest first
+        self._content_ids = itertools.count(ROOT_CONTENT + 1)
         self.birth = [0.0] * num_blocks  # allocation time of each block
         self.stats = BlockManagerStats()
 
@@ -84,18 +105,19 @@ class BlockManager:
         bs = self.block_size
         extra = self.request_extra_keys(request)
         hits: list[KVCacheBlock] = []
-        parent = ROOT_HASH
+        parent, parent_content = ROOT_HASH, ROOT_CONTENT
         for i in range((request.num_tokens - 1) // bs):
             tokens = tuple(request.token_ids_range(i * bs, (i + 1) * bs))
             h = hash_block(parent, tokens, extra)
             block = self.cached.get(h)
             # compare content on every hit: a hash collision must never serve wrong K/V (the
-            # depth i too: a block whose hash equals its parent's would otherwise match again)
+            # parent's content id: the whole prefix before it; the depth i: a block whose hash
+            # equals its parent's would otherwise match again)
             if (block is None or block.token_ids != tokens
-                    or block.extra_keys != (parent, i, extra)):
+                    or block.extra_keys != (parent_content, i, extra)):
                 break
             hits.append(block)
-            parent = h
+            parent, parent_content = h, block.content_id
         return hits, len(hits) * bs
 
     # ---- allocation ----------------------------------------------------------------------------
@@ -129,6 +151,7 @@ class BlockManager:
             block.ref_cnt += 1
             request.block_table.append(block.block_id)
             request.block_hashes.append(block.block_hash)
+            request.block_content_ids.append(block.content_id)
         for _ in range(need):
             block = self.free_queue.popleft()
             if block.block_hash is not None:  # reusing a cached block evicts its content
@@ -153,25 +176,67 @@ class BlockManager:
         extra = self.request_extra_keys(request)
         for i in range(len(request.block_hashes), num_tokens // bs):
             parent = request.block_hashes[i - 1] if i > 0 else ROOT_HASH
+            parent_content = request.block_content_ids[i - 1] if i > 0 else ROOT_CONTENT
             tokens = tuple(request.token_ids_range(i * bs, (i + 1) * bs))
             h = hash_block(parent, tokens, extra)
             request.block_hashes.append(h)
+            identity = (parent_content, i, extra)
             twin = self.cached.get(h)
-            if twin is not None and twin.ref_cnt > 0:  # held: it stays the cached copy
-                continue
+            if parent_content is None or (twin is not None and (
+                    twin.token_ids != tokens or twin.extra_keys != identity)):
+                request.block_content_ids.append(None)  # its prefix is not cached, or its
+                continue  # hash is another content's (a collision): never a hit
             block = self.blocks[request.block_table[i]]
-            if twin is not None:  # a free twin hands its hash to this fresher copy, so the
-                self._uncache(twin, time.monotonic(), reason=None)  # LRU order sees the reuse
-            block.block_hash, block.token_ids, block.extra_keys = h, tokens, (parent, i, extra)
-            self.cached[h] = block
+            block.token_ids, block.extra_keys = tokens, identity
+            if twin is None:
+                block.content_id = next(self._content_ids)
+                self._register(block, h)
+            elif twin.ref_cnt > 0:  # held: it stays the registered block, this one its copy
+                block.content_id, block.copy_of = twin.content_id, h
+                self.copies.setdefault(h, []).append(block)
+            else:  # a free twin hands its hash to this fresher copy: the LRU order sees reuse
+                block.content_id = twin.content_id
+                self._hand_over(twin, block, h)
+            request.block_content_ids.append(block.content_id)
+
+    def _register(self, block: KVCacheBlock, h: int) -> None:
+        """Make `block` (its token_ids, extra_keys and content_id set) the cached block of h."""
+        block.block_hash, block.copy_of = h, None
+        self.cached[h] = block
+
+    def _hand_over(self, twin: KVCacheBlock, block: KVCacheBlock, h: int) -> None:
+        """The free registered `twin` of hash h gives it to `block`, a fresher copy; the twin
+        holds nothing to serve now, so it moves to the front of the free queue."""
+        del self.cached[h]
+        twin.reset_hash()
+        self.free_queue.remove(twin)
+        self.free_queue.appendleft(twin)
+        self._register(block, h)
+
+    def _drop_copy(self, block: KVCacheBlock) -> int:
+        """Take `block` off its hash's copies (its identity stays); returns the hash."""
+        h, block.copy_of = block.copy_of, None
+        copies = self.copies[h]
+        copies.remove(block)
+        if not copies:
+            del self.copies[h]
+        return h
 
     def _uncache(self, block: KVCacheBlock, now: float, reason: str | None) -> None:
-        if self.cached.get(block.block_hash) is block:
-            del self.cached[block.block_hash]
+        """Unregister `block` (evicted by `reason`, or None: not an eviction); a held copy of
+        its content, if any, becomes the cached block."""
+        h = block.block_hash
+        if self.cached.get(h) is block:
+            del self.cached[h]
         block.reset_hash()
         if reason is not None:
             self.stats.evicted_blocks[reason] += 1
             self.stats.evicted_block_lifetimes.append(now - self.birth[block.block_id])
+        copies = self.copies.get(h)
+        if copies and h not in self.cached:
+            copy = copies[0]  # its identity was set when it was made
+            self._drop_copy(copy)
+            self._register(copy, h)
 
     # ---- freeing -------------------------------------------------------------------------------
     def free(self, request: Request, reason: str | None = None, drop_cache: bool = False) -> None:
@@ -191,6 +256,7 @@ class BlockManager:
         request.block_table = []
         request.layer_slices = None
         request.block_hashes = []
+        request.block_content_ids = []
 
     def free_blocks_at(self, request: Request, indices: list[int], reason: str = "policy") -> None:
         """Remove the blocks at `indices` of the request's block table (a KV policy's eviction).
@@ -223,6 +289,7 @@ class BlockManager:
         request.block_table = [b for i, b in enumerate(request.block_table) if i not in drop]
         request.prefix_cacheable = False
         request.block_hashes = request.block_hashes[:min(drop)]
+        request.block_content_ids = request.block_content_ids[:min(drop)]
 
     def make_private(self, request: Request,
                      indices: range | list[int]) -> list[tuple[int, int]] | None:
@@ -280,10 +347,16 @@ class BlockManager:
         now = time.monotonic()
         for block_id in request.block_table[from_block:]:
             block = self.blocks[block_id]
-            if block.block_hash is not None and block.ref_cnt == 1:
+            if block.ref_cnt != 1:  # shared: copied before it is rewritten (make_private)
+                continue
+            if block.block_hash is not None:
                 self._uncache(block, now, reason=None)
+            elif block.copy_of is not None:
+                self._drop_copy(block)
+                block.reset_hash()
         request.prefix_cacheable = False
         request.block_hashes = request.block_hashes[:from_block]
+        request.block_content_ids = request.block_content_ids[:from_block]
 
     def _release(self, block: KVCacheBlock, now: float, drop_cache: bool) -> bool:
         """Drop one reference; True when the block became free."""
@@ -292,6 +365,13 @@ class BlockManager:
         block.ref_cnt -= 1
         if block.ref_cnt > 0:
             return False
+        if block.copy_of is not None:
+            h = self._drop_copy(block)
+            twin = self.cached[h]
+            if twin.ref_cnt == 0 and not drop_cache:  # freed after its twin: the later use
+                self._hand_over(twin, block, h)
+            else:
+                block.reset_hash()
         if drop_cache and block.block_hash is not None:
             self._uncache(block, now, reason=None)
         if block.block_hash is None:
@@ -334,8 +414,19 @@ class BlockManager:
                 raise RuntimeError(f"{block} free-queue membership disagrees with its ref count")
             if block.block_hash is not None and self.cached.get(block.block_hash) is not block:
                 raise RuntimeError(f"{block} has a hash but is not the cached block for it")
+            twin = None if block.copy_of is None else self.cached.get(block.copy_of)
+            if block.copy_of is not None and (
+                    block.block_hash is not None or block.ref_cnt == 0
+                    or block not in self.copies.get(block.copy_of, ()) or twin in (None, block)
+                    or (twin.token_ids, twin.extra_keys, twin.content_id)
+                    != (block.token_ids, block.extra_keys, block.content_id)):
+                raise RuntimeError(f"{block} is not a held copy of the registered block of "
+                                   f"its hash")
         for h, block in self.cached.items():
             if block.block_hash != h:
                 raise RuntimeError(f"cache entry {h} points at {block}")
+        for h, copies in self.copies.items():
+            if not copies or any(b.copy_of != h for b in copies):
+                raise RuntimeError(f"copies of hash {h} disagree with their blocks: {copies}")
         if self.num_free_blocks + sum(1 for b in self.blocks if b.ref_cnt > 0) != self.num_blocks:
             raise RuntimeError("free + used blocks != total blocks")

@@ -290,6 +290,107 @@ def test_a_recomputed_block_refreshes_its_prefix_in_lru_order():
     bm.check_invariants([a, b, c])
 
 
+def copy_of_a_held_block(bm: BlockManager):
+    """a holds [1,2]; c recomputes it (its prompt ends on the block boundary): a registered
+    block and its held copy. Returns (a, c, the registered block, the copy)."""
+    a = make_request([1, 2, 3])
+    admit(bm, a)
+    c = make_request([1, 2])
+    admit(bm, c)
+    twin, copy = bm.blocks[a.block_table[0]], bm.blocks[c.block_table[0]]
+    assert bm.cached[a.block_hashes[0]] is twin and copy.copy_of == a.block_hashes[0]
+    bm.check_invariants([a, c])
+    return a, c, twin, copy
+
+
+def fill_pool(bm: BlockManager, first_token: int) -> Request:
+    """A request that takes every free block (evicting what they cached)."""
+    z = make_request(range(first_token, first_token + 2 * bm.num_free_blocks - 1))
+    admit(bm, z)
+    assert bm.num_free_blocks == 0
+    return z
+
+
+def test_a_held_copy_keeps_its_content_cached_when_the_registered_block_goes():
+    """vLLM registers every copy; nanokv one block per hash. When the registered block is
+    evicted, content a running request still holds must stay a hit: its copy takes over."""
+    bm = BlockManager(num_blocks=5, block_size=2)
+    a, c, twin, copy = copy_of_a_held_block(bm)
+    bm.free(a)  # the registered block is free (cached), its copy still held by c
+    z = fill_pool(bm, 50)  # evicts it
+    assert twin.block_hash is None
+    assert bm.cached[c.block_hashes[0]] is copy and copy.copy_of is None
+    hits, hit_tokens = bm.get_computed_blocks(make_request([1, 2, 9]))
+    assert hit_tokens == 2 and hits == [copy]
+    bm.check_invariants([c, z])
+
+
+def test_a_copy_freed_after_its_twin_takes_the_later_place_in_lru_order():
+    """The content's place in the LRU order is its latest use: a copy freed after its
+    registered twin takes over the hash (at the back of the free queue) and the twin, holding
+    nothing to serve, goes to the front."""
+    bm = BlockManager(num_blocks=6, block_size=2)
+    a, c, twin, copy = copy_of_a_held_block(bm)
+    w = make_request([7, 8, 9])
+    admit(bm, w)
+    h = c.block_hashes[0]
+    bm.free(a)  # [1,2] freed before [7,8] ...
+    bm.free(w)
+    bm.free(c)  # ... and used again after it
+    assert bm.cached[h] is copy and twin.block_hash is None
+    queue = list(bm.free_queue)
+    assert queue[0] is twin and queue[-1] is copy
+    bm.check_invariants([])
+    z = make_request(range(50, 59))  # 5 blocks: the 4 uncached ones, then the oldest cached
+    admit(bm, z)
+    assert bm.get_computed_blocks(make_request([7, 8, 0]))[1] == 0  # [7,8] went first
+    assert bm.get_computed_blocks(make_request([1, 2, 0]))[1] == 2
+    bm.check_invariants([z])
+
+
+def test_a_hash_handed_over_leaves_its_old_block_first_in_the_free_queue():
+    """A recomputed block takes the hash from its free twin; the twin is then a plain free
+    block, reused before any cached one (it used to keep its place among them)."""
+    bm = BlockManager(num_blocks=4, block_size=2)
+    x = make_request([1, 2, 3])
+    admit(bm, x)
+    twin = bm.cached[x.block_hashes[0]]
+    bm.free(x)
+    y = make_request([1, 2])  # recomputes [1,2]
+    admit(bm, y)
+    assert twin.block_hash is None and next(iter(bm.free_queue)) is twin
+    bm.check_invariants([y])
+
+
+def test_colliding_parent_hashes_never_chain_into_another_prefix(monkeypatch):
+    """With a 2-bit hash, [0,1] and [0,0] share their hash, and so do the [0,0] blocks after
+    them: a block's identity holds its parent's content id, not its parent's hash, so a chain of
+    hits is the whole prefix it claims. Oracle: the prefix each physical block was written
+    with."""
+    monkeypatch.setattr(bm_module, "hash_block", _weak_hash)
+    assert _weak_hash(ROOT_HASH, [0, 1], ()) == _weak_hash(ROOT_HASH, [0, 0], ())
+    bm = BlockManager(num_blocks=10, block_size=2)
+    written = {}  # block id -> the tokens up to its end it holds the K/V of
+
+    def run(tokens):
+        request = make_request(tokens)
+        admit(bm, request)
+        for i, block_id in enumerate(request.block_table[:len(tokens) // 2]):
+            written[block_id] = tuple(tokens[:2 * i + 2])
+        return request
+
+    q1 = run([0, 0, 0, 0, 0])
+    bm.free_blocks_at(q1, [1])  # [0,0][0,0] stays cached, free
+    q2 = run([0, 1, 0, 0])  # its [0,0] block's hash is [0,0][0,0]'s
+    bm.free(q2)
+    bm.free(q1)
+    for tokens in ([0, 0, 0, 0, 0], [0, 1, 0, 0, 0]):
+        hits, _ = bm.get_computed_blocks(make_request(tokens))
+        assert [written[b.block_id] for b in hits] == [tuple(tokens[:2 * i + 2])
+                                                      for i in range(len(hits))]
+    bm.check_invariants([])
+
+
 def test_reusing_evicted_block_drops_hash_entry():
     bm = BlockManager(num_blocks=3, block_size=2)
     a = make_request([1, 2, 3, 4, 5])
@@ -586,15 +687,33 @@ class BlockManagerMachine(RuleBasedStateMachine):
         bm_module.hash_block = self._saved_hash
 
     # ---- helpers --------------------------------------------------------------------------------
-    def _released(self, block_ids) -> None:
+    def _before(self):
+        """What the free-queue model needs to know of the blocks before an operation: each
+        block's copy_of, and the registered block of each hash."""
+        return ({b.block_id: b.copy_of for b in self.bm.blocks},
+                {h: b.block_id for h, b in self.bm.cached.items()})
+
+    def _to_front(self, block_id: int) -> None:
+        self.free_order.remove(block_id)
+        self.free_order.insert(0, block_id)
+
+    def _released(self, block_ids, before) -> None:
         """Model of the free queue: in release order, unhashed blocks go to the front, cached
-        ones to the back."""
+        ones to the back; a copy freed after its registered twin takes its hash (to the back),
+        and the twin goes to the front."""
+        copy_of, registered = before
         for block_id in block_ids:
-            if self.bm.blocks[block_id].ref_cnt == 0:
-                if self.bm.blocks[block_id].block_hash is None:
-                    self.free_order.insert(0, block_id)
-                else:
-                    self.free_order.append(block_id)
+            block = self.bm.blocks[block_id]
+            if block.ref_cnt != 0:
+                continue
+            if block.block_hash is None:
+                self.free_order.insert(0, block_id)
+                continue
+            h = copy_of[block_id]
+            if h is not None:  # took over from its free twin
+                assert block.block_hash == h and self.bm.blocks[registered[h]].block_hash is None
+                self._to_front(registered[h])
+            self.free_order.append(block_id)
 
     def _key(self, request: Request, end: int):
         return (self.bm.request_extra_keys(request), tuple(request.all_token_ids[:end]))
@@ -616,6 +735,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         free_hits = sum(1 for b in hits if b.ref_cnt == 0)
         expect_ok = need <= bm.num_free_blocks - free_hits
         before = snapshot(bm, request)
+        free_registered = {b.block_id: b.block_hash for b in bm.free_queue
+                           if b.block_hash is not None}
         ok = bm.allocate_slots(request, num_new, hits)
         assert ok == expect_ok
         if not ok:
@@ -628,6 +749,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         new = request.block_table[table_before + len(hits):]
         assert new == self.free_order[:need]  # popped from the front
         del self.free_order[:need]
+        # a free registered block whose content the request computed again hands its hash to
+        # the fresh copy and goes to the front, in the order of the request's blocks
+        handed = [b for b, h in free_registered.items()
+                  if bm.blocks[b].ref_cnt == 0 and bm.blocks[b].block_hash is None]
+        for block_id in sorted(handed,
+                               key=lambda b: request.block_hashes.index(free_registered[b])):
+            assert bm.cached[free_registered[block_id]].block_id in new
+            self._to_front(block_id)
         for block_id in new:
             self.content[block_id] = None  # fresh block: garbage until written
         # "compute" the new tokens into their slots
@@ -667,6 +796,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def _release(self, request: Request, **kwargs) -> None:
         held = list(request.block_table)
+        before = self._before()
         self.bm.free(request, **kwargs)
         assert request.block_table == [] and request.block_hashes == []
         del self.live[request.request_id]
@@ -675,7 +805,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert block.ref_cnt == sum(block_id in r.block_table for r in self.live.values())
             if kwargs.get("drop_cache") and block.ref_cnt == 0:
                 assert block.block_hash is None  # its content is not trusted any more
-        self._released(reversed(held))
+        self._released(reversed(held), before)
 
     # ---- rules ----------------------------------------------------------------------------------
     @rule(tokens=st.lists(st.integers(0, 1), min_size=1, max_size=13),
@@ -750,9 +880,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         indices = data.draw(st.lists(st.integers(0, full - 1), min_size=1, max_size=full - 1,
                                      unique=True))
         table = list(request.block_table)
+        before = self._before()
         self.bm.free_blocks_at(request, indices)
         assert request.block_table == [b for i, b in enumerate(table) if i not in indices]
-        self._released(table[i] for i in sorted(indices, reverse=True))
+        self._released((table[i] for i in sorted(indices, reverse=True)), before)
         request.num_evicted_tokens += len(indices) * self.bs
         self.tainted.add(request.request_id)
         for i in indices:
@@ -775,7 +906,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @rule()
     def reset_prefix_cache(self):
-        held = {h for h, b in self.bm.cached.items() if b.ref_cnt > 0}
+        # what stays: content a request holds, in its registered block or in a held copy
+        held = {h for h, b in self.bm.cached.items() if b.ref_cnt > 0} | set(self.bm.copies)
         self.bm.reset_prefix_cache()
         assert set(self.bm.cached) == held
 
