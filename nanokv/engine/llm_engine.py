@@ -286,8 +286,11 @@ class LLMEngine:
                    if s.request_id in self.scheduler.requests]
         progressed = self.scheduler.update_from_output(sched, runner_out)
         for request, error in self.policies.after_step(stepped):
-            self._fail([request], error)  # finished: its output below says so
-        outputs = [self._output(request, []) for request in failed]
+            failed += self._fail([request], error)
+        # each failed request's final output (one that sampled this step: in the loop below)
+        sampled = {request.request_id for request in progressed}
+        outputs = [self._output(request, []) for request in failed
+                   if request.request_id not in sampled]
         for request in progressed:
             stop = update_text(request, self.tokenizer)
             if stop is not None and not request.is_finished:

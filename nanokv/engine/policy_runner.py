@@ -243,13 +243,18 @@ class PolicyRunner:
         if not policy.should_evict_on_decode(num_slots, request.kv_budget):
             return
         if policy.decode_mode == "evict_block":
-            scores = (self._block_scores(request, self.kv_cache.policy_view(request))
-                      if policy.needs_block_scores else None)
-            index = policy.block_to_evict(scores, num_slots, request.kv_budget)
-            if index is not None:
+            # a block each time the newest fills; more when a recompute after preemption
+            # re-prefilled the outputs in one chunk, past the budget: back within it at once
+            while policy.should_evict_on_decode(num_slots, request.kv_budget):
+                scores = (self._block_scores(request, self.kv_cache.policy_view(request))
+                          if policy.needs_block_scores else None)
+                index = policy.block_to_evict(scores, num_slots, request.kv_budget)
+                if index is None:
+                    break
                 self._free_blocks(request, [index])
                 request.num_evicted_tokens += self.block_size
                 self.stats.decode_evicted_blocks += 1
+                num_slots = request.num_cached_slots
         elif policy.decode_mode == "reselect":
             q_windows = None
             if policy.needs_attention:  # the queries since the last selection (of slots n-W..)

@@ -161,21 +161,29 @@ class Scheduler:
     @staticmethod
     def _hit_limit(request: Request) -> int | None:
         """Most prefix-cache tokens a request may take: a KV policy compresses at its point
-        (compress_after, else the prompt's end) a plain prefix it computed up to there, and one
-        that reads window attention must compute the window's queries itself."""
+        (compress_after, else the prompt's end) a plain prefix it computed up to there, when the
+        chunk that reaches the point ends (so hits stop short of it), and one that reads window
+        attention must compute the window's queries itself."""
         limit = request.compress_point
+        if limit is not None:
+            limit -= 1
         if limit is not None and request.query_capture_from is not None:
             limit = min(limit, request.query_capture_from)
         return limit
 
-    @staticmethod
-    def _chunk(request: Request, start: int, budget: int) -> int:
+    def _chunk(self, request: Request, start: int, budget: int) -> int:
         """Tokens to compute this step from `start` on: the rest of the known tokens, within
-        the budget, and never across the request's compression point."""
+        the budget, and never across the request's compression point. After it, a policy that
+        evicts while decoding (each time the newest block fills) sees a recompute's outputs a
+        block at a time, so it evicts as it did while they were decoded."""
         n = min(request.num_tokens - start, budget)
         stop = request.compress_point
         if stop is not None and not request.compressed and start < stop:
             n = min(n, stop - start)
+        if request.compressed and request.kv_budget is not None \
+                and request.kv_policy.decode_mode != "none":
+            bs = self.block_manager.block_size
+            n = min(n, bs - request.num_cached_slots % bs)
         return n
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
