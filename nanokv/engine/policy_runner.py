@@ -243,8 +243,8 @@ class PolicyRunner:
         if not policy.should_evict_on_decode(num_slots, request.kv_budget):
             return
         if policy.decode_mode == "evict_block":
-            # a block each time the newest fills; more when a recompute after preemption
-            # re-prefilled the outputs in one chunk, past the budget: back within it at once
+            # a block each time the newest fills (the scheduler ends a recompute's chunks on
+            # block fills too); more if a chunk crossed fills: back within the budget at once
             while policy.should_evict_on_decode(num_slots, request.kv_budget):
                 scores = (self._block_scores(request, self.kv_cache.policy_view(request))
                           if policy.needs_block_scores else None)
