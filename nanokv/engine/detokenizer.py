@@ -14,6 +14,9 @@ the invalid ones after the fact, while the text keeps what it already had (as vL
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import replace
+
 from nanokv.request import DecodeOffsets, Request, RequestStatus
 
 
@@ -35,6 +38,35 @@ def decode_new_tokens(offsets: DecodeOffsets, ids: list[int], tokenizer, final: 
         return ""  # the new tokens have no text yet (skipped special tokens)
     offsets.prefix, offsets.read, offsets.shown = offsets.read, len(ids), 0
     return new
+
+
+class TokenTexts:
+    """Each output token's own text, for log-probabilities: what it adds to the output text,
+    decoded in the context of the tokens before it as `update_text` does. So a request's token
+    strings add up to its text and each token's text_offset indexes it (a character over
+    several tokens belongs to the token that completes it; complete characters before it, to
+    their own token); a SentencePiece token keeps its leading space except at the output's
+    start, as in the text. An alternative from a top list gets the text it would have added in
+    the sampled token's place. Without a tokenizer: "token_id:<id>"."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.window: list[int] = []  # the output's tokens from the decode context's start on
+        self.offsets = DecodeOffsets()
+
+    def next(self, token_id: int, alternatives: Iterable[int] = (),
+             final: bool = False) -> tuple[str, list[str]]:
+        """The next sampled token's text and its alternatives'; `final`: the output's last."""
+        if self.tokenizer is None:
+            return f"token_id:{token_id}", [f"token_id:{t}" for t in alternatives]
+        others = [decode_new_tokens(replace(self.offsets), self.window + [t], self.tokenizer,
+                                    final) for t in alternatives]
+        self.window.append(token_id)
+        text = decode_new_tokens(self.offsets, self.window, self.tokenizer, final)
+        start = self.offsets.prefix  # tokens before the context are not read again
+        del self.window[:start]
+        self.offsets.prefix, self.offsets.read = 0, self.offsets.read - start
+        return text, others
 
 
 def update_text(request: Request, tokenizer) -> str | None:

@@ -280,9 +280,9 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
         if body.stream:
             return EngineStreamingResponse(
                 stream_events(server.events(streams), len(streams), head, body, False,
-                              server.token_text), streams)
+                              server.token_texts), streams)
         return await final_response(streams, raw, head, body, lambda o, lps: {
-            "text": o.text, "logprobs": completion_logprobs(lps, server.token_text)
+            "text": o.text, "logprobs": completion_logprobs(lps, server.token_texts())
             if body.num_logprobs is not None else None})
 
     @app.post("/v1/chat/completions")
@@ -305,8 +305,8 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
             head["object"] = "chat.completion.chunk"
             return EngineStreamingResponse(
                 stream_events(server.events(streams), len(streams), head, body, True,
-                              server.token_text), streams)
+                              server.token_texts), streams)
         return await final_response(streams, raw, head, body, lambda o, lps: {
             "message": {"role": "assistant", "content": o.text},
-            "logprobs": chat_logprobs(lps, server.token_text)
+            "logprobs": chat_logprobs(lps, server.token_texts())
             if body.num_logprobs is not None else None})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Callable
 
+from nanokv.engine.detokenizer import TokenTexts
 from nanokv.layers.sampler import TokenLogprobs
 from nanokv.outputs import RequestOutput
 from nanokv.server.protocol import APIError
@@ -31,19 +32,27 @@ def _lp(x: float) -> float:
     return max(x, LOGPROB_FLOOR)
 
 
-def completion_logprobs(lps: list[TokenLogprobs], token_text: Callable[[int], str],
-                        offset: int = 0) -> dict:
+def _token_texts(lps: list[TokenLogprobs], texts: TokenTexts, final: bool):
+    """Each entry's (token text, its alternatives' texts), in order; `final`: the last entry is
+    the output's last token."""
+    for k, lp in enumerate(lps):
+        yield texts.next(lp.token_id, [t for t, _ in lp.top], final and k == len(lps) - 1)
+
+
+def completion_logprobs(lps: list[TokenLogprobs], texts: TokenTexts, offset: int = 0,
+                        final: bool = True) -> dict:
     """/v1/completions: tokens, token_logprobs, top_logprobs ({token: logprob}, the sampled
     token included) and text_offset (each token's offset in the whole completion: a streamed
-    chunk passes the length of the tokens' text sent before it as `offset`)."""
+    chunk passes the length of the tokens' text sent before it as `offset`). `texts`: the
+    choice's `TokenTexts` (a token's text is what it adds to the completion's text, so the
+    offsets index it); `final`: the entries end the output."""
     tokens, values, tops, offsets, at = [], [], [], [], offset
-    for lp in lps:
-        text = token_text(lp.token_id)
+    for lp, (text, alternatives) in zip(lps, _token_texts(lps, texts, final)):
         tokens.append(text)
         values.append(_lp(lp.logprob))
         top: dict[str, float] = {}
-        for t, v in lp.top:  # best first: tokens that read alike keep the likelier value
-            top.setdefault(token_text(t), _lp(v))
+        for (_, v), alternative in zip(lp.top, alternatives):  # best first: tokens that read
+            top.setdefault(alternative, _lp(v))  # alike keep the likelier value
         top.setdefault(text, _lp(lp.logprob))
         tops.append(top)
         offsets.append(at)
@@ -52,14 +61,14 @@ def completion_logprobs(lps: list[TokenLogprobs], token_text: Callable[[int], st
             "text_offset": offsets}
 
 
-def chat_logprobs(lps: list[TokenLogprobs], token_text: Callable[[int], str]) -> dict:
+def chat_logprobs(lps: list[TokenLogprobs], texts: TokenTexts, final: bool = True) -> dict:
     """/v1/chat/completions: {"content": [{token, logprob, bytes, top_logprobs}]}."""
-    def entry(token_id: int, value: float) -> dict:
-        text = token_text(token_id)
+    def entry(text: str, value: float) -> dict:
         return {"token": text, "logprob": _lp(value), "bytes": list(text.encode("utf-8"))}
 
-    return {"content": [{**entry(lp.token_id, lp.logprob),
-                         "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps],
+    return {"content": [{**entry(text, lp.logprob),
+                         "top_logprobs": [entry(a, v) for (_, v), a in zip(lp.top, others)]}
+                        for lp, (text, others) in zip(lps, _token_texts(lps, texts, final))],
             "refusal": None}
 
 
@@ -90,13 +99,14 @@ class TextDelta:
 
 async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_choices: int,
                         head: dict, body, chat: bool,
-                        token_text: Callable[[int], str]) -> AsyncIterator[str]:
+                        token_texts: Callable[[], TokenTexts]) -> AsyncIterator[str]:
     """The SSE body of a streamed completion: text pieces per choice (with their token ids and
     logprobs when asked), the finish reason, the usage last (or in every chunk with
     continuous_usage_stats), then [DONE]. An error ends the stream with OpenAI's error body and
     [DONE]."""
     stop = body.stop_list()
     deltas = [TextDelta(stop) for _ in range(num_choices)]
+    texts = [token_texts() for _ in range(num_choices)]  # each choice's tokens' texts
     pending_ids: list[list[int]] = [[] for _ in range(num_choices)]
     pending_lps: list[list[TokenLogprobs]] = [[] for _ in range(num_choices)]
     text_offsets = [0] * num_choices  # tokens' text sent with logprobs so far (text_offset)
@@ -130,9 +140,10 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
                 finals[i] = out
             logprobs = None
             if want_logprobs and pending_lps[i] and chat:
-                logprobs = chat_logprobs(pending_lps[i], token_text)
+                logprobs = chat_logprobs(pending_lps[i], texts[i], out.finished)
             elif want_logprobs and pending_lps[i]:
-                logprobs = completion_logprobs(pending_lps[i], token_text, text_offsets[i])
+                logprobs = completion_logprobs(pending_lps[i], texts[i], text_offsets[i],
+                                               out.finished)
                 text_offsets[i] += sum(len(t) for t in logprobs["tokens"])
             reason = out.finish_reason if out.finished else None
             if chat:

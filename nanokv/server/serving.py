@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from nanokv.engine.detokenizer import TokenTexts
 from nanokv.metrics.prometheus import PrometheusExporter
 from nanokv.metrics.stats import CacheConfigInfo
 from nanokv.outputs import RequestOutput
@@ -104,7 +105,6 @@ class OpenAIServer:
         self.chat = ChatRenderer(self.tokenizer, settings.chat_template) if tok else None
         self._local = threading.local()
         self._worker = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="nanokv-tokenize")
-        self._token_text: dict[int, str] = {}
         self.exporter = PrometheusExporter(settings.model_name,
                                            CacheConfigInfo.from_engine(engine),
                                            window_s=settings.metrics_window)
@@ -228,15 +228,9 @@ class OpenAIServer:
     async def decode(self, token_ids: list[int]) -> str:
         return await self._in_worker(lambda: self._thread_tokenizer()[0].decode(token_ids))
 
-    def token_text(self, token_id: int) -> str:
-        """A token's own text (logprobs), as vLLM shows it: decode([id])."""
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = (self.tokenizer.decode([token_id]) if self.tokenizer is not None
-                    else f"token_id:{token_id}")
-            if len(self._token_text) < 1 << 16:
-                self._token_text[token_id] = text
-        return text
+    def token_texts(self) -> TokenTexts:
+        """A choice's token texts for its log-probabilities (each token's part of the text)."""
+        return TokenTexts(self.tokenizer)
 
     # ---- engine requests -----------------------------------------------------------------------
     def make_requests(self, body: _SamplingRequest, token_ids: list[int], text: str | None,

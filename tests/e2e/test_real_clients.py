@@ -141,11 +141,11 @@ def test_logprobs_equal_the_models_distribution(client, offline):
     for k, top in enumerate(choice.logprobs.top_logprobs):
         assert max(top.values()) == pytest.approx(expected[k], abs=1e-4)  # greedy: the top
         assert 1 <= len(top) <= 3  # tokens that decode alike share a key
-    assert choice.logprobs.tokens == [offline.tokenizer.decode([t]) for t in out]
-    offsets = [0]
-    for t in choice.logprobs.tokens[:-1]:
-        offsets.append(offsets[-1] + len(t))
-    assert choice.logprobs.text_offset == offsets
+    # each token's text is its part of the completion's text, which its offset indexes
+    tokens, offsets = choice.logprobs.tokens, choice.logprobs.text_offset
+    assert "".join(tokens) == choice.text == offline.tokenizer.decode(out)
+    assert all(choice.text[o:o + len(t)] == t for t, o in zip(tokens, offsets))
+    assert offsets == [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
     # streamed (however the server groups steps into chunks): the same tokens and offsets
     streamed = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5,
                                          temperature=0, logprobs=3, stream=True,

@@ -12,7 +12,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from nanokv.engine.detokenizer import update_text
+from nanokv.engine.detokenizer import TokenTexts, update_text
 from nanokv.request import Request, RequestStatus
 from nanokv.sampling_params import SamplingParams
 
@@ -135,3 +135,36 @@ def test_a_step_decodes_a_few_tokens_at_any_output_length():
         update_text(request, tok)
     assert request.text == tok.inner.decode(ids)
     assert max(tok.calls) <= 2  # the token before and the new one, not the whole output
+
+
+def token_texts(tokenizer, ids: list[int], alternatives: int = 0) -> tuple[list[str], list]:
+    texts = TokenTexts(tokenizer)
+    got = [texts.next(t, ids[:alternatives], final=k == len(ids) - 1)
+           for k, t in enumerate(ids)]
+    return [text for text, _ in got], [others for _, others in got]
+
+
+def test_token_texts_add_up_to_the_text(tokenizer):
+    """Log-probabilities' token strings: each token's part of the output text, so they add up
+    to it (and text_offset indexes it); a character over several tokens goes to the token that
+    completes it."""
+    rng = random.Random(2)
+    for _ in range(100):
+        ids = random_output(tokenizer, rng)
+        tokens, _ = token_texts(tokenizer, ids)
+        assert "".join(tokens) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_token_texts_of_split_characters_and_spaces():
+    byte_level = AutoTokenizer.from_pretrained(SHIPPED)
+    ids = byte_level.encode("中文 😀", add_special_tokens=False)
+    tokens, _ = token_texts(byte_level, ids)
+    assert "".join(tokens) == "中文 😀" and "\ufffd" not in "".join(tokens)
+    assert all(t in ("", "中", "文", " ", "😀", " 😀", "中文") for t in tokens)
+    sentencepiece = byte_fallback_tokenizer()
+    ids = sentencepiece.encode("the cat in", add_special_tokens=False)
+    assert sentencepiece.convert_ids_to_tokens(ids) == ["▁the", "▁cat", "▁in"]
+    tokens, others = token_texts(sentencepiece, ids, alternatives=2)
+    assert tokens == ["the", " cat", " in"]  # decode([id]) drops every leading space
+    # an alternative: the text it would add in the sampled token's place
+    assert others[1] == [" the", " cat"] and others[2] == [" the", " cat"]

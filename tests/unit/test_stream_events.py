@@ -10,12 +10,18 @@ import pytest
 
 pytest.importorskip("pydantic")
 
+from nanokv.engine.detokenizer import TokenTexts  # noqa: E402
 from nanokv.layers.sampler import TokenLogprobs  # noqa: E402
 from nanokv.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
 from nanokv.server.protocol import CompletionRequest  # noqa: E402
 from nanokv.server.responses import stream_events  # noqa: E402
 
 TEXT = {5: "ab", 6: "cde", 7: " f", 8: "gh"}  # token id -> its text
+
+
+class TextTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(TEXT[t] for t in ids)
 
 
 def outputs(ids: list[int]):
@@ -37,7 +43,7 @@ def chunks(ids: list[int]) -> list[dict]:
     async def collect():
         body = CompletionRequest(model="m", prompt="x", logprobs=1, stream=True)
         return [e async for e in stream_events(events(), 1, {"id": "c"}, body, False,
-                                               TEXT.__getitem__)]
+                                               lambda: TokenTexts(TextTokenizer()))]
 
     lines = asyncio.run(collect())
     return [json.loads(e[len("data: "):]) for e in lines if e.strip() != "data: [DONE]"]
