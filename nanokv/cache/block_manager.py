@@ -182,6 +182,11 @@ class BlockManager:
             request.block_hashes.append(h)
             identity = (parent_content, i, extra)
             twin = self.cached.get(h)
+            if parent_content is not None and twin is not None \
+                    and (twin.token_ids, twin.extra_keys) != (tokens, identity) \
+                    and self._orphan(twin, tokens, identity, parent):
+                self._drop_orphan(twin)
+                twin = None
             if parent_content is None or (twin is not None and (
                     twin.token_ids != tokens or twin.extra_keys != identity)):
                 request.block_content_ids.append(None)  # its prefix is not cached, or its
@@ -198,6 +203,28 @@ class BlockManager:
                 block.content_id = twin.content_id
                 self._hand_over(twin, block, h)
             request.block_content_ids.append(block.content_id)
+
+    def _orphan(self, twin: KVCacheBlock, tokens: tuple, identity: tuple, parent: int) -> bool:
+        """Whether `twin`, registered under the hash of a block with these tokens and identity
+        whose parent is hash `parent`, is the same block of an older copy of the prefix, which
+        no hit can reach now: a policy's compaction or eviction freed its parent, whose content
+        went (its id with it) while the twin stayed registered."""
+        if twin.token_ids != tokens or twin.extra_keys[1:] != identity[1:]:
+            return False  # other tokens (a collision)
+        cached_parent = self.cached.get(parent)
+        return cached_parent is None or cached_parent.content_id != twin.extra_keys[0]
+
+    def _drop_orphan(self, twin: KVCacheBlock) -> None:
+        """Unregister an unreachable block and its copies (as unreachable); a free one is
+        reused first."""
+        h = twin.block_hash
+        for copy in self.copies.pop(h, []):
+            copy.reset_hash()
+        del self.cached[h]
+        twin.reset_hash()
+        if twin.ref_cnt == 0:
+            self.free_queue.remove(twin)
+            self.free_queue.appendleft(twin)
 
     def _register(self, block: KVCacheBlock, h: int) -> None:
         """Make `block` (its token_ids, extra_keys and content_id set) the cached block of h."""

@@ -296,8 +296,10 @@ class LLMEngine:
             if stop is not None and not request.is_finished:
                 request.stop_reason = stop
                 self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-            elif stop is not None and request.status == RequestStatus.FINISHED_LENGTH:
-                request.stop_reason = stop  # its last token completed a stop string: as vLLM,
+            elif stop is not None and request.status in (RequestStatus.FINISHED_LENGTH,
+                                                         RequestStatus.FINISHED_STOPPED):
+                # its last token (the last allowed, or a stop token kept in the text) completed
+                request.stop_reason = stop  # a stop string: as vLLM,
                 request.status = RequestStatus.FINISHED_STOPPED  # the stop string wins
             new = request.output_token_ids[before[request.request_id]:]
             logprobs = runner_out.logprobs.get(request.request_id)

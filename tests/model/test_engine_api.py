@@ -322,6 +322,23 @@ def test_stop_token_text_is_left_out_unless_asked(llm):
                                       skip_special_tokens=True)
 
 
+def test_a_stop_token_that_completes_a_stop_string_reports_the_string(llm):
+    """include_stop_str_in_output keeps a stop token's text; when that text completes a stop
+    string, the text is cut after the string and, as vLLM, the string is the stop_reason."""
+    tok = llm.tokenizer
+    prompt = "def fibonacci(n):"
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8,
+                                                 ignore_eos=True))[0].token_ids
+    k, stop = next((i, tok.decode([free[i]]).strip()[0]) for i in range(1, len(free))
+                   if tok.decode([free[i]]).strip() and free[i] not in free[:i]
+                   and tok.decode([free[i]]).strip()[0] not in tok.decode(free[:i]))
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8,
+                                                stop_token_ids=[free[k]], stop=[stop],
+                                                include_stop_str_in_output=True))[0]
+    assert out.token_ids == free[:k + 1] and out.finish_reason == "stop"
+    assert out.outputs[0].stop_reason == stop and out.text.endswith(stop)
+
+
 def test_generate_returns_every_tokens_logprobs(llm, tiny_llama):
     """outputs[0].logprobs holds one entry per output token: HF's raw log-softmax of it."""
     prompt = [7, 8, 9, 10]

@@ -391,6 +391,29 @@ def test_colliding_parent_hashes_never_chain_into_another_prefix(monkeypatch):
     bm.check_invariants([])
 
 
+def test_a_block_whose_parent_a_policy_freed_is_replaced_by_a_reachable_copy():
+    """A policy frees a request's first block, which is then evicted: the request's second
+    block stays registered, but its parent's content (and id) went, so no hit reaches it. The
+    next request computing the same prefix registers its own copy instead (it used to see the
+    unreachable block as a collision and register nothing from there on)."""
+    bm = BlockManager(num_blocks=6, block_size=2)
+    x = make_request([1, 2, 3, 4, 5])
+    admit(bm, x)
+    orphan = bm.blocks[x.block_table[1]]
+    bm.free_blocks_at(x, [0])  # [1,2] freed (still cached) ...
+    z = fill_pool(bm, 50)  # ... and evicted
+    bm.free(z)
+    bm.free(x)
+    assert orphan.block_hash is not None  # registered, unreachable
+    assert bm.get_computed_blocks(make_request([1, 2, 3, 4, 9]))[1] == 0
+    y = make_request([1, 2, 3, 4, 5])
+    admit(bm, y)
+    assert orphan.block_hash is None and next(iter(bm.free_queue)) is orphan
+    bm.free(y)
+    assert bm.get_computed_blocks(make_request([1, 2, 3, 4, 9]))[1] == 4
+    bm.check_invariants([])
+
+
 def test_reusing_evicted_block_drops_hash_entry():
     bm = BlockManager(num_blocks=3, block_size=2)
     a = make_request([1, 2, 3, 4, 5])
