@@ -5,9 +5,9 @@ prefix / read offsets), so a step's text costs the same at output token 10 and 1
 the whole output each step grew with its length (0.33 ms a request at 2,000 tokens). Text is only
 appended, never rewritten (until a stop string cuts it: a stream holds back the last
 len(stop) - 1 characters, `nanokv.server.responses.TextDelta`), so what a stream sent stays a
-prefix of the final text: an incomplete
-character (U+FFFD) at the end waits for the tokens that complete it (the complete characters
-before it are appended at once, so a stop string is found in the step that completes it).
+prefix of the final text: an incomplete character (U+FFFD) at the end waits for the tokens that
+complete it (the complete characters before it are appended at once, so a stop string is found
+in the step that completes it).
 
 The reference is `tokenizer.decode(output_token_ids, skip_special_tokens=True)`, which the text
 equals for byte-level BPE and SentencePiece vocabularies. The one difference: a byte-fallback
