@@ -182,13 +182,12 @@ class BlockManager:
             request.block_hashes.append(h)
             identity = (parent_content, i, extra)
             twin = self.cached.get(h)
-            if parent_content is not None and twin is not None \
-                    and (twin.token_ids, twin.extra_keys) != (tokens, identity) \
-                    and self._orphan(twin, tokens, identity, parent):
+            other = twin is not None and (twin.token_ids, twin.extra_keys) != (tokens, identity)
+            if other and parent_content is not None and self._orphan(twin, tokens, identity,
+                                                                     parent):
                 self._drop_orphan(twin)
-                twin = None
-            if parent_content is None or (twin is not None and (
-                    twin.token_ids != tokens or twin.extra_keys != identity)):
+                twin, other = None, False
+            if parent_content is None or other:
                 request.block_content_ids.append(None)  # its prefix is not cached, or its
                 continue  # hash is another content's (a collision): never a hit
             block = self.blocks[request.block_table[i]]
@@ -217,27 +216,27 @@ class BlockManager:
     def _drop_orphan(self, twin: KVCacheBlock) -> None:
         """Unregister an unreachable block and its copies (as unreachable); a free one is
         reused first."""
-        h = twin.block_hash
-        for copy in self.copies.pop(h, []):
+        for copy in self.copies.pop(twin.block_hash, []):
             copy.reset_hash()
-        del self.cached[h]
-        twin.reset_hash()
-        if twin.ref_cnt == 0:
-            self.free_queue.remove(twin)
-            self.free_queue.appendleft(twin)
+        self._forget(twin)
 
     def _register(self, block: KVCacheBlock, h: int) -> None:
         """Make `block` (its token_ids, extra_keys and content_id set) the cached block of h."""
         block.block_hash, block.copy_of = h, None
         self.cached[h] = block
 
+    def _forget(self, block: KVCacheBlock) -> None:
+        """Unregister `block` (no copy takes over); free, it holds nothing to serve now, so it
+        moves to the front of the free queue."""
+        del self.cached[block.block_hash]
+        block.reset_hash()
+        if block.ref_cnt == 0:
+            self.free_queue.remove(block)
+            self.free_queue.appendleft(block)
+
     def _hand_over(self, twin: KVCacheBlock, block: KVCacheBlock, h: int) -> None:
-        """The free registered `twin` of hash h gives it to `block`, a fresher copy; the twin
-        holds nothing to serve now, so it moves to the front of the free queue."""
-        del self.cached[h]
-        twin.reset_hash()
-        self.free_queue.remove(twin)
-        self.free_queue.appendleft(twin)
+        """The free registered `twin` of hash h gives it to `block`, a fresher copy."""
+        self._forget(twin)
         self._register(block, h)
 
     def _drop_copy(self, block: KVCacheBlock) -> int:

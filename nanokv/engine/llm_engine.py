@@ -288,9 +288,11 @@ class LLMEngine:
         for request, error in self.policies.after_step(stepped):
             failed += self._fail([request], error)
         # each failed request's final output (one that sampled this step: in the loop below)
-        sampled = {request.request_id for request in progressed}
-        outputs = [self._output(request, []) for request in failed
-                   if request.request_id not in sampled]
+        outputs = []
+        if failed:
+            sampled = {request.request_id for request in progressed}
+            outputs = [self._output(request, []) for request in failed
+                       if request.request_id not in sampled]
         for request in progressed:
             stop = update_text(request, self.tokenizer)
             if stop is not None and not request.is_finished:

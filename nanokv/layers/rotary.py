@@ -25,8 +25,8 @@ def rope_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
                          f"architectures rotate the whole head; supported: 1.0")
     if rope_type == "default":
         base = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
-        dim = head_dim
-        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
+                                   / head_dim))
         return inv_freq, 1.0
     # the scaled variants follow transformers' reference formulas exactly
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

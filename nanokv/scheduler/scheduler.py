@@ -164,10 +164,10 @@ class Scheduler:
         (compress_after, else the prompt's end) a plain prefix it computed up to there, when the
         chunk that reaches the point ends (so hits stop short of it), and one that reads window
         attention must compute the window's queries itself."""
-        limit = request.compress_point
-        if limit is not None:
-            limit -= 1
-        if limit is not None and request.query_capture_from is not None:
+        if request.compress_point is None:
+            return None
+        limit = request.compress_point - 1
+        if request.query_capture_from is not None:
             limit = min(limit, request.query_capture_from)
         return limit
 
