@@ -157,7 +157,8 @@ class PolicyRunner:
                 return
         if self._compact(request, policy, budget, q_windows, layer_scores=layer_scores):
             request.compressed = True
-            request.kv_budget = budget
+            # decode keeps the cache within the budget asked for, not within a shorter prompt
+            request.kv_budget = max(budget, policy.decode_budget(request.num_cached_slots))
             request.captured_queries = []
             self.stats.compressions += 1
         self.stats.compress_seconds += time.perf_counter() - t0

@@ -27,7 +27,8 @@ Budgets: `budget` (tokens per sequence and layer) OR `compression_ratio` (the fr
 tokens to REMOVE, kvpress's convention: 0.75 keeps a quarter, n tokens keep floor(n (1 - r)),
 `kept_by_ratio`). `resolve_budget(n)` turns either
 into C for a sequence of n cached tokens; it never returns less than the policy's `min_budget`
-(unless n itself is smaller) nor more than n.
+(unless n itself is smaller) nor more than n. A request whose prompt is shorter than C is not cut
+at its compression point: during decode it grows to C (`decode_budget`), then the policy evicts.
 """
 
 from __future__ import annotations
@@ -164,13 +165,18 @@ class KVPolicy(abc.ABC):
     # ---- budgets -------------------------------------------------------------------------------
     def resolve_budget(self, num_tokens: int) -> int:
         """C for a sequence of `num_tokens` cached tokens (see the module docstring)."""
+        return min(self.decode_budget(num_tokens), num_tokens)
+
+    def decode_budget(self, num_tokens: int) -> int:
+        """The cache length decode keeps a request compressed at `num_tokens` tokens within:
+        C before the cap at `num_tokens`. A sequence shorter than C is not cut; it grows to C
+        before the policy evicts (it is never held below the budget asked for, nor below
+        `min_budget`)."""
         if self.budget is not None:
-            c = self.budget
-        elif self.compression_ratio is not None:
-            c = max(kept_by_ratio(num_tokens, self.compression_ratio), self.min_budget)
-        else:
-            c = num_tokens
-        return min(c, num_tokens)
+            return self.budget
+        if self.compression_ratio is not None:
+            return max(kept_by_ratio(num_tokens, self.compression_ratio), self.min_budget)
+        return num_tokens
 
     def layer_budgets(self, num_tokens: int, num_layers: int) -> list[int]:
         """Budget of each layer: the same C everywhere unless PyramidKV says otherwise."""

@@ -1,0 +1,85 @@
+"""A request whose compression point comes before it holds its budget (a prompt shorter than the
+budget, or `compress_after` below the policy's protected tokens) is not cut there: during decode
+its cache grows to the budget asked for, then the policy evicts and keeps it within
+[C, C + B - 1]. Oracles: the same request without a policy (identical greedy tokens while nothing
+was evicted) and the budget's bounds checked at every step. The shipped model: a trained one,
+whose greedy tokens are not near ties."""
+
+import os
+
+import pytest
+
+from nanokv.config import EngineConfig
+from nanokv.engine.llm_engine import LLMEngine
+from nanokv.sampling_params import SamplingParams
+
+SHIPPED = os.path.join(os.path.dirname(__file__), "..", "..", "models", "nanokv-tiny")
+BLOCK = 16
+OPTIONS = dict(block_size=BLOCK, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=256)
+DECODE_EVICTING = [("paged_eviction", None), ("streaming", None),
+                   ("streaming", {"slide": "block"}), ("h2o", None)]
+
+
+def prompt_of(n: int) -> list[int]:
+    return [(i * 37) % 300 + 5 for i in range(n)]
+
+
+def run_alone(prompt: list[int], max_tokens: int, compress_after: int | None = None,
+              **options) -> tuple[list[int], list[int], object]:
+    """Greedy tokens, the cache length after each step, and the finished request."""
+    eng = LLMEngine(EngineConfig.from_kwargs(SHIPPED, **{**OPTIONS, **options}))
+    request = eng.make_request(prompt, SamplingParams(temperature=0, ignore_eos=True,
+                                                      max_tokens=max_tokens),
+                               compress_after=compress_after)
+    eng.add_prepared(request)
+    lengths = []
+    while eng.has_unfinished_requests():
+        eng.step()
+        lengths.append(request.num_cached_slots)
+    eng.check_invariants()
+    return list(request.output_token_ids), lengths, request
+
+
+@pytest.mark.parametrize("policy,options", DECODE_EVICTING)
+def test_a_prompt_shorter_than_the_budget_grows_to_it(policy, options):
+    budget, prompt = 6 * BLOCK, prompt_of(40)
+    plain, _, _ = run_alone(prompt, 150)
+    tokens, lengths, request = run_alone(prompt, 150, kv_policy=policy, kv_budget=budget,
+                                         kv_policy_options=options)
+    assert request.status.value == "length" and request.error is None
+    assert request.kv_budget == budget
+    # nothing leaves before the cache holds budget + B slots: the first eviction is after the
+    # step that fills slot budget + B - 1 (output index budget + B - len(prompt) - 1)
+    first_evicting = budget + BLOCK - len(prompt)
+    assert tokens[:first_evicting] == plain[:first_evicting]
+    assert max(lengths) == budget + BLOCK - 1  # the last output is sampled, never cached
+    reached = lengths.index(budget)
+    assert all(budget <= n < budget + BLOCK for n in lengths[reached:])
+    assert request.num_evicted_tokens == len(prompt) + 150 - 1 - lengths[-1]
+
+
+@pytest.mark.parametrize("policy,options", DECODE_EVICTING)
+def test_a_ratio_keeps_at_least_the_policy_minimum_after_an_early_compression_point(policy,
+                                                                                  options):
+    """compress_after below the policy's protected tokens (StreamingLLM: its sinks plus one):
+    the request is not cut at that point, and decode keeps at least min_budget slots (before,
+    the cache was held at the compression point's length, below the policy's minimum, and the
+    request ended with an error at its first eviction)."""
+    options = {**(options or {}), **({"n_sink": 40} if policy == "streaming" else {})}
+    tokens, lengths, request = run_alone(prompt_of(60), 120, compress_after=20,
+                                         kv_policy=policy, kv_compression_ratio=0.5,
+                                         kv_policy_options=options)
+    assert request.status.value == "length" and request.error is None and len(tokens) == 120
+    minimum = request.kv_policy.min_budget
+    assert request.kv_budget == max(10, minimum)  # floor(20 * 0.5), raised to the minimum
+    assert min(lengths[lengths.index(max(lengths)):]) >= request.kv_budget
+
+
+def test_a_prompt_longer_than_the_budget_is_cut_at_once():
+    """The unchanged case, for contrast: the prompt's cache is cut to the budget after prefill."""
+    budget = 3 * BLOCK
+    _, lengths, request = run_alone(prompt_of(100), 40, kv_policy="streaming",
+                                    kv_budget=budget)
+    assert request.kv_budget == budget
+    assert lengths[0] == budget  # the prefill step compressed 100 -> 48
+    assert all(budget <= n < budget + BLOCK for n in lengths)
