@@ -15,7 +15,8 @@
  * accumulators, or up to 2 over the whole panel, 8; plain C: 8), each group over the panel
  * while it sits in L2, so the weight comes from memory once per tile of about 256 rows of x
  * (once for a decode step; AVX2 takes a decode step's rows two at a time, `group_rows`, and
- * brings the next panel into L2 during the passes over this one, `next_panel_share`). x is
+ * brings the next panel into L2 during the passes over this one, `next_panel_share`; AVX-512
+ * prefetches ahead in the stream it reads, `STREAM_AHEAD`). x is
  * first copied group-major ([M / gr][K][gr], gr = group_rows(M)) so a group's broadcasts for
  * one k are adjacent. Plain C where AVX2 is missing (the compiler's vectoriser).
  * The reference is `torch.nn.functional.linear` on the unpacked weight. */
@@ -75,16 +76,26 @@ static inline void store_row(float *y_row, const float *acc, const float *bias, 
     for (int64_t n = n0; n < n_end; n++) y_row[n] = acc[n - n0] + (bias ? bias[n] : 0.f);
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+/* step k's share bytes from pf on, into L2 (_MM_HINT_T2: not L1; on AVX2 a weight that sits in
+ * L3 lost with T0 and T1, by 1.16-1.26x at 3 rows; from memory they were alike) */
+static inline __attribute__((always_inline)) void prefetch_step(const char *pf, int64_t k,
+                                                                int64_t share) {
+    for (int64_t o = 0; o < share; o += 64) _mm_prefetch(pf + k * share + o, _MM_HINT_T2);
+}
+#endif
+
 #if defined(__AVX512F__)
-/* the MC rows of group xg ([K][MC], x's rows m0..m0 + MC) times panel pw ([K][32]) into y
- * (always inlined with MC constant: 2 * MC accumulators in registers) */
-static inline __attribute__((always_inline)) void panel_group(
+/* the MC rows of group xg ([K][MC], x's rows m0..m0 + MC) times panel pw ([K][32]) into y,
+ * each step over k prefetching `share` bytes from pf on (pf NULL: none; `stream_ahead`) (always
+ * inlined with MC constant: 2 * MC accumulators in registers) */
+static inline __attribute__((always_inline)) void panel_group_pass(
         const float *xg, const float *pw, float *y, const float *bias, int64_t n0, int64_t N,
-        int64_t K, int64_t m0, const int MC, const char *pf, int64_t share) {
-    (void)pf; (void)share;  /* no prefetch here (next_panel_share) */
+        int64_t K, int64_t m0, const int MC, const char *pf, int64_t share, const int prefetch) {
     __m512 acc[G][2];
     for (int m = 0; m < MC; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
+        if (prefetch) prefetch_step(pf, k, share);
         const __m512 w0 = _mm512_loadu_ps(pw + k * PANEL);
         const __m512 w1 = _mm512_loadu_ps(pw + k * PANEL + 16);
         for (int m = 0; m < MC; m++) {
@@ -109,13 +120,16 @@ static inline __attribute__((always_inline)) void panel_group(
         }
     }
 }
-#elif defined(__AVX2__) && defined(__FMA__)
-/* step k's share bytes of the next panel from pf on, into L2 (_MM_HINT_T2: not L1; a weight
- * that sits in L3 lost with T0 and T1, by 1.16-1.26x at 3 rows; from memory they were alike) */
-static inline __attribute__((always_inline)) void prefetch_step(const char *pf, int64_t k,
-                                                                int64_t share) {
-    for (int64_t o = 0; o < share; o += 64) _mm_prefetch(pf + k * share + o, _MM_HINT_T2);
+
+static inline __attribute__((always_inline)) void panel_group(
+        const float *xg, const float *pw, float *y, const float *bias, int64_t n0, int64_t N,
+        int64_t K, int64_t m0, const int MC, const char *pf, int64_t share) {
+    if (pf)  /* the loop without prefetches stays as it was */
+        panel_group_pass(xg, pw, y, bias, n0, N, K, m0, MC, pf, share, 1);
+    else
+        panel_group_pass(xg, pw, y, bias, n0, N, K, m0, MC, pf, share, 0);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
 
 /* the MC rows of group xg times the columns [16 h, 16 h + 16) of panel pw into acc (MC <= 6:
  * 2 * MC accumulators, two weight vectors and a broadcast, 15 of the 16 registers), with share
@@ -232,15 +246,28 @@ static inline __attribute__((always_inline)) void panel_group(
  * whole 256-384 KiB panel beside the current one on a 512 KiB L2 was 1.07-1.16x slower). A
  * Qwen3-0.6B decode step's linear layers on a Zen 3 EPYC: 0.76x their time at 8 rows, 0.73-0.88x
  * at 17-48 (ab_panel_linear.py --decode-step). The AVX-512 build takes up to 8 rows in one
- * pass and is left as it was. */
+ * pass and prefetches within that pass's own stream instead (`STREAM_AHEAD`). */
+#if !defined(__AVX512F__)
 static int64_t next_panel_share(int64_t M, int64_t passes, int64_t K, long l2) {
     const int64_t panel = K * PANEL * (int64_t)sizeof(float);
     const int64_t room = l2 > 0 ? (int64_t)l2 - panel - (int64_t)l2 / 8 : 0;
     if (passes < 2 || room <= 0 || M > DECODE_ROWS) return 0;
     return (room < panel ? room : panel) / (passes * K);
 }
+#endif
 
-/* this core's L2 in bytes where a build prefetches (AVX2 without AVX-512), else 0 (none);
+/* AVX-512: the first pass over a panel (the one that reads it from memory) prefetches the bytes
+ * STREAM_AHEAD ahead of the row it reads, one panel row (128 bytes) a step over k, running on into
+ * the thread's next panel (contiguous in memory). The hardware prefetchers stop at each 4 KiB
+ * page, and a core streaming on its own kept too few reads in flight: a Qwen3-0.6B decode step's
+ * four layers of weights at 8 rows took 0.70x their time (16.2 -> 11.4 ms, in turn with the LM
+ * head, Intel Xeon with AVX-512, 2 cores), its LM head 0.67x (35.3 -> 23.6 ms, where oneDNN took
+ * 28.3); at 1 row 0.88x, at 512 rows unchanged (bound by the arithmetic). 2-32 KiB ahead were
+ * alike; a non-temporal hint was no faster than none. */
+enum { STREAM_AHEAD = 4096 };
+
+#if !defined(__AVX512F__)
+/* this core's L2 in bytes where a build prefetches the next panel (AVX2 without AVX-512), else 0;
  * asked once (where the C library reads it with CPUID each time, that traps to the
  * hypervisor in a VM), concurrent first callers storing the same value */
 static long prefetch_l2_bytes(void) {
@@ -257,6 +284,7 @@ static long prefetch_l2_bytes(void) {
     return 0;
 #endif
 }
+#endif
 
 /* y = x @ w.T (+ bias) from w's panels; returns 0, or -1 when the scratch copy of x cannot be
  * allocated */
@@ -275,23 +303,34 @@ int panel_linear(const float *x, const float *panels, const float *bias, float *
             for (int64_t m = 0; m < mc; m++) dst[k * mc + m] = x[(m0 + m) * K + k];
     }
     const int64_t P = (N + PANEL - 1) / PANEL;
+#if !defined(__AVX512F__)
     const long l2 = prefetch_l2_bytes();
+#endif
     #pragma omp parallel
     for (int64_t mt = 0; mt < M; mt += m_tile) {  /* every thread walks the tiles in step */
         const int64_t m_end = mt + m_tile < M ? mt + m_tile : M;
+#if defined(__AVX512F__)
+        const int64_t share = PANEL * (int64_t)sizeof(float);  /* one panel row a step */
+#else
         /* passes over a panel: groups of rows, each one pass (gr 2) or two halves (gr 6) */
         const int64_t halves = gr == 2 ? 1 : 2, passes = (m_end - mt + gr - 1) / gr * halves;
         const int64_t share = next_panel_share(M, passes, K, l2);
+#endif
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < P; p++) {
             const float *pw = panels + p * K * PANEL;
             for (int64_t m0 = mt; m0 < m_end; m0 += gr) {
                 const float *g = xg + m0 * K;
+#if defined(__AVX512F__)
+                /* the first group's pass reads the panel from memory (STREAM_AHEAD) */
+                const char *pf = m0 == mt ? (const char *)pw + STREAM_AHEAD : NULL;
+#else
                 /* this group's shares of the next panel (its first pass: (m0 - mt) / gr
                  * times halves of passes) */
                 const char *pf = share && p + 1 < P
                     ? (const char *)(pw + K * PANEL) + (m0 - mt) / gr * halves * K * share
                     : NULL;
+#endif
                 switch (M - m0 < gr ? M - m0 : gr) {  /* instances with MC constant */
 #define GROUP(c) case c: panel_group(g, pw, y, bias, p * PANEL, N, K, m0, c, pf, share); break;
                 GROUP(1) GROUP(2) GROUP(3) GROUP(4) GROUP(5) GROUP(6)
