@@ -31,13 +31,20 @@ class RequestStatus(enum.Enum):
 
 @dataclass
 class DecodeOffsets:
-    """Where a request's output text stands (`nanokv/engine/detokenizer.py`): its output tokens
-    [prefix, read) are the context the next ones decode in, and their text is in the text; of
-    the tokens from `read` on, the first `shown` characters (those before an incomplete one)."""
+    """Where a request's output text stands (`nanokv/engine/detokenizer.py`), over its prompt's
+    last tokens (`context`) followed by its output tokens: tokens [prefix, read) are the context
+    the next ones decode in, and their text (the prompt's part excluded) is in the text; of the
+    tokens from `read` on, the first `shown` characters (those before an incomplete one)."""
 
     prefix: int = 0
     read: int = 0
     shown: int = 0
+    context: tuple[int, ...] = ()  # the prompt's last tokens (`prompt_context`)
+
+    @classmethod
+    def after(cls, context: tuple[int, ...]) -> DecodeOffsets:
+        """Offsets for an output that continues the prompt tokens `context`."""
+        return cls(prefix=0, read=len(context), context=tuple(context))
 
 
 class Request:

@@ -9,10 +9,14 @@ prefix of the final text: an incomplete character (U+FFFD) at the end waits for 
 complete it (the complete characters before it are appended at once, so a stop string is found
 in the step that completes it).
 
-The reference is `tokenizer.decode(output_token_ids, skip_special_tokens=True)`, which the text
-equals for byte-level BPE and SentencePiece vocabularies. The one difference: a byte-fallback
-run holding an invalid UTF-8 sequence, whose earlier valid bytes `decode` turns into U+FFFD with
-the invalid ones after the fact, while the text keeps what it already had (as vLLM's)."""
+The output decodes after the prompt's last few tokens (`prompt_context`, as vLLM primes its
+detokenizer), so its first token's text is what it adds to the prompt: a SentencePiece token's
+leading space stays (" Paris" after "The capital of France is"), where decoding the output alone
+drops it. The reference is therefore `decode(context + output)` less `decode(context)`
+(`skip_special_tokens=True`), which equals `decode(output)` for byte-level BPE vocabularies. The
+one difference: a byte-fallback run holding an invalid UTF-8 sequence, whose earlier valid bytes
+`decode` turns into U+FFFD with the invalid ones after the fact, while the text keeps what it
+already had (as vLLM's)."""
 
 from __future__ import annotations
 
@@ -22,15 +26,37 @@ from dataclasses import replace
 from nanokv.request import DecodeOffsets, Request, RequestStatus
 
 
+CONTEXT_TOKENS = (4, 24)  # the prompt's last 4 to 23 tokens (vLLM's priming of its detokenizer)
+
+
+def prompt_context(tokenizer, prompt_token_ids: list[int]) -> tuple[int, ...]:
+    """The prompt's last tokens an output decodes after: the fewest (at least 4, or the whole
+    prompt when shorter) whose text holds no incomplete character; none when every such suffix
+    up to 23 tokens does (a prompt ending inside a character: the output then decodes alone)."""
+    if tokenizer is None:
+        return ()
+    low, high = CONTEXT_TOKENS
+    for n in range(min(low, len(prompt_token_ids)), min(high, len(prompt_token_ids) + 1)):
+        suffix = tuple(prompt_token_ids[-n:])
+        if "\ufffd" not in tokenizer.decode(suffix, skip_special_tokens=True):
+            return suffix
+    return ()
+
+
 def decode_new_tokens(offsets: DecodeOffsets, ids: list[int], tokenizer, final: bool) -> str:
-    """The text the tokens ids[offsets.read:] add after ids[offsets.prefix:offsets.read], less
-    what an earlier call returned of it (`offsets.shown`). While that text ends in an incomplete
-    character (U+FFFD), only the characters before it are returned and the offsets stay, unless
-    `final` (the output is complete: the rest, U+FFFD included)."""
-    if offsets.read >= len(ids):
+    """The text the tokens from `offsets.read` on add after tokens [offsets.prefix,
+    offsets.read), over `offsets.context` followed by ids, less what an earlier call returned of
+    it (`offsets.shown`). While that text ends in an incomplete character (U+FFFD), only the
+    characters before it are returned and the offsets stay, unless `final` (the output is
+    complete: the rest, U+FFFD included)."""
+    context = offsets.context
+    total = len(context) + len(ids)
+    if offsets.read >= total:
         return ""
-    before = tokenizer.decode(ids[offsets.prefix:offsets.read], skip_special_tokens=True)
-    text = tokenizer.decode(ids[offsets.prefix:], skip_special_tokens=True)
+    # tokens prefix .. total - 1: the context's rest, then the output's (a few tokens)
+    window = [*context[offsets.prefix:], *ids[max(offsets.prefix - len(context), 0):]]
+    before = tokenizer.decode(window[:offsets.read - offsets.prefix], skip_special_tokens=True)
+    text = tokenizer.decode(window, skip_special_tokens=True)
     new = text[len(before) + offsets.shown:]
     if not final and text.endswith("\ufffd"):  # a character whose last bytes are to come
         complete = new.rstrip("\ufffd")
@@ -38,7 +64,7 @@ def decode_new_tokens(offsets: DecodeOffsets, ids: list[int], tokenizer, final: 
         return complete
     if not final and len(text) <= len(before):
         return ""  # the new tokens have no text yet (skipped special tokens)
-    offsets.prefix, offsets.read, offsets.shown = offsets.read, len(ids), 0
+    offsets.prefix, offsets.read, offsets.shown = offsets.read, total, 0
     return new
 
 
@@ -47,14 +73,17 @@ class TokenTexts:
     decoded in the context of the tokens before it as `update_text` does. So a request's token
     strings add up to its text and each token's text_offset indexes it (a character over
     several tokens belongs to the token that completes it; complete characters before it, to
-    their own token); a SentencePiece token keeps its leading space except at the output's
-    start, as in the text. An alternative from a top list gets the text it would have added in
-    the sampled token's place. Without a tokenizer: "token_id:<id>"."""
+    their own token); a SentencePiece token keeps its leading space, the output's first too
+    (it decodes after its prompt's last tokens, `prompt_context`, as the text). An alternative
+    from a top list gets the text it would have added in the sampled token's place. Without a
+    tokenizer: "token_id:<id>"."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, prompt_token_ids: list[int] = ()) -> None:
         self.tokenizer = tokenizer
-        self.window: list[int] = []  # the output's tokens from the decode context's start on
-        self.offsets = DecodeOffsets()
+        context = prompt_context(tokenizer, list(prompt_token_ids))
+        # the prompt context, then the output's tokens, from the decode context's start on
+        self.window: list[int] = list(context)
+        self.offsets = DecodeOffsets(read=len(context))
 
     def next(self, token_id: int, alternatives: Iterable[int] = (),
              final: bool = False) -> tuple[str, list[str]]:

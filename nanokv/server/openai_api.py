@@ -282,7 +282,8 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
                 stream_events(server.events(streams), len(streams), head, body, False,
                               server.token_texts), streams)
         return await final_response(streams, raw, head, body, lambda o, lps: {
-            "text": o.text, "logprobs": completion_logprobs(lps, server.token_texts())
+            "text": o.text,
+            "logprobs": completion_logprobs(lps, server.token_texts(o.prompt_token_ids))
             if body.num_logprobs is not None else None})
 
     @app.post("/v1/chat/completions")
@@ -308,5 +309,5 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
                               server.token_texts), streams)
         return await final_response(streams, raw, head, body, lambda o, lps: {
             "message": {"role": "assistant", "content": o.text},
-            "logprobs": chat_logprobs(lps, server.token_texts())
+            "logprobs": chat_logprobs(lps, server.token_texts(o.prompt_token_ids))
             if body.num_logprobs is not None else None})

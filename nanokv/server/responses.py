@@ -99,14 +99,15 @@ class TextDelta:
 
 async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_choices: int,
                         head: dict, body, chat: bool,
-                        token_texts: Callable[[], TokenTexts]) -> AsyncIterator[str]:
+                        token_texts: Callable[[list[int]], TokenTexts]) -> AsyncIterator[str]:
     """The SSE body of a streamed completion: text pieces per choice (with their token ids and
     logprobs when asked), the finish reason, the usage last (or in every chunk with
     continuous_usage_stats), then [DONE]. An error ends the stream with OpenAI's error body and
     [DONE]."""
     stop = body.stop_list()
     deltas = [TextDelta(stop) for _ in range(num_choices)]
-    texts = [token_texts() for _ in range(num_choices)]  # each choice's tokens' texts
+    # each choice's tokens' texts, made at its first output (which carries its prompt)
+    texts: list[TokenTexts | None] = [None] * num_choices
     pending_ids: list[list[int]] = [[] for _ in range(num_choices)]
     pending_lps: list[list[TokenLogprobs]] = [[] for _ in range(num_choices)]
     text_offsets = [0] * num_choices  # tokens' text sent with logprobs so far (text_offset)
@@ -129,6 +130,7 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
                                                 "logprobs": None, "finish_reason": None}]})
         async for i, out in events:
             first_outputs[i] = first_outputs[i] or out
+            texts[i] = texts[i] or token_texts(out.prompt_token_ids)
             new = out.new_token_ids or []
             generated += len(new)
             pending_ids[i] += new

@@ -3,7 +3,9 @@
 byte-fallback one (Llama-2 / Mistral style) built here, outputs from random text with
 multi-byte characters and special tokens, fed a few tokens a step. The text only grows (what a
 stream sent stays a prefix), ends equal to `decode`, and each step decodes a few tokens whatever
-the output's length."""
+the output's length. A request's output decodes after its prompt's last tokens (vLLM's
+priming): its text is decode(context + output) less decode(context), which keeps a
+SentencePiece output's first space."""
 
 import os
 import random
@@ -12,8 +14,8 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from nanokv.engine.detokenizer import TokenTexts, update_text
-from nanokv.request import Request, RequestStatus
+from nanokv.engine.detokenizer import TokenTexts, prompt_context, update_text
+from nanokv.request import DecodeOffsets, Request, RequestStatus
 from nanokv.sampling_params import SamplingParams
 
 SHIPPED = os.path.join(os.path.dirname(__file__), "..", "..", "models", "nanokv-tiny")
@@ -168,3 +170,87 @@ def test_token_texts_of_split_characters_and_spaces():
     assert tokens == ["the", " cat", " in"]  # decode([id]) drops every leading space
     # an alternative: the text it would add in the sampled token's place
     assert others[1] == [" the", " cat"] and others[2] == [" the", " cat"]
+
+
+# ---- the output decodes after its prompt (vLLM primes its detokenizer with the prompt's end) --
+
+def feed_after(tokenizer, prompt: list[int], ids: list[int], rng: random.Random
+               ) -> tuple[str, list[str]]:
+    """`feed` for a request whose text continues `prompt` (as the engine makes them)."""
+    request = Request("r", prompt, SamplingParams(max_tokens=len(ids)))
+    request.decode_offsets = DecodeOffsets.after(prompt_context(tokenizer, prompt))
+    seen, at = [], 0
+    while at < len(ids):
+        at += rng.randrange(1, 5)
+        request.output_token_ids = ids[:at]
+        if at >= len(ids):
+            request.status = RequestStatus.FINISHED_LENGTH
+        update_text(request, tokenizer)
+        seen.append(request.text)
+    return request.text, seen
+
+
+def test_a_sentencepiece_output_keeps_its_first_space_after_the_prompt():
+    """"the cat" + "▁in▁the": the text is " in the" (what the output adds to the prompt, as
+    vLLM's), where decoding the output alone gives "in the"."""
+    tok = byte_fallback_tokenizer()
+    prompt = tok.encode("the cat", add_special_tokens=False)
+    ids = tok.encode("in the", add_special_tokens=False)
+    assert tok.decode(ids) == "in the"
+    final, seen = feed_after(tok, prompt, ids, random.Random(0))
+    assert final == " in the" and all(final.startswith(t) for t in seen)
+    texts = TokenTexts(tok, prompt)
+    assert [texts.next(t, final=k == len(ids) - 1)[0] for k, t in enumerate(ids)] == \
+        [" in", " the"]
+
+
+def test_the_text_is_what_the_output_adds_to_its_prompt(tokenizer):
+    """Random prompts and outputs (special tokens among them): the text ends equal to
+    decode(context + output) less decode(context), only grows, and the token texts add up to
+    it; for byte-level BPE that is decode(output) itself."""
+    rng = random.Random(3)
+    for _ in range(100):
+        prompt, ids = random_output(tokenizer, rng), random_output(tokenizer, rng)
+        context = list(prompt_context(tokenizer, prompt))
+        assert not context or context == prompt[-len(context):]
+        before = tokenizer.decode(context, skip_special_tokens=True)
+        expected = tokenizer.decode(context + ids, skip_special_tokens=True)
+        assert expected.startswith(before)
+        final, seen = feed_after(tokenizer, prompt, ids, rng)
+        assert final == expected[len(before):]
+        assert all(final.startswith(text) for text in seen)
+        texts = TokenTexts(tokenizer, prompt)
+        assert "".join(texts.next(t, final=k == len(ids) - 1)[0]
+                       for k, t in enumerate(ids)) == final
+        if isinstance(tokenizer.backend_tokenizer.decoder, decoders.ByteLevel):
+            assert final == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_the_prompt_context_is_the_fewest_tokens_of_whole_characters():
+    byte_level = AutoTokenizer.from_pretrained(SHIPPED)
+    prompt = byte_level.encode("a b c d e f g h", add_special_tokens=False)
+    assert prompt_context(byte_level, prompt) == tuple(prompt[-4:])
+    assert prompt_context(byte_level, prompt[:2]) == tuple(prompt[:2])  # shorter: all of it
+    assert prompt_context(None, prompt) == ()
+    # a prompt ending inside a character (a lone byte of a multi-byte one): no context, the
+    # output decodes alone
+    lone_byte = [i for i in range(len(byte_level)) if byte_level.decode([i]) == "\ufffd"][:1]
+    assert lone_byte and prompt_context(byte_level, prompt + lone_byte) == ()
+    # one that starts inside a character takes the suffix after it
+    tok = byte_fallback_tokenizer()
+    cont = tok.convert_tokens_to_ids(["<0xB8>"])  # a continuation byte alone
+    words = tok.encode("the cat in the cat", add_special_tokens=False)
+    assert prompt_context(tok, cont + words) == tuple(words[-4:])
+
+
+def test_the_engine_decodes_each_output_after_its_prompt():
+    from nanokv import LLM, SamplingParams as Params
+
+    llm = LLM(SHIPPED)
+    tok = llm.engine.tokenizer
+    request = llm.engine.make_request("The capital of France is", Params(max_tokens=4))
+    prompt = request.prompt_token_ids
+    assert request.decode_offsets == DecodeOffsets.after(prompt_context(tok, prompt))
+    assert request.decode_offsets.context == tuple(prompt[-4:])
+    out = llm.generate(["The capital of France is"], Params(temperature=0, max_tokens=8))[0]
+    assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)  # byte-level BPE

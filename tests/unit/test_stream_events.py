@@ -43,7 +43,7 @@ def chunks(ids: list[int]) -> list[dict]:
     async def collect():
         body = CompletionRequest(model="m", prompt="x", logprobs=1, stream=True)
         return [e async for e in stream_events(events(), 1, {"id": "c"}, body, False,
-                                               lambda: TokenTexts(TextTokenizer()))]
+                                               lambda prompt: TokenTexts(TextTokenizer()))]
 
     lines = asyncio.run(collect())
     return [json.loads(e[len("data: "):]) for e in lines if e.strip() != "data: [DONE]"]
