@@ -241,7 +241,8 @@ class PolicyRunner:
         if request.layer_slices is not None:  # per-layer budgets (PyramidKV): prefill only
             return
         num_slots = request.num_cached_slots
-        if not policy.should_evict_on_decode(num_slots, request.kv_budget):
+        if not (policy.should_evict_on_decode(num_slots, request.kv_budget)
+                or self._reselect_overdue(request, policy)):
             return
         if policy.decode_mode == "evict_block":
             # a block each time the newest fills (the scheduler ends a recompute's chunks on
@@ -265,6 +266,14 @@ class PolicyRunner:
                              for layer in range(self.num_layers)]  # each [W, Hq, D]
             if self._compact(request, policy, request.kv_budget, q_windows):
                 request.captured_queries = []
+
+    def _reselect_overdue(self, request: Request, policy: KVPolicy) -> bool:
+        """A re-selecting policy's cache past the most it holds between selections (B ceil(C / B)
+        + B - 1 slots; the first point past it is `should_evict_on_decode`'s): a selection whose
+        copy-on-write found no free block is tried again at the next step, not a block later."""
+        bs = self.block_size
+        return (policy.decode_mode == "reselect"
+                and request.num_cached_slots > bs * cdiv(request.kv_budget, bs) + bs - 1)
 
     # ---- block-wise policies: scores of whole blocks --------------------------------------------
     def _block_scores(self, request: Request, view: KVView) -> torch.Tensor:

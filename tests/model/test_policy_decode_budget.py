@@ -1,9 +1,10 @@
 """A request whose compression point comes before it holds its budget (a prompt shorter than the
 budget, or `compress_after` below the policy's protected tokens) is not cut there: during decode
 its cache grows to the budget asked for, then the policy evicts and keeps it within
-[C, C + B - 1]. Oracles: the same request without a policy (identical greedy tokens while nothing
-was evicted) and the budget's bounds checked at every step. The shipped model: a trained one,
-whose greedy tokens are not near ties."""
+[C, C + B - 1]; a re-selection that found no free block is tried again at the next step.
+Oracles: the same request without a policy (identical greedy tokens while nothing was evicted)
+and the budget's bounds checked at every step. The shipped model: a trained one, whose greedy
+tokens are not near ties."""
 
 import os
 
@@ -83,3 +84,36 @@ def test_a_prompt_longer_than_the_budget_is_cut_at_once():
     assert request.kv_budget == budget
     assert lengths[0] == budget  # the prefill step compressed 100 -> 48
     assert all(budget <= n < budget + BLOCK for n in lengths)
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o"])
+def test_a_reselection_without_free_blocks_is_tried_again_at_the_next_step(policy):
+    """A re-selecting policy's compaction whose copy-on-write finds no free block (made to fail
+    here once, at the first selection while decoding) is tried again at the next step: the
+    cache is back within B ceil(C / B) + B - 1 slots then, not a block later."""
+    budget, prompt = 3 * BLOCK, prompt_of(40)
+    eng = LLMEngine(EngineConfig.from_kwargs(SHIPPED, **OPTIONS, kv_policy=policy,
+                                             kv_budget=budget))
+    request = eng.make_request(prompt, SamplingParams(temperature=0, ignore_eos=True,
+                                                      max_tokens=60))
+    make_private, failed = eng.block_manager.make_private, []
+
+    def no_free_block_once(req, indexes):
+        if req.compressed and not failed:
+            failed.append(req.num_cached_slots)
+            return None  # as when every block is taken
+        return make_private(req, indexes)
+
+    eng.block_manager.make_private = no_free_block_once
+    eng.add_prepared(request)
+    lengths = []
+    while eng.has_unfinished_requests():
+        eng.step()
+        lengths.append(request.num_cached_slots)
+    eng.check_invariants()
+    bound = budget + BLOCK - 1
+    assert failed == [budget + BLOCK]  # the first selection while decoding failed
+    at = lengths.index(budget + BLOCK)
+    assert lengths[at + 1] == budget  # tried again at the next step
+    assert max(lengths) == budget + BLOCK and all(n <= bound for n in lengths[at + 1:])
+    assert request.status.value == "length" and request.error is None
