@@ -87,7 +87,7 @@ static inline __attribute__((always_inline)) void prefetch_step(const char *pf, 
 
 #if defined(__AVX512F__)
 /* the MC rows of group xg ([K][MC], x's rows m0..m0 + MC) times panel pw ([K][32]) into y,
- * each step over k prefetching `share` bytes from pf on (pf NULL: none; `stream_ahead`) (always
+ * each step over k prefetching `share` bytes from pf on (pf NULL: none; `STREAM_AHEAD`) (always
  * inlined with MC constant: 2 * MC accumulators in registers) */
 static inline __attribute__((always_inline)) void panel_group_pass(
         const float *xg, const float *pw, float *y, const float *bias, int64_t n0, int64_t N,
