@@ -32,13 +32,19 @@ def run_alone(prompt: list[int], max_tokens: int, compress_after: int | None = N
     request = eng.make_request(prompt, SamplingParams(temperature=0, ignore_eos=True,
                                                       max_tokens=max_tokens),
                                compress_after=compress_after)
+    lengths = cache_lengths(eng, request)
+    return list(request.output_token_ids), lengths, request
+
+
+def cache_lengths(eng: LLMEngine, request) -> list[int]:
+    """Run the request to its end; the cache length after each step."""
     eng.add_prepared(request)
     lengths = []
     while eng.has_unfinished_requests():
         eng.step()
         lengths.append(request.num_cached_slots)
     eng.check_invariants()
-    return list(request.output_token_ids), lengths, request
+    return lengths
 
 
 @pytest.mark.parametrize("policy,options", DECODE_EVICTING)
@@ -105,12 +111,7 @@ def test_a_reselection_without_free_blocks_is_tried_again_at_the_next_step(polic
         return make_private(req, indexes)
 
     eng.block_manager.make_private = no_free_block_once
-    eng.add_prepared(request)
-    lengths = []
-    while eng.has_unfinished_requests():
-        eng.step()
-        lengths.append(request.num_cached_slots)
-    eng.check_invariants()
+    lengths = cache_lengths(eng, request)
     bound = budget + BLOCK - 1
     assert failed == [budget + BLOCK]  # the first selection while decoding failed
     at = lengths.index(budget + BLOCK)

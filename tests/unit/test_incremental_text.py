@@ -62,9 +62,13 @@ def random_output(tokenizer, rng: random.Random) -> list[int]:
     return ids
 
 
-def feed(tokenizer, ids: list[int], rng: random.Random) -> tuple[str, list[str]]:
-    """Append ids a random few a step; returns the final text and the text after each step."""
-    request = Request("r", [1], SamplingParams(max_tokens=len(ids)))
+def feed(tokenizer, ids: list[int], rng: random.Random, prompt: list[int] | None = None
+         ) -> tuple[str, list[str]]:
+    """Append ids a random few a step; returns the final text and the text after each step.
+    With a prompt, the text continues it as the engine makes requests (`prompt_context`)."""
+    request = Request("r", prompt or [1], SamplingParams(max_tokens=len(ids)))
+    if prompt is not None:
+        request.decode_offsets = DecodeOffsets.after(prompt_context(tokenizer, prompt))
     seen, at = [], 0
     while at < len(ids):
         at += rng.randrange(1, 5)
@@ -174,22 +178,6 @@ def test_token_texts_of_split_characters_and_spaces():
 
 # ---- the output decodes after its prompt (vLLM primes its detokenizer with the prompt's end) --
 
-def feed_after(tokenizer, prompt: list[int], ids: list[int], rng: random.Random
-               ) -> tuple[str, list[str]]:
-    """`feed` for a request whose text continues `prompt` (as the engine makes them)."""
-    request = Request("r", prompt, SamplingParams(max_tokens=len(ids)))
-    request.decode_offsets = DecodeOffsets.after(prompt_context(tokenizer, prompt))
-    seen, at = [], 0
-    while at < len(ids):
-        at += rng.randrange(1, 5)
-        request.output_token_ids = ids[:at]
-        if at >= len(ids):
-            request.status = RequestStatus.FINISHED_LENGTH
-        update_text(request, tokenizer)
-        seen.append(request.text)
-    return request.text, seen
-
-
 def test_a_sentencepiece_output_keeps_its_first_space_after_the_prompt():
     """"the cat" + "▁in▁the": the text is " in the" (what the output adds to the prompt, as
     vLLM's), where decoding the output alone gives "in the"."""
@@ -197,7 +185,7 @@ def test_a_sentencepiece_output_keeps_its_first_space_after_the_prompt():
     prompt = tok.encode("the cat", add_special_tokens=False)
     ids = tok.encode("in the", add_special_tokens=False)
     assert tok.decode(ids) == "in the"
-    final, seen = feed_after(tok, prompt, ids, random.Random(0))
+    final, seen = feed(tok, ids, random.Random(0), prompt)
     assert final == " in the" and all(final.startswith(t) for t in seen)
     texts = TokenTexts(tok, prompt)
     assert [texts.next(t, final=k == len(ids) - 1)[0] for k, t in enumerate(ids)] == \
@@ -216,7 +204,7 @@ def test_the_text_is_what_the_output_adds_to_its_prompt(tokenizer):
         before = tokenizer.decode(context, skip_special_tokens=True)
         expected = tokenizer.decode(context + ids, skip_special_tokens=True)
         assert expected.startswith(before)
-        final, seen = feed_after(tokenizer, prompt, ids, rng)
+        final, seen = feed(tokenizer, ids, rng, prompt)
         assert final == expected[len(before):]
         assert all(final.startswith(text) for text in seen)
         texts = TokenTexts(tokenizer, prompt)
