@@ -16,7 +16,8 @@ drops it. The reference is therefore `decode(context + output)` less `decode(con
 (`skip_special_tokens=True`), which equals `decode(output)` for byte-level BPE vocabularies. The
 one difference: a byte-fallback run holding an invalid UTF-8 sequence, whose earlier valid bytes
 `decode` turns into U+FFFD with the invalid ones after the fact, while the text keeps what it
-already had (as vLLM's)."""
+already had (vLLM's drops the run's bytes instead). An output that ends inside a character (at
+max_tokens) ends with U+FFFD, as `decode` gives it (vLLM's drops the incomplete bytes)."""
 
 from __future__ import annotations
 
@@ -31,14 +32,17 @@ CONTEXT_TOKENS = (4, 24)  # the prompt's last 4 to 23 tokens (vLLM's priming of 
 
 def prompt_context(tokenizer, prompt_token_ids: list[int]) -> tuple[int, ...]:
     """The prompt's last tokens an output decodes after: the fewest (at least 4, or the whole
-    prompt when shorter) whose text holds no incomplete character; none when every such suffix
-    up to 23 tokens does (a prompt ending inside a character: the output then decodes alone)."""
+    prompt when shorter) whose text is not empty (skipped special tokens alone: the output's
+    first token would be the text's first, and a SentencePiece decoder strips its space) and
+    holds no incomplete character; none when no suffix up to 23 tokens is such (a prompt ending
+    inside a character, or only special tokens: the output then decodes alone)."""
     if tokenizer is None:
         return ()
     low, high = CONTEXT_TOKENS
     for n in range(min(low, len(prompt_token_ids)), min(high, len(prompt_token_ids) + 1)):
         suffix = tuple(prompt_token_ids[-n:])
-        if "\ufffd" not in tokenizer.decode(suffix, skip_special_tokens=True):
+        text = tokenizer.decode(suffix, skip_special_tokens=True)
+        if text and "\ufffd" not in text:
             return suffix
     return ()
 

@@ -79,10 +79,12 @@ def sse(payload: dict | str) -> str:
 
 class TextDelta:
     """The part of a request's cumulative text not yet sent, holding back what may still
-    change: the tail a stop string could start in, and an incomplete UTF-8 character."""
+    change: the tail a stop string could start in (unless the stop string stays in the output:
+    the text is then only cut after it, in the step that completes it, as in vLLM), and an
+    incomplete UTF-8 character."""
 
-    def __init__(self, stop: list[str]) -> None:
-        self.holdback = max((len(s) for s in stop), default=1) - 1
+    def __init__(self, stop: list[str], include_stop: bool = False) -> None:
+        self.holdback = 0 if include_stop else max((len(s) for s in stop), default=1) - 1
         self.sent = 0
 
     def next(self, text: str, finished: bool) -> str:
@@ -105,7 +107,7 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
     continuous_usage_stats), then [DONE]. An error ends the stream with OpenAI's error body and
     [DONE]."""
     stop = body.stop_list()
-    deltas = [TextDelta(stop) for _ in range(num_choices)]
+    deltas = [TextDelta(stop, body.include_stop_str_in_output) for _ in range(num_choices)]
     # each choice's tokens' texts, made at its first output (which carries its prompt)
     texts: list[TokenTexts | None] = [None] * num_choices
     pending_ids: list[list[int]] = [[] for _ in range(num_choices)]

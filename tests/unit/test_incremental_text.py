@@ -229,6 +229,14 @@ def test_the_prompt_context_is_the_fewest_tokens_of_whole_characters():
     cont = tok.convert_tokens_to_ids(["<0xB8>"])  # a continuation byte alone
     words = tok.encode("the cat in the cat", add_special_tokens=False)
     assert prompt_context(tok, cont + words) == tuple(words[-4:])
+    # one ending in special tokens reaches back to text: its first token's space is stripped,
+    # not the output's
+    ends = [tok.eos_token_id] * 5
+    assert prompt_context(tok, words + ends) == tuple(words[-1:] + ends)
+    final, _ = feed(tok, tok.encode("in", add_special_tokens=False), random.Random(0),
+                    words + ends)
+    assert final == " in"
+    assert prompt_context(tok, ends) == ()  # special tokens only: the output starts the text
 
 
 def test_the_engine_decodes_each_output_after_its_prompt():

@@ -35,14 +35,14 @@ def outputs(ids: list[int]):
             new_logprobs=[TokenLogprobs(ids[k - 1], -0.5, 1, [(ids[k - 1], -0.5)])])
 
 
-def chunks(ids: list[int]) -> list[dict]:
+def chunks(ids: list[int], **body) -> list[dict]:
     async def events():
         for out in outputs(ids):
             yield 0, out
 
     async def collect():
-        body = CompletionRequest(model="m", prompt="x", logprobs=1, stream=True)
-        return [e async for e in stream_events(events(), 1, {"id": "c"}, body, False,
+        req = CompletionRequest(model="m", prompt="x", stream=True, **{"logprobs": 1, **body})
+        return [e async for e in stream_events(events(), 1, {"id": "c"}, req, False,
                                                lambda prompt: TokenTexts(TextTokenizer()))]
 
     lines = asyncio.run(collect())
@@ -57,3 +57,15 @@ def test_streamed_text_offsets_run_over_the_whole_completion():
     assert len(got) == 4  # one chunk per step here
     assert [o for lp in got for o in lp["text_offset"]] == [0, 2, 5, 7]
     assert [t for lp in got for t in lp["tokens"]] == ["ab", "cde", " f", "gh"]
+
+
+@pytest.mark.parametrize("include,pieces", [(False, ["abc", "de", " fgh"]),
+                                            (True, ["ab", "cde", " f", "gh"])])
+def test_a_stop_string_holds_back_only_the_tail_it_would_cut(include, pieces):
+    """A stop string (3 characters) that would be cut from the text holds back the last 2
+    characters of each step's text; one kept in the output (include_stop_str_in_output) holds
+    back nothing, as in vLLM: the text is cut only after it."""
+    got = [c["choices"][0]["text"] for c in chunks([5, 6, 7, 8], stop=["xyz"], logprobs=None,
+                                                   include_stop_str_in_output=include)
+           if c["choices"]]
+    assert got == pieces
