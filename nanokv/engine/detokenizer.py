@@ -16,7 +16,8 @@ drops it. The reference is therefore `decode(context + output)` less `decode(con
 (`skip_special_tokens=True`), which equals `decode(output)` for byte-level BPE vocabularies. The
 one difference: a byte-fallback run holding an invalid UTF-8 sequence, whose earlier valid bytes
 `decode` turns into U+FFFD with the invalid ones after the fact, while the text keeps what it
-already had (vLLM's drops the run's bytes instead). An output that ends inside a character (at
+already had and the bytes after add one U+FFFD each (a step's "é", then 0xBD: "é\ufffd", where
+decode gives three; vLLM's drops the invalid bytes). An output that ends inside a character (at
 max_tokens) ends with U+FFFD, as `decode` gives it (vLLM's drops the incomplete bytes)."""
 
 from __future__ import annotations
@@ -59,8 +60,13 @@ def decode_new_tokens(offsets: DecodeOffsets, ids: list[int], tokenizer, final: 
         return ""
     # tokens prefix .. total - 1: the context's rest, then the output's (a few tokens)
     window = [*context[offsets.prefix:], *ids[max(offsets.prefix - len(context), 0):]]
-    before = tokenizer.decode(window[:offsets.read - offsets.prefix], skip_special_tokens=True)
+    read = offsets.read - offsets.prefix
+    before = tokenizer.decode(window[:read], skip_special_tokens=True)
     text = tokenizer.decode(window, skip_special_tokens=True)
+    if not text.startswith(before):
+        # a byte-fallback run turned invalid: decode renders the bytes already in the text as
+        # U+FFFD too; the new tokens (a byte first) decode on their own instead
+        before, text = "", tokenizer.decode(window[read:], skip_special_tokens=True)
     new = text[len(before) + offsets.shown:]
     if not final and text.endswith("\ufffd"):  # a character whose last bytes are to come
         complete = new.rstrip("\ufffd")

@@ -62,16 +62,17 @@ def random_output(tokenizer, rng: random.Random) -> list[int]:
     return ids
 
 
-def feed(tokenizer, ids: list[int], rng: random.Random, prompt: list[int] | None = None
+def feed(tokenizer, ids: list[int], rng: random.Random | None, prompt: list[int] | None = None
          ) -> tuple[str, list[str]]:
-    """Append ids a random few a step; returns the final text and the text after each step.
-    With a prompt, the text continues it as the engine makes requests (`prompt_context`)."""
+    """Append ids a random few a step (rng None: one, as decode steps do); returns the final
+    text and the text after each step. With a prompt, the text continues it as the engine makes
+    requests (`prompt_context`)."""
     request = Request("r", prompt or [1], SamplingParams(max_tokens=len(ids)))
     if prompt is not None:
         request.decode_offsets = DecodeOffsets.after(prompt_context(tokenizer, prompt))
     seen, at = [], 0
     while at < len(ids):
-        at += rng.randrange(1, 5)
+        at += rng.randrange(1, 5) if rng else 1
         request.output_token_ids = ids[:at]
         if at >= len(ids):
             request.status = RequestStatus.FINISHED_LENGTH
@@ -118,6 +119,28 @@ def test_an_invalid_byte_run_keeps_the_bytes_already_shown():
         update_text(request, tok)
         texts.append(request.text)
     assert texts == ["in", "in\n", "in\n", "in\n\ufffdin"]
+
+
+@pytest.mark.parametrize("prompt", [None, "the cat"])
+def test_invalid_bytes_after_valid_ones_add_one_replacement_each(prompt):
+    """Byte fallback, a token a step: "é" (0xC3 0xA9) then a lone continuation byte (0xBD) and
+    a space: decode of the whole gives three U+FFFD; the text keeps the "é" it showed and adds
+    one, as a lossy UTF-8 decoding of the bytes does, whether the run starts in the output or
+    after the prompt's bytes (0xD8 0xB1, "ر")."""
+    tok = byte_fallback_tokenizer()
+    c3, a9, bd, d8, b1 = tok.convert_tokens_to_ids(["<0xC3>", "<0xA9>", "<0xBD>", "<0xD8>",
+                                                    "<0xB1>"])
+    space = tok.convert_tokens_to_ids("▁")
+    ids = [c3, a9, bd, space]
+    assert tok.decode(ids) == "\ufffd\ufffd\ufffd "
+    final, seen = feed(tok, ids, None,
+                       None if prompt is None else tok.encode(prompt, add_special_tokens=False))
+    assert final == b"\xc3\xa9\xbd ".decode(errors="replace") == "é\ufffd "
+    assert all(final.startswith(text) for text in seen)
+    # the prompt ends in valid bytes the output's invalid byte follows
+    prompt_ids = tok.encode("the", add_special_tokens=False) + [d8, b1]
+    final, _ = feed(tok, [bd, space], None, prompt_ids)
+    assert final == "\ufffd "
 
 
 class CountingTokenizer:
