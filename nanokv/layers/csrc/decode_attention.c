@@ -12,8 +12,8 @@
  * OpenMP work item is one request with all its heads, so a slot's K row for all KV heads
  * (Hkv * D contiguous floats) is read in one sweep; per-head items would stride by Hkv * D
  * floats, a page apart for 8 x 128, which defeats the hardware prefetchers (2x slower here).
- * Even so a slot's row is a page (8 x 128 floats), where the prefetchers stop: each slot's K and
- * V rows are prefetched AHEAD slots before they are read (`prefetch_row`).
+ * Even so the prefetchers stop at each 4 KiB page (a slot's row at 8 x 128 floats): each slot's
+ * K and V rows are prefetched about AHEAD_BYTES before they are read (`prefetch_row`).
  * The reference is `nanokv.layers.attention._decode_per_request` (PyTorch). */
 #include <float.h>
 #include <math.h>
@@ -22,11 +22,13 @@
 
 #define TILE 16
 
-/* The K / V row of the slot AHEAD slots on in the run is prefetched (into L2, locality 2) as a
- * slot's row is read: 16 requests x 1k-4k slots of a Qwen3-0.6B layer (8 x 128 floats a row),
- * two threads, their pool read from memory, took 0.83-0.84x their time on a 2-core Intel Xeon
- * (16 -> 19 GB/s); 1, 2, 4 or 8 slots ahead and locality 1 or 3 were alike. */
-#define AHEAD 4
+/* As a slot's K / V row is read, the row of the slot AHEAD_BYTES on (at least the next slot)
+ * in the run is prefetched (locality 2). On a 2-core Intel Xeon, 3-8 requests x 3k slots, two
+ * threads, the pool read from memory: rows of 8 x 128 floats (a slot ahead) 0.80x their time
+ * with 4 KiB pages and 0.97x with transparent huge pages (the engine's pool); rows of 4 x 32
+ * floats (4 slots ahead) 0.76x with either. 8-16 KiB ahead was 1.17-1.24x SLOWER with huge
+ * pages (0.80x without). */
+#define AHEAD_BYTES 2048
 
 static inline void prefetch_row(const float *row, int64_t n) {
     for (int64_t i = 0; i < n; i += 64 / sizeof(float)) __builtin_prefetch(row + i, 0, 2);
@@ -38,6 +40,8 @@ int decode_attention(const float *q, const float *k, const float *v, float *out,
                      int64_t head_dim) {
     const int64_t Hq = num_q_heads, Hkv = num_kv_heads, D = head_dim;
     const int64_t group = Hq / Hkv;
+    const int64_t row = Hkv * D, row_bytes = row * (int64_t)sizeof(float);
+    const int64_t ahead_slots = AHEAD_BYTES > row_bytes ? AHEAD_BYTES / row_bytes : 1;
     int failed = 0;
     #pragma omp parallel
     {
@@ -59,11 +63,11 @@ int decode_attention(const float *q, const float *k, const float *v, float *out,
                 const int64_t start = run_start[r], len = run_len[r];
                 for (int64_t t0 = 0; t0 < len; t0 += TILE) {
                     const int64_t n = len - t0 < TILE ? len - t0 : TILE;
-                    /* slots of this tile with a slot AHEAD on in the run */
-                    const int64_t ahead = len - t0 - AHEAD < n ? len - t0 - AHEAD : n;
+                    /* slots of this tile with a slot ahead_slots on in the run */
+                    const int64_t ahead = len - t0 - ahead_slots < n ? len - t0 - ahead_slots : n;
                     for (int64_t t = 0; t < n; t++) {                 /* scores = q K^T */
                         const float *krow = k + (start + t0 + t) * Hkv * D;
-                        if (t < ahead) prefetch_row(krow + AHEAD * Hkv * D, Hkv * D);
+                        if (t < ahead) prefetch_row(krow + ahead_slots * row, row);
                         for (int64_t h = 0; h < Hq; h++) {
                             const float *kr = krow + (h / group) * D, *qh = qb + h * D;
                             float s = 0.f;
@@ -89,7 +93,7 @@ int decode_attention(const float *q, const float *k, const float *v, float *out,
                     }
                     for (int64_t t = 0; t < n; t++) {                 /* acc += P V */
                         const float *vrow = v + (start + t0 + t) * Hkv * D;
-                        if (t < ahead) prefetch_row(vrow + AHEAD * Hkv * D, Hkv * D);
+                        if (t < ahead) prefetch_row(vrow + ahead_slots * row, row);
                         for (int64_t h = 0; h < Hq; h++) {
                             const float p = scores[h * TILE + t], *vr = vrow + (h / group) * D;
                             float *ah = acc + h * D;
