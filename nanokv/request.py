@@ -39,7 +39,9 @@ class DecodeOffsets:
     prefix: int = 0
     read: int = 0
     shown: int = 0
-    context: tuple[int, ...] = ()  # the prompt's last tokens (`prompt_context`)
+    # the prompt's last tokens (`prompt_context`); None until the request's first text, which
+    # chooses them in the engine's thread (its tokenizer is not shared with other threads)
+    context: tuple[int, ...] | None = None
 
     @classmethod
     def after(cls, context: tuple[int, ...]) -> DecodeOffsets:

@@ -54,7 +54,7 @@ def decode_new_tokens(offsets: DecodeOffsets, ids: list[int], tokenizer, final: 
     it (`offsets.shown`). While that text ends in an incomplete character (U+FFFD), only the
     characters before it are returned and the offsets stay, unless `final` (the output is
     complete: the rest, U+FFFD included)."""
-    context = offsets.context
+    context = offsets.context or ()
     total = len(context) + len(ids)
     if offsets.read >= total:
         return ""
@@ -118,6 +118,9 @@ def update_text(request: Request, tokenizer) -> str | None:
     if tokenizer is None:
         return None
     previous = len(request.text)
+    if request.decode_offsets.context is None:  # the request's first text: after its prompt
+        request.decode_offsets = DecodeOffsets.after(
+            prompt_context(tokenizer, request.prompt_token_ids))
     ids = request.output_token_ids
     if (request.status == RequestStatus.FINISHED_STOPPED
             and not request.params.include_stop_str_in_output):

@@ -22,13 +22,13 @@ from nanokv.engine.assembly import (
     scaled_spec,
     startup_report,
 )
-from nanokv.engine.detokenizer import prompt_context, update_text
+from nanokv.engine.detokenizer import update_text
 from nanokv.engine.policy_runner import PolicyRunner, ScoringPass
 from nanokv.worker.cpu_memory import huge_page_share, request_huge_pages, tune_glibc_malloc
 from nanokv.worker.loader import load_hf_config, load_model, resolve_device
 from nanokv.worker.model_runner import ModelRunner
 from nanokv.outputs import CompletionOutput, RequestOutput
-from nanokv.request import DecodeOffsets, Request, RequestStatus
+from nanokv.request import Request, RequestStatus
 from nanokv.sampling_params import SamplingParams
 from nanokv.scheduler.scheduler import Scheduler
 from nanokv.utils import head_dim_of
@@ -232,7 +232,6 @@ class LLMEngine:
         request = Request(rid, token_ids, params, prompt=text,
                           eos_token_ids=self.eos_token_ids, cache_salt=cache_salt)
         request.compress_after = compress_after
-        request.decode_offsets = DecodeOffsets.after(prompt_context(self.tokenizer, token_ids))
         # kv_policy: a PolicyConfig overriding the engine's default for this request
         self.policies.attach(request, kv_policy)
         return request

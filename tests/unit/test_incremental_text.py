@@ -68,8 +68,8 @@ def feed(tokenizer, ids: list[int], rng: random.Random | None, prompt: list[int]
     text and the text after each step. With a prompt, the text continues it as the engine makes
     requests (`prompt_context`)."""
     request = Request("r", prompt or [1], SamplingParams(max_tokens=len(ids)))
-    if prompt is not None:
-        request.decode_offsets = DecodeOffsets.after(prompt_context(tokenizer, prompt))
+    if prompt is None:  # the output decodes alone (with a prompt, update_text chooses)
+        request.decode_offsets = DecodeOffsets.after(())
     seen, at = [], 0
     while at < len(ids):
         at += rng.randrange(1, 5) if rng else 1
@@ -269,7 +269,12 @@ def test_the_engine_decodes_each_output_after_its_prompt():
     tok = llm.engine.tokenizer
     request = llm.engine.make_request("The capital of France is", Params(max_tokens=4))
     prompt = request.prompt_token_ids
-    assert request.decode_offsets == DecodeOffsets.after(prompt_context(tok, prompt))
-    assert request.decode_offsets.context == tuple(prompt[-4:])
+    # chosen at the request's first text, in the engine's thread (the server makes requests in
+    # another thread, and the engine's tokenizer is not shared across threads)
+    assert request.decode_offsets.context is None
+    llm.engine.add_prepared(request)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert request.decode_offsets.context == prompt_context(tok, prompt) == tuple(prompt[-4:])
     out = llm.generate(["The capital of France is"], Params(temperature=0, max_tokens=8))[0]
     assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)  # byte-level BPE
