@@ -4,7 +4,8 @@ Each step decodes only a request's new tokens, in the context of the few before 
 prefix / read offsets), so a step's text costs the same at output token 10 and 10,000; decoding
 the whole output each step grew with its length (0.33 ms a request at 2,000 tokens). Text is only
 appended, never rewritten (until a stop string cuts it: a stream holds back the last
-len(stop) - 1 characters, `nanokv.server.responses.TextDelta`), so what a stream sent stays a
+len(stop) - 1 characters unless the stop string stays in the output,
+`nanokv.server.responses.TextDelta`), so what a stream sent stays a
 prefix of the final text: an incomplete character (U+FFFD) at the end waits for the tokens that
 complete it (the complete characters before it are appended at once, so a stop string is found
 in the step that completes it).
