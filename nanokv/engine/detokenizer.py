@@ -94,7 +94,7 @@ class TokenTexts:
         context = prompt_context(tokenizer, list(prompt_token_ids))
         # the prompt context, then the output's tokens, from the decode context's start on
         self.window: list[int] = list(context)
-        self.offsets = DecodeOffsets(read=len(context))
+        self.offsets = DecodeOffsets(read=len(context), context=())  # the window holds it
 
     def next(self, token_id: int, alternatives: Iterable[int] = (),
              final: bool = False) -> tuple[str, list[str]]:

@@ -241,9 +241,6 @@ class PolicyRunner:
         if request.layer_slices is not None:  # per-layer budgets (PyramidKV): prefill only
             return
         num_slots = request.num_cached_slots
-        if not (policy.should_evict_on_decode(num_slots, request.kv_budget)
-                or self._reselect_overdue(request, policy)):
-            return
         if policy.decode_mode == "evict_block":
             # a block each time the newest fills (the scheduler ends a recompute's chunks on
             # block fills too); more if a chunk crossed fills: back within the budget at once
@@ -257,7 +254,7 @@ class PolicyRunner:
                 request.num_evicted_tokens += self.block_size
                 self.stats.decode_evicted_blocks += 1
                 num_slots = request.num_cached_slots
-        elif policy.decode_mode == "reselect":
+        elif policy.decode_mode == "reselect" and self._reselect_due(request):
             q_windows = None
             if policy.needs_attention:  # the queries since the last selection (of slots n-W..)
                 if not request.captured_queries:
@@ -267,13 +264,14 @@ class PolicyRunner:
             if self._compact(request, policy, request.kv_budget, q_windows):
                 request.captured_queries = []
 
-    def _reselect_overdue(self, request: Request, policy: KVPolicy) -> bool:
-        """A re-selecting policy's cache past the most it holds between selections (B ceil(C / B)
-        + B - 1 slots; the first point past it is `should_evict_on_decode`'s): a selection whose
-        copy-on-write found no free block is tried again at the next step, not a block later."""
+    def _reselect_due(self, request: Request) -> bool:
+        """A re-selecting policy's cache past the most it holds between selections, B ceil(C / B)
+        + B - 1 slots: true first when the newest block fills past it (where
+        `should_evict_on_decode` is), and at every step after until a selection succeeds (one
+        whose copy-on-write found no free block is tried again at the next step, not a block
+        later)."""
         bs = self.block_size
-        return (policy.decode_mode == "reselect"
-                and request.num_cached_slots > bs * cdiv(request.kv_budget, bs) + bs - 1)
+        return request.num_cached_slots > bs * cdiv(request.kv_budget, bs) + bs - 1
 
     # ---- block-wise policies: scores of whole blocks --------------------------------------------
     def _block_scores(self, request: Request, view: KVView) -> torch.Tensor:
