@@ -49,6 +49,17 @@ class DecodeOffsets:
         return cls(prefix=0, read=len(context), context=tuple(context))
 
 
+@dataclass
+class PolicyBlockWait:
+    """Free blocks a request's due KV-policy step found missing (a compaction's copy-on-write of
+    shared blocks, a scoring pass's scratch blocks); it is tried again at the next step, and the
+    scheduler keeps that many blocks free for it meanwhile, preempting newer requests if it must
+    (`BlockManager.blocks_wanted`)."""
+
+    private: range = range(0)  # block-table indexes to make private: those still shared count
+    scratch: int = 0  # blocks taken and given back (before the copies) within the step
+
+
 class Request:
     """One generation request.
 
@@ -96,6 +107,7 @@ class Request:
         # chunk never crosses it, so an evaluation can score text after a compressed context
         self.compress_after: int | None = None
         self.compressed = False
+        self.policy_wait: PolicyBlockWait | None = None  # the policy's step waits for blocks
         # per-layer block tables once a policy left layers with different lengths (PyramidKV);
         # a `nanokv.cache.layer_slices.LayerSlices`, None while all layers share block_table
         self.layer_slices = None

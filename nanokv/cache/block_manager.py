@@ -130,10 +130,12 @@ class BlockManager:
         return max(0, self.blocks_for(slots) - len(request.block_table) - num_hit_blocks)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[KVCacheBlock] | None = None) -> bool:
+                       computed_blocks: list[KVCacheBlock] | None = None,
+                       keep_free: int = 0) -> bool:
         """Grow the block table to hold `num_new_tokens` more slots (after any prefix hits).
 
-        Returns False, changing nothing, when the pool cannot supply the blocks.
+        Returns False, changing nothing, when the pool cannot supply the blocks and still keep
+        `keep_free` blocks free (those the scheduler holds for other requests' policy steps).
         """
         computed_blocks = computed_blocks or []
         if computed_blocks and request.block_table:
@@ -141,7 +143,7 @@ class BlockManager:
         need = self.num_new_blocks_needed(request, num_new_tokens, len(computed_blocks))
         # hits that sit in the free queue stop being free once taken
         hits_in_queue = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if need > self.num_free_blocks - hits_in_queue:
+        if need > self.num_free_blocks - hits_in_queue - keep_free:
             return False
 
         now = time.monotonic()
@@ -322,8 +324,7 @@ class BlockManager:
         """Copy-on-write: give the request its own copy of every shared block at `indices`
         before a policy rewrites them. Returns (source, destination) block ids for the caller to
         copy in the KV pool, or None, changing nothing, when the pool is short."""
-        shared = sorted(i for i in set(indices)
-                        if self.blocks[request.block_table[i]].ref_cnt > 1)
+        shared = self._shared(request, indices)
         if len(shared) > self.num_free_blocks:
             return None
         now = time.monotonic()
@@ -339,6 +340,21 @@ class BlockManager:
             request.block_table[i] = new.block_id
             copies.append((old.block_id, new.block_id))
         return copies
+
+    def _shared(self, request: Request, indices: range | list[int]) -> list[int]:
+        """The indexes among `indices` whose block another request holds too, ascending."""
+        return sorted(i for i in set(indices)
+                      if self.blocks[request.block_table[i]].ref_cnt > 1)
+
+    def blocks_wanted(self, request: Request) -> int:
+        """Free blocks the request's waiting KV-policy step needs now (`policy_wait`): a copy
+        of each block to make private that is still shared, or its scratch blocks (given back
+        before the copies are taken), whichever is more."""
+        wait = request.policy_wait
+        if wait is None:
+            return 0
+        private = range(wait.private.start, min(wait.private.stop, len(request.block_table)))
+        return max(len(self._shared(request, private)), wait.scratch)
 
     def pack_layer_slices(self, request: Request, counts: list[int]) -> list[tuple[int, int]]:
         """A policy left the request's layers with different lengths (`counts`, per layer): give

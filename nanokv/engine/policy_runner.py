@@ -27,6 +27,7 @@ scratch blocks taken from the pool and freed right after; the request's cache is
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from nanokv.policies.apply import plan_compression
 from nanokv.policies.base import KVPolicy, LayerKV, PolicyConfig
 from nanokv.policies.compaction import gather_request_kv
 from nanokv.policies.kvzip import chunk_scores
-from nanokv.request import Request
+from nanokv.request import PolicyBlockWait, Request
 from nanokv.sampling_params import SamplingParams
 from nanokv.utils import cdiv
 
@@ -117,7 +118,8 @@ class PolicyRunner:
         engine aborts it); the others go on."""
         t0 = time.perf_counter()
         failures = []
-        for request in requests:
+        # the steps that waited for blocks first: the scheduler kept those blocks free for them
+        for request in sorted(requests, key=lambda r: r.policy_wait is None):
             policy = request.kv_policy
             if policy is None or request.is_finished:
                 continue
@@ -170,6 +172,7 @@ class PolicyRunner:
         bm, kv = self.block_manager, self.kv_cache
         num_slots = request.num_cached_slots
         if budget >= num_slots:
+            request.policy_wait = None
             return True
         ragged = request.layer_slices is None and policy.per_layer_budgets
         view = kv.policy_view(request)
@@ -178,11 +181,16 @@ class PolicyRunner:
                                 scale=self.scale, layer_scores=layer_scores,
                                 allow_ragged_layers=ragged)
         if plan.num_evicted == 0:
+            request.policy_wait = None
             return True
         # blocks about to be rewritten must be this request's alone (copy-on-write)
-        copies = bm.make_private(request, range(plan.first_changed_block, plan.num_blocks))
-        if copies is None:
+        rewritten = range(plan.first_changed_block, plan.num_blocks)
+        copies = bm.make_private(request, rewritten)
+        if copies is None:  # the scheduler keeps the copies' blocks free for the next try
+            request.policy_wait = dataclasses.replace(request.policy_wait or PolicyBlockWait(),
+                                                      private=rewritten)
             return False
+        request.policy_wait = None
         kv.copy_blocks(copies)
         kv.apply_plan(request, plan, view)  # reads kept tokens from any block of the view
         request.block_scores = {}  # blocks from first_changed_block on hold other tokens now
@@ -211,14 +219,24 @@ class PolicyRunner:
                 for k, v in view.layers]
         scores = [torch.zeros(k.shape[1], n, device=k.device) for k in keys]  # each [Hkv, n]
         bs, bm = self.block_size, self.block_manager
+
+        def seen_by(chunk) -> int:  # the context slots a chunk sees
+            return n if policy.context == "full" else chunk.end
+
+        def scratch_slots(chunk) -> int:  # the partial block it sees, then its own tokens
+            return seen_by(chunk) % bs + len(chunk.token_ids)
+
         for chunk in chunks:
             # the chunk sees slots [0, seen) and sits right after them (slot = position: nothing
             # was evicted yet); its K/V go to scratch blocks, the partial block copied first
-            seen = n if policy.context == "full" else chunk.end
+            seen = seen_by(chunk)
             full = seen // bs
             scratch = Request(f"{request.request_id}#scoring", [0], _SCRATCH_PARAMS)
             scratch.prefix_cacheable = False
-            if not bm.allocate_slots(scratch, seen - full * bs + len(chunk.token_ids)):
+            if not bm.allocate_slots(scratch, scratch_slots(chunk)):
+                request.policy_wait = dataclasses.replace(
+                    request.policy_wait or PolicyBlockWait(),
+                    scratch=max(bm.blocks_for(scratch_slots(c)) for c in chunks))
                 return None
             try:
                 if seen % bs:

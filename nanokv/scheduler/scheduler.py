@@ -85,11 +85,12 @@ class Scheduler:
         preempted: list[Request] = []
         bm = self.block_manager
 
+        reserved = 0  # free blocks kept for the waiting policy steps of requests scheduled
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._chunk(request, request.num_computed_tokens, budget)
-            while not bm.allocate_slots(request, num_new):
+            while not bm.allocate_slots(request, num_new, keep_free=reserved):
                 victim = self.running.pop()  # newest first
                 self._preempt(victim)
                 preempted.append(victim)
@@ -97,6 +98,7 @@ class Scheduler:
                     break
             if request in preempted:
                 break
+            reserved += self._reserve_for_policy(request, i, preempted, reserved)
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             i += 1
@@ -110,10 +112,10 @@ class Scheduler:
                 break
             # the whole known sequence must fit, as vLLM's `scheduler_reserve_full_isl`: a first
             # chunk that fits, of a prompt that does not, would be preempted a step later
-            if self._blocks_to_start(request, hits) > bm.num_free_blocks:
+            if self._blocks_to_start(request, hits) > bm.num_free_blocks - reserved:
                 break
             num_new = self._chunk(request, hit_tokens, budget)
-            if not bm.allocate_slots(request, num_new, hits):
+            if not bm.allocate_slots(request, num_new, hits, keep_free=reserved):
                 break
             self.waiting.popleft()
             request.num_computed_tokens = hit_tokens
@@ -130,6 +132,21 @@ class Scheduler:
 
         scheduled.sort(key=lambda s: not s.is_decode)  # decodes first, then prefill chunks
         return SchedulerOutput(scheduled, [r.request_id for r in preempted])
+
+    def _reserve_for_policy(self, request: Request, index: int, preempted: list[Request],
+                            reserved: int) -> int:
+        """Keep free the blocks the request's waiting policy step needs (`policy_wait`: a
+        compaction's copy-on-write, a scoring pass's scratch) beyond the `reserved` ones,
+        preempting running requests newer than it (never itself: it would come back to the same
+        wait) while they are short. Returns the blocks kept: all it needs, or what is free."""
+        bm = self.block_manager
+        wanted = bm.blocks_wanted(request)
+        while wanted > bm.num_free_blocks - reserved and len(self.running) > index + 1:
+            victim = self.running.pop()  # newest first
+            self._preempt(victim)
+            preempted.append(victim)
+            wanted = bm.blocks_wanted(request)  # a block it shared with the victim may be its own
+        return max(0, min(wanted, bm.num_free_blocks - reserved))
 
     def _hits(self, request: Request) -> list:
         """The prefix-cache blocks a waiting request would take (`_hit_limit` applied)."""
@@ -227,6 +244,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_evicted_tokens = 0
         request.compressed = False  # the recomputed cache is compressed again
+        request.policy_wait = None
         request.kv_budget = None
         request.captured_queries = []
         request.block_scores = {}

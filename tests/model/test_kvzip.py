@@ -137,6 +137,34 @@ def test_engine_keeps_what_kvzip_chose(tiny_model, monkeypatch, per_head, layer_
     assert free_before <= engine.block_manager.num_blocks
 
 
+def test_a_pass_short_of_scratch_blocks_gets_them_from_newer_requests(tiny_qwen3):
+    """Three requests fill a 16-block pool before their compression point; each pass needs 8-9
+    scratch blocks and finds too few. The oldest waiting pass gets its blocks at the next step
+    (the scheduler keeps them free, preempting newer requests, never older ones), so a request
+    stays uncompressed past its point for more than one step only while an older request holds
+    the blocks. Blocks all back at the end."""
+    llm = LLM(tiny_qwen3, block_size=16, max_model_len=256, kv_policy="kvzip", kv_budget=30,
+              num_kv_blocks=16, enable_prefix_caching=False)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    for j in range(3):
+        engine.add_request(prompt_of(75, seed=j), params, request_id=str(j))
+    waited, late = {}, []
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_invariants()
+        running = engine.scheduler.running
+        for i, r in enumerate(running):
+            if r.num_computed_tokens >= r.compress_point and not r.compressed:
+                waited[r.request_id] = waited.get(r.request_id, 0) + 1
+                if waited[r.request_id] > 1 and i == 0:
+                    late.append((r.request_id, r.num_computed_tokens))
+    assert waited, "no pass had to wait for scratch blocks: the scenario lost its point"
+    assert not late, late  # the oldest running request never waited a second step
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_pure_scores_and_chunks():
     ctx = list(range(10, 30))
     chunks = reconstruction_chunks(ctx, 8, [1, 2], [3], [4], prev_tail=2)

@@ -118,3 +118,36 @@ def test_a_reselection_without_free_blocks_is_tried_again_at_the_next_step(polic
     assert lengths[at + 1] == budget  # tried again at the next step
     assert max(lengths) == budget + BLOCK and all(n <= bound for n in lengths[at + 1:])
     assert request.status.value == "length" and request.error is None
+
+
+@pytest.mark.parametrize("policy", ["streaming", "paged_eviction"])
+def test_a_compaction_short_of_blocks_for_copy_on_write_gets_them_at_the_next_step(policy):
+    """Requests sharing a prompt prefix (prefix caching) in a pool with no free block: a
+    compaction must copy the shared blocks it rewrites, finds no block for the copies, and waits.
+    The scheduler keeps the copies' blocks free at the next step (preempting newer requests), so
+    each request's cache is past the budget's bound after at most one step of its compression,
+    not for as long as the pool stays full."""
+    budget = 3 * BLOCK
+    eng = LLMEngine(EngineConfig.from_kwargs(
+        SHIPPED, **{**OPTIONS, "max_model_len": 160}, kv_policy=policy, kv_budget=budget,
+        num_kv_blocks=10, enable_prefix_caching=True))
+    prefix = prompt_of(4 * BLOCK)
+    requests = [eng.make_request(prefix + [(i * 11 + j) % 300 + 5 for i in range(20)],
+                                 SamplingParams(temperature=0, ignore_eos=True, max_tokens=70))
+                for j in range(3)]
+    for request in requests:
+        eng.add_prepared(request)
+    bound = budget + BLOCK - 1
+    steps_past_bound = {r.request_id: 0 for r in requests}
+    waited = 0
+    while eng.has_unfinished_requests():
+        waited += any(r.policy_wait is not None for r in eng.scheduler.running)
+        eng.step()
+        eng.check_invariants()
+        for r in eng.scheduler.running:
+            if r.num_computed_tokens >= r.compress_point and r.num_cached_slots > bound:
+                steps_past_bound[r.request_id] += 1
+    assert waited, "no compaction had to wait for blocks: the scenario lost its point"
+    assert all(r.status.value == "length" and r.error is None for r in requests)
+    assert max(steps_past_bound.values()) <= 1, steps_past_bound
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from nanokv.cache.block_manager import BlockManager
-from nanokv.request import Request, RequestStatus
+from nanokv.request import PolicyBlockWait, Request, RequestStatus
 from nanokv.sampling_params import SamplingParams
 from nanokv.scheduler.output import RunnerOutput, SchedulerOutput
 from nanokv.scheduler.scheduler import Scheduler
@@ -433,6 +433,70 @@ def test_a_prompt_is_admitted_only_when_all_of_it_fits():
     h.run()
     assert r.status == big.status == RequestStatus.FINISHED_LENGTH
     assert h.sched.num_preemptions == 0
+
+
+# ---- a KV-policy step waiting for blocks --------------------------------------------------------
+def shared_in(h: Harness, request: Request, indexes) -> int:
+    """Brute force: the request's blocks at `indexes` that another running request holds too."""
+    others = [set(r.block_table) for r in h.sched.running if r is not request]
+    return sum(1 for i in indexes if any(request.block_table[i] in t for t in others))
+
+
+def test_a_compaction_waiting_for_copies_gets_free_blocks_from_newer_requests():
+    """A request whose compaction found no free block for its copy-on-write (`policy_wait`)
+    gets them at the next schedule: newer running requests are preempted until the blocks it
+    still shares are free to copy. Brute force: the shared blocks counted from the tables."""
+    h = Harness(num_blocks=7, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                max_model_len=32)
+    prefix = list(range(100, 108))  # two full blocks, shared by prefix caching
+    a = h.add("a", prefix + [1, 2, 3], max_tokens=8, ignore_eos=True)
+    h.step()
+    b = h.add("b", prefix + [4, 5, 6], max_tokens=8, ignore_eos=True)
+    c = h.add("c", [7, 8, 9, 10, 11], max_tokens=8, ignore_eos=True)
+    h.step()
+    assert [r.request_id for r in h.sched.running] == ["a", "b", "c"]
+    assert shared_in(h, a, range(3)) == 2 and h.bm.blocks_wanted(a) == 0
+    a.policy_wait = PolicyBlockWait(private=range(0, 3))
+    assert h.bm.blocks_wanted(a) == 2
+    assert h.bm.num_free_blocks == 1  # 3 + 1 + 2 of 7 blocks held
+    out = h.step()  # a's next slot takes the free block; c (newest) goes for the copies
+    assert out.preempted_request_ids == ["c"]
+    assert [s.request_id for s in out.scheduled] == ["a", "b"]
+    assert h.bm.num_free_blocks >= shared_in(h, a, range(3)) == h.bm.blocks_wanted(a) == 2
+    a.policy_wait = None  # the compaction ran
+    h.run()
+    for r in (a, b, c):
+        assert r.output_token_ids == expected_output(r, 32)[0]
+
+
+def test_blocks_kept_for_a_waiting_policy_step_are_not_given_to_a_waiting_request():
+    """Scratch blocks a policy step waits for stay free: a waiting request that would take them
+    is not admitted, and later running requests cannot take them for their own growth."""
+    h = Harness(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                max_model_len=32)
+    a = h.add("a", range(100, 111), max_tokens=8, ignore_eos=True)  # 3 blocks
+    h.step()
+    a.policy_wait = PolicyBlockWait(scratch=5)  # every other block of the pool
+    h.add("w", range(200, 203), max_tokens=2, ignore_eos=True)  # 1 block
+    for _ in range(4):
+        h.step()
+        assert [r.request_id for r in h.sched.running] == ["a"]
+        assert h.bm.num_free_blocks >= 8 - len(a.block_table) >= 4
+    a.policy_wait = None
+    h.run()
+
+
+def test_a_waiting_policy_step_never_preempts_its_own_request():
+    """Alone, a request whose policy step wants more blocks than the pool has free keeps running
+    (preempting itself would only bring it back to the same wait)."""
+    h = Harness(num_blocks=4, block_size=4, max_num_seqs=2, max_num_batched_tokens=16,
+                max_model_len=16)
+    a = h.add("a", range(100, 106), max_tokens=6, ignore_eos=True)
+    h.step()
+    a.policy_wait = PolicyBlockWait(scratch=100)
+    h.run(max_steps=50)
+    assert h.sched.num_preemptions == 0
+    assert a.output_token_ids == expected_output(a, 16)[0]
 
 
 def test_stop_at_max_model_len():
