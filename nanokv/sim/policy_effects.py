@@ -14,18 +14,21 @@ from __future__ import annotations
 
 from nanokv.cache.block_manager import BlockManager
 from nanokv.policies.base import kept_by_ratio
-from nanokv.request import Request
+from nanokv.request import PolicyBlockWait, Request
 from nanokv.utils import cdiv
 
 
 def compress(bm: BlockManager, request: Request, ratio: float) -> bool:
-    """Cut a request's cache by `ratio`; False if copy-on-write lacked blocks (retry later)."""
+    """Cut a request's cache by `ratio`; False if copy-on-write lacked blocks (retried at the
+    next step, the scheduler keeping the copies' blocks free meanwhile, as in the engine)."""
     slots = request.num_cached_slots
     keep = kept_by_ratio(slots, ratio)
+    request.policy_wait = None
     if keep >= slots:
         return True
     nb = cdiv(keep, bm.block_size)
     if bm.make_private(request, range(nb)) is None:
+        request.policy_wait = PolicyBlockWait(private=range(nb))
         return False
     tail = list(range(nb, len(request.block_table)))
     if tail:
