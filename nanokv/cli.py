@@ -15,17 +15,33 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from nanokv.config import EngineConfig
+from nanokv.config import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, EngineConfig
 from nanokv.extras import MissingExtraError, extra_for_module, install_hint, require
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "models" / "nanokv-tiny")
 
 
 def _block_size(value: str):
-    return value if value == "auto" else int(value)
+    """'auto' or an integer (its range is checked with the config)."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be 'auto' or an integer in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], "
+            f"got {value!r}") from None
 
 
-_CLI_TYPES = {"block_size": _block_size, "json": json.loads}
+def _json(value: str):
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"must be JSON, e.g. '{{\"window\": 32}}' ({e}), "
+                                         f"got {value!r}") from None
+
+
+_CLI_TYPES = {"block_size": _block_size, "json": _json}
 
 
 def _choices(spec):

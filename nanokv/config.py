@@ -115,8 +115,8 @@ class EngineConfig:
                 "interpreter, TRITON_INTERPRET=1); torch: the PyTorch reference path",
         choices="attention_backends")
     kv_policy: str | None = _opt(
-        None, "KV policy (streaming, h2o, snapkv, pyramidkv, knorm, paged_eviction, kvcrush); "
-              "default: full cache")
+        None, "KV policy (streaming, h2o, snapkv, pyramidkv, knorm, paged_eviction, kvcrush, "
+              "kvzip; 'full' or unset: the full cache)")
     kv_budget: int | None = _opt(None, "tokens a request keeps under the policy", type=int)
     kv_compression_ratio: float | None = _opt(
         None, "or: fraction of a request's tokens removed, in [0, 1)", type=float)
@@ -181,13 +181,24 @@ class EngineConfig:
                              f"range), got {self.seed!r}")
         if self.num_threads is not None:
             check_int("num_threads", self.num_threads, 1)
-        if self.kv_policy is None and (self.kv_budget is not None or self.kv_policy_options
-                                       or self.kv_compression_ratio is not None):
-            raise ValueError("kv_budget, kv_compression_ratio and kv_policy_options need "
-                             "kv_policy (a policy name)")
+        if self.kv_policy in (None, "full") and (self.kv_budget is not None
+                                                 or self.kv_policy_options
+                                                 or self.kv_compression_ratio is not None):
+            raise ValueError(f"kv_budget, kv_compression_ratio and kv_policy_options need "
+                             f"kv_policy (a policy name), got kv_policy={self.kv_policy!r} "
+                             f"(the full cache)")
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str)
+                                           or not self.tokenizer.strip()):
+            raise ValueError(f"tokenizer must be the path of a tokenizer directory (default: "
+                             f"the model's), got {self.tokenizer!r}")
         if self.kv_policy is not None and (not isinstance(self.kv_policy, str)
                                            or not self.kv_policy):
             raise ValueError(f"kv_policy must be a policy name, got {self.kv_policy!r}")
+        if self.kv_budget is not None:
+            check_int("kv_budget (tokens a request keeps)", self.kv_budget, 1)
+        if self.kv_compression_ratio is not None:
+            check_fraction("kv_compression_ratio", self.kv_compression_ratio, low_open=False,
+                           high_open=True, meaning=" (the fraction of tokens removed)")
         if self.kv_policy_options is not None and not isinstance(self.kv_policy_options, dict):
             raise ValueError(f"kv_policy_options must be a dict, got {self.kv_policy_options!r}")
         if not isinstance(self.kv_cache_dtype, str):

@@ -1,4 +1,4 @@
-"""Per-request sampling parameters, validated at construction."""
+"""Per-request sampling parameters, validated at construction and again when a request is made."""
 
 from __future__ import annotations
 
@@ -47,6 +47,11 @@ class SamplingParams:
     return_prompt_logits: bool = False
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field out of its range (run at construction, and
+        again by the engine for each request: a field may have been changed since)."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = _as_list("stop", self.stop, "a string or a list of non-empty strings")
@@ -82,6 +87,9 @@ class SamplingParams:
                f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
         _check(_finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "return_prompt_logits"):
+            _check(isinstance(getattr(self, name), bool),
+                   f"{name} must be True or False, got {getattr(self, name)!r}")
         _check(self.logprobs is None or (_int(self.logprobs)
                                          and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got "

@@ -46,11 +46,18 @@ class LLM:
             raise ValueError("prompts must be a non-empty list of strings or token-id lists")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
+        elif isinstance(sampling_params, (list, tuple)):
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; "
                                  f"pass one, or one per prompt")
+        else:
+            params = [sampling_params]  # refused below
+        for sp in params:
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"sampling_params must be a SamplingParams or a list of them "
+                                 f"(one per prompt), got {type(sp).__name__}")
+            sp.validate()  # n (fanned out here) and the rest may have changed since it was built
         requests, groups = [], []  # groups: (request id, its samples' indexes in requests)
         for p, sp in zip(prompts, params):
             if sp.n == 1:

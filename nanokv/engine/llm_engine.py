@@ -179,7 +179,9 @@ class LLMEngine:
         """Validate and tokenize; raises ValueError without touching the engine's state."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params)}")
+            raise ValueError(f"sampling params must be a SamplingParams, got "
+                             f"{type(params).__name__}")
+        params.validate()  # its fields may have changed since it was built
         if params.n != 1:
             raise ValueError(f"an engine request is one sample (n=1), got n={params.n}: "
                              f"LLM.generate and the server fan n out into n requests")

@@ -12,9 +12,11 @@ preempted (and recomputed whole).
 
 The policy chooses (a `CompressionPlan`, on the KV cache's `policy_view`); the block manager and
 the KV cache apply it: copy-on-write of shared blocks, `apply_plan`, freeing the blocks no longer
-needed. Per-layer budgets (PyramidKV) leave layers with different lengths: the block manager then
-gives the request per-layer tables of layer slices (`pack_layer_slices`) and the KV cache moves the
-slices.
+needed. A compaction whose copies (or a scoring pass whose scratch blocks) find the pool short
+changes nothing and records what it waits for (`request.policy_wait`); the scheduler keeps those
+blocks free at the next step, when it is tried again first. Per-layer budgets (PyramidKV) leave
+layers with different lengths: the block manager then gives the request per-layer tables of layer
+slices (`pack_layer_slices`) and the KV cache moves the slices.
 
 Kept tokens keep their original RoPE rotation; the next token's position stays the request's
 logical length (`num_computed_tokens`), its slot the cache length (`num_cached_slots`).
@@ -82,6 +84,9 @@ class PolicyRunner:
         self.stats = PolicyStats()
 
     def build(self, config: PolicyConfig) -> KVPolicy:
+        if not isinstance(config, PolicyConfig):
+            raise ValueError(f"kv_policy must be a PolicyConfig (e.g. PolicyConfig('snapkv', "
+                             f"budget=256)) or None, got {type(config).__name__} {config!r}")
         policy = config.build(block_size=self.block_size)
         self.kv_cache.check_policy(policy)
         if policy.needs_reconstruction:

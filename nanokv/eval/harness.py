@@ -34,6 +34,10 @@ TASKS = ("passkey", "multikey", "perplexity", "kl")
 PROTOCOLS = ("whole", "question")
 
 
+# engine options each run sets itself from its policy entry (`policy_engine_options`)
+RUN_POLICY_OPTIONS = ("kv_policy", "kv_budget", "kv_compression_ratio", "kv_policy_options")
+
+
 @dataclass
 class EvalSettings:
     model: str
@@ -59,7 +63,8 @@ class EvalSettings:
         unknown = sorted(set(self.tasks) - set(TASKS))
         if unknown:
             raise ValueError(f"unknown task(s) {unknown}; available: {list(TASKS)}")
-        if any(not isinstance(c, (int, float)) or c < 1 for c in self.compressions):
+        if any(isinstance(c, bool) or not isinstance(c, (int, float)) or not 1 <= c < math.inf
+               for c in self.compressions):
             raise ValueError(f"compressions must be factors >= 1 (2 = keep half), "
                              f"got {self.compressions}")
         if self.num_samples < 1 or self.ppl_windows < 1:
@@ -91,6 +96,12 @@ class EvalSettings:
             raise ValueError(f"compressions is empty: policies {sorted(names - {'full'})} would "
                              f"not run (give factors >= 1, 2 = keep half)")
         self._check_policy_options()
+        per_run = sorted(set(self.engine_options) & set(RUN_POLICY_OPTIONS))
+        if per_run:  # each run's policy comes from policies / compressions / policy_options
+            raise ValueError(f"engine options {per_run} conflict with the evaluation's own "
+                             f"policy per run: give policies (and compressions, "
+                             f"policy_options) instead (--policies, --compressions, "
+                             f"--policy-options)")
         passkey_formats.parse_format(self.passkey_format)
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")

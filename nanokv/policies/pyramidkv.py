@@ -24,14 +24,19 @@ from nanokv.policies.snapkv import SnapKV
 from nanokv.validation import check_int
 
 
+def check_beta(beta) -> None:
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not math.isfinite(beta) \
+            or beta < 1:
+        raise ValueError(f"beta must be a finite number >= 1 (min = kbar / beta), got {beta!r}")
+
+
 def pyramid_budgets(budget: int, num_layers: int, beta: float = 20.0,
                     reserved: int = 0) -> list[int]:
     """Per-layer budgets (layer 0 first, non-increasing) averaging exactly to `budget`."""
     check_int("budget", budget, 1)
     check_int("num_layers", num_layers, 1)
     check_int("reserved", reserved, 0)
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or beta < 1:
-        raise ValueError(f"beta must be a number >= 1 (min = kbar / beta), got {beta!r}")
+    check_beta(beta)
     if budget < reserved:
         raise ValueError(f"budget {budget} is below the {reserved} reserved window/sink tokens")
     kbar = budget - reserved
@@ -60,8 +65,7 @@ class PyramidKV(SnapKV):
     def __init__(self, *, budget=None, compression_ratio=None, block_size=None,
                  window: int = 32, kernel_size: int = 5, pooling: str = "avg",
                  per_head: bool = True, n_sink: int = 0, beta: float = 20.0) -> None:
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or beta < 1:
-            raise ValueError(f"beta must be a number >= 1 (min = kbar / beta), got {beta!r}")
+        check_beta(beta)
         self.beta = beta
         super().__init__(budget=budget, compression_ratio=compression_ratio,
                          block_size=block_size, window=window, kernel_size=kernel_size,

@@ -169,6 +169,9 @@ def cmd_calibrate(args: argparse.Namespace, engine_options, add_engine_args) -> 
     from nanokv.quant.calibrate import CalibrationSettings, calibrate
 
     _check_counts(args)
+    from nanokv.cli import check_output_file
+
+    check_output_file("--output", args.output)  # before the calibration, not after it
     for name in _unused_engine_options(args, engine_options, add_engine_args):
         print(f"[nanokv] calibrate ignores engine option {name}", file=sys.stderr)
     if args.num_threads:

@@ -14,40 +14,53 @@ import threading
 ROUTER_CHOICES = ("affinity", "pow2")
 
 
+# the replica flags' defaults: without --replicas, any other value is a mistake to refuse
+REPLICA_DEFAULTS = {"router": "affinity", "replica_cpus": 1.0, "imbalance_threshold": 4,
+                    "min_match_ratio": 0.1, "routing_stats_period": 2.0, "metrics_port": None,
+                    "ray_address": None, "ray_num_cpus": None}
+
+
 def add_replica_args(p: argparse.ArgumentParser) -> None:
     r = p.add_argument_group("replicas (Ray Serve; needs the [ray] extra)")
+    d = REPLICA_DEFAULTS
     r.add_argument("--replicas", type=int, default=None, metavar="N",
                    help="serve N engine replicas on Ray Serve behind one OpenAI endpoint, "
                         "routed by prefix-cache affinity (default: one engine, no Ray)")
-    r.add_argument("--router", choices=ROUTER_CHOICES, default="affinity",
+    r.add_argument("--router", choices=ROUTER_CHOICES, default=d["router"],
                    help="affinity: the replica whose prefix cache holds the longest prefix of "
                         "the prompt, the least loaded one when load is unbalanced; pow2: Ray "
                         "Serve's default power-of-two choices (default affinity)")
-    r.add_argument("--replica-cpus", type=float, default=1.0,
+    r.add_argument("--replica-cpus", type=float, default=d["replica_cpus"],
                    help="Ray CPUs per replica; also its engine's --num-threads unless given "
                         "(default 1)")
-    r.add_argument("--imbalance-threshold", type=int, default=4,
+    r.add_argument("--imbalance-threshold", type=int, default=d["imbalance_threshold"],
                    help="ongoing requests by which the busiest replica may exceed the idlest "
                         "before affinity yields to load (default 4)")
-    r.add_argument("--min-match-ratio", type=float, default=0.1,
+    r.add_argument("--min-match-ratio", type=float, default=d["min_match_ratio"],
                    help="affinity follows a cached prefix only when it covers at least this "
                         "fraction of the prompt's blocks (a shared chat-template head does not "
                         "count); below it, the least loaded replica (0-1, default 0.1)")
-    r.add_argument("--routing-stats-period", type=float, default=2.0,
+    r.add_argument("--routing-stats-period", type=float, default=d["routing_stats_period"],
                    help="seconds between the replicas' reports of their cached block hashes "
                         "(default 2)")
-    r.add_argument("--metrics-port", type=int, default=None,
+    r.add_argument("--metrics-port", type=int, default=d["metrics_port"],
                    help="replica of rank i serves its /metrics on this port + i, for "
                         "Prometheus (default: off)")
-    r.add_argument("--ray-address", default=None,
+    r.add_argument("--ray-address", default=d["ray_address"],
                    help="join this Ray cluster (default: $RAY_ADDRESS, else a local one)")
-    r.add_argument("--ray-num-cpus", type=int, default=None,
+    r.add_argument("--ray-num-cpus", type=int, default=d["ray_num_cpus"],
                    help="CPUs of the local Ray cluster started when no address is given "
                         "(default: all)")
 
 
 def check_replica_args(args: argparse.Namespace) -> None:
     if args.replicas is None:
+        given = [name for name, default in REPLICA_DEFAULTS.items()
+                 if getattr(args, name) != default]
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise ValueError(f"{flags} set the replicas of Ray Serve: they need --replicas N "
+                             f"(without it one engine serves, and they would be ignored)")
         return
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")

@@ -2,7 +2,9 @@
 
 Each step spends one token budget: running requests first (decodes and unfinished prefill
 chunks), then waiting ones in arrival order. When the pool runs out of blocks the newest running
-request is preempted: its blocks are freed and it will be recomputed from scratch.
+request is preempted: its blocks are freed and it will be recomputed from scratch. A running
+request whose KV-policy step waits for blocks (`policy_wait`) has them kept free, newer requests
+preempted for them.
 """
 
 from __future__ import annotations

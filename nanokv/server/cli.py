@@ -93,6 +93,9 @@ def cmd_serve(args: argparse.Namespace, engine_options) -> int:
                          f"{args.model!r}); give it once")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ValueError("--served-model-name must be a non-empty name (default: the model "
+                         "path)")
     if args.retry_after < 0:
         raise ValueError(f"--retry-after must be >= 0, got {args.retry_after}")
     template = None
@@ -114,11 +117,13 @@ def cmd_serve(args: argparse.Namespace, engine_options) -> int:
         request_classes=tuple(c.strip() for c in args.request_classes.split(",") if c.strip()),
         trace_file=args.trace_file, trace_steps_file=args.trace_steps)
 
+    from nanokv.replicas.cli import check_replica_args
+
+    check_replica_args(args)
     if args.replicas is not None:  # N engines on Ray Serve (nanokv/replicas)
         from nanokv.extras import require
-        from nanokv.replicas.cli import check_replica_args, serve_replicas
+        from nanokv.replicas.cli import serve_replicas
 
-        check_replica_args(args)
         require("ray", "nanokv serve --replicas")
         return serve_replicas(args, model, settings, engine_options(args))
     engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_options(args)))

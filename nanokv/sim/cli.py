@@ -71,7 +71,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="requests of the synthetic workload (default 2000)")
     p.add_argument("--rate", type=_positive_float, default=10.0,
                    help="mean arrival rate of the synthetic workload, requests/s (default 10)")
-    p.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--workload-seed", type=int, default=0,
+                   help="seed of the synthetic workload's lengths and arrivals (default 0)")
     p.add_argument("--save-trace", default=None, metavar="FILE",
                    help="also write the synthetic trace to FILE")
     p.add_argument("--model-config", required=True, metavar="DIR",
@@ -89,9 +90,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                         "--device")
     p.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="default: min(the model's, 8192)")
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192)
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192,
+                   help="token budget of a step (default 8192)")
     p.add_argument("--compute-dtype", default="bfloat16", choices=("bfloat16", "float16",
-                                                                   "float32"))
+                                                                   "float32"),
+                   help="the model's weight and activation dtype in the step model (default "
+                        "bfloat16)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -99,10 +103,12 @@ def add_advise_parser(sub, add_engine_args=None, engine_options=None) -> None:
     a = sub.add_parser("advise", help="size a deployment: simulate a trace over block sizes, "
                                       "KV dtypes, max_num_seqs and KV policies")
     _add_common(a)
-    a.add_argument("--block-sizes", type=_ints, default=(16, 32, 64, 128, 256, 512, 1024))
+    a.add_argument("--block-sizes", type=_ints, default=(16, 32, 64, 128, 256, 512, 1024),
+                   help="comma-separated block sizes to try (default 16,32,...,1024)")
     a.add_argument("--kv-dtypes", type=_kv_dtypes, default=("auto", "fp8", "kvquant"),
                    help="comma-separated kv_cache_dtype values (default auto,fp8,kvquant)")
-    a.add_argument("--max-num-seqs", type=_ints, default=(64, 128, 256, 512))
+    a.add_argument("--max-num-seqs", type=_ints, default=(64, 128, 256, 512),
+                   help="comma-separated max_num_seqs values to try (default 64,128,256,512)")
     a.add_argument("--compressions", type=_floats, default=(0.5, 0.75),
                    help="KV policy compression ratios to try (kvpress convention: 0.75 = 4x)")
     a.add_argument("--eviction-ratios", type=_floats, default=(0.2,),
@@ -116,11 +122,18 @@ def add_advise_parser(sub, add_engine_args=None, engine_options=None) -> None:
     s = sub.add_parser("simulate", help="replay a trace through the block manager and "
                                         "scheduler with a step-time model (no weights)")
     _add_common(s)
-    s.add_argument("--block-size", type=_positive_int, default=256)
-    s.add_argument("--kv-cache-dtype", default="auto")
-    s.add_argument("--max-num-seqs-sim", dest="max_num_seqs", type=_positive_int, default=256)
-    s.add_argument("--compression-ratio", type=float, default=None)
-    s.add_argument("--eviction-ratio", type=float, default=None)
+    s.add_argument("--block-size", type=_positive_int, default=256,
+                   help="KV block size in tokens (default 256)")
+    s.add_argument("--kv-cache-dtype", default="auto",
+                   help="KV cache dtype, as the engine's --kv-cache-dtype (default auto)")
+    s.add_argument("--max-num-seqs-sim", dest="max_num_seqs", type=_positive_int, default=256,
+                   help="most requests running at once in the simulated engine (default 256)")
+    s.add_argument("--compression-ratio", type=float, default=None,
+                   help="a KV policy cutting each prompt's cache by this fraction, in [0, 1) "
+                        "(default: none)")
+    s.add_argument("--eviction-ratio", type=float, default=None,
+                   help="PagedEviction's pool-pressure mode: evict blocks while pool usage is "
+                        "above 1 - this, in [0, 1) (default: none)")
     s.add_argument("--num-kv-blocks", type=_positive_int, default=None,
                    help="the pool in blocks (a served run's --num-kv-blocks) instead of what "
                         "--kv-memory holds")

@@ -60,9 +60,47 @@ def test_unknown_and_bad_options(tiny_llama):
                              (dict(seed=-2**63 - 1), "seed must be an integer in"),
                              (dict(kv_policy="kvcrush", kv_budget=16),
                               "kvcrush's base policy 'snapkv'"),
-                             (dict(max_model_len=4096), "max_position_embeddings")]:
+                             (dict(max_model_len=4096), "max_position_embeddings"),
+                             (dict(tokenizer=""), "tokenizer must be the path"),
+                             (dict(kv_policy="full", kv_budget=16),
+                              "need kv_policy .* got kv_policy='full'"),
+                             (dict(kv_policy="full", kv_policy_options={"window": 4}),
+                              "need kv_policy"),
+                             (dict(kv_policy="streaming", kv_budget=0), "kv_budget"),
+                             (dict(kv_policy="streaming", kv_compression_ratio=1.0),
+                              "kv_compression_ratio"),
+                             (dict(kv_policy="pyramidkv", kv_budget=64,
+                                   kv_policy_options={"beta": float("nan")}),
+                              "beta must be a finite number >= 1"),
+                             (dict(kv_policy="pyramidkv", kv_budget=64,
+                                   kv_policy_options={"beta": float("inf")}),
+                              "beta must be a finite number >= 1")]:
         with pytest.raises(ValueError, match=fragment):
             LLM(tiny_llama, **kwargs)
+
+
+def test_sampling_params_changed_after_construction_are_checked_again(llm):
+    """A SamplingParams is a plain dataclass: a field set out of range after it was built is
+    refused when the request is made (not mid-step, aborting the batch), and a generate call
+    with something else than SamplingParams says so; nothing is allocated either way."""
+    too_many = SamplingParams(logprobs=5)
+    too_many.logprobs = 5000
+    no_samples = SamplingParams(n=2)
+    no_samples.n = 0
+    for params, fragment in [(too_many, "logprobs must be None or an integer in"),
+                             (no_samples, "n must be an integer >= 1"),
+                             ({"max_tokens": 3}, "must be a SamplingParams or a list of them"),
+                             ([GREEDY, 5], "got int")]:
+        with pytest.raises(ValueError, match=fragment):
+            llm.generate([[3, 4, 5], [6, 7]], params)
+        assert_no_blocks_held(llm)
+    with pytest.raises(ValueError, match="logprobs"):
+        llm.engine.add_request([3, 4, 5], too_many)
+    with pytest.raises(ValueError, match="kv_policy must be a PolicyConfig"):
+        llm.engine.make_request([3, 4, 5], GREEDY, kv_policy="streaming")
+    assert not llm.engine.has_unfinished_requests()
+    assert_no_blocks_held(llm)
+    assert len(llm.generate([[3, 4, 5]], GREEDY)[0].token_ids) == 8
 
 
 def _copy(src, dst):

@@ -61,6 +61,12 @@ def run(argv, capsys) -> tuple[int, str]:
      "block sizes must each be an integer in [16, 1024], got 2048"),
     (["advise", "--workload", "rag", *SIM, "--rates", "1,-2"],
      "--rates: expected finite numbers > 0"),
+    (["generate", "--model", TINY, "--block-size", "abc"],
+     "--block-size: must be 'auto' or an integer in [16, 1024], got 'abc'"),
+    (["generate", "--model", TINY, "--kv-policy-options", "{bad"],
+     "--kv-policy-options: must be JSON"),
+    (["eval", "--model", TINY, "--policies", "full", "--kv-policy", "streaming",
+      "--kv-budget", "32"], "engine options ['kv_budget', 'kv_policy'] conflict"),
 ])
 def test_user_errors_exit_2_with_one_line(argv, fragment, capsys):
     rc, last = run(argv, capsys)
@@ -102,6 +108,20 @@ def test_checks_come_before_the_work(monkeypatch, capsys):
     rc, last = run(["eval", "--model", TINY, "--policies", "full,snapkv", "--compressions", ""],
                    capsys)
     assert rc == 2 and "compressions is empty" in last
+    import nanokv.engine.llm_engine
+    import nanokv.quant.calibrate
+
+    monkeypatch.setattr(nanokv.engine.llm_engine, "LLMEngine", no_work)  # no server starts
+    rc, last = run(["serve", "--model", TINY, "--router", "pow2", "--metrics-port", "9100"],
+                   capsys)
+    assert rc == 2 and ("--router, --metrics-port set the replicas of Ray Serve: they need "
+                        "--replicas N") in last
+    rc, last = run(["serve", "--model", TINY, "--served-model-name", " "], capsys)
+    assert rc == 2 and "--served-model-name must be a non-empty name" in last
+    monkeypatch.setattr(nanokv.quant.calibrate, "calibrate", no_work)
+    rc, last = run(["calibrate", "--model", TINY, "--output", "/nonexistent/dir/cal.json"],
+                   capsys)
+    assert rc == 2 and "--output: the directory of '/nonexistent/dir/cal.json'" in last
 
 
 def test_unreadable_calibration_files(tmp_path):

@@ -69,6 +69,9 @@ def test_sampling_follows_distribution():
     (dict(stop=0), "stop must be a string or a list"),  # was silently no stop at all
     (dict(stop_token_ids=7), "stop_token_ids must be a list"),
     (dict(stop_token_ids=0), "stop_token_ids must be a list"),
+    (dict(ignore_eos="no"), "ignore_eos must be True or False"),
+    (dict(include_stop_str_in_output=1), "include_stop_str_in_output must be True or False"),
+    (dict(return_prompt_logits=None), "return_prompt_logits must be True or False"),
 ])
 def test_bad_sampling_params(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
