@@ -154,6 +154,9 @@ def _load(args):
 
     model = ModelShape.load(args.model_config)
     max_len = args.max_model_len or min(model.max_position_embeddings, 8192)
+    if max_len > model.max_position_embeddings:  # as the engine refuses it
+        raise ValueError(f"--max-model-len {max_len} is beyond the model's "
+                         f"max_position_embeddings {model.max_position_embeddings}")
     fitted = device = overhead = None
     if args.step_model and args.step_log:
         raise ValueError("give --step-model or --step-log, not both")

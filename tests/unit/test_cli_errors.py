@@ -61,6 +61,8 @@ def run(argv, capsys) -> tuple[int, str]:
      "block sizes must each be an integer in [16, 1024], got 2048"),
     (["advise", "--workload", "rag", *SIM, "--rates", "1,-2"],
      "--rates: expected finite numbers > 0"),
+    (["simulate", "--workload", "chat", *SIM, "--max-model-len", "100000"],
+     "--max-model-len 100000 is beyond the model's max_position_embeddings"),
     (["generate", "--model", TINY, "--block-size", "abc"],
      "--block-size: must be 'auto' or an integer in [16, 1024], got 'abc'"),
     (["generate", "--model", TINY, "--kv-policy-options", "{bad"],
