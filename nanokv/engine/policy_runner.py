@@ -123,7 +123,8 @@ class PolicyRunner:
         engine aborts it); the others go on."""
         t0 = time.perf_counter()
         failures = []
-        # the steps that waited for blocks first: the scheduler kept those blocks free for them
+        # the steps that waited for blocks first, in the order the scheduler kept their blocks
+        # (the running order, oldest first: `requests` comes in it)
         for request in sorted(requests, key=lambda r: r.policy_wait is None):
             policy = request.kv_policy
             if policy is None or request.is_finished:
@@ -239,9 +240,11 @@ class PolicyRunner:
             scratch = Request(f"{request.request_id}#scoring", [0], _SCRATCH_PARAMS)
             scratch.prefix_cacheable = False
             if not bm.allocate_slots(scratch, scratch_slots(chunk)):
+                # tried again after one more decode step: one more context slot, and the
+                # largest chunk may see one more slot and hold one more token then
                 request.policy_wait = dataclasses.replace(
                     request.policy_wait or PolicyBlockWait(),
-                    scratch=max(bm.blocks_for(scratch_slots(c)) for c in chunks))
+                    scratch=max(bm.blocks_for(scratch_slots(c) + 2) for c in chunks))
                 return None
             try:
                 if seen % bs:

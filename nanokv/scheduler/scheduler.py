@@ -88,6 +88,7 @@ class Scheduler:
         bm = self.block_manager
 
         reserved = 0  # free blocks kept for the waiting policy steps of requests scheduled
+        to_copy: set[int] = set()  # the blocks those steps will copy if still shared then
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -101,6 +102,9 @@ class Scheduler:
             if request in preempted:
                 break
             reserved += self._reserve_for_policy(request, i, preempted, reserved)
+            if request.policy_wait is not None:
+                to_copy.update(request.block_table[j] for j in request.policy_wait.private
+                               if j < len(request.block_table))
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             i += 1
@@ -114,11 +118,14 @@ class Scheduler:
                 break
             # the whole known sequence must fit, as vLLM's `scheduler_reserve_full_isl`: a first
             # chunk that fits, of a prompt that does not, would be preempted a step later
-            if self._blocks_to_start(request, hits) > bm.num_free_blocks - reserved:
+            # a hit on a block a waiting compaction would otherwise own alone costs it a copy
+            copies = sum(1 for b in hits if b.ref_cnt == 1 and b.block_id in to_copy)
+            if self._blocks_to_start(request, hits) + copies > bm.num_free_blocks - reserved:
                 break
             num_new = self._chunk(request, hit_tokens, budget)
-            if not bm.allocate_slots(request, num_new, hits, keep_free=reserved):
+            if not bm.allocate_slots(request, num_new, hits, keep_free=reserved + copies):
                 break
+            reserved += copies
             self.waiting.popleft()
             request.num_computed_tokens = hit_tokens
             if request.num_cached_tokens < 0:  # first admission: count prefix-cache stats

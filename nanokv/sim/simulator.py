@@ -208,8 +208,10 @@ class Simulator:
             tally.steps(nrun, usage, stamp_dt + post_dt, saturated, len(sampled))
             added = ended = 0
             if cfg.compression_ratio is not None:
-                # those that waited for blocks first (the engine's order)
-                for r in sorted(stepped, key=lambda r: r.policy_wait is None):
+                # those that waited for blocks first, oldest first (the engine's order)
+                ids = {r.request_id for r in stepped}
+                for r in sorted((r for r in sched.running if r.request_id in ids),
+                                key=lambda r: r.policy_wait is None):
                     if (not r.is_finished and r.request_id not in compressed
                             and r.num_computed_tokens >= r.num_prompt_tokens):
                         if compress(bm, r, cfg.compression_ratio):
