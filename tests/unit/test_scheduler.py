@@ -471,19 +471,45 @@ def test_a_compaction_waiting_for_copies_gets_free_blocks_from_newer_requests():
 
 def test_blocks_kept_for_a_waiting_policy_step_are_not_given_to_a_waiting_request():
     """Scratch blocks a policy step waits for stay free: a waiting request that would take them
-    is not admitted, and later running requests cannot take them for their own growth."""
+    is not admitted, and a newer running request that needs one to grow is preempted instead."""
+    h = Harness(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                max_model_len=32)
+    a = h.add("a", range(100, 117), max_tokens=3, ignore_eos=True)  # 5 blocks throughout
+    b = h.add("b", range(200, 203), max_tokens=6, ignore_eos=True)  # 1 block, then 2
+    h.step()
+    assert h.bm.num_free_blocks == 2
+    a.policy_wait = PolicyBlockWait(scratch=2)  # the rest of the pool
+    w = h.add("w", range(300, 303), max_tokens=2, ignore_eos=True)  # 1 block
+    preempted = []
+    for _ in range(2):
+        preempted += h.step().preempted_request_ids
+        assert w.status == RequestStatus.WAITING and h.bm.num_free_blocks >= 2
+    assert preempted == ["b"]  # its fifth slot needed a third block: not one of a's
+    a.policy_wait = None
+    h.run()
+    for r in (a, b, w):
+        assert r.output_token_ids == expected_output(r, 32)[0]
+
+
+def test_a_wait_the_pool_cannot_meet_preempts_no_one():
+    """A need larger than the pool beside the request's own blocks cannot be met by preempting
+    newer requests: they keep running (the request goes on without its policy step)."""
     h = Harness(num_blocks=8, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
                 max_model_len=32)
     a = h.add("a", range(100, 111), max_tokens=8, ignore_eos=True)  # 3 blocks
     h.step()
-    a.policy_wait = PolicyBlockWait(scratch=5)  # every other block of the pool
-    h.add("w", range(200, 203), max_tokens=2, ignore_eos=True)  # 1 block
-    for _ in range(4):
-        h.step()
-        assert [r.request_id for r in h.sched.running] == ["a"]
-        assert h.bm.num_free_blocks >= 8 - len(a.block_table) >= 4
+    b = h.add("b", range(200, 203), max_tokens=8, ignore_eos=True)
+    h.step()
+    a.policy_wait = PolicyBlockWait(scratch=8 - 3 + 1)  # one more than the rest of the pool
+    for _ in range(3):
+        out = h.step()
+        assert not out.preempted_request_ids
+        assert [r.request_id for r in h.sched.running] == ["a", "b"]
+    a.policy_wait = PolicyBlockWait(scratch=8 - len(a.block_table))  # all the rest: b goes
+    assert h.step().preempted_request_ids == ["b"]
     a.policy_wait = None
     h.run()
+    assert b.output_token_ids == expected_output(b, 32)[0]
 
 
 def test_a_waiting_policy_step_never_preempts_its_own_request():
