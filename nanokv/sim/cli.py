@@ -133,7 +133,7 @@ def add_advise_parser(sub, add_engine_args=None, engine_options=None) -> None:
                         "(default: none)")
     s.add_argument("--eviction-ratio", type=float, default=None,
                    help="PagedEviction's pool-pressure mode: evict blocks while pool usage is "
-                        "above 1 - this, in [0, 1) (default: none)")
+                        "above 1 - this, in (0, 1] (default: none)")
     s.add_argument("--num-kv-blocks", type=_positive_int, default=None,
                    help="the pool in blocks (a served run's --num-kv-blocks) instead of what "
                         "--kv-memory holds")

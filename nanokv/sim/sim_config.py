@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nanokv.validation import check_fraction
+
 ADMISSIONS = ("arrival", "recorded")
 
 
@@ -29,7 +31,8 @@ class SimConfig:
         if self.admission not in ADMISSIONS:
             raise ValueError(f"admission must be 'arrival' or 'recorded', got "
                              f"{self.admission!r}")
-        for name in ("compression_ratio", "eviction_ratio"):
-            v = getattr(self, name)
-            if v is not None and not 0 <= v < 1:
-                raise ValueError(f"{name} must be in [0, 1), got {v}")
+        if self.compression_ratio is not None:
+            check_fraction("compression ratio", self.compression_ratio, low_open=False,
+                           high_open=True, meaning=" (fraction removed)")
+        if self.eviction_ratio is not None:  # as `advise` and PagedEviction's pool pressure
+            check_fraction("eviction ratio", self.eviction_ratio)
