@@ -147,12 +147,13 @@ class Scheduler:
         """Keep free the blocks the request's waiting policy step needs (`policy_wait`: a
         compaction's copy-on-write, a scoring pass's scratch) beyond the `reserved` ones,
         preempting running requests newer than it (never itself: it would come back to the same
-        wait) while they are short; none for a need the pool cannot meet beside the request's own
-        blocks. Returns the blocks kept: all it needs, or what is free."""
+        wait) while they are short (a copy's block shared with a preempted request is its own
+        then); none for scratch blocks the pool cannot hold beside the request's own blocks.
+        Returns the blocks kept: all it needs, or what is free."""
         bm = self.block_manager
         wanted = bm.blocks_wanted(request)
-        if wanted > bm.num_blocks - len(request.block_table):
-            return 0  # more than the pool holds beside it: preempting others would not help
+        if wanted and request.policy_wait.scratch > bm.num_blocks - len(request.block_table):
+            return 0  # scratch the pool cannot hold beside it: preempting others would not help
         while wanted > bm.num_free_blocks - reserved and len(self.running) > index + 1:
             victim = self.running.pop()  # newest first
             self._preempt(victim)

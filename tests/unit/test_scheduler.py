@@ -512,6 +512,26 @@ def test_a_wait_the_pool_cannot_meet_preempts_no_one():
     assert b.output_token_ids == expected_output(b, 32)[0]
 
 
+def test_copies_wanted_beyond_the_rest_of_the_pool_are_met_by_preempting_the_sharer():
+    """A compaction wanting more copies than the pool holds beside its request is not beyond
+    reach: preempting the newer request it shares the blocks with makes them its own."""
+    h = Harness(num_blocks=5, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                max_model_len=20)
+    prefix = list(range(100, 108))
+    a = h.add("a", prefix + [1, 2, 3, 4, 5], max_tokens=3, ignore_eos=True)  # 4 blocks
+    h.step()
+    b = h.add("b", prefix + [6, 7], max_tokens=3, ignore_eos=True)  # a's two + 1 block
+    h.step()
+    assert h.bm.num_free_blocks == 0 and shared_in(h, a, range(4)) == 2
+    a.policy_wait = PolicyBlockWait(private=range(0, 4))
+    assert h.bm.blocks_wanted(a) == 2 > h.bm.num_blocks - len(a.block_table)
+    assert h.step().preempted_request_ids == ["b"]
+    assert h.bm.blocks_wanted(a) == 0
+    a.policy_wait = None
+    h.run()
+    assert b.output_token_ids == expected_output(b, 20)[0]
+
+
 def test_a_waiting_policy_step_never_preempts_its_own_request():
     """Alone, a request whose policy step wants more blocks than the pool has free keeps running
     (preempting itself would only bring it back to the same wait)."""
