@@ -346,6 +346,14 @@ class BlockManager:
         return sorted(i for i in set(indices)
                       if self.blocks[request.block_table[i]].ref_cnt > 1)
 
+    def wait_private(self, request: Request) -> range:
+        """The block-table indexes the request's waiting KV-policy step (`policy_wait`) will make
+        private, within its table (empty when nothing waits)."""
+        wait = request.policy_wait
+        if wait is None:
+            return range(0)
+        return range(wait.private.start, min(wait.private.stop, len(request.block_table)))
+
     def blocks_wanted(self, request: Request) -> int:
         """Free blocks the request's waiting KV-policy step needs now (`policy_wait`): a copy
         of each block to make private that is still shared, or its scratch blocks (given back
@@ -353,8 +361,7 @@ class BlockManager:
         wait = request.policy_wait
         if wait is None:
             return 0
-        private = range(wait.private.start, min(wait.private.stop, len(request.block_table)))
-        return max(len(self._shared(request, private)), wait.scratch)
+        return max(len(self._shared(request, self.wait_private(request))), wait.scratch)
 
     def pack_layer_slices(self, request: Request, counts: list[int]) -> list[tuple[int, int]]:
         """A policy left the request's layers with different lengths (`counts`, per layer): give

@@ -177,8 +177,8 @@ class PolicyRunner:
         the next step tries again."""
         bm, kv = self.block_manager, self.kv_cache
         num_slots = request.num_cached_slots
+        wait, request.policy_wait = request.policy_wait, None  # set again if it must wait
         if budget >= num_slots:
-            request.policy_wait = None
             return True
         ragged = request.layer_slices is None and policy.per_layer_budgets
         view = kv.policy_view(request)
@@ -187,16 +187,14 @@ class PolicyRunner:
                                 scale=self.scale, layer_scores=layer_scores,
                                 allow_ragged_layers=ragged)
         if plan.num_evicted == 0:
-            request.policy_wait = None
             return True
         # blocks about to be rewritten must be this request's alone (copy-on-write)
         rewritten = range(plan.first_changed_block, plan.num_blocks)
         copies = bm.make_private(request, rewritten)
         if copies is None:  # the scheduler keeps the copies' blocks free for the next try
-            request.policy_wait = dataclasses.replace(request.policy_wait or PolicyBlockWait(),
+            request.policy_wait = dataclasses.replace(wait or PolicyBlockWait(),
                                                       private=rewritten)
             return False
-        request.policy_wait = None
         kv.copy_blocks(copies)
         kv.apply_plan(request, plan, view)  # reads kept tokens from any block of the view
         request.block_scores = {}  # blocks from first_changed_block on hold other tokens now

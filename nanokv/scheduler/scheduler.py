@@ -102,9 +102,7 @@ class Scheduler:
             if request in preempted:
                 break
             reserved += self._reserve_for_policy(request, i, preempted, reserved)
-            if request.policy_wait is not None:
-                to_copy.update(request.block_table[j] for j in request.policy_wait.private
-                               if j < len(request.block_table))
+            to_copy.update(request.block_table[j] for j in bm.wait_private(request))
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             i += 1
