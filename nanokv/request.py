@@ -57,6 +57,7 @@ class PolicyBlockWait:
     (`BlockManager.blocks_wanted`)."""
 
     private: range = range(0)  # block-table indexes to make private: those still shared count
+    spare: int = 0  # the request's own blocks the copies may take instead (a discarded tail)
     scratch: int = 0  # blocks taken and given back (before the copies) within the step
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from nanokv.cache.block import FreeBlockQueue, KVCacheBlock
@@ -319,25 +319,37 @@ class BlockManager:
         request.block_hashes = request.block_hashes[:min(drop)]
         request.block_content_ids = request.block_content_ids[:min(drop)]
 
-    def make_private(self, request: Request,
-                     indices: range | list[int]) -> list[tuple[int, int]] | None:
+    def make_private(self, request: Request, indices: range | list[int],
+                     spare: Sequence[int] = ()) -> list[tuple[int, int]] | None:
         """Copy-on-write: give the request its own copy of every shared block at `indices`
-        before a policy rewrites them. Returns (source, destination) block ids for the caller to
-        copy in the KV pool, or None, changing nothing, when the pool is short."""
+        before a policy rewrites them. The copies take free blocks, and once those run short
+        the request's own blocks at `spare` (indexes outside `indices` of blocks it alone holds,
+        whose content the caller discards and frees right after, as a compaction's unread
+        tail: `held_alone`): such a block trades
+        places with the shared one, which then leaves with the tail. Returns (source,
+        destination) block ids for the caller to copy in the KV pool, or None, changing
+        nothing, when both are short."""
+        table = request.block_table
         shared = self._shared(request, indices)
-        if len(shared) > self.num_free_blocks:
+        from_queue = min(len(shared), self.num_free_blocks)
+        if len(shared) > from_queue + len(spare):
             return None
         now = time.monotonic()
         copies = []
-        for i in shared:
-            old = self.blocks[request.block_table[i]]
-            new = self.free_queue.popleft()
-            if new.block_hash is not None:
-                self._uncache(new, now, reason="prefix_lru")
-            new.ref_cnt = 1
+        for n, i in enumerate(shared):
+            old = self.blocks[table[i]]
+            if n < from_queue:
+                new = self.free_queue.popleft()
+                if new.block_hash is not None:
+                    self._uncache(new, now, reason="prefix_lru")
+                new.ref_cnt = 1
+                old.ref_cnt -= 1  # still held by the other request(s): never reaches zero here
+            else:  # ref counts unchanged: the request holds both, the old one at the spare index
+                j = spare[n - from_queue]
+                new = self.blocks[table[j]]
+                table[j] = old.block_id
             self.birth[new.block_id] = now
-            old.ref_cnt -= 1  # still held by the other request(s): never reaches zero here
-            request.block_table[i] = new.block_id
+            table[i] = new.block_id
             copies.append((old.block_id, new.block_id))
         return copies
 
@@ -345,6 +357,11 @@ class BlockManager:
         """The indexes among `indices` whose block another request holds too, ascending."""
         return sorted(i for i in set(indices)
                       if self.blocks[request.block_table[i]].ref_cnt > 1)
+
+    def held_alone(self, request: Request, indices: range | list[int]) -> list[int]:
+        """The indexes among `indices` whose block no other request holds, ascending."""
+        return sorted(i for i in set(indices)
+                      if self.blocks[request.block_table[i]].ref_cnt == 1)
 
     def wait_private(self, request: Request) -> range:
         """The block-table indexes the request's waiting KV-policy step (`policy_wait`) will make
@@ -356,12 +373,13 @@ class BlockManager:
 
     def blocks_wanted(self, request: Request) -> int:
         """Free blocks the request's waiting KV-policy step needs now (`policy_wait`): a copy
-        of each block to make private that is still shared, or its scratch blocks (given back
-        before the copies are taken), whichever is more."""
+        of each block to make private that is still shared beyond its spare blocks, or its
+        scratch blocks (given back before the copies are taken), whichever is more."""
         wait = request.policy_wait
         if wait is None:
             return 0
-        return max(len(self._shared(request, self.wait_private(request))), wait.scratch)
+        copies = len(self._shared(request, self.wait_private(request))) - wait.spare
+        return max(copies, wait.scratch, 0)
 
     def pack_layer_slices(self, request: Request, counts: list[int]) -> list[tuple[int, int]]:
         """A policy left the request's layers with different lengths (`counts`, per layer): give

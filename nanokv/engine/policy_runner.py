@@ -11,9 +11,10 @@ the queries since its last selection) compresses again then. A policy that decla
 preempted (and recomputed whole).
 
 The policy chooses (a `CompressionPlan`, on the KV cache's `policy_view`); the block manager and
-the KV cache apply it: copy-on-write of shared blocks, `apply_plan`, freeing the blocks no longer
-needed. A compaction whose copies (or a scoring pass whose scratch blocks) find the pool short
-changes nothing and records what it waits for (`request.policy_wait`); the scheduler keeps those
+the KV cache apply it: copy-on-write of shared blocks (into free blocks, else into blocks of the
+request's tail that hold no kept token), `apply_plan`, freeing the blocks no longer needed. A
+compaction whose copies (or a scoring pass whose scratch blocks) find the pool short changes
+nothing and records what it waits for (`request.policy_wait`); the scheduler keeps those
 blocks free at the next step, when it is tried again first. Per-layer budgets (PyramidKV) leave
 layers with different lengths: the block manager then gives the request per-layer tables of layer
 slices (`pack_layer_slices`) and the KV cache moves the slices.
@@ -188,12 +189,17 @@ class PolicyRunner:
                                 allow_ragged_layers=ragged)
         if plan.num_evicted == 0:
             return True
-        # blocks about to be rewritten must be this request's alone (copy-on-write)
+        # blocks about to be rewritten must be this request's alone (copy-on-write): free
+        # blocks, or once those run short the blocks of its tail that hold no kept token
         rewritten = range(plan.first_changed_block, plan.num_blocks)
-        copies = bm.make_private(request, rewritten)
+        copies, spare = bm.make_private(request, rewritten), []
+        if copies is None and request.layer_slices is None:  # a slot's block: slot // B
+            spare = bm.held_alone(request, plan.unread_tail(len(request.block_table),
+                                                            self.block_size))
+            copies = bm.make_private(request, rewritten, spare)
         if copies is None:  # the scheduler keeps the copies' blocks free for the next try
             request.policy_wait = dataclasses.replace(wait or PolicyBlockWait(),
-                                                      private=rewritten)
+                                                      private=rewritten, spare=len(spare))
             return False
         kv.copy_blocks(copies)
         kv.apply_plan(request, plan, view)  # reads kept tokens from any block of the view

@@ -42,6 +42,14 @@ class CompressionPlan:
     def num_evicted(self) -> int:
         return self.num_slots_before - self.num_slots
 
+    def unread_tail(self, table_len: int, block_size: int) -> list[int]:
+        """Block-table indexes past the kept blocks (`num_blocks`, freed after the compaction)
+        whose slots hold no kept token in any layer or head: their content is not read."""
+        read = set()
+        for kept in self.kept:  # [C_l] or [Hkv, C_l] slot indexes
+            read.update(torch.unique(kept // block_size).tolist())
+        return [j for j in range(self.num_blocks, table_len) if j not in read]
+
 
 def plan_compression(policy: KVPolicy, layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
                      block_table: list[int], num_slots: int, *, budget: int | None = None,

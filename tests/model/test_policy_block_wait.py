@@ -5,13 +5,19 @@ too few blocks, each checked on the shipped model: a request admitted after the 
 sharing the waiting request's blocks (one more copy), a KVzip pass tried a decode step later
 (one more slot), and a newer request's waiting step running first and taking the oldest one's
 blocks. Oracles: the waits and the running order observed after every step, invariants, every
-block back at the end."""
+block back at the end. And a compaction that needs no wait: its copies go into blocks of its own
+tail that hold nothing it keeps."""
 
 import os
+
+import pytest
+import torch
 
 from nanokv.config import EngineConfig
 from nanokv.engine.llm_engine import LLMEngine
 from nanokv.policies.base import PolicyConfig
+from nanokv.policies.compaction import gather_request_kv
+from nanokv.request import Request
 from nanokv.sampling_params import SamplingParams
 
 SHIPPED = os.path.join(os.path.dirname(__file__), "..", "..", "models", "nanokv-tiny")
@@ -117,3 +123,86 @@ def test_the_oldest_waiting_step_runs_first():
     assert run(eng, a, between_steps) == []
     assert any(wa is not None for wa, _ in waits) and any(ww is not None for _, ww in waits), \
         "A and W did not both wait: the scenario lost its point"
+
+
+PROMPT_B = tokens(32, 37, 7) + tokens(60, 13, 900)
+PROMPT_A = PROMPT_B[:32] + tokens(150, 11, 300)  # B's first two blocks, then its own
+POINT = 150  # A's compression point
+
+
+def streaming_48() -> PolicyConfig:
+    return PolicyConfig("streaming", budget=48)
+
+
+def shared_prefix_compaction(kv: dict, free_at_compaction: int):
+    """B's prompt, then A's (StreamingLLM, 48 slots from token POINT), whose first two blocks
+    are B's (prefix hits); every other block of the pool but `free_at_compaction` and those A's
+    chunks take up to its compression point is held outside the scheduler meanwhile. Returns
+    A, B, and whether A's policy step ever waited."""
+    eng = engine(max_model_len=256, max_num_batched_tokens=64, num_kv_blocks=32, **kv)
+    bm = eng.block_manager
+    b = eng.make_request(PROMPT_B, greedy(30), request_id="B")
+    eng.add_prepared(b)
+    while b.num_computed_tokens < len(PROMPT_B):
+        eng.step()
+    a = eng.make_request(PROMPT_A, greedy(30), request_id="A", kv_policy=streaming_48(),
+                         compress_after=POINT)
+    eng.add_prepared(a)
+    eng.step()  # A admitted: B's first two blocks are its prefix hits, then a first chunk
+    shared = a.block_table[:2]
+    assert b.block_table[:2] == shared and not a.compressed
+    hold = Request("hold", [0], greedy(1))
+    keep = bm.blocks_for(POINT) - len(a.block_table) + free_at_compaction
+    assert bm.allocate_slots(hold, (bm.num_free_blocks - keep) * bm.block_size)
+    waited = False
+    while not a.compressed:
+        eng.step()
+        bm.check_invariants(list(eng.scheduler.running) + [hold])
+        waited |= a.policy_wait is not None
+    if not waited:
+        assert a.num_cached_slots == 48 and eng.scheduler.num_preemptions == 0
+        assert not set(a.block_table) & set(shared) and b.block_table[:2] == shared
+    view = eng.kv_cache.policy_view(a)
+    kept = [torch.cat(gather_request_kv(k, v, view.block_table, a.num_cached_slots))
+            for k, v in view.layers]  # each [2 * 48, Hkv, D]: A's cache after compaction
+    bm.free(hold)
+    while eng.has_unfinished_requests():
+        eng.step()
+        eng.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks
+    return a, b, waited, kept
+
+
+def alone(prompt: list[int], **policy) -> list[int]:
+    eng = engine(max_model_len=256, max_num_batched_tokens=64)
+    request = eng.make_request(prompt, greedy(30), **policy)
+    eng.add_prepared(request)
+    while eng.has_unfinished_requests():
+        eng.step()
+    return request.output_token_ids
+
+
+@pytest.mark.parametrize("kv", [{}, {"kv_cache_dtype": "int8"},
+                                {"kv_cache_dtype": "kvquant", "kv_quant_bits": 4}],
+                         ids=["float32", "int8", "kvquant"])
+def test_a_compaction_copies_shared_blocks_into_its_own_unread_tail_when_no_block_is_free(kv):
+    """A compacts while no block of the pool is free. The two shared blocks it rewrites are
+    copied into blocks of its own tail that hold none of the tokens it keeps (freed by the
+    compaction anyway), so it compacts at once: no wait (before, it waited for B to finish: A
+    is the newer request), nobody preempted. Oracles: the same scenario with two blocks free
+    for the copies (A's K/V after its compaction equal to the bit, the same greedy tokens);
+    with the float pool, each request alone in a pool of its own (no sharing, no copies); the
+    invariants with the blocks held outside the scheduler counted; every block back at the
+    end."""
+    a, b, waited, kept = shared_prefix_compaction(kv, free_at_compaction=0)
+    assert not waited, "A waited for blocks"
+    a_free, b_free, waited, kept_free = shared_prefix_compaction(kv, free_at_compaction=2)
+    assert not waited
+    for layer, layer_free in zip(kept, kept_free):
+        assert torch.equal(layer, layer_free)
+    assert (a.output_token_ids, b.output_token_ids) == (a_free.output_token_ids,
+                                                        b_free.output_token_ids)
+    if not kv:
+        assert a.output_token_ids == alone(PROMPT_A, kv_policy=streaming_48(),
+                                           compress_after=POINT)
+        assert b.output_token_ids == alone(PROMPT_B)

@@ -104,16 +104,16 @@ def test_a_reselection_without_free_blocks_is_tried_again_at_the_next_step(polic
                                                       max_tokens=60))
     make_private, failed = eng.block_manager.make_private, []
 
-    def no_free_block_once(req, indexes):
-        if req.compressed and not failed:
+    def no_free_block_once(req, indexes, spare=()):
+        if req.compressed and failed in ([], [req.num_cached_slots]):  # both tries of a step
             failed.append(req.num_cached_slots)
-            return None  # as when every block is taken
-        return make_private(req, indexes)
+            return None  # as when every block is taken, and no spare one helps
+        return make_private(req, indexes, spare)
 
     eng.block_manager.make_private = no_free_block_once
     lengths = cache_lengths(eng, request)
     bound = budget + BLOCK - 1
-    assert failed == [budget + BLOCK]  # the first selection while decoding failed
+    assert failed == [budget + BLOCK] * 2  # the first selection while decoding failed
     at = lengths.index(budget + BLOCK)
     assert lengths[at + 1] == budget  # tried again at the next step
     assert max(lengths) == budget + BLOCK and all(n <= bound for n in lengths[at + 1:])

@@ -639,6 +639,41 @@ def test_mark_content_changed_uncaches_exclusive_blocks():
     bm.check_invariants([b])
 
 
+@pytest.mark.parametrize("free", [0, 1, 2])
+def test_make_private_takes_free_blocks_then_spare_ones_of_the_request(free):
+    """b shares a's first two blocks and holds four of its own; a compaction of b rewrites its
+    table's first three blocks and discards its 4th and 5th (its spare: they hold nothing it
+    keeps). The copies take free blocks first, then trade places with spare blocks, which the
+    shared blocks leave with; nothing changes when both are short. Oracle: reference counts
+    recounted from the tables (`check_invariants`), the blocks' places, the free count."""
+    bm = BlockManager(num_blocks=12, block_size=2)
+    a = make_request([1, 2, 3, 4, 5])
+    admit(bm, a)  # 3 blocks
+    b = make_request([1, 2, 3, 4] + list(range(10, 18)))
+    admit(bm, b)  # a's first 2 blocks, then 4 of its own
+    filler = make_request(range(100, 100 + 2 * (bm.num_free_blocks - free)))
+    admit(bm, filler)
+    assert bm.num_free_blocks == free
+    shared, own = b.block_table[:2], b.block_table[2:]
+    before = snapshot(bm, a, b, filler)
+    if free < 2:  # without spare blocks, or with fewer than the free blocks miss
+        for spare in ([], [3, 4][:1 - free]):
+            assert bm.make_private(b, range(3), spare) is None
+            assert snapshot(bm, a, b, filler) == before
+    copies = bm.make_private(b, range(3), [3, 4])
+    from_spare = 2 - free
+    assert [src for src, _ in copies] == shared and bm.num_free_blocks == 0
+    assert b.block_table[:2] == [dst for _, dst in copies]
+    assert [dst for _, dst in copies][free:] == own[1:1 + from_spare]  # the spare ones
+    assert b.block_table[3:3 + from_spare] == shared[free:]  # left with the tail
+    bm.check_invariants([a, b, filler])
+    bm.free_blocks_at(b, [3, 4, 5])
+    assert b.block_table == [dst for _, dst in copies] + [own[0]]
+    assert [bm.blocks[i].ref_cnt for i in shared] == [1, 1]  # a's alone again
+    assert bm.num_free_blocks == 3 - from_spare  # the tail, less the shared blocks in it
+    bm.check_invariants([a, b, filler])
+
+
 def test_reset_prefix_cache_drops_only_unheld_blocks():
     bm = BlockManager(num_blocks=10, block_size=2)
     a = make_request([1, 2, 3])

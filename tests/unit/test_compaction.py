@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from nanokv.layers.attention import dense_reference_attention
 from nanokv.policies import compact_blocks, compact_slots, gather_request_kv, window_attention
+from nanokv.policies.apply import CompressionPlan
 
 HKV, D = 2, 3
 
@@ -143,3 +144,25 @@ def test_whole_block_sources_finds_blocks_kept_whole_in_every_layer_and_head():
     assert whole_block_sources([shared, other_head], 4, 0, 3) == {2: 3}  # layers disagree
     unaligned = torch.tensor([0, 1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14])  # shifted by 3
     assert whole_block_sources([unaligned], 4, 0, 3) == {}
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_a_plans_unread_tail_holds_no_kept_slot_of_any_layer_or_head(data):
+    """`CompressionPlan.unread_tail`: the table indexes from `num_blocks` on whose slots no
+    layer's (or KV head's) kept indexes name. Oracle: each block's slots checked one by one."""
+    bs = data.draw(st.integers(1, 5))
+    table_len = data.draw(st.integers(1, 10))
+    n = data.draw(st.integers(1, table_len * bs))
+    c = data.draw(st.integers(1, n))
+    kept = []
+    for _ in range(data.draw(st.integers(1, 3))):  # layers
+        rows = data.draw(st.sampled_from([None, HKV]))
+        picks = [sorted(data.draw(st.permutations(list(range(n))))[:c])
+                 for _ in range(rows or 1)]
+        kept.append(torch.tensor(picks[0] if rows is None else picks))
+    plan = CompressionPlan(kept, n, c, -(-c // bs), [c] * len(kept), 0)
+    named = {int(s) for k in kept for s in k.flatten()}
+    expected = [j for j in range(plan.num_blocks, table_len)
+                if not any(s in named for s in range(j * bs, (j + 1) * bs))]
+    assert plan.unread_tail(table_len, bs) == expected

@@ -469,6 +469,30 @@ def test_a_compaction_waiting_for_copies_gets_free_blocks_from_newer_requests():
         assert r.output_token_ids == expected_output(r, 32)[0]
 
 
+def test_a_compaction_with_spare_blocks_waits_only_for_the_copies_they_do_not_cover():
+    """The request's own spare blocks (its unread tail: `PolicyBlockWait.spare`) take copies
+    too: the scheduler keeps free only the copies beyond them, and preempts no one for those
+    they cover. Brute force: the shared blocks counted from the tables."""
+    h = Harness(num_blocks=7, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                max_model_len=32)
+    prefix = list(range(100, 108))
+    a = h.add("a", prefix + [1, 2, 3], max_tokens=8, ignore_eos=True)
+    h.step()
+    h.add("b", prefix + [4, 5, 6], max_tokens=8, ignore_eos=True)
+    h.add("c", [7, 8, 9, 10, 11], max_tokens=8, ignore_eos=True)
+    h.step()
+    assert shared_in(h, a, range(3)) == 2 and h.bm.num_free_blocks == 1
+    a.policy_wait = PolicyBlockWait(private=range(0, 3), spare=2)
+    assert h.bm.blocks_wanted(a) == 0
+    out = h.step()  # a's next slot takes the free block: nothing left, and nothing needed
+    assert out.preempted_request_ids == [] and h.bm.num_free_blocks == 0
+    a.policy_wait = PolicyBlockWait(private=range(0, 3), spare=1)
+    assert h.bm.blocks_wanted(a) == 1 == shared_in(h, a, range(3)) - 1
+    out = h.step()
+    assert out.preempted_request_ids == ["c"]  # the newest, for the one copy not covered
+    assert h.bm.num_free_blocks >= 1
+
+
 def test_blocks_kept_for_a_waiting_policy_step_are_not_given_to_a_waiting_request():
     """Scratch blocks a policy step waits for stay free: a waiting request that would take them
     is not admitted, and a newer running request that needs one to grow is preempted instead."""
