@@ -179,12 +179,14 @@ class Scheduler:
 
     def blocks_to_admit(self) -> int:
         """Free blocks the first waiting request needs to be admitted and compute its whole
-        prompt (and one more token) without preempting anyone, prefix hits counted; 0 when
-        nothing waits or the batch is full."""
+        prompt (and one more token) without preempting anyone, prefix hits counted, beside
+        those kept for running requests' waiting policy steps; 0 when nothing waits or the
+        batch is full."""
         if not self.waiting or len(self.running) >= self.max_num_seqs:
             return 0
         request = self.waiting[0]
-        return self._blocks_to_start(request, self._hits(request), extra_tokens=1)
+        kept = sum(self.block_manager.blocks_wanted(r) for r in self.running)
+        return self._blocks_to_start(request, self._hits(request), extra_tokens=1) + kept
 
     @staticmethod
     def _hit_limit(request: Request) -> int | None:

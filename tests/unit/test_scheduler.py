@@ -472,7 +472,8 @@ def test_a_compaction_waiting_for_copies_gets_free_blocks_from_newer_requests():
 def test_a_compaction_with_spare_blocks_waits_only_for_the_copies_they_do_not_cover():
     """The request's own spare blocks (its unread tail: `PolicyBlockWait.spare`) take copies
     too: the scheduler keeps free only the copies beyond them, and preempts no one for those
-    they cover. Brute force: the shared blocks counted from the tables."""
+    they cover; pool-pressure eviction is asked for those kept blocks too. Brute force: the
+    shared blocks counted from the tables."""
     h = Harness(num_blocks=7, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
                 max_model_len=32)
     prefix = list(range(100, 108))
@@ -486,11 +487,14 @@ def test_a_compaction_with_spare_blocks_waits_only_for_the_copies_they_do_not_co
     assert h.bm.blocks_wanted(a) == 0
     out = h.step()  # a's next slot takes the free block: nothing left, and nothing needed
     assert out.preempted_request_ids == [] and h.bm.num_free_blocks == 0
+    w = h.add("w", [40, 41, 42], max_tokens=2, ignore_eos=True)  # one block
+    assert h.sched.blocks_to_admit() == 1  # what pool-pressure eviction would free for it
     a.policy_wait = PolicyBlockWait(private=range(0, 3), spare=1)
     assert h.bm.blocks_wanted(a) == 1 == shared_in(h, a, range(3)) - 1
+    assert h.sched.blocks_to_admit() == 1 + 1  # and the block kept for a's copy
     out = h.step()
     assert out.preempted_request_ids == ["c"]  # the newest, for the one copy not covered
-    assert h.bm.num_free_blocks >= 1
+    assert h.bm.num_free_blocks >= 1 and w.status == RequestStatus.WAITING
 
 
 def test_blocks_kept_for_a_waiting_policy_step_are_not_given_to_a_waiting_request():
