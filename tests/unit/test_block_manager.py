@@ -951,6 +951,44 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.bm.blocks[table[i]].ref_cnt == sum(
                 table[i] in r.block_table for r in self.live.values())
 
+    @precondition(lambda self: any(len(r.block_table) >= 2 for r in self.live.values()))
+    @rule(data=st.data())
+    def compact(self, data):
+        """A policy's compaction: the table's first k blocks kept, [f, k) rewritten (made
+        private first: free blocks, then spare tail blocks), the tail freed."""
+        bm = self.bm
+        request = data.draw(st.sampled_from(sorted(
+            (r for r in self.live.values() if len(r.block_table) >= 2),
+            key=lambda r: r.request_id)))
+        table = list(request.block_table)
+        k = data.draw(st.integers(1, len(table) - 1))
+        f = data.draw(st.integers(0, k - 1))
+        spare = sorted(data.draw(st.sets(st.integers(k, len(table) - 1))))
+        spare = bm.held_alone(request, spare)
+        assert spare == [j for j in spare if bm.blocks[table[j]].ref_cnt == 1]
+        shared = [i for i in range(f, k) if bm.blocks[table[i]].ref_cnt > 1]
+        from_queue = min(len(shared), bm.num_free_blocks)
+        before, model = snapshot(bm, *self.live.values()), self._before()
+        copies = bm.make_private(request, range(f, k), spare)
+        if len(shared) > from_queue + len(spare):
+            assert copies is None and snapshot(bm, *self.live.values()) == before
+            return
+        assert [src for src, _ in copies] == [table[i] for i in shared]
+        popped, self.free_order = self.free_order[:from_queue], self.free_order[from_queue:]
+        assert [dst for _, dst in copies] == popped + [table[j] for j in
+                                                       spare[:len(shared) - from_queue]]
+        for src, dst in copies:
+            self.content[dst] = self.content[src]
+        tail = list(range(k, len(table)))
+        released = [request.block_table[i] for i in reversed(tail)]
+        bm.free_blocks_at(request, tail)
+        self._released(released, model)
+        request.num_evicted_tokens += request.num_cached_slots - k * self.bs
+        bm.mark_content_changed(request, f)
+        for block_id in request.block_table[f:]:
+            self.content[block_id] = (TAINTED, next(self.taint_ids))
+        self.tainted.add(request.request_id)
+
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def mark_content_changed(self, data):
