@@ -139,7 +139,11 @@ def shared_prefix_compaction(kv: dict, free_at_compaction: int):
     are B's (prefix hits); every other block of the pool but `free_at_compaction` and those A's
     chunks take up to its compression point is held outside the scheduler meanwhile. Returns
     A, B, and whether A's policy step ever waited."""
-    eng = engine(max_model_len=256, max_num_batched_tokens=64, num_kv_blocks=32, **kv)
+    # the same roundings in every run, so that two runs' caches compare bit for bit: one
+    # thread (with more, a process's first matrix products may split their sums otherwise) and
+    # one linear path (not the faster one, timed at load)
+    eng = engine(max_model_len=256, max_num_batched_tokens=64, num_kv_blocks=32, num_threads=1,
+                 linear_backend="onednn", **kv)
     bm = eng.block_manager
     b = eng.make_request(PROMPT_B, greedy(30), request_id="B")
     eng.add_prepared(b)
