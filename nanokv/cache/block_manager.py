@@ -323,12 +323,11 @@ class BlockManager:
                      spare: Sequence[int] = ()) -> list[tuple[int, int]] | None:
         """Copy-on-write: give the request its own copy of every shared block at `indices`
         before a policy rewrites them. The copies take free blocks, and once those run short
-        the request's own blocks at `spare` (indexes outside `indices` of blocks it alone holds,
-        whose content the caller discards and frees right after, as a compaction's unread
-        tail: `held_alone`): such a block trades
-        places with the shared one, which then leaves with the tail. Returns (source,
-        destination) block ids for the caller to copy in the KV pool, or None, changing
-        nothing, when both are short."""
+        the request's own blocks at `spare` (indexes outside `indices` of blocks it alone
+        holds, `held_alone`, whose content the caller discards and frees right after: a
+        compaction's unread tail): such a block trades places with the shared one, which then
+        leaves with the tail. Returns (source, destination) block ids for the caller to copy in
+        the KV pool, or None, changing nothing, when both are short."""
         table = request.block_table
         shared = self._shared(request, indices)
         from_queue = min(len(shared), self.num_free_blocks)

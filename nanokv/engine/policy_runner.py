@@ -193,7 +193,7 @@ class PolicyRunner:
         # blocks, or once those run short the blocks of its tail that hold no kept token
         rewritten = range(plan.first_changed_block, plan.num_blocks)
         copies, spare = bm.make_private(request, rewritten), []
-        if copies is None and request.layer_slices is None:  # a slot's block: slot // B
+        if copies is None and request.layer_slices is None:  # (else slot s is not in table[s // B])
             spare = bm.held_alone(request, plan.unread_tail(len(request.block_table),
                                                             self.block_size))
             copies = bm.make_private(request, rewritten, spare)
