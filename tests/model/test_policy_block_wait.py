@@ -138,7 +138,8 @@ def shared_prefix_compaction(kv: dict, free_at_compaction: int):
     """B's prompt, then A's (StreamingLLM, 48 slots from token POINT), whose first two blocks
     are B's (prefix hits); every other block of the pool but `free_at_compaction` and those A's
     chunks take up to its compression point is held outside the scheduler meanwhile. Returns
-    A, B, and whether A's policy step ever waited."""
+    A, B, whether A's policy step ever waited, whether A's copies went into blocks it already
+    held, and A's K/V right after its compaction."""
     # the same roundings in every run, so that two runs' caches compare bit for bit: one
     # thread (with more, a process's first matrix products may split their sums otherwise) and
     # one linear path (not the faster one, timed at load)
@@ -160,12 +161,14 @@ def shared_prefix_compaction(kv: dict, free_at_compaction: int):
     assert bm.allocate_slots(hold, (bm.num_free_blocks - keep) * bm.block_size)
     waited = False
     while not a.compressed:
+        table = list(a.block_table)
         eng.step()
         bm.check_invariants(list(eng.scheduler.running) + [hold])
         waited |= a.policy_wait is not None
     if not waited:
         assert a.num_cached_slots == 48 and eng.scheduler.num_preemptions == 0
         assert not set(a.block_table) & set(shared) and b.block_table[:2] == shared
+    into_own = set(a.block_table[:2]) <= set(table)
     view = eng.kv_cache.policy_view(a)
     kept = [torch.cat(gather_request_kv(k, v, view.block_table, a.num_cached_slots))
             for k, v in view.layers]  # each [2 * 48, Hkv, D]: A's cache after compaction
@@ -174,7 +177,7 @@ def shared_prefix_compaction(kv: dict, free_at_compaction: int):
         eng.step()
         eng.check_invariants()
     assert bm.num_free_blocks == bm.num_blocks
-    return a, b, waited, kept
+    return a, b, waited, into_own, kept
 
 
 def alone(prompt: list[int], **policy) -> list[int]:
@@ -198,10 +201,11 @@ def test_a_compaction_copies_shared_blocks_into_its_own_unread_tail_when_no_bloc
     with the float pool, each request alone in a pool of its own (no sharing, no copies); the
     invariants with the blocks held outside the scheduler counted; every block back at the
     end."""
-    a, b, waited, kept = shared_prefix_compaction(kv, free_at_compaction=0)
-    assert not waited, "A waited for blocks"
-    a_free, b_free, waited, kept_free = shared_prefix_compaction(kv, free_at_compaction=2)
-    assert not waited
+    a, b, waited, into_own, kept = shared_prefix_compaction(kv, free_at_compaction=0)
+    assert not waited and into_own, "A waited for blocks"
+    a_free, b_free, waited, into_own, kept_free = shared_prefix_compaction(
+        kv, free_at_compaction=2)
+    assert not waited and not into_own  # the copies took the free blocks
     for layer, layer_free in zip(kept, kept_free):
         assert torch.equal(layer, layer_free)
     assert (a.output_token_ids, b.output_token_ids) == (a_free.output_token_ids,
