@@ -359,8 +359,7 @@ class BlockManager:
 
     def held_alone(self, request: Request, indices: range | list[int]) -> list[int]:
         """The indexes among `indices` whose block no other request holds, ascending."""
-        return sorted(i for i in set(indices)
-                      if self.blocks[request.block_table[i]].ref_cnt == 1)
+        return sorted(set(indices) - set(self._shared(request, indices)))
 
     def wait_private(self, request: Request) -> range:
         """The block-table indexes the request's waiting KV-policy step (`policy_wait`) will make

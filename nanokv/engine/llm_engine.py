@@ -284,9 +284,7 @@ class LLMEngine:
         before = {s.request_id: self.scheduler.requests[s.request_id].num_output_tokens
                   for s in sched.scheduled if s.sample}
         self.policies.collect(runner_out.captured_queries, self.scheduler.requests)
-        # in the running order (oldest first), the order the scheduler kept blocks for them in
-        scheduled = {s.request_id for s in sched.scheduled}
-        stepped = [r for r in self.scheduler.running if r.request_id in scheduled]
+        stepped = self.scheduler.policy_order(sched)
         progressed = self.scheduler.update_from_output(sched, runner_out)
         for request, error in self.policies.after_step(stepped):
             failed += self._fail([request], error)

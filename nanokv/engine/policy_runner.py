@@ -119,14 +119,13 @@ class PolicyRunner:
                 request.captured_queries.append(per_layer)
 
     def after_step(self, requests: list[Request]) -> list[tuple[Request, Exception]]:
-        """Apply each scheduled request's policy once its step's K/V are written. A request
+        """Apply each scheduled request's policy once its step's K/V are written, in the order
+        given (`Scheduler.policy_order`: the steps that waited for blocks first). A request
         whose policy raises is returned with its error (its cache may be half compacted: the
         engine aborts it); the others go on."""
         t0 = time.perf_counter()
         failures = []
-        # the steps that waited for blocks first, in the order the scheduler kept their blocks
-        # (the running order, oldest first: `requests` comes in it)
-        for request in sorted(requests, key=lambda r: r.policy_wait is None):
+        for request in requests:
             policy = request.kv_policy
             if policy is None or request.is_finished:
                 continue

@@ -177,6 +177,14 @@ class Scheduler:
         new_tokens = request.num_tokens - len(hits) * bm.block_size + extra_tokens
         return bm.num_new_blocks_needed(request, new_tokens, len(hits)) + in_free_queue
 
+    def policy_order(self, out: SchedulerOutput) -> list[Request]:
+        """The step's running requests in the order their KV-policy steps run: those waiting
+        for blocks first, then the rest, each in the running order (oldest first), the order
+        `schedule` kept blocks for them in."""
+        ids = {s.request_id for s in out.scheduled}
+        return sorted((r for r in self.running if r.request_id in ids),
+                      key=lambda r: r.policy_wait is None)
+
     def blocks_to_admit(self) -> int:
         """Free blocks the first waiting request needs to be admitted and compute its whole
         prompt (and one more token) without preempting anyone, prefix hits counted, beside

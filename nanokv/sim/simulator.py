@@ -191,7 +191,7 @@ class Simulator:
                     r = requests[s.request_id]
                     t = tokens[s.request_id]
                     sampled[s.request_id] = t[r.num_tokens] if r.num_tokens < len(t) else 0
-            stepped = [requests[s.request_id] for s in out.scheduled]
+            stepped = sched.policy_order(out)  # the engine's order for policy steps
             saturated = bool(sched.waiting)
             progressed = sched.update_from_output(out, RunnerOutput(sampled))
             for r in progressed:
@@ -208,10 +208,7 @@ class Simulator:
             tally.steps(nrun, usage, stamp_dt + post_dt, saturated, len(sampled))
             added = ended = 0
             if cfg.compression_ratio is not None:
-                # those that waited for blocks first, oldest first (the engine's order)
-                ids = {r.request_id for r in stepped}
-                for r in sorted((r for r in sched.running if r.request_id in ids),
-                                key=lambda r: r.policy_wait is None):
+                for r in stepped:
                     if (not r.is_finished and r.request_id not in compressed
                             and r.num_computed_tokens >= r.num_prompt_tokens):
                         if compress(bm, r, cfg.compression_ratio):
