@@ -100,19 +100,52 @@ def engine_options(args: argparse.Namespace) -> dict:
     return {f.name: getattr(args, f.name) for f in fields(EngineConfig) if f.name != "model"}
 
 
+def token_ids_arg(text: str) -> list[int]:
+    """--prompt-token-ids: comma-separated non-negative integers."""
+    try:
+        ids = [int(x) for x in text.split(",")]
+    except ValueError:
+        ids = []
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids (non-negative "
+                                         f"integers, e.g. 1,2,3), got {text!r}")
+    return ids
+
+
+def generate_prompts(args: argparse.Namespace) -> list:
+    """The prompts of `nanokv generate`, checked before the model loads: text (--prompt) and
+    token ids (--prompt-token-ids), in that order; the default prompt when neither is given."""
+    texts, ids = args.prompt or [], args.prompt_token_ids or []
+    if any(not p for p in texts):
+        raise ValueError("--prompt must not be empty")
+    if args.skip_tokenizer_init and texts:
+        raise ValueError("--skip-tokenizer-init loads no tokenizer, so text prompts cannot be "
+                         "encoded: give prompts as --prompt-token-ids 1,2,3")
+    if texts or ids:
+        return [*texts, *ids]
+    if args.skip_tokenizer_init:
+        raise ValueError("--skip-tokenizer-init needs the prompts as --prompt-token-ids 1,2,3 "
+                         "(the default prompt is text)")
+    return ["def fibonacci(n):"]
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from nanokv import LLM, SamplingParams
 
+    # the sampling flags and prompts checked before the model loads
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            seed=args.sampling_seed, max_tokens=args.max_tokens,
+                            stop=args.stop or [], ignore_eos=args.ignore_eos)
+    if params.stop and args.skip_tokenizer_init:
+        raise ValueError("--stop strings are matched in the output text, which needs the "
+                         "tokenizer that --skip-tokenizer-init leaves out")
+    prompts = generate_prompts(args)
     llm = LLM(args.model, **engine_options(args))
     for line in llm.engine.startup_lines:
         print(f"[nanokv] {line}", file=sys.stderr)
     note = _model_note(args.model)
     if note:
         print(f"[nanokv] {note}", file=sys.stderr)
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            seed=args.sampling_seed, max_tokens=args.max_tokens,
-                            stop=args.stop or [], ignore_eos=args.ignore_eos)
-    prompts = args.prompt or ["def fibonacci(n):"]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
@@ -121,6 +154,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(json.dumps({"prompt": out.prompt, "text": out.text,
                               "token_ids": out.token_ids, "finish_reason": out.finish_reason,
                               "cached_tokens": out.num_cached_tokens}))
+        elif out.prompt is None:  # a token-id prompt
+            print(f"--- prompt token ids: {out.prompt_token_ids}")
+            print(f"output token ids: {out.token_ids}")
+            if out.text:
+                print(out.text)
         else:
             print(f"--- prompt: {out.prompt!r}")
             print(out.prompt + out.text)
@@ -188,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for prompts")
     add_engine_args(g)
     g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    g.add_argument("--prompt-token-ids", action="append", type=token_ids_arg, metavar="IDS",
+                   help="a prompt as comma-separated token ids, e.g. 1,2,3 (repeatable; the "
+                        "way to prompt with --skip-tokenizer-init)")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=-1, help="-1 = off")

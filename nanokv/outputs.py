@@ -40,6 +40,11 @@ class CompletionOutput:
     logprobs: list | None = None
     index: int = 0  # which of the request's n samples
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the sampled tokens' log-probabilities (vLLM's), None without logprobs."""
+        return None if self.logprobs is None else sum(lp.logprob for lp in self.logprobs)
+
 
 @dataclass
 class RequestOutput:

@@ -3,10 +3,25 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field, replace
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's chat limit)
 GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily (argmax)
+SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # a seed is a signed 64-bit integer (as vLLM's)
+INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs")
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                "frequency_penalty")
+# vLLM's SamplingParams fields nanokv accepts only at their defaults: (default, why not)
+UNSUPPORTED = {
+    "skip_special_tokens": (True, "output text always skips special tokens"),
+    "spaces_between_special_tokens": (True, "output text always skips special tokens"),
+    "prompt_logprobs": (None, "prompt log-probabilities are not computed (for the prompt's "
+                              "logits, return_prompt_logits=True)"),
+    "bad_words": (None, "bad_words is not implemented"),
+    "logits_processors": (None, "logits processors are not implemented"),
+    "truncate_prompt_tokens": (None, "prompts are never truncated"),
+}
 
 
 @dataclass
@@ -45,6 +60,13 @@ class SamplingParams:
     # evaluation: return the logits of every prompt position (RequestOutput.prompt_logits,
     # [num_prompt_tokens, vocab]); such a request computes its whole prompt (no prefix hits)
     return_prompt_logits: bool = False
+    # vLLM's fields that nanokv does not implement: accepted at their defaults only (UNSUPPORTED)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    bad_words: list[str] | None = None
+    logits_processors: list | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -52,11 +74,27 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise ValueError naming the first field out of its range (run at construction, and
         again by the engine for each request: a field may have been changed since)."""
+        for name, (default, why) in UNSUPPORTED.items():
+            value = getattr(self, name)
+            at_default = (value is None or (isinstance(value, (list, tuple)) and not value)
+                          if default is None else value is default)
+            _check(at_default,
+                   f"{name}={value!r} is not supported: {why} (leave it at {default!r})")
+        for name in INT_FIELDS:  # numpy integers and floats count as Python's
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (int, bool)):
+                setattr(self, name, int(value))
+        for name in FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, numbers.Real) and not isinstance(value, (int, float, bool)):
+                setattr(self, name, float(value))
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = _as_list("stop", self.stop, "a string or a list of non-empty strings")
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids,
                                        "a list of non-negative integers")
+        self.stop_token_ids = [int(t) if isinstance(t, numbers.Integral)
+                               and not isinstance(t, bool) else t for t in self.stop_token_ids]
         _check(_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         _check(_finite(self.temperature) and self.temperature >= 0,
                f"temperature must be a finite number >= 0 (0 = greedy), got "
@@ -67,8 +105,8 @@ class SamplingParams:
                f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(_finite(self.min_p) and 0 <= self.min_p <= 1,
                f"min_p must be in [0, 1], got {self.min_p!r}")
-        _check(self.seed is None or _int(self.seed),
-               f"seed must be an integer or None, got {self.seed!r}")
+        _check(self.seed is None or (_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
+               f"seed must be None or an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         _check(self.max_tokens is None or (_int(self.max_tokens) and self.max_tokens >= 1),
                f"max_tokens must be an integer >= 1 or None (up to max_model_len), got "
                f"{self.max_tokens!r}")
@@ -97,8 +135,11 @@ class SamplingParams:
 
     def sample(self, j: int) -> SamplingParams:
         """The params of sample j of n: one sample, a seeded one with seed + j (the server's
-        rule for n choices), so the samples differ."""
-        return replace(self, n=1, seed=None if self.seed is None else self.seed + j)
+        rule for n choices; wrapped into the signed 64-bit range), so the samples differ."""
+        if self.seed is None:
+            return replace(self, n=1)
+        seed = (self.seed + j - SEED_MIN) % 2**64 + SEED_MIN
+        return replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

@@ -202,10 +202,16 @@ class KVCache(ABC):
 
     def check_policy(self, policy) -> None:
         """Raise ValueError when this cache cannot serve the policy (where they meet)."""
-        if policy.per_layer_budgets and not self.supports_layer_slices:
-            raise_layer_slices_needed(policy.name)
-        if policy.needs_reconstruction and not self.supports_reconstruction:
-            raise_reconstruction_unsupported(policy.name)
+        check_policy_support(self, policy)
+
+
+def check_policy_support(cache, policy) -> None:
+    """What a cache class (or instance) can do against what the policy needs: a policy that
+    scores by reconstruction is refused for that first, whatever its layer budgets."""
+    if policy.needs_reconstruction and not cache.supports_reconstruction:
+        raise_reconstruction_unsupported(policy.name)
+    if policy.per_layer_budgets and not cache.supports_layer_slices:
+        raise_layer_slices_needed(policy.name)
 
 
 def raise_reconstruction_unsupported(policy_name: str) -> None:

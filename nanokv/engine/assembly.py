@@ -22,7 +22,7 @@ import torch
 
 from nanokv.attention.backend import AttentionBackend
 from nanokv.attention.selector import backend_names, select_backend
-from nanokv.cache.kv_cache import KVCache, KVCacheOptions, KVCacheSpec, raise_layer_slices_needed
+from nanokv.cache.kv_cache import KVCache, KVCacheOptions, KVCacheSpec, check_policy_support
 from nanokv.cache.layout import KVLayout
 from nanokv.cache.registry import kv_cache_settings
 from nanokv.config import EngineConfig
@@ -80,8 +80,7 @@ def resolve_parts(config: EngineConfig, hf_config) -> EngineParts:
     policy = engine_policy(config)
     if policy is not None:
         built = policy.build(block_size=config.block_size)  # validates the option values
-        if built.per_layer_budgets and not kv_class.supports_layer_slices:
-            raise_layer_slices_needed(policy.name)
+        check_policy_support(kv_class, built)
     elif config.kv_policy is not None and config.kv_policy != "full":
         policy_class(config.kv_policy)
     return EngineParts(kv_class, settings, policy, given)

@@ -183,9 +183,21 @@ class _Run:
         opts = dict(settings.engine_options)
         opts.update(policy_engine_options(policy, compression,
                                           settings.policy_options.get(policy_label(policy), {})))
+        derived = "max_model_len" not in opts
         opts.setdefault("max_model_len", max(settings.context_tokens,
                                              settings.retrieval_context_tokens or 0) + 64)
-        self.llm = LLM(settings.model, **opts)
+        try:
+            self.llm = LLM(settings.model, **opts)
+        except ValueError as e:
+            if derived and "exceeds the model's" in str(e):  # name the flags the user gave
+                flags = f"--context-tokens {settings.context_tokens}"
+                if settings.retrieval_context_tokens is not None:
+                    flags += f" / --retrieval-context-tokens {settings.retrieval_context_tokens}"
+                raise ValueError(
+                    f"{flags} is too long for this model: the prompts need max_model_len "
+                    f"{opts['max_model_len']} (the longest + 64 tokens of question and "
+                    f"answer); {e}") from None
+            raise
         self.engine = self.llm.engine
         self.tokenizer = self.llm.tokenizer
         if self.tokenizer is None:
@@ -318,47 +330,50 @@ def run_eval(settings: EvalSettings, log=print, progress: bool = True) -> list[E
         with tqdm.external_write_mode():
             log(_line(row))
 
-    reference = None  # full-cache continuation logits for KL
-    windows = None
-    for policy, compression in settings_list:
-        label = policy.split("=", 1)[0]
-        bar.set_description(f"eval {label}" + ("" if policy == "full" else f" {compression:g}x"))
-        run = _Run(settings, policy, compression)
-        for task in retrieval_tasks:
-            row = run.retrieval(task, lent)
-            row.policy, row.compression = label, compression
-            report(row)
-        if scores_windows:
-            if windows is None:
-                windows = heldout_windows(run.tokenizer, settings.ppl_windows,
-                                          settings.context_tokens, seed=settings.seed)
-                bar.total -= (settings.ppl_windows - len(windows)) * len(settings_list)
-            t0 = time.perf_counter()
-            logits, split, kept, held = run.continuation_logits(windows, lent)
-            if reference is None:
-                reference = logits
-            elapsed = time.perf_counter() - t0
-            if "perplexity" in settings.tasks:
-                nll, count = 0.0, 0
-                for lg, w in zip(logits, windows):
-                    target = torch.tensor(w[split:])
-                    nll += float(torch.nn.functional.cross_entropy(lg, target, reduction="sum"))
-                    count += len(target)
-                report(EvalRow("perplexity", label, compression, math.exp(nll / count),
-                               "perplexity", len(windows), kept, held,
-                               {"scored_tokens": count}, elapsed))
-            if "kl" in settings.tasks:
-                kl, agree, count = 0.0, 0, 0
-                for ref, lg in zip(reference, logits):
-                    p_log = ref.log_softmax(-1)
-                    q_log = lg.log_softmax(-1)
-                    kl += float((p_log.exp() * (p_log - q_log)).sum())
-                    agree += int((ref.argmax(-1) == lg.argmax(-1)).sum())
-                    count += ref.shape[0]
-                report(EvalRow("kl", label, compression, kl / count, "kl_nats", len(windows),
-                               kept, held, {"top1_agreement": agree / count}, elapsed))
-        del run
-    bar.close()
+    try:  # the bar closed before an error leaves (its line would follow the message)
+        reference = None  # full-cache continuation logits for KL
+        windows = None
+        for policy, compression in settings_list:
+            label = policy.split("=", 1)[0]
+            bar.set_description(f"eval {label}"
+                                + ("" if policy == "full" else f" {compression:g}x"))
+            run = _Run(settings, policy, compression)
+            for task in retrieval_tasks:
+                row = run.retrieval(task, lent)
+                row.policy, row.compression = label, compression
+                report(row)
+            if scores_windows:
+                if windows is None:
+                    windows = heldout_windows(run.tokenizer, settings.ppl_windows,
+                                              settings.context_tokens, seed=settings.seed)
+                    bar.total -= (settings.ppl_windows - len(windows)) * len(settings_list)
+                t0 = time.perf_counter()
+                logits, split, kept, held = run.continuation_logits(windows, lent)
+                if reference is None:
+                    reference = logits
+                elapsed = time.perf_counter() - t0
+                if "perplexity" in settings.tasks:
+                    nll, count = 0.0, 0
+                    for lg, w in zip(logits, windows):
+                        target = torch.tensor(w[split:])
+                        nll += float(torch.nn.functional.cross_entropy(lg, target, reduction="sum"))
+                        count += len(target)
+                    report(EvalRow("perplexity", label, compression, math.exp(nll / count),
+                                   "perplexity", len(windows), kept, held,
+                                   {"scored_tokens": count}, elapsed))
+                if "kl" in settings.tasks:
+                    kl, agree, count = 0.0, 0, 0
+                    for ref, lg in zip(reference, logits):
+                        p_log = ref.log_softmax(-1)
+                        q_log = lg.log_softmax(-1)
+                        kl += float((p_log.exp() * (p_log - q_log)).sum())
+                        agree += int((ref.argmax(-1) == lg.argmax(-1)).sum())
+                        count += ref.shape[0]
+                    report(EvalRow("kl", label, compression, kl / count, "kl_nats", len(windows),
+                                   kept, held, {"top1_agreement": agree / count}, elapsed))
+            del run
+    finally:
+        bar.close()
     return rows
 
 

@@ -17,7 +17,8 @@ exceeds u * total, one random number per row where a multinomial draws one per v
 per-row softmax + multinomial (the oracle of the distribution), `token_logprobs` the host
 reference of the log-probabilities.
 
-A request with a seed draws token i with a uniform from a generator seeded by (seed, i) (drawn on
+A request with a seed draws token i with a uniform from a generator seeded by a hash of (seed, i)
+(`draw_seed`; drawn on
 the host, S numbers a step, uploaded with the parameters), so its output does not depend on what
 else is in the batch, nor on preemption, nor on the device. Requests without a seed share the
 engine's generator.
@@ -115,7 +116,7 @@ class Sampler:
 
     @staticmethod
     def _request_generator(p: SamplingParams, index: int) -> torch.Generator:
-        return torch.Generator().manual_seed((p.seed * 1_000_003 + index) % (2**63))
+        return torch.Generator().manual_seed(draw_seed(p.seed, index))
 
     def sample_reference(self, logits: torch.Tensor, params: list[SamplingParams],
                          output_indices: list[int],
@@ -158,6 +159,17 @@ class Sampler:
         probs = logits.softmax(-1).cpu()
         gen = self._request_generator(p, index) if p.seed is not None else self.generator
         return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """The generator seed of a seeded request's draw `index`: splitmix64 of (seed, index) in
+    64 bits. The CPU generator keeps 32 bits of its seed (mt19937), so the key is mixed first:
+    seeds equal mod 2**32 (0 and 2**32, -1 and 2**63 - 1) still draw different streams."""
+    mask = 2**64 - 1
+    z = (seed * 1_000_003 + index + 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
 
 
 def _unpack_logprobs(host: torch.Tensor, params: list[SamplingParams], rows: list[int],

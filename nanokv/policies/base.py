@@ -261,7 +261,8 @@ def available_policies() -> list[str]:
 def policy_class(name: str) -> type[KVPolicy]:
     _load_builtin()
     if name not in _REGISTRY:
-        raise ValueError(f"unknown KV policy {name!r}; available: {sorted(_REGISTRY)}")
+        raise ValueError(f"unknown KV policy {name!r}; available: {['full', *sorted(_REGISTRY)]} "
+                         f"('full' or None: the whole cache, no policy)")
     return _REGISTRY[name]
 
 

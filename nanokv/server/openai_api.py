@@ -5,7 +5,8 @@
     POST /tokenize, /detokenize
 
 Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 bad input, 401 bad
-API key, 404 unknown model or route, 413 body over --max-body-bytes, 503 + Retry-After when the
+API key, 404 unknown model or route, 413 body over --max-body-bytes, 415 a body not sent as
+JSON (no Content-Type, or another than application/json), 503 + Retry-After when the
 queue is full or the server drains, 504 on the server-side request timeout, 500 when the engine
 fails. The request handling itself is in
 serving.py; this module is the routes, the error mapping and the API-key check.
@@ -20,7 +21,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -192,8 +193,21 @@ def validation_error_body(errors) -> dict:
                       code="invalid_type" if kind.endswith("_type") else "invalid_value")
 
 
+def require_json(raw: Request) -> None:
+    """A POST body must be sent as JSON (vLLM's check): a form or text body, or one without a
+    Content-Type, is a 415 that says so, rather than a 400 about fields it could not read."""
+    given = raw.headers.get("content-type")
+    media = (given or "").split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        got = f"got '{given}'" if given is not None else "the request has no Content-Type"
+        raise APIError(415, f"Unsupported Media Type: the request body must be JSON with "
+                            f"'Content-Type: application/json' ({got})",
+                       code="unsupported_media_type")
+
+
 def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
     settings = server.settings
+    json_body = [Depends(require_json)]
 
     @app.get("/health")
     async def health():
@@ -215,7 +229,7 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
             "id": settings.model_name, "object": "model", "created": server.created,
             "owned_by": "nanokv", "max_model_len": server.max_model_len}]}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", dependencies=json_body)
     async def tokenize(body: TokenizeRequest):
         server.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -226,7 +240,7 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
             ids = await server.encode(body.prompt, body.add_special_tokens)
         return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", dependencies=json_body)
     async def detokenize(body: DetokenizeRequest):
         server.check_model(body.model)
         if server.tokenizer is None:
@@ -254,7 +268,7 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
             choices.append(choice)
         return {**head, "choices": choices, "usage": usage(finals, body.num_choices)}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=json_body)
     async def completions(body: CompletionRequest, raw: Request):
         server.check_request(body)
         labels = server.request_class(raw, "completions")
@@ -286,7 +300,7 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
             "logprobs": completion_logprobs(lps, server.token_texts(o.prompt_token_ids))
             if body.num_logprobs is not None else None})
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=json_body)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         server.check_request(body)
         labels = server.request_class(raw, "chat_completions")
@@ -306,7 +320,7 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
             head["object"] = "chat.completion.chunk"
             return EngineStreamingResponse(
                 stream_events(server.events(streams), len(streams), head, body, True,
-                              server.token_texts), streams)
+                              server.token_texts, ids), streams)
         return await final_response(streams, raw, head, body, lambda o, lps: {
             "message": {"role": "assistant", "content": o.text},
             "logprobs": chat_logprobs(lps, server.token_texts(o.prompt_token_ids))

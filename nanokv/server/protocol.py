@@ -91,7 +91,7 @@ class StreamOptions(_Strict):
 
 
 class _SamplingRequest(_Body):
-    model: str
+    model: str | None = None  # optional, as in vLLM: the served model
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None

@@ -101,11 +101,14 @@ class TextDelta:
 
 async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_choices: int,
                         head: dict, body, chat: bool,
-                        token_texts: Callable[[list[int]], TokenTexts]) -> AsyncIterator[str]:
+                        token_texts: Callable[[list[int]], TokenTexts],
+                        prompt_token_ids: list[int] | None = None) -> AsyncIterator[str]:
     """The SSE body of a streamed completion: text pieces per choice (with their token ids and
     logprobs when asked), the finish reason, the usage last (or in every chunk with
     continuous_usage_stats), then [DONE]. An error ends the stream with OpenAI's error body and
-    [DONE]."""
+    [DONE]. With return_token_ids the prompt's ids come once, as in vLLM: a chat stream's first
+    chunk carries `prompt_token_ids` (the chat's prompt, given), a completion's choice its
+    prompt's in its first chunk."""
     stop = body.stop_list()
     deltas = [TextDelta(stop, body.include_stop_str_in_output) for _ in range(num_choices)]
     # each choice's tokens' texts, made at its first output (which carries its prompt)
@@ -114,6 +117,7 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
     pending_lps: list[list[TokenLogprobs]] = [[] for _ in range(num_choices)]
     text_offsets = [0] * num_choices  # tokens' text sent with logprobs so far (text_offset)
     finals: list[RequestOutput | None] = [None] * num_choices
+    sent = [False] * num_choices  # a chunk of the choice went out
     n = body.num_choices
     generated = 0
     want_logprobs = body.num_logprobs is not None
@@ -127,9 +131,12 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
     try:
         if chat:
             for i in range(num_choices):
-                yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
-                                                                       "content": ""},
-                                                "logprobs": None, "finish_reason": None}]})
+                chunk = {**head, "choices": [{"index": i, "delta": {"role": "assistant",
+                                                                     "content": ""},
+                                              "logprobs": None, "finish_reason": None}]}
+                if body.return_token_ids and i == 0:
+                    chunk["prompt_token_ids"] = prompt_token_ids
+                yield sse(chunk)
         async for i, out in events:
             first_outputs[i] = first_outputs[i] or out
             texts[i] = texts[i] or token_texts(out.prompt_token_ids)
@@ -159,7 +166,10 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
             if out.finished or not chat:
                 choice["stop_reason"] = out.outputs[0].stop_reason if out.finished else None
             if body.return_token_ids:
+                if not chat and not sent[i]:
+                    choice["prompt_token_ids"] = out.prompt_token_ids
                 choice["token_ids"] = pending_ids[i]
+            sent[i] = True
             pending_ids[i], pending_lps[i] = [], []
             chunk = {**head, "choices": [choice]}
             u = running_usage()

@@ -32,8 +32,8 @@ CASES = [
     ("empty-body", "/v1/completions", "", 400, None, None),
     ("missing-prompt", "/v1/completions", {"model": MODEL_NAME}, 400, "prompt",
      "missing_required_parameter"),
-    ("missing-model", "/v1/completions", {"prompt": "hi"}, 400, "model",
-     "missing_required_parameter"),
+    ("seed-over-int64", "/v1/completions", completion(seed=2**63), 400, "seed", None),
+    ("seed-under-int64", "/v1/chat/completions", chat(seed=-2**63 - 1), 400, "seed", None),
     ("missing-messages", "/v1/chat/completions", {"model": MODEL_NAME}, 400, "messages",
      "missing_required_parameter"),
     ("empty-messages", "/v1/chat/completions", chat(messages=[]), 400, "messages", None),
@@ -184,6 +184,38 @@ def test_server_serves_after_bad_input(server):
     assert m[("nanokv:kv_cache_usage_perc", ())] == 0
     assert_still_serving(server)
     server.assert_healthy()
+
+
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain",
+                                          "multipart/form-data; boundary=x"])
+def test_a_body_not_sent_as_json_is_415_saying_so(server, content_type):
+    """curl -d sends a form type: the answer names the media type (vLLM's check), not the
+    fields it could not read; so does a body without a Content-Type."""
+    body = json.dumps(completion(temperature=0))
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        r = httpx.post(server.url + path, headers={**server.headers,
+                                                   "Content-Type": content_type},
+                       content=body, timeout=30)
+        err = assert_error_body(r, 415, code="unsupported_media_type")
+        assert "application/json" in err["message"] and content_type in err["message"]
+    r = httpx.post(server.url + "/v1/completions", headers=server.headers, content=body,
+                   timeout=30)  # httpx sets no Content-Type for raw content
+    assert "content-type" not in {k.lower() for k in r.request.headers}
+    err = assert_error_body(r, 415, code="unsupported_media_type")
+    assert "no Content-Type" in err["message"]
+    r = httpx.post(server.url + "/v1/completions", content=body, timeout=30, headers={
+        **server.headers, "Content-Type": "application/json; charset=utf-8"})
+    assert r.status_code == 200, r.text
+
+
+def test_model_may_be_left_out(server):
+    """As in vLLM: a request without `model` is served by the served model."""
+    for path, body in (("/v1/completions", completion(temperature=0)),
+                       ("/v1/chat/completions", chat(temperature=0))):
+        del body["model"]
+        r = httpx.post(server.url + path, headers=server.headers, json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == MODEL_NAME and r.json()["usage"]["completion_tokens"] == 4
 
 
 def test_wrong_or_missing_api_key(server):

@@ -79,6 +79,9 @@ def test_streaming_completion_with_usage(client, offline):
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     ids = [t for c in chunks if c.choices for t in c.choices[0].token_ids]
     assert text == ref.text and ids == ref.token_ids
+    # the prompt's ids once, in the choice's first chunk (vLLM's)
+    prompt_ids = [getattr(c.choices[0], "prompt_token_ids", None) for c in chunks if c.choices]
+    assert prompt_ids[0] == ref.prompt_token_ids and not any(prompt_ids[1:])
     # a chunk per step, unless the reader lagged and outputs merged (RequestStream): how many
     # depends on the machine's load; one chunk per step is tests/unit/test_stream_events.py's
     assert len([c for c in chunks if c.choices]) >= 1
@@ -96,6 +99,9 @@ def test_streaming_chat(client, offline):
         model=MODEL_NAME, messages=messages, max_tokens=12, stream=True,
         stream_options={"include_usage": True}, **GREEDY))
     assert chunks[0].choices[0].delta.role == "assistant"
+    # the prompt's ids once, in the stream's first chunk (vLLM's)
+    assert chunks[0].prompt_token_ids == ids
+    assert not any(getattr(c, "prompt_token_ids", None) for c in chunks[1:])
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == ref.text
     assert [c for c in chunks if c.choices][-1].choices[0].finish_reason == "length"

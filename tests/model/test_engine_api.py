@@ -290,6 +290,15 @@ def test_cli_generate_and_errors(tiny_llama, capsys):
     assert "top_p" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["generate", "--model", tiny_llama, "--no-such-flag"])
+    # token-id prompts, also without a tokenizer: the same greedy tokens as the API's
+    ref = LLM(tiny_llama, block_size=16, max_model_len=128).generate(
+        [[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4))[0]
+    for extra in ([], ["--skip-tokenizer-init"]):
+        assert cli_main(["generate", "--model", tiny_llama, "--prompt-token-ids", "5,6,7,8",
+                         "--max-tokens", "4", "--block-size", "16", "--max-model-len", "128",
+                         "--json", *extra]) == 0
+        line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert line["token_ids"] == ref.token_ids and line["prompt"] is None
 
 
 def test_reference_linear_backend_matches_hf(tiny_qwen3):
@@ -389,9 +398,12 @@ def test_generate_returns_every_tokens_logprobs(llm, tiny_llama):
     for lp, row in zip(lps, ref):
         assert lp.logprob == pytest.approx(float(row[lp.token_id]), abs=1e-4)
         assert [t for t, _ in lp.top] == row.topk(3).indices.tolist()
+    # vLLM's cumulative_logprob: the sum of the sampled tokens' log-probabilities
+    hf_sum = float(ref.gather(1, torch.tensor(out.token_ids)[:, None]).sum())
+    assert out.outputs[0].cumulative_logprob == pytest.approx(hf_sum, abs=1e-3)
     plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6,
                                                   ignore_eos=True))[0]
-    assert plain.outputs[0].logprobs is None
+    assert plain.outputs[0].logprobs is None and plain.outputs[0].cumulative_logprob is None
 
 
 def test_a_temperature_too_small_to_divide_by_is_greedy(llm):

@@ -69,6 +69,15 @@ def run(argv, capsys) -> tuple[int, str]:
      "--kv-policy-options: must be JSON"),
     (["eval", "--model", TINY, "--policies", "full", "--kv-policy", "streaming",
       "--kv-budget", "32"], "engine options ['kv_budget', 'kv_policy'] conflict"),
+    (["eval", "--model", TINY, "--policies", "full", "--tasks", "passkey", "--context-tokens",
+      "99999", "--num-samples", "1", "--num-threads", "1"],
+     "--context-tokens 99999 is too long for this model: the prompts need max_model_len "
+     "100063"),
+    (["generate", "--model", TINY, "--kv-cache-dtype", "int8", "--kv-policy", "kvzip",
+      "--kv-budget", "32"], "kv_policy 'kvzip' scores the cache with an extra forward pass, "
+                            "which needs the float KV pool"),
+    (["generate", "--model", TINY, "--kv-policy", "bogus", "--kv-budget", "32"],
+     "available: ['full', 'h2o'"),
 ])
 def test_user_errors_exit_2_with_one_line(argv, fragment, capsys):
     rc, last = run(argv, capsys)
@@ -120,6 +129,22 @@ def test_checks_come_before_the_work(monkeypatch, capsys):
                         "--replicas N") in last
     rc, last = run(["serve", "--model", TINY, "--served-model-name", " "], capsys)
     assert rc == 2 and "--served-model-name must be a non-empty name" in last
+    # generate: the sampling flags and prompts before the model loads (LLMEngine is no_work)
+    for argv, fragment in ((["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
+                           (["--temperature", "-1"], "temperature must be a finite number"),
+                           (["--top-p", "0"], "top_p must be in (0, 1]"),
+                           (["--sampling-seed", str(2**64)], "seed must be None or an integer"),
+                           (["--prompt", ""], "--prompt must not be empty"),
+                           (["--skip-tokenizer-init"], "--skip-tokenizer-init needs the "
+                                                       "prompts as --prompt-token-ids"),
+                           (["--skip-tokenizer-init", "--prompt", "hi"],
+                            "text prompts cannot be encoded"),
+                           (["--skip-tokenizer-init", "--prompt-token-ids", "1,2", "--stop",
+                             "x"], "--stop strings are matched in the output text")):
+        rc, last = run(["generate", "--model", TINY, *argv], capsys)
+        assert rc == 2 and fragment in last, (argv, last)
+    rc, last = run(["generate", "--model", TINY, "--prompt-token-ids", "1,-2"], capsys)
+    assert rc == 2 and "--prompt-token-ids: expected comma-separated token ids" in last
     monkeypatch.setattr(nanokv.quant.calibrate, "calibrate", no_work)
     rc, last = run(["calibrate", "--model", TINY, "--output", "/nonexistent/dir/cal.json"],
                    capsys)

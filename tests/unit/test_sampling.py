@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -72,10 +73,49 @@ def test_sampling_follows_distribution():
     (dict(ignore_eos="no"), "ignore_eos must be True or False"),
     (dict(include_stop_str_in_output=1), "include_stop_str_in_output must be True or False"),
     (dict(return_prompt_logits=None), "return_prompt_logits must be True or False"),
+    (dict(seed=2**63), r"seed must be None or an integer in \[-2\*\*63, 2\*\*63 - 1\]"),
+    (dict(seed=-2**63 - 1), r"seed must be None or an integer in"),
+    (dict(skip_special_tokens=False), "skip_special_tokens=False is not supported: output text "
+                                      "always skips special tokens"),
+    (dict(spaces_between_special_tokens=False), "spaces_between_special_tokens=False is not"),
+    (dict(prompt_logprobs=0), "prompt_logprobs=0 is not supported.*return_prompt_logits"),
+    (dict(bad_words=["x"]), r"bad_words=\['x'\] is not supported"),
+    (dict(logits_processors=[abs]), "logits_processors=.* is not supported"),
+    (dict(truncate_prompt_tokens=8), "truncate_prompt_tokens=8 is not supported"),
 ])
 def test_bad_sampling_params(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         SamplingParams(**kwargs)
+
+
+def test_vllm_fields_at_their_defaults_and_numpy_scalars_are_accepted():
+    """vLLM's fields nanokv does not implement pass at their defaults; numpy integers and
+    floats are taken as Python's (what np.arange / np.random give), bools and numpy bools not."""
+    p = SamplingParams(skip_special_tokens=True, prompt_logprobs=None, bad_words=[],
+                       logits_processors=None, max_tokens=np.int64(5), top_k=np.int32(3),
+                       temperature=np.float32(0.5), seed=np.uint64(2**63 - 1),
+                       stop_token_ids=[np.int64(4)], logprobs=np.int8(2))
+    assert (p.max_tokens, p.top_k, p.temperature, p.seed, p.stop_token_ids, p.logprobs) \
+        == (5, 3, 0.5, 2**63 - 1, [4], 2)
+    assert all(type(x) is int for x in (p.max_tokens, p.top_k, p.seed, p.stop_token_ids[0]))
+    assert type(p.temperature) is float
+    with pytest.raises(ValueError, match="max_tokens must be an integer"):
+        SamplingParams(max_tokens=np.bool_(True))
+
+
+def test_seeds_of_the_64_bit_range_draw_distinct_streams():
+    """Every signed 64-bit seed gets its own stream: -1 and 2**63 - 1 (equal mod 2**63), 0 and
+    2**32 (equal in the 32 bits the CPU generator keeps) and the range's two ends differ; seed +
+    j of the n samples wraps inside the range."""
+    logits = torch.zeros(1, 1000)  # uniform: the draw is the uniform's bucket
+    draws = {}
+    for seed in (-1, 2**63 - 1, -2**63, 0, 1, 2**32):
+        p = SamplingParams(temperature=1.0, seed=seed)
+        draws[seed] = [Sampler(0)(logits, [p], [i])[0] for i in range(8)]
+    assert len({tuple(d) for d in draws.values()}) == len(draws)
+    assert SamplingParams(seed=2**63 - 1).sample(2).seed == -2**63 + 1
+    assert SamplingParams(seed=5).sample(2).seed == 7
+    assert SamplingParams(seed=None).sample(3).seed is None
 
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=0.7), dict(temperature=1.3, top_k=4),
