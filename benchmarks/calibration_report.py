@@ -79,14 +79,19 @@ def protocol(settings: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--" not in argv:
-        raise SystemExit("usage: calibration_report.py --out DIR -- <nanokv calibrate args>")
-    split = argv.index("--")
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                usage="calibration_report.py [--out DIR] [--name NAME] "
+                                      "[--append TITLE] -- <nanokv calibrate args>")
     p.add_argument("--out", default="docs/results/kvquant")
     p.add_argument("--name", default="kv_calibration.json", help="calibration file name")
     p.add_argument("--append", metavar="TITLE", default=None,
                    help="append this run to OUT/calibration.md as a section with this title")
+    if "--" not in argv:
+        if {"-h", "--help"} & set(argv):
+            p.print_help()
+            return 0
+        p.error("give the nanokv calibrate arguments after '--'")
+    split = argv.index("--")
     args = p.parse_args(argv[:split])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -436,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--floats", nargs="*", default=list(FLOAT_SETTINGS),
                    help="float/int8/fp8 settings (float32 is the reference)")
     p.add_argument("--steps", nargs="*", default=None,
-                   help=f"kvquant steps to run (default all): {[s for s, _ in STEPS]}")
+                   help="kvquant steps to run (default all): "  # '%' escaped for argparse
+                        + str([s for s, _ in STEPS]).replace("%", "%%"))
     p.add_argument("--context-tokens", type=int, default=2048)
     p.add_argument("--ppl-windows", type=int, default=8)
     p.add_argument("--context-fraction", type=float, default=0.75)

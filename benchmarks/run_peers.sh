@@ -112,7 +112,8 @@ NANOKV_LONG="--max-model-len $MAX_MODEL_LEN --max-num-seqs $MAX_NUM_SEQS --max-n
 VLLM_LONG="--max-model-len $MAX_MODEL_LEN --max-num-seqs $MAX_NUM_SEQS --max-num-batched-tokens $MAX_BATCHED --kv-cache-memory-bytes $KV_BYTES"
 
 engine_cmd() {
-    local nanokv="$ROOT/.venv/bin/nanokv bench --model $MODEL ${WORKLOAD[*]} --dtype float32 --json $NANOKV_ARGS"
+    # the workload's --seed: nanokv bench's --workload-seed (its --seed seeds the engine)
+    local nanokv="$ROOT/.venv/bin/nanokv bench --model $MODEL ${WORKLOAD[*]/#--seed/--workload-seed} --dtype float32 --json $NANOKV_ARGS"
     local vllm="$PEER_ENV $VLLM_VENV/bin/python $ROOT/benchmarks/bench_vllm.py --model $MODEL ${WORKLOAD[*]} --dtype float32 $VLLM_ARGS"
     case "$PRESET:$1" in
         short:nanokv) echo "$nanokv --max-model-len 1024 --kv-cache-memory 4GiB" ;;

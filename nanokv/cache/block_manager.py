@@ -271,16 +271,20 @@ class BlockManager:
         """Release all of a request's blocks, tail first.
 
         Unhashed blocks go to the front of the free queue (reused first), cached ones to the back
-        (least recently used first). `reason` counts the released blocks as evicted (e.g.
-        "preemption"); `drop_cache` unregisters their hashes (their content may be garbage, e.g.
-        after a failed step).
+        (least recently used first). `reason` (e.g. "preemption") counts as evicted, with their
+        lifetimes, the blocks whose content this loses: those freed without a cached hash. A
+        block another request still holds keeps its content, and so does a cached one until it
+        is reused (counted then, as "prefix_lru"). `drop_cache` unregisters their hashes (their
+        content may be garbage, e.g. after a failed step).
         """
         now = time.monotonic()
         freed = [block_id for block_id in reversed(request.block_table)
                  if self._release(self.blocks[block_id], now, drop_cache)]
         self._notify_freed(freed)
-        if reason is not None and request.block_table:
-            self.stats.evicted_blocks[reason] += len(request.block_table)
+        if reason is not None:
+            lost = [b for b in freed if self.blocks[b].block_hash is None]
+            self.stats.evicted_blocks[reason] += len(lost)
+            self.stats.evicted_block_lifetimes.extend(now - self.birth[b] for b in lost)
         request.block_table = []
         request.layer_slices = None
         request.block_hashes = []

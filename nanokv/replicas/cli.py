@@ -39,7 +39,8 @@ def add_replica_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--min-match-ratio", type=float, default=d["min_match_ratio"],
                    help="affinity follows a cached prefix only when it covers at least this "
                         "fraction of the prompt's blocks (a shared chat-template head does not "
-                        "count); below it, the least loaded replica (0-1, default 0.1)")
+                        "count); below it, the replica holding the fewest routed prefixes, "
+                        "then the least loaded (0-1, default 0.1)")
     r.add_argument("--routing-stats-period", type=float, default=d["routing_stats_period"],
                    help="seconds between the replicas' reports of their cached block hashes "
                         "(default 2)")

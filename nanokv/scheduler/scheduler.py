@@ -128,8 +128,9 @@ class Scheduler:
             request.num_computed_tokens = hit_tokens
             if request.num_cached_tokens < 0:  # first admission: count prefix-cache stats
                 request.num_cached_tokens = hit_tokens
-                bm.stats.prefix_cache_queries += request.num_prompt_tokens
-                bm.stats.prefix_cache_hits += hit_tokens
+                if bm.enable_prefix_caching:  # else nothing was looked up (vLLM's count)
+                    bm.stats.prefix_cache_queries += request.num_prompt_tokens
+                    bm.stats.prefix_cache_hits += hit_tokens
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING

@@ -171,21 +171,32 @@ class AsyncLLMEngine:
         Raises QueueFullError when max_num_seqs + max_waiting requests are already in flight,
         EngineDeadError when the loop is not running. Must be called on the event loop.
         """
-        stream = RequestStream(self, request, asyncio.get_running_loop(), request_class)
+        return self.open_all([request], request_class)[0]
+
+    def open_all(self, requests: list[Request],
+                 request_class: tuple[str, str] = ("", "")) -> list[RequestStream]:
+        """`open` for the requests of one API call (n choices, several prompts): all queued, or
+        none (the same errors, raised before any is queued: a refused call leaves nothing to
+        abort and counts once)."""
+        loop = asyncio.get_running_loop()
+        streams = [RequestStream(self, r, loop, request_class) for r in requests]
         with self._cond:
             if not self.is_running:
                 raise EngineDeadError(self.dead_reason())
-            if len(self._streams) >= self.max_in_flight:
+            if len(self._streams) + len(streams) > self.max_in_flight:
                 raise QueueFullError(
                     f"the server is at capacity: {len(self._streams)} requests in flight "
                     f"(max_num_seqs {self.engine.config.max_num_seqs} + max_waiting "
-                    f"{self.max_waiting}); retry later")
-            if request.request_id in self._streams:
-                raise ValueError(f"request id {request.request_id!r} is already in use")
-            self._streams[request.request_id] = stream
-            self._commands.append(("add", stream))
+                    f"{self.max_waiting}), this one needs {len(streams)} more; retry later")
+            ids = [r.request_id for r in requests]
+            taken = [i for i in ids if i in self._streams]
+            if taken or len(set(ids)) < len(ids):
+                raise ValueError(f"request id {(taken or ids)[0]!r} is already in use")
+            for stream in streams:
+                self._streams[stream.request_id] = stream
+                self._commands.append(("add", stream))
             self._cond.notify()
-        return stream
+        return streams
 
     def abort(self, request_id: str) -> None:
         with self._cond:
@@ -276,7 +287,8 @@ class AsyncLLMEngine:
             stream._put(e if isinstance(e, ValueError) else RuntimeError(str(e)))
             return
         stream.added = True
-        self._uncounted[stream.request_id] = stream
+        if self.engine.block_manager.enable_prefix_caching:  # else nothing is looked up
+            self._uncounted[stream.request_id] = stream
         if self.trace is not None:
             self.trace.admitted(stream.request)
 

@@ -291,13 +291,9 @@ class OpenAIServer:
                                 f"this server holds at most {capacity} in flight "
                                 f"(max_num_seqs + --max-waiting)", param="n",
                            code="invalid_value")
-        streams: list[RequestStream] = []
-        try:
-            for request in requests:
-                streams.append(self.async_engine.open(request, request_class))
+        try:  # all of the call's requests, or none: a refusal aborts nothing
+            return self.async_engine.open_all(requests, request_class)
         except (QueueFullError, EngineDeadError) as e:
-            for s in streams:
-                s.close()
             full = isinstance(e, QueueFullError)
             if full:
                 self.exporter.record_rejected()
@@ -305,10 +301,7 @@ class OpenAIServer:
                            "engine_unavailable",
                            headers={"Retry-After": str(self.settings.retry_after)}) from e
         except ValueError as e:
-            for s in streams:
-                s.close()
             raise APIError(400, str(e)) from e
-        return streams
 
     # ---- running -------------------------------------------------------------------------------
     async def events(self, streams: list[RequestStream]

@@ -265,23 +265,26 @@ def _f(v, scale=1.0, digits=2) -> str:
     return "-" if v is None else f"{v * scale:.{digits}f}"
 
 
-def recommend(outcomes: list[Outcome]) -> str:
-    """The winner and why, against the best full-cache candidate and its neighbours."""
+def recommended(outcomes: list[Outcome]) -> tuple[Outcome, str]:
+    """The recommended outcome and the caveat that goes with it: the top-ranked one, or the
+    best full-cache one where a KV policy would add under 10% capacity."""
     best = outcomes[0]
     full = [o for o in outcomes if o.candidate.policy == "full"]
-    pick = best
-    caveat = ""
-    if best.candidate.policy != "full" and full:
-        f = full[0]
-        gain = (best.capacity_req_s or 0.0) / (f.capacity_req_s or 1e-12) - 1
-        if gain < 0.10:
-            pick = f
-            caveat = (f" {best.candidate.policy} would add only {gain:.0%} capacity, not "
-                      f"worth what it removes from the context.")
-        else:
-            caveat = (f" It uses a KV policy ({best.candidate.policy}): +{gain:.0%} capacity "
-                      f"over the best full cache, at a cost in quality to check with "
-                      f"`nanokv eval` (the design document: at most 4x for code or maths).")
+    if best.candidate.policy == "full" or not full:
+        return best, ""
+    f = full[0]
+    gain = (best.capacity_req_s or 0.0) / (f.capacity_req_s or 1e-12) - 1
+    if gain < 0.10:
+        return f, (f" {best.candidate.policy} would add only {gain:.0%} capacity, not worth "
+                   f"what it removes from the context.")
+    return best, (f" It uses a KV policy ({best.candidate.policy}): +{gain:.0%} capacity over "
+                  f"the best full cache, at a cost in quality to check with `nanokv eval` (the "
+                  f"design document: at most 4x for code or maths).")
+
+
+def recommend(outcomes: list[Outcome]) -> str:
+    """The winner and why, against the best full-cache candidate and its neighbours."""
+    pick, caveat = recommended(outcomes)
     c, r = pick.candidate, pick.result
     seqs = _stage1_seqs(outcomes, c.max_num_seqs)  # the block-size stage's max_num_seqs
     same_dtype = [o for o in outcomes if o.candidate.kv_dtype == c.kv_dtype

@@ -233,7 +233,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
     text = [f"# nanokv advise: {src}", "",
             f"model {args.model_config}, KV memory {args.kv_memory}, step model: {step}", "",
             adv.table(outcomes), "", "**Recommendation.** " + adv.recommend(outcomes)]
-    best = outcomes[0].candidate
+    best = adv.recommended(outcomes)[0].candidate  # what the report recommends
     rows = []
     if args.rates:
         rows = adv.pool_bottleneck(make, settings, best, list(args.rates))

@@ -218,7 +218,7 @@ async def wait_idle(client, base_url: str, headers: dict, timeout: float) -> dic
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m nanokv.workloads.loadtest",
-                                description=__doc__.splitlines()[0])
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     p.add_argument("--model", default=None, help="model name (default: the server's first)")
     p.add_argument("--concurrency", type=int, default=8, help="concurrent clients (>= 1)")

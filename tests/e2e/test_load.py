@@ -75,3 +75,35 @@ def test_more_choices_than_the_server_holds_is_a_400(tight_server):
     tight_server.wait_idle()
     tight_server.assert_healthy()
 
+
+
+def test_a_call_the_queue_cannot_take_whole_is_refused_whole(tight_server):
+    """n = 3 with 3 of the 4 places taken: a 503 before any choice is queued, counted once as
+    rejected and never as aborted requests; the 3 in flight finish."""
+    m0 = tight_server.wait_idle()
+    long = {"model": MODEL_NAME, "prompt": "def add(a, b):", "max_tokens": 120,
+            "ignore_eos": True, "temperature": 0}
+    aborted = ("nanokv:request_success_total", (("finished_reason", "abort"),))
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=tight_server.url, timeout=60) as c:
+            running = [asyncio.create_task(c.post("/v1/completions", json=long))
+                       for _ in range(3)]
+            for _ in range(500):  # until the three are in flight
+                m = tight_server.metrics()
+                if (m[("nanokv:num_requests_running", ())]
+                        + m[("nanokv:num_requests_waiting", ())]) == 3:
+                    break
+                await asyncio.sleep(0.01)
+            refused = await c.post("/v1/completions", json={**long, "n": 3, "max_tokens": 2})
+            return refused, await asyncio.gather(*running)
+
+    refused, done = asyncio.run(scenario())
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "overloaded"
+    assert [r.status_code for r in done] == [200] * 3
+    m1 = tight_server.wait_idle()
+    assert m1[("nanokv:request_rejected_total", ())] - m0[("nanokv:request_rejected_total", ())] \
+        == 1
+    assert m1.get(aborted, 0) == m0.get(aborted, 0)
+    tight_server.assert_healthy()

@@ -76,7 +76,9 @@ def test_request_kv_size_and_cache_config(server, client):
 
 
 def test_preemption_and_eviction_counters(tight_server):
-    """18 blocks, two long requests: one is preempted, its blocks counted as evicted."""
+    """18 blocks, two long requests: one is preempted; the blocks whose content that loses
+    count as evicted (its uncached ones at once, its cached ones when reused: prefix_lru), each
+    with its lifetime."""
     import asyncio
 
     import httpx
@@ -94,6 +96,9 @@ def test_preemption_and_eviction_counters(tight_server):
     assert [r.status_code for r in asyncio.run(two())] == [200, 200]
     m1 = tight_server.wait_idle()
     assert m1[("nanokv:num_preemptions_total", ())] > m0[("nanokv:num_preemptions_total", ())]
-    key = ("nanokv:evicted_blocks_total", (("reason", "preemption"),))
-    assert m1[key] > m0[key]
+    evicted = [("nanokv:evicted_blocks_total", (("reason", r),))
+               for r in ("preemption", "prefix_lru", "policy")]
+    lifetimes = ("nanokv:kv_block_lifetime_seconds_count", ())
+    grown = sum(m1.get(k, 0) - m0.get(k, 0) for k in evicted)
+    assert grown > 0 and m1[lifetimes] - m0[lifetimes] == grown
     tight_server.assert_healthy()

@@ -180,6 +180,16 @@ def shared_prefix_compaction(kv: dict, free_at_compaction: int):
     return a, b, waited, into_own, kept
 
 
+def assert_same_cache(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The same K/V up to how two engines round: equal to the bit in most runs, but engines
+    built one after the other can round a few sums differently in the last bit (the README's
+    repeatability paragraph), which a quantized cache can turn into a code one step off. So:
+    at most 1% of the elements differ beyond 1e-4 (a copy into the wrong block, or a block
+    holding kept tokens reused, changes whole blocks: a third of them here)."""
+    off = (got - want).abs() > 1e-4
+    assert off.float().mean() <= 0.01, (off.float().mean(), (got - want).abs().max())
+
+
 def alone(prompt: list[int], **policy) -> list[int]:
     eng = engine(max_model_len=256, max_num_batched_tokens=64)
     request = eng.make_request(prompt, greedy(30), **policy)
@@ -197,7 +207,7 @@ def test_a_compaction_copies_shared_blocks_into_its_own_unread_tail_when_no_bloc
     copied into blocks of its own tail that hold none of the tokens it keeps (freed by the
     compaction anyway), so it compacts at once: no wait (before, it waited for B to finish: A
     is the newer request), nobody preempted. Oracles: the same scenario with two blocks free
-    for the copies (A's K/V after its compaction equal to the bit, the same greedy tokens);
+    for the copies (A's K/V after its compaction the same, the same greedy tokens);
     with the float pool, each request alone in a pool of its own (no sharing, no copies); the
     invariants with the blocks held outside the scheduler counted; every block back at the
     end."""
@@ -207,7 +217,7 @@ def test_a_compaction_copies_shared_blocks_into_its_own_unread_tail_when_no_bloc
         kv, free_at_compaction=2)
     assert not waited and not into_own  # the copies took the free blocks
     for layer, layer_free in zip(kept, kept_free):
-        assert torch.equal(layer, layer_free)
+        assert_same_cache(layer, layer_free)
     assert (a.output_token_ids, b.output_token_ids) == (a_free.output_token_ids,
                                                         b_free.output_token_ids)
     if not kv:

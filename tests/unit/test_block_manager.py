@@ -437,7 +437,10 @@ def test_free_with_reason_and_drop_cache():
     a = make_request([1, 2, 3, 4, 5])
     admit(bm, a)
     bm.free(a, reason="preemption")
-    assert bm.stats.evicted_blocks["preemption"] == 3
+    # only the partial block's content is lost: the two full ones stay cached (a later reuse
+    # counts them as prefix_lru), so they are not evictions (each block counted once)
+    assert bm.stats.evicted_blocks["preemption"] == 1
+    assert len(bm.stats.evicted_block_lifetimes) == 1
     assert len(bm.cached) == 2  # preemption keeps the content cached
     b = make_request([1, 2, 3, 4, 5])
     _, hit_tokens = admit(bm, b)
@@ -447,6 +450,29 @@ def test_free_with_reason_and_drop_cache():
     assert all(blk.block_hash is None for blk in bm.blocks)
     assert bm.get_computed_blocks(make_request([1, 2, 3, 4, 5]))[1] == 0
     bm.check_invariants([])
+
+
+def test_each_evicted_block_counts_once_whatever_the_reason():
+    """A preempted request's blocks count as evicted when their content is lost: not a block
+    another request holds, not a cached one until its reuse (then as prefix_lru, once), and
+    every count has its lifetime."""
+    bm = BlockManager(num_blocks=8, block_size=2)
+    a, b = make_request([1, 2, 3, 4, 5]), make_request([1, 2, 3, 4, 9, 9, 9])
+    admit(bm, a)
+    admit(bm, b)  # shares a's two full blocks
+    assert b.block_table[:2] == a.block_table[:2]
+    bm.free(b, reason="preemption")  # [9, 9] is cached, [9] partial: only the latter is lost
+    assert bm.stats.evicted_blocks["preemption"] == 1
+    bm.free(a, reason="preemption")  # a's partial block: lost; its full blocks stay cached
+    assert bm.stats.evicted_blocks["preemption"] == 2
+    assert len(bm.cached) == 3
+    c = make_request(list(range(100, 116)))  # 8 blocks of new content: every cached one reused
+    admit(bm, c)
+    assert bm.stats.evicted_blocks["prefix_lru"] == 3  # the three cached blocks, reused
+    # a and b held 5 distinct blocks (2 shared, b's [9, 9], two partial ones): each once
+    assert sum(bm.stats.evicted_blocks.values()) == 5
+    assert len(bm.stats.evicted_block_lifetimes) == 5
+    bm.check_invariants([c])
 
 
 def test_drop_cache_keeps_blocks_other_requests_hold_cached():
@@ -920,9 +946,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         request = data.draw(st.sampled_from(sorted(self.live.values(),
                                                    key=lambda r: r.request_id)))
         evicted_before = self.bm.stats.evicted_blocks["preemption"]
-        n = len(request.block_table)
+        lifetimes_before = len(self.bm.stats.evicted_block_lifetimes)
+        held = set(request.block_table)
         self._release(request, reason="preemption")
-        assert self.bm.stats.evicted_blocks["preemption"] == evicted_before + n
+        # evicted: the blocks whose content went (free and uncached), each once
+        lost = sum(1 for b in held if self.bm.blocks[b].ref_cnt == 0
+                   and self.bm.blocks[b].block_hash is None)
+        assert self.bm.stats.evicted_blocks["preemption"] == evicted_before + lost
+        assert len(self.bm.stats.evicted_block_lifetimes) == lifetimes_before + lost
         request.num_computed_tokens = 0
         request.num_evicted_tokens = 0
         request.prefix_cacheable = True

@@ -657,6 +657,15 @@ def test_stats_snapshot():
     assert st.num_free_blocks == h.bm.num_free_blocks
     assert st.prefix_cache_queries == 18 and st.prefix_cache_hits == 8
     assert h.all["b"].num_cached_tokens == 8
+    # prefix caching off: nothing is looked up, so nothing is counted (the hit rate is then
+    # undefined, not 0, and its alert stays silent; vLLM counts the same way)
+    off = Harness(num_blocks=16, block_size=4, enable_prefix_caching=False)
+    for rid in ("a", "b"):
+        off.add(rid, range(100, 109), max_tokens=5, ignore_eos=True)
+        off.step()
+    st = off.sched.stats()
+    assert (st.prefix_cache_queries, st.prefix_cache_hits) == (0, 0)
+    assert off.all["b"].num_cached_tokens == 0
     h.run()
 
 

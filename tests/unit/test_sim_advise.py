@@ -128,3 +128,23 @@ def test_advise_ranks_by_capacity_below_saturation():
     assert by_seqs[32].capacity_req_s > 3 * by_seqs[8].capacity_req_s
     for o in outcomes:
         assert o.saturated.saturated_s >= 0.5 * o.saturated.duration_s
+
+
+def test_recommended_prefers_the_full_cache_unless_a_policy_adds_10_percent():
+    """`recommended` (what the report recommends, and what `advise --rates` simulates): a KV
+    policy that adds under 10% capacity over the best full cache gives way to that one."""
+    from types import SimpleNamespace
+
+    import nanokv.sim.advise as adv
+
+    def outcome(policy, capacity):
+        return SimpleNamespace(candidate=SimpleNamespace(policy=policy), capacity_req_s=capacity)
+
+    small_gain = [outcome("compress 4x", 10.5), outcome("full", 10.0)]
+    pick, caveat = adv.recommended(small_gain)
+    assert pick is small_gain[1] and "only 5% capacity" in caveat
+    big_gain = [outcome("compress 4x", 13.0), outcome("full", 10.0)]
+    pick, caveat = adv.recommended(big_gain)
+    assert pick is big_gain[0] and "+30% capacity" in caveat
+    only_full = [outcome("full", 3.0)]
+    assert adv.recommended(only_full) == (only_full[0], "")
