@@ -134,6 +134,9 @@ class TensorParallelExecutor:
             raise
         except Exception as e:
             raise self.lost(e) from e
+        except BaseException as e:  # Ctrl-C: rank 0 left the step, the others wait in it
+            self.lost(e)  # later calls say so; the interrupt itself goes on up
+            raise
 
     def check(self) -> None:
         if self._error is not None:
@@ -202,9 +205,16 @@ class TensorParallelExecutor:
                     if not p.is_alive()]
             parts = [f"rank {rank} (pid {p.pid}) {_exit_text(p.exitcode)}" for rank, p in dead]
             parts += [f"rank {r[1]} failed:\n{r[2]}" for r in reports if r[0] == "error"]
-            what = "; ".join(parts) if parts else f"rank 0 failed ({type(cause).__name__})"
+            if parts:
+                what = "; ".join(parts)
+            elif not isinstance(cause, Exception):  # KeyboardInterrupt, SystemExit
+                what = (f"rank 0 was interrupted ({type(cause).__name__}) in the middle of a "
+                        f"step, so the ranks' collectives no longer pair up")
+            else:
+                what = f"rank 0 failed ({type(cause).__name__})"
+            cause_text = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
             self._error = (f"tensor-parallel group of {self.size} ranks lost: {what}; cause: "
-                           f"{cause}. The engine cannot continue: start a new one")
+                           f"{cause_text}. The engine cannot continue: start a new one")
             logger.error(self._error)
             self.close()
         return TensorParallelError(self._error)
@@ -234,6 +244,6 @@ class TensorParallelRunner:
         return self.local.sampler
 
     def execute(self, sched):
-        self.executor.send(Step(sched=sched))
-        with self.executor.guard():
+        with self.executor.guard():  # from the send on: an interrupt there breaks the step
+            self.executor.send(Step(sched=sched))
             return self.local.execute(sched)

@@ -87,30 +87,66 @@ def serve_replicas(args: argparse.Namespace, model: str, settings, engine_kwargs
     from ray import serve
 
     from nanokv.replicas.deployment import build_replica_app
+    from nanokv.replicas.drain import create_signal, drain_all
 
     check_replica_args(args)
+    signal_name = f"drain-{os.getpid()}"
     app = build_replica_app(model, engine_kwargs, settings, args.replicas, router=args.router,
                             replica_cpus=args.replica_cpus, metrics_port=args.metrics_port,
                             metrics_host=args.host,
                             routing_stats_period_s=args.routing_stats_period,
                             imbalance_threshold=args.imbalance_threshold,
-                            min_match_ratio=args.min_match_ratio)
+                            min_match_ratio=args.min_match_ratio, drain_signal=signal_name)
     address = args.ray_address or os.environ.get("RAY_ADDRESS")
     ray.init(address=address, num_cpus=None if address else args.ray_num_cpus,
              include_dashboard=False)
     serve.start(http_options={"host": args.host, "port": args.port})
     stop = threading.Event()
+
+    def on_signal(*_) -> None:
+        if stop.is_set():  # a second signal: stop at once
+            raise KeyboardInterrupt
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
+    drain = create_signal(signal_name)
+    deployed = False
     try:
         serve.run(app, name="nanokv", route_prefix="/")
+        deployed = True
         ports = (f"; replica metrics on ports {args.metrics_port}.."
                  f"{args.metrics_port + args.replicas - 1}" if args.metrics_port else "")
         print(f"[nanokv] serving {settings.model_name!r} on http://{args.host}:{args.port} with "
               f"{args.replicas} replicas, router {args.router}{ports}", file=sys.stderr,
               flush=True)
+        if address and not listening(args.host, args.port):
+            print(f"[nanokv] warning: nothing listens on {args.host}:{args.port}: Serve was "
+                  f"already running on this cluster with other HTTP options, which it keeps; "
+                  f"the application is served where that Serve instance listens",
+                  file=sys.stderr, flush=True)
         stop.wait()
+        print(f"[nanokv] shutting down: the replicas drain (at most "
+              f"{settings.shutdown_timeout:g} s)", file=sys.stderr, flush=True)
+        drain_all(drain, args.replicas, settings.shutdown_timeout)
     finally:
-        serve.shutdown()
+        if address:  # a cluster it joined: only its own application goes
+            if deployed:
+                serve.delete("nanokv")
+        else:
+            serve.shutdown()
+        ray.kill(drain)
         ray.shutdown()
     return 0
+
+
+def listening(host: str, port: int) -> bool:
+    """Whether something accepts connections on host:port (a wildcard host: on localhost)."""
+    import socket
+
+    target = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    try:
+        with socket.create_connection((target, port), timeout=2):
+            return True
+    except OSError:
+        return False

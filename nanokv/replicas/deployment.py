@@ -28,6 +28,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 
 from nanokv.replicas.asgi import ProxiedRequest, ResponseStart, call_app, start_lifespan
+from nanokv.replicas.drain import HEALTH_PERIOD_S
 from nanokv.replicas.prefix_hashes import HashSpec, PromptTokenizer, prompt_block_hashes
 from nanokv.replicas.router import CACHED_HASHES_KEY
 from nanokv.server.protocol import error_body
@@ -45,7 +46,8 @@ class EngineReplica:
     """One engine and its OpenAI app (a Serve deployment class; see build_replica_app)."""
 
     def __init__(self, model: str, engine_kwargs: dict, settings: ServerSettings,
-                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> None:
+                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+                 drain_signal: str | None = None) -> None:
         from nanokv.config import EngineConfig
         from nanokv.engine.llm_engine import LLMEngine
         from nanokv.server.openai_api import build_app
@@ -56,6 +58,8 @@ class EngineReplica:
         self.hash_spec_value = HashSpec.from_engine(self.engine)
         self._lifespan: asyncio.Task | None = None
         self._start_lock = asyncio.Lock()
+        self.drain_signal = drain_signal  # the DrainSignal actor's name (drain.py)
+        self._drain: asyncio.Task | None = None
         ctx = serve.get_replica_context()
         rank = getattr(ctx.rank, "rank", ctx.rank)
         self.rank = int(rank) if rank is not None else 0
@@ -90,8 +94,30 @@ class EngineReplica:
         return {CACHED_HASHES_KEY: cached[-MAX_REPORTED_HASHES:], "kv_usage": bm.usage}
 
     async def check_health(self) -> None:
-        if self._lifespan is not None and not self.server.async_engine.is_running:
+        """Serve's periodic check; also where a replica learns that the CLI shuts down."""
+        if self._lifespan is not None and not self.server.async_engine.is_running \
+                and not self.server.draining:
             raise RuntimeError(self.server.async_engine.dead_reason())
+        if self.drain_signal is not None and self._drain is None:
+            import ray
+
+            from nanokv.replicas.drain import SIGNAL_NAMESPACE
+
+            signal = ray.get_actor(self.drain_signal, namespace=SIGNAL_NAMESPACE)
+            timeout = await signal.get.remote()
+            if timeout is not None:
+                self._drain = asyncio.ensure_future(self.drain(timeout, signal))
+
+    async def drain(self, timeout: float, signal) -> None:
+        """As `nanokv serve` on SIGTERM: new requests 503, in-flight ones finish for at most
+        `timeout` s, the rest end with an error; then tell the signal."""
+        try:
+            self.server.draining = True  # also a replica that has served nothing yet: 503
+            if self._lifespan is not None:
+                await self.server.drain(timeout)
+                await asyncio.sleep(0.2)  # the handlers write their error bodies
+        finally:
+            await signal.done.remote(self.replica_id)
 
 
 def _serve_metrics(server, settings: ServerSettings, host: str, port: int) -> None:
@@ -148,6 +174,11 @@ class Ingress:
         return prompt_block_hashes(token_ids, self._spec, salt)
 
     async def forward(self, request: Request) -> Response:
+        if request.url.path == "/metrics":  # one replica's counters would pass for the total
+            return _error(404, "with --replicas each replica serves its own /metrics on "
+                               "--metrics-port + its rank (deploy/prometheus/"
+                               "prometheus-replicas.yml scrapes them); this port forwards "
+                               "requests to one replica at a time", "metrics_per_replica")
         body = await request.body()
         proxied = ProxiedRequest(
             method=request.method, path=request.url.path,
@@ -200,8 +231,10 @@ def build_replica_app(model: str, engine_kwargs: dict, settings: ServerSettings,
                       num_replicas: int, router: str = "affinity", replica_cpus: float = 1,
                       metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
                       routing_stats_period_s: float = 2.0, imbalance_threshold: int = 4,
-                      min_match_ratio: float = 0.1, max_attempts: int = 3):
-    """The Serve application (pass it to serve.run)."""
+                      min_match_ratio: float = 0.1, max_attempts: int = 3,
+                      drain_signal: str | None = None):
+    """The Serve application (pass it to serve.run). `drain_signal`: the name of a DrainSignal
+    actor (drain.py) that tells the replicas to drain before the application goes."""
     if router not in ROUTERS:
         raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
     if not isinstance(num_replicas, int) or num_replicas < 1:
@@ -218,7 +251,7 @@ def build_replica_app(model: str, engine_kwargs: dict, settings: ServerSettings,
         ray_actor_options={"num_cpus": replica_cpus},
         # the engine's own admission (running + waiting) decides; Serve must not refuse first
         max_ongoing_requests=engine_kwargs.get("max_num_seqs", 64) + settings.max_waiting,
-        health_check_period_s=2.0)
+        health_check_period_s=HEALTH_PERIOD_S)
     if router == "affinity":
         from nanokv.replicas.router import PrefixAffinityRouter, check_min_match_ratio
 
@@ -230,7 +263,7 @@ def build_replica_app(model: str, engine_kwargs: dict, settings: ServerSettings,
                                    "min_match_ratio": min_match_ratio},
             request_routing_stats_period_s=routing_stats_period_s)
     replica = serve.deployment(EngineReplica).options(**options).bind(
-        model, engine_kwargs, settings, metrics_port, metrics_host)
+        model, engine_kwargs, settings, metrics_port, metrics_host, drain_signal)
     ingress = serve.deployment(_ingress_class(), name="Ingress",
                                ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=10_000)

@@ -182,3 +182,44 @@ def test_killed_replica_fails_its_requests_cleanly_and_the_other_serves(cluster,
             r = httpx.post(f"{cluster}/v1/chat/completions", timeout=60, json={
                 "model": "m", "messages": messages, "max_tokens": 4})
             assert r.status_code == 200, r.text
+
+
+def test_replicas_drain_on_shutdown_as_the_server_does(cluster, tiny_llama):
+    """The CLI's shutdown (drain.drain_all): every replica refuses new requests (503), lets a
+    running stream run for the timeout, then ends it with an OpenAI error event (or it
+    finished first), [DONE] either way, and reports back; before, Serve's shutdown cut streams
+    off with neither."""
+    from nanokv.replicas.drain import create_signal, drain_all
+
+    with time_limit(240):
+        signal = create_signal("drain-test")
+        deploy(tiny_llama, "affinity", {**ENGINE, "num_kv_blocks": 160, "max_model_len": 2048},
+               num_replicas=2, drain_signal="drain-test")
+        result: dict = {}
+        metrics = httpx.get(f"{cluster}/metrics", timeout=30)  # per replica, not here
+        assert metrics.status_code == 404 and "--metrics-port" in metrics.text
+
+        def stream() -> None:
+            body = {"model": "m", "prompt": "def add(a, b):", "max_tokens": 2000,
+                    "temperature": 0, "ignore_eos": True, "stream": True}
+            with httpx.Client(base_url=cluster, timeout=120) as c:
+                result["text"] = c.post("/v1/completions", json=body).text
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        time.sleep(0.5)  # the stream runs
+        drainer = threading.Thread(target=lambda: result.setdefault(
+            "drained", drain_all(signal, 2, timeout=1.0)))
+        drainer.start()
+        time.sleep(3.0)  # every replica has seen the signal (health checks every 2 s)
+        refused = httpx.post(f"{cluster}/v1/completions", timeout=30, json={
+            "model": "m", "prompt": "x", "max_tokens": 2})
+        drainer.join(60)
+        reader.join(60)
+        ray.kill(signal)
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "shutting_down"
+    assert result["drained"] == 2
+    text = result["text"]
+    assert text.rstrip().endswith("data: [DONE]"), text[-300:]  # not cut off
+    assert '"code":"shutting_down"' in text or '"finish_reason":"length"' in text, text[-300:]

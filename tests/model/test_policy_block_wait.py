@@ -183,11 +183,13 @@ def shared_prefix_compaction(kv: dict, free_at_compaction: int):
 def assert_same_cache(got: torch.Tensor, want: torch.Tensor) -> None:
     """The same K/V up to how two engines round: equal to the bit in most runs, but engines
     built one after the other can round a few sums differently in the last bit (the README's
-    repeatability paragraph), which a quantized cache can turn into a code one step off. So:
-    at most 1% of the elements differ beyond 1e-4 (a copy into the wrong block, or a block
-    holding kept tokens reused, changes whole blocks: a third of them here)."""
-    off = (got - want).abs() > 1e-4
-    assert off.float().mean() <= 0.01, (off.float().mean(), (got - want).abs().max())
+    repeatability paragraph), which a quantized cache carries into a block's fp16 statistics
+    (CI once saw 1.6% of a KVQuant cache's elements off, by at most 1e-3) or a code one step
+    off. So: the mean difference at most 1% of the mean magnitude (a copy into the wrong
+    block, or a block holding kept tokens reused, changes whole blocks: a third of them here,
+    a difference of the magnitude's order)."""
+    diff = (got - want).abs()
+    assert diff.mean() <= 0.01 * want.abs().mean(), (diff.mean(), want.abs().mean(), diff.max())
 
 
 def alone(prompt: list[int], **policy) -> list[int]:

@@ -188,3 +188,30 @@ def test_killed_rank_fails_the_run_within_a_time_limit(tmp_path):
             llm.generate(prompts[:1], GREEDY, use_tqdm=False)
     finally:
         engine.close()
+
+
+def test_an_interrupt_in_a_step_ends_the_group_with_an_error_that_says_so(tiny_llama):
+    """Ctrl-C while rank 0 runs its share of a step (the other rank waits in its collectives):
+    the interrupt goes up, the ranks stop, and later calls say the group was interrupted
+    (before, the next call's collectives paired up wrongly and rank 1 died of SIGABRT)."""
+    llm = LLM(tiny_llama, tensor_parallel_size=2, **OPTIONS)
+    engine = llm.engine
+    try:
+        local = engine.runner.local
+        real, calls = local.execute, []
+
+        def interrupted(sched):
+            calls.append(sched)
+            if len(calls) == 3:  # the other rank got this step and waits in it
+                raise KeyboardInterrupt
+            return real(sched)
+
+        local.execute = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(workload(2, 4), GREEDY, use_tqdm=False)
+        assert not any(p.is_alive() for p in engine.executor.workers)
+        with pytest.raises(TensorParallelError, match=r"rank 0 was interrupted \(KeyboardInterrupt"
+                                                      r"\) in the middle of a step"):
+            llm.generate(workload(2, 1), GREEDY, use_tqdm=False)
+    finally:
+        engine.close()
