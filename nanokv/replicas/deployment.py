@@ -59,6 +59,7 @@ class EngineReplica:
         self._lifespan: asyncio.Task | None = None
         self._start_lock = asyncio.Lock()
         self.drain_signal = drain_signal  # the DrainSignal actor's name (drain.py)
+        self._signal = None  # its handle, looked up at the first health check
         self._drain: asyncio.Task | None = None
         ctx = serve.get_replica_context()
         rank = getattr(ctx.rank, "rank", ctx.rank)
@@ -95,20 +96,20 @@ class EngineReplica:
 
     async def check_health(self) -> None:
         """Serve's periodic check; also where a replica learns that the CLI shuts down."""
-        if self._lifespan is not None and not self.server.async_engine.is_running \
-                and not self.server.draining:
+        if self._lifespan is not None and not self.server.async_engine.is_running:
             raise RuntimeError(self.server.async_engine.dead_reason())
         if self.drain_signal is not None and self._drain is None:
-            import ray
+            if self._signal is None:
+                import ray
 
-            from nanokv.replicas.drain import SIGNAL_NAMESPACE
+                from nanokv.replicas.drain import SIGNAL_NAMESPACE
 
-            signal = ray.get_actor(self.drain_signal, namespace=SIGNAL_NAMESPACE)
-            timeout = await signal.get.remote()
+                self._signal = ray.get_actor(self.drain_signal, namespace=SIGNAL_NAMESPACE)
+            timeout = await self._signal.get.remote()
             if timeout is not None:
-                self._drain = asyncio.ensure_future(self.drain(timeout, signal))
+                self._drain = asyncio.ensure_future(self.drain(timeout))
 
-    async def drain(self, timeout: float, signal) -> None:
+    async def drain(self, timeout: float) -> None:
         """As `nanokv serve` on SIGTERM: new requests 503, in-flight ones finish for at most
         `timeout` s, the rest end with an error; then tell the signal."""
         try:
@@ -117,7 +118,7 @@ class EngineReplica:
                 await self.server.drain(timeout)
                 await asyncio.sleep(0.2)  # the handlers write their error bodies
         finally:
-            await signal.done.remote(self.replica_id)
+            await self._signal.done.remote(self.replica_id)
 
 
 def _serve_metrics(server, settings: ServerSettings, host: str, port: int) -> None:
