@@ -29,6 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from nanokv.eval import corpus, passkey_formats, tasks
+from nanokv.worker.loader import load_hf_config
 
 TASKS = ("passkey", "multikey", "perplexity", "kl")
 PROTOCOLS = ("whole", "question")
@@ -183,21 +184,19 @@ class _Run:
         opts = dict(settings.engine_options)
         opts.update(policy_engine_options(policy, compression,
                                           settings.policy_options.get(policy_label(policy), {})))
-        derived = "max_model_len" not in opts
-        opts.setdefault("max_model_len", max(settings.context_tokens,
-                                             settings.retrieval_context_tokens or 0) + 64)
-        try:
-            self.llm = LLM(settings.model, **opts)
-        except ValueError as e:
-            if derived and "exceeds the model's" in str(e):  # name the flags the user gave
+        if "max_model_len" not in opts:  # derived from the flags: a refusal names them
+            opts["max_model_len"] = max(settings.context_tokens,
+                                        settings.retrieval_context_tokens or 0) + 64
+            limit = int(load_hf_config(settings.model)[0].max_position_embeddings)
+            if opts["max_model_len"] > limit:
                 flags = f"--context-tokens {settings.context_tokens}"
                 if settings.retrieval_context_tokens is not None:
                     flags += f" / --retrieval-context-tokens {settings.retrieval_context_tokens}"
                 raise ValueError(
                     f"{flags} is too long for this model: the prompts need max_model_len "
                     f"{opts['max_model_len']} (the longest + 64 tokens of question and "
-                    f"answer); {e}") from None
-            raise
+                    f"answer); the model's max_position_embeddings is {limit}")
+        self.llm = LLM(settings.model, **opts)
         self.engine = self.llm.engine
         self.tokenizer = self.llm.tokenizer
         if self.tokenizer is None:
