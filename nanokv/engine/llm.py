@@ -9,6 +9,7 @@ from dataclasses import replace
 from tqdm.auto import tqdm
 
 from nanokv.config import EngineConfig
+from nanokv.engine.chat import ChatRenderer, chat_messages
 from nanokv.engine.llm_engine import LLMEngine
 from nanokv.outputs import RequestOutput
 from nanokv.sampling_params import SamplingParams
@@ -22,14 +23,20 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
+    def get_tokenizer(self):
+        """The engine's tokenizer (vLLM's name); None with skip_tokenizer_init."""
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | dict | list[str | list[int] | dict],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  cache_salt: str | None = None,
                  use_tqdm: bool | Callable[..., tqdm] = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
-        A single prompt (a string or one list of token ids) is accepted as a batch of one. Every
-        prompt is validated before any is queued, so a bad one leaves the engine untouched.
+        A prompt is text, token ids, or vLLM's prompt dicts ({"prompt": text} or
+        {"prompt_token_ids": ids}, each with an optional "cache_salt": `nanokv.engine.prompts`).
+        A single prompt is accepted as a batch of one. Every prompt is validated before any is
+        queued, so a bad one leaves the engine untouched.
         Params with n > 1 run n requests of the prompt (sample j seeded with seed + j when a
         seed is given; admitted in one step, samples 1.. take the full blocks sample 0 computes
         in it from the prefix cache, as in vLLM) and return one output whose `outputs` are the
@@ -39,11 +46,12 @@ class LLM:
         none, or a callable taking tqdm's arguments that returns the bar to use (e.g.
         `functools.partial(tqdm, leave=False)`).
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError("prompts must be a non-empty list of strings or token-id lists")
+            raise ValueError("prompts must be a prompt (text, token ids or a prompt dict) or a "
+                             "non-empty list of them")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         elif isinstance(sampling_params, (list, tuple)):
@@ -72,6 +80,37 @@ class LLM:
         outputs = self.generate_requests(requests, use_tqdm=use_tqdm)
         return [outputs[rows[0]] if len(rows) == 1 else _merge(rid, [outputs[i] for i in rows])
                 for rid, rows in groups]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool | Callable[..., tqdm] = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: each conversation (a list of {"role", "content"} messages; one
+        conversation or a list of them) rendered with the chat template (the tokenizer's, else
+        `nanokv.engine.chat`'s fallback; `chat_template` overrides it), tokenized without added
+        special tokens (the template holds them), then generated as `generate` does. Message
+        content is text or a list of {"type": "text", "text"} parts. `continue_final_message`
+        renders the last message open, for the model to continue (not with
+        add_generation_prompt). Every conversation is rendered before any request is queued."""
+        if self.engine.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this engine was started with "
+                             "skip_tokenizer_init=True")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be "
+                             "True: set add_generation_prompt=False to continue the last message")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a conversation (a non-empty list of message "
+                             "dicts) or a non-empty list of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        renderer = ChatRenderer(self.engine.tokenizer, chat_template)
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            text = renderer.render(chat_messages(conversation, i), add_generation_prompt,
+                                   chat_template_kwargs, continue_final_message)
+            ids = list(self.engine.tokenizer.encode(text, add_special_tokens=False))
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def generate_requests(self, requests: list,
                           use_tqdm: bool | Callable[..., tqdm] = True) -> list[RequestOutput]:

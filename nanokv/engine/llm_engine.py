@@ -24,6 +24,7 @@ from nanokv.engine.assembly import (
 )
 from nanokv.engine.detokenizer import update_text
 from nanokv.engine.policy_runner import PolicyRunner, ScoringPass
+from nanokv.engine.prompts import parse_prompt
 from nanokv.worker.cpu_memory import huge_page_share, request_huge_pages, tune_glibc_malloc
 from nanokv.worker.loader import load_hf_config, load_model, resolve_device
 from nanokv.worker.model_runner import ModelRunner
@@ -173,10 +174,11 @@ class LLMEngine:
         return self.kv_cache.nbytes / self.kv_cache_plan.num_slots
 
     # ---- requests ------------------------------------------------------------------------------
-    def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+    def make_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                      request_id: str | None = None, cache_salt: str | None = None,
                      kv_policy=None, compress_after: int | None = None) -> Request:
-        """Validate and tokenize; raises ValueError without touching the engine's state."""
+        """Validate and tokenize; raises ValueError without touching the engine's state.
+        `prompt`: text, token ids, or vLLM's prompt dicts (`nanokv.engine.prompts`)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got "
@@ -189,18 +191,13 @@ class LLMEngine:
             raise ValueError("stop strings are matched in the output text, which needs a "
                              "tokenizer; this engine was started with skip_tokenizer_init=True: "
                              "use stop_token_ids")
-        text = None
-        if isinstance(prompt, str):
+        parsed = parse_prompt(prompt, cache_salt)
+        text, token_ids, cache_salt = parsed.text, parsed.token_ids, parsed.cache_salt
+        if token_ids is None:
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; this engine was started with "
                                  "skip_tokenizer_init=True, so pass token ids")
-            text = prompt
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            token_ids = list(prompt)
-        else:
-            raise ValueError(f"a prompt must be a string or a list of token ids, "
-                             f"got {type(prompt).__name__}")
+            token_ids = self.tokenizer.encode(text)
         if not token_ids:
             raise ValueError("the prompt is empty: at least one token is needed")
         vocab = self.hf_config.vocab_size
@@ -242,7 +239,7 @@ class LLMEngine:
         """An id no request of this engine was given by default."""
         return str(next(self._ids))
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None,
                     kv_policy=None) -> str:
         request = self.make_request(prompt, params, request_id, cache_salt, kv_policy)

@@ -78,7 +78,7 @@ class PromptTokenizer:
     def _thread_tools(self):
         """This thread's own tokenizer copy (a Rust tokenizer shared by threads can fail with
         'Already borrowed') and chat renderer."""
-        from nanokv.server.chat import ChatRenderer
+        from nanokv.engine.chat import ChatRenderer
 
         if not hasattr(self._local, "tokenizer"):
             self._local.tokenizer = copy.deepcopy(self.tokenizer)
@@ -113,7 +113,8 @@ class PromptTokenizer:
                 if self._too_long(sum(len(m["content"]) for m in plain)):
                     return None
                 tok, chat = self._thread_tools()
-                text = chat.render(plain, req.add_generation_prompt, req.chat_template_kwargs)
+                text = chat.render(plain, req.add_generation_prompt, req.chat_template_kwargs,
+                                   req.continue_final_message)
                 return list(tok.encode(text, add_special_tokens=req.add_special_tokens)), \
                     req.cache_salt
         except (ValueError, ValidationError, TypeError):  # the replica gives the real error

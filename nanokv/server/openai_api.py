@@ -306,7 +306,8 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
         labels = server.request_class(raw, "chat_completions")
         text, ids = await server.chat_token_ids(body.messages, body.add_generation_prompt,
                                                 body.add_special_tokens,
-                                                body.chat_template_kwargs)
+                                                body.chat_template_kwargs,
+                                                body.continue_final_message)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         max_param = "max_tokens" if body.max_completion_tokens is None \
             else "max_completion_tokens"

@@ -284,8 +284,10 @@ class ChatCompletionRequest(_SamplingRequest):
             bad.append(("audio", "audio output is not supported"))
         if self.prediction is not None:
             bad.append(("prediction", "predicted outputs are not supported"))
-        if self.continue_final_message:
-            bad.append(("continue_final_message", "continue_final_message is not supported"))
+        if self.continue_final_message and self.add_generation_prompt:
+            bad.append(("continue_final_message", "continue_final_message and "
+                        "add_generation_prompt cannot both be true: set add_generation_prompt "
+                        "to false to continue the last message"))
         if self.echo:
             bad.append(("echo", "echo is not supported"))
         if self.chat_template is not None:

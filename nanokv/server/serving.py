@@ -21,7 +21,7 @@ from nanokv.outputs import RequestOutput
 from nanokv.sampling_params import MAX_LOGPROBS, SamplingParams
 from nanokv.server.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError,
                                         RequestStream)
-from nanokv.server.chat import ChatRenderer
+from nanokv.engine.chat import ChatRenderer
 from nanokv.server.protocol import MAX_N, APIError, _SamplingRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -206,7 +206,8 @@ class OpenAIServer:
 
     async def chat_token_ids(self, messages, add_generation_prompt: bool,
                              add_special_tokens: bool = False,
-                             template_kwargs: dict | None = None) -> tuple[str, list[int]]:
+                             template_kwargs: dict | None = None,
+                             continue_final_message: bool = False) -> tuple[str, list[int]]:
         if self.chat is None:
             raise APIError(400, "chat needs a tokenizer; this server runs without one "
                                 "(--skip-tokenizer-init)", param="messages")
@@ -215,7 +216,8 @@ class OpenAIServer:
         def work() -> tuple[str, list[int]]:
             tok, chat = self._thread_tokenizer()
             try:
-                text = chat.render(plain, add_generation_prompt, template_kwargs)
+                text = chat.render(plain, add_generation_prompt, template_kwargs,
+                                   continue_final_message)
             except ValueError as e:
                 param = ("chat_template_kwargs" if str(e).startswith("chat_template_kwargs")
                          else "messages")

@@ -9,7 +9,7 @@ import pytest
 
 from servers import API_KEY, MODEL_NAME
 from nanokv import SamplingParams
-from nanokv.server.chat import ChatRenderer
+from nanokv.engine.chat import ChatRenderer
 
 PROMPTS = ["def add(a, b):", "The grass is green. The sky", "import os\nimport sys\n",
            "class Block:\n    def __init__(self", "print('hello", "The sun is yellow.",
@@ -69,6 +69,30 @@ def test_chat_equals_offline(server, client, offline):
     assert r.choices[0].message.content == ref.text
     assert r.choices[0].token_ids == ref.token_ids
     assert r.usage.prompt_tokens == len(ids)
+
+
+def test_chat_continues_the_final_message_as_offline_chat(server, client, offline):
+    """continue_final_message (vLLM's extension): the last message rendered open, the same
+    prompt and tokens as `LLM.chat`; with add_generation_prompt also true it is a 400 (as
+    vLLM's)."""
+    messages = [{"role": "user", "content": "def add(a, b):"},
+                {"role": "assistant", "content": "    return"}]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    (ref,) = offline.chat(messages, params, add_generation_prompt=False,
+                          continue_final_message=True, use_tqdm=False)
+    assert ref.prompt.endswith("<|assistant|>\n    return")
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True,
+                    "add_generation_prompt": False, "continue_final_message": True})
+    assert r.choices[0].prompt_token_ids == ref.prompt_token_ids
+    assert r.choices[0].token_ids == ref.token_ids
+    bad = httpx.post(server.url + "/v1/chat/completions", headers=server.headers,
+                     json={"model": MODEL_NAME, "messages": messages,
+                           "continue_final_message": True})
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "continue_final_message"
+    assert "add_generation_prompt" in bad.json()["error"]["message"]
 
 
 def test_streaming_completion_with_usage(client, offline):

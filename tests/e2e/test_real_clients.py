@@ -14,7 +14,7 @@ import torch
 
 from servers import MODEL_NAME
 from nanokv import SamplingParams
-from nanokv.server.chat import ChatRenderer
+from nanokv.engine.chat import ChatRenderer
 
 PROMPT = "def add(a, b):\n    return"
 

@@ -15,7 +15,7 @@ from nanokv import LLM, SamplingParams
 from nanokv import extras
 from nanokv.replicas.prefix_hashes import (HashSpec, PromptTokenizer, matched_blocks,
                                            prompt_block_hashes)
-from nanokv.server.chat import ChatRenderer
+from nanokv.engine.chat import ChatRenderer
 
 ROOT = Path(__file__).resolve().parents[2]
 BS = 16
