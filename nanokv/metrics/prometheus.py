@@ -15,8 +15,8 @@ from collections.abc import Callable
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, Info, generate_latest)
 
-from nanokv.metrics.stats import (EVICTION_REASONS, CacheConfigInfo, IterationStats, RatioWindow,
-                                  TimeWeightedWindow)
+from nanokv.metrics.stats import (EVICTION_REASONS, CacheConfigInfo, FinishedRequestStats,
+                                  IterationStats, RatioWindow, TimeWeightedWindow)
 from nanokv.utils import cdiv
 
 PREFIX = "nanokv:"
@@ -31,9 +31,26 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15
 LIFETIME_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
                     1800.0, 3600.0, 7200.0)
 KV_KB_BUCKETS = tuple(4.0 ** k for k in range(13))  # 1 KB .. 16 GiB, x4 (block size unknown)
+# vLLM's: a request's phases, tokens per step, preemptions per request
+PHASE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 # the prefix-cache counters' (endpoint, request_class) series that exist from the start
 PRESET_REQUEST_CLASSES = (("completions", "default"), ("chat_completions", "default"))
 UNCLASSIFIED = ("none", "default")  # lookups recorded without a class
+
+
+def request_token_buckets(max_model_len: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_model_len (vLLM's bounds of its per-request token
+    histograms)."""
+    bounds, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max(max_model_len, 1):
+                return tuple(bounds)
+            bounds.append(m * scale)
+        scale *= 10
 
 
 def kv_block_counts(max_blocks: int, linear: int = 8, growth: float = 1.5) -> list[int]:
@@ -130,6 +147,37 @@ class PrometheusExporter:
         self.block_lifetime = histogram("kv_block_lifetime_seconds",
                                         "Allocation-to-eviction lifetime of evicted KV blocks.",
                                         LIFETIME_BUCKETS)
+        tokens = request_token_buckets(cache_config.max_model_len)
+        self.request_prompt_tokens = histogram("request_prompt_tokens",
+                                               "Prompt tokens of each finished request.", tokens)
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens of each finished request.", tokens)
+        self.request_max_tokens = histogram("request_params_max_tokens",
+                                            "The max_tokens parameter of each finished request.",
+                                            tokens)
+        self.request_prefill_kv_computed = histogram(
+            "request_prefill_kv_computed_tokens", "Prompt tokens each finished request computed "
+            "(not served from the prefix cache).", tokens)
+        self.request_preemptions = histogram("request_num_preemptions",
+                                             "Times each finished request was preempted.",
+                                             PREEMPTION_BUCKETS)
+        self.step_tokens = histogram("iteration_tokens_total",
+                                     "Tokens of each engine step (prefill chunks + decodes).",
+                                     STEP_TOKEN_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Arrival to first scheduled (waiting), per request.",
+                                    PHASE_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds",
+                                      "First scheduled to first token, per request.",
+                                      PHASE_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds",
+                                     "First token to last token, per request.", PHASE_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds",
+                                        "First scheduled to last token (running), per request.",
+                                        PHASE_BUCKETS)
+        self.request_tpot = histogram("request_time_per_output_token_seconds",
+                                      "Decode time per output token after the first, per "
+                                      "request.", ITL_BUCKETS)
         self.request_kv_kb = histogram("request_kv_cache_kb",
                                        "KV cache per request in KB (1024 bytes): the bytes of "
                                        "the blocks a request held at its peak; buckets "
@@ -177,6 +225,8 @@ class PrometheusExporter:
             self.itl.observe(t)
         for t in it.block_lifetimes_s:
             self.block_lifetime.observe(t)
+        if it.step_tokens:
+            self.step_tokens.observe(it.step_tokens)
         for f in it.finished:
             if f.finish_reason not in self.success:
                 self.success[f.finish_reason] = self._success_family.labels(
@@ -184,8 +234,27 @@ class PrometheusExporter:
             self.success[f.finish_reason].inc()
             if f.finish_reason != "abort":
                 self.e2e.observe(f.e2e_latency_s)
+            self._observe_request(f)
             if f.peak_kv_bytes > 0:
                 self.request_kv_kb.observe(f.peak_kv_bytes / 1024)
+
+    def _observe_request(self, f: FinishedRequestStats) -> None:
+        """The per-request histograms (vLLM's): every finished request, aborted ones too, each
+        phase where the request reached it."""
+        self.request_prompt_tokens.observe(f.num_prompt_tokens)
+        self.request_generation_tokens.observe(f.num_generation_tokens)
+        if f.queued_s is not None:  # scheduled: it computed its prompt past the hits
+            self.request_prefill_kv_computed.observe(f.num_prompt_tokens - f.num_cached_tokens)
+        self.request_preemptions.observe(f.num_preemptions)
+        if f.max_tokens is not None:
+            self.request_max_tokens.observe(f.max_tokens)
+        for histogram, seconds in ((self.queue_time, f.queued_s),
+                                   (self.prefill_time, f.prefill_s),
+                                   (self.decode_time, f.decode_s),
+                                   (self.inference_time, f.inference_s),
+                                   (self.request_tpot, f.time_per_output_token_s)):
+            if seconds is not None:
+                histogram.observe(seconds)
 
     def _class_counters(self, key: tuple[str, str]) -> tuple[Counter, Counter]:
         if key not in self.queries:

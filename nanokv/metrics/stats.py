@@ -9,6 +9,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from nanokv.outputs import RequestMetrics
 from nanokv.scheduler.output import SchedulerStats
 
 EVICTION_REASONS = ("prefix_lru", "preemption", "policy")  # always exported, even at 0
@@ -40,11 +41,45 @@ class CacheConfigInfo:
 
 @dataclass
 class FinishedRequestStats:
+    """One finished request. Its phases (vLLM's): queued = arrival to first scheduled, prefill =
+    first scheduled to first token, decode = first to last token, inference = first scheduled
+    to last token; None where the request never reached that point (aborted early)."""
+
     finish_reason: str  # "stop", "length" or "abort"
     num_prompt_tokens: int
     num_generation_tokens: int
     e2e_latency_s: float  # arrival to finish
     peak_kv_bytes: int  # bytes of the blocks the request held at its peak
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    max_tokens: int | None = None  # the request's max_tokens (None: not known)
+    num_preemptions: int = 0
+    queued_s: float | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
+    inference_s: float | None = None
+
+    @classmethod
+    def of(cls, finish_reason: str, num_prompt_tokens: int, num_generation_tokens: int,
+           metrics: RequestMetrics, end: float, peak_kv_bytes: int, num_cached_tokens: int,
+           max_tokens: int | None, num_preemptions: int) -> FinishedRequestStats:
+        """From a request's timestamps (`end`: when it finished)."""
+        scheduled, first, last = (metrics.first_scheduled_time, metrics.first_token_time,
+                                  metrics.last_token_time)
+        return cls(finish_reason, num_prompt_tokens, num_generation_tokens,
+                   end - metrics.arrival_time, peak_kv_bytes, max(num_cached_tokens, 0),
+                   max_tokens, num_preemptions,
+                   queued_s=None if scheduled is None else scheduled - metrics.arrival_time,
+                   prefill_s=None if scheduled is None or first is None else first - scheduled,
+                   decode_s=None if first is None or last is None else last - first,
+                   inference_s=None if scheduled is None or last is None else last - scheduled)
+
+    @property
+    def time_per_output_token_s(self) -> float | None:
+        """The decode time per token after the first (vLLM's per-request TPOT); None with
+        fewer than 2 tokens."""
+        if self.decode_s is None or self.num_generation_tokens < 2:
+            return None
+        return self.decode_s / (self.num_generation_tokens - 1)
 
 
 @dataclass
@@ -62,6 +97,7 @@ class IterationStats:
     # the same lookups by (endpoint, request class): class -> (queried tokens, hit tokens)
     prefix_cache_by_class: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
     num_preemptions: int = 0
+    step_tokens: int = 0  # tokens of the turn's step batch (0: no step ran)
     evicted_blocks: dict[str, int] = field(default_factory=dict)  # reason -> blocks
     block_lifetimes_s: list[float] = field(default_factory=list)  # of the evicted blocks
     ttfts_s: list[float] = field(default_factory=list)
@@ -83,6 +119,7 @@ class SchedulerDeltas:
                                                                if last else 0)
         it.prefix_cache_hits = snap.prefix_cache_hits - (last.prefix_cache_hits if last else 0)
         it.num_preemptions = snap.num_preemptions - (last.num_preemptions if last else 0)
+        it.step_tokens = snap.num_scheduled_tokens - (last.num_scheduled_tokens if last else 0)
         before = last.evicted_blocks if last else {}
         it.evicted_blocks = {reason: n - before.get(reason, 0)
                              for reason, n in snap.evicted_blocks.items()

@@ -74,6 +74,7 @@ class SchedulerStats:
     num_total_blocks: int
     kv_cache_usage: float  # fraction of blocks held by requests
     num_preemptions: int  # total since start
+    num_scheduled_tokens: int  # tokens of every step's batch since start
     prefix_cache_queries: int
     prefix_cache_hits: int
     evicted_blocks: dict[str, int]

@@ -31,6 +31,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.num_preemptions = 0
+        self.num_scheduled_tokens = 0  # tokens of every step's batch (prefill chunks + decodes)
         self.num_recomputed_tokens = 0  # computed tokens thrown away by preemption
 
     # ---- requests ------------------------------------------------------------------------------
@@ -139,6 +140,7 @@ class Scheduler:
             budget -= num_new
 
         scheduled.sort(key=lambda s: not s.is_decode)  # decodes first, then prefill chunks
+        self.num_scheduled_tokens += sum(s.num_tokens for s in scheduled)
         return SchedulerOutput(scheduled, [r.request_id for r in preempted])
 
     def _reserve_for_policy(self, request: Request, index: int, preempted: list[Request],
@@ -326,6 +328,7 @@ class Scheduler:
             num_running=len(self.running), num_waiting=len(self.waiting),
             num_free_blocks=bm.num_free_blocks, num_total_blocks=bm.num_blocks,
             kv_cache_usage=bm.usage, num_preemptions=self.num_preemptions,
+            num_scheduled_tokens=self.num_scheduled_tokens,
             prefix_cache_queries=bm.stats.prefix_cache_queries,
             prefix_cache_hits=bm.stats.prefix_cache_hits,
             evicted_blocks=dict(bm.stats.evicted_blocks))

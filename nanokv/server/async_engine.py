@@ -318,12 +318,10 @@ class AsyncLLMEngine:
         if out.finished:
             request = stream.request
             end = out.metrics.finished_time or time.monotonic()
-            it.finished.append(FinishedRequestStats(
-                finish_reason=out.finish_reason or "abort",
-                num_prompt_tokens=len(out.prompt_token_ids),
-                num_generation_tokens=len(out.token_ids),
-                e2e_latency_s=end - out.metrics.arrival_time,
-                peak_kv_bytes=request.peak_blocks * self.bytes_per_block))
+            it.finished.append(FinishedRequestStats.of(
+                out.finish_reason or "abort", len(out.prompt_token_ids), len(out.token_ids),
+                out.metrics, end, request.peak_blocks * self.bytes_per_block,
+                out.num_cached_tokens, request.params.max_tokens, request.num_preemptions))
             if self.trace is not None:
                 self.trace.record(request, "/".join(stream.request_class))
         if out.error is not None:  # the engine aborted it (a KV policy failed on it)
@@ -339,9 +337,11 @@ class AsyncLLMEngine:
             for s in dropped:
                 del self._streams[s.request_id]
         for s in dropped:
-            it.finished.append(FinishedRequestStats("abort", len(s.request.prompt_token_ids),
-                                                    s.num_tokens_seen, 0.0,
-                                                    s.request.peak_blocks * self.bytes_per_block))
+            it.finished.append(FinishedRequestStats(
+                "abort", len(s.request.prompt_token_ids), s.num_tokens_seen, 0.0,
+                s.request.peak_blocks * self.bytes_per_block,
+                max_tokens=s.request.params.max_tokens,
+                num_preemptions=s.request.num_preemptions))
             s._put(RuntimeError(f"the engine failed while running this request: {error}"))
 
     def _count_lookups(self, it: IterationStats) -> None:

@@ -49,6 +49,17 @@ def test_counts_exact_and_hits_after_repeated_prefix(server, client):
     assert delta("nanokv:e2e_request_latency_seconds_count") == 4
     assert delta("nanokv:inter_token_latency_seconds_count") == 4 * 3 + 6
     assert delta("nanokv:request_kv_cache_kb_count") == 4
+    # vLLM's per-request histograms, and the steps' tokens: each prompt computed past its hits,
+    # each output token but the last fed back (the first comes from the prefill)
+    assert delta("nanokv:request_prompt_tokens_sum") == prompt
+    assert delta("nanokv:request_generation_tokens_sum") == 5 * 3 + 7
+    assert delta("nanokv:request_params_max_tokens_sum") == 5 * 3 + 7
+    assert delta("nanokv:request_prefill_kv_computed_tokens_sum") == prompt - cached
+    assert delta("nanokv:iteration_tokens_total_sum") == prompt - cached + 5 * 3 + 7 - 4
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert delta(f"nanokv:request_{phase}_time_seconds_count") == 4
+    assert delta("nanokv:request_time_per_output_token_seconds_count") == 4
+    assert delta("nanokv:request_num_preemptions_sum") == 0
 
     # the windowed hit rate is the hit fraction of the recent lookups: > 0 after the hits
     rate = m1[("nanokv:prefix_cache_hit_rate", ())]
@@ -95,7 +106,10 @@ def test_preemption_and_eviction_counters(tight_server):
 
     assert [r.status_code for r in asyncio.run(two())] == [200, 200]
     m1 = tight_server.wait_idle()
-    assert m1[("nanokv:num_preemptions_total", ())] > m0[("nanokv:num_preemptions_total", ())]
+    preempted = m1[("nanokv:num_preemptions_total", ())] - m0[("nanokv:num_preemptions_total", ())]
+    assert preempted > 0  # and every preemption is a finished request's
+    per_request = ("nanokv:request_num_preemptions_sum", ())
+    assert m1[per_request] - m0.get(per_request, 0) == preempted
     evicted = [("nanokv:evicted_blocks_total", (("reason", r),))
                for r in ("preemption", "prefix_lru", "policy")]
     lifetimes = ("nanokv:kv_block_lifetime_seconds_count", ())

@@ -130,3 +130,39 @@ def test_kv_histogram_buckets_are_whole_blocks():
         return m[("nanokv:request_kv_cache_kb_bucket", (("le", str(n * kb)),))]
 
     assert [cumulative(1), cumulative(2), cumulative(3)] == [1, 2, 4]
+
+
+def test_per_request_histograms_as_vllm():
+    """vLLM's per-request histograms: tokens, max_tokens, computed prompt tokens, preemptions,
+    the phases and the per-request TPOT, each observed where the request has it; the step's
+    tokens once per turn that ran a step."""
+    from nanokv.outputs import RequestMetrics
+
+    e = PrometheusExporter("m", CONFIG, window_s=60.0, clock=Clock())
+    done = FinishedRequestStats.of("length", 30, 5, RequestMetrics(10.0, 10.5, 11.25, 13.25),
+                                   13.5, 4096, 16, 5, 2)
+    waited = FinishedRequestStats.of("abort", 7, 0, RequestMetrics(10.0), 12.0, 0, -1, 9, 0)
+    e.record(IterationStats(time=1.0, step_tokens=37, finished=[done, waited]))
+    e.record(IterationStats(time=2.0))  # a turn without a step
+    m = scrape(e)
+
+    def hist(name):
+        return m[(f"nanokv:{name}_count", ())], m[(f"nanokv:{name}_sum", ())]
+
+    assert hist("request_prompt_tokens") == (2, 37)
+    assert hist("request_generation_tokens") == (2, 5)
+    assert hist("request_params_max_tokens") == (2, 14)
+    assert hist("request_prefill_kv_computed_tokens") == (1, 14)  # the waiting one computed none
+    assert hist("request_num_preemptions") == (2, 2)
+    assert hist("request_queue_time_seconds") == (1, 0.5)
+    assert hist("request_prefill_time_seconds") == (1, 0.75)
+    assert hist("request_decode_time_seconds") == (1, 2.0)
+    assert hist("request_inference_time_seconds") == (1, 2.75)
+    assert hist("request_time_per_output_token_seconds") == (1, 0.5)
+    assert hist("iteration_tokens_total") == (1, 37)
+    # vLLM's 1-2-5 token bounds up to max_model_len (256)
+    bounds = sorted(float(dict(labels)["le"]) for (name, labels) in m
+                    if name == "nanokv:request_prompt_tokens_bucket")
+    assert bounds == [1, 2, 5, 10, 20, 50, 100, 200, float("inf")]
+    assert m[("nanokv:request_prompt_tokens_bucket", (("le", "50.0"),))] == 2
+    assert m[("nanokv:request_prompt_tokens_bucket", (("le", "5.0"),))] == 0

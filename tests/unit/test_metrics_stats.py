@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nanokv.metrics.stats import (IterationStats, RatioWindow, SchedulerDeltas,
-                                  TimeWeightedWindow, percentile)
+from nanokv.metrics.stats import (FinishedRequestStats, IterationStats, RatioWindow,
+                                  SchedulerDeltas, TimeWeightedWindow, percentile)
+from nanokv.outputs import RequestMetrics
 from nanokv.scheduler.output import SchedulerStats
 
 
@@ -77,8 +78,8 @@ def test_time_weighted_std_matches_a_dense_resampling(steps, window):
 
 def _snap(**kw):
     base = dict(num_running=1, num_waiting=2, num_free_blocks=5, num_total_blocks=10,
-                kv_cache_usage=0.5, num_preemptions=0, prefix_cache_queries=0,
-                prefix_cache_hits=0, evicted_blocks={})
+                kv_cache_usage=0.5, num_preemptions=0, num_scheduled_tokens=0,
+                prefix_cache_queries=0, prefix_cache_hits=0, evicted_blocks={})
     return SchedulerStats(**{**base, **kw})
 
 
@@ -86,14 +87,16 @@ def test_scheduler_deltas_turn_totals_into_increments():
     d = SchedulerDeltas()
     it = IterationStats(time=0.0)
     d.fill(_snap(prefix_cache_queries=10, prefix_cache_hits=4, num_preemptions=1,
-                 evicted_blocks={"preemption": 3}), it)
+                 num_scheduled_tokens=40, evicted_blocks={"preemption": 3}), it)
     assert (it.prefix_cache_queries, it.prefix_cache_hits, it.num_preemptions) == (10, 4, 1)
+    assert it.step_tokens == 40
     assert it.evicted_blocks == {"preemption": 3}
     assert (it.num_running, it.num_waiting, it.kv_cache_usage) == (1, 2, 0.5)
     it = IterationStats(time=1.0)
     d.fill(_snap(prefix_cache_queries=25, prefix_cache_hits=4, num_preemptions=1,
-                 evicted_blocks={"preemption": 3, "prefix_lru": 2}), it)
+                 num_scheduled_tokens=43, evicted_blocks={"preemption": 3, "prefix_lru": 2}), it)
     assert (it.prefix_cache_queries, it.prefix_cache_hits, it.num_preemptions) == (15, 0, 0)
+    assert it.step_tokens == 3
     assert it.evicted_blocks == {"prefix_lru": 2}
 
 
@@ -102,3 +105,23 @@ def test_percentile():
     assert percentile([3.0], 99) == 3.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile(list(range(101)), 90) == 90
+
+
+def test_finished_request_phases_from_its_timestamps():
+    """vLLM's phases: queued = arrival..scheduled, prefill = scheduled..first token, decode =
+    first..last token, inference = scheduled..last token; per-request TPOT = decode / (tokens
+    - 1). A request aborted before a point has no phase that needs it."""
+    m = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.25,
+                       last_token_time=13.25, finished_time=13.5)
+    f = FinishedRequestStats.of("length", 30, 5, m, 13.5, 4096, 16, 5, 2)
+    assert (f.queued_s, f.prefill_s, f.decode_s, f.inference_s) == (0.5, 0.75, 2.0, 2.75)
+    assert f.e2e_latency_s == 3.5 and f.time_per_output_token_s == 0.5
+    assert (f.num_cached_tokens, f.max_tokens, f.num_preemptions) == (16, 5, 2)
+    waiting = FinishedRequestStats.of("abort", 30, 0, RequestMetrics(arrival_time=10.0), 12.0,
+                                      0, -1, 5, 0)
+    assert (waiting.queued_s, waiting.prefill_s, waiting.decode_s, waiting.inference_s) == \
+        (None, None, None, None)
+    assert waiting.num_cached_tokens == 0 and waiting.time_per_output_token_s is None
+    one = FinishedRequestStats.of("length", 30, 1, RequestMetrics(10.0, 10.5, 11.0, 11.0), 11.0,
+                                  0, 0, 1, 0)
+    assert one.decode_s == 0.0 and one.time_per_output_token_s is None
