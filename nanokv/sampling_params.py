@@ -14,8 +14,6 @@ FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence
                 "frequency_penalty")
 # vLLM's SamplingParams fields nanokv accepts only at their defaults: (default, why not)
 UNSUPPORTED = {
-    "skip_special_tokens": (True, "output text always skips special tokens"),
-    "spaces_between_special_tokens": (True, "output text always skips special tokens"),
     "prompt_logprobs": (None, "prompt log-probabilities are not computed (for the prompt's "
                               "logits, return_prompt_logits=True)"),
     "bad_words": (None, "bad_words is not implemented"),
@@ -60,9 +58,14 @@ class SamplingParams:
     # evaluation: return the logits of every prompt position (RequestOutput.prompt_logits,
     # [num_prompt_tokens, vocab]); such a request computes its whole prompt (no prefix hits)
     return_prompt_logits: bool = False
-    # vLLM's fields that nanokv does not implement: accepted at their defaults only (UNSUPPORTED)
+    # the output text (and log-probabilities' token strings) leaves special tokens out; False
+    # keeps their text (a chat template's end token, say). The token that stopped a request is
+    # left out either way unless include_stop_str_in_output (vLLM's)
     skip_special_tokens: bool = True
+    # no effect, either value: the tokenizer's decode (transformers 5) puts no spaces around
+    # special tokens, as vLLM's detokenizer for fast tokenizers
     spaces_between_special_tokens: bool = True
+    # vLLM's fields that nanokv does not implement: accepted at their defaults only (UNSUPPORTED)
     prompt_logprobs: int | None = None
     bad_words: list[str] | None = None
     logits_processors: list | None = None
@@ -125,7 +128,8 @@ class SamplingParams:
                f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
         _check(_finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "return_prompt_logits"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "return_prompt_logits",
+                     "skip_special_tokens", "spaces_between_special_tokens"):
             _check(isinstance(getattr(self, name), bool),
                    f"{name} must be True or False, got {getattr(self, name)!r}")
         _check(self.logprobs is None or (_int(self.logprobs)

@@ -20,6 +20,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from functools import partial
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -291,13 +292,14 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
         streams = server.open_streams(requests, labels)
         head = {"id": rid, "object": "text_completion", "created": int(time.time()),
                 "model": settings.model_name}
+        token_texts = partial(server.token_texts, skip_special_tokens=body.skip_special_tokens)
         if body.stream:
             return EngineStreamingResponse(
                 stream_events(server.events(streams), len(streams), head, body, False,
-                              server.token_texts), streams)
+                              token_texts), streams)
         return await final_response(streams, raw, head, body, lambda o, lps: {
             "text": o.text,
-            "logprobs": completion_logprobs(lps, server.token_texts(o.prompt_token_ids))
+            "logprobs": completion_logprobs(lps, token_texts(o.prompt_token_ids))
             if body.num_logprobs is not None else None})
 
     @app.post("/v1/chat/completions", dependencies=json_body)
@@ -317,12 +319,13 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
         streams = server.open_streams(requests, labels)
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()),
                 "model": settings.model_name}
+        token_texts = partial(server.token_texts, skip_special_tokens=body.skip_special_tokens)
         if body.stream:
             head["object"] = "chat.completion.chunk"
             return EngineStreamingResponse(
                 stream_events(server.events(streams), len(streams), head, body, True,
-                              server.token_texts, ids), streams)
+                              token_texts, ids), streams)
         return await final_response(streams, raw, head, body, lambda o, lps: {
             "message": {"role": "assistant", "content": o.text},
-            "logprobs": chat_logprobs(lps, server.token_texts(o.prompt_token_ids))
+            "logprobs": chat_logprobs(lps, token_texts(o.prompt_token_ids))
             if body.num_logprobs is not None else None})

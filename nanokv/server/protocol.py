@@ -9,7 +9,7 @@ way vLLM does:
   `prompt_cache_key`, `safety_identifier`, `reasoning_effort`, `request_id`, `priority` 0 ...):
   accepted and ignored;
 - fields nanokv does not implement: accepted only at the value that changes nothing
-  (`echo: false`, `logit_bias: {}`, `tools: []`, `skip_special_tokens: true` ...), otherwise a
+  (`echo: false`, `logit_bias: {}`, `tools: []`, `priority: 0` ...), otherwise a
   400 naming the field (`unsupported()`);
 - anything else is an unknown field: a 400 naming it.
 """
@@ -139,11 +139,6 @@ class _SamplingRequest(_Body):
             bad.append(("logit_bias", "logit_bias is not supported (send {} or leave it out)"))
         if self.stream_options is not None and not self.stream:
             bad.append(("stream_options", "stream_options needs stream=true"))
-        if not self.skip_special_tokens:
-            bad.append(("skip_special_tokens", "only skip_special_tokens=true is supported"))
-        if not self.spaces_between_special_tokens:
-            bad.append(("spaces_between_special_tokens",
-                        "only spaces_between_special_tokens=true is supported"))
         if self.priority != 0:
             bad.append(("priority", "priority scheduling is not supported (use 0)"))
         if self.truncate_prompt_tokens is not None:
@@ -170,6 +165,8 @@ class _SamplingRequest(_Body):
             stop=self.stop_list(), stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             repetition_penalty=(1.0 if self.repetition_penalty is None
                                 else self.repetition_penalty),
             presence_penalty=self.presence_penalty or 0.0,

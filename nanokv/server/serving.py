@@ -230,10 +230,12 @@ class OpenAIServer:
     async def decode(self, token_ids: list[int]) -> str:
         return await self._in_worker(lambda: self._thread_tokenizer()[0].decode(token_ids))
 
-    def token_texts(self, prompt_token_ids: list[int]) -> TokenTexts:
+    def token_texts(self, prompt_token_ids: list[int],
+                    skip_special_tokens: bool = True) -> TokenTexts:
         """A choice's token texts for its log-probabilities (each token's part of the text, its
-        output decoded after its prompt as the text is)."""
-        return TokenTexts(self.tokenizer, prompt_token_ids)
+        output decoded after its prompt, with the request's skip_special_tokens, as the text
+        is)."""
+        return TokenTexts(self.tokenizer, prompt_token_ids, skip_special_tokens)
 
     # ---- engine requests -----------------------------------------------------------------------
     def make_requests(self, body: _SamplingRequest, token_ids: list[int], text: str | None,

@@ -65,8 +65,8 @@ CASES = [
      "unsupported_parameter"),
     ("tools", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {
         "name": "f"}}]), 400, "tools", "unsupported_parameter"),
-    ("skip-special-tokens-false", "/v1/completions", completion(skip_special_tokens=False),
-     400, "skip_special_tokens", "unsupported_parameter"),
+    ("skip-special-tokens-not-bool", "/v1/completions", completion(skip_special_tokens="no"),
+     400, "skip_special_tokens", None),
     ("echo", "/v1/completions", completion(echo=True), 400, "echo", "unsupported_parameter"),
     ("best-of-3", "/v1/completions", completion(best_of=3), 400, "best_of",
      "unsupported_parameter"),

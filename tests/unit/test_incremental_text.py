@@ -62,12 +62,12 @@ def random_output(tokenizer, rng: random.Random) -> list[int]:
     return ids
 
 
-def feed(tokenizer, ids: list[int], rng: random.Random | None, prompt: list[int] | None = None
-         ) -> tuple[str, list[str]]:
+def feed(tokenizer, ids: list[int], rng: random.Random | None, prompt: list[int] | None = None,
+         **params) -> tuple[str, list[str]]:
     """Append ids a random few a step (rng None: one, as decode steps do); returns the final
     text and the text after each step. With a prompt, the text continues it as the engine makes
-    requests (`prompt_context`)."""
-    request = Request("r", prompt or [1], SamplingParams(max_tokens=len(ids)))
+    requests (`prompt_context`). `params`: more SamplingParams fields."""
+    request = Request("r", prompt or [1], SamplingParams(max_tokens=len(ids), **params))
     if prompt is None:  # the output decodes alone (with a prompt, update_text chooses)
         request.decode_offsets = DecodeOffsets.after(())
     seen, at = [], 0
@@ -278,3 +278,85 @@ def test_the_engine_decodes_each_output_after_its_prompt():
     assert request.decode_offsets.context == prompt_context(tok, prompt) == tuple(prompt[-4:])
     out = llm.generate(["The capital of France is"], Params(temperature=0, max_tokens=8))[0]
     assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)  # byte-level BPE
+
+
+# ---- skip_special_tokens=False: special tokens keep their text (vLLM's field) -----------------
+
+def test_special_tokens_kept_in_the_text_and_the_token_texts(tokenizer):
+    """The text is decode(context + output) less decode(context), both keeping special tokens
+    (for byte-level BPE decode(output, skip_special_tokens=False) itself); it only grows, and
+    the token texts add up to it."""
+    rng = random.Random(4)
+    special = tokenizer.all_special_tokens[0]
+    kept = 0
+    for _ in range(100):
+        prompt, ids = random_output(tokenizer, rng), random_output(tokenizer, rng)
+        context = list(prompt_context(tokenizer, prompt, skip_special_tokens=False))
+        before = tokenizer.decode(context, skip_special_tokens=False)
+        expected = tokenizer.decode(context + ids, skip_special_tokens=False)
+        assert expected.startswith(before)
+        final, seen = feed(tokenizer, ids, rng, prompt, skip_special_tokens=False)
+        assert final == expected[len(before):]
+        assert all(final.startswith(text) for text in seen)
+        texts = TokenTexts(tokenizer, prompt, skip_special_tokens=False)
+        assert "".join(texts.next(t, final=k == len(ids) - 1)[0]
+                       for k, t in enumerate(ids)) == final
+        if isinstance(tokenizer.backend_tokenizer.decoder, decoders.ByteLevel):
+            assert final == tokenizer.decode(ids, skip_special_tokens=False)
+        kept += special in final
+    assert kept > 10  # the outputs did hold special tokens
+
+
+def test_a_prompt_of_special_tokens_is_context_when_they_are_kept():
+    """A prompt ending in special tokens: kept, their text is context enough (the output's first
+    space stays); skipped, the context reaches back to the text before them."""
+    tok = byte_fallback_tokenizer()
+    words = tok.encode("the cat in the cat", add_special_tokens=False)
+    ends = [tok.eos_token_id] * 5
+    assert prompt_context(tok, words + ends, skip_special_tokens=False) == tuple(ends[-4:])
+    assert prompt_context(tok, words + ends) == tuple(words[-1:] + ends)
+    output = tok.encode("in", add_special_tokens=False)
+    assert feed(tok, output, None, words + ends, skip_special_tokens=False)[0] == \
+        tok.decode(ends[-4:] + output, skip_special_tokens=False)[len("</s>" * 4):] == " in"
+
+
+@pytest.mark.parametrize("tokens_per_step", [1, 3])
+def test_a_stop_string_may_be_a_kept_special_token(tokens_per_step):
+    """stop=["<|end|>"]: found when special tokens are kept (the text cut before it), never
+    when they are skipped (the token has no text)."""
+    tok = byte_fallback_tokenizer()
+    end = tok.convert_tokens_to_ids("<|end|>")
+    ids = tok.encode("the cat", add_special_tokens=False) + [end] + \
+        tok.encode("in", add_special_tokens=False)
+    prompt = tok.encode("in", add_special_tokens=False)
+    for skip, found, text in [(False, "<|end|>", " the cat"), (True, None, " the cat in")]:
+        request = Request("r", prompt, SamplingParams(max_tokens=len(ids), stop=["<|end|>"],
+                                                      skip_special_tokens=skip))
+        stop = None
+        for at in range(tokens_per_step, len(ids) + tokens_per_step, tokens_per_step):
+            request.output_token_ids = ids[:at]
+            if at >= len(ids):
+                request.status = RequestStatus.FINISHED_LENGTH
+            stop = update_text(request, tok)
+            if stop:
+                break
+        assert (stop, request.text) == (found, text)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_the_stop_token_stays_out_of_a_kept_text_unless_included(include):
+    """As vLLM: a request stopped by EOS (or a stop token id) leaves that token out of its text
+    whatever skip_special_tokens says; include_stop_str_in_output keeps it, with its text when
+    special tokens are kept."""
+    tok = byte_fallback_tokenizer()
+    ids = tok.encode("the cat", add_special_tokens=False) + [tok.eos_token_id]
+    for skip in (False, True):
+        request = Request("r", [1], SamplingParams(max_tokens=8, skip_special_tokens=skip,
+                                                   include_stop_str_in_output=include))
+        request.decode_offsets = DecodeOffsets.after(())  # the output decodes alone
+        request.output_token_ids = ids
+        request.status = RequestStatus.FINISHED_STOPPED
+        update_text(request, tok)
+        kept = include and not skip
+        assert request.text == tok.decode(ids if kept else ids[:-1], skip_special_tokens=skip)
+        assert request.text.endswith("</s>") == kept

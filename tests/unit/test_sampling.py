@@ -75,9 +75,9 @@ def test_sampling_follows_distribution():
     (dict(return_prompt_logits=None), "return_prompt_logits must be True or False"),
     (dict(seed=2**63), r"seed must be None or an integer in \[-2\*\*63, 2\*\*63 - 1\]"),
     (dict(seed=-2**63 - 1), r"seed must be None or an integer in"),
-    (dict(skip_special_tokens=False), "skip_special_tokens=False is not supported: output text "
-                                      "always skips special tokens"),
-    (dict(spaces_between_special_tokens=False), "spaces_between_special_tokens=False is not"),
+    (dict(skip_special_tokens=0), "skip_special_tokens must be True or False, got 0"),
+    (dict(spaces_between_special_tokens=None), "spaces_between_special_tokens must be True or "
+                                               "False, got None"),
     (dict(prompt_logprobs=0), "prompt_logprobs=0 is not supported.*return_prompt_logits"),
     (dict(bad_words=["x"]), r"bad_words=\['x'\] is not supported"),
     (dict(logits_processors=[abs]), "logits_processors=.* is not supported"),
@@ -91,7 +91,7 @@ def test_bad_sampling_params(kwargs, fragment):
 def test_vllm_fields_at_their_defaults_and_numpy_scalars_are_accepted():
     """vLLM's fields nanokv does not implement pass at their defaults; numpy integers and
     floats are taken as Python's (what np.arange / np.random give), bools and numpy bools not."""
-    p = SamplingParams(skip_special_tokens=True, prompt_logprobs=None, bad_words=[],
+    p = SamplingParams(prompt_logprobs=None, bad_words=[],
                        logits_processors=None, max_tokens=np.int64(5), top_k=np.int32(3),
                        temperature=np.float32(0.5), seed=np.uint64(2**63 - 1),
                        stop_token_ids=[np.int64(4)], logprobs=np.int8(2))
