@@ -59,6 +59,10 @@ class RequestOutput:
     # nanokv.layers.sampler.TokenLogprobs of new_token_ids, when the params ask for logprobs
     new_logprobs: list | None = None
     prompt_logits: object | None = None  # [num_prompt_tokens, vocab] with return_prompt_logits
+    # with params.prompt_logprobs, once the prompt is computed (vLLM's): one entry per prompt
+    # token, None for the first, then nanokv.layers.sampler.TokenLogprobs of token i given the
+    # tokens before it (shared by the request's outputs: do not modify)
+    prompt_logprobs: list | None = None
     kv_blocks_at_finish: int = 0  # KV blocks the request held when it finished
     kv_slots_at_finish: int = 0  # cached token slots then (< logical tokens after eviction)
     logical_tokens_at_finish: int = 0  # tokens whose K/V were computed (cached or evicted)

@@ -101,6 +101,8 @@ class Request:
         # TokenLogprobs of each output token, when params.logprobs asks (engine-maintained)
         self.output_logprobs: list = []
         self.prompt_logits: list = []  # chunks of [n, vocab] rows when params ask for them
+        # [None, TokenLogprobs of prompt token 1, ...] as far as computed (params.prompt_logprobs)
+        self.prompt_logprobs: list = [None]
         # KV policy: the engine's, or a per-request override (a PolicyConfig); None = full cache
         self.kv_policy = None
         self.kv_budget: int | None = None  # the policy's token budget, fixed at compression

@@ -9,13 +9,11 @@ from dataclasses import dataclass, field, replace
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's chat limit)
 GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily (argmax)
 SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # a seed is a signed 64-bit integer (as vLLM's)
-INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs")
+INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                 "frequency_penalty")
 # vLLM's SamplingParams fields nanokv accepts only at their defaults: (default, why not)
 UNSUPPORTED = {
-    "prompt_logprobs": (None, "prompt log-probabilities are not computed (for the prompt's "
-                              "logits, return_prompt_logits=True)"),
     "bad_words": (None, "bad_words is not implemented"),
     "logits_processors": (None, "logits processors are not implemented"),
     "truncate_prompt_tokens": (None, "prompts are never truncated"),
@@ -55,6 +53,10 @@ class SamplingParams:
     # log-probabilities of each sampled token and of its `logprobs` most likely alternatives
     # (from the model's raw distribution, before penalties and temperature); None = off
     logprobs: int | None = None
+    # vLLM's prompt_logprobs: for each prompt token after the first, its log-probability given
+    # the tokens before it, its rank and the `prompt_logprobs` most likely tokens there
+    # (RequestOutput.prompt_logprobs); such a request computes its whole prompt (no prefix hits)
+    prompt_logprobs: int | None = None
     # evaluation: return the logits of every prompt position (RequestOutput.prompt_logits,
     # [num_prompt_tokens, vocab]); such a request computes its whole prompt (no prefix hits)
     return_prompt_logits: bool = False
@@ -65,8 +67,6 @@ class SamplingParams:
     # no effect, either value: the tokenizer's decode (transformers 5) puts no spaces around
     # special tokens, as vLLM's detokenizer for fast tokenizers
     spaces_between_special_tokens: bool = True
-    # vLLM's fields that nanokv does not implement: accepted at their defaults only (UNSUPPORTED)
-    prompt_logprobs: int | None = None
     bad_words: list[str] | None = None
     logits_processors: list | None = None
     truncate_prompt_tokens: int | None = None
@@ -136,14 +136,23 @@ class SamplingParams:
                                          and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got "
                f"{self.logprobs!r}")
+        _check(self.prompt_logprobs != -1,
+               f"prompt_logprobs=-1 (the whole vocabulary) is not supported: ask for at most "
+               f"{MAX_LOGPROBS} alternatives per prompt token (vLLM too refuses -1 unless its "
+               f"max_logprobs covers the vocabulary)")
+        _check(self.prompt_logprobs is None or (_int(self.prompt_logprobs)
+                                                and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got "
+               f"{self.prompt_logprobs!r}")
 
     def sample(self, j: int) -> SamplingParams:
         """The params of sample j of n: one sample, a seeded one with seed + j (the server's
-        rule for n choices; wrapped into the signed 64-bit range), so the samples differ."""
-        if self.seed is None:
-            return replace(self, n=1)
-        seed = (self.seed + j - SEED_MIN) % 2**64 + SEED_MIN
-        return replace(self, n=1, seed=seed)
+        rule for n choices; wrapped into the signed 64-bit range), so the samples differ. Only
+        sample 0 computes the prompt's log-probabilities (the others may read the prefix
+        cache); the prompt's output carries them for all."""
+        seed = self.seed if self.seed is None else (self.seed + j - SEED_MIN) % 2**64 + SEED_MIN
+        return replace(self, n=1, seed=seed,
+                       prompt_logprobs=self.prompt_logprobs if j == 0 else None)
 
     @property
     def greedy(self) -> bool:

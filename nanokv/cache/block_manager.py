@@ -100,7 +100,8 @@ class BlockManager:
         and the number of tokens they hold. Nothing is touched; `allocate_slots` takes them.
         """
         if (not self.enable_prefix_caching or request.num_computed_tokens > 0
-                or request.params.return_prompt_logits):
+                or request.params.return_prompt_logits
+                or request.params.prompt_logprobs is not None):
             return [], 0
         bs = self.block_size
         extra = self.request_extra_keys(request)

@@ -43,6 +43,14 @@ def _prompt_logits(request: Request):
     return torch.cat(request.prompt_logits)[:request.num_prompt_tokens]
 
 
+def _prompt_logprobs(request: Request) -> list | None:
+    """The request's prompt log-probabilities once all are computed, else None."""
+    if (request.params.prompt_logprobs is None
+            or len(request.prompt_logprobs) < request.num_prompt_tokens):
+        return None
+    return request.prompt_logprobs
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         """Resolve the config and check the parts against each other (nothing loaded yet),
@@ -334,6 +342,7 @@ class LLMEngine:
             finished=finished, num_cached_tokens=max(0, request.num_cached_tokens),
             metrics=request.metrics, new_token_ids=new_token_ids, new_logprobs=new_logprobs,
             prompt_logits=_prompt_logits(request) if finished else None,
+            prompt_logprobs=_prompt_logprobs(request),
             kv_blocks_at_finish=request.final_kv_blocks,
             kv_slots_at_finish=request.final_kv_slots,
             logical_tokens_at_finish=request.num_computed_tokens if finished else 0,

@@ -177,15 +177,24 @@ def _unpack_logprobs(host: torch.Tensor, params: list[SamplingParams], rows: lis
     """The host side of `logprob_parts`: host holds value [L], rank [L], then the top values
     and ids [L * top] each."""
     out: list[TokenLogprobs | None] = [None] * len(params)
-    n = len(rows)
+    unpacked = unpack_token_logprobs(host, [tokens[i] for i in rows], top)
+    for lp, i in zip(unpacked, rows):
+        k = params[i].logprobs
+        lp.top = lp.top[:k]
+        out[i] = lp
+    return out
+
+
+def unpack_token_logprobs(host: torch.Tensor, tokens: list[int],
+                          top: int) -> list[TokenLogprobs]:
+    """`logprob_parts` of len(tokens) rows brought to the host: value [L], rank [L], then the
+    top values and ids [L * top] each."""
+    n = len(tokens)
     values, ranks = host[:n].tolist(), host[n:2 * n].long().tolist()
     top_values = host[2 * n:2 * n + n * top].view(n, top).tolist()  # [L, top]
     top_ids = host[2 * n + n * top:].long().view(n, top).tolist()
-    for j, i in enumerate(rows):
-        k = params[i].logprobs
-        out[i] = TokenLogprobs(tokens[i], values[j], ranks[j],
-                               list(zip(top_ids[j][:k], top_values[j][:k])))
-    return out
+    return [TokenLogprobs(t, values[j], ranks[j], list(zip(top_ids[j], top_values[j])))
+            for j, t in enumerate(tokens)]
 
 
 def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_token_ids: list[int],

@@ -29,6 +29,9 @@ class ScheduledRequest:
     # tokens the sampler may not pick for this output token: EOS (unless ignore_eos) and
     # stop_token_ids while the request has fewer than min_tokens outputs (vLLM's min_tokens)
     banned_token_ids: tuple[int, ...] = ()
+    # params.prompt_logprobs: the prompt tokens that follow the chunk's first rows (row r scores
+    # token start_position + r + 1); None when the chunk scores none
+    prompt_logprob_targets: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +65,8 @@ class RunnerOutput:
     captured_queries: dict = field(default_factory=dict)
     # request id -> nanokv.layers.sampler.TokenLogprobs of its sampled token (params.logprobs)
     logprobs: dict = field(default_factory=dict)
+    # request id -> TokenLogprobs of its chunk's prompt_logprob_targets (params.prompt_logprobs)
+    prompt_logprobs: dict = field(default_factory=dict)
 
 
 @dataclass

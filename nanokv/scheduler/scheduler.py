@@ -250,7 +250,19 @@ class Scheduler:
                      if request.params.has_penalties and start + num_new == request.num_tokens
                      else None),
             banned_token_ids=self._banned(request),
+            prompt_logprob_targets=(self._prompt_logprob_targets(request, start, num_new)
+                                    if request.params.prompt_logprobs is not None else None),
         )
+
+    @staticmethod
+    def _prompt_logprob_targets(request: Request, start: int, num_new: int) -> list[int] | None:
+        """The prompt tokens the chunk's rows predict that are not scored yet: none once the
+        prompt is (a recompute after preemption), nor for its last position (its distribution
+        is the first output token's)."""
+        end = min(start + num_new, request.num_prompt_tokens - 1)
+        if start != len(request.prompt_logprobs) - 1 or start >= end:
+            return None
+        return request.prompt_token_ids[start + 1:end + 1]
 
     @staticmethod
     def _banned(request: Request) -> tuple[int, ...]:
@@ -274,6 +286,7 @@ class Scheduler:
         request.block_scores = {}
         if request.num_output_tokens == 0:  # incomplete prompt logits: recomputed from scratch
             request.prompt_logits = []
+            request.prompt_logprobs = [None]
         request.prefix_cacheable = True
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -294,6 +307,8 @@ class Scheduler:
             request.num_computed_tokens += s.num_tokens
             if s.request_id in runner_output.prompt_logits:
                 request.prompt_logits.append(runner_output.prompt_logits[s.request_id])
+            if s.request_id in runner_output.prompt_logprobs:
+                request.prompt_logprobs += runner_output.prompt_logprobs[s.request_id]
             if not s.sample:
                 continue
             token = runner_output.sampled_token_ids[s.request_id]

@@ -29,8 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanokv.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                     DetokenizeRequest, TokenizeRequest, error_body)
-from nanokv.server.responses import (chat_logprobs, completion_logprobs, stream_events,
-                                     usage)
+from nanokv.server.responses import (chat_logprobs, completion_logprobs, echo_logprobs,
+                                     prompt_logprobs_json, stream_events, usage)
 from nanokv.server.async_engine import RequestStream
 from nanokv.server.serving import (COMPLETION_DEFAULT_MAX_TOKENS, ClientGone, OpenAIServer,
                                    ServerSettings)
@@ -253,21 +253,29 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
                            param="tokens", code="invalid_value")
         return {"prompt": await server.decode(body.tokens)}
 
-    async def final_response(streams, raw: Request, head: dict, body, content):
-        """A non-streamed answer: every choice run to its end; `content(output, logprobs)`
-        gives a choice's endpoint-specific fields (text or message, and logprobs)."""
+    async def final_response(streams, raw: Request, head: dict, body, content,
+                             prompt_logprobs_field: bool = False):
+        """A non-streamed answer: every choice run to its end; `content(output, logprobs,
+        prompt_logprobs)` gives a choice's endpoint-specific fields (text or message, and
+        logprobs); the prompt's log-probabilities come from its first choice, which alone
+        computed them. `prompt_logprobs_field`: they go in the response (vLLM's chat), once."""
         try:
             finals, logprobs = await server.run_to_end(streams, raw)
         except ClientGone:
             return Response(status_code=499)
-        choices = []
+        choices, n = [], body.num_choices
         for i, (o, lps) in enumerate(zip(finals, logprobs)):
-            choice = {"index": i, **content(o, lps), "finish_reason": o.finish_reason,
+            prompt_lps = finals[i - i % n].prompt_logprobs
+            choice = {"index": i, **content(o, lps, prompt_lps), "finish_reason": o.finish_reason,
                       "stop_reason": o.outputs[0].stop_reason}
             if body.return_token_ids:
                 choice.update(token_ids=o.token_ids, prompt_token_ids=o.prompt_token_ids)
             choices.append(choice)
-        return {**head, "choices": choices, "usage": usage(finals, body.num_choices)}
+        response = {**head, "choices": choices, "usage": usage(finals, body.num_choices)}
+        if prompt_logprobs_field and finals[0].prompt_logprobs is not None:
+            response["prompt_logprobs"] = prompt_logprobs_json(finals[0].prompt_logprobs,
+                                                               server.tokenizer)
+        return response
 
     @app.post("/v1/completions", dependencies=json_body)
     async def completions(body: CompletionRequest, raw: Request):
@@ -284,6 +292,8 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
         for i, p in enumerate(prompts):
             if isinstance(p, str):
                 text, ids = p, await server.encode(p, body.add_special_tokens)
+            elif body.echo and server.tokenizer is not None:  # vLLM echoes ids as their text
+                text, ids = await server.decode(list(p)), list(p)
             else:
                 text, ids = None, list(p)
             default = min(COMPLETION_DEFAULT_MAX_TOKENS, server.max_model_len - len(ids))
@@ -297,10 +307,23 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
             return EngineStreamingResponse(
                 stream_events(server.events(streams), len(streams), head, body, False,
                               token_texts), streams)
-        return await final_response(streams, raw, head, body, lambda o, lps: {
-            "text": o.text,
-            "logprobs": completion_logprobs(lps, token_texts(o.prompt_token_ids))
-            if body.num_logprobs is not None else None})
+
+        def completion_choice(o, lps, prompt_lps) -> dict:
+            text, logprobs = o.text, None
+            if body.echo:
+                text = (o.prompt or "") + ("" if body.echo_only else o.text)
+            if body.num_logprobs is not None and body.echo:
+                logprobs = echo_logprobs(prompt_lps or [None], [] if body.echo_only else lps,
+                                         body.num_logprobs, token_texts([]),
+                                         o.prompt_token_ids)
+            elif body.num_logprobs is not None:
+                logprobs = completion_logprobs(lps, token_texts(o.prompt_token_ids))
+            choice = {"text": text, "logprobs": logprobs}
+            if prompt_lps is not None:  # vLLM's extension
+                choice["prompt_logprobs"] = prompt_logprobs_json(prompt_lps, server.tokenizer)
+            return choice
+
+        return await final_response(streams, raw, head, body, completion_choice)
 
     @app.post("/v1/chat/completions", dependencies=json_body)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
@@ -325,7 +348,7 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
             return EngineStreamingResponse(
                 stream_events(server.events(streams), len(streams), head, body, True,
                               token_texts, ids), streams)
-        return await final_response(streams, raw, head, body, lambda o, lps: {
+        return await final_response(streams, raw, head, body, lambda o, lps, _: {
             "message": {"role": "assistant", "content": o.text},
             "logprobs": chat_logprobs(lps, token_texts(o.prompt_token_ids))
-            if body.num_logprobs is not None else None})
+            if body.num_logprobs is not None else None}, prompt_logprobs_field=True)

@@ -4,12 +4,14 @@ Types are strict, as OpenAI's are: `max_tokens: "12"` or `12.0`, `stream: 1` and
 [true]` are 400s, and no float may be infinite or NaN. What real clients send is accepted the
 way vLLM does:
 
-- implemented: the sampling fields, penalties, `min_p`, `logprobs` / `top_logprobs`, `n`;
+- implemented: the sampling fields, penalties, `min_p`, `logprobs` / `top_logprobs`, `n`,
+  vLLM's `prompt_logprobs`, and the completions' `echo` (with `max_tokens: 0`: the prompt
+  alone, as vLLM's);
 - bookkeeping that changes nothing (`user`, `store`, `metadata`, `service_tier`,
   `prompt_cache_key`, `safety_identifier`, `reasoning_effort`, `request_id`, `priority` 0 ...):
   accepted and ignored;
 - fields nanokv does not implement: accepted only at the value that changes nothing
-  (`echo: false`, `logit_bias: {}`, `tools: []`, `priority: 0` ...), otherwise a
+  (chat's `echo: false`, `logit_bias: {}`, `tools: []`, `priority: 0` ...), otherwise a
   400 naming the field (`unsupported()`);
 - anything else is an unknown field: a 400 naming it.
 """
@@ -143,8 +145,6 @@ class _SamplingRequest(_Body):
             bad.append(("priority", "priority scheduling is not supported (use 0)"))
         if self.truncate_prompt_tokens is not None:
             bad.append(("truncate_prompt_tokens", "truncate_prompt_tokens is not supported"))
-        if self.prompt_logprobs is not None:
-            bad.append(("prompt_logprobs", "prompt_logprobs are not supported"))
         for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
                      "guided_grammar"):
             if getattr(self, name) is not None:
@@ -173,6 +173,11 @@ class _SamplingRequest(_Body):
             frequency_penalty=self.frequency_penalty or 0.0)
 
     @property
+    def num_prompt_logprobs(self) -> int | None:
+        """The engine's prompt_logprobs: the request's (vLLM's extension)."""
+        return self.prompt_logprobs
+
+    @property
     def num_choices(self) -> int:
         return 1 if self.n is None else self.n
 
@@ -198,8 +203,6 @@ class CompletionRequest(_SamplingRequest):
 
     def unsupported(self) -> list[tuple[str, str]]:
         bad = super().unsupported()
-        if self.echo:
-            bad.append(("echo", "echo is not supported"))
         if self.suffix:
             bad.append(("suffix", "suffix is not supported"))
         if self.best_of not in (None, self.num_choices):
@@ -209,6 +212,18 @@ class CompletionRequest(_SamplingRequest):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """vLLM's: prompt_logprobs, else with echo the logprobs (the echoed prompt's)."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt alone (one token is still computed: vLLM's)."""
+        return bool(self.echo) and self.max_tokens == 0
 
 
 class TextPart(_Strict):
@@ -286,7 +301,8 @@ class ChatCompletionRequest(_SamplingRequest):
                         "add_generation_prompt cannot both be true: set add_generation_prompt "
                         "to false to continue the last message"))
         if self.echo:
-            bad.append(("echo", "echo is not supported"))
+            bad.append(("echo", "echo is not supported on chat completions (it is on "
+                                "/v1/completions)"))
         if self.chat_template is not None:
             bad.append(("chat_template", "per-request chat templates are not supported "
                                          "(the server's --chat-template applies)"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
 from nanokv.engine.detokenizer import TokenTexts
 from nanokv.layers.sampler import TokenLogprobs
@@ -40,13 +41,21 @@ def _token_texts(lps: list[TokenLogprobs], texts: TokenTexts, final: bool):
 
 
 def completion_logprobs(lps: list[TokenLogprobs], texts: TokenTexts, offset: int = 0,
-                        final: bool = True) -> dict:
+                        final: bool = True, unscored: int | None = None) -> dict:
     """/v1/completions: tokens, token_logprobs, top_logprobs ({token: logprob}, the sampled
     token included) and text_offset (each token's offset in the whole completion: a streamed
     chunk passes the length of the tokens' text sent before it as `offset`). `texts`: the
     choice's `TokenTexts` (a token's text is what it adds to the completion's text, so the
-    offsets index it); `final`: the entries end the output."""
+    offsets index it); `final`: the entries end the output. `unscored`: an echoed prompt's
+    first token, which comes first with null log-probabilities (OpenAI's, vLLM's)."""
     tokens, values, tops, offsets, at = [], [], [], [], offset
+    if unscored is not None:
+        text, _ = texts.next(unscored, (), final and not lps)
+        tokens.append(text)
+        values.append(None)
+        tops.append(None)
+        offsets.append(at)
+        at += len(text)
     for lp, (text, alternatives) in zip(lps, _token_texts(lps, texts, final)):
         tokens.append(text)
         values.append(_lp(lp.logprob))
@@ -59,6 +68,34 @@ def completion_logprobs(lps: list[TokenLogprobs], texts: TokenTexts, offset: int
         at += len(text)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def echo_logprobs(prompt_logprobs: list, output_logprobs: list[TokenLogprobs], k: int,
+                  texts: TokenTexts, prompt_token_ids: list[int], final: bool = True) -> dict:
+    """/v1/completions with echo: the prompt's tokens (its first with null values), then the
+    output's; `k`: the request's logprobs (a prompt entry may hold more alternatives)."""
+    prompt = [replace(lp, top=lp.top[:k]) for lp in prompt_logprobs[1:]]
+    return completion_logprobs(prompt + output_logprobs, texts, final=final,
+                               unscored=prompt_token_ids[0])
+
+
+def prompt_logprobs_json(prompt_logprobs: list | None, tokenizer) -> list | None:
+    """vLLM's `prompt_logprobs` field: per prompt token null (the first) or
+    {token id: {logprob, rank, decoded_token}}, the prompt token first with its rank, then the
+    top alternatives ranked 1.. (a prompt token among them keeps one entry)."""
+    if prompt_logprobs is None:
+        return None
+
+    def decoded(t: int) -> str | None:
+        return None if tokenizer is None else tokenizer.decode([t])
+
+    out: list[dict | None] = [None]
+    for lp in prompt_logprobs[1:]:
+        ranked = [(lp.token_id, lp.logprob, lp.rank)] + [
+            (t, v, r) for r, (t, v) in enumerate(lp.top, start=1)]
+        out.append({str(t): {"logprob": _lp(v), "rank": r, "decoded_token": decoded(t)}
+                    for t, v, r in ranked})
+    return out
 
 
 def chat_logprobs(lps: list[TokenLogprobs], texts: TokenTexts, final: bool = True) -> dict:
@@ -108,7 +145,9 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
     continuous_usage_stats), then [DONE]. An error ends the stream with OpenAI's error body and
     [DONE]. With return_token_ids the prompt's ids come once, as in vLLM: a chat stream's first
     chunk carries `prompt_token_ids` (the chat's prompt, given), a completion's choice its
-    prompt's in its first chunk."""
+    prompt's in its first chunk. A completion with echo starts each choice's first chunk with
+    the prompt's text (and its log-probabilities, asked for), as vLLM's; with max_tokens 0
+    nothing of the output follows."""
     stop = body.stop_list()
     deltas = [TextDelta(stop, body.include_stop_str_in_output) for _ in range(num_choices)]
     # each choice's tokens' texts, made at its first output (which carries its prompt)
@@ -121,6 +160,8 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
     n = body.num_choices
     generated = 0
     want_logprobs = body.num_logprobs is not None
+    echo = not chat and bool(body.echo)
+    echo_only = echo and body.echo_only
 
     def running_usage() -> dict | None:
         if not (body.include_usage and body.continuous_usage):
@@ -139,19 +180,30 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
                 yield sse(chunk)
         async for i, out in events:
             first_outputs[i] = first_outputs[i] or out
-            texts[i] = texts[i] or token_texts(out.prompt_token_ids)
+            # an echo's token texts start with the prompt's: the offsets index the echoed text
+            texts[i] = texts[i] or token_texts([] if echo else out.prompt_token_ids)
             new = out.new_token_ids or []
             generated += len(new)
             pending_ids[i] += new
-            pending_lps[i] += out.new_logprobs or []
-            piece = deltas[i].next(out.text, out.finished)
-            if not piece and not out.finished and not (body.return_token_ids and new):
+            if not echo_only:
+                pending_lps[i] += out.new_logprobs or []
+            piece = "" if echo_only else deltas[i].next(out.text, out.finished)
+            echoing = echo and not sent[i]
+            if echoing:
+                piece = (out.prompt or "") + piece
+            if not piece and not out.finished and not (body.return_token_ids and new) \
+                    and not echoing:
                 continue
             if out.finished:
                 finals[i] = out
             logprobs = None
             if want_logprobs and pending_lps[i] and chat:
                 logprobs = chat_logprobs(pending_lps[i], texts[i], out.finished)
+            elif want_logprobs and echoing:
+                logprobs = echo_logprobs(out.prompt_logprobs or [None], pending_lps[i],
+                                         body.num_logprobs, texts[i], out.prompt_token_ids,
+                                         out.finished)
+                text_offsets[i] += sum(len(t) for t in logprobs["tokens"])
             elif want_logprobs and pending_lps[i]:
                 logprobs = completion_logprobs(pending_lps[i], texts[i], text_offsets[i],
                                                out.finished)

@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import Request
 
@@ -27,7 +27,7 @@ from nanokv.server.protocol import MAX_N, APIError, _SamplingRequest
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens",
                    "min_tokens", "stop", "stop_token_ids", "repetition_penalty",
-                   "presence_penalty", "frequency_penalty", "logprobs")
+                   "presence_penalty", "frequency_penalty", "logprobs", "prompt_logprobs")
 REQUEST_CLASS_HEADER = "x-request-class"
 DEFAULT_REQUEST_CLASS = "default"
 CHARS_PER_TOKEN_LIMIT = 64  # default --max-prompt-chars: this many characters per context token
@@ -156,6 +156,15 @@ class OpenAIServer:
             param = "top_logprobs" if hasattr(body, "top_logprobs") else "logprobs"
             raise APIError(400, f"{param} must be in [0, {MAX_LOGPROBS}], got {k}", param=param,
                            code="invalid_value")
+        k = body.prompt_logprobs
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            whole = " (-1, the whole vocabulary, is not supported)" if k == -1 else ""
+            raise APIError(400, f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {k}{whole}",
+                           param="prompt_logprobs", code="invalid_value")
+        if k and body.stream:  # vLLM's rule: a stream has no field for them
+            raise APIError(400, "prompt_logprobs are not available when stream=true (echo=true "
+                                "with logprobs streams the prompt's log-probabilities)",
+                           param="prompt_logprobs", code="invalid_value")
 
     def request_class(self, raw: Request, endpoint: str) -> tuple[str, str]:
         """(endpoint, class): the prefix-cache counters' labels, from a bounded set."""
@@ -242,19 +251,24 @@ class OpenAIServer:
                       request_id: str, requested_max: int | None, default_max: int,
                       prompt_param: str, max_param: str = "max_tokens") -> list:
         """The n engine requests of one prompt (ids `request_id-j`); n > 1 share the prompt's
-        blocks through the prefix cache, and seeded choices use seed + j."""
+        blocks through the prefix cache, and seeded choices use seed + j. Echo with max_tokens
+        0 runs max_tokens 1 (vLLM's)."""
         n = len(token_ids)
         if n >= self.max_model_len:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
                                 f"tokens; the prompt has {n} tokens (at most "
                                 f"{self.max_model_len - 1} leave room for one output token).",
                            param=prompt_param, code="context_length_exceeded")
+        echo_only = getattr(body, "echo_only", False)
         if requested_max is None:
             max_tokens = default_max
+        elif echo_only:
+            max_tokens = 1  # vLLM's: one token is computed, the answer holds the prompt alone
         else:
             if requested_max < 1:
-                raise APIError(400, f"{max_param} must be at least 1, got {requested_max}",
-                               param=max_param, code="invalid_value")
+                raise APIError(400, f"{max_param} must be at least 1 (0 only with echo=true), "
+                                    f"got {requested_max}", param=max_param,
+                               code="invalid_value")
             if n + requested_max > self.max_model_len:
                 raise APIError(400, f"This model's maximum context length is "
                                     f"{self.max_model_len} tokens. However, you requested "
@@ -265,15 +279,19 @@ class OpenAIServer:
             max_tokens = requested_max
         try:
             kwargs = body.sampling_kwargs()
-            base = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=body.num_logprobs)
+            base = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=body.num_logprobs,
+                                  prompt_logprobs=body.num_prompt_logprobs)
         except ValueError as e:
             field = str(e).split(" ", 1)[0]
             raise APIError(400, str(e), param=field if field in SAMPLING_FIELDS else None,
                            code="invalid_value") from e
         requests = []
         for j in range(body.num_choices):
+            params = base.sample(j)  # sample 0 alone computes the prompt's log-probabilities,
+            if body.stream:  # but each streamed choice echoes them in its first chunk
+                params = replace(params, prompt_logprobs=base.prompt_logprobs)
             try:
-                request = self.engine.make_request(token_ids, base.sample(j),
+                request = self.engine.make_request(token_ids, params,
                                                    request_id=f"{request_id}-{j}",
                                                    cache_salt=body.cache_salt)
             except ValueError as e:

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from nanokv.attention.common import StepAttention
-from nanokv.layers.sampler import Sampler
+from nanokv.layers.batch_sampling import logprob_parts
+from nanokv.layers.sampler import Sampler, unpack_token_logprobs
 from nanokv.sampling_params import SamplingParams
 from nanokv.scheduler.output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from nanokv.utils import cdiv
@@ -24,6 +25,7 @@ from nanokv.worker.cuda_graph import DecodeGraphs
 from nanokv.worker.step_inputs import StepInputs, build_step_inputs
 
 _SCORING_PARAMS = SamplingParams(temperature=0, max_tokens=1)
+PROMPT_LOGPROB_ROWS = 512  # prompt positions scored at once: bounds the [rows, vocab] scratch
 
 
 class ModelRunner:
@@ -66,16 +68,17 @@ class ModelRunner:
             if not self.tp.is_first:
                 q_rows, capture = None, []
         prompt_logits = self._prompt_logits(sched, hidden)
+        prompt_logprobs = self._prompt_logprobs(sched, hidden)
         captured = self._split_captured(q_rows, capture)
         if not sample_rows:
-            return RunnerOutput({}, prompt_logits, captured)
+            return RunnerOutput({}, prompt_logits, captured, prompt_logprobs=prompt_logprobs)
         if len(sample_rows) == hidden.shape[0]:  # every row samples (a decode step)
             logits = self.model.compute_logits(hidden)  # [N, vocab]
         else:
             rows = torch.tensor(sample_rows).to(self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden[rows])  # [N, vocab]
         if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
-            return RunnerOutput({}, prompt_logits, captured)
+            return RunnerOutput({}, prompt_logits, captured, prompt_logprobs=prompt_logprobs)
         sampled = [s for s in sched.scheduled if s.sample]
         out = self.sampler.sample(logits, [s.params for s in sampled],
                                   [s.output_index for s in sampled],
@@ -83,7 +86,7 @@ class ModelRunner:
                                   [s.banned_token_ids for s in sampled])
         logprobs = {s.request_id: lp for s, lp in zip(sampled, out.logprobs) if lp is not None}
         return RunnerOutput({s.request_id: t for s, t in zip(sampled, out.token_ids)},
-                            prompt_logits, captured, logprobs)
+                            prompt_logits, captured, logprobs, prompt_logprobs)
 
     @torch.inference_mode()
     def score_forward(self, token_ids: list[int], start_position: int, start_slot: int,
@@ -121,6 +124,37 @@ class ModelRunner:
                 if logits is not None:  # None: a tensor-parallel rank other than 0
                     out[s.request_id] = logits.cpu()  # [n, vocab]
             start += s.num_tokens
+        return out
+
+    def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor) -> dict:
+        """Per request whose chunk scores prompt tokens (`prompt_logprob_targets`), their
+        TokenLogprobs: the raw distribution of each row (PROMPT_LOGPROB_ROWS at a time), the
+        next prompt token's log-probability and rank and the top `prompt_logprobs`, computed
+        on the device and brought back in one transfer. Every tensor-parallel rank computes the
+        logits (a gather to rank 0); the others return {}."""
+        parts, wanted, start = [], [], 0
+        for s in sched.scheduled:
+            if s.prompt_logprob_targets:
+                k = s.params.prompt_logprobs
+                for first in range(0, len(s.prompt_logprob_targets), PROMPT_LOGPROB_ROWS):
+                    targets = s.prompt_logprob_targets[first:first + PROMPT_LOGPROB_ROWS]
+                    rows = hidden[start + first:start + first + len(targets)]
+                    logits = self.model.compute_logits(rows)  # [m, vocab]
+                    if logits is None:  # a tensor-parallel rank other than 0
+                        continue
+                    ids = torch.tensor(targets).to(self.device, non_blocking=True)
+                    parts += logprob_parts(logits, ids, list(range(len(targets))), k)
+                    wanted.append((s.request_id, targets, k))
+            start += s.num_tokens
+        if not parts:
+            return {}
+        host = torch.cat(parts).cpu()  # [sum over chunks of m * (2 + 2k)]
+        out, at = {}, 0
+        for request_id, targets, k in wanted:
+            size = len(targets) * (2 + 2 * k)
+            out.setdefault(request_id, []).extend(
+                unpack_token_logprobs(host[at:at + size], targets, k))
+            at += size
         return out
 
     def inputs(self, sched: SchedulerOutput) -> StepInputs:

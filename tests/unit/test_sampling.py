@@ -78,7 +78,8 @@ def test_sampling_follows_distribution():
     (dict(skip_special_tokens=0), "skip_special_tokens must be True or False, got 0"),
     (dict(spaces_between_special_tokens=None), "spaces_between_special_tokens must be True or "
                                                "False, got None"),
-    (dict(prompt_logprobs=0), "prompt_logprobs=0 is not supported.*return_prompt_logits"),
+    (dict(prompt_logprobs=-1), "prompt_logprobs=-1 .the whole vocabulary. is not supported"),
+    (dict(prompt_logprobs=21), r"prompt_logprobs must be None or an integer in \[0, 20\]"),
     (dict(bad_words=["x"]), r"bad_words=\['x'\] is not supported"),
     (dict(logits_processors=[abs]), "logits_processors=.* is not supported"),
     (dict(truncate_prompt_tokens=8), "truncate_prompt_tokens=8 is not supported"),
