@@ -79,6 +79,33 @@ def test_lm_eval_loglikelihood_call(shipped_server, tokenizer, hf_logprobs):
         assert r.usage.prompt_tokens == len(ids)
 
 
+def test_lm_eval_0_4_13_payload_and_parse(shipped_server, tokenizer, hf_logprobs):
+    """lm-eval 0.4.13's exact loglikelihood payload (a batch of token-id prompts, echo,
+    logprobs 1, max_tokens 1, seed) and its `parse_logprobs`: the continuation's entries are
+    token_logprobs[ctxlen:-1] (the last is the generated token's)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=shipped_server.url + "/v1", api_key="none", max_retries=0,
+                    timeout=60)
+    context = tokenizer.encode(CONTEXT)
+    continuations = [tokenizer.encode(CONTINUATION), tokenizer.encode("        pass\n")]
+    prompts = [context + c for c in continuations]
+    r = client.completions.create(model=MODEL_NAME, prompt=prompts, temperature=0,
+                                  max_tokens=1, logprobs=1, seed=1234, echo=True)
+    choices = sorted(r.choices, key=lambda c: c.index)
+    assert len(choices) == 2
+    for choice, prompt in zip(choices, prompts):
+        ctxlen = len(context)
+        values = choice.logprobs.token_logprobs[ctxlen:-1]
+        tops = choice.logprobs.top_logprobs[ctxlen:-1]
+        rows = hf_logprobs(prompt)  # row i scores token i + 1
+        expected = [float(rows[i - 1, prompt[i]]) for i in range(ctxlen, len(prompt))]
+        assert abs(sum(values) - sum(expected)) < 1e-3
+        greedy = all(v == max(top.values()) for v, top in zip(values, tops))
+        assert greedy == all(int(rows[i - 1].argmax()) == prompt[i]
+                             for i in range(ctxlen, len(prompt)))
+
+
 def test_echo_with_output_and_prompt_logprobs_field(shipped_server, tokenizer, hf_logprobs):
     """echo with max_tokens > 0: the prompt's entries then the output's; vLLM's
     prompt_logprobs field in the choice; n = 2 choices share the prompt's values."""
