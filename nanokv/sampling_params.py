@@ -67,6 +67,7 @@ class SamplingParams:
     # no effect, either value: the tokenizer's decode (transformers 5) puts no spaces around
     # special tokens, as vLLM's detokenizer for fast tokenizers
     spaces_between_special_tokens: bool = True
+    # vLLM's fields that nanokv does not implement: accepted at their defaults only (UNSUPPORTED)
     bad_words: list[str] | None = None
     logits_processors: list | None = None
     truncate_prompt_tokens: int | None = None
