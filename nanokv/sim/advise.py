@@ -225,10 +225,10 @@ def line(o: Outcome) -> str:
     tpot = r.tpot_s["p50"]
     cap = o.capacity_req_s
     return (f"bs {c.block_size:4d} {c.kv_dtype:8s} seqs {c.max_num_seqs:4d} {c.policy:17s} "
-            f"blocks {o.num_blocks:7d} capacity {cap or math.nan:7.2f} req/s "
+            f"blocks {o.num_blocks:7d} capacity {_f(cap):>7s} req/s "
             f"hit {r.prefix_hit_rate:.3f} out {r.output_tok_s:8.0f} "
-            f"tok/s ttft90 {ttft if ttft is not None else math.nan:7.3f} s tpot50 "
-            f"{(tpot or math.nan) * 1e3:6.1f} ms run {r.mean_running:5.1f}/{r.peak_running:4d} "
+            f"tok/s ttft90 {_f(ttft, digits=3):>7s} s tpot50 "
+            f"{_f(tpot, 1e3, 1):>6s} ms run {r.mean_running:5.1f}/{r.peak_running:4d} "
             f"preempt {r.preemptions}")
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 
 from nanokv.cli import main
-from nanokv.sim.advise import AdviseSettings, Candidate, evaluate, kv_cost, sweep
+from nanokv.sim.advise import AdviseSettings, Candidate, evaluate, kv_cost, line, sweep
 from nanokv.sim.step_model import (DEVICES, LinearStepModel, ModelShape, RooflineStepModel,
                                    StepFeatures)
 from nanokv.sim.synthetic import WorkloadShape, generate
@@ -83,6 +84,11 @@ def test_sweep_ranks_and_prefers_small_blocks_for_shared_prefixes():
     fp8 = evaluate(recs, s, Candidate(64, "fp8", 64))
     auto = evaluate(recs, s, Candidate(64, "auto", 64))
     assert fp8.num_blocks > 1.8 * auto.num_blocks
+    # a progress line shows what the table shows: '-' where a figure is missing, never nan
+    assert auto.capacity_req_s is None and "nan" not in line(auto)
+    assert " capacity       - req/s " in line(auto)
+    measured = replace(fp8, saturated=replace(fp8.result, capacity_req_s=12.5))
+    assert " capacity   12.50 req/s " in line(measured)
 
 
 def test_advise_cli(tmp_path, capsys):
