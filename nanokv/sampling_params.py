@@ -67,6 +67,13 @@ class SamplingParams:
     # no effect, either value: the tokenizer's decode (transformers 5) puts no spaces around
     # special tokens, as vLLM's detokenizer for fast tokenizers
     spaces_between_special_tokens: bool = True
+    # vLLM's logits processors, applied (as vLLM V1 does) before the penalties, the temperature
+    # and the filters, so greedy decoding sees them; log-probabilities do not (raw):
+    # logit_bias: token id -> a finite number added to its logit (not clamped: vLLM's server
+    # clamps to [-100, 100], its SamplingParams does not); allowed_token_ids: only these ids
+    # may be sampled (None: any). Both are checked against the vocabulary per request.
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     # vLLM's fields that nanokv does not implement: accepted at their defaults only (UNSUPPORTED)
     bad_words: list[str] | None = None
     logits_processors: list | None = None
@@ -99,6 +106,8 @@ class SamplingParams:
                                        "a list of non-negative integers")
         self.stop_token_ids = [int(t) if isinstance(t, numbers.Integral)
                                and not isinstance(t, bool) else t for t in self.stop_token_ids]
+        self._validate_logit_bias()
+        self._validate_allowed_token_ids()
         _check(_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         _check(_finite(self.temperature) and self.temperature >= 0,
                f"temperature must be a finite number >= 0 (0 = greedy), got "
@@ -146,6 +155,30 @@ class SamplingParams:
                f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got "
                f"{self.prompt_logprobs!r}")
 
+    def _validate_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        allowed = "a dict of token id (an integer >= 0) -> finite number"
+        _check(isinstance(self.logit_bias, dict),
+               f"logit_bias must be None or {allowed}, got {self.logit_bias!r}")
+        bias = {}
+        for token, value in self.logit_bias.items():
+            token, value = _as_python_number(token), _as_python_number(value)
+            _check(_int(token) and token >= 0 and _finite(value),
+                   f"logit_bias must be {allowed}, got {{{token!r}: {value!r}}}")
+            bias[token] = float(value)
+        self.logit_bias = bias or None  # {} changes nothing
+
+    def _validate_allowed_token_ids(self) -> None:
+        if self.allowed_token_ids is None:
+            return
+        allowed = "None (any token) or a non-empty list of token ids (integers >= 0)"
+        ids = _as_list("allowed_token_ids", self.allowed_token_ids, allowed)
+        ids = [_as_python_number(t) for t in ids]
+        _check(bool(ids) and all(_int(t) and t >= 0 for t in ids),
+               f"allowed_token_ids must be {allowed}, got {self.allowed_token_ids!r}")
+        self.allowed_token_ids = ids
+
     def sample(self, j: int) -> SamplingParams:
         """The params of sample j of n: one sample, a seeded one with seed + j (the server's
         rule for n choices; wrapped into the signed 64-bit range), so the samples differ. Only
@@ -165,6 +198,11 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
 
+    @property
+    def shapes_logits(self) -> bool:
+        """True when logit_bias or allowed_token_ids change the logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
+
 
 def _as_list(name: str, value, allowed: str) -> list:
     """None -> [], a list or tuple -> a list; anything else (a lone number) is refused."""
@@ -173,6 +211,15 @@ def _as_list(name: str, value, allowed: str) -> list:
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
     return list(value)
+
+
+def _as_python_number(x):
+    """numpy integers and floats as Python's; anything else as it is."""
+    if isinstance(x, numbers.Integral) and not isinstance(x, (int, bool)):
+        return int(x)
+    if isinstance(x, numbers.Real) and not isinstance(x, (int, float, bool)):
+        return float(x)
+    return x
 
 
 def _int(x) -> bool:

@@ -213,10 +213,13 @@ class LLMEngine:
                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids must be in [0, {vocab}) (the vocabulary); got "
-                             f"{bad[:5]}")
+        for what, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias keys (token ids)", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{what} must be in [0, {vocab}) (the vocabulary); got "
+                                 f"{bad[:5]}")
         if len(token_ids) >= self.config.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len "
                              f"{self.config.max_model_len} allows at most "

@@ -3,7 +3,7 @@
 Nothing here loops over rows in Python or reads a device value back: the host builds the step's
 per-row parameters (and the seeded rows' uniforms) into one float64 buffer, uploads it once, and
 the sampler brings back one packed tensor of token ids (and requested log-probabilities). The
-per-row functions in `sampler.py` (`apply_penalties`, `filter_logits`,
+per-row functions in `sampler.py` (`shape_logits`, `apply_penalties`, `filter_logits`,
 `Sampler.sample_reference`) are the oracles these are tested against, token for token.
 """
 
@@ -89,6 +89,37 @@ class RowParams:
                    top_p_rows=index[2], max_top_k=max_top_k)
 
 
+def shape_logits_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """vLLM's allowed_token_ids (every other token to -inf) then logit_bias (added) on every row
+    that has them, at once. logits: [N, vocab] -> a float32 copy (the input itself when no row
+    has either: nothing is uploaded or computed)."""
+    shaped = [i for i, p in enumerate(params) if p.shapes_logits]
+    if not shaped:
+        return logits
+    allowed_rows = [i for i in shaped if params[i].allowed_token_ids is not None]
+    allowed = [(i, t) for i in allowed_rows for t in params[i].allowed_token_ids]
+    biased = [(i, t, b) for i in shaped for t, b in (params[i].logit_bias or {}).items()]
+    bias = np.array([b for _, _, b in biased], dtype=np.float64)
+    host = np.concatenate([np.array(allowed_rows, dtype=np.int64),
+                           np.array(allowed, dtype=np.int64).reshape(-1, 2).T.reshape(-1),
+                           np.array([(i, t) for i, t, _ in biased],
+                                    dtype=np.int64).reshape(-1, 2).T.reshape(-1),
+                           bias.view(np.int64)])
+    dev = upload(host, logits.device)  # one upload: rows, (row, token) pairs, biases as raw bits
+    a, n_allowed, n_biased = len(allowed_rows), len(allowed), len(biased)
+    out = logits.to(torch.float32, copy=True)
+    if allowed_rows:
+        pairs = dev[a:a + 2 * n_allowed].view(2, -1)  # [2 = row | token, n_allowed]
+        kept = out[pairs[0], pairs[1]]
+        out.index_fill_(0, dev[:a], float("-inf"))
+        out[pairs[0], pairs[1]] = kept
+    if biased:
+        start = a + 2 * n_allowed
+        pairs = dev[start:start + 2 * n_biased].view(2, -1)  # [2 = row | token, n_biased]
+        out[pairs[0], pairs[1]] += dev[start + 2 * n_biased:].view(torch.float64).float()
+    return out
+
+
 def apply_penalties_batch(logits: torch.Tensor, params: list[SamplingParams],
                           histories: list[History | None]) -> torch.Tensor:
     """vLLM's repetition / frequency / presence penalties on every row that has them, at once.
@@ -139,8 +170,8 @@ def apply_penalties_batch(logits: torch.Tensor, params: list[SamplingParams],
 def ban_tokens(logits: torch.Tensor, banned: list[tuple[int, ...]],
                raw: torch.Tensor) -> torch.Tensor:
     """Row i's `banned[i]` token ids to -inf (min_tokens: a row may not stop yet). logits:
-    [N, vocab] -> the same tensor when it is already a penalised copy, else a masked copy (the
-    raw logits stay as they are: log-probabilities read them)."""
+    [N, vocab] -> the same tensor when it is already a copy (`shape_logits_batch`'s), else a
+    masked copy (the raw logits stay as they are: log-probabilities read them)."""
     vocab = logits.shape[1]
     pairs = np.array([(i, t) for i, ids in enumerate(banned) for t in ids if t < vocab],
                      dtype=np.int64).reshape(-1, 2).T  # [2 = row | token, n]

@@ -1,21 +1,23 @@
-"""Token sampling: penalties, then greedy rows by argmax; the rest with temperature, min-p,
-top-k, top-p; log-probabilities of the sampled tokens on request.
+"""Token sampling: allowed tokens, logit bias and penalties, then greedy rows by argmax; the rest
+with temperature, min-p, top-k, top-p; log-probabilities of the sampled tokens on request.
 
-The order is vLLM's: penalties change the logits every row reads (greedy ones too), and a row's
-banned tokens (EOS and stop tokens before `min_tokens`) are masked, then the temperature, then
-min_p on the tempered distribution, then top-k and top-p. Log-probabilities are
-those of the model's raw distribution (vLLM's default `raw_logprobs`): what the model thought,
-not what the sampling settings made of it.
+The order is vLLM V1's: tokens outside a row's `allowed_token_ids` go to -inf, its `logit_bias`
+is added and its banned tokens (EOS and stop tokens before `min_tokens`) are masked, then the
+penalties (a repetition penalty divides the biased logit); all of these change the logits every
+row reads, greedy ones too. Then the temperature, min_p on the tempered distribution, top-k and
+top-p. Log-probabilities are those of the model's raw distribution (vLLM's default
+`raw_logprobs`, taken before its logits processors): what the model thought, not what the
+sampling settings (bias and allowed tokens included) made of it.
 
 All rows are sampled on the logits' device at once (`batch_sampling.py`): per-row parameter
 tensors, one upload of them, and one transfer back of the token ids (with the requested
 log-probabilities packed beside them): one host synchronisation per step. Sampled rows are drawn
 by inverse CDF: one uniform u per row and the first token whose cumulative probability (float64)
 exceeds u * total, one random number per row where a multinomial draws one per vocabulary entry.
-`Sampler.sample_reference` is the same draw row by row on the host with `apply_penalties` and
-`filter_logits` (the oracle of the batched path, token for token), `sample_row_reference` the
-per-row softmax + multinomial (the oracle of the distribution), `token_logprobs` the host
-reference of the log-probabilities.
+`Sampler.sample_reference` is the same draw row by row on the host with `shape_logits`,
+`apply_penalties` and `filter_logits` (the oracle of the batched path, token for token),
+`sample_row_reference` the per-row softmax + multinomial (the oracle of the distribution),
+`token_logprobs` the host reference of the log-probabilities.
 
 A request with a seed draws token i with a uniform from a generator seeded by a hash of (seed, i)
 (`draw_seed`; drawn on
@@ -37,6 +39,7 @@ from nanokv.layers.batch_sampling import (
     ban_tokens,
     draw,
     logprob_parts,
+    shape_logits_batch,
 )
 from nanokv.sampling_params import SamplingParams
 
@@ -79,9 +82,10 @@ class Sampler:
         params[i].has_penalties; banned[i]: token ids row i may not pick (min_tokens). All rows
         on the device at once; one transfer back."""
         raw = logits
-        logits = apply_penalties_batch(logits, params, histories)
+        logits = shape_logits_batch(logits, params)
         if banned is not None and any(banned):
             logits = ban_tokens(logits, banned, raw)
+        logits = apply_penalties_batch(logits, params, histories)
         # [N]: the greedy rows' tokens; max's indices are argmax's (the first maximum, NaN
         # first) and on CPU 3x faster over 8 x 151,936 logits (one vectorised pass)
         tokens = logits.max(dim=-1).indices
@@ -122,19 +126,19 @@ class Sampler:
                          output_indices: list[int],
                          histories: list[History | None] | None = None,
                          banned: list[tuple[int, ...]] | None = None) -> list[int]:
-        """Row by row on the host with `apply_penalties` and `filter_logits`, the same uniforms
-        as `sample` draws: the oracle the batched device path is tested against, token for
-        token."""
+        """Row by row on the host with `shape_logits`, `apply_penalties` and `filter_logits`, the
+        same uniforms as `sample` draws: the oracle the batched device path is tested against,
+        token for token."""
         rows = [i for i, p in enumerate(params) if not p.greedy]
         u = self._uniforms(params, output_indices, rows) if rows else None
         tokens = []
         for i, p in enumerate(params):
-            row = logits[i].float().cpu()
-            if p.has_penalties:
-                row = apply_penalties(row, p, *histories[i])
+            row = shape_logits(logits[i].float().cpu(), p)
             if banned is not None and banned[i]:
                 row = row.clone()
                 row[[t for t in banned[i] if t < row.shape[0]]] = float("-inf")
+            if p.has_penalties:
+                row = apply_penalties(row, p, *histories[i])
             if p.greedy:
                 tokens.append(int(row.argmax()))
                 continue
@@ -150,7 +154,7 @@ class Sampler:
                              history: History | None = None) -> int:
         """One row by softmax + multinomial (the reference the batched sampling is tested
         against)."""
-        logits = logits.float()
+        logits = shape_logits(logits.float(), p)
         if p.has_penalties:
             logits = apply_penalties(logits, p, *history)
         if p.greedy:
@@ -195,6 +199,21 @@ def unpack_token_logprobs(host: torch.Tensor, tokens: list[int],
     top_ids = host[2 * n + n * top:].long().view(n, top).tolist()
     return [TokenLogprobs(t, values[j], ranks[j], list(zip(top_ids[j], top_values[j])))
             for j, t in enumerate(tokens)]
+
+
+def shape_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """vLLM's allowed_token_ids then logit_bias on one row. logits: [vocab] float32 -> [vocab]
+    (the input itself when the row has neither)."""
+    if p.allowed_token_ids is not None:
+        keep = torch.zeros_like(logits, dtype=torch.bool)
+        keep[p.allowed_token_ids] = True
+        logits = logits.masked_fill(~keep, float("-inf"))
+    if p.logit_bias:
+        bias = torch.zeros_like(logits)
+        bias[list(p.logit_bias)] = torch.tensor(list(p.logit_bias.values()),
+                                                dtype=logits.dtype)
+        logits = logits + bias
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt_token_ids: list[int],

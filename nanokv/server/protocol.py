@@ -4,14 +4,14 @@ Types are strict, as OpenAI's are: `max_tokens: "12"` or `12.0`, `stream: 1` and
 [true]` are 400s, and no float may be infinite or NaN. What real clients send is accepted the
 way vLLM does:
 
-- implemented: the sampling fields, penalties, `min_p`, `logprobs` / `top_logprobs`, `n`,
-  vLLM's `prompt_logprobs`, and the completions' `echo` (with `max_tokens: 0`: the prompt
-  alone, as vLLM's);
+- implemented: the sampling fields, penalties, `min_p`, `logit_bias`, `logprobs` /
+  `top_logprobs`, `n`, vLLM's `prompt_logprobs` and `allowed_token_ids`, and the completions'
+  `echo` (with `max_tokens: 0`: the prompt alone, as vLLM's);
 - bookkeeping that changes nothing (`user`, `store`, `metadata`, `service_tier`,
   `prompt_cache_key`, `safety_identifier`, `reasoning_effort`, `request_id`, `priority` 0 ...):
   accepted and ignored;
 - fields nanokv does not implement: accepted only at the value that changes nothing
-  (chat's `echo: false`, `logit_bias: {}`, `tools: []`, `priority: 0` ...), otherwise a
+  (chat's `echo: false`, `tools: []`, `priority: 0` ...), otherwise a
   400 naming the field (`unsupported()`);
 - anything else is an unknown field: a 400 naming it.
 """
@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
 MAX_N = 64  # choices per prompt
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range, [-100, 100]: vLLM's server clamps a bias into it
 
 
 class APIError(Exception):
@@ -126,6 +127,7 @@ class _SamplingRequest(_Body):
     priority: int = 0
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: str | None = None
@@ -137,8 +139,6 @@ class _SamplingRequest(_Body):
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for fields set to something nanokv does not implement."""
         bad = []
-        if self.logit_bias:
-            bad.append(("logit_bias", "logit_bias is not supported (send {} or leave it out)"))
         if self.stream_options is not None and not self.stream:
             bad.append(("stream_options", "stream_options needs stream=true"))
         if self.priority != 0:
@@ -170,7 +170,26 @@ class _SamplingRequest(_Body):
             repetition_penalty=(1.0 if self.repetition_penalty is None
                                 else self.repetition_penalty),
             presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0)
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias=self.token_logit_bias(), allowed_token_ids=self.allowed_token_ids)
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """logit_bias keyed by token id, each bias clamped to [-100, 100] (vLLM's server's
+        rule); ValueError naming the keys that are not integers."""
+        if not self.logit_bias:
+            return None
+        bias, bad = {}, []
+        for key, value in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                bad.append(key)
+                continue
+            bias[token] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, value))
+        if bad:
+            raise ValueError(f"logit_bias keys must be token ids (integers written as strings, "
+                             f"such as \"123\"), got {bad[:5]}")
+        return bias
 
     @property
     def num_prompt_logprobs(self) -> int | None:

@@ -27,7 +27,8 @@ from nanokv.server.protocol import MAX_N, APIError, _SamplingRequest
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens",
                    "min_tokens", "stop", "stop_token_ids", "repetition_penalty",
-                   "presence_penalty", "frequency_penalty", "logprobs", "prompt_logprobs")
+                   "presence_penalty", "frequency_penalty", "logprobs", "prompt_logprobs",
+                   "logit_bias", "allowed_token_ids")
 REQUEST_CLASS_HEADER = "x-request-class"
 DEFAULT_REQUEST_CLASS = "default"
 CHARS_PER_TOKEN_LIMIT = 64  # default --max-prompt-chars: this many characters per context token
@@ -147,10 +148,18 @@ class OpenAIServer:
             raise APIError(400, f"a stop string has {longest} characters; this server allows "
                                 f"at most {s.max_stop_length} (--max-stop-length)",
                            param="stop", code="invalid_value")
-        bad = [t for t in body.stop_token_ids or [] if not 0 <= t < self.vocab_size]
-        if bad:
-            raise APIError(400, f"stop_token_ids must be token ids in [0, {self.vocab_size}); "
-                                f"got {bad[:5]}", param="stop_token_ids", code="invalid_value")
+        try:
+            bias = body.token_logit_bias()
+        except ValueError as e:
+            raise APIError(400, str(e), param="logit_bias", code="invalid_value") from e
+        for param, ids in (("stop_token_ids", body.stop_token_ids or []),
+                           ("logit_bias", bias or {}),
+                           ("allowed_token_ids", body.allowed_token_ids or [])):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                subject = "logit_bias keys" if param == "logit_bias" else param
+                raise APIError(400, f"{subject} must be token ids in [0, {self.vocab_size}); "
+                                    f"got {bad[:5]}", param=param, code="invalid_value")
         k = body.num_logprobs
         if k is not None and not 0 <= k <= MAX_LOGPROBS:
             param = "top_logprobs" if hasattr(body, "top_logprobs") else "logprobs"

@@ -183,3 +183,35 @@ def test_cache_salt_isolates_tenants(client, salt):
     cached(salt)
     assert cached(salt + "-other") == 0  # another tenant sees nothing of tenant a's prefix
     assert cached(salt) >= 32  # tenant a hits its own
+
+
+def test_logit_bias_and_allowed_token_ids_through_the_sdk(client, offline):
+    """OpenAI's logit_bias (string token ids -> bias, clamped to [-100, 100] as vLLM's server
+    does) and vLLM's allowed_token_ids, on completions and chat, as offline with the same
+    SamplingParams."""
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=6,
+                                  logit_bias={"123": 100}, **GREEDY)
+    assert r.choices[0].token_ids == [123] * 6
+    messages = [{"role": "user", "content": "The sky is"}]
+    r = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=5,
+                                       logit_bias={"57": 100.0}, **GREEDY)
+    assert r.choices[0].token_ids == [57] * 5
+    # clamped: +1000 and +100 on the two allowed tokens are both +100, so the raw logits decide
+    free = offline_outputs(offline, [PROMPTS[2]], 1)[0].token_ids[0]
+    other = 200 if free != 200 else 201
+    allowed = [free, other]
+    (ref,) = offline.generate([PROMPTS[2]], SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed,
+        logit_bias={free: 100.0, other: 100.0}))
+    r = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPTS[2], max_tokens=6,
+        logit_bias={str(free): 100, str(other): 1000}, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True, "allowed_token_ids": allowed})
+    assert r.choices[0].token_ids == ref.token_ids
+    assert r.choices[0].token_ids[0] == free and set(ref.token_ids) <= set(allowed)
+    # sampled, n > 1: never outside the allowed set
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=8, n=3,
+                                  temperature=1.0, seed=7,
+                                  extra_body={"allowed_token_ids": [10, 20, 30],
+                                              "ignore_eos": True, "return_token_ids": True})
+    assert all(set(c.token_ids) <= {10, 20, 30} for c in r.choices)

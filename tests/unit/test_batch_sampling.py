@@ -1,6 +1,7 @@
 """The batched device sampler against the per-row host references: the same tokens for the same
 seeds in mixed batches, seeded rows independent of their batch, per-row filters and penalties
-equal to `filter_logits` / `apply_penalties`, log-probabilities equal to `token_logprobs`."""
+equal to `filter_logits` / `apply_penalties`, logit_bias and allowed_token_ids equal to
+`shape_logits`, log-probabilities equal to `token_logprobs`."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from nanokv.layers.batch_sampling import RowParams, apply_penalties_batch, filter_logits_batch
-from nanokv.layers.sampler import Sampler, apply_penalties, filter_logits, token_logprobs
+from nanokv.layers.batch_sampling import (RowParams, apply_penalties_batch, filter_logits_batch,
+                                          shape_logits_batch)
+from nanokv.layers.sampler import (Sampler, apply_penalties, filter_logits, shape_logits,
+                                   token_logprobs)
 from nanokv.sampling_params import SamplingParams
 
 VOCAB = 300
@@ -166,3 +169,75 @@ def test_a_filter_every_row_asked_for_equals_the_reference(kwargs):
     indices = list(range(12))
     got = Sampler(3).sample(logits, params, indices).token_ids
     assert got == Sampler(3).sample_reference(logits, params, indices)
+
+
+def with_bias_and_allowed(params: list[SamplingParams], seed: int) -> list[SamplingParams]:
+    """The same rows, some with a logit_bias, some with allowed_token_ids, some with both."""
+    rng = random.Random(seed)
+    out = []
+    for p in params:
+        kw: dict = {}
+        r = rng.random()
+        if r < 0.5:
+            kw["logit_bias"] = {rng.randrange(VOCAB): rng.choice([-100.0, -3.5, 0.7, 8.0, 100.0])
+                                for _ in range(rng.randint(1, 6))}
+        if 0.3 < r < 0.75:
+            kw["allowed_token_ids"] = rng.sample(range(VOCAB), rng.randint(1, 25))
+        out.append(SamplingParams(**{**p.__dict__, **kw}))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bias_and_allowed_tokens_equal_the_per_row_reference(seed):
+    """logit_bias and allowed_token_ids in mixed batches (with penalties, filters, banned
+    tokens, greedy and seeded rows): the batched path equals the host reference token for
+    token, and no row leaves its allowed set."""
+    logits, params, indices, histories = random_batch(200 + seed, 24)
+    params = with_bias_and_allowed(params, seed)
+    banned = [tuple(logits[i].topk(2).indices.tolist()) if i % 4 == 0 else ()
+              for i in range(len(params))]
+    for engine_seed in (0, 5):
+        got = Sampler(engine_seed).sample(logits, params, indices, histories, banned).token_ids
+        assert got == Sampler(engine_seed).sample_reference(logits, params, indices, histories,
+                                                            banned)
+        for t, p in zip(got, params):
+            assert p.allowed_token_ids is None or t in p.allowed_token_ids
+    assert any(p.logit_bias for p in params) and any(p.allowed_token_ids for p in params)
+
+
+def test_shape_logits_batch_equals_shape_logits_row_by_row():
+    logits, params, _, _ = random_batch(31, 30)
+    params = with_bias_and_allowed(params, 31)
+    got = shape_logits_batch(logits, params)
+    for i, p in enumerate(params):
+        assert torch.equal(got[i], shape_logits(logits[i], p)), i
+        if p.allowed_token_ids is not None:
+            outside = torch.ones(VOCAB, dtype=torch.bool)
+            outside[p.allowed_token_ids] = False
+            assert torch.isneginf(got[i][outside]).all()
+        for t, b in (p.logit_bias or {}).items():
+            if p.allowed_token_ids is None or t in p.allowed_token_ids:
+                assert float(got[i, t]) == pytest.approx(float(logits[i, t]) + b)
+
+
+def test_rows_without_bias_or_allowed_tokens_cost_nothing():
+    """No row with either: the logits themselves come back (no copy, no upload)."""
+    logits, params, _, _ = random_batch(4, 16)
+    assert shape_logits_batch(logits, params) is logits
+    row = logits[0]
+    assert shape_logits(row, params[0]) is row
+
+
+def test_bias_comes_before_the_penalties_and_logprobs_stay_raw():
+    """vLLM V1's order: the bias is added, then the repetition penalty divides the biased
+    logit: (2 + 2) / 2 = 2 < 2.5, where penalising first would give 2 / 2 + 2 = 3 > 2.5. The
+    log-probabilities are the raw distribution's (vLLM's raw_logprobs), bias or not."""
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 1], logits[0, 2] = 2.0, 2.5
+    p = SamplingParams(temperature=0, logit_bias={1: 2.0}, repetition_penalty=2.0, logprobs=2)
+    out = Sampler(0).sample(logits, [p], [0], [([1], [])])
+    assert out.token_ids == [2]
+    assert Sampler(0).sample_reference(logits, [p], [0], [([1], [])]) == [2]
+    plain = Sampler(0).sample(logits, [SamplingParams(temperature=0, logprobs=2)], [0])
+    assert out.logprobs[0].top == plain.logprobs[0].top
+    assert out.logprobs[0].logprob == plain.logprobs[0].logprob

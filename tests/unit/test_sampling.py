@@ -83,6 +83,18 @@ def test_sampling_follows_distribution():
     (dict(bad_words=["x"]), r"bad_words=\['x'\] is not supported"),
     (dict(logits_processors=[abs]), "logits_processors=.* is not supported"),
     (dict(truncate_prompt_tokens=8), "truncate_prompt_tokens=8 is not supported"),
+    (dict(logit_bias={"5": 1.0}), r"logit_bias must be a dict of token id \(an integer >= 0\)"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias must be a dict of token id"),
+    (dict(logit_bias={True: 1.0}), "logit_bias must be a dict of token id"),
+    (dict(logit_bias={5: float("nan")}), "-> finite number, got {5: nan}"),
+    (dict(logit_bias={5: float("inf")}), "-> finite number"),
+    (dict(logit_bias={5: "1"}), "-> finite number"),
+    (dict(logit_bias=[5]), "logit_bias must be None or a dict"),
+    (dict(allowed_token_ids=[]), r"allowed_token_ids must be None \(any token\) or a non-empty "
+                                 "list of token ids"),
+    (dict(allowed_token_ids=[3, -1]), "allowed_token_ids must be None"),
+    (dict(allowed_token_ids=[3.0]), "allowed_token_ids must be None"),
+    (dict(allowed_token_ids=7), "allowed_token_ids must be None"),
 ])
 def test_bad_sampling_params(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
@@ -150,3 +162,14 @@ def test_mixed_batch_keeps_greedy_and_seeded_rows():
     assert out[0] == int(logits[0].argmax())
     assert out[1] == Sampler(99)(logits[[1]], [seeded], [3])[0]  # its own noise only
     assert out[3] == Sampler(5)(logits[[3]], [seeded], [3])[0]
+
+
+def test_logit_bias_and_allowed_token_ids_take_numpy_scalars():
+    """Not clamped (vLLM's SamplingParams keeps any bias; its server clamps to [-100, 100]);
+    an empty logit_bias is no bias."""
+    p = SamplingParams(logit_bias={np.int64(3): np.float32(250.0), 4: -1},
+                       allowed_token_ids=(np.int32(4), 5))
+    assert p.logit_bias == {3: 250.0, 4: -1.0} and p.allowed_token_ids == [4, 5]
+    assert all(type(t) is int for t in [*p.logit_bias, *p.allowed_token_ids])
+    assert all(type(b) is float for b in p.logit_bias.values())
+    assert SamplingParams(logit_bias={}).logit_bias is None
