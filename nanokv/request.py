@@ -80,6 +80,8 @@ class Request:
         self.output_token_ids: list[int] = []
         self.params = params
         self.eos_token_ids = tuple(eos_token_ids)
+        # params.bad_words as token sequences (`nanokv/bad_words.py`), set by the engine
+        self.bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
         self.cache_salt = cache_salt
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

@@ -9,14 +9,13 @@ from dataclasses import dataclass, field, replace
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's chat limit)
 GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily (argmax)
 SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # a seed is a signed 64-bit integer (as vLLM's)
-INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
+INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+              "truncate_prompt_tokens")
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                 "frequency_penalty")
 # vLLM's SamplingParams fields nanokv accepts only at their defaults: (default, why not)
 UNSUPPORTED = {
-    "bad_words": (None, "bad_words is not implemented"),
     "logits_processors": (None, "logits processors are not implemented"),
-    "truncate_prompt_tokens": (None, "prompts are never truncated"),
 }
 
 
@@ -74,9 +73,15 @@ class SamplingParams:
     # may be sampled (None: any). Both are checked against the vocabulary per request.
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
-    # vLLM's fields that nanokv does not implement: accepted at their defaults only (UNSUPPORTED)
+    # vLLM's bad_words: words the output may not contain. Each is tokenized as it stands and
+    # after a space (`nanokv/bad_words.py`); a word's last token cannot be sampled where the
+    # output's last tokens are the ones before it (the output only: the prompt is not read)
     bad_words: list[str] | None = None
+    # vLLM's field nanokv does not implement: accepted at its default only (UNSUPPORTED)
     logits_processors: list | None = None
+    # vLLM's: keep the prompt's last k tokens (left truncation, after tokenization, special
+    # tokens included); -1 keeps max_model_len - 1. RequestOutput.prompt_token_ids are the
+    # tokens kept, RequestOutput.prompt the text as given
     truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
@@ -104,6 +109,9 @@ class SamplingParams:
         self.stop = _as_list("stop", self.stop, "a string or a list of non-empty strings")
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids,
                                        "a list of non-negative integers")
+        if self.bad_words is not None:
+            self.bad_words = _as_list("bad_words", self.bad_words,
+                                      "None or a list of non-empty strings")
         self.stop_token_ids = [int(t) if isinstance(t, numbers.Integral)
                                and not isinstance(t, bool) else t for t in self.stop_token_ids]
         self._validate_logit_bias()
@@ -129,6 +137,17 @@ class SamplingParams:
                f"got {self.min_tokens!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                f"stop must be a list of non-empty strings, got {self.stop!r}")
+        _check(self.bad_words is None
+               or all(isinstance(w, str) and w for w in self.bad_words),
+               f"bad_words must be None or a list of non-empty strings, got {self.bad_words!r}")
+        if self.bad_words is not None:  # vLLM's: a repeated word counts once
+            self.bad_words = list(dict.fromkeys(self.bad_words))
+        _check(self.truncate_prompt_tokens is None
+               or (_int(self.truncate_prompt_tokens) and (self.truncate_prompt_tokens == -1
+                                                          or self.truncate_prompt_tokens >= 1)),
+               f"truncate_prompt_tokens must be None, -1 (keep max_model_len - 1 tokens) or "
+               f"an integer >= 1 (keep the prompt's last k tokens), got "
+               f"{self.truncate_prompt_tokens!r}")
         _check(all(_int(t) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0,

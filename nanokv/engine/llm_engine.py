@@ -24,7 +24,8 @@ from nanokv.engine.assembly import (
 )
 from nanokv.engine.detokenizer import update_text
 from nanokv.engine.policy_runner import PolicyRunner, ScoringPass
-from nanokv.engine.prompts import parse_prompt
+from nanokv.bad_words import tokenize_bad_words
+from nanokv.engine.prompts import parse_prompt, truncate_prompt
 from nanokv.worker.cpu_memory import huge_page_share, request_huge_pages, tune_glibc_malloc
 from nanokv.worker.loader import load_hf_config, load_model, resolve_device
 from nanokv.worker.model_runner import ModelRunner
@@ -184,9 +185,12 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                      request_id: str | None = None, cache_salt: str | None = None,
-                     kv_policy=None, compress_after: int | None = None) -> Request:
+                     kv_policy=None, compress_after: int | None = None,
+                     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None) -> Request:
         """Validate and tokenize; raises ValueError without touching the engine's state.
-        `prompt`: text, token ids, or vLLM's prompt dicts (`nanokv.engine.prompts`)."""
+        `prompt`: text, token ids, or vLLM's prompt dicts (`nanokv.engine.prompts`).
+        `bad_words_token_ids`: params.bad_words tokenized by the caller in its own thread
+        (`tokenize_bad_words`; the server's), else the engine tokenizes them."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got "
@@ -199,6 +203,12 @@ class LLMEngine:
             raise ValueError("stop strings are matched in the output text, which needs a "
                              "tokenizer; this engine was started with skip_tokenizer_init=True: "
                              "use stop_token_ids")
+        vocab = self.hf_config.vocab_size
+        if params.bad_words and bad_words_token_ids is None:
+            if self.tokenizer is None:
+                raise ValueError("bad_words are tokenized, which needs a tokenizer; this engine "
+                                 "was started with skip_tokenizer_init=True")
+            bad_words_token_ids = tokenize_bad_words(params.bad_words, self._encode_plain, vocab)
         parsed = parse_prompt(prompt, cache_salt)
         text, token_ids, cache_salt = parsed.text, parsed.token_ids, parsed.cache_salt
         if token_ids is None:
@@ -206,9 +216,10 @@ class LLMEngine:
                 raise ValueError("text prompts need a tokenizer; this engine was started with "
                                  "skip_tokenizer_init=True, so pass token ids")
             token_ids = self.tokenizer.encode(text)
+        token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens,
+                                    self.config.max_model_len)
         if not token_ids:
             raise ValueError("the prompt is empty: at least one token is needed")
-        vocab = self.hf_config.vocab_size
         bad = [t for t in token_ids
                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
@@ -242,6 +253,7 @@ class LLMEngine:
         request = Request(rid, token_ids, params, prompt=text,
                           eos_token_ids=self.eos_token_ids, cache_salt=cache_salt)
         request.compress_after = compress_after
+        request.bad_words_token_ids = bad_words_token_ids or ()
         # kv_policy: a PolicyConfig overriding the engine's default for this request
         self.policies.attach(request, kv_policy)
         return request

@@ -62,3 +62,16 @@ def parse_prompt(prompt, cache_salt: str | None = None) -> ParsedPrompt:
                          "give it once")
     return ParsedPrompt(text, None if ids is None else list(ids),
                         salt if salt is not None else cache_salt)
+
+
+def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (None: all of them; -1:
+    max_model_len - 1, the most that leave room for an output token). Raises ValueError for a
+    `keep` above max_model_len, as vLLM does whatever the prompt's length."""
+    if keep is None:
+        return token_ids
+    if not (keep == -1 or 1 <= keep <= max_model_len):
+        raise ValueError(f"truncate_prompt_tokens must be -1 (keep max_model_len - 1 tokens) "
+                         f"or an integer in [1, max_model_len={max_model_len}], got {keep}")
+    keep = max_model_len - 1 if keep == -1 else keep
+    return token_ids[-keep:]

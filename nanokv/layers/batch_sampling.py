@@ -169,9 +169,10 @@ def apply_penalties_batch(logits: torch.Tensor, params: list[SamplingParams],
 
 def ban_tokens(logits: torch.Tensor, banned: list[tuple[int, ...]],
                raw: torch.Tensor) -> torch.Tensor:
-    """Row i's `banned[i]` token ids to -inf (min_tokens: a row may not stop yet). logits:
-    [N, vocab] -> the same tensor when it is already a copy (`shape_logits_batch`'s), else a
-    masked copy (the raw logits stay as they are: log-probabilities read them)."""
+    """Row i's `banned[i]` token ids to -inf (min_tokens: a row may not stop yet; bad_words:
+    it may not complete one). logits: [N, vocab] -> the same tensor when it is already a copy
+    (`shape_logits_batch`'s), else a masked copy (the raw logits stay as they are:
+    log-probabilities read them)."""
     vocab = logits.shape[1]
     pairs = np.array([(i, t) for i, ids in enumerate(banned) for t in ids if t < vocab],
                      dtype=np.int64).reshape(-1, 2).T  # [2 = row | token, n]

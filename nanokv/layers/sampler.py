@@ -2,10 +2,10 @@
 with temperature, min-p, top-k, top-p; log-probabilities of the sampled tokens on request.
 
 The order is vLLM V1's: tokens outside a row's `allowed_token_ids` go to -inf, its `logit_bias`
-is added and its banned tokens (EOS and stop tokens before `min_tokens`) are masked, then the
-penalties (a repetition penalty divides the biased logit); all of these change the logits every
-row reads, greedy ones too. Then the temperature, min_p on the tempered distribution, top-k and
-top-p. Log-probabilities are those of the model's raw distribution (vLLM's default
+is added and its banned tokens (EOS and stop tokens before `min_tokens`, a bad word's completing
+token) are masked, then the penalties (a repetition penalty divides the biased logit); all of
+these change the logits every row reads, greedy ones too. Then the temperature, min_p on the
+tempered distribution, top-k and top-p. Log-probabilities are those of the model's raw distribution (vLLM's default
 `raw_logprobs`, taken before its logits processors): what the model thought, not what the
 sampling settings (bias and allowed tokens included) made of it.
 
@@ -79,7 +79,8 @@ class Sampler:
                histories: list[History | None] | None = None,
                banned: list[tuple[int, ...]] | None = None) -> SamplerOutput:
         """logits: [N, vocab] on the model's device; histories[i] is needed where
-        params[i].has_penalties; banned[i]: token ids row i may not pick (min_tokens). All rows
+        params[i].has_penalties; banned[i]: token ids row i may not pick (min_tokens, bad_words,
+        `Scheduler._banned`). All rows
         on the device at once; one transfer back."""
         raw = logits
         logits = shape_logits_batch(logits, params)

@@ -27,7 +27,8 @@ class ScheduledRequest:
     # (prompt token ids, output token ids) when the sampling params have penalties, else None
     history: tuple[list[int], list[int]] | None = None
     # tokens the sampler may not pick for this output token: EOS (unless ignore_eos) and
-    # stop_token_ids while the request has fewer than min_tokens outputs (vLLM's min_tokens)
+    # stop_token_ids while the request has fewer than min_tokens outputs (vLLM's min_tokens),
+    # and the last token of each bad word whose other tokens end the output (vLLM's bad_words)
     banned_token_ids: tuple[int, ...] = ()
     # params.prompt_logprobs: the prompt tokens that follow the chunk's first rows (row r scores
     # token start_position + r + 1); None when the chunk scores none

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from nanokv.bad_words import completing_tokens
 from nanokv.cache.block_manager import BlockManager
 from nanokv.request import Request, RequestStatus
 from nanokv.scheduler.output import (RunnerOutput, ScheduledRequest, SchedulerOutput,
@@ -267,12 +268,19 @@ class Scheduler:
     @staticmethod
     def _banned(request: Request) -> tuple[int, ...]:
         """What the next output token may not be: before min_tokens outputs, the tokens that
-        would stop the request (EOS unless ignore_eos, and stop_token_ids)."""
+        would stop the request (EOS unless ignore_eos, and stop_token_ids); and the tokens that
+        would complete one of its bad words."""
         params = request.params
-        if request.num_output_tokens >= params.min_tokens:
+        stopping = request.num_output_tokens < params.min_tokens
+        if not stopping and not request.bad_words_token_ids:
             return ()
-        eos = () if params.ignore_eos else request.eos_token_ids
-        return tuple(dict.fromkeys((*eos, *params.stop_token_ids)))
+        banned = ()
+        if stopping:
+            banned = (*(() if params.ignore_eos else request.eos_token_ids),
+                      *params.stop_token_ids)
+        if request.bad_words_token_ids:
+            banned += completing_tokens(request.bad_words_token_ids, request.output_token_ids)
+        return tuple(dict.fromkeys(banned))
 
     def _preempt(self, request: Request) -> None:
         self.num_recomputed_tokens += request.num_computed_tokens

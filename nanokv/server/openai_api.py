@@ -288,6 +288,7 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
             raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
         server.check_chars(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
+        bad_words = await server.bad_words_token_ids(body)
         requests = []
         for i, p in enumerate(prompts):
             if isinstance(p, str):
@@ -296,9 +297,11 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
                 text, ids = await server.decode(list(p)), list(p)
             else:
                 text, ids = None, list(p)
+            ids = server.truncate(body, ids)  # the echoed text stays the prompt's (vLLM's)
             default = min(COMPLETION_DEFAULT_MAX_TOKENS, server.max_model_len - len(ids))
             requests += server.make_requests(body, ids, text, f"{rid}-{i}", body.max_tokens,
-                                             max(default, 1), "prompt")
+                                             max(default, 1), "prompt",
+                                             bad_words_token_ids=bad_words)
         streams = server.open_streams(requests, labels)
         head = {"id": rid, "object": "text_completion", "created": int(time.time()),
                 "model": settings.model_name}
@@ -333,12 +336,14 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
                                                 body.add_special_tokens,
                                                 body.chat_template_kwargs,
                                                 body.continue_final_message)
+        ids = server.truncate(body, ids)
+        bad_words = await server.bad_words_token_ids(body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         max_param = "max_tokens" if body.max_completion_tokens is None \
             else "max_completion_tokens"
         requests = server.make_requests(body, ids, text, rid, body.requested_max_tokens,
                                         max(server.max_model_len - len(ids), 1), "messages",
-                                        max_param)
+                                        max_param, bad_words)
         streams = server.open_streams(requests, labels)
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()),
                 "model": settings.model_name}

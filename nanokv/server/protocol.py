@@ -5,7 +5,8 @@ Types are strict, as OpenAI's are: `max_tokens: "12"` or `12.0`, `stream: 1` and
 way vLLM does:
 
 - implemented: the sampling fields, penalties, `min_p`, `logit_bias`, `logprobs` /
-  `top_logprobs`, `n`, vLLM's `prompt_logprobs` and `allowed_token_ids`, and the completions'
+  `top_logprobs`, `n`, vLLM's `prompt_logprobs`, `allowed_token_ids`, `bad_words` and
+  `truncate_prompt_tokens`, and the completions'
   `echo` (with `max_tokens: 0`: the prompt alone, as vLLM's);
 - bookkeeping that changes nothing (`user`, `store`, `metadata`, `service_tier`,
   `prompt_cache_key`, `safety_identifier`, `reasoning_effort`, `request_id`, `priority` 0 ...):
@@ -125,7 +126,8 @@ class _SamplingRequest(_Body):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     priority: int = 0
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: int | None = None  # -1: max_model_len - 1; checked by the server
+    bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -143,8 +145,6 @@ class _SamplingRequest(_Body):
             bad.append(("stream_options", "stream_options needs stream=true"))
         if self.priority != 0:
             bad.append(("priority", "priority scheduling is not supported (use 0)"))
-        if self.truncate_prompt_tokens is not None:
-            bad.append(("truncate_prompt_tokens", "truncate_prompt_tokens is not supported"))
         for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
                      "guided_grammar"):
             if getattr(self, name) is not None:
@@ -171,7 +171,8 @@ class _SamplingRequest(_Body):
                                 else self.repetition_penalty),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            logit_bias=self.token_logit_bias(), allowed_token_ids=self.allowed_token_ids)
+            logit_bias=self.token_logit_bias(), allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words, truncate_prompt_tokens=self.truncate_prompt_tokens)
 
     def token_logit_bias(self) -> dict[int, float] | None:
         """logit_bias keyed by token id, each bias clamped to [-100, 100] (vLLM's server's

@@ -14,7 +14,9 @@ from dataclasses import dataclass, replace
 
 from fastapi import Request
 
+from nanokv.bad_words import tokenize_bad_words
 from nanokv.engine.detokenizer import TokenTexts
+from nanokv.engine.prompts import truncate_prompt
 from nanokv.metrics.prometheus import PrometheusExporter
 from nanokv.metrics.stats import CacheConfigInfo
 from nanokv.outputs import RequestOutput
@@ -28,7 +30,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens",
                    "min_tokens", "stop", "stop_token_ids", "repetition_penalty",
                    "presence_penalty", "frequency_penalty", "logprobs", "prompt_logprobs",
-                   "logit_bias", "allowed_token_ids")
+                   "logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens")
 REQUEST_CLASS_HEADER = "x-request-class"
 DEFAULT_REQUEST_CLASS = "default"
 CHARS_PER_TOKEN_LIMIT = 64  # default --max-prompt-chars: this many characters per context token
@@ -245,6 +247,39 @@ class OpenAIServer:
 
         return await self._in_worker(work)
 
+    async def bad_words_token_ids(self, body: _SamplingRequest
+                                  ) -> tuple[tuple[int, ...], ...] | None:
+        """The request's bad_words as token sequences (vLLM's rules, `tokenize_bad_words`),
+        tokenized in a worker thread; None when it has none."""
+        if not body.bad_words:
+            return None
+        if self.tokenizer is None:
+            raise APIError(400, "bad_words are tokenized, which needs a tokenizer; this server "
+                                "runs without one (--skip-tokenizer-init)", param="bad_words",
+                           code="invalid_value")
+        words = list(dict.fromkeys(body.bad_words))
+        self.check_chars(sum(len(w) for w in words), "bad_words")
+
+        def work():
+            tok = self._thread_tokenizer()[0]
+            try:
+                return tokenize_bad_words(
+                    words, lambda text: tok.encode(text, add_special_tokens=False),
+                    self.vocab_size)
+            except ValueError as e:
+                raise APIError(400, str(e), param="bad_words", code="invalid_value") from e
+
+        return await self._in_worker(work)
+
+    def truncate(self, body: _SamplingRequest, token_ids: list[int]) -> list[int]:
+        """The prompt's last truncate_prompt_tokens tokens (vLLM's), before its length is
+        checked and its default max_tokens chosen."""
+        try:
+            return truncate_prompt(token_ids, body.truncate_prompt_tokens, self.max_model_len)
+        except ValueError as e:
+            raise APIError(400, str(e), param="truncate_prompt_tokens",
+                           code="invalid_value") from e
+
     async def decode(self, token_ids: list[int]) -> str:
         return await self._in_worker(lambda: self._thread_tokenizer()[0].decode(token_ids))
 
@@ -258,8 +293,10 @@ class OpenAIServer:
     # ---- engine requests -----------------------------------------------------------------------
     def make_requests(self, body: _SamplingRequest, token_ids: list[int], text: str | None,
                       request_id: str, requested_max: int | None, default_max: int,
-                      prompt_param: str, max_param: str = "max_tokens") -> list:
-        """The n engine requests of one prompt (ids `request_id-j`); n > 1 share the prompt's
+                      prompt_param: str, max_param: str = "max_tokens",
+                      bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None) -> list:
+        """The n engine requests of one prompt (ids `request_id-j`; `token_ids` already
+        truncated, `bad_words_token_ids` from `bad_words_token_ids`); n > 1 share the prompt's
         blocks through the prefix cache, and seeded choices use seed + j. Echo with max_tokens
         0 runs max_tokens 1 (vLLM's)."""
         n = len(token_ids)
@@ -302,10 +339,14 @@ class OpenAIServer:
             try:
                 request = self.engine.make_request(token_ids, params,
                                                    request_id=f"{request_id}-{j}",
-                                                   cache_salt=body.cache_salt)
+                                                   cache_salt=body.cache_salt,
+                                                   bad_words_token_ids=bad_words_token_ids)
             except ValueError as e:
+                first = str(e).split(" ", 1)[0]
                 param = ("cache_salt" if "cache_salt" in str(e)
-                         else "stop" if str(e).startswith("stop strings") else prompt_param)
+                         else "stop" if str(e).startswith("stop strings")
+                         else first if first in ("bad_words", "truncate_prompt_tokens")
+                         else prompt_param)
                 raise APIError(400, str(e), param=param, code="invalid_value") from e
             request.prompt = text
             requests.append(request)

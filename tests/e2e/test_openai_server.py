@@ -9,6 +9,7 @@ import pytest
 
 from servers import API_KEY, MODEL_NAME
 from nanokv import SamplingParams
+from nanokv.bad_words import tokenize_bad_words
 from nanokv.engine.chat import ChatRenderer
 
 PROMPTS = ["def add(a, b):", "The grass is green. The sky", "import os\nimport sys\n",
@@ -69,6 +70,61 @@ def test_chat_equals_offline(server, client, offline):
     assert r.choices[0].message.content == ref.text
     assert r.choices[0].token_ids == ref.token_ids
     assert r.usage.prompt_tokens == len(ids)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k_as_offline(server, client, offline):
+    """vLLM's truncate_prompt_tokens (extra_body): the prompt's last k tokens, counted so in
+    usage; -1 serves a prompt longer than the context with its last max_model_len - 1."""
+    text = PROMPTS[1] * 4
+    full = offline.tokenizer.encode(text)
+    (ref,) = offline_outputs(offline, [full[-7:]], 6)
+    r = client.completions.create(model=MODEL_NAME, prompt=text, max_tokens=6, temperature=0,
+                                  extra_body={**GREEDY["extra_body"],
+                                              "truncate_prompt_tokens": 7})
+    assert r.usage.prompt_tokens == 7
+    assert r.choices[0].prompt_token_ids == full[-7:]
+    assert r.choices[0].token_ids == ref.token_ids
+    messages = [{"role": "user", "content": text}]
+    ids = httpx.post(server.url + "/tokenize", headers=server.headers,
+                     json={"messages": messages}).json()["tokens"]
+    (ref,) = offline_outputs(offline, [ids[-5:]], 6)
+    r = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6,
+                                       temperature=0, extra_body={**GREEDY["extra_body"],
+                                                                  "truncate_prompt_tokens": 5})
+    assert r.usage.prompt_tokens == 5 and r.choices[0].token_ids == ref.token_ids
+    r = client.completions.create(model=MODEL_NAME, prompt=text * 40, temperature=0,
+                                  extra_body={"truncate_prompt_tokens": -1})
+    max_model_len = httpx.get(server.url + "/v1/models",
+                              headers=server.headers).json()["data"][0]["max_model_len"]
+    assert r.usage.prompt_tokens == max_model_len - 1 and r.usage.completion_tokens == 1
+
+
+def test_bad_words_as_offline(server, client, offline):
+    """vLLM's bad_words (extra_body): the same tokens as LLM.generate with them, never the
+    banned word's tokens, on completions and chat."""
+    (free,) = offline_outputs(offline, [PROMPTS[0]], 12)
+    tok = offline.tokenizer
+    encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    vocab = offline.engine.hf_config.vocab_size
+    word = next(w for t in free.token_ids[1:] if (w := tok.decode([t]).strip())
+                and (t,) in tokenize_bad_words([w], encode, vocab))
+    banned = {s[0] for s in tokenize_bad_words([word], encode, vocab) if len(s) == 1}
+    (ref,) = offline.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12,
+                                                           ignore_eos=True, bad_words=[word]))
+    assert ref.token_ids != free.token_ids and not banned & set(ref.token_ids)
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=12,
+                                  temperature=0, extra_body={**GREEDY["extra_body"],
+                                                             "bad_words": [word]})
+    assert r.choices[0].token_ids == ref.token_ids
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    ids = httpx.post(server.url + "/tokenize", headers=server.headers,
+                     json={"messages": messages}).json()["tokens"]
+    (ref,) = offline.generate([ids], SamplingParams(temperature=0, max_tokens=12,
+                                                    ignore_eos=True, bad_words=[word]))
+    r = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12,
+                                       temperature=0, extra_body={**GREEDY["extra_body"],
+                                                                  "bad_words": [word]})
+    assert r.choices[0].token_ids == ref.token_ids and not banned & set(ref.token_ids)
 
 
 def test_chat_continues_the_final_message_as_offline_chat(server, client, offline):

@@ -80,9 +80,11 @@ def test_sampling_follows_distribution():
                                                "False, got None"),
     (dict(prompt_logprobs=-1), "prompt_logprobs=-1 .the whole vocabulary. is not supported"),
     (dict(prompt_logprobs=21), r"prompt_logprobs must be None or an integer in \[0, 20\]"),
-    (dict(bad_words=["x"]), r"bad_words=\['x'\] is not supported"),
+    (dict(bad_words=[""]), "bad_words must be None or a list of non-empty strings"),
+    (dict(bad_words="x"), "bad_words must be None or a list of non-empty strings"),
+    (dict(bad_words=[3]), "bad_words must be None or a list of non-empty strings"),
+    (dict(bad_words=[["x"]]), "bad_words must be None or a list of non-empty strings"),
     (dict(logits_processors=[abs]), "logits_processors=.* is not supported"),
-    (dict(truncate_prompt_tokens=8), "truncate_prompt_tokens=8 is not supported"),
     (dict(logit_bias={"5": 1.0}), r"logit_bias must be a dict of token id \(an integer >= 0\)"),
     (dict(logit_bias={-1: 1.0}), "logit_bias must be a dict of token id"),
     (dict(logit_bias={True: 1.0}), "logit_bias must be a dict of token id"),
@@ -95,6 +97,11 @@ def test_sampling_follows_distribution():
     (dict(allowed_token_ids=[3, -1]), "allowed_token_ids must be None"),
     (dict(allowed_token_ids=[3.0]), "allowed_token_ids must be None"),
     (dict(allowed_token_ids=7), "allowed_token_ids must be None"),
+    (dict(truncate_prompt_tokens=0), r"truncate_prompt_tokens must be None, -1 \(keep "
+                                     r"max_model_len - 1 tokens\) or an integer >= 1"),
+    (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens must be None, -1"),
+    (dict(truncate_prompt_tokens=2.0), "truncate_prompt_tokens must be None, -1"),
+    (dict(truncate_prompt_tokens=True), "truncate_prompt_tokens must be None, -1"),
 ])
 def test_bad_sampling_params(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
@@ -104,12 +111,13 @@ def test_bad_sampling_params(kwargs, fragment):
 def test_vllm_fields_at_their_defaults_and_numpy_scalars_are_accepted():
     """vLLM's fields nanokv does not implement pass at their defaults; numpy integers and
     floats are taken as Python's (what np.arange / np.random give), bools and numpy bools not."""
-    p = SamplingParams(prompt_logprobs=None, bad_words=[],
+    p = SamplingParams(prompt_logprobs=None, bad_words=[], truncate_prompt_tokens=np.int64(-1),
                        logits_processors=None, max_tokens=np.int64(5), top_k=np.int32(3),
                        temperature=np.float32(0.5), seed=np.uint64(2**63 - 1),
                        stop_token_ids=[np.int64(4)], logprobs=np.int8(2))
-    assert (p.max_tokens, p.top_k, p.temperature, p.seed, p.stop_token_ids, p.logprobs) \
-        == (5, 3, 0.5, 2**63 - 1, [4], 2)
+    assert (p.max_tokens, p.top_k, p.temperature, p.seed, p.stop_token_ids, p.logprobs,
+            p.truncate_prompt_tokens) == (5, 3, 0.5, 2**63 - 1, [4], 2, -1)
+    assert type(p.truncate_prompt_tokens) is int
     assert all(type(x) is int for x in (p.max_tokens, p.top_k, p.seed, p.stop_token_ids[0]))
     assert type(p.temperature) is float
     with pytest.raises(ValueError, match="max_tokens must be an integer"):
