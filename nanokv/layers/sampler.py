@@ -5,9 +5,9 @@ The order is vLLM V1's: tokens outside a row's `allowed_token_ids` go to -inf, i
 is added and its banned tokens (EOS and stop tokens before `min_tokens`, a bad word's completing
 token) are masked, then the penalties (a repetition penalty divides the biased logit); all of
 these change the logits every row reads, greedy ones too. Then the temperature, min_p on the
-tempered distribution, top-k and top-p. Log-probabilities are those of the model's raw distribution (vLLM's default
-`raw_logprobs`, taken before its logits processors): what the model thought, not what the
-sampling settings (bias and allowed tokens included) made of it.
+tempered distribution, top-k and top-p. Log-probabilities are those of the model's raw
+distribution (vLLM's default `raw_logprobs`, taken before its logits processors): what the model
+thought, not what the sampling settings (bias and allowed tokens included) made of it.
 
 All rows are sampled on the logits' device at once (`batch_sampling.py`): per-row parameter
 tensors, one upload of them, and one transfer back of the token ids (with the requested
