@@ -36,6 +36,12 @@ PHASE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                  60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+REQUEST_PHASES = {  # request_<phase>_time_seconds
+    "queue": "Arrival to first scheduled (waiting), per request.",
+    "prefill": "First scheduled to first token, per request.",
+    "decode": "First token to last token, per request.",
+    "inference": "First scheduled to last token (running), per request.",
+}
 # the prefix-cache counters' (endpoint, request_class) series that exist from the start
 PRESET_REQUEST_CLASSES = (("completions", "default"), ("chat_completions", "default"))
 UNCLASSIFIED = ("none", "default")  # lookups recorded without a class
@@ -164,17 +170,8 @@ class PrometheusExporter:
         self.step_tokens = histogram("iteration_tokens_total",
                                      "Tokens of each engine step (prefill chunks + decodes).",
                                      STEP_TOKEN_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds",
-                                    "Arrival to first scheduled (waiting), per request.",
-                                    PHASE_BUCKETS)
-        self.prefill_time = histogram("request_prefill_time_seconds",
-                                      "First scheduled to first token, per request.",
-                                      PHASE_BUCKETS)
-        self.decode_time = histogram("request_decode_time_seconds",
-                                     "First token to last token, per request.", PHASE_BUCKETS)
-        self.inference_time = histogram("request_inference_time_seconds",
-                                        "First scheduled to last token (running), per request.",
-                                        PHASE_BUCKETS)
+        self.phase_time = {phase: histogram(f"request_{phase}_time_seconds", doc, PHASE_BUCKETS)
+                           for phase, doc in REQUEST_PHASES.items()}
         self.request_tpot = histogram("request_time_per_output_token_seconds",
                                       "Decode time per output token after the first, per "
                                       "request.", ITL_BUCKETS)
@@ -248,10 +245,10 @@ class PrometheusExporter:
         self.request_preemptions.observe(f.num_preemptions)
         if f.max_tokens is not None:
             self.request_max_tokens.observe(f.max_tokens)
-        for histogram, seconds in ((self.queue_time, f.queued_s),
-                                   (self.prefill_time, f.prefill_s),
-                                   (self.decode_time, f.decode_s),
-                                   (self.inference_time, f.inference_s),
+        for histogram, seconds in ((self.phase_time["queue"], f.queued_s),
+                                   (self.phase_time["prefill"], f.prefill_s),
+                                   (self.phase_time["decode"], f.decode_s),
+                                   (self.phase_time["inference"], f.inference_s),
                                    (self.request_tpot, f.time_per_output_token_s)):
             if seconds is not None:
                 histogram.observe(seconds)
