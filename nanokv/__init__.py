@@ -5,6 +5,7 @@ from nanokv.engine.llm import LLM
 from nanokv.engine.llm_engine import LLMEngine
 from nanokv.outputs import CompletionOutput, RequestOutput
 from nanokv.sampling_params import SamplingParams
+from nanokv.structured import StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput",
-           "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams",
+           "RequestOutput", "CompletionOutput"]

@@ -15,6 +15,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "serve": ("fastapi", "uvicorn", "prometheus_client", "httpx"),
     "eval": ("matplotlib",),
     "ray": ("ray",),  # nanokv serve --replicas (nanokv/replicas); its server needs [serve] too
+    "structured": ("xgrammar",),  # SamplingParams.structured_outputs, response_format
 }
 
 

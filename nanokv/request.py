@@ -82,6 +82,9 @@ class Request:
         self.eos_token_ids = tuple(eos_token_ids)
         # params.bad_words as token sequences (`nanokv/bad_words.py`), set by the engine
         self.bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+        # params.structured_outputs' matcher (`nanokv/structured/xgrammar_backend.py`
+        # RequestGrammar), set by the engine; dropped when the request finishes
+        self.grammar = None
         self.cache_salt = cache_salt
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

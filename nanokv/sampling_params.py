@@ -6,6 +6,8 @@ import math
 import numbers
 from dataclasses import dataclass, field, replace
 
+from nanokv.structured.params import StructuredOutputsParams
+
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's chat limit)
 GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily (argmax)
 SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # a seed is a signed 64-bit integer (as vLLM's)
@@ -50,7 +52,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     # log-probabilities of each sampled token and of its `logprobs` most likely alternatives
-    # (from the model's raw distribution, before penalties and temperature); None = off
+    # (from the model's raw distribution, before penalties and temperature; within what the
+    # grammar allows for structured_outputs); None = off
     logprobs: int | None = None
     # vLLM's prompt_logprobs: for each prompt token after the first, its log-probability given
     # the tokens before it, its rank and the `prompt_logprobs` most likely tokens there
@@ -83,6 +86,11 @@ class SamplingParams:
     # tokens included); -1 keeps max_model_len - 1. RequestOutput.prompt_token_ids are the
     # tokens kept, RequestOutput.prompt the text as given
     truncate_prompt_tokens: int | None = None
+    # vLLM's structured outputs (guided decoding): the output must match a JSON schema, a
+    # regex, a choice or a grammar (`nanokv/structured`; needs the [structured] extra and a
+    # tokenizer). Tokens the grammar does not allow next are masked before anything else, so
+    # log-probabilities are those of the masked distribution, as vLLM's
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -116,6 +124,12 @@ class SamplingParams:
                                and not isinstance(t, bool) else t for t in self.stop_token_ids]
         self._validate_logit_bias()
         self._validate_allowed_token_ids()
+        _check(self.structured_outputs is None
+               or isinstance(self.structured_outputs, StructuredOutputsParams),
+               f"structured_outputs must be None or a StructuredOutputsParams, got "
+               f"{type(self.structured_outputs).__name__}")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
         _check(_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         _check(_finite(self.temperature) and self.temperature >= 0,
                f"temperature must be a finite number >= 0 (0 = greedy), got "

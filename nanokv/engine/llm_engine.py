@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import threading
 
 import torch
 
@@ -143,6 +144,8 @@ class LLMEngine:
         self.policies = PolicyRunner(parts.default_policy, self.block_manager, kv_cache,
                                      self.model.attention_layers()[0].scale, scoring)
         self._ids = itertools.count()
+        self._grammars = None  # the structured-output backend, made on first use
+        self._grammars_lock = threading.Lock()
         self.startup_lines = startup_report(config, self.model, self.device, loaded.dtype_note,
                                             self.kv_cache_plan, self.kv_cache,
                                             self.attention_backend, backend_why)
@@ -162,6 +165,23 @@ class LLMEngine:
         if self.tokenizer is None:
             return None
         return lambda text: self.tokenizer.encode(text, add_special_tokens=False)
+
+    def structured_backend(self, tokenizer=None):
+        """The xgrammar backend over this engine's tokenizer and vocabulary (built on the first
+        structured request: xgrammar is imported then; from `tokenizer`, a copy of the engine's
+        for a caller in another thread); ValueError without a tokenizer, MissingExtraError
+        without xgrammar."""
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs need a tokenizer (the grammar is matched "
+                             "against token texts); this engine was started with "
+                             "skip_tokenizer_init=True")
+        with self._grammars_lock:
+            if self._grammars is None:
+                from nanokv.structured.xgrammar_backend import GrammarBackend
+
+                self._grammars = GrammarBackend(tokenizer or self.tokenizer,
+                                                self.hf_config.vocab_size)
+            return self._grammars
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -254,6 +274,10 @@ class LLMEngine:
                           eos_token_ids=self.eos_token_ids, cache_salt=cache_salt)
         request.compress_after = compress_after
         request.bad_words_token_ids = bad_words_token_ids or ()
+        if params.structured_outputs is not None:  # a matcher of its own (each of n samples)
+            stops = (*self.eos_token_ids, *params.stop_token_ids)
+            request.grammar = self.structured_backend().request_grammar(
+                params.structured_outputs, tuple(dict.fromkeys(stops)))
         # kv_policy: a PolicyConfig overriding the engine's default for this request
         self.policies.attach(request, kv_policy)
         return request

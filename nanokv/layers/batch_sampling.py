@@ -89,6 +89,29 @@ class RowParams:
                    top_p_rows=index[2], max_top_k=max_top_k)
 
 
+def apply_token_bitmasks(logits: torch.Tensor,
+                         bitmasks: list[np.ndarray | None]) -> torch.Tensor:
+    """Structured outputs: row i keeps only the tokens set in `bitmasks[i]` (int32 words, bit
+    t % 32 of word t // 32 for token t; `RequestGrammar.allowed_bitmask`), the rest to -inf;
+    rows with None keep all. logits: [N, vocab] -> a float32 copy (one upload of the masks)."""
+    rows = [i for i, m in enumerate(bitmasks) if m is not None]
+    vocab = logits.shape[1]
+    host = np.concatenate([np.array(rows, dtype=np.int64)]
+                          + [bitmasks[i].astype(np.int32).view(np.uint32).astype(np.int64)
+                             for i in rows])
+    dev = upload(host, logits.device)  # rows, then each row's words
+    index = dev[:len(rows)]
+    words = dev[len(rows):].view(len(rows), -1)  # [R, W]
+    shifts = torch.arange(32, device=logits.device)
+    allowed = ((words[:, :, None] >> shifts) & 1).bool().view(len(rows), -1)  # [R, W * 32]
+    allowed = allowed[:, :vocab]
+    if allowed.shape[1] < vocab:  # tokens past the mask's vocabulary are never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    out = logits.to(torch.float32, copy=True)
+    out[index] = out[index].masked_fill(~allowed, float("-inf"))
+    return out
+
+
 def shape_logits_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """vLLM's allowed_token_ids (every other token to -inf) then logit_bias (added) on every row
     that has them, at once. logits: [N, vocab] -> a float32 copy (the input itself when no row

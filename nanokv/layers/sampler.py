@@ -7,7 +7,10 @@ token) are masked, then the penalties (a repetition penalty divides the biased l
 these change the logits every row reads, greedy ones too. Then the temperature, min_p on the
 tempered distribution, top-k and top-p. Log-probabilities are those of the model's raw
 distribution (vLLM's default `raw_logprobs`, taken before its logits processors): what the model
-thought, not what the sampling settings (bias and allowed tokens included) made of it.
+thought, not what the sampling settings (bias and allowed tokens included) made of it. A
+structured request's grammar mask (`apply_token_bitmasks`) comes first of all, before the raw
+distribution is taken, as vLLM masks the logits before its sampler: its log-probabilities are
+those of the tokens the grammar allows.
 
 All rows are sampled on the logits' device at once (`batch_sampling.py`): per-row parameter
 tensors, one upload of them, and one transfer back of the token ids (with the requested
@@ -36,6 +39,7 @@ import torch
 from nanokv.layers.batch_sampling import (
     RowParams,
     apply_penalties_batch,
+    apply_token_bitmasks,
     ban_tokens,
     draw,
     logprob_parts,
@@ -77,11 +81,15 @@ class Sampler:
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                output_indices: list[int],
                histories: list[History | None] | None = None,
-               banned: list[tuple[int, ...]] | None = None) -> SamplerOutput:
+               banned: list[tuple[int, ...]] | None = None,
+               bitmasks: list | None = None) -> SamplerOutput:
         """logits: [N, vocab] on the model's device; histories[i] is needed where
         params[i].has_penalties; banned[i]: token ids row i may not pick (min_tokens, bad_words,
-        `Scheduler._banned`). All rows
-        on the device at once; one transfer back."""
+        `Scheduler._banned`); bitmasks[i]: the tokens row i's grammar allows (structured
+        outputs; None: any). All rows on the device at once; one transfer back."""
+        if bitmasks is not None and any(m is not None for m in bitmasks):
+            # before everything, log-probabilities included (vLLM masks the logits it samples)
+            logits = apply_token_bitmasks(logits, bitmasks)
         raw = logits
         logits = shape_logits_batch(logits, params)
         if banned is not None and any(banned):
@@ -126,15 +134,21 @@ class Sampler:
     def sample_reference(self, logits: torch.Tensor, params: list[SamplingParams],
                          output_indices: list[int],
                          histories: list[History | None] | None = None,
-                         banned: list[tuple[int, ...]] | None = None) -> list[int]:
+                         banned: list[tuple[int, ...]] | None = None,
+                         allowed: list[list[int] | None] | None = None) -> list[int]:
         """Row by row on the host with `shape_logits`, `apply_penalties` and `filter_logits`, the
         same uniforms as `sample` draws: the oracle the batched device path is tested against,
-        token for token."""
+        token for token. allowed[i]: the token ids row i's grammar allows (None: any)."""
         rows = [i for i, p in enumerate(params) if not p.greedy]
         u = self._uniforms(params, output_indices, rows) if rows else None
         tokens = []
         for i, p in enumerate(params):
-            row = shape_logits(logits[i].float().cpu(), p)
+            row = logits[i].float().cpu()
+            if allowed is not None and allowed[i] is not None:
+                keep = torch.zeros_like(row, dtype=torch.bool)
+                keep[allowed[i]] = True
+                row = row.masked_fill(~keep, float("-inf"))
+            row = shape_logits(row, p)
             if banned is not None and banned[i]:
                 row = row.clone()
                 row[[t for t in banned[i] if t < row.shape[0]]] = float("-inf")

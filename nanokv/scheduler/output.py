@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from nanokv.sampling_params import SamplingParams
 
 
@@ -30,6 +32,9 @@ class ScheduledRequest:
     # stop_token_ids while the request has fewer than min_tokens outputs (vLLM's min_tokens),
     # and the last token of each bad word whose other tokens end the output (vLLM's bad_words)
     banned_token_ids: tuple[int, ...] = ()
+    # structured outputs: the tokens the request's grammar allows for this output token, int32
+    # bitmask words (bit t % 32 of word t // 32 for token t); None when unconstrained
+    allowed_token_bitmask: np.ndarray | None = None
     # params.prompt_logprobs: the prompt tokens that follow the chunk's first rows (row r scores
     # token start_position + r + 1); None when the chunk scores none
     prompt_logprob_targets: list[int] | None = None

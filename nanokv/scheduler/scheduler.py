@@ -74,6 +74,7 @@ class Scheduler:
             lengths = request.layer_slices.lengths(request.num_computed_tokens)
             request.final_kv_slots = round(sum(lengths) / len(lengths))
         self.block_manager.free(request, drop_cache=drop_cache)
+        request.grammar = None  # its matcher's memory
         request.status = status
         request.metrics.finished_time = time.monotonic()
         self.requests.pop(request.request_id, None)
@@ -230,6 +231,7 @@ class Scheduler:
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
+        sample = start + num_new == request.num_tokens
         layer_tables = layer_start_slots = None
         if request.layer_slices is not None:
             layer_tables = [list(t) for t in request.layer_slices.tables]
@@ -240,7 +242,7 @@ class Scheduler:
             start_position=start,
             start_slot=request.num_cached_slots,
             block_table=list(request.block_table),
-            sample=start + num_new == request.num_tokens,
+            sample=sample,
             params=request.params,
             output_index=request.num_output_tokens,
             capture_from=(request.query_capture_from if not request.compressed
@@ -248,9 +250,10 @@ class Scheduler:
             layer_tables=layer_tables,
             layer_start_slots=layer_start_slots,
             history=((request.prompt_token_ids, request.output_token_ids)
-                     if request.params.has_penalties and start + num_new == request.num_tokens
-                     else None),
+                     if request.params.has_penalties and sample else None),
             banned_token_ids=self._banned(request),
+            allowed_token_bitmask=(request.grammar.allowed_bitmask()
+                                   if request.grammar is not None and sample else None),
             prompt_logprob_targets=(self._prompt_logprob_targets(request, start, num_new)
                                     if request.params.prompt_logprobs is not None else None),
         )
@@ -326,9 +329,27 @@ class Scheduler:
             request.metrics.last_token_time = now
             progressed.append(request)
             status = self._check_token_stop(request, token)
+            if request.grammar is not None:
+                status = self._advance_grammar(request, token, status)
             if status is not None:
                 self.finish(request, status)
         return progressed
+
+    @staticmethod
+    def _advance_grammar(request: Request, token: int,
+                         status: RequestStatus | None) -> RequestStatus | None:
+        """Feed a structured request's sampled token to its grammar: a request whose grammar
+        ended (on one of its stop tokens: EOS, stop_token_ids) stops; one whose token the
+        grammar refuses (it allowed no token at all: min_tokens banned the stop token it
+        needed) is aborted with the reason."""
+        if not request.grammar.accept(token):
+            request.error = (f"the structured-output grammar refused token {token}: no token "
+                             f"was allowed (min_tokens bans the stop token that ends it?)")
+            return RequestStatus.FINISHED_ABORTED
+        if request.grammar.is_terminated and status in (None, RequestStatus.FINISHED_LENGTH):
+            request.stop_reason = token if token in request.params.stop_token_ids else None
+            return RequestStatus.FINISHED_STOPPED
+        return status
 
     def _check_token_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.params

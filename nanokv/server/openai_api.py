@@ -289,6 +289,7 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
         server.check_chars(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
         bad_words = await server.bad_words_token_ids(body)
+        structured = await server.structured_outputs(body)
         requests = []
         for i, p in enumerate(prompts):
             if isinstance(p, str):
@@ -301,7 +302,8 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
             default = min(COMPLETION_DEFAULT_MAX_TOKENS, server.max_model_len - len(ids))
             requests += server.make_requests(body, ids, text, f"{rid}-{i}", body.max_tokens,
                                              max(default, 1), "prompt",
-                                             bad_words_token_ids=bad_words)
+                                             bad_words_token_ids=bad_words,
+                                             structured_outputs=structured)
         streams = server.open_streams(requests, labels)
         head = {"id": rid, "object": "text_completion", "created": int(time.time()),
                 "model": settings.model_name}
@@ -338,12 +340,13 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
                                                 body.continue_final_message)
         ids = server.truncate(body, ids)
         bad_words = await server.bad_words_token_ids(body)
+        structured = await server.structured_outputs(body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         max_param = "max_tokens" if body.max_completion_tokens is None \
             else "max_completion_tokens"
         requests = server.make_requests(body, ids, text, rid, body.requested_max_tokens,
                                         max(server.max_model_len - len(ids), 1), "messages",
-                                        max_param, bad_words)
+                                        max_param, bad_words, structured)
         streams = server.open_streams(requests, labels)
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()),
                 "model": settings.model_name}

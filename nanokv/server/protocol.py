@@ -6,7 +6,8 @@ way vLLM does:
 
 - implemented: the sampling fields, penalties, `min_p`, `logit_bias`, `logprobs` /
   `top_logprobs`, `n`, vLLM's `prompt_logprobs`, `allowed_token_ids`, `bad_words` and
-  `truncate_prompt_tokens`, and the completions'
+  `truncate_prompt_tokens`, structured outputs (`response_format` json_object / json_schema
+  and vLLM's `structured_outputs`, chat and completions), and the completions'
   `echo` (with `max_tokens: 0`: the prompt alone, as vLLM's);
 - bookkeeping that changes nothing (`user`, `store`, `metadata`, `service_tier`,
   `prompt_cache_key`, `safety_identifier`, `reasoning_effort`, `request_id`, `priority` 0 ...):
@@ -23,9 +24,22 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from nanokv.structured.params import StructuredOutputsParams
+
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
 MAX_N = 64  # choices per prompt
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range, [-100, 100]: vLLM's server clamps a bias into it
+# vLLM's structured_outputs keys: those nanokv implements, and vLLM's others (refused)
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
+STRUCTURED_UNSUPPORTED = {
+    "structural_tag": "structural tags are not supported",
+    "whitespace_pattern": "whitespace_pattern is not supported (xgrammar ignores it in vLLM "
+                          "too); disable_any_whitespace is",
+    "disable_additional_properties": "disable_additional_properties is not supported (xgrammar "
+                                     "ignores it in vLLM too): set additionalProperties: false "
+                                     "in the schema",
+}
+JSON_SCHEMA_FORMAT_KEYS = ("name", "schema", "strict", "description")
 
 
 class APIError(Exception):
@@ -130,6 +144,8 @@ class _SamplingRequest(_Body):
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
+    # OpenAI's (chat; vLLM accepts it on completions too) and vLLM's structured_outputs object
+    response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: Any = None
     guided_regex: str | None = None
@@ -145,11 +161,72 @@ class _SamplingRequest(_Body):
             bad.append(("stream_options", "stream_options needs stream=true"))
         if self.priority != 0:
             bad.append(("priority", "priority scheduling is not supported (use 0)"))
-        for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                     "guided_grammar"):
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
             if getattr(self, name) is not None:
-                bad.append((name, "structured outputs are not supported"))
+                bad.append((name, f"{name} is not supported (vLLM removed it): use "
+                                  f"structured_outputs {{\"{name[len('guided_'):]}\": ...}}"))
         return bad
+
+    def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str]:
+        """The request's constraint and the field it came from (response_format or
+        structured_outputs): vLLM's rule, response_format's json_object / json_schema set over
+        structured_outputs' fields. APIError 400 naming the field when either is malformed."""
+        if self.response_format is None and self.structured_outputs is None:
+            return None, ""
+        fields: dict[str, Any] = {}
+        if self.structured_outputs is not None:
+            for key, value in self.structured_outputs.items():
+                if key in STRUCTURED_UNSUPPORTED:
+                    raise APIError(400, f"structured_outputs.{key}: "
+                                        f"{STRUCTURED_UNSUPPORTED[key]}",
+                                   param="structured_outputs", code="unsupported_parameter")
+                if key not in STRUCTURED_KEYS:
+                    raise APIError(400, f"structured_outputs has an unknown field {key!r}; "
+                                        f"allowed: {', '.join(STRUCTURED_KEYS)}",
+                                   param="structured_outputs", code="invalid_value")
+                if value is not None:
+                    fields[key] = value
+        param = "structured_outputs"
+        override = self._response_format_constraint()
+        if override:
+            fields.update(override)
+            param = "response_format"
+        if not fields and self.structured_outputs is None:
+            return None, ""
+        try:
+            return StructuredOutputsParams(**fields), param
+        except ValueError as e:
+            raise APIError(400, str(e), param=param, code="invalid_value") from e
+
+    def _response_format_constraint(self) -> dict[str, Any]:
+        """response_format as structured_outputs fields ({} for type text)."""
+        rf = self.response_format
+        if rf is None:
+            return {}
+        kind = rf.get("type")
+        if kind == "text":
+            return {}
+        if kind == "json_object":
+            return {"json_object": True}
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise APIError(400, "response_format type 'json_schema' needs json_schema: "
+                                    "{\"name\": ..., \"schema\": {a JSON schema object}, "
+                                    "\"strict\": ...}", param="response_format",
+                               code="invalid_value")
+            unknown = [k for k in spec if k not in JSON_SCHEMA_FORMAT_KEYS]
+            if unknown:
+                raise APIError(400, f"response_format.json_schema has unknown fields "
+                                    f"{unknown}; allowed: {', '.join(JSON_SCHEMA_FORMAT_KEYS)}",
+                               param="response_format", code="invalid_value")
+            return {"json": spec["schema"]}
+        if kind in ("structural_tag", "structural_tags"):
+            raise APIError(400, "response_format type 'structural_tag' is not supported",
+                           param="response_format", code="unsupported_parameter")
+        raise APIError(400, f"response_format type must be 'text', 'json_object' or "
+                            f"'json_schema', got {kind!r}", param="response_format",
+                       code="invalid_value")
 
     def sampling_kwargs(self) -> dict:
         """SamplingParams keyword arguments of the request (max_tokens, n and logprobs apart)."""
@@ -277,7 +354,6 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -300,8 +376,6 @@ class ChatCompletionRequest(_SamplingRequest):
         bad = super().unsupported()
         if self.top_logprobs and not self.logprobs:
             bad.append(("top_logprobs", "top_logprobs needs logprobs=true"))
-        if self.response_format and self.response_format.get("type") != "text":
-            bad.append(("response_format", "only response_format type 'text' is supported"))
         if self.tools:
             bad.append(("tools", "tool calling is not supported"))
         if self.functions:

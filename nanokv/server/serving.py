@@ -17,6 +17,7 @@ from fastapi import Request
 from nanokv.bad_words import tokenize_bad_words
 from nanokv.engine.detokenizer import TokenTexts
 from nanokv.engine.prompts import truncate_prompt
+from nanokv.extras import MissingExtraError
 from nanokv.metrics.prometheus import PrometheusExporter
 from nanokv.metrics.stats import CacheConfigInfo
 from nanokv.outputs import RequestOutput
@@ -25,6 +26,7 @@ from nanokv.server.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFu
                                         RequestStream)
 from nanokv.engine.chat import ChatRenderer
 from nanokv.server.protocol import MAX_N, APIError, _SamplingRequest
+from nanokv.structured.params import StructuredOutputsParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens",
@@ -271,6 +273,29 @@ class OpenAIServer:
 
         return await self._in_worker(work)
 
+    async def structured_outputs(self, body: _SamplingRequest
+                                 ) -> StructuredOutputsParams | None:
+        """The request's response_format / structured_outputs as the engine's constraint,
+        compiled (once per distinct constraint) in a worker thread: a schema, regex or grammar
+        xgrammar cannot compile is a 400 naming its field, before any engine request exists."""
+        spec, param = body.structured_outputs_params()
+        if spec is None:
+            return None
+        if self.tokenizer is None:
+            raise APIError(400, f"{param} needs a tokenizer; this server runs without one "
+                                f"(--skip-tokenizer-init)", param=param, code="invalid_value")
+
+        def work():
+            self.engine.structured_backend(self._thread_tokenizer()[0]).compile(spec)
+
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._worker, work)
+        except MissingExtraError as e:
+            raise APIError(400, str(e), param=param, code="unsupported_parameter") from e
+        except ValueError as e:
+            raise APIError(400, str(e), param=param, code="invalid_value") from e
+        return spec
+
     def truncate(self, body: _SamplingRequest, token_ids: list[int]) -> list[int]:
         """The prompt's last truncate_prompt_tokens tokens (vLLM's), before its length is
         checked and its default max_tokens chosen."""
@@ -294,11 +319,12 @@ class OpenAIServer:
     def make_requests(self, body: _SamplingRequest, token_ids: list[int], text: str | None,
                       request_id: str, requested_max: int | None, default_max: int,
                       prompt_param: str, max_param: str = "max_tokens",
-                      bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None) -> list:
+                      bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None,
+                      structured_outputs: StructuredOutputsParams | None = None) -> list:
         """The n engine requests of one prompt (ids `request_id-j`; `token_ids` already
-        truncated, `bad_words_token_ids` from `bad_words_token_ids`); n > 1 share the prompt's
-        blocks through the prefix cache, and seeded choices use seed + j. Echo with max_tokens
-        0 runs max_tokens 1 (vLLM's)."""
+        truncated, `bad_words_token_ids` from `bad_words_token_ids`, `structured_outputs`
+        from `structured_outputs`); n > 1 share the prompt's blocks through the prefix cache,
+        and seeded choices use seed + j. Echo with max_tokens 0 runs max_tokens 1 (vLLM's)."""
         n = len(token_ids)
         if n >= self.max_model_len:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
@@ -326,7 +352,8 @@ class OpenAIServer:
         try:
             kwargs = body.sampling_kwargs()
             base = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=body.num_logprobs,
-                                  prompt_logprobs=body.num_prompt_logprobs)
+                                  prompt_logprobs=body.num_prompt_logprobs,
+                                  structured_outputs=structured_outputs)
         except ValueError as e:
             field = str(e).split(" ", 1)[0]
             raise APIError(400, str(e), param=field if field in SAMPLING_FIELDS else None,

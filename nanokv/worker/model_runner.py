@@ -83,7 +83,8 @@ class ModelRunner:
         out = self.sampler.sample(logits, [s.params for s in sampled],
                                   [s.output_index for s in sampled],
                                   [s.history for s in sampled],
-                                  [s.banned_token_ids for s in sampled])
+                                  [s.banned_token_ids for s in sampled],
+                                  [s.allowed_token_bitmask for s in sampled])
         logprobs = {s.request_id: lp for s, lp in zip(sampled, out.logprobs) if lp is not None}
         return RunnerOutput({s.request_id: t for s, t in zip(sampled, out.token_ids)},
                             prompt_logits, captured, logprobs, prompt_logprobs)

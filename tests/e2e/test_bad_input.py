@@ -179,6 +179,21 @@ CASES = [
     ("bad-words-not-a-list", "/v1/completions", completion(bad_words="def"), 400, "bad_words",
      "invalid_type"),
     ("tokenize-nothing", "/tokenize", {}, 400, None, None),
+    # structured outputs: what xgrammar cannot compile is the request's fault, never the engine's
+    ("json-schema-bad-type", "/v1/chat/completions",
+     chat(response_format={"type": "json_schema",
+                           "json_schema": {"name": "x", "schema": {"type": "nope"}}}), 400,
+     "response_format", "invalid_value"),
+    ("json-schema-missing", "/v1/completions",
+     completion(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400,
+     "response_format", "invalid_value"),
+    ("structured-bad-regex", "/v1/completions", completion(structured_outputs={"regex": "("}),
+     400, "structured_outputs", "invalid_value"),
+    ("structured-bad-grammar", "/v1/chat/completions",
+     chat(structured_outputs={"grammar": "root ::= "}), 400, "structured_outputs",
+     "invalid_value"),
+    ("structured-empty", "/v1/chat/completions", chat(structured_outputs={}), 400,
+     "structured_outputs", "invalid_value"),
 ]
 
 

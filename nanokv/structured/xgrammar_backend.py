@@ -1,0 +1,122 @@
+"""Structured outputs on xgrammar (vLLM's default backend): constraints compiled once each
+against the tokenizer's vocabulary, and a matcher per request that says which tokens may come
+next and follows the ones sampled.
+
+xgrammar is the optional [structured] extra, imported on the first constrained request. Its
+objects stay in the engine's process (rank 0): the scheduler asks a request's `RequestGrammar`
+for the next token's bitmask (a numpy array, plain data to the model runner) and feeds it each
+sampled token.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from nanokv.extras import require
+from nanokv.structured.params import StructuredOutputsParams
+
+MAX_COMPILED = 256  # compiled constraints kept (least recently used dropped first)
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """vLLM's `choice_as_grammar`: an EBNF grammar whose root is one of the strings."""
+    escapes = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+    def literal(text: str) -> str:
+        return "".join(escapes.get(c, f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F
+                                   else c) for c in text)
+
+    return "root ::= " + " | ".join(f'"{literal(c)}"' for c in choices)
+
+
+class RequestGrammar:
+    """One request's place in its grammar (a GrammarMatcher of its own)."""
+
+    def __init__(self, matcher, vocab_size: int) -> None:
+        self._matcher = matcher
+        self._bitmask = np.empty((1, (vocab_size + 31) // 32), dtype=np.int32)
+
+    def allowed_bitmask(self) -> np.ndarray:
+        """The tokens that may come next: bit t % 32 of word t // 32 set for an allowed token t,
+        int32 [ceil(vocab / 32)] (a new array: it travels with the step)."""
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        return self._bitmask[0].copy()
+
+    def accept(self, token: int) -> bool:
+        """Advance past a sampled token; False when the grammar does not allow it."""
+        return self._matcher.accept_token(token)
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and one of its stop tokens was accepted."""
+        return self._matcher.is_terminated()
+
+
+class GrammarBackend:
+    """The engine's xgrammar compiler over its tokenizer's vocabulary, with the compiled
+    constraints cached. Safe to call from several threads (the server compiles off its event
+    loop, the engine thread builds matchers)."""
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        require("structured", "structured outputs")
+        import xgrammar
+
+        self._xgr = xgrammar
+        self.vocab_size = vocab_size
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=8, cache_enabled=False)
+        self._compiled: OrderedDict[tuple, object] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_compiled = 0  # constraints compiled (cache misses)
+
+    def compile(self, spec: StructuredOutputsParams):
+        """The constraint's compiled grammar, compiled on first use; ValueError naming the
+        field when xgrammar cannot compile it."""
+        key = spec.key
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+                return compiled
+        compiled = self._compile(spec)
+        with self._lock:
+            self._compiled[key] = compiled
+            self.num_compiled += 1
+            while len(self._compiled) > MAX_COMPILED:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: StructuredOutputsParams):
+        kind, compiler = spec.kind, self._compiler
+        # vLLM's disable_any_whitespace: no whitespace, and none after the separators either
+        whitespace = dict(any_whitespace=not spec.disable_any_whitespace,
+                          separators=(",", ":") if spec.disable_any_whitespace else None)
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(spec.json, **whitespace)
+            if kind == "json_object":
+                return compiler.compile_json_schema('{"type": "object"}', **whitespace)
+            if kind == "regex":
+                return compiler.compile_regex(spec.regex)
+            if kind == "choice":
+                return compiler.compile_grammar(choice_grammar(spec.choice))
+            return compiler.compile_grammar(spec.grammar)
+        except Exception as e:  # noqa: BLE001 - xgrammar's errors are RuntimeError and others
+            what = {"json": "a JSON schema xgrammar can compile",
+                    "json_object": "true", "regex": "a regular expression xgrammar can compile",
+                    "choice": "a list of strings", "grammar": "an EBNF grammar xgrammar can "
+                    "compile (rule root first)"}[kind]
+            raise ValueError(f"structured_outputs.{kind} must be {what}: "
+                             f"{str(e).strip()[:500]}") from e
+
+    def request_grammar(self, spec: StructuredOutputsParams,
+                        stop_token_ids: Sequence[int]) -> RequestGrammar:
+        """A new matcher of the constraint. stop_token_ids end the output where the grammar
+        is complete (vLLM's: EOS and the request's stop_token_ids)."""
+        matcher = self._xgr.GrammarMatcher(self.compile(spec),
+                                           override_stop_tokens=list(stop_token_ids) or None)
+        return RequestGrammar(matcher, self.vocab_size)
