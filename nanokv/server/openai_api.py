@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI).
 
     POST /v1/completions, /v1/chat/completions (JSON or server-sent events)
-    GET  /v1/models, /health, /metrics
+    GET  /v1/models, /v1/models/{model}, /health, /ping (also POST), /version, /metrics
     POST /tokenize, /detokenize
 
 Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 bad input, 401 bad
@@ -21,6 +21,8 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from functools import partial
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as dist_version
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,11 +41,12 @@ __all__ = ["build_app", "ServerSettings", "OpenAIServer"]
 
 logger = logging.getLogger("nanokv.server")
 
-OPEN_PATHS = ("/health",)  # never behind --api-key
+OPEN_PATHS = ("/health", "/ping", "/version")  # never behind --api-key
 
 
 class APIKeyMiddleware:
-    """Pure ASGI: `Authorization: Bearer <key>` compared in constant time; /health stays open."""
+    """Pure ASGI: `Authorization: Bearer <key>` compared in constant time; OPEN_PATHS stay
+    open."""
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
@@ -206,6 +209,14 @@ def require_json(raw: Request) -> None:
                        code="unsupported_media_type")
 
 
+def nanokv_version() -> str:
+    """The installed nanokv's version ("unknown" when run from a source tree)."""
+    try:
+        return dist_version("nanokv")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
     settings = server.settings
     json_body = [Depends(require_json)]
@@ -224,11 +235,26 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
     async def metrics():
         return Response(server.exporter.render(), media_type=server.exporter.content_type)
 
+    def model_card() -> dict:
+        return {"id": settings.model_name, "object": "model", "created": server.created,
+                "owned_by": "nanokv", "max_model_len": server.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": settings.model_name, "object": "model", "created": server.created,
-            "owned_by": "nanokv", "max_model_len": server.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")  # OpenAI's retrieve (`client.models.retrieve`)
+    async def model(model: str):
+        server.check_model(model)
+        return model_card()
+
+    @app.get("/version")  # vLLM's
+    async def version():
+        return {"version": nanokv_version()}
+
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's): as /health
+    async def ping():
+        return await health()
 
     @app.post("/tokenize", dependencies=json_body)
     async def tokenize(body: TokenizeRequest):

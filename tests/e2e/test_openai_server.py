@@ -27,6 +27,17 @@ def test_models_health_and_auth(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
     assert httpx.get(server.url + "/health").status_code == 200  # open without a key
     assert httpx.get(server.url + "/v1/models").status_code == 401
+    # the SDK's models.retrieve; vLLM's /ping (as /health) and /version, open without a key
+    card = client.models.retrieve(MODEL_NAME)
+    assert card.id == MODEL_NAME and card.owned_by == "nanokv"
+    missing = httpx.get(server.url + "/v1/models/other", headers=server.headers)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(server.url + "/v1/models/" + MODEL_NAME).status_code == 401
+    for method in ("GET", "POST"):
+        ping = httpx.request(method, server.url + "/ping")
+        assert ping.status_code == 200 and ping.json() == {"status": "ok"}
+    version = httpx.get(server.url + "/version")
+    assert version.status_code == 200 and set(version.json()) == {"version"}
 
 
 def test_completion_equals_offline(client, offline):
