@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from nanokv.server.reasoning import PARSERS
+
 
 def add_serve_parser(subparsers, add_engine_args, engine_options) -> None:
     p = subparsers.add_parser(
@@ -56,6 +58,11 @@ def add_serve_parser(subparsers, add_engine_args, engine_options) -> None:
     s.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template file (default: the tokenizer's, else nanokv's "
                         "simple fallback '<|role|>\\ncontent\\n ... <|assistant|>\\n')")
+    s.add_argument("--reasoning-parser", default=None, choices=sorted(PARSERS), metavar="NAME",
+                   help="split chat answers into the message's `reasoning` (the text up to "
+                        "</think>) and `content` (the rest), streamed too, as vLLM's: "
+                        f"{', '.join(sorted(PARSERS))}; qwen3 honours chat_template_kwargs "
+                        "enable_thinking=false (all content) (default: off)")
     s.add_argument("--trace-file", default=None, metavar="FILE",
                    help="append one JSON line per finished request to FILE: arrival time, "
                         "lengths, keyed block hashes (no text, no token ids), finish reason, "
@@ -115,7 +122,8 @@ def cmd_serve(args: argparse.Namespace, engine_options) -> int:
         max_stop_strings=args.max_stop_strings, max_stop_length=args.max_stop_length,
         shutdown_timeout=args.shutdown_timeout,
         request_classes=tuple(c.strip() for c in args.request_classes.split(",") if c.strip()),
-        trace_file=args.trace_file, trace_steps_file=args.trace_steps)
+        trace_file=args.trace_file, trace_steps_file=args.trace_steps,
+        reasoning_parser=args.reasoning_parser)
 
     from nanokv.replicas.cli import check_replica_args
 

@@ -377,12 +377,22 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()),
                 "model": settings.model_name}
         token_texts = partial(server.token_texts, skip_special_tokens=body.skip_special_tokens)
+        parser = server.reasoning_parser
+        thinking = parser is not None and parser.thinking(body.chat_template_kwargs)
         if body.stream:
             head["object"] = "chat.completion.chunk"
+            reasoning = partial(parser.stream, thinking) if parser else None
             return EngineStreamingResponse(
                 stream_events(server.events(streams), len(streams), head, body, True,
-                              token_texts, ids), streams)
+                              token_texts, ids, reasoning), streams)
+
+        def message(text: str) -> dict:
+            if parser is None:
+                return {"role": "assistant", "content": text}
+            reasoning, content = parser.split(text, thinking)
+            return {"role": "assistant", "reasoning": reasoning, "content": content}
+
         return await final_response(streams, raw, head, body, lambda o, lps, _: {
-            "message": {"role": "assistant", "content": o.text},
+            "message": message(o.text),
             "logprobs": chat_logprobs(lps, token_texts(o.prompt_token_ids))
             if body.num_logprobs is not None else None}, prompt_logprobs_field=True)

@@ -339,7 +339,9 @@ class ChatMessage(_Strict):
     audio: None = None
     function_call: None = None
     tool_calls: list[dict[str, Any]] | None = None
-    reasoning_content: str | None = None  # vLLM's reasoning output; not shown to the model
+    # an earlier answer's reasoning (vLLM's field, and its older name): not shown to the model
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if self.content is None:

@@ -12,6 +12,7 @@ from nanokv.engine.detokenizer import TokenTexts
 from nanokv.layers.sampler import TokenLogprobs
 from nanokv.outputs import RequestOutput
 from nanokv.server.protocol import APIError
+from nanokv.server.reasoning import ReasoningStream
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf (vLLM's floor)
 
@@ -139,7 +140,9 @@ class TextDelta:
 async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_choices: int,
                         head: dict, body, chat: bool,
                         token_texts: Callable[[list[int]], TokenTexts],
-                        prompt_token_ids: list[int] | None = None) -> AsyncIterator[str]:
+                        prompt_token_ids: list[int] | None = None,
+                        reasoning: Callable[[], ReasoningStream] | None = None
+                        ) -> AsyncIterator[str]:
     """The SSE body of a streamed completion: text pieces per choice (with their token ids and
     logprobs when asked), the finish reason, the usage last (or in every chunk with
     continuous_usage_stats), then [DONE]. An error ends the stream with OpenAI's error body and
@@ -147,7 +150,8 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
     chunk carries `prompt_token_ids` (the chat's prompt, given), a completion's choice its
     prompt's in its first chunk. A completion with echo starts each choice's first chunk with
     the prompt's text (and its log-probabilities, asked for), as vLLM's; with max_tokens 0
-    nothing of the output follows."""
+    nothing of the output follows. `reasoning` (chat): makes a choice's reasoning split; its
+    deltas then carry `reasoning` until the end marker and `content` after, as vLLM's."""
     stop = body.stop_list()
     deltas = [TextDelta(stop, body.include_stop_str_in_output) for _ in range(num_choices)]
     # each choice's tokens' texts, made at its first output (which carries its prompt)
@@ -169,6 +173,17 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
         return usage(first_outputs, n, generated)
 
     first_outputs: list[RequestOutput | None] = [None] * num_choices
+    splits = [reasoning() for _ in range(num_choices)] if reasoning else None
+
+    def chat_delta(i: int, piece: str, finished: bool) -> dict:
+        if splits is None:
+            return {"content": piece} if piece else {}
+        thought, content = splits[i].feed(piece)
+        if finished:
+            more_thought, more_content = splits[i].finish()
+            thought, content = thought + more_thought, content + more_content
+        return {k: v for k, v in (("reasoning", thought), ("content", content)) if v}
+
     try:
         if chat:
             for i in range(num_choices):
@@ -191,8 +206,9 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
             echoing = echo and not sent[i]
             if echoing:
                 piece = (out.prompt or "") + piece
-            if not piece and not out.finished and not (body.return_token_ids and new) \
-                    and not echoing:
+            delta = chat_delta(i, piece, out.finished) if chat else {}
+            if not (delta if chat else piece) and not out.finished \
+                    and not (body.return_token_ids and new) and not echoing:
                 continue
             if out.finished:
                 finals[i] = out
@@ -210,7 +226,7 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
                 text_offsets[i] += sum(len(t) for t in logprobs["tokens"])
             reason = out.finish_reason if out.finished else None
             if chat:
-                choice = {"index": i, "delta": {"content": piece} if piece else {},
+                choice = {"index": i, "delta": delta,
                           "logprobs": logprobs, "finish_reason": reason}
             else:
                 choice = {"index": i, "text": piece, "logprobs": logprobs,

@@ -26,6 +26,7 @@ from nanokv.server.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFu
                                         RequestStream)
 from nanokv.engine.chat import ChatRenderer
 from nanokv.server.protocol import MAX_N, APIError, _SamplingRequest
+from nanokv.server.reasoning import get_parser
 from nanokv.structured.params import StructuredOutputsParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -57,6 +58,7 @@ class ServerSettings:
     request_classes: tuple[str, ...] = ()  # allowed values of the X-Request-Class header
     trace_file: str | None = None  # append one JSON line per finished request (nanokv.sim)
     trace_steps_file: str | None = None  # and one per engine step (nanokv/sim/step_log.py)
+    reasoning_parser: str | None = None  # splits chat answers' reasoning (nanokv.server.reasoning)
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -81,6 +83,8 @@ class ServerSettings:
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0 seconds, got "
                              f"{self.shutdown_timeout!r}")
+        if self.reasoning_parser is not None:
+            get_parser(self.reasoning_parser)
         self.request_classes = tuple(self.request_classes)
         for c in self.request_classes:
             if not (c and len(c) <= 64 and all(ch.isalnum() or ch in "-_." for ch in c)):
@@ -108,6 +112,8 @@ class OpenAIServer:
         tok = engine.tokenizer
         self.tokenizer = copy.deepcopy(tok) if tok is not None else None
         self.chat = ChatRenderer(self.tokenizer, settings.chat_template) if tok else None
+        self.reasoning_parser = get_parser(settings.reasoning_parser) \
+            if settings.reasoning_parser else None
         self._local = threading.local()
         self._worker = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="nanokv-tokenize")
         self.exporter = PrometheusExporter(settings.model_name,

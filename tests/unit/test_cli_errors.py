@@ -129,6 +129,8 @@ def test_checks_come_before_the_work(monkeypatch, capsys):
                         "--replicas N") in last
     rc, last = run(["serve", "--model", TINY, "--served-model-name", " "], capsys)
     assert rc == 2 and "--served-model-name must be a non-empty name" in last
+    rc, last = run(["serve", "--model", TINY, "--reasoning-parser", "qwen"], capsys)
+    assert rc == 2 and "--reasoning-parser" in last and "'deepseek_r1', 'qwen3'" in last
     # generate: the sampling flags and prompts before the model loads (LLMEngine is no_work)
     for argv, fragment in ((["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
                            (["--temperature", "-1"], "temperature must be a finite number"),

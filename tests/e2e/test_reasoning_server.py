@@ -1,0 +1,109 @@
+"""`nanokv serve --reasoning-parser` through the `openai` SDK: the tiny model is made to answer
+with <think> markers by a structured-outputs regex, and each answer's `reasoning` / `content`
+(whole and streamed) is checked against the plain server's text of the same request."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from servers import API_KEY, MODEL_NAME, start_in_process, stop_server
+
+THINK = "<think>[a-z]{3}</think>[a-z]{4}"
+ASK = [{"role": "user", "content": "think first"}]
+
+
+@pytest.fixture(scope="module", params=["qwen3", "deepseek_r1"])
+def thinking(request, tiny_llama):
+    """(parser name, a client of an in-process server running that parser)."""
+    s = start_in_process(tiny_llama, settings=dict(reasoning_parser=request.param))
+    yield request.param, OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0,
+                                timeout=60)
+    stop_server(s)
+
+
+def _ask(client, regex: str, **kwargs):
+    return client.chat.completions.create(
+        model=MODEL_NAME, messages=ASK, temperature=0, max_tokens=40,
+        extra_body={"structured_outputs": {"regex": regex}, **kwargs.pop("extra_body", {})},
+        **kwargs)
+
+
+def _streamed(client, regex: str, **kwargs) -> tuple[list[str], list[str], list[str]]:
+    """The stream's reasoning and content deltas (in the order they came, as 'r'/'c')."""
+    reasoning, content, order = [], [], []
+    for chunk in _ask(client, regex, stream=True, **kwargs):
+        for choice in chunk.choices:
+            r, c = getattr(choice.delta, "reasoning", None), choice.delta.content
+            if r:
+                reasoning.append(r)
+                order.append("r")
+            if c:
+                content.append(c)
+                order.append("c")
+    return reasoning, content, order
+
+
+@pytest.mark.parametrize("regex,split", [
+    (THINK, lambda t: (t[7:10], t[18:])),
+    ("[a-z]{3}</think>[a-z]{4}", lambda t: (t[:3], t[11:])),  # <think> was in the prompt
+    ("<think>[a-z]{5}", lambda t: (t[7:], None)),  # never ended: all reasoning
+    ("[a-z]{2}<think>[a-z]{3}</think>[a-z]{4}", lambda t: (t[:2] + t[9:12], t[20:])),
+])
+def test_answers_split_into_reasoning_and_content(thinking, client, regex, split):
+    _, reasoner = thinking
+    plain = _ask(client, regex).choices[0].message
+    assert "think>" in plain.content
+    expected = split(plain.content)
+    message = _ask(reasoner, regex).choices[0].message
+    assert (message.reasoning, message.content) == expected
+    reasoning, content, order = _streamed(reasoner, regex)
+    assert ("".join(reasoning), "".join(content) or None) == expected
+    assert order == sorted(order, reverse=True)  # reasoning deltas, then content ones
+    assert not any("<" in d or ">" in d for d in reasoning + content)  # no marker pieces
+
+
+def test_enable_thinking_false_keeps_qwen3_answers_as_content(thinking, client):
+    name, reasoner = thinking
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    plain = _ask(client, THINK, extra_body=off).choices[0].message.content
+    message = _ask(reasoner, THINK, extra_body=off).choices[0].message
+    if name == "qwen3":
+        assert (message.reasoning, message.content) == (None, plain)
+        reasoning, content, _ = _streamed(reasoner, THINK, extra_body=off)
+        assert (reasoning, "".join(content)) == ([], plain)
+    else:  # deepseek_r1 has no such switch
+        assert (message.reasoning, message.content) == (plain[7:10], plain[18:])
+
+
+def test_logprobs_and_completions_are_unchanged(thinking, client):
+    _, reasoner = thinking
+    plain = _ask(client, THINK, logprobs=True).choices[0]
+    choice = _ask(reasoner, THINK, logprobs=True).choices[0]
+    assert "".join(t.token for t in choice.logprobs.content) == plain.message.content
+    assert [t.logprob for t in choice.logprobs.content] == pytest.approx(
+        [t.logprob for t in plain.logprobs.content], abs=1e-4)  # all the answer's tokens
+    streamed = "".join(t.token for chunk in _ask(reasoner, THINK, logprobs=True, stream=True)
+                       for c in chunk.choices if c.logprobs for t in c.logprobs.content)
+    assert streamed == plain.message.content
+    kw = dict(model=MODEL_NAME, prompt="think", max_tokens=30, temperature=0,
+              extra_body={"structured_outputs": {"regex": THINK}})
+    assert reasoner.completions.create(**kw).choices[0].text == \
+        client.completions.create(**kw).choices[0].text
+
+
+def test_history_may_carry_reasoning_which_the_model_does_not_see(server, client):
+    history = [*ASK, {"role": "assistant", "content": "abcd", "reasoning": "secret"},
+               {"role": "user", "content": "again"}]
+    bare = [*ASK, {"role": "assistant", "content": "abcd"}, {"role": "user", "content": "again"}]
+
+    def prompt(messages):
+        r = httpx.post(server.url + "/tokenize", timeout=30, json={"messages": messages},
+                       headers={"Authorization": f"Bearer {API_KEY}"})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    assert prompt(history) == prompt(bare)
+    r = client.chat.completions.create(model=MODEL_NAME, messages=history, max_tokens=3)
+    assert r.choices[0].finish_reason == "length"
