@@ -12,6 +12,7 @@ from nanokv.validation import check_bool, check_choice, check_fraction, check_in
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 1024
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
@@ -91,6 +92,11 @@ class EngineConfig:
     max_num_seqs: int = _opt(64, "requests running at once")
     max_num_batched_tokens: int = _opt(4096, "token budget of one step (prefill chunks + "
                                              "decodes)")
+    scheduling_policy: str = _opt(
+        "fcfs", "fcfs: waiting requests in arrival order, the newest running one preempted; "
+                "priority: by each request's priority (lower first), then arrival, the running "
+                "request with the largest (priority, arrival) preempted",
+        choices=SCHEDULING_POLICIES)
     enable_prefix_caching: bool = _opt(True, "share full blocks of identical prefixes",
                                        false_flag="--no-prefix-caching")
     enable_chunked_prefill: bool = _opt(
@@ -158,6 +164,7 @@ class EngineConfig:
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("device", self.device, DEVICES)
         check_choice("linear_backend", self.linear_backend, LINEAR_BACKENDS)
+        check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         if not isinstance(self.attention_backend, str):
             raise ValueError(f"attention_backend must be a backend name, "
                              f"got {self.attention_backend!r}")

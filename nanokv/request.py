@@ -73,7 +73,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  prompt: str | None = None, eos_token_ids: tuple[int, ...] = (),
-                 cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+                 cache_salt: str | None = None, arrival_time: float | None = None,
+                 priority: int = 0) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -86,6 +87,7 @@ class Request:
         # RequestGrammar), set by the engine; dropped when the request finishes
         self.grammar = None
         self.cache_salt = cache_salt
+        self.priority = priority  # the priority scheduling policy's: lower is served first
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.error: str | None = None  # why the engine aborted it, when it failed

@@ -30,7 +30,8 @@ class LLM:
     def generate(self, prompts: str | list[int] | dict | list[str | list[int] | dict],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  cache_salt: str | None = None,
-                 use_tqdm: bool | Callable[..., tqdm] = True) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable[..., tqdm] = True,
+                 priority: int | list[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
         A prompt is text, token ids, or vLLM's prompt dicts ({"prompt": text} or
@@ -45,6 +46,8 @@ class LLM:
         input and output tokens/s on stderr (each sample's prompt counts as input); False for
         none, or a callable taking tqdm's arguments that returns the bar to use (e.g.
         `functools.partial(tqdm, leave=False)`).
+        `priority` (as in vLLM): one for all prompts or one per prompt, lower served first
+        under scheduling_policy "priority" (ignored under "fcfs"); default 0.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
@@ -61,22 +64,28 @@ class LLM:
                                  f"pass one, or one per prompt")
         else:
             params = [sampling_params]  # refused below
+        priorities = (list(priority) if isinstance(priority, (list, tuple))
+                      else [0 if priority is None else priority] * len(prompts))
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts; "
+                             f"pass one, or one per prompt")
         for sp in params:
             if not isinstance(sp, SamplingParams):
                 raise ValueError(f"sampling_params must be a SamplingParams or a list of them "
                                  f"(one per prompt), got {type(sp).__name__}")
             sp.validate()  # n (fanned out here) and the rest may have changed since it was built
         requests, groups = [], []  # groups: (request id, its samples' indexes in requests)
-        for p, sp in zip(prompts, params):
+        for p, sp, rank in zip(prompts, params, priorities):
             if sp.n == 1:
-                request = self.engine.make_request(p, sp, cache_salt=cache_salt)
+                request = self.engine.make_request(p, sp, cache_salt=cache_salt, priority=rank)
                 groups.append((request.request_id, [len(requests)]))
                 requests.append(request)
                 continue
             rid = self.engine.new_request_id()
             groups.append((rid, list(range(len(requests), len(requests) + sp.n))))
             requests += [self.engine.make_request(p, sp.sample(j), f"{rid}-{j}",
-                                                  cache_salt=cache_salt) for j in range(sp.n)]
+                                                  cache_salt=cache_salt, priority=rank)
+                         for j in range(sp.n)]
         outputs = self.generate_requests(requests, use_tqdm=use_tqdm)
         return [outputs[rows[0]] if len(rows) == 1 else _merge(rid, [outputs[i] for i in rows])
                 for rid, rows in groups]

@@ -129,7 +129,7 @@ class LLMEngine:
             extra_keys=extra_keys, on_block_freed=kv_cache.release)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_model_len,
-                                   config.enable_chunked_prefill)
+                                   config.enable_chunked_prefill, config.scheduling_policy)
         self.runner = ModelRunner(self.model, self.kv_cache, self.attention_backend, self.device,
                                   config.seed, tp=None if self.executor is None
                                   else self.executor.tp, enforce_eager=config.enforce_eager,
@@ -206,9 +206,12 @@ class LLMEngine:
     def make_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                      request_id: str | None = None, cache_salt: str | None = None,
                      kv_policy=None, compress_after: int | None = None,
-                     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None) -> Request:
+                     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None,
+                     priority: int = 0) -> Request:
         """Validate and tokenize; raises ValueError without touching the engine's state.
         `prompt`: text, token ids, or vLLM's prompt dicts (`nanokv.engine.prompts`).
+        `priority`: lower is served first under scheduling_policy "priority"; ignored under
+        "fcfs" (as vLLM's engine does).
         `bad_words_token_ids`: params.bad_words tokenized by the caller in its own thread
         (`tokenize_bad_words`; the server's), else the engine tokenizes them."""
         params = params or SamplingParams()
@@ -264,6 +267,9 @@ class LLMEngine:
             params = dataclasses.replace(params, max_tokens=room)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer (lower is served first), "
+                             f"got {priority!r}")
         rid = request_id if request_id is not None else self.new_request_id()
         if rid in self.scheduler.requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -271,7 +277,8 @@ class LLMEngine:
             raise ValueError(f"compress_after must be in [1, {len(token_ids)}] (the prompt "
                              f"length), got {compress_after}")
         request = Request(rid, token_ids, params, prompt=text,
-                          eos_token_ids=self.eos_token_ids, cache_salt=cache_salt)
+                          eos_token_ids=self.eos_token_ids, cache_salt=cache_salt,
+                          priority=priority)
         request.compress_after = compress_after
         request.bad_words_token_ids = bad_words_token_ids or ()
         if params.structured_outputs is not None:  # a matcher of its own (each of n samples)
@@ -288,8 +295,9 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None,
-                    kv_policy=None) -> str:
-        request = self.make_request(prompt, params, request_id, cache_salt, kv_policy)
+                    kv_policy=None, priority: int = 0) -> str:
+        request = self.make_request(prompt, params, request_id, cache_salt, kv_policy,
+                                    priority=priority)
         self.scheduler.add_request(request)
         return request.request_id
 

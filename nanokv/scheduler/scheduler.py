@@ -5,15 +5,22 @@ chunks), then waiting ones in arrival order. When the pool runs out of blocks th
 request is preempted: its blocks are freed and it will be recomputed from scratch. A running
 request whose KV-policy step waits for blocks (`policy_wait`) has them kept free, newer requests
 preempted for them.
+
+Under the `priority` scheduling policy (vLLM's) the waiting queue is ordered by (priority,
+arrival time), lower first, preempted requests included, and the victim of a preemption is the
+running request with the largest (priority, arrival time), even one already scheduled this step
+(its tokens go back to the budget). A waiting request never preempts a running one.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 
 from nanokv.bad_words import completing_tokens
 from nanokv.cache.block_manager import BlockManager
+from nanokv.config import SCHEDULING_POLICIES
 from nanokv.request import Request, RequestStatus
 from nanokv.scheduler.output import (RunnerOutput, ScheduledRequest, SchedulerOutput,
                                      SchedulerStats)
@@ -22,7 +29,11 @@ from nanokv.scheduler.output import (RunnerOutput, ScheduledRequest, SchedulerOu
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
-                 enable_chunked_prefill: bool = True) -> None:
+                 enable_chunked_prefill: bool = True, scheduling_policy: str = "fcfs") -> None:
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, "
+                             f"got {scheduling_policy!r}")
+        self.by_priority = scheduling_policy == "priority"
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -53,7 +64,10 @@ class Scheduler:
                              f"capped at max_model_len) but the pool has only "
                              f"{self.block_manager.num_blocks}")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self.by_priority:
+            bisect.insort(self.waiting, request, key=_rank)
+        else:
+            self.waiting.append(request)
 
     def abort(self, request_id: str) -> Request | None:
         """Stop a request wherever it is and free its blocks. Unknown ids are ignored."""
@@ -91,20 +105,27 @@ class Scheduler:
         bm = self.block_manager
 
         reserved = 0  # free blocks kept for the waiting policy steps of requests scheduled
+        kept: dict[str, int] = {}  # those blocks by request (given back if it is preempted)
         to_copy: set[int] = set()  # the blocks those steps will copy if still shared then
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._chunk(request, request.num_computed_tokens, budget)
             while not bm.allocate_slots(request, num_new, keep_free=reserved):
-                victim = self.running.pop()  # newest first
+                v = self._victim_index()
+                victim = self.running.pop(v)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
+                if v < i:  # scheduled earlier this step (priority policy only): unschedule it
+                    i -= 1
+                    budget += scheduled.pop(v).num_tokens  # scheduled[k] is running[k], k < i
+                    reserved -= kept.pop(victim.request_id)
             if request in preempted:
                 break
-            reserved += self._reserve_for_policy(request, i, preempted, reserved)
+            kept[request.request_id] = self._reserve_for_policy(request, i, preempted, reserved)
+            reserved += kept[request.request_id]
             to_copy.update(request.block_table[j] for j in bm.wait_private(request))
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
@@ -158,11 +179,18 @@ class Scheduler:
         if wanted and request.policy_wait.scratch > bm.num_blocks - len(request.block_table):
             return 0  # scratch the pool cannot hold beside it: preempting others would not help
         while wanted > bm.num_free_blocks - reserved and len(self.running) > index + 1:
-            victim = self.running.pop()  # newest first
+            victim = self.running.pop(self._victim_index(index + 1))
             self._preempt(victim)
             preempted.append(victim)
             wanted = bm.blocks_wanted(request)  # a block it shared with the victim may be its own
         return max(0, min(wanted, bm.num_free_blocks - reserved))
+
+    def _victim_index(self, first: int = 0) -> int:
+        """Where in `running[first:]` the request to preempt is: the newest (fcfs), or the one
+        with the largest (priority, arrival time) (priority)."""
+        if not self.by_priority:
+            return len(self.running) - 1
+        return max(range(first, len(self.running)), key=lambda k: _rank(self.running[k]))
 
     def _hits(self, request: Request) -> list:
         """The prefix-cache blocks a waiting request would take (`_hit_limit` applied)."""
@@ -302,7 +330,10 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if self.by_priority:  # back in its (priority, arrival) place, as vLLM's priority queue
+            bisect.insort(self.waiting, request, key=_rank)
+        else:
+            self.waiting.appendleft(request)
 
     def update_from_output(self, output: SchedulerOutput,
                            runner_output: RunnerOutput) -> list[Request]:
@@ -390,3 +421,8 @@ class Scheduler:
                 need = ls.blocks_needed(ls.lengths(request.num_computed_tokens))
             if len(request.block_table) < need:
                 raise RuntimeError(f"{request} holds fewer blocks than its cached slots need")
+
+
+def _rank(request: Request) -> tuple[int, float]:
+    """The priority policy's order: lower priority value first, then earlier arrival."""
+    return request.priority, request.metrics.arrival_time

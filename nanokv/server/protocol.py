@@ -10,10 +10,11 @@ way vLLM does:
   and vLLM's `structured_outputs`, chat and completions), and the completions'
   `echo` (with `max_tokens: 0`: the prompt alone, as vLLM's);
 - bookkeeping that changes nothing (`user`, `store`, `metadata`, `service_tier`,
-  `prompt_cache_key`, `safety_identifier`, `reasoning_effort`, `request_id`, `priority` 0 ...):
-  accepted and ignored;
+  `prompt_cache_key`, `safety_identifier`, `reasoning_effort`, `request_id` ...): accepted and
+  ignored; `priority` (an integer) orders the request under `--scheduling-policy priority`
+  and is ignored under fcfs, as in vLLM;
 - fields nanokv does not implement: accepted only at the value that changes nothing
-  (chat's `echo: false`, `tools: []`, `priority: 0` ...), otherwise a
+  (chat's `echo: false`, `tools: []` ...), otherwise a
   400 naming the field (`unsupported()`);
 - anything else is an unknown field: a 400 naming it.
 """
@@ -139,7 +140,7 @@ class _SamplingRequest(_Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    priority: int = 0
+    priority: int = 0  # lower is served first (--scheduling-policy priority)
     truncate_prompt_tokens: int | None = None  # -1: max_model_len - 1; checked by the server
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
@@ -159,8 +160,6 @@ class _SamplingRequest(_Body):
         bad = []
         if self.stream_options is not None and not self.stream:
             bad.append(("stream_options", "stream_options needs stream=true"))
-        if self.priority != 0:
-            bad.append(("priority", "priority scheduling is not supported (use 0)"))
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
             if getattr(self, name) is not None:
                 bad.append((name, f"{name} is not supported (vLLM removed it): use "

@@ -373,7 +373,8 @@ class OpenAIServer:
                 request = self.engine.make_request(token_ids, params,
                                                    request_id=f"{request_id}-{j}",
                                                    cache_salt=body.cache_salt,
-                                                   bad_words_token_ids=bad_words_token_ids)
+                                                   bad_words_token_ids=bad_words_token_ids,
+                                                   priority=body.priority)
             except ValueError as e:
                 first = str(e).split(" ", 1)[0]
                 param = ("cache_salt" if "cache_salt" in str(e)
