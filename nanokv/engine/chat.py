@@ -31,20 +31,22 @@ class ChatRenderer:
         self.source = "--chat-template" if template else ("tokenizer" if own else "fallback")
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               template_kwargs: dict | None = None, continue_final_message: bool = False) -> str:
+               template_kwargs: dict | None = None, continue_final_message: bool = False,
+               tools: list[dict] | None = None) -> str:
         """template_kwargs: extra template variables (vLLM's chat_template_kwargs, such as
         Qwen3's enable_thinking). continue_final_message: the last message left open (the
-        rendering ends where its content does), for the model to continue it."""
+        rendering ends where its content does), for the model to continue it. tools: the
+        OpenAI tool definitions, the template's `tools`."""
         template_kwargs = template_kwargs or {}
         reserved = {"messages", "chat_template", "tokenize", "add_generation_prompt",
-                    "continue_final_message"}
+                    "continue_final_message", "tools"}
         if reserved & set(template_kwargs):
             raise ValueError(f"chat_template_kwargs must not set {sorted(reserved)}")
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, chat_template=self.template, tokenize=False,
                 add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **template_kwargs)
+                continue_final_message=continue_final_message, tools=tools, **template_kwargs)
         except Exception as e:  # a template may raise on roles it does not know
             raise ValueError(f"the chat template rejected the messages: {e}") from e
         if not isinstance(text, str):

@@ -7,6 +7,7 @@ import os
 import sys
 
 from nanokv.server.reasoning import PARSERS
+from nanokv.server.tool_calls import PARSERS as TOOL_CALL_PARSERS
 
 
 def add_serve_parser(subparsers, add_engine_args, engine_options) -> None:
@@ -63,6 +64,17 @@ def add_serve_parser(subparsers, add_engine_args, engine_options) -> None:
                         "</think>) and `content` (the rest), streamed too, as vLLM's: "
                         f"{', '.join(sorted(PARSERS))}; qwen3 honours chat_template_kwargs "
                         "enable_thinking=false (all content) (default: off)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="chat tool_choice \"auto\" (the default with `tools`): the answer's "
+                        "tool calls, read by --tool-call-parser, become the message's "
+                        "`tool_calls` (finish_reason \"tool_calls\"); \"required\" and named "
+                        "functions are constrained to a valid call; not streamed (vLLM's flag; "
+                        "without it only tool_choice \"none\" is served)")
+    s.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                   metavar="NAME",
+                   help="how tool calls are written in answers, for --enable-auto-tool-choice: "
+                        "hermes (<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>, "
+                        "Qwen2.5 / Qwen3 / Hermes templates) (default: none)")
     s.add_argument("--trace-file", default=None, metavar="FILE",
                    help="append one JSON line per finished request to FILE: arrival time, "
                         "lengths, keyed block hashes (no text, no token ids), finish reason, "
@@ -123,7 +135,9 @@ def cmd_serve(args: argparse.Namespace, engine_options) -> int:
         shutdown_timeout=args.shutdown_timeout,
         request_classes=tuple(c.strip() for c in args.request_classes.split(",") if c.strip()),
         trace_file=args.trace_file, trace_steps_file=args.trace_steps,
-        reasoning_parser=args.reasoning_parser)
+        reasoning_parser=args.reasoning_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser)
 
     from nanokv.replicas.cli import check_replica_args
 

@@ -34,6 +34,7 @@ from nanokv.server.protocol import (APIError, ChatCompletionRequest, CompletionR
 from nanokv.server.responses import (chat_logprobs, completion_logprobs, echo_logprobs,
                                      prompt_logprobs_json, stream_events, usage)
 from nanokv.server.async_engine import RequestStream
+from nanokv.server.tool_calls import answer_tool_calls
 from nanokv.server.serving import (COMPLETION_DEFAULT_MAX_TOKENS, ClientGone, OpenAIServer,
                                    ServerSettings)
 
@@ -262,7 +263,8 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
         if body.messages is not None:
-            _, ids = await server.chat_token_ids(body.messages, body.add_generation_prompt)
+            _, ids = await server.chat_token_ids(body.messages, body.add_generation_prompt,
+                                                 tools=body.tools)
         else:
             ids = await server.encode(body.prompt, body.add_special_tokens)
         return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids}
@@ -292,7 +294,9 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
         choices, n = [], body.num_choices
         for i, (o, lps) in enumerate(zip(finals, logprobs)):
             prompt_lps = finals[i - i % n].prompt_logprobs
-            choice = {"index": i, **content(o, lps, prompt_lps), "finish_reason": o.finish_reason,
+            fields = content(o, lps, prompt_lps)
+            choice = {"index": i, **fields,
+                      "finish_reason": fields.pop("finish_reason", o.finish_reason),
                       "stop_reason": o.outputs[0].stop_reason}
             if body.return_token_ids:
                 choice.update(token_ids=o.token_ids, prompt_token_ids=o.prompt_token_ids)
@@ -359,14 +363,16 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
     @app.post("/v1/chat/completions", dependencies=json_body)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         server.check_request(body)
+        tool_choice, tool_name = server.tool_choice(body)
         labels = server.request_class(raw, "chat_completions")
         text, ids = await server.chat_token_ids(body.messages, body.add_generation_prompt,
                                                 body.add_special_tokens,
                                                 body.chat_template_kwargs,
-                                                body.continue_final_message)
+                                                body.continue_final_message, body.tools)
         ids = server.truncate(body, ids)
         bad_words = await server.bad_words_token_ids(body)
-        structured = await server.structured_outputs(body)
+        structured = await server.structured_outputs(
+            body, server.tool_constraint(body, tool_choice, tool_name))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         max_param = "max_tokens" if body.max_completion_tokens is None \
             else "max_completion_tokens"
@@ -386,13 +392,22 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
                 stream_events(server.events(streams), len(streams), head, body, True,
                               token_texts, ids, reasoning), streams)
 
-        def message(text: str) -> dict:
-            if parser is None:
-                return {"role": "assistant", "content": text}
-            reasoning, content = parser.split(text, thinking)
-            return {"role": "assistant", "reasoning": reasoning, "content": content}
+        def message(o) -> dict:
+            message, content = {"role": "assistant"}, o.text
+            if parser is not None:
+                message["reasoning"], content = parser.split(content, thinking)
+            if tool_choice in (None, "none"):
+                return {"message": {**message, "content": content}}
+            calls, content = answer_tool_calls(content or "", tool_choice, tool_name)
+            # vLLM's finish_reason: "tool_calls" for auto calls and "required" (ended by a
+            # stop), the engine's for a named function
+            finish = "tool_calls" if (calls and tool_choice == "auto") or (
+                tool_choice == "required" and o.finish_reason == "stop") else o.finish_reason
+            if calls or tool_choice != "auto":
+                message["tool_calls"] = calls
+            return {"message": {**message, "content": content}, "finish_reason": finish}
 
         return await final_response(streams, raw, head, body, lambda o, lps, _: {
-            "message": message(o.text),
+            **message(o),
             "logprobs": chat_logprobs(lps, token_texts(o.prompt_token_ids))
             if body.num_logprobs is not None else None}, prompt_logprobs_field=True)

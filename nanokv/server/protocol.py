@@ -7,14 +7,15 @@ way vLLM does:
 - implemented: the sampling fields, penalties, `min_p`, `logit_bias`, `logprobs` /
   `top_logprobs`, `n`, vLLM's `prompt_logprobs`, `allowed_token_ids`, `bad_words` and
   `truncate_prompt_tokens`, structured outputs (`response_format` json_object / json_schema
-  and vLLM's `structured_outputs`, chat and completions), and the completions'
-  `echo` (with `max_tokens: 0`: the prompt alone, as vLLM's);
+  and vLLM's `structured_outputs`, chat and completions), `tools` / `tool_choice` and
+  history `tool_calls` (nanokv/server/tool_calls.py), and the completions' `echo` (with
+  `max_tokens: 0`: the prompt alone, as vLLM's);
 - bookkeeping that changes nothing (`user`, `store`, `metadata`, `service_tier`,
   `prompt_cache_key`, `safety_identifier`, `reasoning_effort`, `request_id` ...): accepted and
   ignored; `priority` (an integer) orders the request under `--scheduling-policy priority`
   and is ignored under fcfs, as in vLLM;
 - fields nanokv does not implement: accepted only at the value that changes nothing
-  (chat's `echo: false`, `tools: []` ...), otherwise a
+  (chat's `echo: false` ...), otherwise a
   400 naming the field (`unsupported()`);
 - anything else is an unknown field: a 400 naming it.
 """
@@ -327,6 +328,30 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str | dict[str, Any] | None = None
+
+
+class ToolCall(_Strict):
+    """An earlier answer's tool call (a history message's `tool_calls`)."""
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -337,7 +362,7 @@ class ChatMessage(_Strict):
     annotations: list[dict[str, Any]] | None = None
     audio: None = None
     function_call: None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     # an earlier answer's reasoning (vLLM's field, and its older name): not shown to the model
     reasoning: str | None = None
     reasoning_content: str | None = None
@@ -355,8 +380,8 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # default: "auto" with tools, else none
     parallel_tool_calls: bool | None = None
     modalities: list[str] | None = None
     reasoning_effort: str | None = None  # passed to nothing: the served models do not reason
@@ -377,12 +402,8 @@ class ChatCompletionRequest(_SamplingRequest):
         bad = super().unsupported()
         if self.top_logprobs and not self.logprobs:
             bad.append(("top_logprobs", "top_logprobs needs logprobs=true"))
-        if self.tools:
-            bad.append(("tools", "tool calling is not supported"))
         if self.functions:
             bad.append(("functions", "function calling is not supported"))
-        if self.tool_choice not in (None, "none", "auto"):
-            bad.append(("tool_choice", "tool calling is not supported"))
         if self.function_call not in (None, "none", "auto"):
             bad.append(("function_call", "function calling is not supported"))
         if self.modalities not in (None, ["text"]):
@@ -403,10 +424,38 @@ class ChatCompletionRequest(_SamplingRequest):
                                          "(the server's --chat-template applies)"))
         if self.documents:
             bad.append(("documents", "documents are not supported"))
-        for i, m in enumerate(self.messages):
-            if m.tool_calls:
-                bad.append((f"messages[{i}].tool_calls", "tool calls are not supported"))
         return bad
+
+    def checked_tool_choice(self) -> tuple[str | None, str | None]:
+        """(choice, function name) of the request, checked as vLLM checks it: choice "none",
+        "auto", "required" or "function" (a named function), None without tools (tools
+        without a tool_choice: "auto"). APIError 400 saying what is allowed."""
+        if self.tools == []:
+            raise APIError(400, "`tools` must not be an empty array: give at least one tool "
+                                "or omit the field", param="tools", code="invalid_value")
+        choice = self.tool_choice
+        if choice is None:
+            return ("auto" if self.tools else None), None
+        if choice == "none":
+            return choice, None
+        if not self.tools:
+            raise APIError(400, "tool_choice needs `tools`", param="tool_choice",
+                           code="invalid_value")
+        if choice in ("auto", "required"):
+            return choice, None
+        usage = ('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                 '"function": {"name": "my_function"}}')
+        function = choice.get("function") if isinstance(choice, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if (not isinstance(name, str) or not name or choice.get("type", "function") != "function"
+                or set(choice) - {"type", "function"}):
+            raise APIError(400, f"{usage}, got {choice!r}", param="tool_choice",
+                           code="invalid_value")
+        if name not in [t.function.name for t in self.tools]:
+            raise APIError(400, f"tool_choice names the function {name!r}, which is not one of "
+                                f"`tools`: {[t.function.name for t in self.tools]}",
+                           param="tool_choice", code="invalid_value")
+        return "function", name
 
     @property
     def num_logprobs(self) -> int | None:
@@ -422,6 +471,7 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # with messages: for the chat template (vLLM's)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

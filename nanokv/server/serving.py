@@ -27,6 +27,8 @@ from nanokv.server.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFu
 from nanokv.engine.chat import ChatRenderer
 from nanokv.server.protocol import MAX_N, APIError, _SamplingRequest
 from nanokv.server.reasoning import get_parser
+from nanokv.server.tool_calls import PARSERS as TOOL_CALL_PARSERS
+from nanokv.server.tool_calls import named_schema, required_schema, template_tool_calls
 from nanokv.structured.params import StructuredOutputsParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -59,6 +61,8 @@ class ServerSettings:
     trace_file: str | None = None  # append one JSON line per finished request (nanokv.sim)
     trace_steps_file: str | None = None  # and one per engine step (nanokv/sim/step_log.py)
     reasoning_parser: str | None = None  # splits chat answers' reasoning (nanokv.server.reasoning)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (nanokv.server.tool_calls)
+    tool_call_parser: str | None = None  # reads tool calls out of chat answers
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -85,6 +89,11 @@ class ServerSettings:
                              f"{self.shutdown_timeout!r}")
         if self.reasoning_parser is not None:
             get_parser(self.reasoning_parser)
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"unknown tool call parser {self.tool_call_parser!r}; known: "
+                             f"{', '.join(TOOL_CALL_PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
         self.request_classes = tuple(self.request_classes)
         for c in self.request_classes:
             if not (c and len(c) <= 64 and all(ch.isalnum() or ch in "-_." for ch in c)):
@@ -235,17 +244,22 @@ class OpenAIServer:
     async def chat_token_ids(self, messages, add_generation_prompt: bool,
                              add_special_tokens: bool = False,
                              template_kwargs: dict | None = None,
-                             continue_final_message: bool = False) -> tuple[str, list[int]]:
+                             continue_final_message: bool = False,
+                             tools: list | None = None) -> tuple[str, list[int]]:
+        """`tools`: the request's, for the template (vLLM passes them whatever the
+        tool_choice)."""
         if self.chat is None:
             raise APIError(400, "chat needs a tokenizer; this server runs without one "
                                 "(--skip-tokenizer-init)", param="messages")
-        plain = [{"role": m.role, "content": m.text()} for m in messages]
+        plain = [template_message(m) for m in messages]
         self.check_chars(sum(len(m["content"]) for m in plain), "messages")
+        tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
         def work() -> tuple[str, list[int]]:
             tok, chat = self._thread_tokenizer()
             try:
                 text = chat.render(plain, add_generation_prompt, template_kwargs,
-                                   continue_final_message)
+                                   continue_final_message, tools=tool_dicts)
             except ValueError as e:
                 param = ("chat_template_kwargs" if str(e).startswith("chat_template_kwargs")
                          else "messages")
@@ -279,12 +293,58 @@ class OpenAIServer:
 
         return await self._in_worker(work)
 
-    async def structured_outputs(self, body: _SamplingRequest
+    def tool_choice(self, body) -> tuple[str | None, str | None]:
+        """The chat request's (tool_choice, function name), refused (400) when this server
+        cannot honour it (vLLM's rules: "auto" needs --enable-auto-tool-choice, "required"
+        and named functions need the tool call parser too; streamed tool calls are not
+        implemented). Answers that may hold tool calls keep their special tokens (vLLM's
+        hermes parser's rule: some models' <tool_call> is one)."""
+        choice, name = body.checked_tool_choice()
+        if choice in (None, "none"):
+            return choice, name
+        s = self.settings
+        if not (s.enable_auto_tool_choice and s.tool_call_parser):
+            what = {"auto": '"auto" tool choice', "required": 'tool_choice "required"'}.get(
+                choice, f"tool_choice function {name!r}")
+            raise APIError(400, f"{what} requires --enable-auto-tool-choice and "
+                                f"--tool-call-parser to be set (tool_choice \"none\" needs "
+                                f"neither)", param="tool_choice", code="unsupported_parameter")
+        if body.stream:
+            raise APIError(400, "streamed tool calls are not supported: set stream=false, or "
+                                "tool_choice \"none\"", param="stream",
+                           code="unsupported_parameter")
+        body.skip_special_tokens = False
+        return choice, name
+
+    def tool_constraint(self, body, choice: str | None, name: str | None
+                        ) -> StructuredOutputsParams | None:
+        """vLLM's constraint for a forced tool call: "required", an array of calls; a named
+        function, its parameters (no structured outputs may come with it). It keeps the
+        request's structured_outputs.disable_any_whitespace (vLLM drops it)."""
+        compact = bool((body.structured_outputs or {}).get("disable_any_whitespace"))
+        if choice == "required":
+            return StructuredOutputsParams(json=required_schema(
+                [t.model_dump() for t in body.tools], body.parallel_tool_calls),
+                disable_any_whitespace=compact)
+        if choice == "function":
+            if any((body.structured_outputs or {}).get(k) is not None
+                   for k in ("json", "regex", "choice")):
+                raise APIError(400, "structured_outputs cannot come with a named tool_choice "
+                                    "(its parameters are the constraint); use tool_choice "
+                                    "\"auto\" or \"required\"", param="structured_outputs",
+                               code="invalid_value")
+            return StructuredOutputsParams(json=named_schema(
+                [t.model_dump() for t in body.tools], name), disable_any_whitespace=compact)
+        return None
+
+    async def structured_outputs(self, body: _SamplingRequest,
+                                 forced: StructuredOutputsParams | None = None
                                  ) -> StructuredOutputsParams | None:
-        """The request's response_format / structured_outputs as the engine's constraint,
-        compiled (once per distinct constraint) in a worker thread: a schema, regex or grammar
-        xgrammar cannot compile is a 400 naming its field, before any engine request exists."""
-        spec, param = body.structured_outputs_params()
+        """The request's response_format / structured_outputs (or `forced`, which overrides
+        them: a tool choice's) as the engine's constraint, compiled (once per distinct
+        constraint) in a worker thread: a schema, regex or grammar xgrammar cannot compile is
+        a 400 naming its field, before any engine request exists."""
+        spec, param = (forced, "tools") if forced else body.structured_outputs_params()
         if spec is None:
             return None
         if self.tokenizer is None:
@@ -492,6 +552,20 @@ class OpenAIServer:
             self.async_engine.abort_all(ShuttingDown(
                 f"the server is shutting down: the request did not finish within "
                 f"--shutdown-timeout {timeout:g} s and was aborted"))
+
+
+def template_message(m) -> dict:
+    """A request message as chat templates take it (vLLM's): role and content text, the
+    name, an assistant's tool calls (arguments as dicts) and a tool result's tool_call_id."""
+    message = {"role": m.role, "content": m.text()}
+    if m.name is not None:
+        message["name"] = m.name
+    if m.tool_calls:
+        message["tool_calls"] = template_tool_calls(
+            [c.model_dump(exclude_none=True) for c in m.tool_calls])
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    return message
 
 
 class ClientGone(Exception):

@@ -78,8 +78,9 @@ CASES = [
      chat(allowed_token_ids=[5, 10**6]), 400, "allowed_token_ids", "invalid_value"),
     ("allowed-token-ids-not-a-list", "/v1/completions", completion(allowed_token_ids=5), 400,
      "allowed_token_ids", "invalid_type"),
-    ("tools", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {
-        "name": "f"}}]), 400, "tools", "unsupported_parameter"),
+    ("tools-without-auto-tool-choice", "/v1/chat/completions", chat(tools=[{
+        "type": "function", "function": {"name": "f"}}]), 400, "tool_choice",
+     "unsupported_parameter"),
     ("skip-special-tokens-not-bool", "/v1/completions", completion(skip_special_tokens="no"),
      400, "skip_special_tokens", None),
     ("chat-echo", "/v1/chat/completions", chat(echo=True), 400, "echo",

@@ -1,0 +1,111 @@
+"""Tool calling on chat completions (vLLM's `--enable-auto-tool-choice --tool-call-parser
+hermes`): the request's `tools` go to the chat template, and the answer's tool calls come back
+as the message's `tool_calls`.
+
+- `tool_choice: "auto"` (the default when `tools` are given): the model decides; the hermes
+  parser reads `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks out of the
+  answer (the format of the Qwen2.5 / Qwen3 / Hermes templates); the text before the first
+  block is the `content`.
+- `"required"`: the answer is constrained (structured outputs) to a JSON array of
+  `{"name", "parameters"}`, one of the tools each, every item a call.
+- a named function (`{"type": "function", "function": {"name": ...}}`): the answer is
+  constrained to that function's parameters schema, and is its arguments.
+- `"none"`: the tools reach the template, the answer is plain content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any
+
+PARSERS = ("hermes",)
+HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+
+
+def tool_call(name: str, arguments: str) -> dict:
+    """A response message's tool call (vLLM's id format)."""
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def parse_hermes(text: str) -> tuple[list[dict], str | None]:
+    """(tool calls, content) of an answer, as vLLM's hermes parser reads it: every
+    `<tool_call>` block (the last one may be unclosed) holds a JSON object with `name` and
+    `arguments`; the content is the text before the first block (None when empty). If any
+    block is not such JSON, there are no calls and the whole text is the content."""
+    if "<tool_call>" not in text:
+        return [], text
+    try:
+        calls = []
+        for closed, unclosed in HERMES_CALL.findall(text):
+            call = json.loads(closed or unclosed)
+            calls.append(tool_call(call["name"], json.dumps(call["arguments"],
+                                                            ensure_ascii=False)))
+    except (ValueError, KeyError, TypeError):
+        return [], text
+    content = text[:text.find("<tool_call>")]
+    return calls, content if content.strip() else None
+
+
+def parse_required(text: str) -> list[dict]:
+    """The calls of a `tool_choice: "required"` answer (a JSON array of {"name",
+    "parameters"}); none when it is not one (an answer cut short by max_tokens)."""
+    try:
+        items = json.loads(text)
+        return [tool_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
+                for item in items]
+    except (ValueError, KeyError, TypeError):
+        return []
+
+
+def _parameters(tool: dict) -> dict:
+    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+
+
+def required_schema(tools: list[dict], parallel_tool_calls: bool | None) -> dict:
+    """vLLM's constraint for `tool_choice: "required"`: at least one call of the tools (at
+    most one with parallel_tool_calls false)."""
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {
+        "type": "object",
+        "anyOf": [{"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                  "parameters": _parameters(t)},
+                   "required": ["name", "parameters"]} for t in tools]}}
+    if parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    return schema
+
+
+def named_schema(tools: list[dict], name: str) -> dict:
+    """The constraint of a named tool_choice: the function's parameters."""
+    return next(_parameters(t) for t in tools if t["function"]["name"] == name)
+
+
+def template_tool_calls(tool_calls: list[dict]) -> list[dict]:
+    """A history message's tool calls as chat templates take them (vLLM's): each call's
+    `arguments` a dict (a JSON string parsed; empty or malformed: {})."""
+    out = []
+    for call in tool_calls:
+        function = dict(call["function"])
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments else {}
+            except ValueError:
+                arguments = {}
+        function["arguments"] = arguments if isinstance(arguments, dict) else {}
+        out.append({**call, "function": function})
+    return out
+
+
+def answer_tool_calls(text: str, choice: str, name: str | None
+                      ) -> tuple[list[dict], str | None]:
+    """(tool calls, content) of a chat answer under the tool choice ("auto", "required" or
+    "function" with the function's name): vLLM's message fields (content "" when a call was
+    forced)."""
+    if choice == "auto":
+        return parse_hermes(text)
+    if choice == "required":
+        return parse_required(text), ""
+    return ([tool_call(name, text)] if text.strip() else []), ""

@@ -1,0 +1,148 @@
+"""Tool calling through the `openai` SDK (`nanokv serve --enable-auto-tool-choice
+--tool-call-parser hermes`): the tiny model writes no tool calls by itself, so `auto` is
+driven by a structured-outputs regex, and "required" / named functions by the engine's own
+constraint. The prompt's tools and history are checked against transformers'
+apply_chat_template(tools=...)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from openai import BadRequestError, OpenAI
+
+from servers import MODEL_NAME, start_in_process, stop_server
+
+TEMPLATE = (
+    "{% if tools %}<|tools|>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% endif %}"
+    "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>"
+    "{% endfor %}{% if m.tool_call_id %} [{{ m.tool_call_id }}]{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["rome", "oslo"]}},
+        "required": ["city"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather now",
+                                           "parameters": CITY}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {}, "additionalProperties": False}}}]
+COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}  # no runaway whitespace
+ASK = [{"role": "user", "content": "weather?"}]
+CALL = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{3}"\}\}\n'
+        r'</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_llama):
+    """(a tool-calling server, a server without the flags), both with TEMPLATE."""
+    tools = start_in_process(tiny_llama, settings=dict(
+        chat_template=TEMPLATE, enable_auto_tool_choice=True, tool_call_parser="hermes"),
+        max_model_len=1024)
+    plain = start_in_process(tiny_llama, settings=dict(chat_template=TEMPLATE),
+                             max_model_len=1024)
+    yield tools, plain
+    stop_server(tools)
+    stop_server(plain)
+
+
+def _client(server):
+    return OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def _chat(server, **kwargs):
+    return _client(server).chat.completions.create(
+        model=MODEL_NAME, messages=kwargs.pop("messages", ASK), temperature=0, **kwargs)
+
+
+def test_auto_reads_the_calls_and_the_content_before_them(servers):
+    server = servers[0]
+    r = _chat(server, tools=TOOLS, max_tokens=200,
+              extra_body={"structured_outputs": {"regex": "[a-z]{4}" + CALL}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert len(choice.message.content) == 4 and choice.message.content.isalpha()
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+    assert call.function.name == "get_weather"
+    city = json.loads(call.function.arguments)["city"]
+    assert len(city) == 3 and city.isalpha()
+
+
+def test_auto_without_a_call_is_plain_content(servers):
+    r = _chat(servers[0], tools=TOOLS, max_tokens=10,
+              extra_body={"structured_outputs": {"regex": "[a-z]{5}"}})
+    choice = r.choices[0]
+    assert choice.message.tool_calls is None and len(choice.message.content) == 5
+    assert choice.finish_reason == "stop"
+
+
+def test_required_is_constrained_to_a_valid_call(servers):
+    r = _chat(servers[0], tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+              max_tokens=300, extra_body=COMPACT)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == ""
+    [call] = choice.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert (call.function.name, arguments) in [("get_weather", {"city": "rome"}),
+                                               ("get_weather", {"city": "oslo"}),
+                                               ("get_time", {})]
+
+
+def test_a_named_function_is_constrained_to_its_parameters(servers):
+    r = _chat(servers[0], tools=TOOLS, max_tokens=200, extra_body=COMPACT,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content == ""  # vLLM's
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] in ("rome", "oslo")
+
+
+def test_the_template_gets_the_tools_and_the_tool_history(servers, tiny_llama):
+    from transformers import AutoTokenizer
+
+    history = [*ASK, {"role": "assistant", "content": "", "tool_calls": [{
+        "id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"}]
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    oracle = json.loads(json.dumps(history))
+    oracle[1]["tool_calls"][0]["function"]["arguments"] = {"city": "oslo"}
+    text = tok.apply_chat_template(oracle, tools=TOOLS, chat_template=TEMPLATE, tokenize=False,
+                                   add_generation_prompt=True)
+    assert '"get_time"' in text and '{"city": "oslo"}' in text and "-3 C [call_1]" in text
+    expected = tok.encode(text, add_special_tokens=False)
+    for server in servers:
+        r = httpx.post(server.url + "/tokenize", json={"messages": history, "tools": TOOLS})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"] == expected
+        # the chat request renders the same prompt (tool_choice none: no flags needed)
+        answer = _chat(server, messages=history, tools=TOOLS, tool_choice="none", max_tokens=2)
+        assert answer.usage.prompt_tokens == len(expected)
+        assert answer.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize("kwargs,param,says", [
+    (dict(tools=TOOLS), "tool_choice", "--enable-auto-tool-choice"),  # default: auto
+    (dict(tools=TOOLS, tool_choice="required"), "tool_choice", "--tool-call-parser"),
+])
+def test_tool_calls_without_the_flags_are_refused(servers, kwargs, param, says):
+    with pytest.raises(BadRequestError) as e:
+        _chat(servers[1], max_tokens=2, **kwargs)
+    assert e.value.body["param"] == param and says in e.value.body["message"]
+
+
+@pytest.mark.parametrize("kwargs,param,says", [
+    (dict(tools=TOOLS, stream=True), "stream", "stream=false"),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
+     "tool_choice", "get_weather"),
+    (dict(tools=TOOLS, tool_choice="any"), "tool_choice", '"required"'),
+    (dict(tool_choice="auto"), "tool_choice", "needs `tools`"),
+    (dict(tools=[]), "tools", "empty"),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}},
+          extra_body={"structured_outputs": {"regex": "a"}}), "structured_outputs", "named"),
+])
+def test_bad_tool_requests_say_what_is_allowed(servers, kwargs, param, says):
+    with pytest.raises(BadRequestError) as e:
+        _chat(servers[0], max_tokens=2, **kwargs)
+    assert e.value.body["param"] == param and says in e.value.body["message"]

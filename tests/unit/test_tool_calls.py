@@ -1,0 +1,79 @@
+"""The hermes tool call parser (vLLM's `--tool-call-parser hermes`) and the constraints of
+forced tool choices."""
+
+from __future__ import annotations
+
+import json
+
+from nanokv.server.tool_calls import (answer_tool_calls, parse_hermes, required_schema,
+                                      template_tool_calls)
+
+WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
+TIME = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+
+
+def _functions(calls):
+    assert all(c["type"] == "function" and c["id"].startswith("chatcmpl-tool-") for c in calls)
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_a_call_and_the_text_before_it():
+    calls, content = parse_hermes("Let me look.\n" + WEATHER)
+    assert _functions(calls) == [("get_weather", {"city": "Zürich"})]
+    assert calls[0]["function"]["arguments"] == '{"city": "Zürich"}'  # not ASCII-escaped
+    assert content == "Let me look.\n"
+
+
+def test_several_calls_have_their_own_ids_and_no_content():
+    calls, content = parse_hermes(WEATHER + "\n" + TIME)
+    assert _functions(calls) == [("get_weather", {"city": "Zürich"}), ("get_time", {})]
+    assert calls[0]["id"] != calls[1]["id"]
+    assert content is None
+
+
+def test_an_unclosed_last_call_is_read():
+    calls, _ = parse_hermes(WEATHER + '<tool_call>{"name": "get_time", "arguments": {"z": 1}}')
+    assert _functions(calls) == [("get_weather", {"city": "Zürich"}), ("get_time", {"z": 1})]
+
+
+def test_malformed_calls_leave_the_whole_answer_as_content():
+    for text in ['<tool_call>{"name": "get_weather", "arguments": {"city": }</tool_call>',
+                 WEATHER + '<tool_call>{"name": "get_time"}</tool_call>',  # no arguments
+                 '<tool_call>["get_weather"]</tool_call>',
+                 "Sure.<tool_call>{\"name\": \"get_wea"]:
+        assert parse_hermes(text) == ([], text)
+
+
+def test_an_answer_without_calls_is_content():
+    assert parse_hermes("It is sunny.") == ([], "It is sunny.")
+    assert parse_hermes("") == ([], "")
+
+
+def test_forced_answers():
+    calls, content = answer_tool_calls(
+        '[{"name": "get_weather", "parameters": {"city": "Rome"}}]', "required", None)
+    assert _functions(calls) == [("get_weather", {"city": "Rome"})] and content == ""
+    assert answer_tool_calls('[{"name": "get_w', "required", None) == ([], "")
+    calls, content = answer_tool_calls('{"city": "Rome"}', "function", "get_weather")
+    assert _functions(calls) == [("get_weather", {"city": "Rome"})] and content == ""
+    assert answer_tool_calls(" ", "function", "get_weather") == ([], "")
+
+
+def test_required_schema_is_vllms():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "g"}}]
+    schema = required_schema(tools, parallel_tool_calls=False)
+    assert schema["minItems"] == 1 and schema["maxItems"] == 1
+    assert [s["properties"]["name"]["enum"] for s in schema["items"]["anyOf"]] == [["f"], ["g"]]
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {
+        "type": "object", "properties": {}}
+    assert "maxItems" not in required_schema(tools, None)
+
+
+def test_history_arguments_reach_templates_as_dicts():
+    calls = template_tool_calls([
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
+        {"type": "function", "function": {"name": "g", "arguments": ""}},
+        {"type": "function", "function": {"name": "h", "arguments": "{bad"}}])
+    assert [c["function"]["arguments"] for c in calls] == [{"a": 1}, {}, {}]
+    assert calls[0]["id"] == "1"
