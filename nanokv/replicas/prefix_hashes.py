@@ -89,7 +89,8 @@ class PromptTokenizer:
         """(prompt token ids, cache_salt) of a completions or chat body, else None."""
         from pydantic import ValidationError
 
-        from nanokv.server.protocol import ChatCompletionRequest, CompletionRequest
+        from nanokv.server.protocol import (ChatCompletionRequest, CompletionRequest,
+                                            template_tools)
 
         try:
             data = json.loads(body)
@@ -109,12 +110,12 @@ class PromptTokenizer:
                 req = ChatCompletionRequest.model_validate(data)
                 if self.tokenizer is None:
                     return None
-                plain = [{"role": m.role, "content": m.text()} for m in req.messages]
+                plain = [m.for_template() for m in req.messages]  # as the server renders
                 if self._too_long(sum(len(m["content"]) for m in plain)):
                     return None
                 tok, chat = self._thread_tools()
                 text = chat.render(plain, req.add_generation_prompt, req.chat_template_kwargs,
-                                   req.continue_final_message)
+                                   req.continue_final_message, tools=template_tools(req.tools))
                 return list(tok.encode(text, add_special_tokens=req.add_special_tokens)), \
                     req.cache_salt
         except (ValueError, ValidationError, TypeError):  # the replica gives the real error

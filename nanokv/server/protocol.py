@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from nanokv.server.tool_calls import template_tool_calls
 from nanokv.structured.params import StructuredOutputsParams
 
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
@@ -373,6 +374,25 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict:
+        """The message as chat templates take it (vLLM's): role and content text, the name,
+        an assistant's tool calls (arguments as dicts) and a tool result's tool_call_id (the
+        server and the replicas' router render the same prompt from it)."""
+        message = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = template_tool_calls(
+                [c.model_dump(exclude_none=True) for c in self.tool_calls])
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def template_tools(tools: list | None) -> list[dict] | None:
+    """A request's tools as chat templates take them (null fields left out)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
 
 
 class ChatCompletionRequest(_SamplingRequest):

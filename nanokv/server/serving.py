@@ -25,10 +25,10 @@ from nanokv.sampling_params import MAX_LOGPROBS, SamplingParams
 from nanokv.server.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError,
                                         RequestStream)
 from nanokv.engine.chat import ChatRenderer
-from nanokv.server.protocol import MAX_N, APIError, _SamplingRequest
+from nanokv.server.protocol import MAX_N, APIError, _SamplingRequest, template_tools
 from nanokv.server.reasoning import get_parser
 from nanokv.server.tool_calls import PARSERS as TOOL_CALL_PARSERS
-from nanokv.server.tool_calls import named_schema, required_schema, template_tool_calls
+from nanokv.server.tool_calls import named_schema, required_schema
 from nanokv.structured.params import StructuredOutputsParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -251,9 +251,9 @@ class OpenAIServer:
         if self.chat is None:
             raise APIError(400, "chat needs a tokenizer; this server runs without one "
                                 "(--skip-tokenizer-init)", param="messages")
-        plain = [template_message(m) for m in messages]
+        plain = [m.for_template() for m in messages]
         self.check_chars(sum(len(m["content"]) for m in plain), "messages")
-        tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
+        tool_dicts = template_tools(tools)
 
         def work() -> tuple[str, list[int]]:
             tok, chat = self._thread_tokenizer()
@@ -552,20 +552,6 @@ class OpenAIServer:
             self.async_engine.abort_all(ShuttingDown(
                 f"the server is shutting down: the request did not finish within "
                 f"--shutdown-timeout {timeout:g} s and was aborted"))
-
-
-def template_message(m) -> dict:
-    """A request message as chat templates take it (vLLM's): role and content text, the
-    name, an assistant's tool calls (arguments as dicts) and a tool result's tool_call_id."""
-    message = {"role": m.role, "content": m.text()}
-    if m.name is not None:
-        message["name"] = m.name
-    if m.tool_calls:
-        message["tool_calls"] = template_tool_calls(
-            [c.model_dump(exclude_none=True) for c in m.tool_calls])
-    if m.tool_call_id is not None:
-        message["tool_call_id"] = m.tool_call_id
-    return message
 
 
 class ClientGone(Exception):

@@ -108,3 +108,33 @@ def test_replica_prometheus_config_and_dashboard_row():
     r = subprocess.run([tool, "check", "config", "prometheus-replicas.yml"], cwd=prom,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_router_renders_tools_and_tool_history_as_the_server(tiny_llama):
+    """The replicas' router predicts a tool-calling chat's prompt as the server renders it:
+    the tools and the history's tool calls / results reach the template (oracle: transformers'
+    apply_chat_template with the same template)."""
+    from transformers import AutoTokenizer
+
+    template = (
+        "{% if tools %}{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% endif %}"
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}<call>{{ c.function | tojson }}</call>{% endfor %}"
+        "{% if m.tool_call_id %} [{{ m.tool_call_id }}]{% endif %}\n{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {}}}}]
+    history = [{"role": "user", "content": "time?"},
+               {"role": "assistant", "content": "", "tool_calls": [{
+                   "id": "call_1", "type": "function",
+                   "function": {"name": "get_time", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "noon"}]
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    oracle = json.loads(json.dumps(history))
+    oracle[1]["tool_calls"][0]["function"]["arguments"] = {}
+    text = tok.apply_chat_template(oracle, tools=tools, chat_template=template, tokenize=False,
+                                   add_generation_prompt=True)
+    assert '"get_time"' in text and "noon [call_1]" in text
+    ids, _ = PromptTokenizer(tok, chat_template=template).token_ids(
+        "/v1/chat/completions",
+        json.dumps({"model": "m", "messages": history, "tools": tools}).encode())
+    assert ids == list(tok.encode(text, add_special_tokens=False))
