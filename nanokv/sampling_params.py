@@ -45,6 +45,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # vLLM's: False leaves the output text empty (token ids only; no detokenizer work), so no
+    # stop strings either
+    detokenize: bool = True
     # vLLM's penalties: repetition divides positive / multiplies negative logits of every token
     # seen in the prompt or the output; presence and frequency subtract from the logits of
     # output tokens (once, or once per occurrence)
@@ -172,9 +175,12 @@ class SamplingParams:
         _check(_finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "return_prompt_logits",
-                     "skip_special_tokens", "spaces_between_special_tokens"):
+                     "skip_special_tokens", "spaces_between_special_tokens", "detokenize"):
             _check(isinstance(getattr(self, name), bool),
                    f"{name} must be True or False, got {getattr(self, name)!r}")
+        _check(self.detokenize or not self.stop,
+               "stop strings are only supported when detokenize is True (they are matched in "
+               "the text): set detokenize=True, or use stop_token_ids")
         _check(self.logprobs is None or (_int(self.logprobs)
                                          and 0 <= self.logprobs <= MAX_LOGPROBS),
                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got "

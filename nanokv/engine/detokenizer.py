@@ -125,8 +125,8 @@ def update_text(request: Request, tokenizer) -> str | None:
     if any (the text is then cut before it, or after it with include_stop_str_in_output). A
     request the scheduler stopped on a token (EOS or stop_token_ids) leaves that token out of
     its text unless include_stop_str_in_output (its token ids keep it), whatever
-    skip_special_tokens says (vLLM's)."""
-    if tokenizer is None:
+    skip_special_tokens says (vLLM's). With detokenize=False the text stays empty."""
+    if tokenizer is None or not request.params.detokenize:
         return None
     previous = len(request.text)
     skip_special_tokens = request.params.skip_special_tokens

@@ -471,3 +471,18 @@ def test_max_tokens_none_runs_to_the_model_length(llm):
         llm.generate([[3] * 100], SamplingParams(max_tokens=None, min_tokens=50))
     assert_no_blocks_held(llm)
 
+
+
+def test_detokenize_false_returns_token_ids_without_text(llm):
+    """vLLM's detokenize=False: the same tokens, no text (and so no stop strings)."""
+    prompt = [7, 8, 9, 10]
+    full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                        use_tqdm=False)[0]
+    bare = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                 detokenize=False), use_tqdm=False)[0]
+    assert full.text and bare.text == "" and bare.token_ids == full.token_ids
+    with pytest.raises(ValueError, match="stop strings are only supported when detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
+    with pytest.raises(ValueError, match="detokenize must be True or False"):
+        SamplingParams(detokenize=0)
+    assert_no_blocks_held(llm)
