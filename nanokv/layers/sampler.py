@@ -145,9 +145,7 @@ class Sampler:
         for i, p in enumerate(params):
             row = logits[i].float().cpu()
             if allowed is not None and allowed[i] is not None:
-                keep = torch.zeros_like(row, dtype=torch.bool)
-                keep[allowed[i]] = True
-                row = row.masked_fill(~keep, float("-inf"))
+                row = keep_only(row, allowed[i])
             row = shape_logits(row, p)
             if banned is not None and banned[i]:
                 row = row.clone()
@@ -216,13 +214,18 @@ def unpack_token_logprobs(host: torch.Tensor, tokens: list[int],
             for j, t in enumerate(tokens)]
 
 
+def keep_only(logits: torch.Tensor, token_ids: list[int]) -> torch.Tensor:
+    """One row with every token but `token_ids` at -inf. logits: [vocab] -> a new [vocab]."""
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    keep[token_ids] = True
+    return logits.masked_fill(~keep, float("-inf"))
+
+
 def shape_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """vLLM's allowed_token_ids then logit_bias on one row. logits: [vocab] float32 -> [vocab]
     (the input itself when the row has neither)."""
     if p.allowed_token_ids is not None:
-        keep = torch.zeros_like(logits, dtype=torch.bool)
-        keep[p.allowed_token_ids] = True
-        logits = logits.masked_fill(~keep, float("-inf"))
+        logits = keep_only(logits, p.allowed_token_ids)
     if p.logit_bias:
         bias = torch.zeros_like(logits)
         bias[list(p.logit_bias)] = torch.tensor(list(p.logit_bias.values()),

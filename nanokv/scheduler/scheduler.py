@@ -105,7 +105,8 @@ class Scheduler:
         bm = self.block_manager
 
         reserved = 0  # free blocks kept for the waiting policy steps of requests scheduled
-        kept: dict[str, int] = {}  # those blocks by request (given back if it is preempted)
+        kept: dict[str, int] = {}  # those blocks by request (priority policy: given back if it
+        # is preempted after being scheduled)
         to_copy: set[int] = set()  # the blocks those steps will copy if still shared then
         i = 0
         while i < len(self.running) and budget > 0:
@@ -124,8 +125,10 @@ class Scheduler:
                     reserved -= kept.pop(victim.request_id)
             if request in preempted:
                 break
-            kept[request.request_id] = self._reserve_for_policy(request, i, preempted, reserved)
-            reserved += kept[request.request_id]
+            held = self._reserve_for_policy(request, i, preempted, reserved)
+            reserved += held
+            if self.by_priority:  # given back if a later victim is this request
+                kept[request.request_id] = held
             to_copy.update(request.block_table[j] for j in bm.wait_private(request))
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
