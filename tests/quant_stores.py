@@ -33,7 +33,8 @@ def codebooks(bits, seed):
 
 
 def thresholds(head_dim):
-    lo = -torch.rand(NUM_LAYERS, 1, HKV, head_dim) - 1.0  # some keys lie beyond them
+    gen = torch.Generator().manual_seed(head_dim)  # the same for every store of this width
+    lo = -torch.rand(NUM_LAYERS, 1, HKV, head_dim, generator=gen) - 1.0  # keys lie beyond
     return torch.cat([lo, -lo], dim=1)  # [L, 2, Hkv, D]
 
 
@@ -124,6 +125,20 @@ def check_policy_view(store, tables, lens, atol=2e-5, rtol=1e-4):
                                        rtol=rtol)
 
 
+def staged_pasts(store, table, past):
+    """Each layer's (k, v) of the past's partial block as the store holds it now, before a step
+    writes (`reference_quantized_attention`'s staged_past), or None where there is none."""
+    start = past // store.block_size * store.block_size
+    if start == past:
+        return [None] * store.layout.num_layers
+    rope = store.rotary.rotate if store.pre_rope_keys else None
+    out = []
+    for layer in range(store.layout.num_layers):
+        k, v = store.read(layer, table, past, rope)
+        out.append((k[start:], v[start:]))
+    return out
+
+
 def step(store, backend, q, k, v, k_pre, slots, positions, decode_tables, decode_lens,
          prefills=(), layers=range(NUM_LAYERS)):
     """One engine step through the backend: write, then attend; returns each layer's output."""
@@ -170,10 +185,12 @@ def scenario(store, hq, lens, rng, gen, chunk=None, backend_cls=NativeQuantizedB
             q = queries(m)
             slots = [table[j // bs] * bs + j % bs for j in range(done, done + m)]
             chunk_meta = PrefillChunk(0, m, done + m, table[:cdiv(done + m, bs)])
+            before = staged_pasts(store, table, done)
             outs = step(store, backend, q, k, v, k_pre, slots, pos.tolist(), [], [], [chunk_meta])
             for layer, out in enumerate(outs):  # the prefill path, checked on the way
                 ref = reference_quantized_attention(q[layer], k[layer], v[layer], store, layer,
-                                                    table, done, d ** -0.5, rotate)
+                                                    table, done, d ** -0.5, rotate,
+                                                    k_pre[layer], pos.to(device), before[layer])
                 torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
             done += m
     # one step: every request's new token (decodes), then a new request's first chunk of m
@@ -192,6 +209,7 @@ def scenario(store, hq, lens, rng, gen, chunk=None, backend_cls=NativeQuantizedB
                                               v[layer, i:i + 1], store, layer, tables[i], n - 1,
                                               d ** -0.5, rotate) for i, n in enumerate(lens)]
         rows.append(reference_quantized_attention(q[layer, nd:], k[layer, nd:], v[layer, nd:],
-                                                  store, layer, new_table, 0, d ** -0.5, rotate))
+                                                  store, layer, new_table, 0, d ** -0.5, rotate,
+                                                  k_pre[layer, nd:], pos[nd:].to(device)))
         refs.append(torch.cat(rows))
     return outs, refs

@@ -12,7 +12,7 @@ from nanokv.attention.backend import AttentionBackend
 from nanokv.attention.common import CommonAttentionMetadata
 from nanokv.attention.torch_paged import kernel_metadata, padded_decode_tables
 from nanokv.layers.attention import AttentionMetadata
-from nanokv.quant.attention import quantized_paged_attention
+from nanokv.quant.attention import quantized_paged_attention, read_staged_pasts
 from nanokv.quant.store import QuantizedKVStore
 
 
@@ -45,10 +45,8 @@ class QuantizedTorchBackend(AttentionBackend):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_pre: torch.Tensor, step: StoreStep, scale: float) -> torch.Tensor:
-        store = self.kv_cache
-        store.write_layer(layer, step.write_plan, k, v, k_pre)
-        return quantized_paged_attention(q, k, v, None, store, layer, step.meta, None, scale,
-                                         store.rope)
+        return write_prefill_then_decode(self.kv_cache, layer, q, k, v, k_pre, step.write_plan,
+                                         step.meta, 0, scale, None)
 
 
 # ---- for backends that decode with their own kernel and prefill through this path ------------
@@ -69,12 +67,18 @@ def write_prefill_then_decode(store: QuantizedKVStore, layer: int, q: torch.Tens
                               prefill_meta: AttentionMetadata | None, num_decode_tokens: int,
                               scale: float, decode, read_past=None) -> torch.Tensor:
     """One layer of such a backend: the store writes the step's K/V, the prefill rows go
-    through the PyTorch path (`read_past`: its reader of a chunk's cached prefix), then
-    decode(q, k, v) -> [nd, Hq, D] fills the first num_decode_tokens rows."""
+    through the PyTorch path (`read_past`: its reader of a chunk's sequence), then
+    decode(q, k, v) -> [nd, Hq, D] fills the first num_decode_tokens rows (decode None: the
+    PyTorch path's decodes too, prefill_meta then the whole step's)."""
+    staged_pasts = None
+    if prefill_meta is not None and prefill_meta.prefills:  # what the write quantizes away
+        staged_pasts = read_staged_pasts(store, layer, prefill_meta.prefills, plan,
+                                         store.rope)
     store.write_layer(layer, plan, k, v, k_pre)
     if prefill_meta is not None:
-        out = quantized_paged_attention(q, k, v, None, store, layer, prefill_meta, None, scale,
-                                        store.rope, read_past)
+        out = quantized_paged_attention(q, k, v, k_pre if store.pre_rope_keys else k, store,
+                                        layer, prefill_meta, plan, scale, store.rope, read_past,
+                                        staged_pasts)
     else:
         out = torch.empty_like(q)
     nd = num_decode_tokens

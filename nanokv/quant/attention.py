@@ -1,9 +1,11 @@
 """Paged attention over a quantized KV store, and its dequantize-then-dense reference.
 
 Same batch layout as `nanokv.layers.attention.paged_attention` (decodes first, then prefill
-chunks). The tokens of the current step attend with their own fresh, full-precision K/V (KVQuant:
-prefill attends in full precision; what is stored is compressed); every earlier token comes
-from the store, dequantized, its key rotated to the position recorded for its slot.
+chunks). Every token attends as it would decoding alone: to itself with its fresh,
+full-precision K/V, and to every earlier token as the store held it when this token was
+written, dequantized, its key rotated to the position recorded for its slot
+(`nanokv.quant.decode_view`). So a sequence's outputs do not depend on how its prompt is
+chunked or how much of it a prefix-cache hit supplies.
 """
 
 from __future__ import annotations
@@ -11,14 +13,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nanokv.layers.attention import (
-    AttentionMetadata,
-    PrefillSeq,
-    chunk_over_prefix,
-    dense_reference_attention,
-)
+from nanokv.layers.attention import AttentionMetadata, PrefillSeq
 from nanokv.layers.rotary import RotaryEmbedding
+from nanokv.quant.decode_view import decode_view_attention
+from nanokv.quant.staging import read_filling
 from nanokv.quant.store import QuantizedKVStore, Rope, WritePlan
+from nanokv.utils import cdiv
 
 
 def rope_from_rotary(rotary: RotaryEmbedding) -> Rope:
@@ -27,23 +27,51 @@ def rope_from_rotary(rotary: RotaryEmbedding) -> Rope:
 
 
 def quantized_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              k_store: torch.Tensor, store: QuantizedKVStore, layer: int,
+                              k_store: torch.Tensor | None, store: QuantizedKVStore, layer: int,
                               meta: AttentionMetadata, plan: WritePlan | None, scale: float,
-                              rope: Rope | None, read_past=None) -> torch.Tensor:
+                              rope: Rope | None, read_past=None, staged_pasts=None
+                              ) -> torch.Tensor:
     """q: [T, Hq, D] and k: [T, Hkv, D] after RoPE; v: [T, Hkv, D]; k_store: the keys the store
-    keeps (before RoPE when `store.pre_rope_keys`, else the same as k). read_past(layer,
-    block_table, num_slots) -> (keys after RoPE, values) [num_slots, Hkv, D] decodes a prefill
-    chunk's cached prefix in place of `store.read_blocks` (a native kernel). Returns [T, Hq, D]."""
+    keeps (before RoPE when `store.pre_rope_keys`, else the same as k; None: k). plan: the step's
+    write plan (it writes here when `meta.write_cache`; its positions round staged keys).
+    read_past(layer, block_table, num_slots) -> (keys after RoPE, values) [num_slots, Hkv, D]
+    reads a chunk's sequence in place of `store.read_blocks` (a native kernel). staged_pasts:
+    `read_staged_pasts` made before the write (when the caller wrote). Returns [T, Hq, D]."""
+    k_store = k if k_store is None else k_store
     if meta.write_cache:
+        staged_pasts = read_staged_pasts(store, layer, meta.prefills, plan, rope)
         store.write(layer, plan, k_store, v)
     rope = rope if store.pre_rope_keys else None
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens
     if nd:
         out[:nd] = _decode(q[:nd], k[:nd], v[:nd], store, layer, meta, scale, rope)
-    for seq in meta.prefills:
+    for i, seq in enumerate(meta.prefills):
         sl = slice(seq.query_start, seq.query_start + seq.query_len)
-        out[sl] = _prefill(q[sl], k[sl], v[sl], store, layer, seq, scale, rope, read_past)
+        positions = plan.positions[sl] if plan is not None else None
+        out[sl] = _prefill(q[sl], k[sl], v[sl], k_store[sl], positions, store, layer, seq, scale,
+                           rope, read_past, staged_pasts[i] if staged_pasts else None)
+    return out
+
+
+def read_staged_pasts(store: QuantizedKVStore, layer: int, prefills: list[PrefillSeq],
+                      plan: WritePlan, rope: Rope | None
+                      ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Before a layer's write (after the step's `plan_write`): for each prefill chunk that fills
+    its past's partial block in a store that stages blocks, that block's staged rows (k after
+    RoPE, v) [past % B, Hkv, D], which the write quantizes away (`staging.read_filling`); None
+    for the others (their staged rows stay readable)."""
+    bs = store.block_size
+    out = []
+    for seq in prefills:
+        past = seq.context_len - seq.query_len
+        start = past // bs * bs
+        if not store.stages_blocks or not start < past < start + bs - 1 < seq.context_len:
+            out.append(None)  # no query sees such a block staged once the write filled it
+            continue
+        block = int(seq.block_table[start // bs])
+        out.append(read_filling(store, layer, plan, block, past - start,
+                                rope if store.pre_rope_keys else None))
     return out
 
 
@@ -62,33 +90,89 @@ def _decode(q, k, v, store, layer, meta: AttentionMetadata, scale, rope) -> torc
     return o.squeeze(2)  # [B, Hq, D]
 
 
-def _prefill(q, k, v, store, layer, seq: PrefillSeq, scale, rope, read_past=None
-             ) -> torch.Tensor:
-    qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
-    past = seq.context_len - seq.query_len
-    if past == 0:
-        kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
-                                           enable_gqa=True)
-        return o.squeeze(0).transpose(0, 1)
+def _prefill(q, k, v, k_store, positions, store, layer, seq: PrefillSeq, scale, rope,
+             read_past=None, staged_past=None) -> torch.Tensor:
+    """One chunk in decode's view (`nanokv.quant.decode_view`): its sequence read after the
+    write (final), and the staged rows of its blocks that were filling."""
+    total, bs = seq.context_len, store.block_size
+    past = total - seq.query_len
     heads, dim = k.shape[1], k.shape[2]
     if read_past is None:
-        kc, vc = store.read_blocks(layer, seq.block_table, rope)  # [nb, bs, Hkv, D]
-        kc, vc = kc.reshape(-1, heads, dim)[:past], vc.reshape(-1, heads, dim)[:past]
+        kc, vc = store.read_blocks(layer, seq.block_table[:cdiv(total, bs)], rope)
+        kc, vc = kc.reshape(-1, heads, dim)[:total], vc.reshape(-1, heads, dim)[:total]
     else:
-        kc, vc = read_past(layer, seq.block_table, past)  # [past, Hkv, D]
-    o = chunk_over_prefix(qh, kc, vc, k.to(kc.dtype), v.to(vc.dtype), scale)
-    return o.squeeze(0).transpose(0, 1)  # [L, Hq, D]
+        kc, vc = read_past(layer, seq.block_table, total)  # [total, Hkv, D]
+    kc, vc = kc.to(q.dtype), vc.to(q.dtype)
+    staged = None
+    if store.stages_blocks:
+        ks, vs = store.staged_rows(k, v, k_store, positions)
+        start = past // bs * bs
+        k_old, v_old = staged_past if staged_past is not None \
+            else (kc[start:past], vc[start:past])  # the past's partial block, if any
+        staged = (torch.cat([k_old.to(q.dtype), kc[past:] if ks is None else ks.to(q.dtype)]),
+                  torch.cat([v_old.to(q.dtype), vc[past:] if vs is None else vs.to(q.dtype)]))
+    return decode_view_attention(q, k.to(q.dtype), v.to(q.dtype), kc, vc, staged, past, bs,
+                                 scale)
 
 
 def reference_quantized_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                                   store: QuantizedKVStore, layer: int, block_table,
-                                  num_past: int, scale: float,
-                                  rope: Rope | None = None) -> torch.Tensor:
-    """The oracle: dequantize the past (`store.read`), append the fresh K/V, attend densely in
-    float64. q: [L, Hq, D]; k_new (after RoPE), v_new: [L, Hkv, D]."""
-    k_past, v_past = store.read(layer, block_table, num_past,
-                                rope if store.pre_rope_keys else None)
-    k = torch.cat([k_past.to(k_new.dtype), k_new])
-    v = torch.cat([v_past.to(v_new.dtype), v_new])
-    return dense_reference_attention(q, k, v, scale)
+                                  num_past: int, scale: float, rope: Rope | None = None,
+                                  k_store: torch.Tensor | None = None,
+                                  positions: torch.Tensor | None = None,
+                                  staged_past: tuple[torch.Tensor, torch.Tensor] | None = None
+                                  ) -> torch.Tensor:
+    """The oracle, dense in float64: each of a step's L tokens of one sequence attends as it
+    would decoding alone (decode's view), so a sequence's outputs do not depend on how its
+    prompt is chunked or how much of it a prefix-cache hit supplies. Token n sees
+      - itself fresh (k_new, v_new);
+      - an earlier token j as the store held it once n was written: its codes when the store
+        quantizes per token, or when j's block was full by then (an earlier block, or n the
+        last slot of its own); else (j in n's block, still filling) as staged (`staged_rows`).
+    Call after the step's write. q: [L, Hq, D]; k_new (after RoPE), v_new: [L, Hkv, D];
+    k_store, positions: the keys as written and their positions (only where the store's staging
+    dtype rounds staged keys); staged_past: (k, v) [num_past % B, Hkv, D] of the past's partial
+    block read before the step's write, needed when the store stages blocks and the step fills
+    that block."""
+    length, bs = q.shape[0], store.block_size
+    earliest = num_past + length - 1  # tokens that are earlier than some query: [0, earliest)
+    k_fin, v_fin = store.read(layer, block_table, earliest,
+                              rope if store.pre_rope_keys else None)  # [earliest, Hkv, D]
+    k_fin, v_fin = k_fin.to(k_new.dtype), v_fin.to(v_new.dtype)
+    k_stg, v_stg = k_fin.clone(), v_fin.clone()  # as staged (rows a block's codes never held)
+    n = num_past + torch.arange(length, device=q.device)[:, None]  # [L, 1] query index
+    j = torch.arange(earliest, device=q.device)[None, :]  # [1, earliest]
+    earlier = j < n
+    if store.stages_blocks:
+        ks, vs = store.staged_rows(k_new, v_new, k_new if k_store is None else k_store,
+                                   positions) if length > 1 else (None, None)
+        if ks is not None:
+            k_stg[num_past:] = ks[:length - 1]
+        if vs is not None:
+            v_stg[num_past:] = vs[:length - 1]
+        start = num_past // bs * bs  # the past's partial block, if any
+        if start < num_past < start + bs - 1 <= earliest:  # a query sees it staged, but the
+            if staged_past is None:  # step's write filled it
+                raise ValueError("staged_past is needed: the step fills a staged partial block")
+            k_stg[start:num_past], v_stg[start:num_past] = staged_past
+        full = (j // bs < n // bs) | (n % bs == bs - 1)  # j's block full once n is written
+        final, staged = earlier & full, earlier & ~full
+    else:
+        final, staged = earlier, torch.zeros_like(earlier)
+    num_q, num_kv = q.shape[1], k_new.shape[1]
+    qd = q.double()
+
+    def scores(k):  # [S, Hkv, D] -> [Hq, L, S]
+        kd = k.double().repeat_interleave(num_q // num_kv, dim=1)
+        return torch.einsum("lhd,shd->hls", qd, kd) * scale
+
+    fresh = (scores(k_new).diagonal(dim1=1, dim2=2)).unsqueeze(-1)  # [Hq, L, 1]
+    logits = torch.cat([scores(k_fin).masked_fill(~final, float("-inf")),
+                        scores(k_stg).masked_fill(~staged, float("-inf")), fresh], dim=-1)
+    probs = logits.softmax(-1)  # [Hq, L, 2 * earliest + 1]
+    values = [x.double().repeat_interleave(num_q // num_kv, dim=1) for x in (v_fin, v_stg)]
+    out = torch.einsum("hls,shd->lhd", probs[..., :earliest], values[0]) \
+        + torch.einsum("hls,shd->lhd", probs[..., earliest:-1], values[1])
+    v_own = v_new.double().repeat_interleave(num_q // num_kv, dim=1)  # [L, Hq, D]
+    out = out + probs[..., -1].transpose(0, 1).unsqueeze(-1) * v_own
+    return out.to(q.dtype)  # [L, Hq, D]

@@ -307,6 +307,14 @@ class KIVIStore(QuantizedKVStore):
             [int(self.staging.row[d]) for _, d in pairs], dtype=torch.int32, device=self.device)
 
     # ---- reading -----------------------------------------------------------------------------
+    @property
+    def stages_blocks(self) -> bool:
+        return True  # keys and values wait for their block (the residual)
+
+    def staged_rows(self, k, v, k_store, positions):
+        dtype = self.layout.dtype  # the staging's (keys after RoPE)
+        return k.to(dtype).to(k.dtype), v.to(dtype).to(v.dtype)
+
     def read_blocks(self, layer: int, block_ids: torch.Tensor, rope: Rope | None = None):
         buf, ids = self.buffers, block_ids.long().flatten()
         n, bsz, heads, dim = ids.numel(), self.block_size, self.layout.num_kv_heads, \

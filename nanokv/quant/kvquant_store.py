@@ -437,6 +437,18 @@ class KVQuantStore(QuantizedKVStore):
     def num_free_staging_blocks(self) -> int:
         return self.staging.num_free_rows
 
+    @property
+    def stages_blocks(self) -> bool:
+        return self.staged  # per-channel keys; values are per token
+
+    def staged_rows(self, k, v, k_store, positions):
+        if not self.staged:
+            return None, None
+        if self.staging_dtype == k.dtype:
+            return k, None
+        x = k_store.to(self.staging_dtype).to(k.dtype)  # [T, Hkv, D] as staging holds it
+        return (self.rotary.rotate(positions, x) if self.pre_rope_keys else x), None
+
     # ---- reading -----------------------------------------------------------------------------
     def read_blocks(self, layer: int, block_ids: torch.Tensor, rope: Rope | None = None):
         buf, codec = self.buffers, self.codecs[layer]

@@ -1,7 +1,7 @@
 """Host bookkeeping of blocks that are quantized when they fill (KVQuant's per-channel keys,
 KIVI's keys and values): how many slots each block holds, and the full-precision staging row a
 partial block keeps its tokens in until then. No torch, no device sync: the stores turn the
-plan into index tensors once per step.
+plan into index tensors once per step (`read_filling` reads a store's staging rows).
 
 A block is filled in slot order; writing slot 0 restarts it. One staging row per partial block
 suffices (a request has at most one), and a block that fills in a step frees its row before the
@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 
 @dataclass
@@ -141,3 +142,40 @@ class BlockStaging:
                 self.row[d] = self.free_rows.pop()
             row_copies.append((int(self.row[s]), int(self.row[d])))
         return row_copies
+
+
+
+def staging_rows_before(store, plan, blocks: Sequence[int]) -> list[int]:
+    """The staging row each of `blocks` held when the step began (-1: none), for a store with
+    a `BlockStaging` (KVQuant, KIVI) and the step's plan (host indexes: `plan.host`). The plan
+    already gave back the row of a block the step fills; its staged tokens stay there until the
+    layer's write quantizes the block (a read in between finds no row through
+    `staging_index`)."""
+    bs = store.block_size
+    freed = {b: src[0] // bs for b, src in zip(plan.host.quant_blocks, plan.host.quant_src)
+             if src[0] < store.staging.num_rows * bs}  # filled from its row: it had one
+    return [freed.get(b, int(store.staging.row[b])) for b in blocks]
+
+
+def read_filling(store, layer: int, plan, block: int, count: int, rope=None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `count` slots of `block`, a partial block of a staging store when the step
+    began, as a read returned them then (the write quantizes them when the step fills the
+    block): (k, after RoPE when `rope` is given, v) [count, Hkv, D] in the layout's dtype. Call
+    after `plan_write` and before the layer's `write` (`staging_rows_before`). A side the store
+    does not stage (no `staging_<side>` buffer) comes from its codes."""
+    row = staging_rows_before(store, plan, [block])[0]
+    if row < 0:
+        raise RuntimeError(f"block {block} held no staged tokens when the step began")
+    ids = torch.tensor([block], dtype=torch.long, device=store.device)
+    codes_k, codes_v = store.read_blocks(layer, ids)  # [1, B, Hkv, D] each
+    sides = []
+    for name, from_codes in (("k", codes_k), ("v", codes_v)):
+        staging = store.buffers.get(f"staging_{name}")
+        sides.append(from_codes[0, :count] if staging is None
+                     else staging[layer][row, :count].to(store.layout.dtype, copy=True))
+        # (a copy: the write may stage the step's new partial block in that row)
+    k, v = sides
+    if rope is not None:
+        k = rope(store.slot_positions[block, :count].long(), k)
+    return k, v

@@ -344,6 +344,24 @@ class QuantizedKVStore(KVCache):
         Keys are rotated iff `rope` is given (only allowed when `pre_rope_keys`). Slots never
         written hold finite garbage: mask them."""
 
+    # ---- what a read returns for a block still filling ----------------------------------------
+    @property
+    def stages_blocks(self) -> bool:
+        """Whether a side (keys, values) of a block is kept unquantized until the block's last
+        slot is written (per-block statistics): a read of a partial block then returns that
+        side as written (`staged_rows`), and its codes only once the block is full. A per-token
+        store quantizes every token as it is written (False)."""
+        return False
+
+    def staged_rows(self, k: torch.Tensor, v: torch.Tensor, k_store: torch.Tensor,
+                    positions: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Fresh tokens' keys (after RoPE) and values as a read returns them while their block
+        is still filling, for each side the store stages (rounded to its staging dtype); None
+        for a side a read takes from its codes from the first write. k, v: [T, Hkv, D];
+        k_store: the keys as written (before RoPE iff `pre_rope_keys`); positions [T]: their
+        RoPE positions (used only when the staging dtype rounds the keys)."""
+        return None, None
+
     def read(self, layer: int, block_table: torch.Tensor | Sequence[int], num_slots: int,
              rope: Rope | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's first `num_slots` slots -> k, v: [num_slots, Hkv, D]."""

@@ -95,7 +95,8 @@ def test_kivi_preemption_and_policy_keep_accounting(tiny_qwen3):
 
 def test_kivi_logits_close_to_float(tiny_model):
     """Teacher-forced prompt logits over a cache read in 16-token chunks: 4-bit KIVI stays
-    close to the float cache and closer than 2-bit (the chunk before any cache read is exact)."""
+    close to the float cache and closer than 2-bit; the tokens before the first block fills see
+    their block staged (exact)."""
     prompt = tokens(96, 7)
     params = SamplingParams(temperature=0, max_tokens=1, return_prompt_logits=True)
     opts = dict(num_kv_blocks=16, max_num_batched_tokens=16, max_model_len=128, max_num_seqs=2)
@@ -104,12 +105,15 @@ def test_kivi_logits_close_to_float(tiny_model):
         return run(tiny_model, [prompt], params, **opts, **kw)[1][0].prompt_logits
 
     ref = logits()
-    centered = ref[16:] - ref[16:].mean(-1, keepdim=True)
+    centered = ref[15:] - ref[15:].mean(-1, keepdim=True)
     errors = {}
     for bits in (2, 4):
         got = logits(kv_cache_dtype="kivi", kv_quant_bits=bits)
-        torch.testing.assert_close(got[:16], ref[:16], atol=0, rtol=0)
-        diff = (got - ref)[16:]
+        # before the first block fills, every token sees its K/V staged (exact: equal but for
+        # the rounding of another order of sums; a quantized K/V moves them by 1e-3 and more) ...
+        torch.testing.assert_close(got[:15], ref[:15], atol=2e-5, rtol=1e-5)
+        diff = (got - ref)[15:]  # ... its last slot sees the block's codes, as decode would
+        assert float(diff[0].abs().max()) > 0
         errors[bits] = float((diff.norm(dim=-1) / centered.norm(dim=-1)).max())
     assert errors[4] < 0.25
     assert errors[4] < errors[2]

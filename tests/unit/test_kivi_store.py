@@ -352,14 +352,18 @@ def test_paged_attention_over_store_matches_dequantize_then_dense():
         prefills.append(PrefillSeq(start, new, past + new, torch.tensor(d[0])))
         start += new
     meta = AttentionMetadata(torch.tensor(slots), 3, dec_tables, mask, prefills)
+    # the pasts' partial blocks as staged before the step (a chunk fills one of them)
+    before = [store.read(layer, table, past) for (past, _), (table, *_r) in zip(seqs, data)]
     plan = store.plan_write(slots, positions)
     out = quantized_paged_attention(q, k_new, v_new, k_new, store, layer, meta, plan, scale,
                                     rope)
     offset = 0
-    for (past, new), (table, k, _v, qs) in zip(seqs, data):
+    for (past, new), (table, k, _v, qs), (k_old, v_old) in zip(seqs, data, before):
         sl = slice(offset, offset + new)
+        full = past // B * B
         ref = reference_quantized_attention(qs, k_new[sl], v_new[sl], store, layer, table, past,
-                                            scale, rope)
+                                            scale, rope, staged_past=(k_old[full:],
+                                                                      v_old[full:]))
         torch.testing.assert_close(out[sl], ref, atol=1e-5, rtol=1e-5)
         k_past, _ = store.read(layer, table, past)  # the oracle saw quantized full blocks
         full = past // B * B

@@ -1,0 +1,169 @@
+"""A prefill chunk's attention over a quantized store as decode would see it ("decode's view").
+
+Decoding token n reads every earlier token from the store and its own K/V fresh. A prefill chunk
+does the same for each of its tokens, so a sequence's outputs do not depend on how its prompt is
+chunked or on how much of it a prefix-cache hit supplies. Token n (logical index: past + row)
+sees
+  - itself fresh (the step's k, v);
+  - an earlier token j "final" (the store's codes, as read after the step's write) when the store
+    quantizes per token, or when j's block was full once n was written (j // B < n // B, or n is
+    the last slot of its block, n % B == B - 1);
+  - otherwise (same block, still filling, in a store that stages blocks) "staged": what a read of
+    the partial block returned then (`QuantizedKVStore.staged_rows`; for the past's partial
+    block, a read made before the step's write).
+
+`decode_view_attention` runs on CPU as a few flash calls merged by their log-sum-exp (groups of
+about GROUP_ROWS query rows: the part of the context every row of a group sees final, without a
+mask, and a small masked window around the group); `decode_view_attention_masked` is the
+reference path (one SDPA call with an explicit mask), taken elsewhere. The oracle of both is
+`nanokv.quant.attention.reference_quantized_attention` (float64, dense).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nanokv.layers.attention import _FLASH_CPU
+
+GROUP_ROWS = 128  # query rows per flash call (a multiple of the block size, at least one block)
+
+
+def visible(rows: torch.Tensor, keys: torch.Tensor, block_size: int, stages: bool
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which version of key j each query n sees: (final [R, K], staged [R, K]) bool, for query
+    indexes rows [R] and key indexes keys [K] (logical positions; the diagonal is fresh)."""
+    n, j = rows[:, None], keys[None, :]
+    earlier = j < n
+    if not stages:
+        return earlier, torch.zeros_like(earlier)
+    full = (j // block_size < n // block_size) | (n % block_size == block_size - 1)
+    return earlier & full, earlier & ~full
+
+
+def decode_view_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                          k_fin: torch.Tensor, v_fin: torch.Tensor,
+                          staged: tuple[torch.Tensor, torch.Tensor] | None, past: int,
+                          block_size: int, scale: float) -> torch.Tensor:
+    """q: [L, Hq, D]; k_new (after RoPE), v_new: [L, Hkv, D] the chunk's fresh rows; k_fin, v_fin:
+    [past + L, Hkv, D] the sequence as read after the write (keys after RoPE); staged: None for
+    a per-token store, else (k, v) [past + L - start, Hkv, D], rows start = past // B * B on, as
+    staged. Returns [L, Hq, D].
+
+    Parts merged by their log-sum-exp, each a flash call without a mask where it can be: every
+    token's own fresh K/V (the diagonal, elementwise); a per-token store's earlier tokens as one
+    prefix call and one causal call shifted by a row (row i sees final rows < i); a staging
+    store's, the blocks before the chunk's first in one call (no mask), then per group of rows
+    starting on a block edge the chunk's blocks before the group's (no mask) and the group's
+    own slots: for a group of one block (block sizes from GROUP_ROWS on, the default sizes) its
+    earlier slots staged (the chunk's causally, one row off) and, for the block's last slot,
+    final, all without a mask; for a group of several blocks, a masked window."""
+    if not (_FLASH_CPU is not None and q.device.type == "cpu"
+            and q.dtype == k_fin.dtype == k_new.dtype == torch.float32):
+        return decode_view_attention_masked(q, k_new, v_new, k_fin, v_fin, staged, past,
+                                            block_size, scale)
+    (length, num_q, dim), num_kv = q.shape, k_new.shape[1]
+    qh = q.transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hq, L, D]
+    # [1, Hkv, past + L, D], contiguous: the kernel reads strided keys far slower
+    k_ctx = k_fin.transpose(0, 1).unsqueeze(0).contiguous()
+    v_ctx = v_fin.transpose(0, 1).unsqueeze(0).contiguous()
+    # the diagonal: o = v_n, lse = q_n . k_n * scale (query heads in their KV head's group)
+    q_grouped = q.view(length, num_kv, num_q // num_kv, dim)  # [L, Hkv, G, D]
+    lse = torch.einsum("lhgd,lhd->lhg", q_grouped, k_new).reshape(length, num_q)
+    lse = lse.mul_(scale).t().unsqueeze(0).contiguous()  # [1, Hq, L]
+    out = v_new.unsqueeze(2).expand(length, num_kv, num_q // num_kv, dim)  # [L, Hkv, G, D]
+    out = out.reshape(length, num_q, dim).transpose(0, 1).unsqueeze(0).clone(
+        memory_format=torch.contiguous_format)  # [1, Hq, L, D], merged in place: never v's
+    if staged is None:
+        if past:
+            _merge(out, lse, *_FLASH_CPU(qh, k_ctx[:, :, :past], v_ctx[:, :, :past], 0.0, False,
+                                         scale=scale)[:2])
+        if length > 1:  # rows 1.. see the chunk's final rows before them: causal, one row off
+            rows = slice(1, length)
+            keys = slice(past, past + length - 1)
+            _merge(out[:, :, rows], lse[:, :, rows],
+                   *_FLASH_CPU(qh[:, :, rows], k_ctx[:, :, keys], v_ctx[:, :, keys], 0.0, True,
+                               scale=scale)[:2])
+        return out.squeeze(0).transpose(0, 1)  # [L, Hq, D]
+    start = past // block_size * block_size
+    k_stg = staged[0].transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hkv, past + L - start, D]
+    v_stg = staged[1].transpose(0, 1).unsqueeze(0).contiguous()
+
+    def fold(lo: int, hi: int, keys: slice, stg: bool = False, causal: bool = False) -> None:
+        """Rows [lo, hi) (logical) attend to keys (logical slice) of the final or, with stg, the
+        staged sequence; causal: row lo + i sees keys.start .. keys.start + i."""
+        rows = slice(lo - past, hi - past)
+        kx, vx, off = (k_stg, v_stg, start) if stg else (k_ctx, v_ctx, 0)
+        at = slice(keys.start - off, keys.stop - off)
+        _merge(out[:, :, rows], lse[:, :, rows],
+               *_FLASH_CPU(qh[:, :, rows], kx[:, :, at], vx[:, :, at], 0.0, causal,
+                           scale=scale)[:2])
+
+    if start:  # the blocks before the chunk's first: final for every row, one call
+        fold(past, past + length, slice(0, start))
+    group = max(1, GROUP_ROWS // block_size) * block_size
+    a = past
+    while a < past + length:
+        b = min(past + length, (a // group + 1) * group)  # rows [a, b): logical indexes
+        w = a // block_size * block_size  # keys before w: final for every row of the group
+        if w > start:  # the chunk's blocks before the group's
+            fold(a, b, slice(start, w))
+        if group == block_size:  # one block: no mask
+            last = w + block_size - 1  # the block's last slot: sees the block final
+            end = min(b, last)  # rows [a, end) see the block's earlier slots staged
+            if a > w and end > a:  # the past's slots of the block
+                fold(a, end, slice(w, a), stg=True)
+            if end - a > 1:  # the chunk's, one row off
+                fold(a + 1, end, slice(a, end - 1), stg=True, causal=True)
+            if last < b:
+                fold(last, last + 1, slice(w, last))
+        elif b - 1 > w:  # the window [w, b - 1) of several blocks: final or staged, masked
+            rows = slice(a - past, b - past)  # (the last key is no row's earlier token)
+            final, stg = visible(torch.arange(a, b, device=q.device),
+                                 torch.arange(w, b - 1, device=q.device), block_size, True)
+            seen = torch.cat([final, stg], dim=1)  # [R, 2 (b - 1 - w)]
+            if bool(seen.any()):
+                mask = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                    ~seen, float("-inf"))
+                kw = torch.cat([k_ctx[:, :, w:b - 1], k_stg[:, :, w - start:b - 1 - start]], 2)
+                vw = torch.cat([v_ctx[:, :, w:b - 1], v_stg[:, :, w - start:b - 1 - start]], 2)
+                o_win, lse_win = _FLASH_CPU(qh[:, :, rows], kw, vw, 0.0, False, attn_mask=mask,
+                                            scale=scale)[:2]
+                # a row that sees nothing in the window (its block's first) has lse 0 there
+                lse_win = lse_win.masked_fill(~seen.any(1), float("-inf"))
+                _merge(out[:, :, rows], lse[:, :, rows], o_win, lse_win)
+        a = b
+    return out.squeeze(0).transpose(0, 1)  # [L, Hq, D]
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, o_lse: torch.Tensor) -> None:
+    """Fold a part (o [1, H, R, D], o_lse [1, H, R]) into out, lse in place: softmax over the
+    union of their keys."""
+    w = torch.sigmoid(o_lse - lse).unsqueeze(-1)  # the part's share; -inf lse: 0
+    out.add_((o - out).mul_(w))
+    lse.copy_(torch.logaddexp(lse, o_lse))
+
+
+def decode_view_attention_masked(q, k_new, v_new, k_fin, v_fin, staged, past: int,
+                                 block_size: int, scale: float) -> torch.Tensor:
+    """`decode_view_attention` in one SDPA call over [final; staged; fresh] keys with an
+    explicit [L, K] mask (the reference path; the path off CPU float32)."""
+    length, total = q.shape[0], k_fin.shape[0]
+    rows = torch.arange(past, past + length, device=q.device)
+    final, stg = visible(rows, torch.arange(total, device=q.device), block_size,
+                         staged is not None)
+    keys, values, seen = [k_fin], [v_fin], [final]
+    if staged is not None:
+        start = total - staged[0].shape[0]
+        keys.append(staged[0])
+        values.append(staged[1])
+        seen.append(stg[:, start:])
+    keys.append(k_new.to(k_fin.dtype))
+    values.append(v_new.to(v_fin.dtype))
+    seen.append(torch.eye(length, dtype=torch.bool, device=q.device))
+    kh = torch.cat(keys).transpose(0, 1).unsqueeze(0)  # [1, Hkv, K, D]
+    vh = torch.cat(values).transpose(0, 1).unsqueeze(0)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), kh, vh,
+                                       attn_mask=torch.cat(seen, dim=1), scale=scale,
+                                       enable_gqa=True)  # [1, Hq, L, D]
+    return o.squeeze(0).transpose(0, 1)
