@@ -53,6 +53,7 @@ from nanokv.quant import KVQuantConfig, KVQuantStore, make_kv_store  # noqa: E40
 from nanokv.layers.attention import dense_reference_attention  # noqa: E402
 from nanokv.quant.attention import (  # noqa: E402
     quantized_paged_attention,
+    read_staged_pasts,
     reference_quantized_attention,
 )
 from nanokv.utils import cdiv  # noqa: E402
@@ -143,24 +144,32 @@ def decode_only_fns(store, common, q, k, v, device) -> dict:
 
 
 def prefill_only_fns(store, common, q, k, v, device) -> dict:
-    """A KVQuant store's prefill attention alone (no write): the PyTorch path (each chunk's
-    prefix dequantized, then masked SDPA over prefix + chunk) and the Triton backend's (the
-    prefixes decoded into a scratch cache, then the paged prefill kernel over every chunk),
-    each step's metadata included. Their outputs are compared once first."""
+    """A KVQuant store's prefill attention alone: the PyTorch path (each chunk's blocks
+    dequantized, then decode's view over them) and the Triton backend's (the blocks decoded
+    into a scratch cache, then the paged prefill kernel over every chunk), each step's metadata
+    included. The chunks' K/V are written once first (decode's view reads them back), the
+    pasts' partial blocks read as staged before that write. Their outputs are compared once
+    first."""
     scale = q.shape[-1] ** -0.5
-    common.write_plan = SimpleNamespace(slot_mapping=torch.empty(0, dtype=torch.long,
-                                                                 device=device))
+    positions = [p.context_len - p.query_len + j for p in common.prefills
+                 for j in range(p.query_len)]
+    common.write_plan = plan = store.begin_step(common.slot_mapping, positions)
     torch_backend, triton_backend = QuantizedTorchBackend(store, device), \
         TritonQuantizedBackend(store, device)
+    meta = torch_backend.build(common).meta
+    staged_pasts = read_staged_pasts(store, 0, meta.prefills, plan, store.rope)
+    pre = triton_backend.prefill_chunks(common)
+    triton_backend.read_staged_pasts(0, pre)
+    store.write_layer(0, plan, k, v, k)
 
     def torch_path():
         meta = torch_backend.build(common).meta
-        return quantized_paged_attention(q, k, v, None, store, 0, meta, None, scale, store.rope)
+        return quantized_paged_attention(q, k, v, None, store, 0, meta, plan, scale, store.rope,
+                                         None, staged_pasts)
 
     def triton_path():
         out = torch.empty_like(q)
-        triton_backend.attend_prefill(0, q, k, v, triton_backend.prefill_chunks(common), out,
-                                      scale)
+        triton_backend.attend_prefill(0, q, k, v, k, plan.positions, pre, out, scale)
         return out
 
     error = (triton_path().float() - torch_path().float()).abs().max().item()

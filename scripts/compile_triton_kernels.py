@@ -11,7 +11,8 @@ kernels replaced by recorders, then compiles each recorded launch to a cubin.
 Shapes: Qwen3-0.6B's attention (16 query heads, 8 KV heads, head dim 128, block size 16) in
 bfloat16 over the float pool and the int8 / fp8 stores and the KVQuant decode kernel over a
 4-bit store with keys before RoPE (with --quick: one split; else also 2-bit with outliers and
-sinks, and KIVI) and the read of their blocks into a prefill's scratch cache, KVQuant's
+sinks, and KIVI), the read of their blocks into a prefill's scratch cache (and of partial blocks
+from given staging rows) and the prefill over it in decode's view, KVQuant's
 quantize-on-write (4-bit; else also 2-, 3- and 8-bit) and KIVI's (2-bit keys and values; else
 also 4-bit), plus a
 float32 pool with GQA 8 and head dim 64 (the dot in IEEE float32).
@@ -146,6 +147,7 @@ def record(dtype, hq, hkv, dim, block_size, quick: bool) -> None:
 
 def record_quant(dtype, hq, hkv, dim, block_size, quick: bool) -> None:
     """The KVQuant / KIVI decode launcher over CPU stores, as the backend calls it."""
+    from nanokv.attention.triton_paged import TritonPagedBackend
     from nanokv.attention.triton_quantized import kivi_views, kvquant_views
     from nanokv.cache.kv_pool import KVLayout
     from nanokv.layers.rotary import RotaryEmbedding
@@ -178,6 +180,16 @@ def record_quant(dtype, hq, hkv, dim, block_size, quick: bool) -> None:
     scratch = torch.zeros(2, block_size, hkv, dim, dtype=dtype)  # a prefill's prefix, decoded
     for view in views:
         kvquant_read.kvquant_read_blocks(view, ids, scratch, scratch.clone())
+    # a step's prefill: the pasts' partial blocks read before the write (their staging rows
+    # given), then the chunks over the scratch in decode's view (staged keys; KIVI: and values)
+    kvquant_read.kvquant_read_blocks(views[0], ids, scratch, scratch.clone(), staging_rows=ids)
+    tile_n, block_rows = TritonPagedBackend.tiles_for(dtype)
+    paged = PagedKV(scratch, scratch.clone())
+    for staged_values in ((False,) if quick else (False, True)):
+        prefill.prefill_attention(q, k, k, paged, ids, ids, ids, tables[:2], 4,
+                                  torch.empty_like(q), 0.1, block_rows, tile_n,
+                                  TritonPagedBackend.num_warps, tables[:2], scratch,
+                                  scratch if staged_values else None)
     if not quick:  # two blocks a loop iteration (a launch variant the GPU sweep tries)
         kvquant_decode.kvquant_decode_attention(q, k, k, views[0], tables, lens,
                                                 torch.empty_like(q), 0.1, 4, unroll=2)

@@ -3,7 +3,9 @@
 Per layer: one kernel writes the step's K/V at their slots (quantizing for int8 / fp8 stores),
 one decode kernel (flash-decoding: request x KV head x split, each over its own context length
 only, then a merge of the splits) and one prefill kernel for all prefill chunks of the step
-(variable lengths, cached prefix + causal own tokens, GQA). Nothing is gathered into padded
+(variable lengths, cached prefix + causal own tokens, GQA; over int8 / fp8 codes in decode's
+view: a chunk's token reads its earlier tokens from the cache, the chunk's own as just written,
+and itself fresh, as `reference_quantized_attention`). Nothing is gathered into padded
 copies and nothing dequantized to memory. Serves the float pool (float32 / bfloat16 / float16)
 and the int8 / fp8 (e4m3, e5m2) stores with keys kept after RoPE.
 

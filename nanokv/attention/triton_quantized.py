@@ -1,11 +1,17 @@
 """Triton attention over the KVQuant and KIVI stores on CUDA: decode reads the codes in place
-(`nanokv/kernels/triton/kvquant_decode.py`); a step's prefill chunks take two launches a layer,
-their cached prefixes decoded into a scratch float cache (`kvquant_read.py`, each distinct block
-once, so a shared cached prefix is decoded once for all its chunks) and then all chunks through
-the float pool's paged prefill kernel (`prefill.py`: the prefix from the scratch, the chunk's
-own tokens causally with their fresh K/V); past `prefill_scratch_slots` prefix slots, chunks go
-in groups, two launches each. The KV write is the store's: on CUDA both stores quantize on
-write in Triton (`kernels/triton/kvquant_write.py`, `kivi_write.py`).
+(`nanokv/kernels/triton/kvquant_decode.py`); a step's prefill chunks attend in decode's view
+(as `reference_quantized_attention`: each token sees an earlier one as the store held it once
+the token was written, so outputs do not depend on chunking or prefix-cache hits). Per layer:
+the pasts' partial blocks read into a staged cache before the write (`kvquant_read.py`, from
+their staging rows when the step began: the write quantizes a block the chunk fills), the
+write, the chunks' tokens as staged (`staged_rows`) into the staged cache; then every block of
+the chunks' contexts, their own included, decoded into a scratch float cache (each distinct
+block once, so a shared cached prefix is decoded once for all its chunks) and all chunks
+through the paged prefill kernel's STAGED view (`prefill.py`: a block full by then from the
+scratch, a block still filling from the staged cache, the token itself fresh); past
+`prefill_scratch_slots` slots, chunks go in groups, two launches each. The KV write is the
+store's: on CUDA both stores quantize on write in Triton (`kernels/triton/kvquant_write.py`,
+`kivi_write.py`).
 
 Serves KVQuant with per-channel keys (before RoPE over the whole head, or after it) and KIVI,
 at power-of-two block sizes; per-token KVQuant keys (the ablation layout) stay on the PyTorch
@@ -44,27 +50,39 @@ from nanokv.quant.kivi_store import KIVIStore
 from nanokv.quant.kvquant import centroid_table, uniform_grid
 from nanokv.quant.graph_write import GraphWritePlan
 from nanokv.quant.kvquant_store import KVQuantStore
+from nanokv.quant.staging import staging_rows_before
 from nanokv.transfer import upload, upload_parts
 from nanokv.utils import cdiv
 
 
 @dataclass
 class PrefixGroup:
-    """Prefill chunks whose prefixes fit the scratch cache together: one read launch and one
+    """Prefill chunks whose blocks fit the scratch cache together: one read launch and one
     prefill launch a layer."""
 
     chunks: PrefillChunks  # block tables: rows of the scratch cache, not the store's blocks
-    read_ids: torch.Tensor  # [n] int32 the prefixes' distinct blocks: block i -> scratch row i
+    read_ids: torch.Tensor  # [n] int32 the chunks' distinct blocks: block i -> scratch row i
+    stage_tables: torch.Tensor  # [C, w] int32 rows of the staged cache (`QuantPrefill`)
 
 
 @dataclass
 class QuantPrefill:
-    """A step's prefill chunks in groups, each group's prefix blocks decoded into the scratch
-    cache in turn (each layer)."""
+    """A step's prefill chunks in groups, each group's blocks (every block of a chunk's context,
+    its own included) decoded into the scratch cache in turn (each layer, after the write); and
+    each chunk's blocks from the one holding its first new token as a read of a partial block
+    returns them (the staged cache, for the whole step): the past's partial block read before
+    the write (which quantizes it if the chunk fills it), the chunk's tokens from their fresh
+    K/V (`staged_rows`)."""
 
     groups: list[PrefixGroup]
     k_scratch: torch.Tensor  # [max(most rows of a group, 1), B, Hkv, D] in the layout's dtype
     v_scratch: torch.Tensor
+    staged_ids: torch.Tensor  # [P] int32 the pasts' partial blocks -> staged rows [0, P)
+    staging_rows: torch.Tensor  # [P] int32 their staging rows when the step began
+    token_rows: torch.Tensor  # [N] int64 the chunks' batch rows (in chunk order)
+    token_slots: torch.Tensor  # [N] int64 their flat slots (row * B + slot) in the staged cache
+    k_staged: torch.Tensor  # [staged rows, B, Hkv, D] in the layout's dtype
+    v_staged: torch.Tensor
 
 
 @dataclass
@@ -174,40 +192,58 @@ class TritonQuantizedBackend(AttentionBackend):
         return step
 
     def prefill_chunks(self, common: CommonAttentionMetadata) -> QuantPrefill:
-        """The chunks in groups over one scratch cache (one upload for every group's tensors).
-        A block several chunks' prefixes share (a cached common prefix) is read once per group;
-        a group takes chunks in order while its distinct blocks stay within
-        `prefill_scratch_slots` (a chunk whose prefix alone is larger gets a group of its own)."""
+        """The chunks in groups over one scratch cache, and the staged cache (two uploads: the
+        int32 tables, the int64 token indexes). A block several chunks share (a cached common
+        prefix) is read once per group; a group takes chunks in order while its distinct blocks
+        stay within `prefill_scratch_slots` (a chunk whose blocks alone are more gets a group
+        of its own). Staged rows: the pasts' partial blocks first, then the chunks' others."""
         chunks, bs = common.prefills, self.block_size
         cap = max(1, self.prefill_scratch_slots // bs)  # blocks
-        # (chunks, their tables into the scratch, store block -> scratch row)
-        groups: list[tuple[list, list, dict[int, int]]] = [([], [], {})]
-        for c in chunks:
-            prefix = c.block_table[:cdiv(c.context_len - c.query_len, bs)]
-            members, _, rows = groups[-1]
-            new = len(set(prefix).difference(rows))  # blocks the group does not read yet
+        # (chunks, their tables into the scratch, store block -> scratch row, staged tables)
+        groups: list[tuple[list, list, dict[int, int], list]] = [([], [], {}, [])]
+        firsts = [(c.context_len - c.query_len) // bs for c in chunks]  # each's first staged
+        partial = [c.context_len - c.query_len > f * bs for c, f in zip(chunks, firsts)]
+        staged_ids = [c.block_table[f] for c, f, p in zip(chunks, firsts, partial) if p]
+        next_row = len(staged_ids)
+        rows_of_partial = iter(range(len(staged_ids)))
+        token_rows, token_slots = [], []
+        for c, first, p in zip(chunks, firsts, partial):
+            blocks = c.block_table[:cdiv(c.context_len, bs)]
+            members, _, rows, _ = groups[-1]
+            new = len(set(blocks).difference(rows))  # blocks the group does not read yet
             if members and new and len(rows) + new > cap:
-                groups.append(([], [], {}))
-            members, tables, rows = groups[-1]
+                groups.append(([], [], {}, []))
+            members, tables, rows, stage_tables = groups[-1]
             members.append(c)
-            tables.append([rows.setdefault(b, len(rows)) for b in prefix])
+            tables.append([rows.setdefault(b, len(rows)) for b in blocks])
+            stage = [next(rows_of_partial)] if p else []
+            stage += range(next_row, next_row + len(blocks) - first - len(stage))
+            next_row += len(blocks) - first - p
+            stage_tables.append(stage)
+            past = c.context_len - c.query_len
+            token_rows += range(c.query_start, c.query_start + c.query_len)
+            token_slots += [stage[j // bs - first] * bs + j % bs
+                            for j in range(past, c.context_len)]
         parts, shapes = [], []
-        for members, tables, rows in groups:
-            table = padded_rows(tables)  # [C_g, widest prefix] (at least one column: a view)
-            if table.shape[1] == 0:
-                table = np.zeros((len(members), 1), dtype=np.int32)
-            parts += chunk_parts(members, table) + [list(rows)]
-            shapes.append(table)
-        views = upload_parts(parts, self.device, np.int32)
-        prefix_groups = [PrefixGroup(chunk_views(members, table, views[5 * g:5 * g + 4]),
-                                     views[5 * g + 4])
-                         for g, ((members, _, _), table) in enumerate(zip(groups, shapes))]
+        for members, tables, rows, stage_tables in groups:
+            table, stage = padded_rows(tables), padded_rows(stage_tables)  # [C_g, widest]
+            parts += chunk_parts(members, table) + [list(rows), stage]
+            shapes.append((table, stage))
+        before = staging_rows_before(self.kv_cache, common.write_plan, staged_ids)
+        views = upload_parts(parts + [staged_ids, before], self.device, np.int32)
+        tokens = upload_parts([token_rows, token_slots], self.device)  # int64 indexes
+        prefix_groups = [PrefixGroup(chunk_views(members, table, views[6 * g:6 * g + 4]),
+                                     views[6 * g + 4], views[6 * g + 5].view(stage.shape))
+                         for g, ((members, *_), (table, stage)) in enumerate(zip(groups, shapes))]
         lay = self.kv_cache.layout
-        scratch = (max(1, max(len(rows) for _, _, rows in groups)), bs, lay.num_kv_heads,
-                   lay.head_dim)
-        return QuantPrefill(prefix_groups,
-                            torch.empty(scratch, dtype=lay.dtype, device=self.device),
-                            torch.empty(scratch, dtype=lay.dtype, device=self.device))
+
+        def cache(num_rows):  # [num_rows, B, Hkv, D]
+            return torch.empty((num_rows, bs, lay.num_kv_heads, lay.head_dim), dtype=lay.dtype,
+                               device=self.device)
+
+        most = max(len(rows) for _, _, rows, _ in groups)
+        return QuantPrefill(prefix_groups, cache(most), cache(most), *views[-2:], *tokens,
+                            cache(next_row), cache(next_row))
 
     def graph_decode_metadata(self, max_batch: int, max_blocks: int) -> TritonQuantStep:
         if not self.supports_cuda_graphs:
@@ -232,13 +268,18 @@ class TritonQuantizedBackend(AttentionBackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_pre: torch.Tensor, step: TritonQuantStep, scale: float) -> torch.Tensor:
         """The store writes the step's K/V, then the prefill rows and the decode rows
-        [0, num_decode_tokens) of out [T, Hq, D] are attended (the chunks' prefixes as stored,
-        the step's own tokens with their fresh K/V)."""
+        [0, num_decode_tokens) of out [T, Hq, D] are attended, each token as it would decode
+        (`reference_quantized_attention`): its earlier tokens as stored once it was written,
+        itself with its fresh K/V."""
+        pre = step.prefill
+        if pre is not None:
+            self.read_staged_pasts(layer, pre)
         self.kv_cache.write_layer(layer, step.write_plan, k, v, k_pre)
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         out = torch.empty_like(q)
-        if step.prefill is not None:
-            self.attend_prefill(layer, q, k, v, step.prefill, out, scale)
+        if pre is not None:
+            self.attend_prefill(layer, q, k, v, k_pre, step.write_plan.positions, pre, out,
+                                scale)
         nd = step.num_decode_tokens
         if nd:
             self._kernels.kvquant_decode_attention(
@@ -247,10 +288,26 @@ class TritonQuantizedBackend(AttentionBackend):
                 self.num_stages, self.unroll)
         return out
 
+    def read_staged_pasts(self, layer: int, pre: QuantPrefill) -> None:
+        """The pasts' partial blocks into the staged cache, as staged when the step began:
+        before the layer's write, which quantizes a block its chunk fills."""
+        if pre.staged_ids.numel():
+            self._read.kvquant_read_blocks(self.layer_views(layer), pre.staged_ids,
+                                           pre.k_staged, pre.v_staged,
+                                           staging_rows=pre.staging_rows)
+
     def attend_prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       pre: QuantPrefill, out: torch.Tensor, scale: float) -> None:
-        """The prefill chunks' rows of out, group by group: the group's prefix blocks decoded
-        into the scratch cache, then its chunks in one launch of the paged prefill kernel."""
+                       k_pre: torch.Tensor, positions: torch.Tensor, pre: QuantPrefill,
+                       out: torch.Tensor, scale: float) -> None:
+        """The prefill chunks' rows of out (after the write; the pasts' partial blocks already
+        in the staged cache): the chunks' tokens as staged into the staged cache, then group by
+        group the group's blocks decoded into the scratch cache and its chunks in one launch of
+        the paged prefill kernel (its STAGED view)."""
+        rows, heads, dim = pre.token_rows, k.shape[1], k.shape[2]
+        k_stg, v_stg = self.kv_cache.staged_rows(k[rows], v[rows], k_pre[rows], positions[rows])
+        for cache, x in ((pre.k_staged, k_stg), (pre.v_staged, v_stg)):  # x: [N, Hkv, D]
+            if x is not None:  # (None: values are read from their codes)
+                cache.view(-1, heads, dim).index_copy_(0, pre.token_slots, x.to(cache.dtype))
         paged = self._paged(pre.k_scratch, pre.v_scratch)
         for group in pre.groups:
             self._read.kvquant_read_blocks(self.layer_views(layer), group.read_ids,
@@ -259,7 +316,8 @@ class TritonQuantizedBackend(AttentionBackend):
             self._prefill.prefill_attention(
                 q, k, v, paged, chunks.query_start, chunks.query_len, chunks.context_lens,
                 chunks.block_tables, chunks.max_query_len, out, scale, self.block_rows,
-                self.tile_n, self.num_warps)
+                self.tile_n, self.num_warps, group.stage_tables, pre.k_staged,
+                None if v_stg is None else pre.v_staged)
 
     def read_blocks(self, layer: int, block_ids: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -378,9 +378,9 @@ def test_kernels_compile_for_a_gpu(tmp_path):
     model over the float pool and int8 codes, the KVQuant decode kernel over a 4-bit store and
     that store's quantize-on-write kernels (per token, per channel, and the staging and sink
     rows' copy for a bfloat16 staging and fp16 sinks), KIVI's quantize-on-write (keys per
-    channel, values in groups) and the read of the KVQuant blocks into a prefill's scratch cache
-    compiles to a cubin for
-    sm_90 without a GPU, and none spills registers."""
+    channel, values in groups), the read of the KVQuant blocks into a prefill's scratch cache
+    (also from given staging rows) and the prefill over it in decode's view compiles to a cubin
+    for sm_90 without a GPU, and none spills registers."""
     import subprocess
     import sys
     from pathlib import Path
@@ -393,11 +393,12 @@ def test_kernels_compile_for_a_gpu(tmp_path):
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = [line for line in done.stdout.splitlines() if line.startswith("ok")]
-    assert len(compiled) == 17, done.stdout
+    assert len(compiled) == 19, done.stdout
     assert sum(" _quantize_" in line for line in compiled) == 2, done.stdout  # KVQuant
     assert sum("kivi_quantize_blocks" in line for line in compiled) == 2, done.stdout
     assert sum("_scatter_rows_" in line for line in compiled) == 2, done.stdout
-    assert sum("_kvquant_read_" in line for line in compiled) == 1, done.stdout
+    assert sum("_kvquant_read_" in line for line in compiled) == 2, done.stdout
+    assert sum("_prefill_kernel" in line for line in compiled) == 3, done.stdout  # one a view
     spilled = [line for line in compiled if " stack 0 local 0 " not in line]
     assert not spilled, spilled  # registers spilled to local memory
 

@@ -1,9 +1,11 @@
 """The Triton backend over the KVQuant and KIVI stores (decode: `nanokv/kernels/triton/
-kvquant_decode.py`; prefill chunks over their prefixes: `kvquant_read.py` then `prefill.py`)
-against dequantize-then-dense (`reference_quantized_attention`): uniform and non-uniform
+kvquant_decode.py`; prefill chunks in decode's view: `kvquant_read.py` then `prefill.py`)
+against dequantize-then-dense (`reference_quantized_attention`, given the pasts' staged partial
+blocks read before each step): uniform and non-uniform
 codebooks of 2, 3, 4 and 8 bits, key and value outliers, sinks, keys kept before and after RoPE,
-staged partial blocks, KIVI's value groups, block sizes 16, 32 and 256, contexts ending
-mid-block, GQA ratios 1, 2 and 8, several splits, decodes next to a prefill chunk; and the
+staged partial blocks (pasts ending mid-block, chunks that fill them, chunks of one token), a
+bfloat16 staging, KIVI's value groups, block sizes 16, 32 and 256, contexts ending mid-block,
+GQA ratios 1, 2 and 8, several splits, decodes next to a prefill chunk; and the
 backend choice (the engine's greedy tokens through it: tests/unit/test_triton_attention.py).
 
 On a CUDA machine the kernel compiles and runs on the GPU; without one it runs in Triton's
@@ -19,7 +21,7 @@ from triton_device import triton_device
 
 DEVICE = triton_device()  # the module skips without a GPU or the interpreter
 
-from quant_stores import NUM_LAYERS, make_store, scenario, step  # noqa: E402
+from quant_stores import NUM_LAYERS, make_store, scenario, staged_pasts  # noqa: E402
 
 from nanokv.attention.common import CommonAttentionMetadata, PrefillChunk  # noqa: E402
 from nanokv.attention.quantized import QuantizedTorchBackend  # noqa: E402
@@ -120,22 +122,25 @@ def _write(store, slots, positions, gen):
         store.write_layer(layer, plan, k[layer], v[layer], k_pre[layer])
 
 
-@pytest.mark.parametrize("kind", ["kvquant:2bit-nuq-thresholds", "kivi:2"])
-@pytest.mark.parametrize("scratch_slots,groups", [(1 << 16, 1), (32, 2)])
-def test_prefill_chunks_over_a_shared_prefix(kind, scratch_slots, groups):
+@pytest.mark.parametrize("kind,staging_dtype", [("kvquant:2bit-nuq-thresholds", None),
+                                                 ("kvquant:per-channel-post-rope", torch.bfloat16),
+                                                 ("kivi:2", None)])
+@pytest.mark.parametrize("scratch_slots,groups", [(1 << 16, 1), (80, 3)])
+def test_prefill_chunks_over_a_shared_prefix(kind, staging_dtype, scratch_slots, groups):
     """Prefill chunks of one step whose prefixes share cached blocks (prefix caching's common
-    prefix) and a chunk with no prefix: each shared block decoded once per group, outputs
-    against the reference. A scratch of 32 slots (2 blocks) splits them into groups: the first
-    chunk's prefix (3 blocks) alone, then the second's (4 blocks) with the two that add no
-    block to it (no prefix; a shared block)."""
+    prefix), a chunk with no prefix, pasts ending mid-block (a chunk that fills that block, one
+    of a single token that does, one of a single token that does not): each block of the
+    chunks' contexts decoded once per group, outputs against the reference (decode's view). A
+    scratch of 80 slots (5 blocks) splits them into groups of at most 5 distinct blocks, a
+    shared block read again by a later group. A bfloat16 staging rounds the staged keys."""
     bs, hq = 16, 4
     gen = torch.Generator().manual_seed(13)
-    store = make_store(kind, 32, bs, 16, 5, device=DEVICE)
+    store = make_store(kind, 32, bs, 16, 6, staging_dtype=staging_dtype, device=DEVICE)
     shared = [9, 4]  # two full blocks, positions 0..31
     _write(store, [b * bs + j for b in shared for j in range(bs)], list(range(2 * bs)), gen)
     # (table, cached slots before the step, new tokens this step)
-    requests = [(shared + [7], 37, 6), (shared + [1, 12], 52, 9), ([3], 0, 11),
-                ([shared[0], 15], 16, 4)]
+    requests = [(shared + [7], 37, 6), (shared + [1, 12], 44, 9), ([3], 0, 11),
+                ([shared[0], 15], 16, 4), (shared + [6], 47, 1), (shared + [10], 33, 1)]
     for table, past, _ in requests:  # each request's own cached tokens after the shared ones
         own = range(2 * bs if len(table) > 2 else bs if past else 0, past)
         if len(own):
@@ -149,19 +154,28 @@ def test_prefill_chunks_over_a_shared_prefix(kind, scratch_slots, groups):
     k_pre, k, v, q = _tokens(store, start, positions, gen, hq)
     backend = TritonQuantizedBackend(store, store.device)
     backend.prefill_scratch_slots = scratch_slots
-    pre = backend.prefill_chunks(CommonAttentionMetadata(slots, 0, [], [], chunks))
+    # each request's staged partial block before the step, as a read returns it
+    before = [staged_pasts(store, table, past) for table, past, _ in requests]
+    common = CommonAttentionMetadata(slots, 0, [], [], chunks)
+    common.write_plan = store.begin_step(slots, positions)
+    pre = backend.prefill_chunks(common)
     assert len(pre.groups) == groups
     read = [g.read_ids.tolist() for g in pre.groups]
     assert all(len(ids) == len(set(ids)) for ids in read)  # each block once in a group
-    assert read == ([[9, 4, 7, 1, 12]] if groups == 1 else [[9, 4, 7], [9, 4, 1, 12]])
-    outs = step(store, backend, q, k, v, k_pre, slots, positions, [], [], chunks)
-    d = store.layout.head_dim
+    assert read == ([[9, 4, 7, 1, 12, 3, 15, 6, 10]] if groups == 1 else
+                    [[9, 4, 7, 1, 12], [3, 9, 15, 4, 6], [9, 4, 10]])
+    assert pre.staged_ids.tolist() == [7, 1, 6, 10]  # the pasts' partial blocks
+    meta = backend.build(common)
+    outs = [backend.forward(layer, q[layer], k[layer], v[layer], k_pre[layer], meta,
+                            q.shape[-1] ** -0.5) for layer in range(NUM_LAYERS)]
+    d, pos = store.layout.head_dim, torch.tensor(positions, device=store.device)
     for layer, out in enumerate(outs):
-        for (table, past, n), c in zip(requests, chunks):
+        for (table, past, n), c, staged in zip(requests, chunks, before):
             rows = slice(c.query_start, c.query_start + n)
             ref = reference_quantized_attention(q[layer, rows], k[layer, rows], v[layer, rows],
                                                 store, layer, table, past, d ** -0.5,
-                                                store.rotary.rotate)
+                                                store.rotary.rotate, k_pre[layer, rows],
+                                                pos[rows], staged[layer])
             torch.testing.assert_close(out[rows], ref, atol=2e-5, rtol=1e-4)
 
 

@@ -6,10 +6,11 @@ backend, `nanokv/attention/triton_paged.py`).
     paged_tile.py          a tile of a request's tokens through its block table; the online softmax
     kv_write.py            the step's K/V to their slots (quantized on the way for codes)
     decode.py              flash-decoding: (request, KV head, split) programs, then the merge
-    prefill.py             all prefill chunks of a step in one launch (cached prefix + causal)
+    prefill.py             all prefill chunks of a step in one launch (cached prefix + causal;
+                           decode's view over codes and staged blocks)
     kvquant_decode.py      decode over the KVQuant / KIVI codes in place (`triton_quantized`)
-    kvquant_read.py        a prefill chunk's cached prefix of those codes decoded into a scratch
-                           float cache, which prefill.py then reads
+    kvquant_read.py        a prefill chunk's blocks of those codes decoded into a scratch float
+                           cache, which prefill.py then reads
     kvquant_write.py       KVQuant's quantize-on-write: per token, and per channel as blocks fill;
                            staging and sink rows (padded entries skipped: CUDA graphs)
     interpreter_compat.py  Triton 3.6's interpreter with numpy >= 2.4 (runtime loop bounds)

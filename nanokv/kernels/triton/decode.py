@@ -97,9 +97,9 @@ def _decode_split_kernel(
 
     table = table_ptr + b * stride_table
     m_i, l_i, acc = attend_paged_span(
-        q, m_i, l_i, acc, lo, hi, table, kv_head, k_cache_ptr, v_cache_ptr, stride_cb,
+        q, m_i, l_i, acc, lo, hi, hi, table, kv_head, k_cache_ptr, v_cache_ptr, stride_cb,
         stride_cs, stride_ch, k_scale_ptr, v_scale_ptr, stride_sb, stride_ss, d, d_mask,
-        qk_scale, BLOCK_SIZE, TILE_N, KV_FORMAT, DOT_DTYPE)
+        qk_scale, BLOCK_SIZE, TILE_N, KV_FORMAT, DOT_DTYPE, False)
 
     store_split(out_ptr, stride_ot, stride_oh, part_m_ptr, part_l_ptr, part_acc_ptr, b, q_head,
                 g_mask, d, d_mask, split, num_splits, m_i, l_i, acc, GROUP, D_PAD, DIRECT_OUT)

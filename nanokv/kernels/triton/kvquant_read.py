@@ -1,5 +1,6 @@
-"""A KVQuant / KIVI store's blocks decoded into dense K/V: the cached prefix of a step's prefill
-chunks, which the paged prefill kernel (`prefill.py`) then reads as a float cache.
+"""A KVQuant / KIVI store's blocks decoded into dense K/V: the blocks of a step's prefill chunks
+(read after the step's write; the pasts' partial blocks also before it, from given staging
+rows), which the paged prefill kernel (`prefill.py`) then reads as float caches.
 
 Why a copy here, where decode reads the codes in place: a prefill chunk's query tiles each read
 the whole prefix, so decoding in place would decode every block once per tile of the chunk;
@@ -54,20 +55,23 @@ def _key_outliers_at(blk, g, s, cols, staged, k_oidx_ptr, k_oval_ptr, sink_slot_
 def _kvquant_read_kernel(
         ids_ptr, kc_ptr, vc_ptr, k_off_ptr, k_half_ptr, v_off_ptr, v_half_ptr, k_oidx_ptr,
         k_oval_ptr, v_oidx_ptr, v_oval_ptr, sink_slot_ptr, k_sink_ptr, v_sink_ptr,
-        staging_index_ptr, k_stage_ptr, v_stage_ptr, k_lut_ptr, v_lut_ptr, pos_ptr, cos_ptr,
-        sin_ptr, k_out_ptr, v_out_ptr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+        staging_index_ptr, rows_ptr, k_stage_ptr, v_stage_ptr, k_lut_ptr, v_lut_ptr, pos_ptr,
+        cos_ptr, sin_ptr, k_out_ptr, v_out_ptr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         H_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HKV: tl.constexpr, K_BITS: tl.constexpr,
         V_BITS: tl.constexpr, K_PACKED: tl.constexpr, V_PACKED: tl.constexpr,
         V_GROUPS: tl.constexpr, K_CAP: tl.constexpr, V_CAP: tl.constexpr,
         K_CAP_CHUNK: tl.constexpr, NUM_SINKS: tl.constexpr, ROPE: tl.constexpr,
         STAGED_V: tl.constexpr, ROWS: tl.constexpr, K_TABLE: tl.constexpr,
         K_STEP: tl.constexpr, K_BASE: tl.constexpr, V_TABLE: tl.constexpr,
-        V_STEP: tl.constexpr, V_BASE: tl.constexpr):
+        V_STEP: tl.constexpr, V_BASE: tl.constexpr, GIVEN_ROWS: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     s = tl.program_id(2) * ROWS + tl.arange(0, ROWS)  # [ROWS] slots of the block
     blk = tl.load(ids_ptr + i).to(tl.int64)
-    staged = tl.load(staging_index_ptr + blk)
+    if GIVEN_ROWS:  # the caller's staging row of each block
+        staged = tl.load(rows_ptr + i)
+    else:
+        staged = tl.load(staging_index_ptr + blk)
     d = tl.arange(0, D_PAD)
     m = (s < BLOCK_SIZE)[:, None] & (d < HEAD_DIM)[None, :]  # [ROWS, D_PAD]
     out_row = ((i * BLOCK_SIZE + s) * HKV + g) * HEAD_DIM  # [ROWS] (block, slot, head)
@@ -114,10 +118,13 @@ def _kvquant_read_kernel(
 
 
 def kvquant_read_blocks(layer: QuantLayerViews, block_ids: torch.Tensor, k_out: torch.Tensor,
-                        v_out: torch.Tensor, num_warps: int = 8) -> None:
+                        v_out: torch.Tensor, num_warps: int = 8,
+                        staging_rows: torch.Tensor | None = None) -> None:
     """Decode blocks block_ids [n] (int32 / int64, on the store's device) of the layer into
     k_out, v_out [>= n, B, Hkv, D] (contiguous; keys rotated to their slots' positions when the
-    store keeps them before RoPE): block_ids[i] -> k_out[i], v_out[i]."""
+    store keeps them before RoPE): block_ids[i] -> k_out[i], v_out[i]. staging_rows [n] int32:
+    each block's staging row (-1: none) in place of the store's `staging_index` (a partial
+    block's before the step's plan freed it: `nanokv.quant.staging.staging_rows_before`)."""
     block_size, heads = layer.k_codes.shape[1:3]
     n = block_ids.numel()
     dim = k_out.shape[-1]
@@ -133,6 +140,10 @@ def kvquant_read_blocks(layer: QuantLayerViews, block_ids: torch.Tensor, k_out: 
         raise ValueError(f"the kernel takes power-of-two block sizes >= {ROWS}, got {block_size}")
     if n == 0:
         return
+    if staging_rows is not None and (staging_rows.shape != (n,)
+                                     or staging_rows.dtype != torch.int32):
+        raise ValueError(f"staging_rows must be int32 [{n}], got {tuple(staging_rows.shape)} "
+                         f"{staging_rows.dtype}")
     none = layer.k_lut  # a placeholder for the buffers a layout lacks (never read)
     rope = layer.cos is not None
     if rope and layer.cos.shape[-1] != dim:
@@ -147,8 +158,9 @@ def kvquant_read_blocks(layer: QuantLayerViews, block_ids: torch.Tensor, k_out: 
         block_ids, layer.k_codes, layer.v_codes, layer.k_off, layer.k_half, layer.v_off,
         layer.v_half, opt(layer.k_oidx), opt(layer.k_oval), opt(layer.v_oidx), opt(layer.v_oval),
         opt(layer.sink_slot), opt(layer.k_sink), opt(layer.v_sink), layer.staging_index,
-        layer.k_stage, opt(layer.v_stage), layer.k_lut, layer.v_lut, opt(layer.positions),
-        opt(layer.cos), opt(layer.sin), k_out, v_out, HEAD_DIM=dim,
+        layer.staging_index if staging_rows is None else staging_rows, layer.k_stage,
+        opt(layer.v_stage), layer.k_lut, layer.v_lut, opt(layer.positions), opt(layer.cos),
+        opt(layer.sin), k_out, v_out, HEAD_DIM=dim,
         D_PAD=max(16, triton.next_power_of_2(dim)),
         H_PAD=max(16, triton.next_power_of_2(dim // 2)), BLOCK_SIZE=block_size, HKV=heads,
         K_BITS=layer.k_bits, V_BITS=layer.v_bits, K_PACKED=layer.k_codes.shape[-1],
@@ -156,5 +168,6 @@ def kvquant_read_blocks(layer: QuantLayerViews, block_ids: torch.Tensor, k_out: 
         V_CAP=0 if layer.v_oidx is None else layer.v_oidx.shape[-1],
         K_CAP_CHUNK=min(64, max(16, triton.next_power_of_2(k_cap))),
         NUM_SINKS=0 if layer.sink_slot is None else layer.sink_slot.shape[-1], ROPE=rope,
-        STAGED_V=layer.v_stage is not None, ROWS=ROWS, num_warps=num_warps,
+        STAGED_V=layer.v_stage is not None, ROWS=ROWS, GIVEN_ROWS=staging_rows is not None,
+        num_warps=num_warps,
         **layer.centroid_args())

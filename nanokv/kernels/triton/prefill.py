@@ -1,10 +1,21 @@
 """Prefill attention for every prefill chunk of a step in one launch (variable lengths).
 
 Each chunk c has query rows [query_start[c], query_start[c] + query_len[c]) of the batch and
-context_len[c] cached slots after this step; its first past = context_len - query_len slots are
-its cached prefix, read in place through its block table, and its own tokens attend causally to
-each other with their fresh K/V (rows of k, v; for the float pool equal to what was just
-written, for codes the full-precision values, as the quantized reference does).
+context_len[c] cached slots after this step (the step's K/V already written); its first
+past = context_len - query_len slots are its cached prefix, read in place through its block
+table. What token n of the chunk (slot n of its sequence) sees (`VIEW`, a constexpr):
+
+    FRESH      the float pool: the prefix, and its own tokens j <= n with their fresh K/V (rows
+               of k, v: equal to what was just written)
+    PER_TOKEN  int8 / fp8 codes, decode's view (as `reference_quantized_attention`): every
+               earlier slot j < n from the cache (the chunk's own as the step wrote them), itself
+               fresh: a prefill's outputs do not depend on how its prompt was chunked
+    STAGED     a store that stages partial blocks (KVQuant's keys, KIVI), its blocks decoded into
+               a float scratch cache, decode's view: an earlier j as the store held it once n
+               was written, from the scratch (its codes, read after the write) when j's block
+               was full by then (j // B < n // B, or n the last slot of its block), else from a
+               second, staged cache (`stage_tables`: keys, and values with STAGED_V, as a read of
+               a partial block returns them; other values from the scratch); itself fresh
 
 Grid (query tile, chunk, KV head): a program takes BLOCK_M query tokens of its chunk times all
 query heads of its GQA group as the rows of one tile, so K/V tiles are read once per group; the
@@ -17,11 +28,20 @@ import torch
 import triton
 import triton.language as tl
 
-from nanokv.kernels.triton.paged_kv import PagedKV
-from nanokv.kernels.triton.paged_tile import LOG2E, attend_paged_span, attend_tile, dot_dtype
+from nanokv.kernels.triton.paged_kv import FLOAT, PagedKV
+from nanokv.kernels.triton.paged_tile import (
+    LOG2E,
+    attend_paged_span,
+    attend_tile,
+    dot_dtype,
+    load_paged_rows,
+    paged_slots,
+)
 
 # per-step values (where the packed step tensors sit, the tables' width): not specialised on
-_PER_STEP = ["table_ptr", "stride_table", "query_start_ptr", "query_len_ptr", "context_ptr"]
+_PER_STEP = ["table_ptr", "stride_table", "query_start_ptr", "query_len_ptr", "context_ptr",
+             "stage_table_ptr", "stride_stage"]
+FRESH, PER_TOKEN, STAGED = 0, 1, 2  # VIEW: what a chunk's token sees of its earlier ones
 
 
 @triton.jit(do_not_specialize=_PER_STEP, do_not_specialize_on_alignment=_PER_STEP)
@@ -30,10 +50,12 @@ def _prefill_kernel(
         k_cache_ptr, v_cache_ptr, stride_cb, stride_cs, stride_ch,
         k_scale_ptr, v_scale_ptr, stride_sb, stride_ss,
         table_ptr, stride_table, query_start_ptr, query_len_ptr, context_ptr,
+        k_stage_ptr, v_stage_ptr, stage_table_ptr, stride_stage,
         out_ptr, stride_ot, stride_oh, qk_scale,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr,
         D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-        TILE_N: tl.constexpr, KV_FORMAT: tl.constexpr, DOT_DTYPE: tl.constexpr):
+        TILE_N: tl.constexpr, KV_FORMAT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+        VIEW: tl.constexpr, STAGED_V: tl.constexpr):
     row0 = tl.program_id(0) * BLOCK_M
     chunk = tl.program_id(1).to(tl.int64)
     kv_head = tl.program_id(2)
@@ -57,27 +79,70 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M * G_PAD], tl.float32)
     acc = tl.zeros([BLOCK_M * G_PAD, D_PAD], tl.float32)
 
-    # the cached prefix: every row sees all of it
     table = table_ptr + chunk * stride_table
-    m_i, l_i, acc = attend_paged_span(
-        q, m_i, l_i, acc, 0, past, table, kv_head, k_cache_ptr, v_cache_ptr, stride_cb,
-        stride_cs, stride_ch, k_scale_ptr, v_scale_ptr, stride_sb, stride_ss, d, d_mask,
-        qk_scale, BLOCK_SIZE, TILE_N, KV_FORMAT, DOT_DTYPE)
-
-    # the chunk's own tokens, causal: token i sees own tokens j <= i
     own_end = tl.minimum(query_len, row0 + BLOCK_M)
-    for start in range(0, own_end, TILE_N):
-        j = start + tl.arange(0, TILE_N)
-        j_mask = j < own_end
-        kv_row = (query_start + j).to(tl.int64)  # [TILE_N]
-        jd_mask = j_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + kv_row[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
-                    mask=jd_mask, other=0.0)
-        v = tl.load(v_ptr + kv_row[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
-                    mask=jd_mask, other=0.0)
-        causal = j_mask[None, :] & (j[None, :] <= tok[:, None])  # [R, TILE_N]
-        m_i, l_i, acc = attend_tile(q, k, v, 1.0, 1.0, causal, m_i, l_i, acc, qk_scale,
-                                    False, DOT_DTYPE)
+    if VIEW == 0:  # FRESH
+        # the cached prefix: every row sees all of it
+        m_i, l_i, acc = attend_paged_span(
+            q, m_i, l_i, acc, 0, past, past, table, kv_head, k_cache_ptr, v_cache_ptr,
+            stride_cb, stride_cs, stride_ch, k_scale_ptr, v_scale_ptr, stride_sb, stride_ss, d,
+            d_mask, qk_scale, BLOCK_SIZE, TILE_N, KV_FORMAT, DOT_DTYPE, False)
+
+        # the chunk's own tokens, causal: token i sees own tokens j <= i
+        for start in range(0, own_end, TILE_N):
+            j = start + tl.arange(0, TILE_N)
+            j_mask = j < own_end
+            kv_row = (query_start + j).to(tl.int64)  # [TILE_N]
+            jd_mask = j_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_ptr + kv_row[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
+                        mask=jd_mask, other=0.0)
+            v = tl.load(v_ptr + kv_row[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
+                        mask=jd_mask, other=0.0)
+            causal = j_mask[None, :] & (j[None, :] <= tok[:, None])  # [R, TILE_N]
+            m_i, l_i, acc = attend_tile(q, k, v, 1.0, 1.0, causal, m_i, l_i, acc, qk_scale,
+                                        False, DOT_DTYPE)
+    else:  # decode's view
+        n = past + tok  # [R] each row's slot in its sequence
+        hi = past + own_end  # the tile's last row's slot + 1
+        final_end = n  # [R] row n reads the cache's slots [0, final_end) (PER_TOKEN: all j < n)
+        if VIEW == 2:  # STAGED: the blocks full once n was written
+            final_end = tl.where(n % BLOCK_SIZE == BLOCK_SIZE - 1, n, n - n % BLOCK_SIZE)
+        m_i, l_i, acc = attend_paged_span(
+            q, m_i, l_i, acc, 0, hi, final_end, table, kv_head, k_cache_ptr, v_cache_ptr,
+            stride_cb, stride_cs, stride_ch, k_scale_ptr, v_scale_ptr, stride_sb, stride_ss, d,
+            d_mask, qk_scale, BLOCK_SIZE, TILE_N, KV_FORMAT, DOT_DTYPE, True)
+        if VIEW == 2:  # slots [final_end, n) of row n's block, still filling: as staged
+            # the chunk's staged blocks, from the one holding its slot `past` (float)
+            stage = stage_table_ptr + chunk * stride_stage - past // BLOCK_SIZE
+            for start in range((past + row0) // BLOCK_SIZE * BLOCK_SIZE, hi, TILE_N):
+                t = start + tl.arange(0, TILE_N)
+                t_mask = t < hi
+                row, _ = paged_slots(stage, t, t_mask, kv_head, stride_cb, stride_cs,
+                                     stride_ch, 0, 0, BLOCK_SIZE)
+                k = load_paged_rows(k_stage_ptr, row, t_mask, d, d_mask, 0)  # [TILE_N, D_PAD]
+                if STAGED_V:
+                    v = load_paged_rows(v_stage_ptr, row, t_mask, d, d_mask, 0)
+                else:  # values are per token: the scratch's
+                    row, _ = paged_slots(table, t, t_mask, kv_head, stride_cb, stride_cs,
+                                         stride_ch, 0, 0, BLOCK_SIZE)
+                    v = load_paged_rows(v_cache_ptr, row, t_mask, d, d_mask, 0)
+                seen = t_mask[None, :] & (t[None, :] >= final_end[:, None]) \
+                    & (t[None, :] < n[:, None])  # [R, TILE_N]
+                m_i, l_i, acc = attend_tile(q, k, v, 1.0, 1.0, seen, m_i, l_i, acc, qk_scale,
+                                            False, DOT_DTYPE)
+        # the row's own token, fresh (rows of k, v)
+        rd_mask = row_mask[:, None] & d_mask[None, :]
+        own = (query_start + tok).to(tl.int64)[:, None]  # [R, 1]
+        k = tl.load(k_ptr + own * stride_kt + kv_head * stride_kh + d[None, :], mask=rd_mask,
+                    other=0.0).to(tl.float32)  # [R, D_PAD]
+        v = tl.load(v_ptr + own * stride_vt + kv_head * stride_vh + d[None, :], mask=rd_mask,
+                    other=0.0).to(tl.float32)
+        s = tl.sum(q.to(tl.float32) * k, 1) * qk_scale  # [R]
+        m_new = tl.maximum(m_i, s)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p[:, None] * v
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_row = (query_start + tok).to(tl.int64) * stride_ot + (kv_head * GROUP + g) * stride_oh
@@ -88,12 +153,19 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Pag
                       query_start: torch.Tensor, query_len: torch.Tensor,
                       context_lens: torch.Tensor, block_tables: torch.Tensor,
                       max_query_len: int, out: torch.Tensor, scale: float, block_rows: int = 64,
-                      tile_n: int = 64, num_warps: int = 4) -> None:
+                      tile_n: int = 64, num_warps: int = 4,
+                      stage_tables: torch.Tensor | None = None,
+                      k_stage: torch.Tensor | None = None,
+                      v_stage: torch.Tensor | None = None) -> None:
     """q, out: [T, Hq, D]; k, v: [T, Hkv, D] (after RoPE, the step's fresh K/V); per chunk
     (int32 [C]): query_start, query_len, context_lens (cached slots after this step) and
     block_tables [C, max_blocks]; max_query_len: the longest chunk's (a host int). A program
     takes block_rows rows (query tokens x the GQA group's heads). Writes out's rows of the
-    chunks."""
+    chunks. The view (module doc): PER_TOKEN for codes; STAGED when stage_tables is given
+    (kv: a float scratch holding the final read of every block of each chunk's context):
+    stage_tables [C, w] int32, the rows of k_stage (and v_stage, or None: values from kv)
+    [n, B, Hkv, D] holding each chunk's blocks from the one of its slot `past` on, as
+    staged."""
     num_q_heads, dim = q.shape[1], q.shape[2]
     heads = kv.num_kv_heads
     if dim != kv.head_dim or num_q_heads % heads or k.shape != (q.shape[0], heads, dim) \
@@ -117,11 +189,24 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Pag
     if num_chunks == 0 or max_query_len < 1:
         return
     k_scales, v_scales = kv.scale_tensors()
+    view = PER_TOKEN if kv.kv_format != FLOAT else FRESH
+    if stage_tables is not None:
+        stage = (k_stage, k_stage if v_stage is None else v_stage)
+        if kv.kv_format != FLOAT or any(x.stride() != kv.k.stride() or x.dtype != kv.k.dtype
+                                        for x in stage) \
+                or stage_tables.dtype != torch.int32 or stage_tables.stride(1) != 1:
+            raise ValueError("a staged view needs a float kv and staged caches of its strides and "
+                             "dtype, int32 stage tables of contiguous rows")
+        view = STAGED
+    else:  # placeholders, never read
+        stage, stage_tables = (kv.k, kv.v), block_tables
     _prefill_kernel[(triton.cdiv(max_query_len, block_m), num_chunks, heads)](
         q, q.stride(0), q.stride(1), k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv.k, kv.v, *kv.cache_strides(), k_scales, v_scales, *kv.scale_strides(),
         block_tables, block_tables.stride(0), query_start, query_len, context_lens,
+        *stage, stage_tables, stage_tables.stride(0),
         out, out.stride(0), out.stride(1), scale * LOG2E,
         GROUP=group, HEAD_DIM=dim, G_PAD=g_pad, D_PAD=max(16, triton.next_power_of_2(dim)),
         BLOCK_SIZE=kv.block_size, BLOCK_M=block_m, TILE_N=tile_n, KV_FORMAT=kv.kv_format,
-        DOT_DTYPE=dot_dtype(_prefill_kernel, q.dtype), num_warps=num_warps)
+        DOT_DTYPE=dot_dtype(_prefill_kernel, q.dtype), VIEW=view,
+        STAGED_V=v_stage is not None, num_warps=num_warps)
