@@ -109,8 +109,8 @@ def _prefill(q, k, v, k_store, positions, store, layer, seq: PrefillSeq, scale, 
         start = past // bs * bs
         k_old, v_old = staged_past if staged_past is not None \
             else (kc[start:past], vc[start:past])  # the past's partial block, if any
-        staged = (torch.cat([k_old.to(q.dtype), kc[past:] if ks is None else ks.to(q.dtype)]),
-                  torch.cat([v_old.to(q.dtype), vc[past:] if vs is None else vs.to(q.dtype)]))
+        staged = tuple(None if x is None else torch.cat([old.to(q.dtype), x.to(q.dtype)])
+                       for old, x in ((k_old, ks), (v_old, vs)))  # None: read final
     return decode_view_attention(q, k.to(q.dtype), v.to(q.dtype), kc, vc, staged, past, bs,
                                  scale)
 

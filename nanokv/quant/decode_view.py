@@ -48,7 +48,7 @@ def decode_view_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
     """q: [L, Hq, D]; k_new (after RoPE), v_new: [L, Hkv, D] the chunk's fresh rows; k_fin, v_fin:
     [past + L, Hkv, D] the sequence as read after the write (keys after RoPE); staged: None for
     a per-token store, else (k, v) [past + L - start, Hkv, D], rows start = past // B * B on, as
-    staged. Returns [L, Hq, D].
+    staged (None for a side the store does not stage: its final rows). Returns [L, Hq, D].
 
     Parts merged by their log-sum-exp, each a flash call without a mask where it can be: every
     token's own fresh K/V (the diagonal, elementwise); a per-token store's earlier tokens as one
@@ -63,7 +63,7 @@ def decode_view_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
         return decode_view_attention_masked(q, k_new, v_new, k_fin, v_fin, staged, past,
                                             block_size, scale)
     (length, num_q, dim), num_kv = q.shape, k_new.shape[1]
-    qh = q.transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hq, L, D]
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
     # [1, Hkv, past + L, D], contiguous: the kernel reads strided keys far slower
     k_ctx = k_fin.transpose(0, 1).unsqueeze(0).contiguous()
     v_ctx = v_fin.transpose(0, 1).unsqueeze(0).contiguous()
@@ -86,8 +86,9 @@ def decode_view_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
                                scale=scale)[:2])
         return out.squeeze(0).transpose(0, 1)  # [L, Hq, D]
     start = past // block_size * block_size
-    k_stg = staged[0].transpose(0, 1).unsqueeze(0).contiguous()  # [1, Hkv, past + L - start, D]
-    v_stg = staged[1].transpose(0, 1).unsqueeze(0).contiguous()
+    # [1, Hkv, past + L - start, D]; a side the store does not stage: the final rows (a view)
+    k_stg, v_stg = (ctx[:, :, start:] if x is None else x.transpose(0, 1).unsqueeze(0)
+                    .contiguous() for x, ctx in zip(staged, (k_ctx, v_ctx)))
 
     def fold(lo: int, hi: int, keys: slice, stg: bool = False, causal: bool = False) -> None:
         """Rows [lo, hi) (logical) attend to keys (logical slice) of the final or, with stg, the
@@ -154,9 +155,9 @@ def decode_view_attention_masked(q, k_new, v_new, k_fin, v_fin, staged, past: in
                          staged is not None)
     keys, values, seen = [k_fin], [v_fin], [final]
     if staged is not None:
-        start = total - staged[0].shape[0]
-        keys.append(staged[0])
-        values.append(staged[1])
+        start = past // block_size * block_size
+        keys.append(k_fin[start:] if staged[0] is None else staged[0])
+        values.append(v_fin[start:] if staged[1] is None else staged[1])
         seen.append(stg[:, start:])
     keys.append(k_new.to(k_fin.dtype))
     values.append(v_new.to(v_fin.dtype))
