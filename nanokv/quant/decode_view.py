@@ -68,27 +68,16 @@ def decode_view_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
     k_ctx = k_fin.transpose(0, 1).unsqueeze(0).contiguous()
     v_ctx = v_fin.transpose(0, 1).unsqueeze(0).contiguous()
     # the diagonal: o = v_n, lse = q_n . k_n * scale (query heads in their KV head's group)
-    q_grouped = q.view(length, num_kv, num_q // num_kv, dim)  # [L, Hkv, G, D]
+    q_grouped = q.reshape(length, num_kv, num_q // num_kv, dim)  # [L, Hkv, G, D]
     lse = torch.einsum("lhgd,lhd->lhg", q_grouped, k_new).reshape(length, num_q)
     lse = lse.mul_(scale).t().unsqueeze(0).contiguous()  # [1, Hq, L]
     out = v_new.unsqueeze(2).expand(length, num_kv, num_q // num_kv, dim)  # [L, Hkv, G, D]
     out = out.reshape(length, num_q, dim).transpose(0, 1).unsqueeze(0).clone(
         memory_format=torch.contiguous_format)  # [1, Hq, L, D], merged in place: never v's
-    if staged is None:
-        if past:
-            _merge(out, lse, *_FLASH_CPU(qh, k_ctx[:, :, :past], v_ctx[:, :, :past], 0.0, False,
-                                         scale=scale)[:2])
-        if length > 1:  # rows 1.. see the chunk's final rows before them: causal, one row off
-            rows = slice(1, length)
-            keys = slice(past, past + length - 1)
-            _merge(out[:, :, rows], lse[:, :, rows],
-                   *_FLASH_CPU(qh[:, :, rows], k_ctx[:, :, keys], v_ctx[:, :, keys], 0.0, True,
-                               scale=scale)[:2])
-        return out.squeeze(0).transpose(0, 1)  # [L, Hq, D]
     start = past // block_size * block_size
-    # [1, Hkv, past + L - start, D]; a side the store does not stage: the final rows (a view)
-    k_stg, v_stg = (ctx[:, :, start:] if x is None else x.transpose(0, 1).unsqueeze(0)
-                    .contiguous() for x, ctx in zip(staged, (k_ctx, v_ctx)))
+    if staged is not None:  # [1, Hkv, past + L - start, D]; a side not staged: final (a view)
+        k_stg, v_stg = (ctx[:, :, start:] if x is None else x.transpose(0, 1).unsqueeze(0)
+                        .contiguous() for x, ctx in zip(staged, (k_ctx, v_ctx)))
 
     def fold(lo: int, hi: int, keys: slice, stg: bool = False, causal: bool = False) -> None:
         """Rows [lo, hi) (logical) attend to keys (logical slice) of the final or, with stg, the
@@ -100,6 +89,12 @@ def decode_view_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
                *_FLASH_CPU(qh[:, :, rows], kx[:, :, at], vx[:, :, at], 0.0, causal,
                            scale=scale)[:2])
 
+    if staged is None:
+        if past:
+            fold(past, past + length, slice(0, past))
+        if length > 1:  # rows 1.. see the chunk's final rows before them: causal, one row off
+            fold(past + 1, past + length, slice(past, past + length - 1), causal=True)
+        return out.squeeze(0).transpose(0, 1)  # [L, Hq, D]
     if start:  # the blocks before the chunk's first: final for every row, one call
         fold(past, past + length, slice(0, start))
     group = max(1, GROUP_ROWS // block_size) * block_size
