@@ -12,7 +12,8 @@
 # Stages, most informative first:
 #   suite_cuda             the tests that take another path on CUDA (tests/cuda, the Triton
 #                          kernels against the dense reference, decode graphs, HF parity, KV
-#                          policies over quantized caches)
+#                          policies over quantized caches, quantized outputs under chunking and
+#                          prefix hits: the Triton prefill in decode's view end to end)
 #   triton_sweep           Triton decode attention alone at 1k-32k tokens of context, 1 and 16
 #                          requests: int8 / fp8 / KVQuant 4-bit codes read in place against the
 #                          bf16 pool, outputs checked against a dense reference, timed as CUDA
@@ -84,7 +85,8 @@ CUDA_TESTS="tests/cuda tests/unit/test_triton_attention.py tests/unit/test_trito
   tests/unit/test_kvquant_triton_write.py tests/unit/test_kvquant_graph_write.py
   tests/unit/test_kivi_triton_write.py
   tests/model/test_decode_graphs.py tests/model/test_hf_parity.py tests/unit/test_seams.py
-  tests/model/test_quant_policies.py tests/model/test_block_score_cache.py"
+  tests/model/test_quant_policies.py tests/model/test_block_score_cache.py
+  tests/model/test_quant_consistency.py"
 # shellcheck disable=SC2086
 stage suite_cuda 90 $PY -m pytest -p no:cacheprovider -rfE -n 12 $CUDA_TESTS
 stage triton_sweep 200 $PY benchmarks/bench_triton_attention.py --device cuda --repeats 20 \

@@ -167,15 +167,15 @@ def read_filling(store, layer: int, plan, block: int, count: int, rope=None
     row = staging_rows_before(store, plan, [block])[0]
     if row < 0:
         raise RuntimeError(f"block {block} held no staged tokens when the step began")
-    ids = torch.tensor([block], dtype=torch.long, device=store.device)
-    codes_k, codes_v = store.read_blocks(layer, ids)  # [1, B, Hkv, D] each
-    sides = []
-    for name, from_codes in (("k", codes_k), ("v", codes_v)):
-        staging = store.buffers.get(f"staging_{name}")
-        sides.append(from_codes[0, :count] if staging is None
-                     else staging[layer][row, :count].to(store.layout.dtype, copy=True))
-        # (a copy: the write may stage the step's new partial block in that row)
-    k, v = sides
+    staging = [store.buffers.get(f"staging_{name}") for name in ("k", "v")]
+    codes = None  # the block's codes decoded, only for a side without staging (KVQuant's v)
+    if any(x is None for x in staging):
+        ids = torch.tensor([block], dtype=torch.long, device=store.device)
+        codes = store.read_blocks(layer, ids)  # (k, v) [1, B, Hkv, D] each
+    # staged rows copied: the write may stage the step's new partial block in that row
+    k, v = (codes[side][0, :count] if x is None
+            else x[layer][row, :count].to(store.layout.dtype, copy=True)
+            for side, x in enumerate(staging))
     if rope is not None:
         k = rope(store.slot_positions[block, :count].long(), k)
     return k, v
