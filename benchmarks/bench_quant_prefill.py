@@ -118,9 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--skip", choices=["attention", "engine"], default=None)
     args = p.parse_args(argv)
-    for name in ("repeats", "num_threads", "prompts", "prompt_len", "block_size"):
+    for name in ("repeats", "num_threads", "prompts", "prompt_len", "block_size",
+                 "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    hq, hkv, d = args.heads
+    if min(args.heads) < 1 or hq % hkv:
+        p.error(f"--heads: HQ, HKV, D must be >= 1 and HQ a multiple of HKV, got {args.heads}")
+    if min(args.chunks) < 1 or min(args.pasts) < 0:
+        p.error("--chunks must be >= 1 and --pasts >= 0")
     torch.set_num_threads(args.num_threads)
     print(f"torch {torch.__version__}, {args.num_threads} threads, float32")
     if args.skip != "attention":
