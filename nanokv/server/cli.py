@@ -68,13 +68,15 @@ def add_serve_parser(subparsers, add_engine_args, engine_options) -> None:
                    help="chat tool_choice \"auto\" (the default with `tools`): the answer's "
                         "tool calls, read by --tool-call-parser, become the message's "
                         "`tool_calls` (finish_reason \"tool_calls\"); \"required\" and named "
-                        "functions are constrained to a valid call; not streamed (vLLM's flag; "
+                        "functions are constrained to a valid call; streamed too (vLLM's flag; "
                         "without it only tool_choice \"none\" is served)")
     s.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    metavar="NAME",
                    help="how tool calls are written in answers, for --enable-auto-tool-choice: "
                         "hermes (<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>, "
-                        "Qwen2.5 / Qwen3 / Hermes templates) (default: none)")
+                        "Qwen2.5 / Qwen3 / Hermes templates) or llama3_json ({\"name\": ..., "
+                        "\"parameters\": {...}} objects, Llama 3.1 / 3.2 / 3.3 JSON templates) "
+                        "(default: none)")
     s.add_argument("--trace-file", default=None, metavar="FILE",
                    help="append one JSON line per finished request to FILE: arrival time, "
                         "lengths, keyed block hashes (no text, no token ids), finish reason, "

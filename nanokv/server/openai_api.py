@@ -35,6 +35,7 @@ from nanokv.server.responses import (chat_logprobs, completion_logprobs, echo_lo
                                      prompt_logprobs_json, stream_events, usage)
 from nanokv.server.async_engine import RequestStream
 from nanokv.server.tool_calls import answer_tool_calls
+from nanokv.server.tool_stream import ToolCallStream
 from nanokv.server.serving import (COMPLETION_DEFAULT_MAX_TOKENS, ClientGone, OpenAIServer,
                                    ServerSettings)
 
@@ -388,9 +389,11 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
         if body.stream:
             head["object"] = "chat.completion.chunk"
             reasoning = partial(parser.stream, thinking) if parser else None
+            calls = None if tool_choice in (None, "none") else partial(
+                ToolCallStream, tool_choice, tool_name, settings.tool_call_parser)
             return EngineStreamingResponse(
                 stream_events(server.events(streams), len(streams), head, body, True,
-                              token_texts, ids, reasoning), streams)
+                              token_texts, ids, reasoning, calls), streams)
 
         def message(o) -> dict:
             message, content = {"role": "assistant"}, o.text
@@ -398,7 +401,8 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
                 message["reasoning"], content = parser.split(content, thinking)
             if tool_choice in (None, "none"):
                 return {"message": {**message, "content": content}}
-            calls, content = answer_tool_calls(content or "", tool_choice, tool_name)
+            calls, content = answer_tool_calls(content or "", tool_choice, tool_name,
+                                               settings.tool_call_parser)
             # vLLM's finish_reason: "tool_calls" for auto calls and "required" (ended by a
             # stop), the engine's for a named function
             finish = "tool_calls" if (calls and tool_choice == "auto") or (

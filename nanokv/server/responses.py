@@ -13,6 +13,7 @@ from nanokv.layers.sampler import TokenLogprobs
 from nanokv.outputs import RequestOutput
 from nanokv.server.protocol import APIError
 from nanokv.server.reasoning import ReasoningStream
+from nanokv.server.tool_stream import ToolCallStream
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf (vLLM's floor)
 
@@ -141,7 +142,8 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
                         head: dict, body, chat: bool,
                         token_texts: Callable[[list[int]], TokenTexts],
                         prompt_token_ids: list[int] | None = None,
-                        reasoning: Callable[[], ReasoningStream] | None = None
+                        reasoning: Callable[[], ReasoningStream] | None = None,
+                        tool_calls: Callable[[], ToolCallStream] | None = None
                         ) -> AsyncIterator[str]:
     """The SSE body of a streamed completion: text pieces per choice (with their token ids and
     logprobs when asked), the finish reason, the usage last (or in every chunk with
@@ -151,7 +153,10 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
     prompt's in its first chunk. A completion with echo starts each choice's first chunk with
     the prompt's text (and its log-probabilities, asked for), as vLLM's; with max_tokens 0
     nothing of the output follows. `reasoning` (chat): makes a choice's reasoning split; its
-    deltas then carry `reasoning` until the end marker and `content` after, as vLLM's."""
+    deltas then carry `reasoning` until the end marker and `content` after, as vLLM's.
+    `tool_calls` (chat): makes a choice's tool call extraction from its content; its deltas then
+    carry each call as `tool_calls` once complete, and its finish_reason is the tool choice's
+    (`tool_stream`)."""
     stop = body.stop_list()
     deltas = [TextDelta(stop, body.include_stop_str_in_output) for _ in range(num_choices)]
     # each choice's tokens' texts, made at its first output (which carries its prompt)
@@ -174,15 +179,25 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
 
     first_outputs: list[RequestOutput | None] = [None] * num_choices
     splits = [reasoning() for _ in range(num_choices)] if reasoning else None
+    calls = [tool_calls() for _ in range(num_choices)] if tool_calls else None
 
     def chat_delta(i: int, piece: str, finished: bool) -> dict:
-        if splits is None:
+        if splits is None and calls is None:
             return {"content": piece} if piece else {}
-        thought, content = splits[i].feed(piece)
-        if finished:
-            more_thought, more_content = splits[i].finish()
-            thought, content = thought + more_thought, content + more_content
-        return {k: v for k, v in (("reasoning", thought), ("content", content)) if v}
+        thought, content = "", piece
+        if splits is not None:
+            thought, content = splits[i].feed(piece)
+            if finished:
+                more_thought, more_content = splits[i].finish()
+                thought, content = thought + more_thought, content + more_content
+        entries: list[dict] = []
+        if calls is not None:
+            content, entries = calls[i].feed(content)
+            if finished:
+                more_content, more_entries = calls[i].finish()
+                content, entries = content + more_content, entries + more_entries
+        return {k: v for k, v in (("reasoning", thought), ("content", content),
+                                  ("tool_calls", entries)) if v}
 
     try:
         if chat:
@@ -225,6 +240,8 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
                                                out.finished)
                 text_offsets[i] += sum(len(t) for t in logprobs["tokens"])
             reason = out.finish_reason if out.finished else None
+            if reason is not None and calls is not None:
+                reason = calls[i].finish_reason(reason)
             if chat:
                 choice = {"index": i, "delta": delta,
                           "logprobs": logprobs, "finish_reason": reason}

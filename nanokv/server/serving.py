@@ -296,9 +296,9 @@ class OpenAIServer:
     def tool_choice(self, body) -> tuple[str | None, str | None]:
         """The chat request's (tool_choice, function name), refused (400) when this server
         cannot honour it (vLLM's rules: "auto" needs --enable-auto-tool-choice, "required"
-        and named functions need the tool call parser too; streamed tool calls are not
-        implemented). Answers that may hold tool calls keep their special tokens (vLLM's
-        hermes parser's rule: some models' <tool_call> is one)."""
+        and named functions need the tool call parser too). Answers that may hold tool calls
+        keep their special tokens (vLLM's hermes parser's rule: some models' <tool_call> is
+        one)."""
         choice, name = body.checked_tool_choice()
         if choice in (None, "none"):
             return choice, name
@@ -309,10 +309,6 @@ class OpenAIServer:
             raise APIError(400, f"{what} requires --enable-auto-tool-choice and "
                                 f"--tool-call-parser to be set (tool_choice \"none\" needs "
                                 f"neither)", param="tool_choice", code="unsupported_parameter")
-        if body.stream:
-            raise APIError(400, "streamed tool calls are not supported: set stream=false, or "
-                                "tool_choice \"none\"", param="stream",
-                           code="unsupported_parameter")
         body.skip_special_tokens = False
         return choice, name
 

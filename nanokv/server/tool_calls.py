@@ -1,11 +1,14 @@
 """Tool calling on chat completions (vLLM's `--enable-auto-tool-choice --tool-call-parser
-hermes`): the request's `tools` go to the chat template, and the answer's tool calls come back
-as the message's `tool_calls`.
+hermes | llama3_json`): the request's `tools` go to the chat template, and the answer's tool calls
+come back as the message's `tool_calls`.
 
-- `tool_choice: "auto"` (the default when `tools` are given): the model decides; the hermes
-  parser reads `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks out of the
-  answer (the format of the Qwen2.5 / Qwen3 / Hermes templates); the text before the first
-  block is the `content`.
+- `tool_choice: "auto"` (the default when `tools` are given): the model decides; the parser
+  reads the calls out of the answer:
+  - hermes (the Qwen2.5 / Qwen3 / Hermes templates): `<tool_call>{"name": ..., "arguments":
+    {...}}</tool_call>` blocks; the text before the first block is the `content`.
+  - llama3_json (the Llama 3.1 / 3.2 / 3.3 JSON templates): JSON objects `{"name": ...,
+    "parameters" or "arguments": {...}}` anywhere in the answer (after `<|python_tag|>`, or
+    separated by `; `), as vLLM reads them; with calls the `content` is null.
 - `"required"`: the answer is constrained (structured outputs) to a JSON array of
   `{"name", "parameters"}`, one of the tools each, every item a call.
 - a named function (`{"type": "function", "function": {"name": ...}}`): the answer is
@@ -20,7 +23,8 @@ import re
 import uuid
 from typing import Any
 
-PARSERS = ("hermes",)
+PARSERS = ("hermes", "llama3_json")
+PYTHON_TAG = "<|python_tag|>"  # Llama 3's marker of a tool call answer
 HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 
 
@@ -47,6 +51,31 @@ def parse_hermes(text: str) -> tuple[list[dict], str | None]:
         return [], text
     content = text[:text.find("<tool_call>")]
     return calls, content if content.strip() else None
+
+
+def llama3_call(obj) -> dict:
+    """A call of one llama3_json object: its `name` and its `arguments`, else `parameters`
+    (raises KeyError / TypeError when it is no call)."""
+    arguments = obj["arguments"] if "arguments" in obj else obj["parameters"]
+    return tool_call(obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def parse_llama3_json(text: str) -> tuple[list[dict], str | None]:
+    """(tool calls, content) of an answer, as vLLM's llama3_json parser reads it: each `{` not
+    inside an object already read starts a JSON object, which must be a call; with calls the
+    content is None. If any such object is not a call (or not JSON), there are no calls and
+    the whole text is the content."""
+    decoder, calls, end = json.JSONDecoder(), [], -1
+    for start in (i for i, ch in enumerate(text) if ch == "{"):
+        if start <= end:
+            continue
+        try:
+            obj, length = decoder.raw_decode(text[start:])
+            calls.append(llama3_call(obj))
+        except (ValueError, KeyError, TypeError):
+            return [], text
+        end = start + length - 1
+    return (calls, None) if calls else ([], text)
 
 
 def parse_required(text: str) -> list[dict]:
@@ -99,13 +128,13 @@ def template_tool_calls(tool_calls: list[dict]) -> list[dict]:
     return out
 
 
-def answer_tool_calls(text: str, choice: str, name: str | None
+def answer_tool_calls(text: str, choice: str, name: str | None, parser: str = "hermes"
                       ) -> tuple[list[dict], str | None]:
-    """(tool calls, content) of a chat answer under the tool choice ("auto", "required" or
-    "function" with the function's name): vLLM's message fields (content "" when a call was
-    forced)."""
+    """(tool calls, content) of a chat answer under the tool choice ("auto", read by `parser`;
+    "required"; or "function" with the function's name): vLLM's message fields (content ""
+    when a call was forced)."""
     if choice == "auto":
-        return parse_hermes(text)
+        return parse_llama3_json(text) if parser == "llama3_json" else parse_hermes(text)
     if choice == "required":
         return parse_required(text), ""
     return ([tool_call(name, text)] if text.strip() else []), ""

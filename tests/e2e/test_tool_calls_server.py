@@ -1,6 +1,7 @@
 """Tool calling through the `openai` SDK (`nanokv serve --enable-auto-tool-choice
---tool-call-parser hermes`): the tiny model writes no tool calls by itself, so `auto` is
-driven by a structured-outputs regex, and "required" / named functions by the engine's own
+--tool-call-parser hermes`, and llama3_json), whole and streamed (the stream's deltas put
+together against the whole answer): the tiny model writes no tool calls by itself, so `auto`
+is driven by a structured-outputs regex, and "required" / named functions by the engine's own
 constraint. The prompt's tools and history are checked against transformers'
 apply_chat_template(tools=...)."""
 
@@ -98,6 +99,111 @@ def test_a_named_function_is_constrained_to_its_parameters(servers):
     assert json.loads(call.function.arguments)["city"] in ("rome", "oslo")
 
 
+def _stream(server, **kwargs):
+    """A streamed chat answer through the SDK, its deltas put together: (content, calls as
+    (id, name, arguments), finish_reason, the chunks' tool_calls entries)."""
+    content, calls, entries, finish = "", {}, [], None
+    for chunk in _client(server).chat.completions.create(
+            model=MODEL_NAME, messages=ASK, temperature=0, stream=True, **kwargs):
+        [choice] = chunk.choices
+        content += choice.delta.content or ""
+        for entry in choice.delta.tool_calls or []:
+            entries.append(entry)
+            call = calls.setdefault(entry.index, ["", "", ""])
+            call[0] += entry.id or ""
+            call[1] += entry.function.name or ""
+            call[2] += entry.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, [tuple(calls[i]) for i in sorted(calls)], finish, entries
+
+
+def _calls(message) -> list[tuple[str, str]]:
+    return [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+
+
+@pytest.mark.parametrize("regex,content_len,num_calls", [
+    ("[a-z]{4}" + CALL, 4, 1),  # content, then a call
+    (r"\n" + CALL + "[a-z]{2}" + CALL, 0, 2),  # blank content, two calls, text between
+    ("[a-z]{5}", 5, 0),  # no call: content alone
+])
+def test_streamed_auto_calls_are_the_whole_answers(servers, regex, content_len, num_calls):
+    kwargs = dict(tools=TOOLS, max_tokens=200, extra_body={"structured_outputs": {
+        "regex": regex}})
+    whole = _chat(servers[0], **kwargs).choices[0]
+    content, calls, finish, entries = _stream(servers[0], **kwargs)
+    assert len(content) == content_len and content == (whole.message.content or "")
+    assert [(name, args) for _, name, args in calls] == _calls(whole.message)
+    assert len(calls) == num_calls and [e.index for e in entries] == list(range(num_calls))
+    assert all(e.type == "function" and e.id.startswith("chatcmpl-tool-") for e in entries)
+    assert finish == whole.finish_reason == ("tool_calls" if num_calls else "stop")
+
+
+def test_streamed_required_calls_are_the_whole_answers(servers):
+    kwargs = dict(tools=TOOLS, tool_choice="required", max_tokens=300, extra_body=COMPACT)
+    whole = _chat(servers[0], **kwargs).choices[0]
+    content, calls, finish, _ = _stream(servers[0], **kwargs)
+    assert content == "" and finish == whole.finish_reason == "tool_calls"
+    assert [(name, args) for _, name, args in calls] == _calls(whole.message) != []
+
+
+def test_a_streamed_named_function_sends_its_arguments_as_they_come(servers):
+    kwargs = dict(tools=TOOLS, max_tokens=200, extra_body=COMPACT,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = _chat(servers[0], **kwargs).choices[0]
+    content, calls, finish, entries = _stream(servers[0], **kwargs)
+    assert content == "" and finish == whole.finish_reason == "stop"
+    assert [(name, args) for _, name, args in calls] == _calls(whole.message)
+    assert len(entries) > 1 and entries[0].function.name == "get_weather"  # pieces
+    assert all(e.id is None and e.function.name is None for e in entries[1:])
+
+
+def test_streamed_calls_after_reasoning(tiny_llama):
+    """With a reasoning parser, the calls are read from the content after </think>, streamed
+    or not."""
+    server = start_in_process(tiny_llama, settings=dict(
+        chat_template=TEMPLATE, enable_auto_tool_choice=True, tool_call_parser="hermes",
+        reasoning_parser="qwen3"), max_model_len=1024)
+    try:
+        kwargs = dict(tools=TOOLS, max_tokens=200, extra_body={"structured_outputs": {
+            "regex": "[a-z]{3}</think>[a-z]{2}" + CALL}})
+        whole = _chat(server, **kwargs).choices[0]
+        assert len(whole.message.reasoning) == 3 and len(whole.message.content) == 2
+        thought = ""
+        for chunk in _client(server).chat.completions.create(
+                model=MODEL_NAME, messages=ASK, temperature=0, stream=True, **kwargs):
+            thought += getattr(chunk.choices[0].delta, "reasoning", None) or ""
+        content, calls, finish, _ = _stream(server, **kwargs)
+        assert (thought, content) == (whole.message.reasoning, whole.message.content)
+        assert [(name, args) for _, name, args in calls] == _calls(whole.message) != []
+        assert finish == whole.finish_reason == "tool_calls"
+    finally:
+        stop_server(server)
+
+
+def test_llama3_json_calls_whole_and_streamed(tiny_llama):
+    """`--tool-call-parser llama3_json`: JSON objects with `parameters` are the calls (content
+    null), streamed when the answer starts with one; other answers are content."""
+    server = start_in_process(tiny_llama, settings=dict(
+        chat_template=TEMPLATE, enable_auto_tool_choice=True, tool_call_parser="llama3_json"),
+        max_model_len=1024)
+    one = r'\{"name": "get_weather", "parameters": \{"city": "[a-z]{3}"\}\}'
+    try:
+        for regex, num_calls in ((one + "; " + one, 2), ("[a-z]{6}", 0)):
+            kwargs = dict(tools=TOOLS, max_tokens=200, extra_body={"structured_outputs": {
+                "regex": regex}})
+            whole = _chat(server, **kwargs).choices[0]
+            content, calls, finish, entries = _stream(server, **kwargs)
+            assert len(_calls(whole.message)) == num_calls
+            assert [(name, args) for _, name, args in calls] == _calls(whole.message)
+            assert (content or None) == whole.message.content
+            assert finish == whole.finish_reason == ("tool_calls" if num_calls else "stop")
+            if num_calls:
+                assert whole.message.content is None
+                assert all(json.loads(args)["city"].isalpha() for _, _, args in calls)
+    finally:
+        stop_server(server)
+
+
 def test_the_template_gets_the_tools_and_the_tool_history(servers, tiny_llama):
     from transformers import AutoTokenizer
 
@@ -133,7 +239,6 @@ def test_tool_calls_without_the_flags_are_refused(servers, kwargs, param, says):
 
 
 @pytest.mark.parametrize("kwargs,param,says", [
-    (dict(tools=TOOLS, stream=True), "stream", "stream=false"),
     (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
      "tool_choice", "get_weather"),
     (dict(tools=TOOLS, tool_choice="any"), "tool_choice", '"required"'),

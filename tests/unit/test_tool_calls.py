@@ -1,12 +1,12 @@
-"""The hermes tool call parser (vLLM's `--tool-call-parser hermes`) and the constraints of
-forced tool choices."""
+"""The tool call parsers (vLLM's `--tool-call-parser hermes` and `llama3_json`) and the
+constraints of forced tool choices."""
 
 from __future__ import annotations
 
 import json
 
-from nanokv.server.tool_calls import (answer_tool_calls, parse_hermes, required_schema,
-                                      template_tool_calls)
+from nanokv.server.tool_calls import (answer_tool_calls, parse_hermes, parse_llama3_json,
+                                      required_schema, template_tool_calls)
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
 TIME = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
@@ -77,3 +77,33 @@ def test_history_arguments_reach_templates_as_dicts():
         {"type": "function", "function": {"name": "h", "arguments": "{bad"}}])
     assert [c["function"]["arguments"] for c in calls] == [{"a": 1}, {}, {}]
     assert calls[0]["id"] == "1"
+
+
+# llama3_json: each case's (calls as (name, arguments), content) as vLLM 0.32's
+# Llama3JsonToolParser.extract_tool_calls gives them (checked against it)
+LLAMA3 = [
+    ('{"name": "f", "parameters": {"a": 1}}', [("f", '{"a": 1}')], None),
+    ('<|python_tag|>{"name": "f", "arguments": {"a": "x"}}; {"name": "g", "parameters": {}}',
+     [("f", '{"a": "x"}'), ("g", "{}")], None),
+    ('Sure: {"name": "f", "parameters": {"a": [1, {"b": 2}]}} done',
+     [("f", '{"a": [1, {"b": 2}]}')], None),
+    ('{"name": "f", "parameters": {"s": "ü}{"}}', [("f", '{"s": "ü}{"}')], None),
+    ('{"name": "f", "arguments": {"a": 1}, "parameters": {"b": 2}}', [("f", '{"a": 1}')], None),
+    ('{"name": "f", "parameters": "str"}', [("f", '"str"')], None),
+    ("no json here", [], "no json here"),
+    ("use {x} please", [], "use {x} please"),  # a { that starts no JSON
+    ('{"name": "f"}', [], '{"name": "f"}'),  # neither parameters nor arguments
+    ('{"name": "f", "parameters": {"a": 1}} {"foo": 1}', [],
+     '{"name": "f", "parameters": {"a": 1}} {"foo": 1}'),  # one object not a call
+    ('{"name": "f", "parameters": {"a": 1}', [], '{"name": "f", "parameters": {"a": 1}'),
+]
+
+
+def test_llama3_json_reads_answers_as_vllm():
+    for text, calls, content in LLAMA3:
+        got_calls, got_content = parse_llama3_json(text)
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls] \
+            == calls, text
+        assert got_content == content, text
+        assert all(c["id"].startswith("chatcmpl-tool-") for c in got_calls)
+        assert answer_tool_calls(text, "auto", None, "llama3_json")[1] == content

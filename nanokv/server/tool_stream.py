@@ -1,0 +1,230 @@
+"""Tool calls of a streamed chat answer (`stream: true` with `tools`): the answer's content
+pieces in, each chunk's `delta` parts out, so that a client concatenating a call's deltas gets
+what the whole answer's message holds (`tool_calls.answer_tool_calls`).
+
+Every call goes out in the chunk that completes it, as one `tool_calls` entry: `{"index",
+"id", "type": "function", "function": {"name", "arguments"}}` (the OpenAI stream format; vLLM
+sends the same fields, its arguments in smaller pieces). By tool choice:
+- "auto", hermes: the text before the first `<tool_call>` is `content` (blank text before a
+  call is dropped, as the whole answer's is); each `<tool_call>{...}</tool_call>` block is a
+  call once it closes (an unclosed last block once the answer ends); other text after the first
+  block is dropped. A block that is not JSON with `name` and `arguments` goes out as content
+  text, and so does everything after it (the whole answer would be all content; calls already
+  sent stay sent).
+- "auto", llama3_json: as vLLM's stream, an answer that starts with `<|python_tag|>` or `{` is
+  calls, each JSON object one once it closes (text between them dropped), and any other answer
+  is content as it comes (the whole answer's parse also finds calls after text: then the two
+  differ, as vLLM's do). An object that is not a call goes out as content with all after it.
+- "required": each item of the constrained JSON array `[{"name", "parameters"}, ...]` is a call
+  once its object closes; no content.
+- a named function: the answer is the call's arguments, sent as it comes: the first piece with
+  the call's id, type and name, the rest as `arguments` alone; no content.
+"""
+
+from __future__ import annotations
+
+import json
+
+from nanokv.server.tool_calls import PYTHON_TAG, llama3_call, tool_call
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+class ToolCallStream:
+    """One streamed answer's tool calls. `feed(piece)` and then `finish()` each return
+    (content, tool_calls): the text and the `delta.tool_calls` entries this piece completes
+    ("" and [] for none). `called`: whether a call went out."""
+
+    def __init__(self, choice: str, name: str | None = None, parser: str = "hermes") -> None:
+        self.choice, self.name, self.parser = choice, name, parser
+        self.calls = 0  # calls sent
+        self.pending = ""  # text not yet decided on
+        # "auto"
+        self.in_block = False  # inside a <tool_call> block
+        self.plain = False  # a block was not a call: everything is content from here on
+        self.sent_content = False  # content went out (blank text after it is content too)
+        self.blank = ""  # blank text before the first block, dropped unless all is content
+        self.objects = JsonObjects(2 if choice == "required" else 1)  # required, llama3_json
+        self.answer_is_calls: bool | None = None  # llama3_json: None until its start says
+
+    @property
+    def called(self) -> bool:
+        return self.calls > 0
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        """The choice's finish_reason (the whole answer's rule): "tool_calls" for auto calls and
+        for "required" ended by a stop, else the engine's."""
+        if (self.choice == "auto" and self.called) or (
+                self.choice == "required" and engine_reason == "stop"):
+            return "tool_calls"
+        return engine_reason
+
+    def feed(self, piece: str) -> tuple[str, list[dict]]:
+        self.pending += piece
+        return self._advance(final=False)
+
+    def finish(self) -> tuple[str, list[dict]]:
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> tuple[str, list[dict]]:
+        if self.choice == "auto" and self.parser == "llama3_json":
+            return self._llama3(final)
+        if self.choice == "auto":
+            return self._auto(final)
+        if self.choice == "required":
+            return "", self._required()
+        return "", self._named()
+
+    def _entry(self, name: str, arguments: str) -> dict:
+        return self._entry_of(tool_call(name, arguments))
+
+    def _entry_of(self, call: dict) -> dict:
+        self.calls += 1
+        return {"index": self.calls - 1, **call}
+
+    # -- "auto": hermes blocks --------------------------------------------------------------------
+    def _auto(self, final: bool) -> tuple[str, list[dict]]:
+        content, calls = [], []
+        while not self.plain:
+            if self.in_block:
+                end = self.pending.find(CLOSE)
+                if end < 0 and not final:
+                    break  # the block goes on
+                block, rest = (self.pending, "") if end < 0 else (
+                    self.pending[:end], self.pending[end + len(CLOSE):])
+                call = self._hermes(block)
+                if call is None:  # not a call: its text and all after it are content
+                    self.plain, self.pending = True, self.blank + OPEN + self.pending
+                    break
+                calls.append(call)
+                self.in_block, self.pending = False, rest
+                continue
+            start = self.pending.find(OPEN)
+            if start >= 0:
+                before = self.pending[:start]
+                if not self.calls:  # the content before the first block (blank: dropped)
+                    if self.sent_content or before.strip():
+                        content.append(before)
+                    else:
+                        self.blank = before
+                self.in_block, self.pending = True, self.pending[start + len(OPEN):]
+                continue
+            keep = 0 if final else _partial_suffix(self.pending, OPEN)
+            ready = self.pending[:len(self.pending) - keep]
+            if self.calls:  # text between and after blocks: dropped
+                self.pending = self.pending[len(ready):]
+            elif final or self.sent_content or ready.strip():  # blank text waits
+                content.append(ready)
+                self.pending = self.pending[len(ready):]
+            break
+        if self.plain:
+            content.append(self.pending)
+            self.pending = ""
+        text = "".join(content)
+        self.sent_content = self.sent_content or bool(text)
+        return text, calls
+
+    def _hermes(self, block: str) -> dict | None:
+        try:
+            call = json.loads(block)
+            return self._entry(call["name"], json.dumps(call["arguments"], ensure_ascii=False))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    # -- "required": the items of a JSON array ----------------------------------------------------
+    def _required(self) -> list[dict]:
+        calls = []
+        for item, _ in self.objects.feed(self.pending):
+            try:
+                item = json.loads(item)
+                calls.append(self._entry(item["name"], json.dumps(item["parameters"],
+                                                                   ensure_ascii=False)))
+            except (ValueError, KeyError, TypeError):
+                pass  # not a call (the constraint makes every item one)
+        self.pending = ""
+        return calls
+
+    # -- "auto", llama3_json: JSON objects -----------------------------------------------------
+    def _llama3(self, final: bool) -> tuple[str, list[dict]]:
+        if self.answer_is_calls is None:  # calls or content: the answer's first characters say
+            text = self.pending
+            if not final and PYTHON_TAG.startswith(text):  # (or nothing yet)
+                return "", []
+            self.answer_is_calls = text.startswith((PYTHON_TAG, "{"))
+            if text.startswith(PYTHON_TAG):
+                self.pending = text[len(PYTHON_TAG):]
+        if self.plain or not self.answer_is_calls:  # content as it comes
+            out, self.pending = self.pending, ""
+            return out, []
+        calls = []
+        fed, self.pending = self.pending, ""
+        for obj, end in self.objects.feed(fed):
+            try:
+                calls.append(self._entry_of(llama3_call(json.loads(obj))))
+            except (ValueError, KeyError, TypeError):  # not a call: content from here on
+                self.plain = True
+                return obj + fed[end:], calls
+        if final and self.objects.open():  # an object cut short: content
+            return self.objects.rest(), calls
+        return "", calls
+
+    # -- a named function: the answer is its arguments --------------------------------------------
+    def _named(self) -> list[dict]:
+        if not self.calls and not self.pending.strip():
+            return []  # the call starts with its arguments' first text (none: no call)
+        out, self.pending = self.pending, ""
+        if not self.calls:
+            return [self._entry(self.name, out)]
+        return [{"index": 0, "function": {"arguments": out}}] if out else []
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that begins `marker` (and is shorter)."""
+    return max((k for k in range(1, len(marker)) if text.endswith(marker[:k])), default=0)
+
+
+class JsonObjects:
+    """The JSON objects of a text fed in pieces whose `{` opens at nesting depth `level` (1: top
+    level; 2: the items of an array), each returned once its `}` arrives, with where it ended
+    in the piece; other text between them is dropped. Strings and their escapes are followed,
+    so brackets inside them count for nothing."""
+
+    def __init__(self, level: int) -> None:
+        self.level = level
+        self.depth = 0
+        self.in_string = self.escaped = False
+        self.current: str | None = None  # the open object's text so far (None: none open)
+
+    def open(self) -> bool:
+        return self.current is not None
+
+    def rest(self) -> str:
+        """The open object's text, given up (the scan starts over)."""
+        out = self.current or ""
+        self.current, self.depth, self.in_string, self.escaped = None, 0, False, False
+        return out
+
+    def feed(self, text: str) -> list[tuple[str, int]]:
+        done = []
+        for at, ch in enumerate(text):
+            if ch == "{" and not self.in_string and self.depth == self.level - 1:
+                self.current = ""
+            if self.current is not None:
+                self.current += ch
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "[{":
+                self.depth += 1
+            elif ch in "]}":
+                self.depth = max(self.depth - 1, 0)  # a stray closing bracket: ignored
+                if self.current is not None and self.depth == self.level - 1:
+                    done.append((self.current, at + 1))
+                    self.current = None
+        return done
