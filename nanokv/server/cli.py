@@ -64,6 +64,11 @@ def add_serve_parser(subparsers, add_engine_args, engine_options) -> None:
                         "</think>) and `content` (the rest), streamed too, as vLLM's: "
                         f"{', '.join(sorted(PARSERS))}; qwen3 honours chat_template_kwargs "
                         "enable_thinking=false (all content) (default: off)")
+    s.add_argument("--structured-outputs-enable-in-reasoning", action="store_true",
+                   help="with --reasoning-parser: a chat answer's structured outputs (and "
+                        "forced tool calls) constrain its reasoning too (vLLM's "
+                        "structured_outputs_config.enable_in_reasoning); off: the constraint "
+                        "starts after the answer's </think> (default: off)")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="chat tool_choice \"auto\" (the default with `tools`): the answer's "
                         "tool calls, read by --tool-call-parser, become the message's "
@@ -138,6 +143,7 @@ def cmd_serve(args: argparse.Namespace, engine_options) -> int:
         request_classes=tuple(c.strip() for c in args.request_classes.split(",") if c.strip()),
         trace_file=args.trace_file, trace_steps_file=args.trace_steps,
         reasoning_parser=args.reasoning_parser,
+        structured_outputs_enable_in_reasoning=args.structured_outputs_enable_in_reasoning,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser)
 

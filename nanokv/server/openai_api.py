@@ -372,8 +372,10 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
                                                 body.continue_final_message, body.tools)
         ids = server.truncate(body, ids)
         bad_words = await server.bad_words_token_ids(body)
-        structured = await server.structured_outputs(
-            body, server.tool_constraint(body, tool_choice, tool_name))
+        parser = server.reasoning_parser
+        thinking = parser is not None and parser.thinking(body.chat_template_kwargs)
+        structured = server.after_reasoning(await server.structured_outputs(
+            body, server.tool_constraint(body, tool_choice, tool_name)), thinking)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         max_param = "max_tokens" if body.max_completion_tokens is None \
             else "max_completion_tokens"
@@ -384,8 +386,6 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()),
                 "model": settings.model_name}
         token_texts = partial(server.token_texts, skip_special_tokens=body.skip_special_tokens)
-        parser = server.reasoning_parser
-        thinking = parser is not None and parser.thinking(body.chat_template_kwargs)
         if body.stream:
             head["object"] = "chat.completion.chunk"
             reasoning = partial(parser.stream, thinking) if parser else None

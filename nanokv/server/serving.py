@@ -26,6 +26,7 @@ from nanokv.server.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFu
                                         RequestStream)
 from nanokv.engine.chat import ChatRenderer
 from nanokv.server.protocol import MAX_N, APIError, _SamplingRequest, template_tools
+from nanokv.server.reasoning import END as REASONING_END
 from nanokv.server.reasoning import get_parser
 from nanokv.server.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from nanokv.server.tool_calls import named_schema, required_schema
@@ -61,6 +62,9 @@ class ServerSettings:
     trace_file: str | None = None  # append one JSON line per finished request (nanokv.sim)
     trace_steps_file: str | None = None  # and one per engine step (nanokv/sim/step_log.py)
     reasoning_parser: str | None = None  # splits chat answers' reasoning (nanokv.server.reasoning)
+    # structured outputs constrain the reasoning too (vLLM's structured_outputs_config.
+    # enable_in_reasoning); off: a chat answer's constraint starts after its </think>
+    structured_outputs_enable_in_reasoning: bool = False
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (nanokv.server.tool_calls)
     tool_call_parser: str | None = None  # reads tool calls out of chat answers
 
@@ -89,6 +93,8 @@ class ServerSettings:
                              f"{self.shutdown_timeout!r}")
         if self.reasoning_parser is not None:
             get_parser(self.reasoning_parser)
+        elif self.structured_outputs_enable_in_reasoning:
+            raise ValueError("--structured-outputs-enable-in-reasoning needs --reasoning-parser")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"unknown tool call parser {self.tool_call_parser!r}; known: "
                              f"{', '.join(TOOL_CALL_PARSERS)}")
@@ -123,6 +129,9 @@ class OpenAIServer:
         self.chat = ChatRenderer(self.tokenizer, settings.chat_template) if tok else None
         self.reasoning_parser = get_parser(settings.reasoning_parser) \
             if settings.reasoning_parser else None
+        self.reasoning_end_ids = (  # where a chat answer's constraint starts: after_reasoning
+            list(self.tokenizer.encode(REASONING_END, add_special_tokens=False))
+            if self.reasoning_parser and self.tokenizer else None)
         self._local = threading.local()
         self._worker = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="nanokv-tokenize")
         self.exporter = PrometheusExporter(settings.model_name,
@@ -357,6 +366,15 @@ class OpenAIServer:
         except ValueError as e:
             raise APIError(400, str(e), param=param, code="invalid_value") from e
         return spec
+
+    def after_reasoning(self, spec: StructuredOutputsParams | None, thinking: bool
+                        ) -> StructuredOutputsParams | None:
+        """A chat answer's constraint under a reasoning parser, as vLLM's: it starts after the
+        answer's end-of-reasoning marker (</think>, as this tokenizer encodes it) when the
+        answer starts in the reasoning and the server does not constrain the reasoning too."""
+        if spec is None or not thinking or self.settings.structured_outputs_enable_in_reasoning:
+            return spec
+        return replace(spec, starts_after=self.reasoning_end_ids)
 
     def truncate(self, body: _SamplingRequest, token_ids: list[int]) -> list[int]:
         """The prompt's last truncate_prompt_tokens tokens (vLLM's), before its length is

@@ -34,26 +34,44 @@ def choice_grammar(choices: Sequence[str]) -> str:
 
 
 class RequestGrammar:
-    """One request's place in its grammar (a GrammarMatcher of its own)."""
+    """One request's place in its grammar (a GrammarMatcher of its own). With `starts_after`
+    (token ids), the grammar waits: the output is free until those tokens have come, in a row,
+    and the grammar constrains what follows them."""
 
-    def __init__(self, matcher, vocab_size: int) -> None:
+    def __init__(self, matcher, vocab_size: int,
+                 starts_after: Sequence[int] | None = None) -> None:
         self._matcher = matcher
         self._bitmask = np.empty((1, (vocab_size + 31) // 32), dtype=np.int32)
+        self._waiting_for = tuple(starts_after) if starts_after else None
+        self._recent: list[int] = []  # the last output tokens while waiting
 
-    def allowed_bitmask(self) -> np.ndarray:
+    @property
+    def waiting(self) -> bool:
+        """The grammar has not started: the output is free."""
+        return self._waiting_for is not None
+
+    def allowed_bitmask(self) -> np.ndarray | None:
         """The tokens that may come next: bit t % 32 of word t // 32 set for an allowed token t,
-        int32 [ceil(vocab / 32)] (a new array: it travels with the step)."""
+        int32 [ceil(vocab / 32)] (a new array: it travels with the step); None while waiting
+        (every token)."""
+        if self.waiting:
+            return None
         self._matcher.fill_next_token_bitmask(self._bitmask)
         return self._bitmask[0].copy()
 
     def accept(self, token: int) -> bool:
         """Advance past a sampled token; False when the grammar does not allow it."""
+        if self.waiting:
+            self._recent = (self._recent + [token])[-len(self._waiting_for):]
+            if tuple(self._recent) == self._waiting_for:  # the grammar starts after it
+                self._waiting_for, self._recent = None, []
+            return True
         return self._matcher.accept_token(token)
 
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and one of its stop tokens was accepted."""
-        return self._matcher.is_terminated()
+        return not self.waiting and self._matcher.is_terminated()
 
 
 class GrammarBackend:
@@ -117,6 +135,9 @@ class GrammarBackend:
                         stop_token_ids: Sequence[int]) -> RequestGrammar:
         """A new matcher of the constraint. stop_token_ids end the output where the grammar
         is complete (vLLM's: EOS and the request's stop_token_ids)."""
+        if spec.starts_after and max(spec.starts_after) >= self.vocab_size:
+            raise ValueError(f"structured_outputs.starts_after holds a token id past the "
+                             f"vocabulary ({self.vocab_size} tokens): {spec.starts_after}")
         matcher = self._xgr.GrammarMatcher(self.compile(spec),
                                            override_stop_tokens=list(stop_token_ids) or None)
-        return RequestGrammar(matcher, self.vocab_size)
+        return RequestGrammar(matcher, self.vocab_size, spec.starts_after)

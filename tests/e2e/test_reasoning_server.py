@@ -1,6 +1,8 @@
 """`nanokv serve --reasoning-parser` through the `openai` SDK: the tiny model is made to answer
-with <think> markers by a structured-outputs regex, and each answer's `reasoning` / `content`
-(whole and streamed) is checked against the plain server's text of the same request."""
+with <think> markers by a structured-outputs regex (the servers constrain the reasoning too:
+--structured-outputs-enable-in-reasoning), and each answer's `reasoning` / `content` (whole and
+streamed) is checked against the plain server's text of the same request. Without that flag, a
+chat answer's constraint starts after its </think>."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ ASK = [{"role": "user", "content": "think first"}]
 @pytest.fixture(scope="module", params=["qwen3", "deepseek_r1"])
 def thinking(request, tiny_llama):
     """(parser name, a client of an in-process server running that parser)."""
-    s = start_in_process(tiny_llama, settings=dict(reasoning_parser=request.param))
+    s = start_in_process(tiny_llama, settings=dict(reasoning_parser=request.param,
+                                                   structured_outputs_enable_in_reasoning=True))
     yield request.param, OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0,
                                 timeout=60)
     stop_server(s)
@@ -107,3 +110,23 @@ def test_history_may_carry_reasoning_which_the_model_does_not_see(server, client
     assert prompt(history) == prompt(bare)
     r = client.chat.completions.create(model=MODEL_NAME, messages=history, max_tokens=3)
     assert r.choices[0].finish_reason == "length"
+
+
+def test_structured_outputs_start_after_the_reasoning(tiny_llama, client):
+    """vLLM's default: the constraint waits for </think>. The tiny model never writes one, so a
+    constrained answer is the unconstrained answer, all reasoning; with qwen3's
+    enable_thinking false the answer starts after the reasoning: constrained from its start."""
+    s = start_in_process(tiny_llama, settings=dict(reasoning_parser="qwen3"))
+    try:
+        reasoner = OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        free = client.chat.completions.create(model=MODEL_NAME, messages=ASK, temperature=0,
+                                              max_tokens=40).choices[0].message.content
+        assert "think>" not in free
+        message = _ask(reasoner, "[a-z]{4}").choices[0].message  # 40 tokens
+        assert (message.reasoning, message.content) == (free, None)
+        off = _ask(reasoner, "[a-z]{4}",
+                   extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert off.choices[0].message.content.isalpha()
+        assert len(off.choices[0].message.content) == 4
+    finally:
+        stop_server(s)

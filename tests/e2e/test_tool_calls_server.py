@@ -162,7 +162,8 @@ def test_streamed_calls_after_reasoning(tiny_llama):
     or not."""
     server = start_in_process(tiny_llama, settings=dict(
         chat_template=TEMPLATE, enable_auto_tool_choice=True, tool_call_parser="hermes",
-        reasoning_parser="qwen3"), max_model_len=1024)
+        reasoning_parser="qwen3", structured_outputs_enable_in_reasoning=True),
+        max_model_len=1024)  # the regex drives the reasoning too
     try:
         kwargs = dict(tools=TOOLS, max_tokens=200, extra_body={"structured_outputs": {
             "regex": "[a-z]{3}</think>[a-z]{2}" + CALL}})

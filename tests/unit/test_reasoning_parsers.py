@@ -121,3 +121,7 @@ def test_unknown_parser_names_are_refused_with_the_allowed_ones():
     with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
         ServerSettings("m", reasoning_parser="r1")
     assert ServerSettings("m", reasoning_parser="qwen3").reasoning_parser == "qwen3"
+    with pytest.raises(ValueError, match="needs --reasoning-parser"):
+        ServerSettings("m", structured_outputs_enable_in_reasoning=True)
+    assert ServerSettings("m", reasoning_parser="qwen3",
+                          structured_outputs_enable_in_reasoning=True)
