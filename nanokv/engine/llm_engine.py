@@ -284,10 +284,14 @@ class LLMEngine:
         if params.structured_outputs is not None:  # a matcher of its own (each of n samples)
             stops = (*self.eos_token_ids, *params.stop_token_ids)
             request.grammar = self.structured_backend().request_grammar(
-                params.structured_outputs, tuple(dict.fromkeys(stops)))
+                params.structured_outputs, tuple(dict.fromkeys(stops)), self._decode_kept)
         # kv_policy: a PolicyConfig overriding the engine's default for this request
         self.policies.attach(request, kv_policy)
         return request
+
+    def _decode_kept(self, token_ids: list[int]) -> str:
+        """Token ids' text with special tokens kept (a grammar's starts_after; engine thread)."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def new_request_id(self) -> str:
         """An id no request of this engine was given by default."""

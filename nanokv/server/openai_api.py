@@ -31,8 +31,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanokv.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                     DetokenizeRequest, TokenizeRequest, error_body)
-from nanokv.server.responses import (chat_logprobs, completion_logprobs, echo_logprobs,
-                                     prompt_logprobs_json, stream_events, usage)
+from nanokv.server.responses import (ChatParts, ReasoningTokenCount, chat_logprobs,
+                                     completion_logprobs, echo_logprobs, prompt_logprobs_json,
+                                     stream_events, usage)
 from nanokv.server.async_engine import RequestStream
 from nanokv.server.tool_calls import answer_tool_calls
 from nanokv.server.tool_stream import ToolCallStream
@@ -283,11 +284,14 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
         return {"prompt": await server.decode(body.tokens)}
 
     async def final_response(streams, raw: Request, head: dict, body, content,
-                             prompt_logprobs_field: bool = False):
+                             prompt_logprobs_field: bool = False, reasoning_tokens=None,
+                             token_ids: bool = True):
         """A non-streamed answer: every choice run to its end; `content(output, logprobs,
         prompt_logprobs)` gives a choice's endpoint-specific fields (text or message, and
         logprobs); the prompt's log-probabilities come from its first choice, which alone
-        computed them. `prompt_logprobs_field`: they go in the response (vLLM's chat), once."""
+        computed them. `prompt_logprobs_field`: they go in the response (vLLM's chat), once.
+        `reasoning_tokens(outputs)`: the usage's completion_tokens_details (chat); `token_ids`
+        false: no return_token_ids (a hidden reasoning's)."""
         try:
             finals, logprobs = await server.run_to_end(streams, raw)
         except ClientGone:
@@ -299,10 +303,12 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
             choice = {"index": i, **fields,
                       "finish_reason": fields.pop("finish_reason", o.finish_reason),
                       "stop_reason": o.outputs[0].stop_reason}
-            if body.return_token_ids:
+            if body.return_token_ids and token_ids:
                 choice.update(token_ids=o.token_ids, prompt_token_ids=o.prompt_token_ids)
             choices.append(choice)
-        response = {**head, "choices": choices, "usage": usage(finals, body.num_choices)}
+        response = {**head, "choices": choices, "usage": usage(
+            finals, body.num_choices,
+            reasoning_tokens=reasoning_tokens(finals) if reasoning_tokens else None)}
         if prompt_logprobs_field and finals[0].prompt_logprobs is not None:
             response["prompt_logprobs"] = prompt_logprobs_json(finals[0].prompt_logprobs,
                                                                server.tokenizer)
@@ -386,19 +392,33 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()),
                 "model": settings.model_name}
         token_texts = partial(server.token_texts, skip_special_tokens=body.skip_special_tokens)
+
+        def reasoning_count(prompt_token_ids: list[int]) -> ReasoningTokenCount:
+            return ReasoningTokenCount(token_texts(prompt_token_ids), thinking)
+
+        def reasoning_tokens(outputs) -> int:  # all the choices' (the usage's details)
+            return sum(reasoning_count(o.prompt_token_ids).add(o.token_ids, True)
+                       for o in outputs)
+
+        hidden = parser is not None and not body.include_reasoning  # vLLM's rule
         if body.stream:
             head["object"] = "chat.completion.chunk"
-            reasoning = partial(parser.stream, thinking) if parser else None
-            calls = None if tool_choice in (None, "none") else partial(
-                ToolCallStream, tool_choice, tool_name, settings.tool_call_parser)
+            parts = ChatParts(
+                reasoning=partial(parser.stream, thinking) if parser else None,
+                tool_calls=None if tool_choice in (None, "none") else partial(
+                    ToolCallStream, tool_choice, tool_name, settings.tool_call_parser),
+                reasoning_tokens=reasoning_count if parser else None,
+                include_reasoning=body.include_reasoning)
             return EngineStreamingResponse(
                 stream_events(server.events(streams), len(streams), head, body, True,
-                              token_texts, ids, reasoning, calls), streams)
+                              token_texts, ids, parts), streams)
 
         def message(o) -> dict:
             message, content = {"role": "assistant"}, o.text
             if parser is not None:
                 message["reasoning"], content = parser.split(content, thinking)
+                if hidden:
+                    message["reasoning"] = None
             if tool_choice in (None, "none"):
                 return {"message": {**message, "content": content}}
             calls, content = answer_tool_calls(content or "", tool_choice, tool_name,
@@ -414,4 +434,6 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
         return await final_response(streams, raw, head, body, lambda o, lps, _: {
             **message(o),
             "logprobs": chat_logprobs(lps, token_texts(o.prompt_token_ids))
-            if body.num_logprobs is not None else None}, prompt_logprobs_field=True)
+            if body.num_logprobs is not None and not hidden else None},
+            prompt_logprobs_field=True, reasoning_tokens=reasoning_tokens if parser else None,
+            token_ids=not hidden)

@@ -417,6 +417,7 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
+    include_reasoning: bool = True  # false: no reasoning (nor the logprobs, token ids) sent
 
     def unsupported(self) -> list[tuple[str, str]]:
         bad = super().unsupported()

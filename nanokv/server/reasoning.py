@@ -99,3 +99,51 @@ class ReasoningStream:
         """The held-back text: no marker after all."""
         rest, self.pending = self.pending, ""
         return (rest, "") if self.in_reasoning else ("", rest)
+
+
+
+class ReasoningTokens:
+    """An answer's reasoning tokens (the usage's `completion_tokens_details.reasoning_tokens`),
+    counted as its tokens come (`add`, each token's text as `TokenTexts` gives it): those with
+    text before the answer's first end marker (all of them while it has none), the tokens
+    wholly inside a start marker not counted; none for an answer that does not start in the
+    reasoning. Read from the text, as the split is: where the markers are tokens of their own
+    (Qwen3's, DeepSeek-R1's), the tokens between them."""
+
+    def __init__(self, thinking: bool = True) -> None:
+        self.done = not thinking  # the end marker came (or there is no reasoning)
+        self.count = 0
+        self.text = ""
+        self.spans: list[tuple[int, int]] = []  # each token's [start, end) in text
+
+    def add(self, token_text: str) -> None:
+        if self.done:
+            return
+        a = len(self.text)
+        self.text += token_text
+        self.spans.append((a, len(self.text)))
+        self.count += 1
+        end = self.text.find(END, max(0, a - len(END) + 1))
+        if end >= 0:  # the tokens with text before it, the start markers' aside
+            self.done = True
+            self.count = sum(1 for s, _ in self.spans if s < end)
+            self.count -= self._in_starts(self.text[:end])
+            return
+        self.count -= self._in_starts(self.text, since=a)
+
+    def _in_starts(self, text: str, since: int = 0) -> int:
+        """Tokens wholly inside the start markers of `text` (all of them; or those found from
+        `since` on, as `add` meets them)."""
+        inside, at = 0, text.find(START, max(0, since - len(START) + 1) if since else 0)
+        while at >= 0:
+            inside += sum(1 for s, e in self.spans if at <= s and e <= at + len(START) and s < e)
+            at = text.find(START, at + len(START))
+        return inside
+
+
+def count_reasoning_tokens(token_texts: list[str], thinking: bool = True) -> int:
+    """`ReasoningTokens` of a whole answer's token texts."""
+    counter = ReasoningTokens(thinking)
+    for text in token_texts:
+        counter.add(text)
+    return counter.count

@@ -6,29 +6,33 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from nanokv.engine.detokenizer import TokenTexts
 from nanokv.layers.sampler import TokenLogprobs
 from nanokv.outputs import RequestOutput
 from nanokv.server.protocol import APIError
-from nanokv.server.reasoning import ReasoningStream
+from nanokv.server.reasoning import ReasoningStream, ReasoningTokens
 from nanokv.server.tool_stream import ToolCallStream
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf (vLLM's floor)
 
 
 def usage(finals: list[RequestOutput | None], n: int = 1,
-          completion_tokens: int | None = None) -> dict:
-    """The prompt (and its cached tokens) counts once per prompt, not once per choice."""
+          completion_tokens: int | None = None, reasoning_tokens: int | None = None) -> dict:
+    """The prompt (and its cached tokens) counts once per prompt, not once per choice.
+    `reasoning_tokens` (chat under a reasoning parser): the completion's details."""
     per_prompt = [o for o in finals[::n] if o is not None]
     prompt = sum(len(o.prompt_token_ids) for o in per_prompt)
     if completion_tokens is None:
         completion_tokens = sum(len(o.token_ids) for o in finals if o is not None)
-    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
-            "total_tokens": prompt + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens
-                                                           for o in per_prompt)}}
+    out = {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+           "total_tokens": prompt + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens
+                                                          for o in per_prompt)}}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 def _lp(x: float) -> float:
@@ -138,13 +142,43 @@ class TextDelta:
         return piece
 
 
+class ReasoningTokenCount:
+    """One answer's reasoning tokens as its token ids come: their texts (`TokenTexts`, as the
+    answer's text reads them) counted by `ReasoningTokens`."""
+
+    def __init__(self, texts: TokenTexts, thinking: bool) -> None:
+        self.texts, self.counter = texts, ReasoningTokens(thinking)
+
+    def add(self, token_ids: list[int], final: bool) -> int:
+        """Count these next tokens (`final`: the answer's last among them); the count so far."""
+        for j, token in enumerate(token_ids):
+            if self.counter.done:
+                break
+            self.counter.add(self.texts.next(token, final=final and j == len(token_ids) - 1)[0])
+        return self.counter.count
+
+
+@dataclass
+class ChatParts:
+    """What a chat answer's stream splits out of its text (`stream_events`), each choice with
+    its own: `reasoning` makes a reasoning split (deltas carry `reasoning` until the end
+    marker, `content` after, as vLLM's); `tool_calls` makes a tool call extraction from the
+    content (deltas carry each call as `tool_calls` once complete, the finish_reason is the
+    tool choice's: `tool_stream`); `reasoning_tokens(prompt_token_ids)` makes a count of a
+    choice's reasoning tokens for the usage's completion_tokens_details; `include_reasoning`
+    false drops the reasoning and, as vLLM, the logprobs and token ids that would show it."""
+
+    reasoning: Callable[[], ReasoningStream] | None = None
+    tool_calls: Callable[[], ToolCallStream] | None = None
+    reasoning_tokens: Callable[[list[int]], ReasoningTokenCount] | None = None
+    include_reasoning: bool = True
+
+
 async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_choices: int,
                         head: dict, body, chat: bool,
                         token_texts: Callable[[list[int]], TokenTexts],
                         prompt_token_ids: list[int] | None = None,
-                        reasoning: Callable[[], ReasoningStream] | None = None,
-                        tool_calls: Callable[[], ToolCallStream] | None = None
-                        ) -> AsyncIterator[str]:
+                        parts: ChatParts | None = None) -> AsyncIterator[str]:
     """The SSE body of a streamed completion: text pieces per choice (with their token ids and
     logprobs when asked), the finish reason, the usage last (or in every chunk with
     continuous_usage_stats), then [DONE]. An error ends the stream with OpenAI's error body and
@@ -152,11 +186,8 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
     chunk carries `prompt_token_ids` (the chat's prompt, given), a completion's choice its
     prompt's in its first chunk. A completion with echo starts each choice's first chunk with
     the prompt's text (and its log-probabilities, asked for), as vLLM's; with max_tokens 0
-    nothing of the output follows. `reasoning` (chat): makes a choice's reasoning split; its
-    deltas then carry `reasoning` until the end marker and `content` after, as vLLM's.
-    `tool_calls` (chat): makes a choice's tool call extraction from its content; its deltas then
-    carry each call as `tool_calls` once complete, and its finish_reason is the tool choice's
-    (`tool_stream`)."""
+    nothing of the output follows. `parts` (chat): the reasoning and tool calls split out of
+    each choice's text (`ChatParts`)."""
     stop = body.stop_list()
     deltas = [TextDelta(stop, body.include_stop_str_in_output) for _ in range(num_choices)]
     # each choice's tokens' texts, made at its first output (which carries its prompt)
@@ -172,14 +203,23 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
     echo = not chat and bool(body.echo)
     echo_only = echo and body.echo_only
 
+    parts = parts or ChatParts()
+    hidden = not parts.include_reasoning and parts.reasoning is not None  # vLLM's rule
+
+    counts: list[ReasoningTokenCount | None] = [None] * num_choices
+    reasoning_tokens = [0] * num_choices
+
+    def reasoning_total() -> int | None:
+        return sum(reasoning_tokens) if parts.reasoning_tokens else None
+
     def running_usage() -> dict | None:
         if not (body.include_usage and body.continuous_usage):
             return None
-        return usage(first_outputs, n, generated)
+        return usage(latest, n, generated, reasoning_total())
 
-    first_outputs: list[RequestOutput | None] = [None] * num_choices
-    splits = [reasoning() for _ in range(num_choices)] if reasoning else None
-    calls = [tool_calls() for _ in range(num_choices)] if tool_calls else None
+    latest: list[RequestOutput | None] = [None] * num_choices  # each choice's last output
+    splits = [parts.reasoning() for _ in range(num_choices)] if parts.reasoning else None
+    calls = [parts.tool_calls() for _ in range(num_choices)] if parts.tool_calls else None
 
     def chat_delta(i: int, piece: str, finished: bool) -> dict:
         if splits is None and calls is None:
@@ -196,8 +236,8 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
             if finished:
                 more_content, more_entries = calls[i].finish()
                 content, entries = content + more_content, entries + more_entries
-        return {k: v for k, v in (("reasoning", thought), ("content", content),
-                                  ("tool_calls", entries)) if v}
+        return {k: v for k, v in (("reasoning", "" if hidden else thought),
+                                  ("content", content), ("tool_calls", entries)) if v}
 
     try:
         if chat:
@@ -209,11 +249,14 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
                     chunk["prompt_token_ids"] = prompt_token_ids
                 yield sse(chunk)
         async for i, out in events:
-            first_outputs[i] = first_outputs[i] or out
+            latest[i] = out
             # an echo's token texts start with the prompt's: the offsets index the echoed text
             texts[i] = texts[i] or token_texts([] if echo else out.prompt_token_ids)
             new = out.new_token_ids or []
             generated += len(new)
+            if parts.reasoning_tokens:
+                counts[i] = counts[i] or parts.reasoning_tokens(out.prompt_token_ids)
+                reasoning_tokens[i] = counts[i].add(new, out.finished)
             pending_ids[i] += new
             if not echo_only:
                 pending_lps[i] += out.new_logprobs or []
@@ -223,12 +266,14 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
                 piece = (out.prompt or "") + piece
             delta = chat_delta(i, piece, out.finished) if chat else {}
             if not (delta if chat else piece) and not out.finished \
-                    and not (body.return_token_ids and new) and not echoing:
+                    and not (body.return_token_ids and new and not hidden) and not echoing:
                 continue
             if out.finished:
                 finals[i] = out
             logprobs = None
-            if want_logprobs and pending_lps[i] and chat:
+            if hidden:
+                pass  # the logprobs would show the reasoning's tokens
+            elif want_logprobs and pending_lps[i] and chat:
                 logprobs = chat_logprobs(pending_lps[i], texts[i], out.finished)
             elif want_logprobs and echoing:
                 logprobs = echo_logprobs(out.prompt_logprobs or [None], pending_lps[i],
@@ -250,7 +295,7 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
                           "finish_reason": reason}
             if out.finished or not chat:
                 choice["stop_reason"] = out.outputs[0].stop_reason if out.finished else None
-            if body.return_token_ids:
+            if body.return_token_ids and not hidden:
                 if not chat and not sent[i]:
                     choice["prompt_token_ids"] = out.prompt_token_ids
                 choice["token_ids"] = pending_ids[i]
@@ -262,7 +307,8 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
                 chunk["usage"] = u
             yield sse(chunk)
         if body.include_usage:
-            yield sse({**head, "choices": [], "usage": usage(finals, n)})
+            yield sse({**head, "choices": [], "usage": usage(finals, n,
+                                                              reasoning_tokens=reasoning_total())})
         yield sse("[DONE]")
     except APIError as e:
         yield sse(e.body())

@@ -129,9 +129,6 @@ class OpenAIServer:
         self.chat = ChatRenderer(self.tokenizer, settings.chat_template) if tok else None
         self.reasoning_parser = get_parser(settings.reasoning_parser) \
             if settings.reasoning_parser else None
-        self.reasoning_end_ids = (  # where a chat answer's constraint starts: after_reasoning
-            list(self.tokenizer.encode(REASONING_END, add_special_tokens=False))
-            if self.reasoning_parser and self.tokenizer else None)
         self._local = threading.local()
         self._worker = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="nanokv-tokenize")
         self.exporter = PrometheusExporter(settings.model_name,
@@ -370,11 +367,11 @@ class OpenAIServer:
     def after_reasoning(self, spec: StructuredOutputsParams | None, thinking: bool
                         ) -> StructuredOutputsParams | None:
         """A chat answer's constraint under a reasoning parser, as vLLM's: it starts after the
-        answer's end-of-reasoning marker (</think>, as this tokenizer encodes it) when the
-        answer starts in the reasoning and the server does not constrain the reasoning too."""
+        answer's end-of-reasoning marker (</think>) when the answer starts in the reasoning and
+        the server does not constrain the reasoning too."""
         if spec is None or not thinking or self.settings.structured_outputs_enable_in_reasoning:
             return spec
-        return replace(spec, starts_after=self.reasoning_end_ids)
+        return replace(spec, starts_after=REASONING_END)
 
     def truncate(self, body: _SamplingRequest, token_ids: list[int]) -> list[int]:
         """The prompt's last truncate_prompt_tokens tokens (vLLM's), before its length is

@@ -22,10 +22,11 @@ class StructuredOutputsParams:
     disable_any_whitespace: JSON without whitespace between its tokens (no newlines or runs of
     spaces a model could fill its token budget with); vLLM sets it engine-wide, nanokv per
     request.
-    starts_after: token ids; the constraint holds only for the output after their first
-    occurrence (these tokens and those before them are free): a reasoning model's end-of-
-    reasoning marker, as vLLM's reasoning parsers exempt the reasoning. The server sets it
-    under --reasoning-parser; None (the default): from the first token.
+    starts_after: a text; the constraint holds only for the output's tokens after the one that
+    completes its first occurrence (the text is read as the tokens come, decoded; those tokens
+    are free): a reasoning model's end marker "</think>", as vLLM's reasoning parsers exempt
+    the reasoning. The server sets it under --reasoning-parser; None (the default): from the
+    first token.
     """
 
     json: str | dict | None = None
@@ -34,7 +35,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
-    starts_after: list[int] | None = None
+    starts_after: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -85,13 +86,9 @@ class StructuredOutputsParams:
                f"structured_outputs.disable_any_whitespace must be true or false, got "
                f"{self.disable_any_whitespace!r}")
         _check(self.starts_after is None
-               or (isinstance(self.starts_after, (list, tuple)) and bool(self.starts_after)
-                   and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                           for t in self.starts_after)),
-               f"structured_outputs.starts_after must be a non-empty list of token ids, got "
-               f"{self.starts_after!r:.200}")
-        if self.starts_after is not None:
-            self.starts_after = list(self.starts_after)
+               or (isinstance(self.starts_after, str) and bool(self.starts_after)),
+               f"structured_outputs.starts_after must be a non-empty string (the text after "
+               f"which the constraint starts), got {self.starts_after!r:.200}")
 
     @property
     def kind(self) -> str:

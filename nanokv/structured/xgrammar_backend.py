@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -35,14 +35,16 @@ def choice_grammar(choices: Sequence[str]) -> str:
 
 class RequestGrammar:
     """One request's place in its grammar (a GrammarMatcher of its own). With `starts_after`
-    (token ids), the grammar waits: the output is free until those tokens have come, in a row,
-    and the grammar constrains what follows them."""
+    (a text) the grammar waits: the output is free up to the token that completes the text's
+    first occurrence (its last tokens decoded by `decode`), and the grammar constrains the
+    tokens after it."""
 
-    def __init__(self, matcher, vocab_size: int,
-                 starts_after: Sequence[int] | None = None) -> None:
+    def __init__(self, matcher, vocab_size: int, starts_after: str | None = None,
+                 decode: Callable[[list[int]], str] | None = None) -> None:
         self._matcher = matcher
         self._bitmask = np.empty((1, (vocab_size + 31) // 32), dtype=np.int32)
-        self._waiting_for = tuple(starts_after) if starts_after else None
+        self._waiting_for = starts_after or None
+        self._decode = decode
         self._recent: list[int] = []  # the last output tokens while waiting
 
     @property
@@ -62,8 +64,10 @@ class RequestGrammar:
     def accept(self, token: int) -> bool:
         """Advance past a sampled token; False when the grammar does not allow it."""
         if self.waiting:
-            self._recent = (self._recent + [token])[-len(self._waiting_for):]
-            if tuple(self._recent) == self._waiting_for:  # the grammar starts after it
+            # enough tokens to hold the text (each decodes to one character or more, but for
+            # pieces of a character: a few more)
+            self._recent = (self._recent + [token])[-(len(self._waiting_for) + 4):]
+            if self._waiting_for in self._decode(self._recent):  # it starts after this one
                 self._waiting_for, self._recent = None, []
             return True
         return self._matcher.accept_token(token)
@@ -131,13 +135,14 @@ class GrammarBackend:
             raise ValueError(f"structured_outputs.{kind} must be {what}: "
                              f"{str(e).strip()[:500]}") from e
 
-    def request_grammar(self, spec: StructuredOutputsParams,
-                        stop_token_ids: Sequence[int]) -> RequestGrammar:
+    def request_grammar(self, spec: StructuredOutputsParams, stop_token_ids: Sequence[int],
+                        decode: Callable[[list[int]], str] | None = None) -> RequestGrammar:
         """A new matcher of the constraint. stop_token_ids end the output where the grammar
-        is complete (vLLM's: EOS and the request's stop_token_ids)."""
-        if spec.starts_after and max(spec.starts_after) >= self.vocab_size:
-            raise ValueError(f"structured_outputs.starts_after holds a token id past the "
-                             f"vocabulary ({self.vocab_size} tokens): {spec.starts_after}")
+        is complete (vLLM's: EOS and the request's stop_token_ids); `decode` (token ids to
+        text, special tokens kept): how a grammar with starts_after reads the output."""
+        if spec.starts_after is not None and decode is None:
+            raise ValueError("structured_outputs.starts_after needs the tokenizer to read the "
+                             "output")
         matcher = self._xgr.GrammarMatcher(self.compile(spec),
                                            override_stop_tokens=list(stop_token_ids) or None)
-        return RequestGrammar(matcher, self.vocab_size, spec.starts_after)
+        return RequestGrammar(matcher, self.vocab_size, spec.starts_after, decode)

@@ -122,11 +122,58 @@ def test_structured_outputs_start_after_the_reasoning(tiny_llama, client):
         free = client.chat.completions.create(model=MODEL_NAME, messages=ASK, temperature=0,
                                               max_tokens=40).choices[0].message.content
         assert "think>" not in free
-        message = _ask(reasoner, "[a-z]{4}").choices[0].message  # 40 tokens
+        answer = _ask(reasoner, "[a-z]{4}")  # 40 tokens
+        message = answer.choices[0].message
         assert (message.reasoning, message.content) == (free, None)
+        assert answer.usage.completion_tokens_details.reasoning_tokens == \
+            answer.usage.completion_tokens == 40  # all reasoning
         off = _ask(reasoner, "[a-z]{4}",
                    extra_body={"chat_template_kwargs": {"enable_thinking": False}})
         assert off.choices[0].message.content.isalpha()
         assert len(off.choices[0].message.content) == 4
     finally:
         stop_server(s)
+
+
+def _reasoning_tokens(token_ids, tokenizer_dir):
+    """An oracle of the usage's reasoning tokens: the output's tokens whose text starts before
+    its first </think>, but those wholly inside a <think> (prefixes decoded)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    text = tok.decode(token_ids)
+    end = text.find("</think>") if "</think>" in text else len(text)
+    starts = [i for i in range(end) if text.startswith("<think>", i)]
+    count = 0
+    for t in range(len(token_ids)):
+        a, b = len(tok.decode(token_ids[:t])), len(tok.decode(token_ids[:t + 1]))
+        if a < end and not any(s <= a and b <= s + 7 for s in starts):
+            count += 1
+    return count
+
+
+def test_usage_counts_reasoning_tokens(thinking, client, tiny_llama):
+    _, reasoner = thinking
+    answer = _ask(reasoner, THINK, extra_body={"return_token_ids": True})
+    ids = answer.choices[0].token_ids
+    expected = _reasoning_tokens(ids, tiny_llama)
+    assert 0 < expected < len(ids)
+    assert answer.usage.completion_tokens_details.reasoning_tokens == expected
+    last = [c for c in _ask(reasoner, THINK, stream=True,
+                            stream_options={"include_usage": True})][-1]
+    assert last.usage.completion_tokens_details.reasoning_tokens == expected
+    # without a parser: no details
+    assert _ask(client, THINK).usage.completion_tokens_details is None
+
+
+def test_include_reasoning_false_sends_no_reasoning(thinking):
+    _, reasoner = thinking
+    full = _ask(reasoner, THINK).choices[0].message
+    hidden = _ask(reasoner, THINK, logprobs=True,
+                  extra_body={"include_reasoning": False, "return_token_ids": True})
+    choice = hidden.choices[0]
+    assert (choice.message.reasoning, choice.message.content) == (None, full.content)
+    assert choice.logprobs is None and getattr(choice, "token_ids", None) is None
+    reasoning, content, _ = _streamed(reasoner, THINK, logprobs=True,
+                                      extra_body={"include_reasoning": False})
+    assert (reasoning, "".join(content)) == ([], full.content)
+    assert hidden.usage.completion_tokens_details.reasoning_tokens > 0

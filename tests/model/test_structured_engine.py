@@ -99,27 +99,27 @@ def test_unconstrained_rows_are_untouched_by_constrained_ones(llm):
 
 
 def test_a_grammar_that_starts_after_a_marker(llm):
-    """starts_after (a reasoning parser's end marker): the output is the unconstrained one up
-    to the marker's first occurrence, the grammar's after it; a marker that never comes leaves
-    the whole output free."""
+    """starts_after (a reasoning parser's end marker, a text): the output is the unconstrained
+    one up to the token that completes the text's first occurrence, the grammar's after it; a
+    text that never comes leaves the whole output free."""
     plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     free = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, plain)]
+    decode = llm.engine.tokenizer.decode
     for prompt, tokens in zip(PROMPTS, free):
-        marker = tokens[3:5]
-        start = next(i for i in range(len(tokens)) if tokens[i:i + 2] == marker) + 2
+        marker = decode(tokens[:5])[-4:]  # may span tokens
+        start = next(k for k in range(1, len(tokens) + 1) if marker in decode(tokens[:k]))
         out = llm.generate([prompt], constrained(regex=REGEX, starts_after=marker,
                                                  max_tokens=30))[0].outputs[0]
         assert out.token_ids[:start] == tokens[:start]
-        assert re.fullmatch(REGEX, llm.engine.tokenizer.decode(out.token_ids[start:-1]))
+        assert re.fullmatch(REGEX, decode(out.token_ids[start:-1]))
         assert out.finish_reason == "stop" and out.token_ids[-1] in llm.engine.eos_token_ids
     never = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
                            structured_outputs=StructuredOutputsParams(
-                               regex=REGEX, starts_after=[0, 0, 0]))
+                               regex=REGEX, starts_after="\x00never"))
     assert llm.generate(PROMPTS[:1], never)[0].outputs[0].token_ids == free[0]
-    with pytest.raises(ValueError, match="starts_after"):
-        llm.generate(PROMPTS[:1], constrained(regex=REGEX, starts_after=[10**9]))
-    with pytest.raises(ValueError, match="starts_after"):
-        StructuredOutputsParams(regex=REGEX, starts_after=[])
+    for bad in ("", [1, 2]):
+        with pytest.raises(ValueError, match="starts_after"):
+            StructuredOutputsParams(regex=REGEX, starts_after=bad)
     assert_idle(llm)
 
 

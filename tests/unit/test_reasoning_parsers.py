@@ -125,3 +125,22 @@ def test_unknown_parser_names_are_refused_with_the_allowed_ones():
         ServerSettings("m", structured_outputs_enable_in_reasoning=True)
     assert ServerSettings("m", reasoning_parser="qwen3",
                           structured_outputs_enable_in_reasoning=True)
+
+
+def test_reasoning_tokens_are_those_before_the_end_marker():
+    from nanokv.server.reasoning import ReasoningTokens, count_reasoning_tokens
+    assert count_reasoning_tokens(["a", "b", "</think>", "c"]) == 2  # single-token markers
+    assert count_reasoning_tokens(["<think>", "a", "</think>", "c", "</think>"]) == 1
+    assert count_reasoning_tokens(["a", "b", "c"]) == 3  # never ended: all reasoning
+    assert count_reasoning_tokens(["a", "</th", "ink>", "b"]) == 1  # a marker over tokens
+    assert count_reasoning_tokens(["a</th", "ink>b"]) == 1  # tokens over its edges
+    assert count_reasoning_tokens(["<thi", "nk>", "x", "</think>"]) == 1
+    assert count_reasoning_tokens(["a", "</think>"], thinking=False) == 0
+    assert count_reasoning_tokens([]) == 0
+    # counted as the tokens come: the count so far, final once the marker is read
+    counter = ReasoningTokens()
+    seen = []
+    for piece in ["<think>", "a", "b", "</", "think>", "c"]:
+        counter.add(piece)
+        seen.append(counter.count)
+    assert seen == [0, 1, 2, 3, 2, 2] and counter.done
