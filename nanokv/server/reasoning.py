@@ -101,7 +101,6 @@ class ReasoningStream:
         return (rest, "") if self.in_reasoning else ("", rest)
 
 
-
 class ReasoningTokens:
     """An answer's reasoning tokens (the usage's `completion_tokens_details.reasoning_tokens`),
     counted as its tokens come (`add`, each token's text as `TokenTexts` gives it): those with
@@ -134,7 +133,7 @@ class ReasoningTokens:
     def _in_starts(self, text: str, since: int = 0) -> int:
         """Tokens wholly inside the start markers of `text` (all of them; or those found from
         `since` on, as `add` meets them)."""
-        inside, at = 0, text.find(START, max(0, since - len(START) + 1) if since else 0)
+        inside, at = 0, text.find(START, max(0, since - len(START) + 1))
         while at >= 0:
             inside += sum(1 for s, e in self.spans if at <= s and e <= at + len(START) and s < e)
             at = text.find(START, at + len(START))

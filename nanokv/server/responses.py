@@ -149,6 +149,10 @@ class ReasoningTokenCount:
     def __init__(self, texts: TokenTexts, thinking: bool) -> None:
         self.texts, self.counter = texts, ReasoningTokens(thinking)
 
+    @property
+    def count(self) -> int:
+        return self.counter.count
+
     def add(self, token_ids: list[int], final: bool) -> int:
         """Count these next tokens (`final`: the answer's last among them); the count so far."""
         for j, token in enumerate(token_ids):
@@ -199,18 +203,16 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
     sent = [False] * num_choices  # a chunk of the choice went out
     n = body.num_choices
     generated = 0
-    want_logprobs = body.num_logprobs is not None
+    parts = parts or ChatParts()
+    # a hidden reasoning (vLLM's rule): no logprobs nor token ids, which would show it
+    hidden = not parts.include_reasoning and parts.reasoning is not None
+    want_logprobs = body.num_logprobs is not None and not hidden
     echo = not chat and bool(body.echo)
     echo_only = echo and body.echo_only
-
-    parts = parts or ChatParts()
-    hidden = not parts.include_reasoning and parts.reasoning is not None  # vLLM's rule
-
-    counts: list[ReasoningTokenCount | None] = [None] * num_choices
-    reasoning_tokens = [0] * num_choices
+    counts: list[ReasoningTokenCount | None] = [None] * num_choices  # made at a first output
 
     def reasoning_total() -> int | None:
-        return sum(reasoning_tokens) if parts.reasoning_tokens else None
+        return sum(c.count for c in counts if c) if parts.reasoning_tokens else None
 
     def running_usage() -> dict | None:
         if not (body.include_usage and body.continuous_usage):
@@ -256,7 +258,7 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
             generated += len(new)
             if parts.reasoning_tokens:
                 counts[i] = counts[i] or parts.reasoning_tokens(out.prompt_token_ids)
-                reasoning_tokens[i] = counts[i].add(new, out.finished)
+                counts[i].add(new, out.finished)
             pending_ids[i] += new
             if not echo_only:
                 pending_lps[i] += out.new_logprobs or []
@@ -271,9 +273,7 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
             if out.finished:
                 finals[i] = out
             logprobs = None
-            if hidden:
-                pass  # the logprobs would show the reasoning's tokens
-            elif want_logprobs and pending_lps[i] and chat:
+            if want_logprobs and pending_lps[i] and chat:
                 logprobs = chat_logprobs(pending_lps[i], texts[i], out.finished)
             elif want_logprobs and echoing:
                 logprobs = echo_logprobs(out.prompt_logprobs or [None], pending_lps[i],

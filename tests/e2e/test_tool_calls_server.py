@@ -138,6 +138,21 @@ def test_streamed_auto_calls_are_the_whole_answers(servers, regex, content_len, 
     assert finish == whole.finish_reason == ("tool_calls" if num_calls else "stop")
 
 
+def test_the_sdks_stream_helper_puts_the_calls_together(servers):
+    """The SDK's own accumulator (`chat.completions.stream`, which also checks each delta's
+    shape) makes the whole answer's message of the streamed calls."""
+    kwargs = dict(tools=TOOLS, max_tokens=200, extra_body={"structured_outputs": {
+        "regex": "[a-z]{3}" + CALL + CALL}})
+    whole = _chat(servers[0], **kwargs).choices[0]
+    with _client(servers[0]).chat.completions.stream(
+            model=MODEL_NAME, messages=ASK, temperature=0, **kwargs) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == whole.finish_reason == "tool_calls"
+    assert final.message.content == whole.message.content
+    assert _calls(final.message) == _calls(whole.message) and len(_calls(whole.message)) == 2
+    assert [c.id for c in final.message.tool_calls][0].startswith("chatcmpl-tool-")
+
+
 def test_streamed_required_calls_are_the_whole_answers(servers):
     kwargs = dict(tools=TOOLS, tool_choice="required", max_tokens=300, extra_body=COMPACT)
     whole = _chat(servers[0], **kwargs).choices[0]
