@@ -340,7 +340,8 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
             requests += server.make_requests(body, ids, text, f"{rid}-{i}", body.max_tokens,
                                              max(default, 1), "prompt",
                                              bad_words_token_ids=bad_words,
-                                             structured_outputs=structured)
+                                             structured_outputs=structured,
+                                             priority=server.priority(body, raw))
         streams = server.open_streams(requests, labels)
         head = {"id": rid, "object": "text_completion", "created": int(time.time()),
                 "model": settings.model_name}
@@ -387,7 +388,8 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
             else "max_completion_tokens"
         requests = server.make_requests(body, ids, text, rid, body.requested_max_tokens,
                                         max(server.max_model_len - len(ids), 1), "messages",
-                                        max_param, bad_words, structured)
+                                        max_param, bad_words, structured,
+                                        server.priority(body, raw))
         streams = server.open_streams(requests, labels)
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()),
                 "model": settings.model_name}

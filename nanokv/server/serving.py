@@ -38,6 +38,7 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens
                    "presence_penalty", "frequency_penalty", "logprobs", "prompt_logprobs",
                    "logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens")
 REQUEST_CLASS_HEADER = "x-request-class"
+PRIORITY_HEADER = "x-vllm-priority"  # vLLM's: an integer priority overriding the body's
 DEFAULT_REQUEST_CLASS = "default"
 CHARS_PER_TOKEN_LIMIT = 64  # default --max-prompt-chars: this many characters per context token
 TOKENIZER_THREADS = 4  # a huge prompt occupies one; the others keep serving small ones
@@ -211,6 +212,18 @@ class OpenAIServer:
                                 f"header; allowed: {allowed} (--request-classes)",
                            code="invalid_value")
         return endpoint, given
+
+    @staticmethod
+    def priority(body: _SamplingRequest, raw: Request) -> int:
+        """The request's priority: vLLM's X-Vllm-Priority header where it holds an integer (it
+        overrides the body's; another value is ignored), else the body's `priority`."""
+        header = raw.headers.get(PRIORITY_HEADER)
+        if header is not None:
+            try:
+                return int(header)
+            except ValueError:
+                pass
+        return body.priority
 
     def check_chars(self, n: int, param: str) -> None:
         if n > self.max_prompt_chars:
@@ -397,11 +410,13 @@ class OpenAIServer:
                       request_id: str, requested_max: int | None, default_max: int,
                       prompt_param: str, max_param: str = "max_tokens",
                       bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None,
-                      structured_outputs: StructuredOutputsParams | None = None) -> list:
+                      structured_outputs: StructuredOutputsParams | None = None,
+                      priority: int = 0) -> list:
         """The n engine requests of one prompt (ids `request_id-j`; `token_ids` already
         truncated, `bad_words_token_ids` from `bad_words_token_ids`, `structured_outputs`
-        from `structured_outputs`); n > 1 share the prompt's blocks through the prefix cache,
-        and seeded choices use seed + j. Echo with max_tokens 0 runs max_tokens 1 (vLLM's)."""
+        from `structured_outputs`, `priority` from `priority()`); n > 1 share the prompt's
+        blocks through the prefix cache, and seeded choices use seed + j. Echo with max_tokens
+        0 runs max_tokens 1 (vLLM's)."""
         n = len(token_ids)
         if n >= self.max_model_len:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
@@ -445,7 +460,7 @@ class OpenAIServer:
                                                    request_id=f"{request_id}-{j}",
                                                    cache_salt=body.cache_salt,
                                                    bad_words_token_ids=bad_words_token_ids,
-                                                   priority=body.priority)
+                                                   priority=priority)
             except ValueError as e:
                 first = str(e).split(" ", 1)[0]
                 param = ("cache_salt" if "cache_salt" in str(e)

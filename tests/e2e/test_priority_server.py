@@ -1,6 +1,7 @@
 """The request's `priority` through the server and the `openai` SDK: under
 `--scheduling-policy priority` it orders admission; under fcfs it is accepted and ignored (as
-vLLM 0.32); a non-integer is a 400 naming the field."""
+vLLM 0.32); a non-integer is a 400 naming the field; vLLM's X-Vllm-Priority header overrides
+it."""
 
 from __future__ import annotations
 
@@ -74,6 +75,19 @@ def test_waiting_requests_admitted_by_priority(priority_server, admitted):
         t.join(60)
     assert sorted(done) == [-1, 0, 3, 5]
     assert [p for _, p in admitted] == [5, -1, 0, 3]
+
+
+@pytest.mark.parametrize("header,body,seen", [("2", 1, 2), ("-3", None, -3),
+                                               ("x", 4, 4), ("1.5", None, 0)])
+def test_the_priority_header_overrides_the_body(priority_server, admitted, header, body, seen):
+    """vLLM's X-Vllm-Priority: an integer overrides the body's priority, another value is
+    ignored."""
+    extra = {"priority": body} if body is not None else {}
+    r = sdk(priority_server).chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        extra_body=extra, extra_headers={"X-Vllm-Priority": header})
+    assert r.choices[0].finish_reason in ("length", "stop")
+    assert [p for _, p in admitted] == [seen]
 
 
 @pytest.mark.parametrize("value", ["1", 1.5, True, None])
