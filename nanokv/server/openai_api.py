@@ -410,10 +410,12 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
                 tool_calls=None if tool_choice in (None, "none") else partial(
                     ToolCallStream, tool_choice, tool_name, settings.tool_call_parser),
                 reasoning_tokens=reasoning_count if parser else None,
-                include_reasoning=body.include_reasoning)
+                include_reasoning=body.include_reasoning, echo=body.echo_text())
             return EngineStreamingResponse(
                 stream_events(server.events(streams), len(streams), head, body, True,
                               token_texts, ids, parts), streams)
+
+        echo = body.echo_text()
 
         def message(o) -> dict:
             message, content = {"role": "assistant"}, o.text
@@ -422,9 +424,12 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
                 if hidden:
                     message["reasoning"] = None
             if tool_choice in (None, "none"):
-                return {"message": {**message, "content": content}}
+                return {"message": {**message, "content": echo + (content or "") if echo
+                                    else content}}
             calls, content = answer_tool_calls(content or "", tool_choice, tool_name,
                                                settings.tool_call_parser)
+            if echo:
+                content = echo + (content or "")
             # vLLM's finish_reason: "tool_calls" for auto calls and "required" (ended by a
             # stop), the engine's for a named function
             finish = "tool_calls" if (calls and tool_choice == "auto") or (

@@ -8,14 +8,14 @@ way vLLM does:
   `top_logprobs`, `n`, vLLM's `prompt_logprobs`, `allowed_token_ids`, `bad_words` and
   `truncate_prompt_tokens`, structured outputs (`response_format` json_object / json_schema
   and vLLM's `structured_outputs`, chat and completions), `tools` / `tool_choice` and
-  history `tool_calls` (nanokv/server/tool_calls.py), and the completions' `echo` (with
-  `max_tokens: 0`: the prompt alone, as vLLM's);
+  history `tool_calls` (nanokv/server/tool_calls.py), the completions' `echo` (with
+  `max_tokens: 0`: the prompt alone, as vLLM's) and chat's (the last message's content first);
 - bookkeeping that changes nothing (`user`, `store`, `metadata`, `service_tier`,
   `prompt_cache_key`, `safety_identifier`, `reasoning_effort`, `request_id` ...): accepted and
   ignored; `priority` (an integer) orders the request under `--scheduling-policy priority`
   and is ignored under fcfs, as in vLLM;
 - fields nanokv does not implement: accepted only at the value that changes nothing
-  (chat's `echo: false` ...), otherwise a
+  (`best_of` = n, `modalities: ["text"]` ...), otherwise a
   400 naming the field (`unsupported()`);
 - anything else is an unknown field: a 400 naming it.
 """
@@ -437,15 +437,20 @@ class ChatCompletionRequest(_SamplingRequest):
             bad.append(("continue_final_message", "continue_final_message and "
                         "add_generation_prompt cannot both be true: set add_generation_prompt "
                         "to false to continue the last message"))
-        if self.echo:
-            bad.append(("echo", "echo is not supported on chat completions (it is on "
-                                "/v1/completions)"))
         if self.chat_template is not None:
             bad.append(("chat_template", "per-request chat templates are not supported "
                                          "(the server's --chat-template applies)"))
         if self.documents:
             bad.append(("documents", "documents are not supported"))
         return bad
+
+    def echo_text(self) -> str:
+        """vLLM's chat `echo`: the last message's content, which the answer's content starts
+        with, when that message has the answer's role (assistant; the last message's own where
+        add_generation_prompt is false); else ""."""
+        last = self.messages[-1]
+        role = "assistant" if self.add_generation_prompt else last.role
+        return last.text() if self.echo and last.role == role else ""
 
     def checked_tool_choice(self) -> tuple[str | None, str | None]:
         """(choice, function name) of the request, checked as vLLM checks it: choice "none",

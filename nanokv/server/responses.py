@@ -170,12 +170,14 @@ class ChatParts:
     content (deltas carry each call as `tool_calls` once complete, the finish_reason is the
     tool choice's: `tool_stream`); `reasoning_tokens(prompt_token_ids)` makes a count of a
     choice's reasoning tokens for the usage's completion_tokens_details; `include_reasoning`
-    false drops the reasoning and, as vLLM, the logprobs and token ids that would show it."""
+    false drops the reasoning and, as vLLM, the logprobs and token ids that would show it;
+    `echo` (vLLM's chat echo, `ChatCompletionRequest.echo_text`) goes out after the role."""
 
     reasoning: Callable[[], ReasoningStream] | None = None
     tool_calls: Callable[[], ToolCallStream] | None = None
     reasoning_tokens: Callable[[list[int]], ReasoningTokenCount] | None = None
     include_reasoning: bool = True
+    echo: str = ""  # vLLM's chat echo: each choice's content starts with it (its own chunk)
 
 
 async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_choices: int,
@@ -250,6 +252,9 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
                 if body.return_token_ids and i == 0:
                     chunk["prompt_token_ids"] = prompt_token_ids
                 yield sse(chunk)
+            for i in range(num_choices if parts.echo else 0):
+                yield sse({**head, "choices": [{"index": i, "delta": {"content": parts.echo},
+                                                "logprobs": None, "finish_reason": None}]})
         async for i, out in events:
             latest[i] = out
             # an echo's token texts start with the prompt's: the offsets index the echoed text

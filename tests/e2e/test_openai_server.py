@@ -162,6 +162,33 @@ def test_chat_continues_the_final_message_as_offline_chat(server, client, offlin
     assert "add_generation_prompt" in bad.json()["error"]["message"]
 
 
+def test_chat_echo_starts_the_content_with_the_last_message(client, offline):
+    """vLLM's chat `echo`: the content starts with the last message's, where that message has
+    the answer's role (the continued assistant message; any last message without a generation
+    prompt), streamed as its own chunk after the role's; otherwise nothing is echoed."""
+    messages = [{"role": "user", "content": "def add(a, b):"},
+                {"role": "assistant", "content": "    return"}]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    (ref,) = offline.chat(messages, params, add_generation_prompt=False,
+                          continue_final_message=True, use_tqdm=False)
+    kw = dict(model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0, n=2,
+              extra_body={"ignore_eos": True, "echo": True, "add_generation_prompt": False,
+                          "continue_final_message": True})
+    r = client.chat.completions.create(**kw)
+    assert [c.message.content for c in r.choices] == ["    return" + ref.outputs[0].text] * 2
+    assert r.usage.completion_tokens == 16  # the echo is not counted
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    for i in range(2):
+        deltas = [c.choices[0].delta.content for c in chunks
+                  if c.choices and c.choices[0].index == i]
+        assert deltas[:2] == ["", "    return"]  # the role's chunk, then the echo's
+        assert "".join(d or "" for d in deltas) == r.choices[i].message.content
+    # the last message is the user's, the answer the assistant's: nothing echoed
+    plain = dict(model=MODEL_NAME, messages=messages[:1], max_tokens=4, temperature=0)
+    assert client.chat.completions.create(**plain, extra_body={"echo": True}).choices[
+        0].message.content == client.chat.completions.create(**plain).choices[0].message.content
+
+
 def test_streaming_completion_with_usage(client, offline):
     (ref,) = offline_outputs(offline, [PROMPTS[1]], 16)
     chunks = list(client.completions.create(
