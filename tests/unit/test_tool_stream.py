@@ -149,3 +149,32 @@ def test_llama3_json_streams_other_answers_as_content(text):
     text = '{"name": "f", "parameters": {}}; {"nom": 1} tail'
     content, calls, _, _ = streamed("auto", text, rng, parser="llama3_json")
     assert calls == [("f", "{}")] and content == '{"nom": 1} tail'
+
+
+def test_random_hermes_answers_stream_as_the_whole_answer():
+    """Answers made of content, blank text, calls with strings that hold markers and braces,
+    text between calls and an unclosed last call, fed in random pieces: the same content and
+    calls as the whole answer's parse (every block a call)."""
+    rng = random.Random(7)
+    words = ["hi", " ", "\n", "<tool", "call>", "{", "}", '"', "\\", "ü", "</tool_call", "<"]
+    for _ in range(300):
+        parts = []
+        if rng.random() < 0.7:
+            parts.append("".join(rng.choice(words) for _ in range(rng.randint(0, 5)))
+                         .replace("<tool_call>", ""))
+        for k in range(rng.randint(0, 3)):
+            args = {"s": "".join(rng.choice(words) for _ in range(rng.randint(0, 4))),
+                    "n": [k, {"x": None}]}
+            parts.append(block(f"f{k}", args))
+            parts.append(rng.choice(["", " ", "\n", "junk"]))
+        if rng.random() < 0.3:
+            parts.append(block("last", {"a": 1}, close=False))
+        text = "".join(parts)
+        want_calls, want_content = parse_hermes(text)
+        if "<tool_call>" in text and not want_calls:
+            continue  # a block that is not a call (the text the content made one)
+        want = [(c["function"]["name"], c["function"]["arguments"]) for c in want_calls]
+        content, calls, _, stream = streamed("auto", text, rng)
+        assert calls == want, text
+        assert (content if content.strip() or not want else None) == want_content, text
+        assert stream.finish_reason("stop") == ("tool_calls" if want else "stop")
