@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server (FastAPI).
 
-    POST /v1/completions, /v1/chat/completions (JSON or server-sent events)
+    POST /v1/completions, /v1/chat/completions, /v1/responses (JSON or server-sent events)
     GET  /v1/models, /v1/models/{model}, /health, /ping (also POST), /version, /metrics
     POST /tokenize, /detokenize
 
@@ -31,6 +31,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanokv.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                     DetokenizeRequest, TokenizeRequest, error_body)
+from nanokv.server.responses_api import (ResponseShape, ResponsesRequest, stream_response,
+                                         whole_output)
 from nanokv.server.responses import (ChatParts, ReasoningTokenCount, chat_logprobs,
                                      completion_logprobs, echo_logprobs, prompt_logprobs_json,
                                      stream_events, usage)
@@ -367,6 +369,46 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
             return choice
 
         return await final_response(streams, raw, head, body, completion_choice)
+
+    @app.post("/v1/responses", dependencies=json_body)
+    async def responses(body: ResponsesRequest, raw: Request):
+        server.check_request(body)
+        labels = server.request_class(raw, "responses")
+        messages = body.messages()
+        text, ids = await server.chat_token_ids(messages, True, False,
+                                                body.chat_template_kwargs)
+        ids = server.truncate(body, ids)
+        bad_words = await server.bad_words_token_ids(body)
+        parser = server.reasoning_parser
+        thinking = parser is not None and parser.thinking(body.chat_template_kwargs)
+        structured = server.after_reasoning(await server.structured_outputs(body), thinking)
+        shape = ResponseShape(body, settings.model_name)
+        requests = server.make_requests(body, ids, text, shape.id, body.max_output_tokens,
+                                        max(server.max_model_len - len(ids), 1), "input",
+                                        "max_output_tokens", bad_words, structured,
+                                        server.priority(body, raw))
+        streams = server.open_streams(requests, labels)
+        token_texts = partial(server.token_texts, skip_special_tokens=body.skip_special_tokens)
+
+        def count_reasoning(out) -> int:
+            return ReasoningTokenCount(token_texts(out.prompt_token_ids), thinking).add(
+                out.token_ids, True)
+
+        count = count_reasoning if parser else None
+        if body.stream:
+            return EngineStreamingResponse(stream_response(
+                server.events(streams), shape, body,
+                partial(parser.stream, thinking) if parser else None, count), streams)
+        try:
+            finals, _ = await server.run_to_end(streams, raw)
+        except ClientGone:
+            return Response(status_code=499)
+        out = finals[0]
+        split = None
+        if parser is not None:
+            thought, content = parser.split(out.text, thinking)
+            split = (thought if body.include_reasoning else None, content)
+        return whole_output(shape, out, split, count(out) if count else None)
 
     @app.post("/v1/chat/completions", dependencies=json_body)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):

@@ -22,7 +22,7 @@ way vLLM does:
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -168,11 +168,16 @@ class _SamplingRequest(_Body):
                                   f"structured_outputs {{\"{name[len('guided_'):]}\": ...}}"))
         return bad
 
+    FORMAT_PARAM: ClassVar[str] = "response_format"  # the output format's field (Responses: text)
+
+    def _format_given(self) -> bool:
+        return self.response_format is not None
+
     def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str]:
         """The request's constraint and the field it came from (response_format or
         structured_outputs): vLLM's rule, response_format's json_object / json_schema set over
         structured_outputs' fields. APIError 400 naming the field when either is malformed."""
-        if self.response_format is None and self.structured_outputs is None:
+        if not self._format_given() and self.structured_outputs is None:
             return None, ""
         fields: dict[str, Any] = {}
         if self.structured_outputs is not None:
@@ -191,7 +196,7 @@ class _SamplingRequest(_Body):
         override = self._response_format_constraint()
         if override:
             fields.update(override)
-            param = "response_format"
+            param = self.FORMAT_PARAM
         if not fields and self.structured_outputs is None:
             return None, ""
         try:
