@@ -315,6 +315,8 @@ async def stream_response(events: AsyncIterator[tuple[int, RequestOutput]], shap
                 yield chunk
             if out.finished:
                 final = out
+        if final is None:  # the events ended without an answer (the engine went away)
+            return
         status = status_of(final)
         if not kinds or kinds[-1] != "message":  # an answer with no content: an empty message
             if kinds:
