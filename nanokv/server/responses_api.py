@@ -8,9 +8,10 @@ reasoning parser) and a `message` item of `output_text`; streamed as the Respons
 Refused (400 naming the field): tools and tool choices other than none / auto without tools,
 `previous_response_id` and `conversation` (nothing is stored: `store` is accepted and
 ignored), `background`, `include`, `prompt` templates, `top_logprobs`, `truncation: "auto"`,
-input items other than messages (function calls and their outputs, reasoning items, files,
+input items other than messages and reasoning (function calls and their outputs, files,
 images), and the chat fields the Responses API does not have (`n`, `max_tokens`,
-`response_format`: use `text.format`)."""
+`response_format`: use `text.format`). An earlier answer's reasoning items sent back in `input`
+are accepted and not shown to the model (as chat history's reasoning)."""
 
 from __future__ import annotations
 
@@ -49,8 +50,20 @@ class InputMessage(_Strict):
         return ChatMessage(role=self.role, content=text)
 
 
+class InputReasoning(_Strict):
+    """An earlier answer's reasoning item, sent back with its output: not shown to the model
+    (as chat history's reasoning)."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] | None = None
+    content: list[dict[str, Any]] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
 class ResponsesRequest(_SamplingRequest):
-    input: str | list[InputMessage]
+    input: str | list[InputMessage | InputReasoning]
     instructions: str | None = None
     max_output_tokens: int | None = None
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" |
@@ -105,7 +118,7 @@ class ResponsesRequest(_SamplingRequest):
             self.input, str) else self.input
         chat = [ChatMessage(role="system", content=self.instructions)] \
             if self.instructions is not None else []
-        chat += [item.chat_message() for item in items]
+        chat += [item.chat_message() for item in items if isinstance(item, InputMessage)]
         if not chat:
             raise APIError(400, "input holds no message", param="input", code="invalid_value")
         return chat

@@ -142,6 +142,15 @@ def test_a_reasoning_parser_splits_a_reasoning_item_off(tiny_llama):
         text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
         assert (reasoning, text) == (thought.content[0].text, r.output_text)
         assert [e.output_index for e in events if e.type == "response.output_item.done"] == [0, 1]
+        # the answer's items sent back as history: the reasoning item is not shown
+        again = dict(kwargs, input=[{"role": "user", "content": ASK},
+                                    *[item.model_dump(exclude_none=True) for item in r.output],
+                                    {"role": "user", "content": "more"}])
+        chat = dict(kwargs, input=[{"role": "user", "content": ASK},
+                                   {"role": "assistant", "content": r.output_text},
+                                   {"role": "user", "content": "more"}])
+        assert _client(s).responses.create(**again).usage.input_tokens == \
+            _client(s).responses.create(**chat).usage.input_tokens
         hidden = _client(s).responses.create(**{**kwargs, "extra_body": {
             **regex, "include_reasoning": False}})
         assert [item.type for item in hidden.output] == ["message"]
