@@ -79,8 +79,9 @@ def add_serve_parser(subparsers, add_engine_args, engine_options) -> None:
                    metavar="NAME",
                    help="how tool calls are written in answers, for --enable-auto-tool-choice: "
                         "hermes (<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>, "
-                        "Qwen2.5 / Qwen3 / Hermes templates) or llama3_json ({\"name\": ..., "
+                        "Qwen2.5 / Qwen3 / Hermes templates), llama3_json ({\"name\": ..., "
                         "\"parameters\": {...}} objects, Llama 3.1 / 3.2 / 3.3 JSON templates) "
+                        "or pythonic ([f(a=1), g()], Llama 3.2 / 4 pythonic templates) "
                         "(default: none)")
     s.add_argument("--trace-file", default=None, metavar="FILE",
                    help="append one JSON line per finished request to FILE: arrival time, "

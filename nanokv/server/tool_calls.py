@@ -9,6 +9,9 @@ come back as the message's `tool_calls`.
   - llama3_json (the Llama 3.1 / 3.2 / 3.3 JSON templates): JSON objects `{"name": ...,
     "parameters" or "arguments": {...}}` anywhere in the answer (after `<|python_tag|>`, or
     separated by `; `), as vLLM reads them; with calls the `content` is null.
+  - pythonic (Llama 3.2 / 4 pythonic templates): the answer is a Python list of calls with
+    keyword arguments of literal values, `[get_weather(city="Rome"), get_time()]`, as vLLM
+    reads it; content null.
 - `"required"`: the answer is constrained (structured outputs) to a JSON array of
   `{"name", "parameters"}`, one of the tools each, every item a call.
 - a named function (`{"type": "function", "function": {"name": ...}}`): the answer is
@@ -18,12 +21,13 @@ come back as the message's `tool_calls`.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
 from typing import Any
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "pythonic")
 PYTHON_TAG = "<|python_tag|>"  # Llama 3's marker of a tool call answer
 HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 
@@ -76,6 +80,47 @@ def parse_llama3_json(text: str) -> tuple[list[dict], str | None]:
             return [], text
         end = start + length - 1
     return (calls, None) if calls else ([], text)
+
+
+PYTHONIC_LIST = re.compile(  # vLLM's pre-check: a list of name(keyword=...) calls
+    r"\[([a-zA-Z]+\w*\(([a-zA-Z]+\w*=.*,\s*)*([a-zA-Z]+\w*=.*\s)?\),\s*)*"
+    r"([a-zA-Z]+\w*\(([a-zA-Z]+\w*=.*,\s*)*([a-zA-Z]+\w*=.*\s*)?\)\s*)+\]", re.DOTALL)
+JSON_NAMES = {"null": None, "true": True, "false": False}  # some models write JSON's
+
+
+def _literal(node: ast.expr):
+    """A call argument's value: a Python literal (or JSON's null / true / false), as JSON."""
+    if isinstance(node, ast.Name) and node.id in JSON_NAMES:
+        return JSON_NAMES[node.id]
+    if isinstance(node, ast.Dict):
+        if not all(isinstance(k, ast.Constant) for k in node.keys):
+            raise ValueError("dict keys must be literals")
+        return {k.value: _literal(v) for k, v in zip(node.keys, node.values)}
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(e) for e in node.elts]
+    value = ast.literal_eval(node)
+    if value is not None and not isinstance(value, (str, int, float)):
+        raise ValueError("arguments must be JSON values")
+    return value
+
+
+def parse_pythonic(text: str) -> tuple[list[dict], str | None]:
+    """(tool calls, content) of an answer, as vLLM's pythonic parser reads it: an answer that
+    is a Python list of calls from its first character (`[f(a=1), g()]`, keyword arguments of
+    literal values; JSON's null / true / false too), each a call; content None. Anything else,
+    or a list that does not parse so, is all content, no calls."""
+    if not PYTHONIC_LIST.match(text):
+        return [], text
+    try:
+        node = ast.parse(text).body[0].value
+        if not isinstance(node, ast.List) or not all(isinstance(e, ast.Call)
+                                                     for e in node.elts):
+            return [], text
+        return [tool_call(e.func.id, json.dumps(  # a name: the pre-check's
+            {k.arg: _literal(k.value) for k in e.keywords}, ensure_ascii=False))
+            for e in node.elts], None
+    except (SyntaxError, ValueError, TypeError, AttributeError, IndexError):
+        return [], text
 
 
 def parse_required(text: str) -> list[dict]:
@@ -134,7 +179,8 @@ def answer_tool_calls(text: str, choice: str, name: str | None, parser: str = "h
     "required"; or "function" with the function's name): vLLM's message fields (content ""
     when a call was forced)."""
     if choice == "auto":
-        return parse_llama3_json(text) if parser == "llama3_json" else parse_hermes(text)
+        return {"llama3_json": parse_llama3_json, "pythonic": parse_pythonic}.get(
+            parser, parse_hermes)(text)
     if choice == "required":
         return parse_required(text), ""
     return ([tool_call(name, text)] if text.strip() else []), ""

@@ -15,6 +15,9 @@ sends the same fields, its arguments in smaller pieces). By tool choice:
   calls, each JSON object one once it closes (text between them dropped), and any other answer
   is content as it comes (the whole answer's parse also finds calls after text: then the two
   differ, as vLLM's do). An object that is not a call goes out as content with all after it.
+- "auto", pythonic: as vLLM's stream, an answer that starts with `[` is read as a list of
+  calls, here whole once the answer ends (the calls, or all its text as content when it is not
+  one); any other answer is content as it comes.
 - "required": each item of the constrained JSON array `[{"name", "parameters"}, ...]` is a call
   once its object closes; no content.
 - a named function: the answer is the call's arguments, sent as it comes: the first piece with
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import json
 
-from nanokv.server.tool_calls import PYTHON_TAG, llama3_call, tool_call
+from nanokv.server.tool_calls import PYTHON_TAG, llama3_call, parse_pythonic, tool_call
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -45,7 +48,7 @@ class ToolCallStream:
         self.sent_content = False  # content went out (blank text after it is content too)
         self.blank = ""  # blank text before the first block, dropped unless all is content
         self.objects = JsonObjects(2 if choice == "required" else 1)  # required, llama3_json
-        self.answer_is_calls: bool | None = None  # llama3_json: None until its start says
+        self.answer_is_calls: bool | None = None  # llama3_json, pythonic: None until it starts
 
     @property
     def called(self) -> bool:
@@ -69,6 +72,8 @@ class ToolCallStream:
     def _advance(self, final: bool) -> tuple[str, list[dict]]:
         if self.choice == "auto" and self.parser == "llama3_json":
             return self._llama3(final)
+        if self.choice == "auto" and self.parser == "pythonic":
+            return self._pythonic(final)
         if self.choice == "auto":
             return self._auto(final)
         if self.choice == "required":
@@ -167,6 +172,21 @@ class ToolCallStream:
         if final and self.objects.open():  # an object cut short: content
             return self.objects.rest(), calls
         return "", calls
+
+    # -- "auto", pythonic: a Python list of calls -------------------------------------------------
+    def _pythonic(self, final: bool) -> tuple[str, list[dict]]:
+        if self.answer_is_calls is None:
+            if not self.pending:
+                return "", []
+            self.answer_is_calls = self.pending.startswith("[")
+        if not self.answer_is_calls:  # content as it comes
+            out, self.pending = self.pending, ""
+            return out, []
+        if not final:  # the list is read whole, at the end
+            return "", []
+        calls, content = parse_pythonic(self.pending)
+        self.pending = ""
+        return content or "", [self._entry_of(call) for call in calls]
 
     # -- a named function: the answer is its arguments --------------------------------------------
     def _named(self) -> list[dict]:

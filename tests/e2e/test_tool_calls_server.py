@@ -1,5 +1,5 @@
 """Tool calling through the `openai` SDK (`nanokv serve --enable-auto-tool-choice
---tool-call-parser hermes`, and llama3_json), whole and streamed (the stream's deltas put
+--tool-call-parser hermes`, llama3_json and pythonic), whole and streamed (the stream's deltas put
 together against the whole answer): the tiny model writes no tool calls by itself, so `auto`
 is driven by a structured-outputs regex, and "required" / named functions by the engine's own
 constraint. The prompt's tools and history are checked against transformers'
@@ -216,6 +216,27 @@ def test_llama3_json_calls_whole_and_streamed(tiny_llama):
             if num_calls:
                 assert whole.message.content is None
                 assert all(json.loads(args)["city"].isalpha() for _, _, args in calls)
+    finally:
+        stop_server(server)
+
+
+def test_pythonic_calls_whole_and_streamed(tiny_llama):
+    """`--tool-call-parser pythonic`: an answer that is a list of calls is the calls (content
+    null; streamed, at its end); other answers are content."""
+    server = start_in_process(tiny_llama, settings=dict(
+        chat_template=TEMPLATE, enable_auto_tool_choice=True, tool_call_parser="pythonic"),
+        max_model_len=1024)
+    try:
+        for regex, num_calls in ((r'\[get_weather\(city="[a-z]{3}"\), get_time\(\)\]', 2),
+                                 ("[a-z]{6}", 0)):
+            kwargs = dict(tools=TOOLS, max_tokens=200, extra_body={"structured_outputs": {
+                "regex": regex}})
+            whole = _chat(server, **kwargs).choices[0]
+            content, calls, finish, _ = _stream(server, **kwargs)
+            assert len(_calls(whole.message)) == num_calls
+            assert [(name, args) for _, name, args in calls] == _calls(whole.message)
+            assert (content or None) == whole.message.content
+            assert finish == whole.finish_reason == ("tool_calls" if num_calls else "stop")
     finally:
         stop_server(server)
 

@@ -1,12 +1,12 @@
-"""The tool call parsers (vLLM's `--tool-call-parser hermes` and `llama3_json`) and the
-constraints of forced tool choices."""
+"""The tool call parsers (vLLM's `--tool-call-parser hermes`, `llama3_json` and `pythonic`)
+and the constraints of forced tool choices."""
 
 from __future__ import annotations
 
 import json
 
 from nanokv.server.tool_calls import (answer_tool_calls, parse_hermes, parse_llama3_json,
-                                      required_schema, template_tool_calls)
+                                      parse_pythonic, required_schema, template_tool_calls)
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
 TIME = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
@@ -107,3 +107,33 @@ def test_llama3_json_reads_answers_as_vllm():
         assert got_content == content, text
         assert all(c["id"].startswith("chatcmpl-tool-") for c in got_calls)
         assert answer_tool_calls(text, "auto", None, "llama3_json")[1] == content
+
+
+# pythonic: each case's (calls, content) as vLLM 0.32's PythonicToolParser.extract_tool_calls
+# gives them (checked against it)
+PYTHONIC = [
+    ('[get_weather(city="Rome"), get_time()]', [("get_weather", '{"city": "Rome"}'),
+                                                ("get_time", "{}")], None),
+    ('[f(a=1, b=[1, 2, {"x": null}], c=true, d=None, e=-2.5)]',
+     [("f", '{"a": 1, "b": [1, 2, {"x": null}], "c": true, "d": null, "e": -2.5}')], None),
+    ('[f(a=1),\n g(b="x")]', [("f", '{"a": 1}'), ("g", '{"b": "x"}')], None),
+    ('[f(a={"k": 1, 2: "v"})]', [("f", '{"a": {"k": 1, "2": "v"}}')], None),
+    ('[f(s="ü")]', [("f", '{"s": "ü"}')], None),
+    ("Sure: [f(a=1)]", [], "Sure: [f(a=1)]"),  # text first
+    ("[f(a=1)] trailing", [], "[f(a=1)] trailing"),
+    ("  [f(a=1)]", [], "  [f(a=1)]"),
+    ("[f(1)]", [], "[f(1)]"),  # a positional argument
+    ("[f(a=b)]", [], "[f(a=b)]"),  # not a literal
+    ('[f(a=b"x")]', [], '[f(a=b"x")]'),  # not a JSON value
+    ('[a.b(x="y")]', [], '[a.b(x="y")]'),
+    ("no calls", [], "no calls"),
+]
+
+
+def test_pythonic_reads_answers_as_vllm():
+    for text, calls, content in PYTHONIC:
+        got_calls, got_content = parse_pythonic(text)
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in got_calls] \
+            == calls, text
+        assert got_content == content, text
+        assert answer_tool_calls(text, "auto", None, "pythonic")[1] == content

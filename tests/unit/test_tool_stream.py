@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from nanokv.server.tool_calls import parse_hermes, parse_llama3_json, parse_required
+from nanokv.server.tool_calls import (parse_hermes, parse_llama3_json, parse_pythonic,
+                                      parse_required)
 from nanokv.server.tool_stream import ToolCallStream
 
 
@@ -178,3 +179,22 @@ def test_random_hermes_answers_stream_as_the_whole_answer():
         assert calls == want, text
         assert (content if content.strip() or not want else None) == want_content, text
         assert stream.finish_reason("stop") == ("tool_calls" if want else "stop")
+
+
+@pytest.mark.parametrize("text", ['[get_weather(city="Rome"), get_time()]', "[f(1)]",
+                                  "plain [f(a=1)]", ""])
+def test_pythonic_streams_the_whole_answers_calls_at_its_end(text):
+    want_calls, want_content = parse_pythonic(text)
+    want = [(c["function"]["name"], c["function"]["arguments"]) for c in want_calls]
+    rng = random.Random(text)
+    for _ in range(10):
+        content, calls, entries, stream = streamed("auto", text, rng, parser="pythonic")
+        assert calls == want and (content or None) == (want_content or None)
+        assert [e["index"] for e in entries] == list(range(len(want)))
+        assert stream.finish_reason("stop") == ("tool_calls" if want else "stop")
+    stream = ToolCallStream("auto", parser="pythonic")
+    assert stream.feed("[f(a=") == ("", [])  # a list: read whole at the end
+    assert stream.feed("1)]") == ("", [])
+    assert [c["function"]["name"] for c in stream.finish()[1]] == ["f"]
+    stream = ToolCallStream("auto", parser="pythonic")
+    assert stream.feed("hi [") == ("hi [", [])  # not a list: content as it comes
