@@ -31,8 +31,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanokv.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                     DetokenizeRequest, TokenizeRequest, error_body)
-from nanokv.server.responses_api import (ResponseShape, ResponsesRequest, stream_response,
-                                         whole_output)
+from nanokv.server.responses_api import ResponsesRequest
+from nanokv.server.responses_output import ResponseShape, stream_response, whole_output
 from nanokv.server.responses import (ChatParts, ReasoningTokenCount, chat_logprobs,
                                      completion_logprobs, echo_logprobs, prompt_logprobs_json,
                                      stream_events, usage)
@@ -373,15 +373,17 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
     @app.post("/v1/responses", dependencies=json_body)
     async def responses(body: ResponsesRequest, raw: Request):
         server.check_request(body)
+        tool_choice, tool_name = server.tool_choice(body)
         labels = server.request_class(raw, "responses")
-        messages = body.messages()
-        text, ids = await server.chat_token_ids(messages, True, False,
-                                                body.chat_template_kwargs)
+        text, ids = await server.chat_token_ids(body.messages(), True, False,
+                                                body.chat_template_kwargs, False,
+                                                body.chat_tools())
         ids = server.truncate(body, ids)
         bad_words = await server.bad_words_token_ids(body)
         parser = server.reasoning_parser
         thinking = parser is not None and parser.thinking(body.chat_template_kwargs)
-        structured = server.after_reasoning(await server.structured_outputs(body), thinking)
+        structured = server.after_reasoning(await server.structured_outputs(
+            body, server.tool_constraint(body, tool_choice, tool_name)), thinking)
         shape = ResponseShape(body, settings.model_name)
         requests = server.make_requests(body, ids, text, shape.id, body.max_output_tokens,
                                         max(server.max_model_len - len(ids), 1), "input",
@@ -395,20 +397,24 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
                 out.token_ids, True)
 
         count = count_reasoning if parser else None
+        calls = None if tool_choice in (None, "none") else partial(
+            ToolCallStream, tool_choice, tool_name, settings.tool_call_parser)
         if body.stream:
             return EngineStreamingResponse(stream_response(
                 server.events(streams), shape, body,
-                partial(parser.stream, thinking) if parser else None, count), streams)
+                partial(parser.stream, thinking) if parser else None, calls, count), streams)
         try:
             finals, _ = await server.run_to_end(streams, raw)
         except ClientGone:
             return Response(status_code=499)
         out = finals[0]
-        split = None
-        if parser is not None:
-            thought, content = parser.split(out.text, thinking)
-            split = (thought if body.include_reasoning else None, content)
-        return whole_output(shape, out, split, count(out) if count else None)
+        thought, content = parser.split(out.text, thinking) if parser else (None, out.text)
+        tool_calls: list[dict] = []
+        if calls is not None:
+            tool_calls, content = answer_tool_calls(content or "", tool_choice, tool_name,
+                                                    settings.tool_call_parser)
+        return whole_output(shape, out, thought if body.include_reasoning else None, content,
+                            tool_calls, count(out) if count else None)
 
     @app.post("/v1/chat/completions", dependencies=json_body)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):

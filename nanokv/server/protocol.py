@@ -457,6 +457,10 @@ class ChatCompletionRequest(_SamplingRequest):
         role = "assistant" if self.add_generation_prompt else last.role
         return last.text() if self.echo and last.role == role else ""
 
+    def chat_tools(self) -> list[Tool]:
+        """The request's function tools (for the template and the forced calls' schemas)."""
+        return list(self.tools or [])
+
     def checked_tool_choice(self) -> tuple[str | None, str | None]:
         """(choice, function name) of the request, checked as vLLM checks it: choice "none",
         "auto", "required" or "function" (a named function), None without tools (tools

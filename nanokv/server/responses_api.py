@@ -1,31 +1,26 @@
-"""OpenAI's Responses API (`POST /v1/responses`, vLLM's too), for text: the request's `input`
-(a string, or message items) and `instructions` become a chat, run as a chat completion is
-(sampling fields, structured outputs from `text.format`, the reasoning split under
---reasoning-parser), and the answer comes back as a response object: a `reasoning` item (with a
-reasoning parser) and a `message` item of `output_text`; streamed as the Responses events
-(`response.created` ... `response.output_text.delta` ... `response.completed`).
+"""OpenAI's Responses API (`POST /v1/responses`, vLLM's too), for text and function tools: the
+request's `input` (a string, or items: messages, an earlier answer's reasoning, function calls
+and their outputs) and `instructions` become a chat, run as a chat completion is (sampling
+fields, structured outputs from `text.format`, the reasoning split under --reasoning-parser,
+tool calls under the chat's tool choice and parser); the answer comes back as a response
+object (`responses_output`).
 
-Refused (400 naming the field): tools and tool choices other than none / auto without tools,
-`previous_response_id` and `conversation` (nothing is stored: `store` is accepted and
-ignored), `background`, `include`, `prompt` templates, `top_logprobs`, `truncation: "auto"`,
-input items other than messages and reasoning (function calls and their outputs, files,
-images), and the chat fields the Responses API does not have (`n`, `max_tokens`,
-`response_format`: use `text.format`). An earlier answer's reasoning items sent back in `input`
-are accepted and not shown to the model (as chat history's reasoning)."""
+Refused (400 naming the field): tools other than functions, `previous_response_id` and
+`conversation` (nothing is stored: `store` is accepted and ignored), `background`, `include`,
+`prompt` templates, `top_logprobs`, `truncation: "auto"`, input items of other kinds (files,
+images, built-in tools' calls), and the chat fields the Responses API does not have (`n`,
+`max_tokens`, `response_format`: use `text.format`). An earlier answer's reasoning items sent
+back in `input` are accepted and not shown to the model (as chat history's reasoning)."""
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar, Literal
 
-from nanokv.outputs import RequestOutput
+from pydantic import Field
+
 from nanokv.server.protocol import (JSON_SCHEMA_FORMAT_KEYS, APIError, ChatMessage,
+                                    FunctionDefinition, Tool, ToolCall, ToolCallFunction,
                                     _SamplingRequest, _Strict)
-from nanokv.server.reasoning import ReasoningStream
-from nanokv.server.responses import TextDelta
 
 INPUT_TEXT_TYPES = ("input_text", "output_text", "text")
 
@@ -62,15 +57,47 @@ class InputReasoning(_Strict):
     status: str | None = None
 
 
+class InputFunctionCall(_Strict):
+    """An earlier answer's function call, sent back: the history's assistant tool call."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class InputFunctionOutput(_Strict):
+    """A function call's result: the history's tool message."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+InputItem = InputMessage | InputReasoning | InputFunctionCall | InputFunctionOutput
+
+
 class ResponsesRequest(_SamplingRequest):
-    input: str | list[InputMessage | InputReasoning]
+    input: str | list[InputItem]
     instructions: str | None = None
     max_output_tokens: int | None = None
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" |
     #                                      "json_schema", ...}, "verbosity": ...}
     reasoning: dict[str, Any] | None = None  # effort / summary: accepted, nothing reads them
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Any = None  # "none", "auto", "required" or {"type": "function", "name"}
     parallel_tool_calls: bool | None = None
     max_tool_calls: int | None = None
     previous_response_id: str | None = None
@@ -93,9 +120,6 @@ class ResponsesRequest(_SamplingRequest):
             value = getattr(self, name)
             if value is not None and not (name == "n" and value == 1):
                 bad.append((name, f"{name} is not a Responses API field: {why}"))
-        if self.tools or self.tool_choice not in (None, "none", "auto"):
-            bad.append(("tools", "tool calling is not supported on /v1/responses (it is on "
-                                 "/v1/chat/completions)"))
         for name in ("previous_response_id", "conversation"):
             if getattr(self, name) is not None:
                 bad.append((name, f"{name}: no response is stored; send the whole "
@@ -113,15 +137,64 @@ class ResponsesRequest(_SamplingRequest):
         return bad
 
     def messages(self) -> list[ChatMessage]:
-        """The chat: the instructions as a system message, then the input's messages."""
+        """The chat: the instructions as a system message, then the input's messages; function
+        calls as an assistant message's tool calls (consecutive ones together), their outputs
+        as tool messages; reasoning items left out."""
         items = [InputMessage(role="user", content=self.input)] if isinstance(
             self.input, str) else self.input
         chat = [ChatMessage(role="system", content=self.instructions)] \
             if self.instructions is not None else []
-        chat += [item.chat_message() for item in items if isinstance(item, InputMessage)]
+        for item in items:
+            if isinstance(item, InputMessage):
+                chat.append(item.chat_message())
+            elif isinstance(item, InputFunctionCall):
+                call = ToolCall(id=item.call_id, function=ToolCallFunction(
+                    name=item.name, arguments=item.arguments))
+                if chat and chat[-1].role == "assistant" and chat[-1].tool_calls \
+                        and not chat[-1].text():
+                    chat[-1].tool_calls.append(call)
+                else:
+                    chat.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
+            elif isinstance(item, InputFunctionOutput):
+                chat.append(ChatMessage(role="tool", content=item.output,
+                                        tool_call_id=item.call_id))
         if not chat:
             raise APIError(400, "input holds no message", param="input", code="invalid_value")
         return chat
+
+    def chat_tools(self) -> list[Tool]:
+        """The function tools in chat's form (for the template and the forced calls)."""
+        return [Tool(function=FunctionDefinition(name=t.name, description=t.description,
+                                                 parameters=t.parameters))
+                for t in self.tools or []]
+
+    def checked_tool_choice(self) -> tuple[str | None, str | None]:
+        """(choice, function name) as chat's `checked_tool_choice`, from the Responses form
+        of a named function: {"type": "function", "name": ...}."""
+        if self.tools == []:
+            raise APIError(400, "`tools` must not be an empty array: give at least one tool "
+                                "or omit the field", param="tools", code="invalid_value")
+        choice = self.tool_choice
+        if choice is None:
+            return ("auto" if self.tools else None), None
+        if choice == "none":
+            return choice, None
+        if not self.tools:
+            raise APIError(400, "tool_choice needs `tools`", param="tool_choice",
+                           code="invalid_value")
+        if choice in ("auto", "required"):
+            return choice, None
+        name = choice.get("name") if isinstance(choice, dict) else None
+        if not (isinstance(name, str) and choice.get("type") == "function"
+                and set(choice) <= {"type", "name"}):
+            raise APIError(400, f'tool_choice must be "none", "auto", "required" or '
+                                f'{{"type": "function", "name": "my_function"}}, got {choice!r}',
+                           param="tool_choice", code="invalid_value")
+        if name not in [t.name for t in self.tools]:
+            raise APIError(400, f"tool_choice names the function {name!r}, which is not one of "
+                                f"`tools`: {[t.name for t in self.tools]}", param="tool_choice",
+                           code="invalid_value")
+        return "function", name
 
     FORMAT_PARAM: ClassVar[str] = "text"
 
@@ -168,183 +241,9 @@ class ResponsesRequest(_SamplingRequest):
                 "top_p": 1.0 if self.top_p is None else self.top_p,
                 "parallel_tool_calls": True if self.parallel_tool_calls is None
                 else self.parallel_tool_calls,
-                "tool_choice": self.tool_choice or "auto", "tools": [],
+                "tool_choice": self.tool_choice or "auto",
+                "tools": [t.model_dump() for t in self.tools or []],
                 "text": self.text or {"format": {"type": "text"}},
                 "reasoning": self.reasoning, "metadata": self.metadata or {},
                 "previous_response_id": None, "store": False, "truncation": "disabled",
                 "user": self.user, "background": False, "service_tier": "auto"}
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def message_item(item_id: str, text: str | None, status: str) -> dict:
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [text_part(text)] if text is not None else []}
-
-
-def reasoning_item(item_id: str, text: str | None) -> dict:
-    return {"type": "reasoning", "id": item_id, "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}] if text is not None else [],
-            "status": "completed"}
-
-
-def response_usage(out: RequestOutput | None, reasoning_tokens: int | None) -> dict | None:
-    if out is None:
-        return None
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
-    return {"input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
-            "output_tokens": completion,
-            "output_tokens_details": {"reasoning_tokens": reasoning_tokens or 0},
-            "total_tokens": prompt + completion}
-
-
-class ResponseShape:
-    """One response's fixed fields and its object at a status."""
-
-    def __init__(self, body: ResponsesRequest, model: str) -> None:
-        self.id, self.created_at = new_id("resp"), int(time.time())
-        self.body, self.model = body, model
-
-    def object(self, status: str, output: list[dict], out: RequestOutput | None = None,
-               reasoning_tokens: int | None = None) -> dict:
-        """The response object at `status` ("in_progress", or `status_of` its answer)."""
-        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-        return {"id": self.id, "object": "response", "created_at": self.created_at,
-                "model": self.model, "status": status, "error": None,
-                "incomplete_details": incomplete, "output": output,
-                "usage": response_usage(out, reasoning_tokens), **self.body.echoed()}
-
-
-def status_of(out: RequestOutput) -> str:
-    """vLLM's: "incomplete" when max_output_tokens cut the answer, "cancelled" when it was
-    aborted, else "completed"."""
-    return {"length": "incomplete", "abort": "cancelled"}.get(out.finish_reason, "completed")
-
-
-def whole_output(shape: ResponseShape, out: RequestOutput, reasoning: tuple | None,
-                 reasoning_tokens: int | None) -> dict:
-    """A non-streamed response: `reasoning` (the split's (reasoning, content), None without a
-    reasoning parser; reasoning None when hidden or empty)."""
-    thought, content = reasoning if reasoning is not None else (None, out.text)
-    status = status_of(out)
-    output = [reasoning_item(new_id("rs"), thought)] if thought is not None else []
-    output.append(message_item(new_id("msg"), content or "", status))
-    return shape.object(status, output, out, reasoning_tokens)
-
-
-def event(kind: str, sequence: int, **fields) -> str:
-    """One server-sent Responses event (vLLM's and OpenAI's form: the type as the event name
-    and in the data)."""
-    data = json.dumps({"type": kind, "sequence_number": sequence, **fields},
-                      separators=(",", ":"))
-    return f"event: {kind}\ndata: {data}\n\n"
-
-
-async def stream_response(events: AsyncIterator[tuple[int, RequestOutput]], shape: ResponseShape,
-                          body: ResponsesRequest,
-                          reasoning: Callable[[], ReasoningStream] | None,
-                          count_reasoning: Callable[[RequestOutput], int] | None
-                          ) -> AsyncIterator[str]:
-    """The Responses events of one answer: created, in_progress; a reasoning item with its
-    `response.reasoning_text.delta`s (with a reasoning parser, unless include_reasoning is
-    false) then a message item with its `response.output_text.delta`s, each opened at its
-    first text and closed (`.done` events) before the next; completed, the response with its
-    status and usage. An error ends the stream with an `error` event."""
-    seq = iter(range(1 << 62))
-    split = reasoning() if reasoning else None
-    delta = TextDelta(body.stop_list(), body.include_stop_str_in_output)
-    items: list[dict] = []  # the output items so far
-    texts: list[str] = []  # each item's text
-    kinds: list[str] = []  # each item's kind: "reasoning" or "message"
-
-    def open_item(kind: str) -> list[str]:
-        item_id = new_id("rs" if kind == "reasoning" else "msg")
-        item = {"type": "reasoning", "id": item_id, "summary": [], "content": [],
-                "status": "in_progress"} if kind == "reasoning" \
-            else message_item(item_id, None, "in_progress")
-        items.append(item)
-        texts.append("")
-        kinds.append(kind)
-        i = len(items) - 1
-        part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else text_part("")
-        return [event("response.output_item.added", next(seq), output_index=i, item=item),
-                event("response.content_part.added", next(seq), item_id=item_id,
-                      output_index=i, content_index=0, part=part)]
-
-    def close_item(status: str) -> list[str]:
-        i, item = len(items) - 1, items[-1]
-        text = texts[i]
-        if kinds[i] == "reasoning":
-            part = {"type": "reasoning_text", "text": text}
-            done = [event("response.reasoning_text.done", next(seq), item_id=item["id"],
-                          output_index=i, content_index=0, text=text)]
-            items[i] = {**reasoning_item(item["id"], text)}
-        else:
-            part = text_part(text)
-            done = [event("response.output_text.done", next(seq), item_id=item["id"],
-                          output_index=i, content_index=0, text=text, logprobs=[])]
-            items[i] = message_item(item["id"], text, status)
-        return done + [event("response.content_part.done", next(seq), item_id=item["id"],
-                             output_index=i, content_index=0, part=part),
-                       event("response.output_item.done", next(seq), output_index=i,
-                             item=items[i])]
-
-    def add_text(kind: str, text: str) -> list[str]:
-        if not text:
-            return []
-        out = []
-        if not kinds or kinds[-1] != kind:
-            if kinds:
-                out += close_item("completed")
-            out += open_item(kind)
-        i = len(items) - 1
-        texts[i] += text
-        name = "response.reasoning_text.delta" if kind == "reasoning" \
-            else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
-        out.append(event(name, next(seq), item_id=items[i]["id"], output_index=i,
-                         content_index=0, delta=text, **extra))
-        return out
-
-    try:
-        yield event("response.created", next(seq), response=shape.object("in_progress", []))
-        yield event("response.in_progress", next(seq), response=shape.object("in_progress", []))
-        final = None
-        async for _, out in events:
-            piece = delta.next(out.text, out.finished)
-            thought, content = ("", piece) if split is None else split.feed(piece)
-            if out.finished and split is not None:
-                more_thought, more_content = split.finish()
-                thought, content = thought + more_thought, content + more_content
-            for chunk in (add_text("reasoning", thought) if body.include_reasoning else []) \
-                    + add_text("message", content):
-                yield chunk
-            if out.finished:
-                final = out
-        if final is None:  # the events ended without an answer (the engine went away)
-            return
-        status = status_of(final)
-        if not kinds or kinds[-1] != "message":  # an answer with no content: an empty message
-            if kinds:
-                for chunk in close_item("completed"):
-                    yield chunk
-            for chunk in open_item("message"):
-                yield chunk
-        for chunk in close_item(status):
-            yield chunk
-        # vLLM's: response.completed whatever the status (the SDK's stream helper waits for it)
-        yield event("response.completed", next(seq), response=shape.object(
-            status, items, final, count_reasoning(final) if count_reasoning else None))
-    except APIError as e:
-        err = e.body()["error"]
-        yield event("error", next(seq), code=err.get("code"), message=err.get("message"),
-                    param=err.get("param"))
-    finally:
-        await events.aclose()

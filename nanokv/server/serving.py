@@ -337,10 +337,10 @@ class OpenAIServer:
         function, its parameters (no structured outputs may come with it). It keeps the
         request's structured_outputs.disable_any_whitespace (vLLM drops it)."""
         compact = bool((body.structured_outputs or {}).get("disable_any_whitespace"))
+        tools = [t.model_dump() for t in body.chat_tools()]
         if choice == "required":
-            return StructuredOutputsParams(json=required_schema(
-                [t.model_dump() for t in body.tools], body.parallel_tool_calls),
-                disable_any_whitespace=compact)
+            return StructuredOutputsParams(json=required_schema(tools, body.parallel_tool_calls),
+                                           disable_any_whitespace=compact)
         if choice == "function":
             if any((body.structured_outputs or {}).get(k) is not None
                    for k in ("json", "regex", "choice")):
@@ -348,8 +348,8 @@ class OpenAIServer:
                                     "(its parameters are the constraint); use tool_choice "
                                     "\"auto\" or \"required\"", param="structured_outputs",
                                code="invalid_value")
-            return StructuredOutputsParams(json=named_schema(
-                [t.model_dump() for t in body.tools], name), disable_any_whitespace=compact)
+            return StructuredOutputsParams(json=named_schema(tools, name),
+                                           disable_any_whitespace=compact)
         return None
 
     async def structured_outputs(self, body: _SamplingRequest,

@@ -2,7 +2,9 @@
 answer is the chat completion's of the same conversation (the oracle: /v1/chat/completions on
 the same server), whole and streamed (the events put together); text.format constrains it;
 max_output_tokens cuts it (status incomplete); a reasoning parser splits a reasoning item off;
-what is not supported is a 400 naming the field."""
+function tools answer with function_call items (whole and streamed), and function calls with
+their outputs sent back are the chat's tool history; what is not supported is a 400 naming the
+field."""
 
 from __future__ import annotations
 
@@ -97,11 +99,12 @@ def test_text_format_constrains_the_answer(server):
 
 
 @pytest.mark.parametrize("kwargs,param", [
-    (dict(tools=[{"type": "function", "name": "f", "parameters": {}}]), "tools"),
+    (dict(tools=[{"type": "function", "name": "f", "parameters": {}}]), "tool_choice"),
+    (dict(tools=[{"type": "web_search"}]), "tools"),
     (dict(previous_response_id="resp_1"), "previous_response_id"),
     (dict(background=True), "background"),
     (dict(include=["reasoning.encrypted_content"]), "include"),
-    (dict(input=[{"type": "function_call_output", "call_id": "c", "output": "x"}]), "input"),
+    (dict(input=[{"type": "file_search_call", "id": "c", "queries": []}]), "input"),
     (dict(extra_body={"max_tokens": 3}), "max_tokens"),
     (dict(extra_body={"n": 2}), "n"),
     (dict(text={"format": {"type": "yaml"}}), "text"),
@@ -157,3 +160,84 @@ def test_a_reasoning_parser_splits_a_reasoning_item_off(tiny_llama):
         assert hidden.output_text == r.output_text
     finally:
         stop_server(s)
+
+
+TOOLS = [{"type": "function", "name": "get_weather", "description": "weather now",
+          "parameters": {"type": "object", "properties": {"city": {
+              "type": "string", "enum": ["rome", "oslo"]}}, "required": ["city"],
+              "additionalProperties": False}},
+         {"type": "function", "name": "get_time", "parameters": {
+             "type": "object", "properties": {}, "additionalProperties": False}}]
+CALL = (r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "[a-z]{3}"\}\}\n'
+        r'</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def tool_server(tiny_llama):
+    s = start_in_process(tiny_llama, settings=dict(enable_auto_tool_choice=True,
+                                                   tool_call_parser="hermes"),
+                         max_model_len=1024)
+    yield s
+    stop_server(s)
+
+
+def _calls(response):
+    return [(i.name, i.arguments) for i in response.output if i.type == "function_call"]
+
+
+@pytest.mark.parametrize("kwargs,content,num_calls", [
+    (dict(extra_body={"structured_outputs": {"regex": "[a-z]{4}" + CALL + CALL}}), 4, 2),
+    (dict(tool_choice="required", extra_body={"structured_outputs": {
+        "disable_any_whitespace": True}}), 0, None),
+    (dict(tool_choice={"type": "function", "name": "get_weather"},
+          extra_body={"structured_outputs": {"disable_any_whitespace": True}}), 0, 1),
+])
+def test_function_tools_answer_with_function_calls(tool_server, kwargs, content, num_calls):
+    """Each call a function_call item (the chat answer's calls: the same server's chat endpoint
+    with the same tools is the oracle); streamed, the events put together to the same items."""
+    client = _client(tool_server)
+    r = client.responses.create(model=MODEL_NAME, input=ASK, temperature=0, tools=TOOLS,
+                                max_output_tokens=200, **kwargs)
+    chat_tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+                  for t in TOOLS]
+    chat_choice = kwargs.get("tool_choice")
+    if isinstance(chat_choice, dict):
+        chat_choice = {"type": "function", "function": {"name": chat_choice["name"]}}
+    chat = _chat(tool_server, [{"role": "user", "content": ASK}], tools=chat_tools,
+                 max_tokens=200, extra_body=kwargs.get("extra_body"),
+                 **({"tool_choice": chat_choice} if chat_choice else {})).choices[0].message
+    want = [(c.function.name, c.function.arguments) for c in chat.tool_calls]
+    assert _calls(r) == want and want and (num_calls is None or len(want) == num_calls)
+    assert len(r.output_text) == content == len(chat.content or "")
+    assert all(i.call_id.startswith("chatcmpl-tool-") and i.status == "completed"
+               for i in r.output if i.type == "function_call")
+    events = list(client.responses.create(model=MODEL_NAME, input=ASK, temperature=0,
+                                          tools=TOOLS, max_output_tokens=200, stream=True,
+                                          **kwargs))
+    final = events[-1].response
+    assert events[-1].type == "response.completed" and _calls(final) == want
+    args = {}
+    for e in events:
+        if e.type == "response.function_call_arguments.delta":
+            args[e.output_index] = args.get(e.output_index, "") + e.delta
+    assert [args[i] for i in sorted(args)] == [a for _, a in want]
+    assert final.output_text == r.output_text
+
+
+def test_function_calls_and_outputs_sent_back_are_the_tool_history(tool_server):
+    history = [{"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                "arguments": '{"city": "oslo"}'},
+               {"type": "function_call_output", "call_id": "call_1", "output": "-3 C"}]
+    r = _client(tool_server).responses.create(
+        model=MODEL_NAME, input=[{"role": "user", "content": ASK}, *history], tools=TOOLS,
+        tool_choice="none", max_output_tokens=4, temperature=0)
+    chat = _chat(tool_server, [
+        {"role": "user", "content": ASK},
+        {"role": "assistant", "content": "", "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"}],
+        tools=[{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+               for t in TOOLS], tool_choice="none", max_tokens=4)
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.output_text == chat.choices[0].message.content
