@@ -38,7 +38,7 @@ logger = logging.getLogger("nanokv.replicas")
 
 ROUTERS = ("affinity", "pow2")  # pow2: Ray Serve's default power-of-two-choices router
 MAX_REPORTED_HASHES = 1 << 17  # cached block hashes one routing-stats report carries at most
-HASHED_PATHS = ("/v1/completions", "/v1/chat/completions")
+HASHED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 REPLICA_DIED = (RayActorError, ActorUnavailableError)
 
 

@@ -86,11 +86,13 @@ class PromptTokenizer:
         return self._local.tokenizer, self._local.chat
 
     def token_ids(self, path: str, body: bytes) -> tuple[list[int], str | None] | None:
-        """(prompt token ids, cache_salt) of a completions or chat body, else None."""
+        """(prompt token ids, cache_salt) of a completions, chat or responses body, else
+        None."""
         from pydantic import ValidationError
 
-        from nanokv.server.protocol import (ChatCompletionRequest, CompletionRequest,
+        from nanokv.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                             template_tools)
+        from nanokv.server.responses_api import ResponsesRequest
 
         try:
             data = json.loads(body)
@@ -118,7 +120,18 @@ class PromptTokenizer:
                                    req.continue_final_message, tools=template_tools(req.tools))
                 return list(tok.encode(text, add_special_tokens=req.add_special_tokens)), \
                     req.cache_salt
-        except (ValueError, ValidationError, TypeError):  # the replica gives the real error
+            if path.endswith("/v1/responses"):  # a chat, as the server makes it
+                req = ResponsesRequest.model_validate(data)
+                if self.tokenizer is None:
+                    return None
+                plain = [m.for_template() for m in req.messages()]
+                if self._too_long(sum(len(m["content"]) for m in plain)):
+                    return None
+                tok, chat = self._thread_tools()
+                text = chat.render(plain, True, req.chat_template_kwargs, False,
+                                   tools=template_tools(req.chat_tools()))
+                return list(tok.encode(text, add_special_tokens=False)), req.cache_salt
+        except (ValueError, ValidationError, TypeError, APIError):  # the replica's error
             return None
         return None
 

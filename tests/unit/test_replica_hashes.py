@@ -138,3 +138,27 @@ def test_the_router_renders_tools_and_tool_history_as_the_server(tiny_llama):
         "/v1/chat/completions",
         json.dumps({"model": "m", "messages": history, "tools": tools}).encode())
     assert ids == list(tok.encode(text, add_special_tokens=False))
+
+
+
+def test_the_router_renders_a_responses_input_as_the_server(tiny_llama):
+    """/v1/responses: the instructions and input items make the chat the server renders (the
+    oracle: the same conversation as a chat body)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    prompts = PromptTokenizer(tok)
+    items = [{"role": "user", "content": "time?"},
+             {"type": "reasoning", "id": "rs_1", "summary": []},
+             {"type": "message", "role": "assistant",
+              "content": [{"type": "output_text", "text": "noon", "annotations": []}]},
+             {"role": "user", "content": [{"type": "input_text", "text": "again"}]}]
+    ids, salt = prompts.token_ids("/v1/responses", json.dumps({
+        "model": "m", "input": items, "instructions": "brief", "cache_salt": "s"}).encode())
+    chat, _ = prompts.token_ids("/v1/chat/completions", json.dumps({
+        "model": "m", "messages": [{"role": "system", "content": "brief"},
+                                   {"role": "user", "content": "time?"},
+                                   {"role": "assistant", "content": "noon"},
+                                   {"role": "user", "content": "again"}]}).encode())
+    assert ids == chat and salt == "s"
+    assert prompts.token_ids("/v1/responses", b'{"input": []}') is None  # the server's 400
