@@ -372,24 +372,16 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
 
     @app.post("/v1/responses", dependencies=json_body)
     async def responses(body: ResponsesRequest, raw: Request):
-        server.check_request(body)
-        tool_choice, tool_name = server.tool_choice(body)
-        labels = server.request_class(raw, "responses")
-        text, ids = await server.chat_token_ids(body.messages(), True, False,
-                                                body.chat_template_kwargs, False,
-                                                body.chat_tools())
-        ids = server.truncate(body, ids)
-        bad_words = await server.bad_words_token_ids(body)
+        prompt = await server.chat_prompt(body, raw, "responses", body.messages())
+        tool_choice, tool_name, thinking = prompt.tool_choice, prompt.tool_name, prompt.thinking
         parser = server.reasoning_parser
-        thinking = parser is not None and parser.thinking(body.chat_template_kwargs)
-        structured = server.after_reasoning(await server.structured_outputs(
-            body, server.tool_constraint(body, tool_choice, tool_name)), thinking)
         shape = ResponseShape(body, settings.model_name)
-        requests = server.make_requests(body, ids, text, shape.id, body.max_output_tokens,
+        ids = prompt.token_ids
+        requests = server.make_requests(body, ids, prompt.text, shape.id, body.max_output_tokens,
                                         max(server.max_model_len - len(ids), 1), "input",
-                                        "max_output_tokens", bad_words, structured,
+                                        "max_output_tokens", prompt.bad_words, prompt.structured,
                                         server.priority(body, raw))
-        streams = server.open_streams(requests, labels)
+        streams = server.open_streams(requests, prompt.labels)
         token_texts = partial(server.token_texts, skip_special_tokens=body.skip_special_tokens)
 
         def count_reasoning(out) -> int:
@@ -418,27 +410,20 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
 
     @app.post("/v1/chat/completions", dependencies=json_body)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        server.check_request(body)
-        tool_choice, tool_name = server.tool_choice(body)
-        labels = server.request_class(raw, "chat_completions")
-        text, ids = await server.chat_token_ids(body.messages, body.add_generation_prompt,
-                                                body.add_special_tokens,
-                                                body.chat_template_kwargs,
-                                                body.continue_final_message, body.tools)
-        ids = server.truncate(body, ids)
-        bad_words = await server.bad_words_token_ids(body)
+        prompt = await server.chat_prompt(body, raw, "chat_completions", body.messages,
+                                          body.add_generation_prompt, body.add_special_tokens,
+                                          body.continue_final_message)
+        tool_choice, tool_name, thinking = prompt.tool_choice, prompt.tool_name, prompt.thinking
         parser = server.reasoning_parser
-        thinking = parser is not None and parser.thinking(body.chat_template_kwargs)
-        structured = server.after_reasoning(await server.structured_outputs(
-            body, server.tool_constraint(body, tool_choice, tool_name)), thinking)
+        ids = prompt.token_ids
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         max_param = "max_tokens" if body.max_completion_tokens is None \
             else "max_completion_tokens"
-        requests = server.make_requests(body, ids, text, rid, body.requested_max_tokens,
+        requests = server.make_requests(body, ids, prompt.text, rid, body.requested_max_tokens,
                                         max(server.max_model_len - len(ids), 1), "messages",
-                                        max_param, bad_words, structured,
+                                        max_param, prompt.bad_words, prompt.structured,
                                         server.priority(body, raw))
-        streams = server.open_streams(requests, labels)
+        streams = server.open_streams(requests, prompt.labels)
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()),
                 "model": settings.model_name}
         token_texts = partial(server.token_texts, skip_special_tokens=body.skip_special_tokens)

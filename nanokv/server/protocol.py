@@ -22,6 +22,7 @@ way vLLM does:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -395,6 +396,35 @@ class ChatMessage(_Strict):
         return message
 
 
+def checked_tool_choice(tools: list | None, names: list[str], choice,
+                        named: Callable[[Any], str | None], named_form: str
+                        ) -> tuple[str | None, str | None]:
+    """(choice, function name) of a request, checked as vLLM checks it: choice "none", "auto",
+    "required" or "function" (a named function: `named(choice)` reads its name, None when the
+    choice is not one, written as `named_form`), None without tools (tools without a
+    tool_choice: "auto"). APIError 400 saying what is allowed."""
+    if tools == []:
+        raise APIError(400, "`tools` must not be an empty array: give at least one tool or omit "
+                            "the field", param="tools", code="invalid_value")
+    if choice is None:
+        return ("auto" if tools else None), None
+    if choice == "none":
+        return choice, None
+    if not tools:
+        raise APIError(400, "tool_choice needs `tools`", param="tool_choice",
+                       code="invalid_value")
+    if choice in ("auto", "required"):
+        return choice, None
+    name = named(choice)
+    if name is None:
+        raise APIError(400, f'tool_choice must be "none", "auto", "required" or {named_form}, '
+                            f'got {choice!r}', param="tool_choice", code="invalid_value")
+    if name not in names:
+        raise APIError(400, f"tool_choice names the function {name!r}, which is not one of "
+                            f"`tools`: {names}", param="tool_choice", code="invalid_value")
+    return "function", name
+
+
 def template_tools(tools: list | None) -> list[dict] | None:
     """A request's tools as chat templates take them (null fields left out)."""
     return [t.model_dump(exclude_none=True) for t in tools] if tools else None
@@ -462,35 +492,18 @@ class ChatCompletionRequest(_SamplingRequest):
         return list(self.tools or [])
 
     def checked_tool_choice(self) -> tuple[str | None, str | None]:
-        """(choice, function name) of the request, checked as vLLM checks it: choice "none",
-        "auto", "required" or "function" (a named function), None without tools (tools
-        without a tool_choice: "auto"). APIError 400 saying what is allowed."""
-        if self.tools == []:
-            raise APIError(400, "`tools` must not be an empty array: give at least one tool "
-                                "or omit the field", param="tools", code="invalid_value")
-        choice = self.tool_choice
-        if choice is None:
-            return ("auto" if self.tools else None), None
-        if choice == "none":
-            return choice, None
-        if not self.tools:
-            raise APIError(400, "tool_choice needs `tools`", param="tool_choice",
-                           code="invalid_value")
-        if choice in ("auto", "required"):
-            return choice, None
-        usage = ('tool_choice must be "none", "auto", "required" or {"type": "function", '
-                 '"function": {"name": "my_function"}}')
-        function = choice.get("function") if isinstance(choice, dict) else None
-        name = function.get("name") if isinstance(function, dict) else None
-        if (not isinstance(name, str) or not name or choice.get("type", "function") != "function"
-                or set(choice) - {"type", "function"}):
-            raise APIError(400, f"{usage}, got {choice!r}", param="tool_choice",
-                           code="invalid_value")
-        if name not in [t.function.name for t in self.tools]:
-            raise APIError(400, f"tool_choice names the function {name!r}, which is not one of "
-                                f"`tools`: {[t.function.name for t in self.tools]}",
-                           param="tool_choice", code="invalid_value")
-        return "function", name
+        """(choice, function name) of the request (`checked_tool_choice`), a named function
+        written {"type": "function", "function": {"name": ...}}."""
+        def named(choice) -> str | None:
+            function = choice.get("function") if isinstance(choice, dict) else None
+            name = function.get("name") if isinstance(function, dict) else None
+            ok = isinstance(name, str) and name and choice.get("type", "function") == "function" \
+                and not set(choice) - {"type", "function"}
+            return name if ok else None
+
+        return checked_tool_choice(self.tools, [t.function.name for t in self.tools or []],
+                                   self.tool_choice, named,
+                                   '{"type": "function", "function": {"name": "my_function"}}')
 
     @property
     def num_logprobs(self) -> int | None:

@@ -20,7 +20,7 @@ from pydantic import Field
 
 from nanokv.server.protocol import (JSON_SCHEMA_FORMAT_KEYS, APIError, ChatMessage,
                                     FunctionDefinition, Tool, ToolCall, ToolCallFunction,
-                                    _SamplingRequest, _Strict)
+                                    _SamplingRequest, _Strict, checked_tool_choice)
 
 INPUT_TEXT_TYPES = ("input_text", "output_text", "text")
 
@@ -169,32 +169,17 @@ class ResponsesRequest(_SamplingRequest):
                 for t in self.tools or []]
 
     def checked_tool_choice(self) -> tuple[str | None, str | None]:
-        """(choice, function name) as chat's `checked_tool_choice`, from the Responses form
-        of a named function: {"type": "function", "name": ...}."""
-        if self.tools == []:
-            raise APIError(400, "`tools` must not be an empty array: give at least one tool "
-                                "or omit the field", param="tools", code="invalid_value")
-        choice = self.tool_choice
-        if choice is None:
-            return ("auto" if self.tools else None), None
-        if choice == "none":
-            return choice, None
-        if not self.tools:
-            raise APIError(400, "tool_choice needs `tools`", param="tool_choice",
-                           code="invalid_value")
-        if choice in ("auto", "required"):
-            return choice, None
-        name = choice.get("name") if isinstance(choice, dict) else None
-        if not (isinstance(name, str) and choice.get("type") == "function"
-                and set(choice) <= {"type", "name"}):
-            raise APIError(400, f'tool_choice must be "none", "auto", "required" or '
-                                f'{{"type": "function", "name": "my_function"}}, got {choice!r}',
-                           param="tool_choice", code="invalid_value")
-        if name not in [t.name for t in self.tools]:
-            raise APIError(400, f"tool_choice names the function {name!r}, which is not one of "
-                                f"`tools`: {[t.name for t in self.tools]}", param="tool_choice",
-                           code="invalid_value")
-        return "function", name
+        """(choice, function name) as chat's, a named function written {"type": "function",
+        "name": ...}."""
+        def named(choice) -> str | None:
+            name = choice.get("name") if isinstance(choice, dict) else None
+            ok = isinstance(name, str) and choice.get("type") == "function" \
+                and set(choice) <= {"type", "name"}
+            return name if ok else None
+
+        return checked_tool_choice(self.tools, [t.name for t in self.tools or []],
+                                   self.tool_choice, named,
+                                   '{"type": "function", "name": "my_function"}')
 
     FORMAT_PARAM: ClassVar[str] = "text"
 

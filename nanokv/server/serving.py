@@ -112,6 +112,20 @@ class ShuttingDown(RuntimeError):
     """The server is draining: in-flight requests were aborted at --shutdown-timeout."""
 
 
+@dataclass
+class ChatPrompt:
+    """A chat-shaped request's prompt and what its answer is read with (`chat_prompt`)."""
+
+    text: str
+    token_ids: list[int]
+    labels: tuple[str, str]  # the prefix-cache counters' (endpoint, class)
+    tool_choice: str | None  # "none", "auto", "required", "function" or None (no tools)
+    tool_name: str | None  # the named function's
+    thinking: bool  # the answer starts in its reasoning (a reasoning parser's)
+    bad_words: tuple | None
+    structured: StructuredOutputsParams | None
+
+
 class OpenAIServer:
     """Request handling: validation, tokenization, streaming; the engine runs in its thread."""
 
@@ -376,6 +390,28 @@ class OpenAIServer:
         except ValueError as e:
             raise APIError(400, str(e), param=param, code="invalid_value") from e
         return spec
+
+    async def chat_prompt(self, body, raw: Request, endpoint: str, messages: list,
+                          add_generation_prompt: bool = True, add_special_tokens: bool = False,
+                          continue_final_message: bool = False) -> ChatPrompt:
+        """A chat-shaped request (chat completions, responses) checked and made into its
+        prompt: the tool choice, the template's rendering of `messages` and the tools, the
+        truncation, the bad words, the constraint (a forced call's, or structured outputs',
+        after the reasoning under a reasoning parser)."""
+        self.check_request(body)
+        tool_choice, tool_name = self.tool_choice(body)
+        labels = self.request_class(raw, endpoint)
+        text, ids = await self.chat_token_ids(messages, add_generation_prompt, add_special_tokens,
+                                              body.chat_template_kwargs, continue_final_message,
+                                              body.chat_tools())
+        ids = self.truncate(body, ids)
+        bad_words = await self.bad_words_token_ids(body)
+        parser = self.reasoning_parser
+        thinking = parser is not None and parser.thinking(body.chat_template_kwargs)
+        structured = self.after_reasoning(await self.structured_outputs(
+            body, self.tool_constraint(body, tool_choice, tool_name)), thinking)
+        return ChatPrompt(text, ids, labels, tool_choice, tool_name, thinking, bad_words,
+                          structured)
 
     def after_reasoning(self, spec: StructuredOutputsParams | None, thinking: bool
                         ) -> StructuredOutputsParams | None:
