@@ -144,7 +144,6 @@ class BlockStaging:
         return row_copies
 
 
-
 def staging_rows_before(store, plan, blocks: Sequence[int]) -> list[int]:
     """The staging row each of `blocks` held when the step began (-1: none), for a store with
     a `BlockStaging` (KVQuant, KIVI) and the step's plan (host indexes: `plan.host`). The plan

@@ -34,11 +34,10 @@ from nanokv.server.protocol import (APIError, ChatCompletionRequest, CompletionR
 from nanokv.server.responses_api import ResponsesRequest
 from nanokv.server.responses_output import ResponseShape, stream_response, whole_output
 from nanokv.server.responses import (ChatParts, ReasoningTokenCount, chat_logprobs,
-                                     completion_logprobs, echo_logprobs, prompt_logprobs_json,
-                                     stream_events, usage)
+                                     completion_logprobs, count_reasoning, echo_logprobs,
+                                     prompt_logprobs_json, stream_events, usage)
 from nanokv.server.async_engine import RequestStream
-from nanokv.server.tool_calls import answer_tool_calls
-from nanokv.server.tool_stream import ToolCallStream
+from nanokv.server.tool_calls import finish_reason
 from nanokv.server.serving import (COMPLETION_DEFAULT_MAX_TOKENS, ClientGone, OpenAIServer,
                                    ServerSettings)
 
@@ -373,8 +372,6 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
     @app.post("/v1/responses", dependencies=json_body)
     async def responses(body: ResponsesRequest, raw: Request):
         prompt = await server.chat_prompt(body, raw, "responses", body.messages())
-        tool_choice, tool_name, thinking = prompt.tool_choice, prompt.tool_name, prompt.thinking
-        parser = server.reasoning_parser
         shape = ResponseShape(body, settings.model_name)
         ids = prompt.token_ids
         requests = server.make_requests(body, ids, prompt.text, shape.id, body.max_output_tokens,
@@ -383,37 +380,26 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
                                         server.priority(body, raw))
         streams = server.open_streams(requests, prompt.labels)
         token_texts = partial(server.token_texts, skip_special_tokens=body.skip_special_tokens)
-
-        def count_reasoning(out) -> int:
-            return ReasoningTokenCount(token_texts(out.prompt_token_ids), thinking).add(
-                out.token_ids, True)
-
-        count = count_reasoning if parser else None
-        calls = None if tool_choice in (None, "none") else partial(
-            ToolCallStream, tool_choice, tool_name, settings.tool_call_parser)
+        count = partial(count_reasoning, token_texts=token_texts, thinking=prompt.thinking) \
+            if server.reasoning_parser else None
         if body.stream:
             return EngineStreamingResponse(stream_response(
-                server.events(streams), shape, body,
-                partial(parser.stream, thinking) if parser else None, calls, count), streams)
+                server.events(streams), shape, body, *server.answer_streams(prompt),
+                (lambda out: count([out])) if count else None), streams)
         try:
             finals, _ = await server.run_to_end(streams, raw)
         except ClientGone:
             return Response(status_code=499)
         out = finals[0]
-        thought, content = parser.split(out.text, thinking) if parser else (None, out.text)
-        tool_calls: list[dict] = []
-        if calls is not None:
-            tool_calls, content = answer_tool_calls(content or "", tool_choice, tool_name,
-                                                    settings.tool_call_parser)
+        thought, content, calls = server.split_answer(prompt, out.text)
         return whole_output(shape, out, thought if body.include_reasoning else None, content,
-                            tool_calls, count(out) if count else None)
+                            calls or [], count([out]) if count else None)
 
     @app.post("/v1/chat/completions", dependencies=json_body)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         prompt = await server.chat_prompt(body, raw, "chat_completions", body.messages,
                                           body.add_generation_prompt, body.add_special_tokens,
                                           body.continue_final_message)
-        tool_choice, tool_name, thinking = prompt.tool_choice, prompt.tool_name, prompt.thinking
         parser = server.reasoning_parser
         ids = prompt.token_ids
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -427,22 +413,14 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()),
                 "model": settings.model_name}
         token_texts = partial(server.token_texts, skip_special_tokens=body.skip_special_tokens)
-
-        def reasoning_count(prompt_token_ids: list[int]) -> ReasoningTokenCount:
-            return ReasoningTokenCount(token_texts(prompt_token_ids), thinking)
-
-        def reasoning_tokens(outputs) -> int:  # all the choices' (the usage's details)
-            return sum(reasoning_count(o.prompt_token_ids).add(o.token_ids, True)
-                       for o in outputs)
-
         hidden = parser is not None and not body.include_reasoning  # vLLM's rule
         if body.stream:
             head["object"] = "chat.completion.chunk"
+            reasoning, tool_calls = server.answer_streams(prompt)
             parts = ChatParts(
-                reasoning=partial(parser.stream, thinking) if parser else None,
-                tool_calls=None if tool_choice in (None, "none") else partial(
-                    ToolCallStream, tool_choice, tool_name, settings.tool_call_parser),
-                reasoning_tokens=reasoning_count if parser else None,
+                reasoning=reasoning, tool_calls=tool_calls,
+                reasoning_tokens=(lambda prompt_ids: ReasoningTokenCount(
+                    token_texts(prompt_ids), prompt.thinking)) if parser else None,
                 include_reasoning=body.include_reasoning, echo=body.echo_text())
             return EngineStreamingResponse(
                 stream_events(server.events(streams), len(streams), head, body, True,
@@ -451,29 +429,23 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
         echo = body.echo_text()
 
         def message(o) -> dict:
-            message, content = {"role": "assistant"}, o.text
+            thought, content, calls = server.split_answer(prompt, o.text)
+            message = {"role": "assistant"}
             if parser is not None:
-                message["reasoning"], content = parser.split(content, thinking)
-                if hidden:
-                    message["reasoning"] = None
-            if tool_choice in (None, "none"):
-                return {"message": {**message, "content": echo + (content or "") if echo
-                                    else content}}
-            calls, content = answer_tool_calls(content or "", tool_choice, tool_name,
-                                               settings.tool_call_parser)
+                message["reasoning"] = None if hidden else thought
             if echo:
                 content = echo + (content or "")
-            # vLLM's finish_reason: "tool_calls" for auto calls and "required" (ended by a
-            # stop), the engine's for a named function
-            finish = "tool_calls" if (calls and tool_choice == "auto") or (
-                tool_choice == "required" and o.finish_reason == "stop") else o.finish_reason
-            if calls or tool_choice != "auto":
+            if calls is None:
+                return {"message": {**message, "content": content}}
+            if calls or prompt.tool_choice != "auto":
                 message["tool_calls"] = calls
-            return {"message": {**message, "content": content}, "finish_reason": finish}
+            return {"message": {**message, "content": content}, "finish_reason": finish_reason(
+                prompt.tool_choice, bool(calls), o.finish_reason)}
 
         return await final_response(streams, raw, head, body, lambda o, lps, _: {
             **message(o),
             "logprobs": chat_logprobs(lps, token_texts(o.prompt_token_ids))
             if body.num_logprobs is not None and not hidden else None},
-            prompt_logprobs_field=True, reasoning_tokens=reasoning_tokens if parser else None,
-            token_ids=not hidden)
+            prompt_logprobs_field=True, reasoning_tokens=partial(
+                count_reasoning, token_texts=token_texts, thinking=prompt.thinking)
+            if parser else None, token_ids=not hidden)

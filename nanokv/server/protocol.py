@@ -210,30 +210,10 @@ class _SamplingRequest(_Body):
         rf = self.response_format
         if rf is None:
             return {}
-        kind = rf.get("type")
-        if kind == "text":
-            return {}
-        if kind == "json_object":
-            return {"json_object": True}
-        if kind == "json_schema":
-            spec = rf.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-                raise APIError(400, "response_format type 'json_schema' needs json_schema: "
-                                    "{\"name\": ..., \"schema\": {a JSON schema object}, "
-                                    "\"strict\": ...}", param="response_format",
-                               code="invalid_value")
-            unknown = [k for k in spec if k not in JSON_SCHEMA_FORMAT_KEYS]
-            if unknown:
-                raise APIError(400, f"response_format.json_schema has unknown fields "
-                                    f"{unknown}; allowed: {', '.join(JSON_SCHEMA_FORMAT_KEYS)}",
-                               param="response_format", code="invalid_value")
-            return {"json": spec["schema"]}
-        if kind in ("structural_tag", "structural_tags"):
-            raise APIError(400, "response_format type 'structural_tag' is not supported",
-                           param="response_format", code="unsupported_parameter")
-        raise APIError(400, f"response_format type must be 'text', 'json_object' or "
-                            f"'json_schema', got {kind!r}", param="response_format",
-                       code="invalid_value")
+        return format_constraint(
+            rf.get("type"), rf.get("json_schema"), "response_format", "response_format",
+            "response_format.json_schema", 'json_schema: {"name": ..., "schema": {a JSON schema '
+            'object}, "strict": ...}')
 
     def sampling_kwargs(self) -> dict:
         """SamplingParams keyword arguments of the request (max_tokens, n and logprobs apart)."""
@@ -394,6 +374,34 @@ class ChatMessage(_Strict):
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message
+
+
+def format_constraint(kind, spec, param: str, name: str, spec_name: str, needs: str,
+                      also_allowed: tuple[str, ...] = ()) -> dict[str, Any]:
+    """An output format (chat's response_format, the Responses API's text.format) as
+    structured_outputs fields: `kind` its type ("text": none, "json_object", "json_schema"),
+    `spec` its schema object ({"name", "schema", "strict", "description"}). APIError 400 naming
+    `param`, the format written `name`, its schema object `spec_name` (which may also hold
+    `also_allowed` keys), what a json_schema format `needs`."""
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise APIError(400, f"{name} type 'json_schema' needs {needs}", param=param,
+                           code="invalid_value")
+        unknown = [k for k in spec if k not in JSON_SCHEMA_FORMAT_KEYS + also_allowed]
+        if unknown:
+            raise APIError(400, f"{spec_name} has unknown fields {unknown}; allowed: "
+                                f"{', '.join(also_allowed + JSON_SCHEMA_FORMAT_KEYS)}",
+                           param=param, code="invalid_value")
+        return {"json": spec["schema"]}
+    if kind in ("structural_tag", "structural_tags"):
+        raise APIError(400, f"{name} type 'structural_tag' is not supported", param=param,
+                       code="unsupported_parameter")
+    raise APIError(400, f"{name} type must be 'text', 'json_object' or 'json_schema', got "
+                        f"{kind!r}", param=param, code="invalid_value")
 
 
 def checked_tool_choice(tools: list | None, names: list[str], choice,

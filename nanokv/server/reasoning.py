@@ -139,10 +139,3 @@ class ReasoningTokens:
             at = text.find(START, at + len(START))
         return inside
 
-
-def count_reasoning_tokens(token_texts: list[str], thinking: bool = True) -> int:
-    """`ReasoningTokens` of a whole answer's token texts."""
-    counter = ReasoningTokens(thinking)
-    for text in token_texts:
-        counter.add(text)
-    return counter.count

@@ -142,6 +142,39 @@ class TextDelta:
         return piece
 
 
+class AnswerSplit:
+    """One streamed chat answer's text split as it comes: its reasoning (a reasoning parser's
+    stream, or None), then its content's tool calls (a `ToolCallStream`, or None)."""
+
+    def __init__(self, reasoning: ReasoningStream | None, calls: ToolCallStream | None) -> None:
+        self.reasoning, self.calls = reasoning, calls
+
+    def feed(self, piece: str, finished: bool) -> tuple[str, str, list[dict]]:
+        """The next text piece (`finished`: the answer's last) -> its (reasoning, content,
+        tool_calls entries) now known."""
+        thought, content = ("", piece) if self.reasoning is None else self.reasoning.feed(piece)
+        if finished and self.reasoning is not None:
+            more_thought, more_content = self.reasoning.finish()
+            thought, content = thought + more_thought, content + more_content
+        entries: list[dict] = []
+        if self.calls is not None:
+            content, entries = self.calls.feed(content)
+            if finished:
+                more_content, more_entries = self.calls.finish()
+                content, entries = content + more_content, entries + more_entries
+        return thought, content, entries
+
+    def finish_reason(self, engine_reason: str) -> str:
+        return engine_reason if self.calls is None else self.calls.finish_reason(engine_reason)
+
+
+def count_reasoning(outputs: list[RequestOutput | None],
+                    token_texts: Callable[[list[int]], TokenTexts], thinking: bool) -> int:
+    """The finished answers' reasoning tokens, all together (`ReasoningTokenCount`)."""
+    return sum(ReasoningTokenCount(token_texts(o.prompt_token_ids), thinking).add(
+        o.token_ids, True) for o in outputs if o is not None)
+
+
 class ReasoningTokenCount:
     """One answer's reasoning tokens as its token ids come: their texts (`TokenTexts`, as the
     answer's text reads them) counted by `ReasoningTokens`."""
@@ -222,24 +255,12 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
         return usage(latest, n, generated, reasoning_total())
 
     latest: list[RequestOutput | None] = [None] * num_choices  # each choice's last output
-    splits = [parts.reasoning() for _ in range(num_choices)] if parts.reasoning else None
-    calls = [parts.tool_calls() for _ in range(num_choices)] if parts.tool_calls else None
+    splits = [AnswerSplit(parts.reasoning() if parts.reasoning else None,
+                          parts.tool_calls() if parts.tool_calls else None)
+              for _ in range(num_choices)]
 
     def chat_delta(i: int, piece: str, finished: bool) -> dict:
-        if splits is None and calls is None:
-            return {"content": piece} if piece else {}
-        thought, content = "", piece
-        if splits is not None:
-            thought, content = splits[i].feed(piece)
-            if finished:
-                more_thought, more_content = splits[i].finish()
-                thought, content = thought + more_thought, content + more_content
-        entries: list[dict] = []
-        if calls is not None:
-            content, entries = calls[i].feed(content)
-            if finished:
-                more_content, more_entries = calls[i].finish()
-                content, entries = content + more_content, entries + more_entries
+        thought, content, entries = splits[i].feed(piece, finished)
         return {k: v for k, v in (("reasoning", "" if hidden else thought),
                                   ("content", content), ("tool_calls", entries)) if v}
 
@@ -290,8 +311,8 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
                                                out.finished)
                 text_offsets[i] += sum(len(t) for t in logprobs["tokens"])
             reason = out.finish_reason if out.finished else None
-            if reason is not None and calls is not None:
-                reason = calls[i].finish_reason(reason)
+            if reason is not None:
+                reason = splits[i].finish_reason(reason)
             if chat:
                 choice = {"index": i, "delta": delta,
                           "logprobs": logprobs, "finish_reason": reason}

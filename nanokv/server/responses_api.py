@@ -18,9 +18,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from nanokv.server.protocol import (JSON_SCHEMA_FORMAT_KEYS, APIError, ChatMessage,
-                                    FunctionDefinition, Tool, ToolCall, ToolCallFunction,
-                                    _SamplingRequest, _Strict, checked_tool_choice)
+from nanokv.server.protocol import (APIError, ChatMessage, FunctionDefinition, Tool, ToolCall,
+                                    ToolCallFunction, _SamplingRequest, _Strict,
+                                    checked_tool_choice, format_constraint)
 
 INPUT_TEXT_TYPES = ("input_text", "output_text", "text")
 
@@ -195,25 +195,9 @@ class ResponsesRequest(_SamplingRequest):
         if not isinstance(fmt, dict):
             raise APIError(400, "text.format must be an object with a type", param="text",
                            code="invalid_value")
-        kind = fmt.get("type")
-        if kind == "text":
-            return {}
-        if kind == "json_object":
-            return {"json_object": True}
-        if kind == "json_schema":
-            if not isinstance(fmt.get("schema"), dict):
-                raise APIError(400, "text.format type 'json_schema' needs a schema: {\"type\": "
-                                    "\"json_schema\", \"name\": ..., \"schema\": {a JSON schema "
-                                    "object}, \"strict\": ...}", param="text",
-                               code="invalid_value")
-            unknown = [k for k in fmt if k not in ("type", *JSON_SCHEMA_FORMAT_KEYS)]
-            if unknown:
-                raise APIError(400, f"text.format has unknown fields {unknown}; allowed: type, "
-                                    f"{', '.join(JSON_SCHEMA_FORMAT_KEYS)}", param="text",
-                               code="invalid_value")
-            return {"json": fmt["schema"]}
-        raise APIError(400, f"text.format type must be 'text', 'json_object' or 'json_schema', "
-                            f"got {kind!r}", param="text", code="invalid_value")
+        return format_constraint(fmt.get("type"), fmt, "text", "text.format", "text.format",
+                                 'a schema: {"type": "json_schema", "name": ..., "schema": {a '
+                                 'JSON schema object}, "strict": ...}', ("type",))
 
     @property
     def num_logprobs(self) -> None:

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from nanokv.outputs import RequestOutput
 from nanokv.server.protocol import APIError
 from nanokv.server.reasoning import ReasoningStream
-from nanokv.server.responses import TextDelta
+from nanokv.server.responses import AnswerSplit, TextDelta
 from nanokv.server.responses_api import ResponsesRequest
 from nanokv.server.tool_stream import ToolCallStream
 
@@ -107,12 +107,12 @@ class OutputEvents:
         self.items: list[dict] = []
         self.kinds: list[str] = []  # "reasoning", "message" or "function_call"
         self.texts: list[str] = []  # each item's text (a function call's arguments)
-        self.open = False
+        self.is_open = False
 
     def next_seq(self) -> int:
         return next(self.seq)
 
-    def _open(self, kind: str, call: dict | None = None) -> list[str]:
+    def open_item(self, kind: str, call: dict | None = None) -> list[str]:
         i = len(self.items)
         if kind == "reasoning":
             item = {"type": "reasoning", "id": new_id("rs"), "summary": [], "content": [],
@@ -127,7 +127,7 @@ class OutputEvents:
         self.items.append(item)
         self.kinds.append(kind)
         self.texts.append("")
-        self.open = True
+        self.is_open = True
         out = [event("response.output_item.added", self.next_seq(), output_index=i, item=item)]
         if part is not None:
             out.append(event("response.content_part.added", self.next_seq(),
@@ -135,9 +135,9 @@ class OutputEvents:
         return out
 
     def close(self, status: str = "completed") -> list[str]:
-        if not self.open:
+        if not self.is_open:
             return []
-        self.open = False
+        self.is_open = False
         i, item, text = len(self.items) - 1, self.items[-1], self.texts[-1]
         kind, at = self.kinds[-1], dict(item_id=item["id"], output_index=i)
         if kind == "function_call":
@@ -165,8 +165,8 @@ class OutputEvents:
         if not text:
             return []
         out = []
-        if not (self.open and self.kinds[-1] == kind):
-            out += self.close() + self._open(kind)
+        if not (self.is_open and self.kinds[-1] == kind):
+            out += self.close() + self.open_item(kind)
         i = len(self.items) - 1
         self.texts[i] += text
         name, extra = ("response.reasoning_text.delta", {}) if kind == "reasoning" else (
@@ -180,7 +180,7 @@ class OutputEvents:
         later arguments go to the open one."""
         out = []
         if "id" in entry:
-            out += self.close() + self._open("function_call", entry)
+            out += self.close() + self.open_item("function_call", entry)
         arguments = entry["function"].get("arguments", "")
         if arguments:
             i = len(self.items) - 1
@@ -202,8 +202,7 @@ async def stream_response(events: AsyncIterator[tuple[int, RequestOutput]], shap
     `response.output_text.delta`s, each function call's item (`tool_calls`: the chat stream's
     extraction) with its `response.function_call_arguments.delta`s; then completed, the
     response with its status and usage. An error ends the stream with an `error` event."""
-    split = reasoning() if reasoning else None
-    calls = tool_calls() if tool_calls else None
+    split = AnswerSplit(reasoning() if reasoning else None, tool_calls() if tool_calls else None)
     delta = TextDelta(body.stop_list(), body.include_stop_str_in_output)
     items = OutputEvents()
     try:
@@ -212,17 +211,8 @@ async def stream_response(events: AsyncIterator[tuple[int, RequestOutput]], shap
         yield event("response.in_progress", items.next_seq(), response=in_progress)
         final = None
         async for _, out in events:
-            piece = delta.next(out.text, out.finished)
-            thought, content = ("", piece) if split is None else split.feed(piece)
-            if out.finished and split is not None:
-                more_thought, more_content = split.finish()
-                thought, content = thought + more_thought, content + more_content
-            entries: list[dict] = []
-            if calls is not None:
-                content, entries = calls.feed(content)
-                if out.finished:
-                    more_content, more_entries = calls.finish()
-                    content, entries = content + more_content, entries + more_entries
+            thought, content, entries = split.feed(delta.next(out.text, out.finished),
+                                                   out.finished)
             chunks = items.text("reasoning", thought) if body.include_reasoning else []
             chunks += items.text("message", content)
             for entry in entries:
@@ -235,7 +225,7 @@ async def stream_response(events: AsyncIterator[tuple[int, RequestOutput]], shap
             return
         status = status_of(final)
         if "message" not in items.kinds and "function_call" not in items.kinds:
-            for chunk in items.close() + items._open("message"):  # an empty answer's message
+            for chunk in items.close() + items.open_item("message"):  # an empty answer's message
                 yield chunk
         for chunk in items.close(status):
             yield chunk

@@ -8,9 +8,10 @@ import asyncio
 import copy
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import partial
 
 from fastapi import Request
 
@@ -29,7 +30,8 @@ from nanokv.server.protocol import MAX_N, APIError, _SamplingRequest, template_t
 from nanokv.server.reasoning import END as REASONING_END
 from nanokv.server.reasoning import get_parser
 from nanokv.server.tool_calls import PARSERS as TOOL_CALL_PARSERS
-from nanokv.server.tool_calls import named_schema, required_schema
+from nanokv.server.tool_calls import answer_tool_calls, named_schema, required_schema
+from nanokv.server.tool_stream import ToolCallStream
 from nanokv.structured.params import StructuredOutputsParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -412,6 +414,27 @@ class OpenAIServer:
             body, self.tool_constraint(body, tool_choice, tool_name)), thinking)
         return ChatPrompt(text, ids, labels, tool_choice, tool_name, thinking, bad_words,
                           structured)
+
+    def answer_streams(self, prompt: ChatPrompt) -> tuple[Callable | None, Callable | None]:
+        """A streamed chat answer's makers of its reasoning split (None without a reasoning
+        parser) and its tool call extraction (None without a tool choice)."""
+        parser = self.reasoning_parser
+        return (partial(parser.stream, prompt.thinking) if parser else None,
+                None if prompt.tool_choice in (None, "none") else partial(
+                    ToolCallStream, prompt.tool_choice, prompt.tool_name,
+                    self.settings.tool_call_parser))
+
+    def split_answer(self, prompt: ChatPrompt, text: str
+                     ) -> tuple[str | None, str | None, list[dict] | None]:
+        """A whole chat answer's (reasoning, content, tool calls): reasoning None without a
+        reasoning parser (or none given), calls None without a tool choice."""
+        parser = self.reasoning_parser
+        thought, content = parser.split(text, prompt.thinking) if parser else (None, text)
+        if prompt.tool_choice in (None, "none"):
+            return thought, content, None
+        calls, content = answer_tool_calls(content or "", prompt.tool_choice, prompt.tool_name,
+                                           self.settings.tool_call_parser)
+        return thought, content, calls
 
     def after_reasoning(self, spec: StructuredOutputsParams | None, thinking: bool
                         ) -> StructuredOutputsParams | None:

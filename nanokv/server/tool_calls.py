@@ -38,6 +38,21 @@ def tool_call(name: str, arguments: str) -> dict:
             "function": {"name": name, "arguments": arguments}}
 
 
+NOT_A_CALL = (ValueError, KeyError, TypeError)  # what reading a text that is no call raises
+
+
+def hermes_call(block: str) -> dict:
+    """The call of one hermes block's text: JSON with `name` and `arguments` (NOT_A_CALL when
+    it is not one)."""
+    call = json.loads(block)
+    return tool_call(call["name"], json.dumps(call["arguments"], ensure_ascii=False))
+
+
+def required_call(item) -> dict:
+    """The call of one item of a "required" answer's array: {"name", "parameters"}."""
+    return tool_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
+
+
 def parse_hermes(text: str) -> tuple[list[dict], str | None]:
     """(tool calls, content) of an answer, as vLLM's hermes parser reads it: every
     `<tool_call>` block (the last one may be unclosed) holds a JSON object with `name` and
@@ -46,12 +61,9 @@ def parse_hermes(text: str) -> tuple[list[dict], str | None]:
     if "<tool_call>" not in text:
         return [], text
     try:
-        calls = []
-        for closed, unclosed in HERMES_CALL.findall(text):
-            call = json.loads(closed or unclosed)
-            calls.append(tool_call(call["name"], json.dumps(call["arguments"],
-                                                            ensure_ascii=False)))
-    except (ValueError, KeyError, TypeError):
+        calls = [hermes_call(closed or unclosed)
+                 for closed, unclosed in HERMES_CALL.findall(text)]
+    except NOT_A_CALL:
         return [], text
     content = text[:text.find("<tool_call>")]
     return calls, content if content.strip() else None
@@ -76,7 +88,7 @@ def parse_llama3_json(text: str) -> tuple[list[dict], str | None]:
         try:
             obj, length = decoder.raw_decode(text[start:])
             calls.append(llama3_call(obj))
-        except (ValueError, KeyError, TypeError):
+        except NOT_A_CALL:
             return [], text
         end = start + length - 1
     return (calls, None) if calls else ([], text)
@@ -127,10 +139,8 @@ def parse_required(text: str) -> list[dict]:
     """The calls of a `tool_choice: "required"` answer (a JSON array of {"name",
     "parameters"}); none when it is not one (an answer cut short by max_tokens)."""
     try:
-        items = json.loads(text)
-        return [tool_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
-                for item in items]
-    except (ValueError, KeyError, TypeError):
+        return [required_call(item) for item in json.loads(text)]
+    except NOT_A_CALL:
         return []
 
 
@@ -171,6 +181,14 @@ def template_tool_calls(tool_calls: list[dict]) -> list[dict]:
         function["arguments"] = arguments if isinstance(arguments, dict) else {}
         out.append({**call, "function": function})
     return out
+
+
+def finish_reason(choice: str, called: bool, engine_reason: str | None) -> str | None:
+    """A tool-choice answer's finish_reason (vLLM's): "tool_calls" for auto calls and for
+    "required" ended by a stop, the engine's otherwise (a named function's too)."""
+    if (choice == "auto" and called) or (choice == "required" and engine_reason == "stop"):
+        return "tool_calls"
+    return engine_reason
 
 
 def answer_tool_calls(text: str, choice: str, name: str | None, parser: str = "hermes"

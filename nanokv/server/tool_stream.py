@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import json
 
-from nanokv.server.tool_calls import PYTHON_TAG, llama3_call, parse_pythonic, tool_call
+from nanokv.server.tool_calls import (NOT_A_CALL, PYTHON_TAG, finish_reason, hermes_call,
+                                      llama3_call, parse_pythonic, required_call, tool_call)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -55,12 +56,8 @@ class ToolCallStream:
         return self.calls > 0
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
-        """The choice's finish_reason (the whole answer's rule): "tool_calls" for auto calls and
-        for "required" ended by a stop, else the engine's."""
-        if (self.choice == "auto" and self.called) or (
-                self.choice == "required" and engine_reason == "stop"):
-            return "tool_calls"
-        return engine_reason
+        """The choice's finish_reason (the whole answer's rule: `tool_calls.finish_reason`)."""
+        return finish_reason(self.choice, self.called, engine_reason)
 
     def feed(self, piece: str) -> tuple[str, list[dict]]:
         self.pending += piece
@@ -80,10 +77,7 @@ class ToolCallStream:
             return "", self._required()
         return "", self._named()
 
-    def _entry(self, name: str, arguments: str) -> dict:
-        return self._entry_of(tool_call(name, arguments))
-
-    def _entry_of(self, call: dict) -> dict:
+    def _entry(self, call: dict) -> dict:
         self.calls += 1
         return {"index": self.calls - 1, **call}
 
@@ -131,9 +125,8 @@ class ToolCallStream:
 
     def _hermes(self, block: str) -> dict | None:
         try:
-            call = json.loads(block)
-            return self._entry(call["name"], json.dumps(call["arguments"], ensure_ascii=False))
-        except (ValueError, KeyError, TypeError):
+            return self._entry(hermes_call(block))
+        except NOT_A_CALL:
             return None
 
     # -- "required": the items of a JSON array ----------------------------------------------------
@@ -141,10 +134,8 @@ class ToolCallStream:
         calls = []
         for item, _ in self.objects.feed(self.pending):
             try:
-                item = json.loads(item)
-                calls.append(self._entry(item["name"], json.dumps(item["parameters"],
-                                                                   ensure_ascii=False)))
-            except (ValueError, KeyError, TypeError):
+                calls.append(self._entry(required_call(json.loads(item))))
+            except NOT_A_CALL:
                 pass  # not a call (the constraint makes every item one)
         self.pending = ""
         return calls
@@ -165,8 +156,8 @@ class ToolCallStream:
         fed, self.pending = self.pending, ""
         for obj, end in self.objects.feed(fed):
             try:
-                calls.append(self._entry_of(llama3_call(json.loads(obj))))
-            except (ValueError, KeyError, TypeError):  # not a call: content from here on
+                calls.append(self._entry(llama3_call(json.loads(obj))))
+            except NOT_A_CALL:  # not a call: content from here on
                 self.plain = True
                 return obj + fed[end:], calls
         if final and self.objects.open():  # an object cut short: content
@@ -186,7 +177,7 @@ class ToolCallStream:
             return "", []
         calls, content = parse_pythonic(self.pending)
         self.pending = ""
-        return content or "", [self._entry_of(call) for call in calls]
+        return content or "", [self._entry(call) for call in calls]
 
     # -- a named function: the answer is its arguments --------------------------------------------
     def _named(self) -> list[dict]:
@@ -194,7 +185,7 @@ class ToolCallStream:
             return []  # the call starts with its arguments' first text (none: no call)
         out, self.pending = self.pending, ""
         if not self.calls:
-            return [self._entry(self.name, out)]
+            return [self._entry(tool_call(self.name, out))]
         return [{"index": 0, "function": {"arguments": out}}] if out else []
 
 

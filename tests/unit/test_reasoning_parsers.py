@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from nanokv.server.reasoning import PARSERS, ReasoningStream, get_parser
+from nanokv.server.reasoning import PARSERS, ReasoningStream, ReasoningTokens, get_parser
 from nanokv.server.serving import ServerSettings
 
 # (answer, qwen3's split, deepseek_r1's split)
@@ -127,8 +127,15 @@ def test_unknown_parser_names_are_refused_with_the_allowed_ones():
                           structured_outputs_enable_in_reasoning=True)
 
 
+def count_reasoning_tokens(token_texts: list[str], thinking: bool = True) -> int:
+    """`ReasoningTokens` of a whole answer's token texts."""
+    counter = ReasoningTokens(thinking)
+    for text in token_texts:
+        counter.add(text)
+    return counter.count
+
+
 def test_reasoning_tokens_are_those_before_the_end_marker():
-    from nanokv.server.reasoning import ReasoningTokens, count_reasoning_tokens
     assert count_reasoning_tokens(["a", "b", "</think>", "c"]) == 2  # single-token markers
     assert count_reasoning_tokens(["<think>", "a", "</think>", "c", "</think>"]) == 1
     assert count_reasoning_tokens(["a", "b", "c"]) == 3  # never ended: all reasoning
