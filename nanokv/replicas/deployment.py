@@ -244,6 +244,10 @@ def build_replica_app(model: str, engine_kwargs: dict, settings: ServerSettings,
         raise ValueError(f"replica CPUs must be > 0, got {replica_cpus!r}")
     if max_attempts < 1:
         raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+    if settings.responses_store_size:
+        raise ValueError("--responses-store-size keeps responses in one engine process; with "
+                         "--replicas a stored response's later requests could reach another "
+                         "replica: leave it 0 (send the whole conversation as input)")
     engine_kwargs = dict(engine_kwargs)
     if engine_kwargs.get("num_threads") is None:  # replicas must not fight over the cores
         engine_kwargs["num_threads"] = max(1, int(replica_cpus))

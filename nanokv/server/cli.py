@@ -83,6 +83,12 @@ def add_serve_parser(subparsers, add_engine_args, engine_options) -> None:
                         "\"parameters\": {...}} objects, Llama 3.1 / 3.2 / 3.3 JSON templates) "
                         "or pythonic ([f(a=1), g()], Llama 3.2 / 4 pythonic templates) "
                         "(default: none)")
+    s.add_argument("--responses-store-size", type=int, default=0, metavar="N",
+                   help="keep the last N responses of /v1/responses in memory (the oldest "
+                        "dropped first): GET / DELETE /v1/responses/{id}, its input_items, "
+                        "previous_response_id to continue one, background responses and their "
+                        "cancel (vLLM's VLLM_ENABLE_RESPONSES_API_STORE, bounded). Default 0: "
+                        "none is kept, `store` is ignored; not with --replicas")
     s.add_argument("--trace-file", default=None, metavar="FILE",
                    help="append one JSON line per finished request to FILE: arrival time, "
                         "lengths, keyed block hashes (no text, no token ids), finish reason, "
@@ -146,7 +152,7 @@ def cmd_serve(args: argparse.Namespace, engine_options) -> int:
         reasoning_parser=args.reasoning_parser,
         structured_outputs_enable_in_reasoning=args.structured_outputs_enable_in_reasoning,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
-        tool_call_parser=args.tool_call_parser)
+        tool_call_parser=args.tool_call_parser, responses_store_size=args.responses_store_size)
 
     from nanokv.replicas.cli import check_replica_args
 

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI).
 
     POST /v1/completions, /v1/chat/completions, /v1/responses (JSON or server-sent events)
+    GET, DELETE /v1/responses/{id}; POST /v1/responses/{id}/cancel; GET .../input_items
     GET  /v1/models, /v1/models/{model}, /health, /ping (also POST), /version, /metrics
     POST /tokenize, /detokenize
 
@@ -26,20 +27,19 @@ from importlib.metadata import version as dist_version
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanokv.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                     DetokenizeRequest, TokenizeRequest, error_body)
 from nanokv.server.responses_api import ResponsesRequest
-from nanokv.server.responses_output import ResponseShape, stream_response, whole_output
+from nanokv.server.responses_serving import ResponsesServing
 from nanokv.server.responses import (ChatParts, ReasoningTokenCount, chat_logprobs,
                                      completion_logprobs, count_reasoning, echo_logprobs,
                                      prompt_logprobs_json, stream_events, usage)
-from nanokv.server.async_engine import RequestStream
 from nanokv.server.tool_calls import finish_reason
-from nanokv.server.serving import (COMPLETION_DEFAULT_MAX_TOKENS, ClientGone, OpenAIServer,
-                                   ServerSettings)
+from nanokv.server.serving import (COMPLETION_DEFAULT_MAX_TOKENS, ClientGone,
+                                   EngineStreamingResponse, OpenAIServer, ServerSettings)
 
 __all__ = ["build_app", "ServerSettings", "OpenAIServer"]
 
@@ -117,22 +117,6 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
-class EngineStreamingResponse(StreamingResponse):
-    """Closes (aborts) the streams however the response ends, even if the body never starts."""
-
-    def __init__(self, content, streams: list[RequestStream]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
-        self._streams = streams
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            for s in self._streams:
-                s.close()
-
-
 def build_app(engine, settings: ServerSettings) -> FastAPI:
     """The FastAPI app over an LLMEngine; the engine loop starts with the app's lifespan."""
     server = OpenAIServer(engine, settings)
@@ -144,6 +128,7 @@ def build_app(engine, settings: ServerSettings) -> FastAPI:
         try:
             yield
         finally:
+            await app.state.responses.close()
             server.async_engine.shutdown()
             server.close()
 
@@ -369,31 +354,29 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
 
         return await final_response(streams, raw, head, body, completion_choice)
 
+    responses_serving = ResponsesServing(server)
+    app.state.responses = responses_serving
+
     @app.post("/v1/responses", dependencies=json_body)
     async def responses(body: ResponsesRequest, raw: Request):
-        prompt = await server.chat_prompt(body, raw, "responses", body.messages())
-        shape = ResponseShape(body, settings.model_name)
-        ids = prompt.token_ids
-        requests = server.make_requests(body, ids, prompt.text, shape.id, body.max_output_tokens,
-                                        max(server.max_model_len - len(ids), 1), "input",
-                                        "max_output_tokens", prompt.bad_words, prompt.structured,
-                                        server.priority(body, raw))
-        streams = server.open_streams(requests, prompt.labels)
-        token_texts = partial(server.token_texts, skip_special_tokens=body.skip_special_tokens)
-        count = partial(count_reasoning, token_texts=token_texts, thinking=prompt.thinking) \
-            if server.reasoning_parser else None
-        if body.stream:
-            return EngineStreamingResponse(stream_response(
-                server.events(streams), shape, body, *server.answer_streams(prompt),
-                (lambda out: count([out])) if count else None), streams)
-        try:
-            finals, _ = await server.run_to_end(streams, raw)
-        except ClientGone:
-            return Response(status_code=499)
-        out = finals[0]
-        thought, content, calls = server.split_answer(prompt, out.text)
-        return whole_output(shape, out, thought if body.include_reasoning else None, content,
-                            calls or [], count([out]) if count else None)
+        return await responses_serving.create(body, raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, stream: bool = False):
+        return responses_serving.retrieve(response_id, stream)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return await responses_serving.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return await responses_serving.cancel(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, after: str | None = None, limit: int = 20,
+                                   order: str = "desc"):
+        return responses_serving.input_items(response_id, after, limit, order)
 
     @app.post("/v1/chat/completions", dependencies=json_body)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):

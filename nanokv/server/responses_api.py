@@ -5,8 +5,11 @@ fields, structured outputs from `text.format`, the reasoning split under --reaso
 tool calls under the chat's tool choice and parser); the answer comes back as a response
 object (`responses_output`).
 
-Refused (400 naming the field): tools other than functions, `previous_response_id` and
-`conversation` (nothing is stored: `store` is accepted and ignored), `background`, `include`,
+With the server's response store (`--responses-store-size`, `response_store`), a request may
+continue a stored response (`previous_response_id`: its conversation, then this input) and run
+in the background (`background`: answered at once, queued; polled and cancelled by id).
+
+Refused (400 naming the field): tools other than functions, `conversation`, `include`,
 `prompt` templates, `top_logprobs`, `truncation: "auto"`, input items of other kinds (files,
 images, built-in tools' calls), and the chat fields the Responses API does not have (`n`,
 `max_tokens`, `response_format`: use `text.format`). An earlier answer's reasoning items sent
@@ -120,12 +123,10 @@ class ResponsesRequest(_SamplingRequest):
             value = getattr(self, name)
             if value is not None and not (name == "n" and value == 1):
                 bad.append((name, f"{name} is not a Responses API field: {why}"))
-        for name in ("previous_response_id", "conversation"):
-            if getattr(self, name) is not None:
-                bad.append((name, f"{name}: no response is stored; send the whole "
-                                  f"conversation as `input`"))
-        if self.background:
-            bad.append(("background", "background responses are not supported"))
+        if self.conversation is not None:
+            bad.append(("conversation", "conversation objects are not supported: continue a "
+                                        "stored response with previous_response_id, or send "
+                                        "the whole conversation as `input`"))
         if self.include:
             bad.append(("include", "include is not supported"))
         if self.prompt is not None:
@@ -136,15 +137,20 @@ class ResponsesRequest(_SamplingRequest):
             bad.append(("truncation", "truncation \"auto\" is not supported: the input must fit"))
         return bad
 
-    def messages(self) -> list[ChatMessage]:
-        """The chat: the instructions as a system message, then the input's messages; function
-        calls as an assistant message's tool calls (consecutive ones together), their outputs
-        as tool messages; reasoning items left out."""
-        items = [InputMessage(role="user", content=self.input)] if isinstance(
-            self.input, str) else self.input
+    def input_list(self) -> list[InputItem]:
+        """The input as items (a string: one user message)."""
+        return [InputMessage(role="user", content=self.input)] if isinstance(
+            self.input, str) else list(self.input)
+
+    def messages(self, history: list[ChatMessage] = ()) -> list[ChatMessage]:
+        """The chat: the instructions as a system message, the `history` (a stored response's
+        conversation), then the input's messages; function calls as an assistant message's
+        tool calls (consecutive ones together), their outputs as tool messages; reasoning items
+        left out."""
         chat = [ChatMessage(role="system", content=self.instructions)] \
             if self.instructions is not None else []
-        for item in items:
+        chat += history
+        for item in self.input_list():
             if isinstance(item, InputMessage):
                 chat.append(item.chat_message())
             elif isinstance(item, InputFunctionCall):
@@ -203,8 +209,8 @@ class ResponsesRequest(_SamplingRequest):
     def num_logprobs(self) -> None:
         return None
 
-    def echoed(self) -> dict:
-        """The request's fields a response object repeats."""
+    def echoed(self, store: bool = False) -> dict:
+        """The request's fields a response object repeats (`store`: whether it is kept)."""
         return {"instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
                 "temperature": 1.0 if self.temperature is None else self.temperature,
                 "top_p": 1.0 if self.top_p is None else self.top_p,
@@ -214,5 +220,6 @@ class ResponsesRequest(_SamplingRequest):
                 "tools": [t.model_dump() for t in self.tools or []],
                 "text": self.text or {"format": {"type": "text"}},
                 "reasoning": self.reasoning, "metadata": self.metadata or {},
-                "previous_response_id": None, "store": False, "truncation": "disabled",
-                "user": self.user, "background": False, "service_tier": "auto"}
+                "previous_response_id": self.previous_response_id, "store": store,
+                "truncation": "disabled", "user": self.user,
+                "background": bool(self.background), "service_tier": "auto"}

@@ -50,9 +50,9 @@ def response_usage(out: RequestOutput | None, reasoning_tokens: int | None) -> d
 class ResponseShape:
     """One response's fixed fields and its object at a status."""
 
-    def __init__(self, body: ResponsesRequest, model: str) -> None:
+    def __init__(self, body: ResponsesRequest, model: str, store: bool = False) -> None:
         self.id, self.created_at = new_id("resp"), int(time.time())
-        self.body, self.model = body, model
+        self.body, self.model, self.store = body, model, store
 
     def object(self, status: str, output: list[dict], out: RequestOutput | None = None,
                reasoning_tokens: int | None = None) -> dict:
@@ -61,7 +61,7 @@ class ResponseShape:
         return {"id": self.id, "object": "response", "created_at": self.created_at,
                 "model": self.model, "status": status, "error": None,
                 "incomplete_details": incomplete, "output": output,
-                "usage": response_usage(out, reasoning_tokens), **self.body.echoed()}
+                "usage": response_usage(out, reasoning_tokens), **self.body.echoed(self.store)}
 
 
 def status_of(out: RequestOutput) -> str:
@@ -194,14 +194,15 @@ async def stream_response(events: AsyncIterator[tuple[int, RequestOutput]], shap
                           body: ResponsesRequest,
                           reasoning: Callable[[], ReasoningStream] | None,
                           tool_calls: Callable[[], ToolCallStream] | None,
-                          count_reasoning: Callable[[RequestOutput], int] | None
-                          ) -> AsyncIterator[str]:
+                          count_reasoning: Callable[[RequestOutput], int] | None,
+                          on_done: Callable[[dict], None] | None = None) -> AsyncIterator[str]:
     """The Responses events of one answer: created, in_progress; the output items as their
     text comes (`OutputEvents`): a reasoning item's `response.reasoning_text.delta`s (with a
     reasoning parser, unless include_reasoning is false), a message item's
     `response.output_text.delta`s, each function call's item (`tool_calls`: the chat stream's
     extraction) with its `response.function_call_arguments.delta`s; then completed, the
-    response with its status and usage. An error ends the stream with an `error` event."""
+    response with its status and usage, handed to `on_done` first (the store keeps it). An error
+    ends the stream with an `error` event."""
     split = AnswerSplit(reasoning() if reasoning else None, tool_calls() if tool_calls else None)
     delta = TextDelta(body.stop_list(), body.include_stop_str_in_output)
     items = OutputEvents()
@@ -229,9 +230,12 @@ async def stream_response(events: AsyncIterator[tuple[int, RequestOutput]], shap
                 yield chunk
         for chunk in items.close(status):
             yield chunk
+        response = shape.object(status, items.items, final,
+                                count_reasoning(final) if count_reasoning else None)
+        if on_done is not None:
+            on_done(response)
         # vLLM's: response.completed whatever the status (the SDK's stream helper waits for it)
-        yield event("response.completed", items.next_seq(), response=shape.object(
-            status, items.items, final, count_reasoning(final) if count_reasoning else None))
+        yield event("response.completed", items.next_seq(), response=response)
     except APIError as e:
         err = e.body()["error"]
         yield event("error", items.next_seq(), code=err.get("code"), message=err.get("message"),

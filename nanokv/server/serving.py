@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from nanokv.bad_words import tokenize_bad_words
 from nanokv.engine.detokenizer import TokenTexts
@@ -70,6 +71,7 @@ class ServerSettings:
     structured_outputs_enable_in_reasoning: bool = False
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (nanokv.server.tool_calls)
     tool_call_parser: str | None = None  # reads tool calls out of chat answers
+    responses_store_size: int = 0  # Responses API responses kept (response_store); 0: none
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -79,8 +81,10 @@ class ServerSettings:
                              "share one clock)")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")
-        for name in ("max_waiting", "max_body_bytes", "max_stop_strings", "max_stop_length"):
-            value, low = getattr(self, name), 0 if name == "max_waiting" else 1
+        for name in ("max_waiting", "max_body_bytes", "max_stop_strings", "max_stop_length",
+                     "responses_store_size"):
+            value = getattr(self, name)
+            low = 0 if name in ("max_waiting", "responses_store_size") else 1
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if self.max_prompt_chars is not None and (not isinstance(self.max_prompt_chars, int)
@@ -637,6 +641,22 @@ class OpenAIServer:
             self.async_engine.abort_all(ShuttingDown(
                 f"the server is shutting down: the request did not finish within "
                 f"--shutdown-timeout {timeout:g} s and was aborted"))
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """Closes (aborts) the streams however the response ends, even if the body never starts."""
+
+    def __init__(self, content, streams: list[RequestStream]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for s in self._streams:
+                s.close()
 
 
 class ClientGone(Exception):

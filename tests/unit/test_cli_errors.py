@@ -127,6 +127,11 @@ def test_checks_come_before_the_work(monkeypatch, capsys):
                    capsys)
     assert rc == 2 and ("--router, --metrics-port set the replicas of Ray Serve: they need "
                         "--replicas N") in last
+    rc, last = run(["serve", "--model", TINY, "--responses-store-size", "-1"], capsys)
+    assert rc == 2 and "responses_store_size must be an integer >= 0, got -1" in last
+    rc, last = run(["serve", "--model", TINY, "--replicas", "2", "--responses-store-size", "4"],
+                   capsys)
+    assert rc == 2 and "--responses-store-size keeps responses in one engine process" in last
     rc, last = run(["serve", "--model", TINY, "--served-model-name", " "], capsys)
     assert rc == 2 and "--served-model-name must be a non-empty name" in last
     rc, last = run(["serve", "--model", TINY, "--reasoning-parser", "qwen"], capsys)
