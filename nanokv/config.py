@@ -7,6 +7,7 @@ import math
 import re
 from dataclasses import dataclass, field, fields
 
+from nanokv.spec.config import SpeculativeConfig
 from nanokv.validation import check_bool, check_choice, check_fraction, check_int
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -149,6 +150,15 @@ class EngineConfig:
         1, "processes the model is split over (heads, MLP, vocabulary and KV heads), started by "
            "the engine: gloo on CPU, one GPU each (NCCL) on CUDA; the model's KV heads must "
            "divide by it")
+    speculative_config: dict | None = _opt(
+        None, "speculative decoding, vLLM's form (JSON on the CLI): {\"method\": \"ngram\", "
+              "\"num_speculative_tokens\": k (1-16), \"prompt_lookup_max\": n, "
+              "\"prompt_lookup_min\": m (default 5, or each other)}: each decoding request "
+              "drafts up to k tokens a step from the first occurrence of the longest "
+              "n-gram ending its tokens (m <= n), verified in one forward pass; the output is "
+              "the one decoding alone gives (greedy, and seeded sampling token for token). "
+              "Not with KV policies, kvquant / kivi caches (drafts are skipped for requests "
+              "with structured outputs, bad_words, or before min_tokens)", type="json")
 
     @classmethod
     def from_kwargs(cls, model: str, **options) -> "EngineConfig":
@@ -217,6 +227,8 @@ class EngineConfig:
                                                  or not self.kv_quant_config):
             raise ValueError(f"kv_quant_config must be the path of a calibration file, "
                              f"got {self.kv_quant_config!r}")
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)
         # which kv_cache_dtype exists, which options it reads and which policies it serves are
         # checked where the KV cache and the policy meet (nanokv/engine/assembly.py)
 
@@ -233,6 +245,11 @@ class EngineConfig:
             raise ValueError(
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({self.max_model_len}) so every prompt fits one step")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return None if self.speculative_config is None else \
+            SpeculativeConfig.from_dict(self.speculative_config)
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

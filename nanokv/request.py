@@ -129,6 +129,9 @@ class Request:
         # a block-wise policy's scores of the request's full blocks, by block id: each [L],
         # computed once (cleared when a compaction or a preemption changes the blocks' content)
         self.block_scores: dict[int, torch.Tensor] = {}
+        # speculative decoding: its tokens for n-gram drafts (`nanokv.spec.NgramIndex`), made
+        # when it first drafts
+        self.ngram_index = None
         # what the request held when it finished (the metrics and the eval harness read these)
         self.final_kv_blocks = 0
         self.final_kv_slots = 0

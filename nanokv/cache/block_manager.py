@@ -168,7 +168,9 @@ class BlockManager:
                 request.num_computed_tokens + num_new_tokens))
 
         hit_tokens = len(computed_blocks) * self.block_size
-        self._cache_full_blocks(request, request.num_computed_tokens + hit_tokens + num_new_tokens)
+        # known tokens only: speculative draft tokens past them are hashed once accepted
+        self._cache_full_blocks(request, min(request.num_tokens, request.num_computed_tokens
+                                             + hit_tokens + num_new_tokens))
         return True
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:

@@ -23,6 +23,7 @@ __all__ = ["KVLayout", "KVPool"]
 class KVPool(KVCache):
     supports_layer_slices = True
     supports_reconstruction = True
+    supports_speculation = True
     begin_step_on_device = True
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str) -> None:

@@ -24,7 +24,7 @@ from nanokv.attention.backend import AttentionBackend
 from nanokv.attention.selector import backend_names, select_backend
 from nanokv.cache.kv_cache import KVCache, KVCacheOptions, KVCacheSpec, check_policy_support
 from nanokv.cache.layout import KVLayout
-from nanokv.cache.registry import kv_cache_settings
+from nanokv.cache.registry import KV_CACHE_DTYPES, kv_cache_class, kv_cache_settings
 from nanokv.config import EngineConfig
 from nanokv.distributed.support import check_tensor_parallel
 from nanokv.engine.kv_cache_plan import (
@@ -83,7 +83,26 @@ def resolve_parts(config: EngineConfig, hf_config) -> EngineParts:
         check_policy_support(kv_class, built)
     elif config.kv_policy is not None and config.kv_policy != "full":
         policy_class(config.kv_policy)
+    if config.speculative_config is not None:
+        check_speculation(config, kv_class, policy)
     return EngineParts(kv_class, settings, policy, given)
+
+
+def check_speculation(config: EngineConfig, kv_class: type[KVCache],
+                      policy: PolicyConfig | None) -> None:
+    """Speculative decoding writes draft tokens' K/V that a rejection leaves behind, to be
+    written over: a cache kind whose slots stand alone, no KV policy (its scores and
+    evictions would see the drafts)."""
+    if not kv_class.supports_speculation:
+        allowed = [d for d in KV_CACHE_DTYPES if kv_cache_class(d).supports_speculation]
+        raise ValueError(f"speculative_config needs a KV cache whose slots are written one by "
+                         f"one (a rejected draft token's slot is written over): kv_cache_dtype "
+                         f"one of {allowed}, got {config.kv_cache_dtype!r} (its blocks keep "
+                         f"statistics of their tokens)")
+    if policy is not None:
+        raise ValueError(f"speculative_config does not go with a KV policy (kv_policy "
+                         f"{config.kv_policy!r}: its scores and evictions would see draft "
+                         f"tokens); leave one of them unset")
 
 
 def scaled_spec(spec: KVCacheSpec, copies: int) -> KVCacheSpec:
@@ -177,4 +196,9 @@ def startup_report(config: EngineConfig, model, device: torch.device, dtype_note
     lines.append(f"max concurrency at max_model_len {plan.max_model_len}: "
                  f"{plan.max_concurrency:.2f} requests")
     lines.append(f"attention backend: {backend.name} ({backend.description}; {backend_why})")
+    spec = config.speculative
+    if spec is not None:
+        lines.append(f"speculative decoding: {spec.method}, up to {spec.num_speculative_tokens} "
+                     f"draft tokens a step from n-grams of {spec.prompt_lookup_min}-"
+                     f"{spec.prompt_lookup_max} tokens")
     return lines

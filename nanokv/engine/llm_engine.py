@@ -129,7 +129,8 @@ class LLMEngine:
             extra_keys=extra_keys, on_block_freed=kv_cache.release)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_model_len,
-                                   config.enable_chunked_prefill, config.scheduling_policy)
+                                   config.enable_chunked_prefill, config.scheduling_policy,
+                                   config.speculative)
         self.runner = ModelRunner(self.model, self.kv_cache, self.attention_backend, self.device,
                                   config.seed, tp=None if self.executor is None
                                   else self.executor.tp, enforce_eager=config.enforce_eager,
@@ -351,7 +352,8 @@ class LLMEngine:
             outputs = [self._output(request, []) for request in failed
                        if request.request_id not in sampled]
         for request in progressed:
-            stop = update_text(request, self.tokenizer)
+            first = before[request.request_id]
+            stop = self._update_text(request, first)
             if stop is not None and not request.is_finished:
                 request.stop_reason = stop
                 self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
@@ -360,13 +362,32 @@ class LLMEngine:
                 # its last token (the last allowed, or a stop token kept in the text) completed
                 request.stop_reason = stop  # a stop string: as vLLM,
                 request.status = RequestStatus.FINISHED_STOPPED  # the stop string wins
-            new = request.output_token_ids[before[request.request_id]:]
-            logprobs = runner_out.logprobs.get(request.request_id)
-            if logprobs is not None and new:
-                request.output_logprobs.append(logprobs)
-            outputs.append(self._output(request, new,
-                                        [logprobs] if logprobs is not None and new else None))
+            new = request.output_token_ids[first:]
+            logprobs = None
+            if request.request_id in runner_out.logprobs and new:
+                logprobs = [runner_out.logprobs[request.request_id],
+                            *runner_out.draft_logprobs.get(request.request_id, [])][:len(new)]
+                request.output_logprobs += logprobs
+            outputs.append(self._output(request, new, logprobs))
         return outputs
+
+    def _update_text(self, request: Request, first: int) -> str | None:
+        """`update_text` of the step's new tokens (from output `first` on); several (accepted
+        speculative drafts) with stop strings go one at a time, so a stop string ends the
+        output at the token that completes it, as decoding them one a step does."""
+        tokens = request.output_token_ids
+        if len(tokens) - first < 2 or not request.params.stop:
+            return update_text(request, self.tokenizer)
+        status = request.status
+        for end in range(first + 1, len(tokens) + 1):
+            request.output_token_ids = tokens[:end]
+            request.status = status if end == len(tokens) else RequestStatus.RUNNING
+            stop = update_text(request, self.tokenizer)
+            if stop is not None:
+                request.status = status
+                request.num_computed_tokens -= len(tokens) - end  # not outputs, nor computed
+                return stop
+        return None
 
     def _fail(self, requests: list[Request], error: Exception) -> list[Request]:
         """Abort requests a KV policy failed on (their caches may be half compacted: the blocks

@@ -17,6 +17,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 
 from nanokv.metrics.stats import (EVICTION_REASONS, CacheConfigInfo, FinishedRequestStats,
                                   IterationStats, RatioWindow, TimeWeightedWindow)
+from nanokv.spec.stats import SpecDecodeStats
 from nanokv.utils import cdiv
 
 PREFIX = "nanokv:"
@@ -181,6 +182,8 @@ class PrometheusExporter:
                                        "are whole numbers of blocks.",
                                        kv_kb_buckets(cache_config))
 
+        self._spec: tuple | None = None  # speculative decoding's counters, made on first use
+
         c = cache_config
         Info(PREFIX + "cache_config", "KV cache configuration.", registry=r).info({
             "model_name": name, "block_size": str(c.block_size), "num_blocks": str(c.num_blocks),
@@ -224,6 +227,8 @@ class PrometheusExporter:
             self.block_lifetime.observe(t)
         if it.step_tokens:
             self.step_tokens.observe(it.step_tokens)
+        if it.spec_decode is not None and it.spec_decode.num_drafts:
+            self._record_spec(it.spec_decode)
         for f in it.finished:
             if f.finish_reason not in self.success:
                 self.success[f.finish_reason] = self._success_family.labels(
@@ -234,6 +239,31 @@ class PrometheusExporter:
             self._observe_request(f)
             if f.peak_kv_bytes > 0:
                 self.request_kv_kb.observe(f.peak_kv_bytes / 1024)
+
+    def _record_spec(self, spec: SpecDecodeStats) -> None:
+        """vLLM's spec_decode counters: verification steps with drafts, their draft tokens,
+        the accepted ones, and accepted ones by draft position."""
+        if self._spec is None:
+            r, m, name = self.registry, ["model_name"], self.model_name
+            self._spec = tuple(Counter(PREFIX + metric, doc, m, registry=r).labels(name) for
+                               metric, doc in (
+                                   ("spec_decode_num_drafts", "Speculative decoding: request "
+                                    "steps that verified draft tokens."),
+                                   ("spec_decode_num_draft_tokens", "Draft tokens verified."),
+                                   ("spec_decode_num_accepted_tokens", "Draft tokens accepted "
+                                    "(outputs without a step of their own).")))
+            per_position = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                   "Draft tokens accepted, by position in the draft (0: the "
+                                   "first).", m + ["position"], registry=r)
+            self._spec_positions = [per_position.labels(name, str(i))
+                                    for i in range(spec.num_speculative_tokens)]
+        for counter, n in zip(self._spec, (spec.num_drafts, spec.num_draft_tokens,
+                                           spec.num_accepted_tokens)):
+            if n:
+                counter.inc(n)
+        for counter, n in zip(self._spec_positions, spec.accepted_per_position):
+            if n:
+                counter.inc(n)
 
     def _observe_request(self, f: FinishedRequestStats) -> None:
         """The per-request histograms (vLLM's): every finished request, aborted ones too, each

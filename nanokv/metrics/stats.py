@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from nanokv.outputs import RequestMetrics
 from nanokv.scheduler.output import SchedulerStats
+from nanokv.spec.stats import SpecDecodeStats
 
 EVICTION_REASONS = ("prefix_lru", "preemption", "policy")  # always exported, even at 0
 
@@ -103,6 +104,7 @@ class IterationStats:
     ttfts_s: list[float] = field(default_factory=list)
     itls_s: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    spec_decode: SpecDecodeStats | None = None  # the turn's drafts (speculative decoding)
 
 
 class SchedulerDeltas:
@@ -124,6 +126,8 @@ class SchedulerDeltas:
         it.evicted_blocks = {reason: n - before.get(reason, 0)
                              for reason, n in snap.evicted_blocks.items()
                              if n != before.get(reason, 0)}
+        if snap.spec_decode is not None:
+            it.spec_decode = snap.spec_decode.since(last.spec_decode if last else None)
         self._last = snap
 
 

@@ -21,6 +21,8 @@ from nanokv.quant.store import BufferSpec, QuantizedKVStore, Rope, WritePlan
 class PerTokenKVStore(QuantizedKVStore):
     """Base of the per-token stores; subclasses give `_quantize` / `_dequantize`."""
 
+    supports_speculation = True  # a slot's codes and scale stand alone
+
     def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu",
                  pre_rope_keys: bool = False, slot_positions: torch.Tensor | None = None) -> None:
         super().__init__(layout, num_blocks, device, pre_rope_keys, slot_positions)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nanokv.sampling_params import SamplingParams
+from nanokv.spec.stats import SpecDecodeStats
 
 
 @dataclass
@@ -38,6 +39,9 @@ class ScheduledRequest:
     # params.prompt_logprobs: the prompt tokens that follow the chunk's first rows (row r scores
     # token start_position + r + 1); None when the chunk scores none
     prompt_logprob_targets: list[int] | None = None
+    # speculative decoding: the draft tokens ending token_ids (after the request's last token);
+    # every one of their rows samples too (the row after draft j: output_index + j + 1)
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +77,10 @@ class RunnerOutput:
     logprobs: dict = field(default_factory=dict)
     # request id -> TokenLogprobs of its chunk's prompt_logprob_targets (params.prompt_logprobs)
     prompt_logprobs: dict = field(default_factory=dict)
+    # speculative decoding: request id -> the tokens sampled at its draft tokens' rows (what
+    # follows draft j if drafts 0..j are accepted), and their TokenLogprobs (params.logprobs)
+    draft_samples: dict = field(default_factory=dict)
+    draft_logprobs: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -89,3 +97,4 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     evicted_blocks: dict[str, int]
+    spec_decode: SpecDecodeStats | None = None  # with speculative decoding

@@ -24,12 +24,16 @@ from nanokv.config import SCHEDULING_POLICIES
 from nanokv.request import Request, RequestStatus
 from nanokv.scheduler.output import (RunnerOutput, ScheduledRequest, SchedulerOutput,
                                      SchedulerStats)
+from nanokv.spec.config import SpeculativeConfig
+from nanokv.spec.ngram import NgramIndex
+from nanokv.spec.stats import SpecDecodeStats
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
-                 enable_chunked_prefill: bool = True, scheduling_policy: str = "fcfs") -> None:
+                 enable_chunked_prefill: bool = True, scheduling_policy: str = "fcfs",
+                 speculative: SpeculativeConfig | None = None) -> None:
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, "
                              f"got {scheduling_policy!r}")
@@ -45,6 +49,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_scheduled_tokens = 0  # tokens of every step's batch (prefill chunks + decodes)
         self.num_recomputed_tokens = 0  # computed tokens thrown away by preemption
+        self.speculative = speculative  # n-gram drafts for decoding requests (None: off)
+        self.spec_stats = SpecDecodeStats(speculative.num_speculative_tokens) \
+            if speculative is not None else None
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -112,7 +119,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._chunk(request, request.num_computed_tokens, budget)
-            while not bm.allocate_slots(request, num_new, keep_free=reserved):
+            drafts = self._drafts(request, num_new, budget, reserved)
+            while not drafts and not bm.allocate_slots(request, num_new, keep_free=reserved):
                 v = self._victim_index()
                 victim = self.running.pop(v)
                 self._preempt(victim)
@@ -130,8 +138,8 @@ class Scheduler:
             if self.by_priority:  # given back if a later victim is this request
                 kept[request.request_id] = held
             to_copy.update(request.block_table[j] for j in bm.wait_private(request))
-            scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
+            scheduled.append(self._scheduled(request, num_new, drafts))
+            budget -= num_new + len(drafts)
             i += 1
 
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
@@ -168,6 +176,35 @@ class Scheduler:
         scheduled.sort(key=lambda s: not s.is_decode)  # decodes first, then prefill chunks
         self.num_scheduled_tokens += sum(s.num_tokens for s in scheduled)
         return SchedulerOutput(scheduled, [r.request_id for r in preempted])
+
+    def _drafts(self, request: Request, num_new: int, budget: int, reserved: int) -> list[int]:
+        """Speculative decoding: the n-gram drafts a decoding request verifies this step, with
+        their slots (and its token's) allocated; [] when it drafts none (the caller allocates
+        its one token as any other, preempting if it must: drafts never preempt). Up to k, no
+        more than the budget, max_tokens and max_model_len leave room for; none for a request
+        whose next tokens the sampler constrains (a grammar, bad words, min_tokens), or with a
+        KV policy."""
+        spec = self.speculative
+        if spec is None or num_new != 1 or request.num_computed_tokens != request.num_tokens - 1:
+            return []
+        params = request.params
+        if (request.grammar is not None or request.bad_words_token_ids
+                or request.num_output_tokens < params.min_tokens
+                or request.kv_policy is not None or request.layer_slices is not None):
+            return []
+        k = min(spec.num_speculative_tokens, budget - 1,
+                params.max_tokens - request.num_output_tokens - 1,
+                self.max_model_len - request.num_tokens)
+        if k < 1:
+            return []
+        if request.ngram_index is None:
+            request.ngram_index = NgramIndex()
+        request.ngram_index.sync(request.prompt_token_ids, request.output_token_ids)
+        drafts = request.ngram_index.propose(spec.prompt_lookup_min, spec.prompt_lookup_max, k)
+        if drafts and not self.block_manager.allocate_slots(request, 1 + len(drafts),
+                                                            keep_free=reserved):
+            return []
+        return drafts
 
     def _reserve_for_policy(self, request: Request, index: int, preempted: list[Request],
                             reserved: int) -> int:
@@ -260,7 +297,8 @@ class Scheduler:
             n = min(n, bs - request.num_cached_slots % bs)
         return n
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(self, request: Request, num_new: int,
+                   drafts: list[int] | None = None) -> ScheduledRequest:
         start = request.num_computed_tokens
         sample = start + num_new == request.num_tokens
         layer_tables = layer_start_slots = None
@@ -269,7 +307,7 @@ class Scheduler:
             layer_start_slots = request.layer_slices.lengths(start)
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.token_ids_range(start, start + num_new),
+            token_ids=request.token_ids_range(start, start + num_new) + (drafts or []),
             start_position=start,
             start_slot=request.num_cached_slots,
             block_table=list(request.block_table),
@@ -287,6 +325,7 @@ class Scheduler:
                                    if request.grammar is not None and sample else None),
             prompt_logprob_targets=(self._prompt_logprob_targets(request, start, num_new)
                                     if request.params.prompt_logprobs is not None else None),
+            draft_token_ids=list(drafts or []),
         )
 
     @staticmethod
@@ -356,18 +395,39 @@ class Scheduler:
                 request.prompt_logprobs += runner_output.prompt_logprobs[s.request_id]
             if not s.sample:
                 continue
-            token = runner_output.sampled_token_ids[s.request_id]
-            request.output_token_ids.append(token)
+            tokens = self._verified(request, s, runner_output)
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.metrics.last_token_time = now
             progressed.append(request)
-            status = self._check_token_stop(request, token)
-            if request.grammar is not None:
-                status = self._advance_grammar(request, token, status)
-            if status is not None:
-                self.finish(request, status)
+            for j, token in enumerate(tokens):
+                request.output_token_ids.append(token)
+                status = self._check_token_stop(request, token)
+                if request.grammar is not None:
+                    status = self._advance_grammar(request, token, status)
+                if status is not None:
+                    # the accepted drafts after the stop are not outputs, nor computed
+                    request.num_computed_tokens -= len(tokens) - 1 - j
+                    self.finish(request, status)
+                    break
         return progressed
+
+    def _verified(self, request: Request, s: ScheduledRequest,
+                  runner_output: RunnerOutput) -> list[int]:
+        """The step's new tokens: the sampled one; with drafts, the drafts the samples agree
+        with, one by one, then the sample after the last of them (the token decoding alone
+        would give next). A rejected draft's slot is not computed: it is written again."""
+        first = runner_output.sampled_token_ids[s.request_id]
+        drafts = s.draft_token_ids
+        if not drafts:
+            return [first]
+        samples = [first, *runner_output.draft_samples[s.request_id]]
+        accepted = 0
+        while accepted < len(drafts) and samples[accepted] == drafts[accepted]:
+            accepted += 1
+        request.num_computed_tokens -= len(drafts) - accepted
+        self.spec_stats.record(len(drafts), accepted)
+        return samples[:accepted + 1]
 
     @staticmethod
     def _advance_grammar(request: Request, token: int,
@@ -409,7 +469,8 @@ class Scheduler:
             num_scheduled_tokens=self.num_scheduled_tokens,
             prefix_cache_queries=bm.stats.prefix_cache_queries,
             prefix_cache_hits=bm.stats.prefix_cache_hits,
-            evicted_blocks=dict(bm.stats.evicted_blocks))
+            evicted_blocks=dict(bm.stats.evicted_blocks),
+            spec_decode=self.spec_stats.copy() if self.spec_stats is not None else None)
 
     def check_invariants(self) -> None:
         live = [r for r in self.running] + [r for r in self.waiting if r.block_table]

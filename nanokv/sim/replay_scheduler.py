@@ -11,6 +11,7 @@ class ReplayScheduled:
     copies token ids and block tables for the model runner, which no one reads here)."""
 
     __slots__ = ("request_id", "num_tokens", "start_slot", "sample", "is_decode")
+    draft_token_ids = ()  # the simulator models no speculative decoding
 
     def __init__(self, request_id: str, num_tokens: int, start_slot: int, sample: bool):
         self.request_id = request_id
@@ -23,7 +24,8 @@ class ReplayScheduled:
 class SimScheduler(Scheduler):
     """The engine's Scheduler; only the step's hand-over to the runner is lighter."""
 
-    def _scheduled(self, request: Request, num_new: int) -> ReplayScheduled:
+    def _scheduled(self, request: Request, num_new: int,
+                   drafts: list[int] | None = None) -> ReplayScheduled:
         start = request.num_computed_tokens
         return ReplayScheduled(request.request_id, num_new, request.num_cached_slots,
                                start + num_new == request.num_tokens)

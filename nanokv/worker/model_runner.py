@@ -28,6 +28,15 @@ _SCORING_PARAMS = SamplingParams(temperature=0, max_tokens=1)
 PROMPT_LOGPROB_ROWS = 512  # prompt positions scored at once: bounds the [rows, vocab] scratch
 
 
+def _history(s: ScheduledRequest, j: int) -> tuple[list[int], list[int]] | None:
+    """The penalties' (prompt, output) tokens of a request's j-th sampling row: its outputs,
+    then its first j draft tokens (speculative: the outputs that row's token would follow)."""
+    if s.history is None or j == 0:
+        return s.history
+    prompt, outputs = s.history
+    return prompt, [*outputs, *s.draft_token_ids[:j]]
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache, attention_backend, device: torch.device,
                  seed: int, tp=None, enforce_eager: bool = True, max_num_seqs: int = 1,
@@ -80,14 +89,23 @@ class ModelRunner:
         if logits is None:  # a tensor-parallel rank other than 0: rank 0 samples
             return RunnerOutput({}, prompt_logits, captured, prompt_logprobs=prompt_logprobs)
         sampled = [s for s in sched.scheduled if s.sample]
-        out = self.sampler.sample(logits, [s.params for s in sampled],
-                                  [s.output_index for s in sampled],
-                                  [s.history for s in sampled],
-                                  [s.banned_token_ids for s in sampled],
-                                  [s.allowed_token_bitmask for s in sampled])
-        logprobs = {s.request_id: lp for s, lp in zip(sampled, out.logprobs) if lp is not None}
-        return RunnerOutput({s.request_id: t for s, t in zip(sampled, out.token_ids)},
-                            prompt_logits, captured, logprobs, prompt_logprobs)
+        rows = [(s, j) for s in sampled for j in range(1 + len(s.draft_token_ids))]
+        out = self.sampler.sample(logits, [s.params for s, _ in rows],
+                                  [s.output_index + j for s, j in rows],
+                                  [_history(s, j) for s, j in rows],
+                                  [s.banned_token_ids for s, _ in rows],
+                                  [s.allowed_token_bitmask for s, _ in rows])
+        result = RunnerOutput({}, prompt_logits, captured, prompt_logprobs=prompt_logprobs)
+        for (s, j), token, lp in zip(rows, out.token_ids, out.logprobs):
+            if j == 0:
+                result.sampled_token_ids[s.request_id] = token
+                if lp is not None:
+                    result.logprobs[s.request_id] = lp
+                continue
+            result.draft_samples.setdefault(s.request_id, []).append(token)
+            if lp is not None:
+                result.draft_logprobs.setdefault(s.request_id, []).append(lp)
+        return result
 
     @torch.inference_mode()
     def score_forward(self, token_ids: list[int], start_position: int, start_slot: int,

@@ -30,7 +30,7 @@ class StepInputs:
     positions: torch.Tensor  # [T] int64, on the device
     slots: torch.Tensor  # [T] int64 on the device: each new token's flat slot (pool slot id)
     common: CommonAttentionMetadata
-    sample_rows: list[int]  # rows of the batch whose logits sample
+    sample_rows: list[int]  # rows of the batch whose logits sample (a request's in order)
     capture: list[tuple[str, int, int]]  # (request id, first row, end row) of query capture
     capture_rows: torch.Tensor | None  # [Tc] int64 on the device, or None
     positions_host: np.ndarray | None = None  # [T] int64, the positions before the upload
@@ -75,7 +75,10 @@ def build_step_inputs(scheduled: list[ScheduledRequest], block_size: int, num_po
         common, host[2] = _common(scheduled, num_decode, lens, query_start, within, block_size,
                                   0, None)
     dev = upload(host, device)  # [3, T]: the step's one upload
-    sample_rows = [int(query_start[i + 1]) - 1 for i, s in enumerate(scheduled) if s.sample]
+    # a sampling request's last row, and before it its draft tokens' rows (speculative)
+    sample_rows = [row for i, s in enumerate(scheduled) if s.sample
+                   for row in range(int(query_start[i + 1]) - 1 - len(s.draft_token_ids),
+                                    int(query_start[i + 1]))]
     capture = []
     for i, s in enumerate(scheduled):
         if s.capture_from is not None and s.start_position + s.num_tokens > s.capture_from:

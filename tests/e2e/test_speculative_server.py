@@ -1,0 +1,48 @@
+"""`nanokv serve` with speculative decoding: streamed and whole completions equal a server's
+without it (the oracle), and /metrics counts the drafts (vLLM's spec_decode counters)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from servers import MODEL_NAME, start_in_process, stop_server
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1}
+PROMPTS = ["block cache block cache block cache block", "def add(a, b):\n    return a + b\n"
+           "def add(a, b):\n    return"]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_llama):
+    plain = start_in_process(tiny_llama, max_model_len=256)
+    spec = start_in_process(tiny_llama, max_model_len=256, speculative_config=SPEC)
+    yield plain, spec
+    stop_server(plain)
+    stop_server(spec)
+
+
+def _complete(server, prompt, **kwargs):
+    client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    return client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=40,
+                                     temperature=0, extra_body={"ignore_eos": True}, **kwargs)
+
+
+def test_completions_equal_decoding_alone_and_drafts_are_counted(servers):
+    plain, spec = servers
+    for prompt in PROMPTS:
+        want = _complete(plain, prompt).choices[0].text
+        assert _complete(spec, prompt).choices[0].text == want
+        streamed = "".join(c.choices[0].text for c in _complete(spec, prompt, stream=True))
+        assert streamed == want
+    metrics = spec.wait_idle()
+    drafts = metrics[("nanokv:spec_decode_num_draft_tokens_total", ())]
+    accepted = metrics[("nanokv:spec_decode_num_accepted_tokens_total", ())]
+    assert 0 < accepted <= drafts
+    assert accepted == sum(v for (name, _), v in metrics.items()
+                           if name == "nanokv:spec_decode_num_accepted_tokens_per_pos_total")
+    assert not any("spec_decode" in name for name, _ in plain.metrics())
+    r = httpx.get(spec.url + "/health", timeout=10)
+    assert r.status_code == 200

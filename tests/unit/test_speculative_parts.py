@@ -1,0 +1,122 @@
+"""Speculative decoding's parts without a model: the n-gram drafts (`NgramIndex`, numpy) against
+the token-list reference (`propose_ngram`), a brute force over every n-gram and Hugging Face's
+prompt lookup; the config's
+validation and vLLM's defaults; the counters as deltas and as Prometheus counters."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from nanokv.metrics.prometheus import PrometheusExporter
+from nanokv.metrics.stats import IterationStats, SchedulerDeltas
+from nanokv.scheduler.output import SchedulerStats
+from nanokv.spec import NgramIndex, SpeculativeConfig, propose_ngram
+from nanokv.spec.stats import SpecDecodeStats
+from test_metrics_prometheus import CONFIG, scrape
+
+
+def brute_force(tokens, min_n, max_n, k):
+    """Every (n, start) pair: the longest n with an earlier occurrence, its first start."""
+    best = None
+    for n in range(min_n, max_n + 1):
+        for s in range(len(tokens) - n):  # s + n <= len - 1: a token follows the n-gram
+            if tokens[s:s + n] == tokens[len(tokens) - n:] and s + n < len(tokens):
+                if best is None or (n, -s) > (best[0], -best[1]):
+                    best = (n, s)
+    if best is None:
+        return []
+    n, s = best
+    return tokens[s + n:s + n + k]
+
+
+def test_drafts_equal_the_reference_and_a_brute_force():
+    rng = random.Random(0)
+    for _ in range(2000):
+        tokens = [rng.randrange(4) for _ in range(rng.randint(1, 50))]
+        low = rng.randint(1, 4)
+        high, k = rng.randint(low, 6), rng.randint(1, 6)
+        index = NgramIndex()
+        cut = rng.randint(0, len(tokens))
+        index.sync(tokens[:cut])  # then grown as a request's outputs come
+        index.sync(tokens[:cut], tokens[cut:])
+        want = brute_force(tokens, low, high, k)
+        assert propose_ngram(tokens, low, high, k) == want
+        assert index.propose(low, high, k) == want
+
+
+def test_drafts_equal_hugging_face_prompt_lookup():
+    """transformers' PromptLookupCandidateGenerator (n-grams down to 1) as the oracle."""
+    import torch
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+    rng = random.Random(1)
+    for _ in range(300):
+        tokens = [rng.randrange(5) for _ in range(rng.randint(2, 40))]
+        high, k = rng.randint(1, 5), rng.randint(1, 6)
+        hf = PromptLookupCandidateGenerator(num_output_tokens=k, max_matching_ngram_size=high,
+                                            max_length=1000)
+        ids, _ = hf.get_candidates(torch.tensor([tokens]))
+        index = NgramIndex()
+        index.sync(tokens)
+        assert index.propose(1, high, k) == ids[0, len(tokens):].tolist()
+
+
+def test_the_index_grows_past_its_first_array_and_refuses_to_shrink():
+    index = NgramIndex()
+    tokens = list(range(300)) + list(range(10))
+    index.sync(tokens[:200], tokens[200:])
+    assert index.propose(3, 3, 4) == [10, 11, 12, 13]
+    index.sync(tokens + [10, 11, 12])  # two earlier occurrences: the first one's followers
+    assert index.propose(3, 3, 4) == [13, 14, 15, 16]
+    with pytest.raises(ValueError, match="shrank"):
+        index.sync(tokens[:5])
+
+
+def test_config_defaults_and_errors():
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
+    c = SpeculativeConfig.from_dict({"num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
+    c = SpeculativeConfig.from_dict({"num_speculative_tokens": 3, "prompt_lookup_min": 2})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (2, 2)
+    for given, fragment in (
+            ({}, "needs num_speculative_tokens"),
+            ({"num_speculative_tokens": 0}, "must be an integer >= 1"),
+            ({"num_speculative_tokens": 17}, "<= 16"),
+            ({"num_speculative_tokens": 2, "method": "eagle"}, "method must be one of"),
+            ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+             "prompt_lookup_min (4) must be <= prompt_lookup_max (2)"),
+            ({"num_speculative_tokens": 2, "draft_model": "x"}, "unknown key(s) ['draft_model']"),
+            ([1], "must be a dict")):
+        with pytest.raises(ValueError) as e:
+            SpeculativeConfig.from_dict(given)
+        assert fragment in str(e.value)
+
+
+def snapshot(stats: SpecDecodeStats) -> SchedulerStats:
+    return SchedulerStats(0, 0, 10, 10, 0.0, 0, 0, 0, 0, {}, spec_decode=stats.copy())
+
+
+def test_counters_go_to_prometheus_as_deltas():
+    stats = SpecDecodeStats(3)
+    deltas, exporter = SchedulerDeltas(), PrometheusExporter("m", CONFIG, window_s=60.0)
+    assert not any("spec_decode" in name for name, _ in scrape(exporter))  # none until used
+    stats.record(3, 2)
+    it = IterationStats(time=0.0)
+    deltas.fill(snapshot(stats), it)
+    exporter.record(it)
+    stats.record(2, 0)
+    stats.record(3, 3)
+    it = IterationStats(time=1.0)
+    deltas.fill(snapshot(stats), it)
+    assert (it.spec_decode.num_drafts, it.spec_decode.num_accepted_tokens) == (2, 3)
+    exporter.record(it)
+    m = scrape(exporter)
+    assert m[("nanokv:spec_decode_num_drafts_total", ())] == 3
+    assert m[("nanokv:spec_decode_num_draft_tokens_total", ())] == 8
+    assert m[("nanokv:spec_decode_num_accepted_tokens_total", ())] == 5
+    assert [m[("nanokv:spec_decode_num_accepted_tokens_per_pos_total",
+               (("position", str(i)),))] for i in range(3)] == [2, 2, 1]
+    assert stats.acceptance_rate == 5 / 8
