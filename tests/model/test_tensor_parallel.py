@@ -1,6 +1,6 @@
 """Tensor parallelism on CPU (gloo, 2 ranks): the same greedy tokens as one process through
 prefix hits, chunked prefill, preemption, KV policies (per request, pool pressure included),
-biases and quantized KV; unsupported models rejected before any process starts; a killed rank
+biases, quantized KV and speculative drafts; unsupported models rejected before any process starts; a killed rank
 ends the run with an error naming it, within a time limit."""
 
 from __future__ import annotations
@@ -73,6 +73,23 @@ def test_qwen3_int8_kv(tiny_qwen3):
                                                                         compression_ratio=0.5),
                 None]
     compare(tiny_qwen3, policies, kv_cache_dtype="int8")
+
+
+def test_speculative_drafts_on_two_ranks_beside_per_request_policies(tiny_llama):
+    """n-gram drafts verified on 2 ranks give one process's tokens without drafts; requests
+    with a KV policy decode without drafts beside them."""
+    prompts = workload(1, 6) + [[5, 6, 7, 8] * 6, [9, 10, 11] * 8]
+    policies = [None, PolicyConfig("snapkv", budget=40, options={"window": 8})]
+    expected = run(LLM(tiny_llama, **OPTIONS), prompts, policies)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1}
+    two = LLM(tiny_llama, tensor_parallel_size=2, speculative_config=spec, **OPTIONS)
+    try:
+        assert run(two, prompts, policies) == expected
+        assert two.engine.scheduler.spec_stats.num_accepted_tokens > 0
+        two.engine.check_invariants()
+    finally:
+        two.engine.close()
 
 
 def test_biases_of_q_k_v_o_and_the_mlp(tmp_path):
