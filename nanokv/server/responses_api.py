@@ -9,8 +9,11 @@ With the server's response store (`--responses-store-size`, `response_store`), a
 continue a stored response (`previous_response_id`: its conversation, then this input) and run
 in the background (`background`: answered at once, queued; polled and cancelled by id).
 
-Refused (400 naming the field): tools other than functions, `conversation`, `include`,
-`prompt` templates, `top_logprobs`, `truncation: "auto"`, input items of other kinds (files,
+`include: ["message.output_text.logprobs"]` gives the output text's token log-probabilities
+(`top_logprobs` alternatives each).
+
+Refused (400 naming the field): tools other than functions, `conversation`, other `include`
+values, `prompt` templates, `truncation: "auto"`, input items of other kinds (files,
 images, built-in tools' calls), and the chat fields the Responses API does not have (`n`,
 `max_tokens`, `response_format`: use `text.format`). An earlier answer's reasoning items sent
 back in `input` are accepted and not shown to the model (as chat history's reasoning)."""
@@ -21,11 +24,13 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
+from nanokv.sampling_params import MAX_LOGPROBS
 from nanokv.server.protocol import (APIError, ChatMessage, FunctionDefinition, Tool, ToolCall,
                                     ToolCallFunction, _SamplingRequest, _Strict,
                                     checked_tool_choice, format_constraint)
 
 INPUT_TEXT_TYPES = ("input_text", "output_text", "text")
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one `include` value served
 
 
 class InputTextPart(_Strict):
@@ -127,12 +132,15 @@ class ResponsesRequest(_SamplingRequest):
             bad.append(("conversation", "conversation objects are not supported: continue a "
                                         "stored response with previous_response_id, or send "
                                         "the whole conversation as `input`"))
-        if self.include:
-            bad.append(("include", "include is not supported"))
+        k = self.top_logprobs
+        if k is not None and not self.wants_logprobs and not 0 <= k <= MAX_LOGPROBS:
+            bad.append(("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {k}"))
+        unknown = [x for x in self.include or [] if x != LOGPROBS_INCLUDE]
+        if unknown:
+            bad.append(("include", f"include: only {LOGPROBS_INCLUDE!r} is served, got "
+                                   f"{unknown}"))
         if self.prompt is not None:
             bad.append(("prompt", "prompt templates are not supported"))
-        if self.top_logprobs:
-            bad.append(("top_logprobs", "logprobs are not supported on /v1/responses"))
         if self.truncation == "auto":
             bad.append(("truncation", "truncation \"auto\" is not supported: the input must fit"))
         return bad
@@ -206,8 +214,16 @@ class ResponsesRequest(_SamplingRequest):
                                  'JSON schema object}, "strict": ...}', ("type",))
 
     @property
-    def num_logprobs(self) -> None:
-        return None
+    def wants_logprobs(self) -> bool:
+        """include "message.output_text.logprobs": the output text's token log-probabilities
+        (vLLM's rule: top_logprobs alone asks for none)."""
+        return LOGPROBS_INCLUDE in (self.include or [])
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """The engine's logprobs: top_logprobs alternatives where the logprobs are included
+        (range-checked by `check_request` then, by `unsupported` otherwise)."""
+        return (self.top_logprobs or 0) if self.wants_logprobs else None
 
     def echoed(self, store: bool = False) -> dict:
         """The request's fields a response object repeats (`store`: whether it is kept)."""

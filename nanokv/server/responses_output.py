@@ -21,13 +21,16 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[dict] = ()) -> dict:
+    """An output_text part; `logprobs`: its tokens' entries (include
+    "message.output_text.logprobs"), else none."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs)}
 
 
-def message_item(item_id: str, text: str | None, status: str) -> dict:
+def message_item(item_id: str, text: str | None, status: str,
+                 logprobs: list[dict] = ()) -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [text_part(text)] if text is not None else []}
+            "content": [text_part(text, logprobs)] if text is not None else []}
 
 
 def reasoning_item(item_id: str, text: str | None) -> dict:
@@ -78,13 +81,15 @@ def function_call_item(item_id: str, call: dict, status: str = "completed") -> d
 
 
 def whole_output(shape: ResponseShape, out: RequestOutput, thought: str | None,
-                 content: str | None, calls: list[dict], reasoning_tokens: int | None) -> dict:
+                 content: str | None, calls: list[dict], reasoning_tokens: int | None,
+                 logprobs: list[dict] = ()) -> dict:
     """A non-streamed response: a reasoning item (`thought` None: none), a message item (its
-    content; none where calls came without content), the function calls."""
+    content, with the output's token `logprobs`; none where calls came without content), the
+    function calls."""
     status = status_of(out)
     output = [reasoning_item(new_id("rs"), thought)] if thought is not None else []
     if content or not calls:
-        output.append(message_item(new_id("msg"), content or "", status))
+        output.append(message_item(new_id("msg"), content or "", status, logprobs))
     output += [function_call_item(new_id("fc"), call) for call in calls]
     return shape.object(status, output, out, reasoning_tokens)
 
@@ -107,6 +112,7 @@ class OutputEvents:
         self.items: list[dict] = []
         self.kinds: list[str] = []  # "reasoning", "message" or "function_call"
         self.texts: list[str] = []  # each item's text (a function call's arguments)
+        self.logprobs: list[dict] = []  # the message's token entries sent so far
         self.is_open = False
 
     def next_seq(self) -> int:
@@ -152,16 +158,17 @@ class OutputEvents:
             done = [event("response.reasoning_text.done", self.next_seq(), **at,
                           content_index=0, text=text)]
         else:
-            self.items[i] = message_item(item["id"], text, status)
-            part = text_part(text)
+            self.items[i] = message_item(item["id"], text, status, self.logprobs)
+            part = text_part(text, self.logprobs)
             done = [event("response.output_text.done", self.next_seq(), **at, content_index=0,
-                          text=text, logprobs=[])]
+                          text=text, logprobs=self.logprobs)]
         return done + [event("response.content_part.done", self.next_seq(), **at,
                              content_index=0, part=part),
                        event("response.output_item.done", self.next_seq(), output_index=i,
                              item=self.items[i])]
 
-    def text(self, kind: str, text: str) -> list[str]:
+    def text(self, kind: str, text: str, logprobs: list[dict] = ()) -> list[str]:
+        """Text of an item of `kind`; a message's delta carries `logprobs` (its tokens')."""
         if not text:
             return []
         out = []
@@ -170,7 +177,9 @@ class OutputEvents:
         i = len(self.items) - 1
         self.texts[i] += text
         name, extra = ("response.reasoning_text.delta", {}) if kind == "reasoning" else (
-            "response.output_text.delta", {"logprobs": []})
+            "response.output_text.delta", {"logprobs": list(logprobs)})
+        if kind == "message":
+            self.logprobs += logprobs
         out.append(event(name, self.next_seq(), item_id=self.items[i]["id"], output_index=i,
                          content_index=0, delta=text, **extra))
         return out
@@ -195,14 +204,18 @@ async def stream_response(events: AsyncIterator[tuple[int, RequestOutput]], shap
                           reasoning: Callable[[], ReasoningStream] | None,
                           tool_calls: Callable[[], ToolCallStream] | None,
                           count_reasoning: Callable[[RequestOutput], int] | None,
-                          on_done: Callable[[dict], None] | None = None) -> AsyncIterator[str]:
+                          on_done: Callable[[dict], None] | None = None,
+                          logprobs: Callable[[list, bool], list[dict]] | None = None
+                          ) -> AsyncIterator[str]:
     """The Responses events of one answer: created, in_progress; the output items as their
     text comes (`OutputEvents`): a reasoning item's `response.reasoning_text.delta`s (with a
     reasoning parser, unless include_reasoning is false), a message item's
     `response.output_text.delta`s, each function call's item (`tool_calls`: the chat stream's
     extraction) with its `response.function_call_arguments.delta`s; then completed, the
-    response with its status and usage, handed to `on_done` first (the store keeps it). An error
-    ends the stream with an `error` event."""
+    response with its status and usage, handed to `on_done` first (the store keeps it).
+    `logprobs(token logprobs, final)`: the entries of the output's tokens, each message delta
+    carrying those of the tokens since the last one (every output token's, reasoning included,
+    goes to the message's text, as vLLM's). An error ends the stream with an `error` event."""
     split = AnswerSplit(reasoning() if reasoning else None, tool_calls() if tool_calls else None)
     delta = TextDelta(body.stop_list(), body.include_stop_str_in_output)
     items = OutputEvents()
@@ -210,12 +223,16 @@ async def stream_response(events: AsyncIterator[tuple[int, RequestOutput]], shap
         in_progress = shape.object("in_progress", [])
         yield event("response.created", items.next_seq(), response=in_progress)
         yield event("response.in_progress", items.next_seq(), response=in_progress)
-        final = None
+        final, pending = None, []
         async for _, out in events:
+            if logprobs is not None:
+                pending += logprobs(out.new_logprobs or [], out.finished)
             thought, content, entries = split.feed(delta.next(out.text, out.finished),
                                                    out.finished)
             chunks = items.text("reasoning", thought) if body.include_reasoning else []
-            chunks += items.text("message", content)
+            chunks += items.text("message", content, pending)
+            if content:
+                pending = []
             for entry in entries:
                 chunks += items.call(entry)
             for chunk in chunks:
@@ -228,6 +245,7 @@ async def stream_response(events: AsyncIterator[tuple[int, RequestOutput]], shap
         if "message" not in items.kinds and "function_call" not in items.kinds:
             for chunk in items.close() + items.open_item("message"):  # an empty answer's message
                 yield chunk
+        items.logprobs += pending  # tokens that added no text (a stop token's) to an open message
         for chunk in items.close(status):
             yield chunk
         response = shape.object(status, items.items, final,

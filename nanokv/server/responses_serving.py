@@ -7,6 +7,7 @@ it is kept, continued by `previous_response_id`, and may run in the background."
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from functools import partial
 
 from fastapi import Request
@@ -17,7 +18,8 @@ from nanokv.server.async_engine import RequestStream
 from nanokv.server.protocol import APIError, ChatMessage
 from nanokv.server.response_store import (ResponseStore, StoredResponse, input_items_page,
                                           listed_input_items)
-from nanokv.server.responses import count_reasoning
+from nanokv.engine.detokenizer import TokenTexts
+from nanokv.server.responses import chat_logprobs, count_reasoning
 from nanokv.server.responses_api import ResponsesRequest
 from nanokv.server.responses_output import ResponseShape, stream_response, whole_output
 from nanokv.server.serving import ChatPrompt, ClientGone, EngineStreamingResponse, OpenAIServer
@@ -78,6 +80,7 @@ class ResponsesServing:
         token_texts = partial(server.token_texts, skip_special_tokens=body.skip_special_tokens)
         count = partial(count_reasoning, token_texts=token_texts, thinking=prompt.thinking) \
             if server.reasoning_parser else None
+        logprobs = self._logprobs(body, ids, token_texts)
         stored = StoredResponse(
             shape.object("queued", []), chat[1:] if body.instructions is not None else chat,
             listed_input_items(body.input_list())) if keep else None
@@ -89,45 +92,60 @@ class ResponsesServing:
 
         if body.background:
             stored.task = asyncio.create_task(self._background(stored, shape, streams, prompt,
-                                                               body, count))
+                                                               body, count, logprobs))
             self.store.put(stored)
             return stored.response
         if body.stream:
             return EngineStreamingResponse(stream_response(
                 server.events(streams), shape, body, *server.answer_streams(prompt),
-                (lambda out: count([out])) if count else None, done), streams)
+                (lambda out: count([out])) if count else None, done, logprobs), streams)
         try:
-            finals, _ = await server.run_to_end(streams, raw)
+            finals, lps = await server.run_to_end(streams, raw)
         except ClientGone:
             return Response(status_code=499)
-        response = self._whole(shape, prompt, body, finals[0], count)
+        response = self._whole(shape, prompt, body, finals[0], count,
+                               logprobs(lps[0], True) if logprobs else [])
         done(response)
         return response
 
+    def _logprobs(self, body: ResponsesRequest, prompt_token_ids: list[int],
+                  token_texts: Callable[[list[int]], TokenTexts]
+                  ) -> Callable[[list, bool], list[dict]] | None:
+        """The maker of the output text's logprobs entries (chat's per-token form) from the
+        answer's token logprobs, in order; None unless included, or when the reasoning is
+        hidden (chat's rule: they would show it)."""
+        if not body.wants_logprobs or (self.server.reasoning_parser is not None
+                                       and not body.include_reasoning):
+            return None
+        texts = token_texts(prompt_token_ids)
+        return lambda lps, final: chat_logprobs(lps, texts, final)["content"]
+
     def _whole(self, shape: ResponseShape, prompt: ChatPrompt, body: ResponsesRequest,
-               out: RequestOutput, count) -> dict:
+               out: RequestOutput, count, logprobs: list[dict]) -> dict:
         thought, content, calls = self.server.split_answer(prompt, out.text)
         return whole_output(shape, out, thought if body.include_reasoning else None, content,
-                            calls or [], count([out]) if count else None)
+                            calls or [], count([out]) if count else None, logprobs)
 
     async def _background(self, stored: StoredResponse, shape: ResponseShape,
                           streams: list[RequestStream], prompt: ChatPrompt,
-                          body: ResponsesRequest, count) -> None:
+                          body: ResponsesRequest, count, logprobs) -> None:
         """A background response's run: queued, in progress from its first output, then its
         answer; cancelled (`cancel`) or failed (the request timeout, the engine) on the
         way."""
         events = self.server.events(streams)
         try:
-            final = None
+            final, lps = None, []
             async for _, out in events:
                 if stored.status == "queued":
                     stored.response = shape.object("in_progress", [])
+                lps += out.new_logprobs or []
                 if out.finished:
                     final = out
             if final is None:
                 raise APIError(503, "the engine stopped before the response was done",
                                "server_error", code="engine_unavailable")
-            stored.finish(self._whole(shape, prompt, body, final, count))
+            stored.finish(self._whole(shape, prompt, body, final, count,
+                                      logprobs(lps, True) if logprobs else []))
         except asyncio.CancelledError:
             stored.finish({**stored.response, "status": "cancelled"})
         except Exception as e:  # noqa: BLE001 - the response is polled: it says so

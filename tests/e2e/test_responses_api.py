@@ -98,7 +98,36 @@ def test_text_format_constrains_the_answer(server):
     assert set(json.loads(r.output_text)) == {"n"}
 
 
+def _entries(logprobs):
+    """(token, logprob rounded, top tokens) of each logprobs entry (chat's or a response's)."""
+    return [(e.token, round(e.logprob, 4), [t.token for t in e.top_logprobs]) for e in logprobs]
+
+
+def test_included_logprobs_are_the_chat_answers_whole_and_streamed(server):
+    kwargs = dict(model=MODEL_NAME, input=ASK, temperature=0, max_output_tokens=10,
+                  top_logprobs=2, include=["message.output_text.logprobs"],
+                  extra_body={"ignore_eos": True})
+    r = _client(server).responses.create(**kwargs)
+    chat = _chat(server, [{"role": "user", "content": ASK}], max_tokens=10, logprobs=True,
+                 top_logprobs=2, extra_body={"ignore_eos": True})
+    want = _entries(chat.choices[0].logprobs.content)
+    [part] = r.output[0].content
+    assert len(want) == 10 and _entries(part.logprobs) == want
+    assert "".join(e.token for e in part.logprobs) == part.text
+    events = list(_client(server).responses.create(stream=True, **kwargs))
+    deltas = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    assert _entries(deltas) == _entries(done.logprobs) == want
+    assert _entries(events[-1].response.output[0].content[0].logprobs) == want
+    # not included: none (vLLM's rule), top_logprobs alone asks for nothing
+    plain = _client(server).responses.create(model=MODEL_NAME, input=ASK, max_output_tokens=3,
+                                             top_logprobs=2)
+    assert plain.output[0].content[0].logprobs == []
+
+
 @pytest.mark.parametrize("kwargs,param", [
+    (dict(top_logprobs=21, include=["message.output_text.logprobs"]), "top_logprobs"),
+    (dict(top_logprobs=-1), "top_logprobs"),
     (dict(tools=[{"type": "function", "name": "f", "parameters": {}}]), "tool_choice"),
     (dict(tools=[{"type": "web_search"}]), "tools"),
     (dict(previous_response_id="resp_1"), "previous_response_id"),

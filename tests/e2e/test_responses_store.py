@@ -139,12 +139,17 @@ def _poll(client, rid, timeout=60.0):
 
 def test_a_background_response_is_polled_to_the_foreground_answer(server):
     client = _client(server)
-    kwargs = dict(input=ASK, max_output_tokens=12, extra_body={"ignore_eos": True})
+    kwargs = dict(input=ASK, max_output_tokens=12, extra_body={"ignore_eos": True},
+                  top_logprobs=1, include=["message.output_text.logprobs"])
     started = _create(server, background=True, **kwargs)
     assert started.status in ("queued", "in_progress") and started.background is True
     done = _poll(client, started.id)
     foreground = _create(server, **kwargs)
     assert done.status == "incomplete" and done.output_text == foreground.output_text
+    # (the foreground run's prompt is a prefix-cache hit: the same values up to rounding)
+    assert [(e.token, round(e.logprob, 4)) for e in done.output[0].content[0].logprobs] == [
+        (e.token, round(e.logprob, 4)) for e in foreground.output[0].content[0].logprobs]
+    assert len(done.output[0].content[0].logprobs) == 12
     assert done.usage.output_tokens == 12
     with pytest.raises(BadRequestError) as e:  # a synchronous response is not cancelled
         client.responses.cancel(foreground.id)
