@@ -1,7 +1,7 @@
 """Tensor parallelism on CPU (gloo, 2 ranks): the same greedy tokens as one process through
 prefix hits, chunked prefill, preemption, KV policies (per request, pool pressure included),
-biases, quantized KV and speculative drafts; unsupported models rejected before any process starts; a killed rank
-ends the run with an error naming it, within a time limit."""
+biases, quantized KV and speculative drafts; unsupported models rejected before any process
+starts; a killed rank ends the run with an error naming it, within a time limit."""
 
 from __future__ import annotations
 
