@@ -14,8 +14,6 @@ from nanokv.server.protocol import APIError, ChatMessage, ToolCall, ToolCallFunc
 from nanokv.server.responses_api import InputItem, InputMessage
 from nanokv.server.responses_output import new_id
 
-FINISHED = ("completed", "incomplete", "cancelled", "failed")
-
 
 @dataclass
 class StoredResponse:
@@ -58,9 +56,6 @@ class ResponseStore:
     @property
     def enabled(self) -> bool:
         return self.capacity > 0
-
-    def __len__(self) -> int:
-        return len(self._items)
 
     def put(self, stored: StoredResponse) -> None:
         self._items[stored.id] = stored

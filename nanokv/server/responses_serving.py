@@ -32,9 +32,9 @@ class ResponsesServing:
 
     # ---- POST /v1/responses --------------------------------------------------------------------
     def keeps(self, body: ResponsesRequest) -> bool:
-        """Is the response stored: a server with a store, `store` not false (OpenAI's default
-        is true; vLLM's store off, its request is served unstored). A background response
-        must be stored (polled by id) and is not streamed."""
+        """Is the response stored: the server has a store and `store` is not false (OpenAI's
+        default is true; without a store the request is served and not kept, as vLLM's). A
+        background response must be stored (it is polled by id) and is not streamed."""
         keep = self.store.enabled and body.store is not False
         if body.background:
             if not keep:
@@ -76,7 +76,6 @@ class ResponsesServing:
                                         max(server.max_model_len - len(ids), 1), "input",
                                         "max_output_tokens", prompt.bad_words, prompt.structured,
                                         server.priority(body, raw))
-        streams = server.open_streams(requests, prompt.labels)
         token_texts = partial(server.token_texts, skip_special_tokens=body.skip_special_tokens)
         count = partial(count_reasoning, token_texts=token_texts, thinking=prompt.thinking) \
             if server.reasoning_parser else None
@@ -84,6 +83,7 @@ class ResponsesServing:
         stored = StoredResponse(
             shape.object("queued", []), chat[1:] if body.instructions is not None else chat,
             listed_input_items(body.input_list())) if keep else None
+        streams = server.open_streams(requests, prompt.labels)  # last: nothing fails after
 
         def done(response: dict) -> None:
             if stored is not None:
