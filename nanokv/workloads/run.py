@@ -40,6 +40,8 @@ def run_bench(model: str, options: dict, num_requests: int, prompt_len: tuple[in
                 for r in workload]
     peak = peak_running = 0
     preemptions_before = engine.scheduler.num_preemptions
+    spec = engine.scheduler.spec_stats
+    spec_before = spec.copy() if spec is not None else None
     bar = tqdm(total=len(requests), desc="bench", unit="req", dynamic_ncols=True,
                disable=not progress)
     output_tokens = 0
@@ -61,4 +63,6 @@ def run_bench(model: str, options: dict, num_requests: int, prompt_len: tuple[in
     tpots = [r.metrics.tpot(r.num_output_tokens) for r in requests]
     return summarize("nanokv", workload, elapsed, ttfts, [t for t in tpots if t is not None],
                      peak_kv_blocks=peak, peak_running=peak_running,
-                     num_preemptions=engine.scheduler.num_preemptions - preemptions_before)
+                     num_preemptions=engine.scheduler.num_preemptions - preemptions_before,
+                     spec_acceptance_rate=spec.since(spec_before).acceptance_rate
+                     if spec is not None else None)

@@ -93,6 +93,8 @@ class BenchResult:
     peak_kv_blocks: int | None = None
     peak_running: int | None = None  # most requests running (holding KV) after one engine step
     num_preemptions: int | None = None  # requests preempted (recomputed) during the timed run
+    # speculative decoding: accepted / verified draft tokens in the timed run (None: no drafts)
+    spec_acceptance_rate: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -121,13 +123,14 @@ def summarize(
     peak_kv_blocks: int | None = None,
     peak_running: int | None = None,
     num_preemptions: int | None = None,
+    spec_acceptance_rate: float | None = None,
 ) -> BenchResult:
     """Turn a timed run over ``requests`` into a :class:`BenchResult`.
 
     Output tokens are each request's own ``output_len`` (tokens an engine generated past that
     are waste and not counted); total tokens add the prompt tokens. ``peak_kv_blocks``,
-    ``peak_running`` and ``num_preemptions`` are what the engine reports, None where it has no
-    such figure.
+    ``peak_running``, ``num_preemptions`` and ``spec_acceptance_rate`` are what the engine
+    reports, None where it has no such figure.
     """
     if elapsed_s <= 0:
         raise ValueError(f"elapsed_s must be > 0, got {elapsed_s!r}")
@@ -146,4 +149,5 @@ def summarize(
         peak_kv_blocks=peak_kv_blocks,
         peak_running=peak_running,
         num_preemptions=num_preemptions,
+        spec_acceptance_rate=spec_acceptance_rate,
     )

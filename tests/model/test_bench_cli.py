@@ -27,6 +27,11 @@ def test_bench_cli_json_and_bad_temperature(tiny_llama, capsys):
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["engine"] == "nanokv" and line["output_tokens"] > 0
     assert line["peak_running"] >= 1 and line["num_preemptions"] == 0
+    assert line["spec_acceptance_rate"] is None
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}'
+    assert main(args + ["--speculative-config", spec, "--output-len", "16", "24"]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 0 <= line["spec_acceptance_rate"] <= 1
     assert main(args + ["--temperature", "-1"]) == 2
     assert "temperature must be a finite number >= 0" in capsys.readouterr().err
 
