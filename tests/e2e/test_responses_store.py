@@ -11,11 +11,11 @@ import time
 
 import httpx
 import pytest
-from openai import BadRequestError, NotFoundError, OpenAI
+from openai import BadRequestError, NotFoundError
 
 from servers import MODEL_NAME, start_in_process, stop_server
+from test_responses_api import ASK, _chat, _client
 
-ASK = "Tell me about blocks"
 STORE_SIZE = 4
 
 
@@ -26,15 +26,6 @@ def server(tiny_llama):
                                        enable_auto_tool_choice=True, tool_call_parser="hermes"))
     yield s
     stop_server(s)
-
-
-def _client(server):
-    return OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
-
-
-def _chat(server, messages, **kwargs):
-    return _client(server).chat.completions.create(model=MODEL_NAME, messages=messages,
-                                                   temperature=0, **kwargs)
 
 
 def _create(server, **kwargs):
