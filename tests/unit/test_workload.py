@@ -112,6 +112,7 @@ def test_result_json_round_trip():
         "peak_kv_blocks",
         "peak_running",
         "num_preemptions",
+        "spec_acceptance_rate",
     ]
     assert BenchResult.from_json(line) == res
     # Unknown keys from other engines' output are ignored.
