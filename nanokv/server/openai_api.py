@@ -404,7 +404,8 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
                 reasoning=reasoning, tool_calls=tool_calls,
                 reasoning_tokens=(lambda prompt_ids: ReasoningTokenCount(
                     token_texts(prompt_ids), prompt.thinking)) if parser else None,
-                include_reasoning=body.include_reasoning, echo=body.echo_text())
+                include_reasoning=body.include_reasoning, echo=body.echo_text(),
+                role=body.answer_role)
             return EngineStreamingResponse(
                 stream_events(server.events(streams), len(streams), head, body, True,
                               token_texts, ids, parts), streams)
@@ -413,7 +414,7 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
 
         def message(o) -> dict:
             thought, content, calls = server.split_answer(prompt, o.text)
-            message = {"role": "assistant"}
+            message = {"role": body.answer_role}
             if parser is not None:
                 message["reasoning"] = None if hidden else thought
             if echo:

@@ -487,13 +487,17 @@ class ChatCompletionRequest(_SamplingRequest):
             bad.append(("documents", "documents are not supported"))
         return bad
 
+    @property
+    def answer_role(self) -> str:
+        """The answer message's role (vLLM's): assistant, or the last message's own where
+        add_generation_prompt is false (the answer continues it)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
     def echo_text(self) -> str:
         """vLLM's chat `echo`: the last message's content, which the answer's content starts
-        with, when that message has the answer's role (assistant; the last message's own where
-        add_generation_prompt is false); else ""."""
+        with, when that message has the answer's role; else ""."""
         last = self.messages[-1]
-        role = "assistant" if self.add_generation_prompt else last.role
-        return last.text() if self.echo and last.role == role else ""
+        return last.text() if self.echo and last.role == self.answer_role else ""
 
     def chat_tools(self) -> list[Tool]:
         """The request's function tools (for the template and the forced calls' schemas)."""

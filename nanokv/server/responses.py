@@ -204,13 +204,15 @@ class ChatParts:
     tool choice's: `tool_stream`); `reasoning_tokens(prompt_token_ids)` makes a count of a
     choice's reasoning tokens for the usage's completion_tokens_details; `include_reasoning`
     false drops the reasoning and, as vLLM, the logprobs and token ids that would show it;
-    `echo` (vLLM's chat echo, `ChatCompletionRequest.echo_text`) goes out after the role."""
+    `echo` (vLLM's chat echo, `ChatCompletionRequest.echo_text`) goes out after the role,
+    `role` (the answer's) in the first chunk."""
 
     reasoning: Callable[[], ReasoningStream] | None = None
     tool_calls: Callable[[], ToolCallStream] | None = None
     reasoning_tokens: Callable[[list[int]], ReasoningTokenCount] | None = None
     include_reasoning: bool = True
     echo: str = ""  # vLLM's chat echo: each choice's content starts with it (its own chunk)
+    role: str = "assistant"  # the answer's role (`ChatCompletionRequest.answer_role`)
 
 
 async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_choices: int,
@@ -267,7 +269,7 @@ async def stream_events(events: AsyncIterator[tuple[int, RequestOutput]], num_ch
     try:
         if chat:
             for i in range(num_choices):
-                chunk = {**head, "choices": [{"index": i, "delta": {"role": "assistant",
+                chunk = {**head, "choices": [{"index": i, "delta": {"role": parts.role,
                                                                      "content": ""},
                                               "logprobs": None, "finish_reason": None}]}
                 if body.return_token_ids and i == 0:

@@ -165,7 +165,8 @@ def test_chat_continues_the_final_message_as_offline_chat(server, client, offlin
 def test_chat_echo_starts_the_content_with_the_last_message(client, offline):
     """vLLM's chat `echo`: the content starts with the last message's, where that message has
     the answer's role (the continued assistant message; any last message without a generation
-    prompt), streamed as its own chunk after the role's; otherwise nothing is echoed."""
+    prompt, whose role the answer then takes), streamed as its own chunk after the role's;
+    otherwise nothing is echoed."""
     messages = [{"role": "user", "content": "def add(a, b):"},
                 {"role": "assistant", "content": "    return"}]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -183,6 +184,15 @@ def test_chat_echo_starts_the_content_with_the_last_message(client, offline):
                   if c.choices and c.choices[0].index == i]
         assert deltas[:2] == ["", "    return"]  # the role's chunk, then the echo's
         assert "".join(d or "" for d in deltas) == r.choices[i].message.content
+    assert [c.message.role for c in r.choices] == ["assistant"] * 2
+    # without a generation prompt the answer continues the last message: its role (vLLM's),
+    # a user's content echoed too
+    user = {**kw, "messages": messages[:1]}
+    r = client.chat.completions.create(**user)
+    assert r.choices[0].message.role == "user"
+    assert r.choices[0].message.content.startswith("def add(a, b):")
+    first = next(iter(client.chat.completions.create(stream=True, **user)))
+    assert first.choices[0].delta.role == "user"
     # the last message is the user's, the answer the assistant's: nothing echoed
     plain = dict(model=MODEL_NAME, messages=messages[:1], max_tokens=4, temperature=0)
     assert client.chat.completions.create(**plain, extra_body={"echo": True}).choices[
