@@ -120,12 +120,14 @@ class TokenTexts:
         return text, others
 
 
-def update_text(request: Request, tokenizer) -> str | None:
-    """Extend `request.text` with its new output tokens; return the stop string that matched,
-    if any (the text is then cut before it, or after it with include_stop_str_in_output). A
-    request the scheduler stopped on a token (EOS or stop_token_ids) leaves that token out of
-    its text unless include_stop_str_in_output (its token ids keep it), whatever
-    skip_special_tokens says (vLLM's). With detokenize=False the text stays empty."""
+def update_text(request: Request, tokenizer, end: int | None = None) -> str | None:
+    """Extend `request.text` with its new output tokens (those before output `end`, where given:
+    a step's several tokens one at a time, the last of them with `end` None); return the stop
+    string that matched, if any (the text is then cut before it, or after it with
+    include_stop_str_in_output). A request the scheduler stopped on a token (EOS or
+    stop_token_ids) leaves that token out of its text unless include_stop_str_in_output (its
+    token ids keep it), whatever skip_special_tokens says (vLLM's). With detokenize=False the
+    text stays empty."""
     if tokenizer is None or not request.params.detokenize:
         return None
     previous = len(request.text)
@@ -133,15 +135,17 @@ def update_text(request: Request, tokenizer) -> str | None:
     if request.decode_offsets.context is None:  # the request's first text: after its prompt
         request.decode_offsets = DecodeOffsets.after(
             prompt_context(tokenizer, request.prompt_token_ids, skip_special_tokens))
-    ids = request.output_token_ids
-    if (request.status == RequestStatus.FINISHED_STOPPED
+    num_outputs = request.num_output_tokens if end is None else end
+    ids = request.output_token_ids if end is None else request.output_token_ids[:end]
+    last = num_outputs == request.num_output_tokens  # the request's state is its own
+    if (last and request.status == RequestStatus.FINISHED_STOPPED
             and not request.params.include_stop_str_in_output):
         ids = ids[:-1]  # the token that stopped it (EOS, a stop token id) is not text (vLLM's)
     request.text += decode_new_tokens(request.decode_offsets, ids, tokenizer,
-                                      request.is_finished, skip_special_tokens)
+                                      last and request.is_finished, skip_special_tokens)
     text = request.text
     stops = request.params.stop
-    if not stops or request.num_output_tokens <= request.params.min_tokens:
+    if not stops or num_outputs <= request.params.min_tokens:
         return None  # as EOS, a stop string may end in output token min_tokens + 1 at the earliest
     # the stop that ends first in this step's new text (ties: the first listed, as vLLM): each
     # is looked for where it would end past `previous` (one ending before was looked for then,

@@ -374,20 +374,18 @@ class LLMEngine:
     def _update_text(self, request: Request, first: int) -> str | None:
         """`update_text` of the step's new tokens (from output `first` on); several (accepted
         speculative drafts) with stop strings go one at a time, so a stop string ends the
-        output at the token that completes it, as decoding them one a step does."""
+        output at the token that completes it (those after it dropped), as decoding them one
+        a step does."""
         tokens = request.output_token_ids
         if len(tokens) - first < 2 or not request.params.stop:
             return update_text(request, self.tokenizer)
-        status = request.status
-        for end in range(first + 1, len(tokens) + 1):
-            request.output_token_ids = tokens[:end]
-            request.status = status if end == len(tokens) else RequestStatus.RUNNING
-            stop = update_text(request, self.tokenizer)
+        for end in range(first + 1, len(tokens)):
+            stop = update_text(request, self.tokenizer, end)
             if stop is not None:
-                request.status = status
                 request.num_computed_tokens -= len(tokens) - end  # not outputs, nor computed
+                del tokens[end:]
                 return stop
-        return None
+        return update_text(request, self.tokenizer)
 
     def _fail(self, requests: list[Request], error: Exception) -> list[Request]:
         """Abort requests a KV policy failed on (their caches may be half compacted: the blocks

@@ -182,7 +182,9 @@ class PrometheusExporter:
                                        "are whole numbers of blocks.",
                                        kv_kb_buckets(cache_config))
 
-        self._spec: tuple | None = None  # speculative decoding's counters, made on first use
+        # speculative decoding's counters (totals, by draft position), made on first use
+        self._spec: tuple | None = None
+        self._spec_positions: list = []
 
         c = cache_config
         Info(PREFIX + "cache_config", "KV cache configuration.", registry=r).info({

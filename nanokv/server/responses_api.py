@@ -40,12 +40,17 @@ class InputTextPart(_Strict):
     logprobs: list[dict[str, Any]] | None = None
 
 
-class InputMessage(_Strict):
+class _SentBack(_Strict):
+    """An input item; one an earlier answer gave comes with its id and status."""
+
+    id: str | None = None
+    status: str | None = None
+
+
+class InputMessage(_SentBack):
     type: Literal["message"] | None = None
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[InputTextPart]
-    id: str | None = None  # an earlier answer's item, sent back
-    status: str | None = None
 
     def chat_message(self) -> ChatMessage:
         text = self.content if isinstance(self.content, str) else "".join(
@@ -53,37 +58,31 @@ class InputMessage(_Strict):
         return ChatMessage(role=self.role, content=text)
 
 
-class InputReasoning(_Strict):
+class InputReasoning(_SentBack):
     """An earlier answer's reasoning item, sent back with its output: not shown to the model
     (as chat history's reasoning)."""
 
     type: Literal["reasoning"]
-    id: str | None = None
     summary: list[dict[str, Any]] | None = None
     content: list[dict[str, Any]] | None = None
     encrypted_content: str | None = None
-    status: str | None = None
 
 
-class InputFunctionCall(_Strict):
+class InputFunctionCall(_SentBack):
     """An earlier answer's function call, sent back: the history's assistant tool call."""
 
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
-    id: str | None = None
-    status: str | None = None
 
 
-class InputFunctionOutput(_Strict):
+class InputFunctionOutput(_SentBack):
     """A function call's result: the history's tool message."""
 
     type: Literal["function_call_output"]
     call_id: str
     output: str
-    id: str | None = None
-    status: str | None = None
 
 
 class FunctionTool(_Strict):
