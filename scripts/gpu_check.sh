@@ -13,7 +13,8 @@
 #   suite_cuda             the tests that take another path on CUDA (tests/cuda, the Triton
 #                          kernels against the dense reference, decode graphs, HF parity, KV
 #                          policies over quantized caches, quantized outputs under chunking and
-#                          prefix hits: the Triton prefill in decode's view end to end)
+#                          prefix hits: the Triton prefill in decode's view end to end;
+#                          speculative decoding's verification steps beside decode graphs)
 #   triton_sweep           Triton decode attention alone at 1k-32k tokens of context, 1 and 16
 #                          requests: int8 / fp8 / KVQuant 4-bit codes read in place against the
 #                          bf16 pool, outputs checked against a dense reference, timed as CUDA
