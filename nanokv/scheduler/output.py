@@ -29,12 +29,14 @@ class ScheduledRequest:
     layer_start_slots: list[int] | None = None
     # (prompt token ids, output token ids) when the sampling params have penalties, else None
     history: tuple[list[int], list[int]] | None = None
-    # tokens the sampler may not pick for this output token: EOS (unless ignore_eos) and
-    # stop_token_ids while the request has fewer than min_tokens outputs (vLLM's min_tokens),
-    # and the last token of each bad word whose other tokens end the output (vLLM's bad_words)
-    banned_token_ids: tuple[int, ...] = ()
-    # structured outputs: the tokens the request's grammar allows for this output token, int32
-    # bitmask words (bit t % 32 of word t // 32 for token t); None when unconstrained
+    # per sampling row (the request's token, then each draft's: row j as if drafts[:j] were
+    # outputs), the tokens the sampler may not pick: EOS (unless ignore_eos) and stop_token_ids
+    # while the request has fewer than min_tokens outputs (vLLM's min_tokens), and the last
+    # token of each bad word whose other tokens end the output (vLLM's bad_words); [] for none
+    banned_token_ids: list[tuple[int, ...]] = field(default_factory=list)
+    # structured outputs: per sampling row, the tokens the request's grammar allows, int32
+    # bitmask words [rows, ceil(vocab / 32)] (bit t % 32 of word t // 32 for token t); None
+    # when unconstrained
     allowed_token_bitmask: np.ndarray | None = None
     # params.prompt_logprobs: the prompt tokens that follow the chunk's first rows (row r scores
     # token start_position + r + 1); None when the chunk scores none

@@ -18,6 +18,8 @@ import bisect
 import time
 from collections import deque
 
+import numpy as np
+
 from nanokv.bad_words import completing_tokens
 from nanokv.cache.block_manager import BlockManager
 from nanokv.config import SCHEDULING_POLICIES
@@ -119,7 +121,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._chunk(request, request.num_computed_tokens, budget)
-            drafts = self._drafts(request, num_new, budget, reserved)
+            drafts, bitmasks = self._drafts(request, num_new, budget, reserved)
             while not drafts and not bm.allocate_slots(request, num_new, keep_free=reserved):
                 v = self._victim_index()
                 victim = self.running.pop(v)
@@ -138,7 +140,7 @@ class Scheduler:
             if self.by_priority:  # given back if a later victim is this request
                 kept[request.request_id] = held
             to_copy.update(request.block_table[j] for j in bm.wait_private(request))
-            scheduled.append(self._scheduled(request, num_new, drafts))
+            scheduled.append(self._scheduled(request, num_new, drafts, bitmasks))
             budget -= num_new + len(drafts)
             i += 1
 
@@ -177,34 +179,36 @@ class Scheduler:
         self.num_scheduled_tokens += sum(s.num_tokens for s in scheduled)
         return SchedulerOutput(scheduled, [r.request_id for r in preempted])
 
-    def _drafts(self, request: Request, num_new: int, budget: int, reserved: int) -> list[int]:
+    def _drafts(self, request: Request, num_new: int, budget: int,
+                reserved: int) -> tuple[list[int], np.ndarray | None]:
         """Speculative decoding: the n-gram drafts a decoding request verifies this step, with
-        their slots (and its token's) allocated; [] when it drafts none (the caller allocates
-        its one token as any other, preempting if it must: drafts never preempt). Up to k, no
-        more than the budget, max_tokens and max_model_len leave room for; none for a request
-        whose next tokens the sampler constrains (a grammar, bad words, min_tokens), or with a
-        KV policy."""
+        their slots (and its token's) allocated, and a structured request's bitmask of each
+        sampling row (`RequestGrammar.draft_rows`: the drafts its grammar refuses are cut);
+        ([], None) when it drafts none (the caller allocates its one token as any other,
+        preempting if it must: drafts never preempt). Up to k, no more than the budget,
+        max_tokens and max_model_len leave room for; none for a request with a KV policy."""
         spec = self.speculative
         if spec is None or num_new != 1 or request.num_computed_tokens != request.num_tokens - 1:
-            return []
+            return [], None
         params = request.params
-        if (request.grammar is not None or request.bad_words_token_ids
-                or request.num_output_tokens < params.min_tokens
-                or request.kv_policy is not None or request.layer_slices is not None):
-            return []
+        if request.kv_policy is not None or request.layer_slices is not None:
+            return [], None
         k = min(spec.num_speculative_tokens, budget - 1,
                 params.max_tokens - request.num_output_tokens - 1,
                 self.max_model_len - request.num_tokens)
         if k < 1:
-            return []
+            return [], None
         if request.ngram_index is None:
             request.ngram_index = NgramIndex()
         request.ngram_index.sync(request.prompt_token_ids, request.output_token_ids)
         drafts = request.ngram_index.propose(spec.prompt_lookup_min, spec.prompt_lookup_max, k)
-        if drafts and not self.block_manager.allocate_slots(request, 1 + len(drafts),
-                                                            keep_free=reserved):
-            return []
-        return drafts
+        bitmasks = None
+        if drafts and request.grammar is not None:
+            drafts, bitmasks = request.grammar.draft_rows(drafts)
+        if not drafts or not self.block_manager.allocate_slots(request, 1 + len(drafts),
+                                                               keep_free=reserved):
+            return [], None if bitmasks is None else bitmasks[:1]
+        return drafts, bitmasks
 
     def _reserve_for_policy(self, request: Request, index: int, preempted: list[Request],
                             reserved: int) -> int:
@@ -297,9 +301,11 @@ class Scheduler:
             n = min(n, bs - request.num_cached_slots % bs)
         return n
 
-    def _scheduled(self, request: Request, num_new: int,
-                   drafts: list[int] | None = None) -> ScheduledRequest:
+    def _scheduled(self, request: Request, num_new: int, drafts: list[int] | None = None,
+                   bitmasks: np.ndarray | None = None) -> ScheduledRequest:
+        """bitmasks: a structured request's rows' masks where `_drafts` made them."""
         start = request.num_computed_tokens
+        drafts = drafts or []
         sample = start + num_new == request.num_tokens
         layer_tables = layer_start_slots = None
         if request.layer_slices is not None:
@@ -307,7 +313,7 @@ class Scheduler:
             layer_start_slots = request.layer_slices.lengths(start)
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.token_ids_range(start, start + num_new) + (drafts or []),
+            token_ids=request.token_ids_range(start, start + num_new) + drafts,
             start_position=start,
             start_slot=request.num_cached_slots,
             block_table=list(request.block_table),
@@ -320,12 +326,15 @@ class Scheduler:
             layer_start_slots=layer_start_slots,
             history=((request.prompt_token_ids, request.output_token_ids)
                      if request.params.has_penalties and sample else None),
-            banned_token_ids=self._banned(request),
-            allowed_token_bitmask=(request.grammar.allowed_bitmask()
-                                   if request.grammar is not None and sample else None),
+            banned_token_ids=self._banned(request, drafts) if sample else [],
+            allowed_token_bitmask=(
+                bitmasks if bitmasks is not None
+                else request.grammar.allowed_bitmask()[None]
+                if request.grammar is not None and sample and not request.grammar.waiting
+                else None),
             prompt_logprob_targets=(self._prompt_logprob_targets(request, start, num_new)
                                     if request.params.prompt_logprobs is not None else None),
-            draft_token_ids=list(drafts or []),
+            draft_token_ids=list(drafts),
         )
 
     @staticmethod
@@ -339,21 +348,25 @@ class Scheduler:
         return request.prompt_token_ids[start + 1:end + 1]
 
     @staticmethod
-    def _banned(request: Request) -> tuple[int, ...]:
-        """What the next output token may not be: before min_tokens outputs, the tokens that
-        would stop the request (EOS unless ignore_eos, and stop_token_ids); and the tokens that
-        would complete one of its bad words."""
-        params = request.params
-        stopping = request.num_output_tokens < params.min_tokens
-        if not stopping and not request.bad_words_token_ids:
-            return ()
-        banned = ()
-        if stopping:
-            banned = (*(() if params.ignore_eos else request.eos_token_ids),
-                      *params.stop_token_ids)
-        if request.bad_words_token_ids:
-            banned += completing_tokens(request.bad_words_token_ids, request.output_token_ids)
-        return tuple(dict.fromkeys(banned))
+    def _banned(request: Request, drafts: list[int]) -> list[tuple[int, ...]]:
+        """What each sampling row's token may not be (row j: the token after drafts[:j]), []
+        when no row bans any: before min_tokens outputs, the tokens that would stop the request
+        (EOS unless ignore_eos, and stop_token_ids); and the tokens that would complete one of
+        its bad words."""
+        params, n = request.params, request.num_output_tokens
+        bad_words = request.bad_words_token_ids
+        if n >= params.min_tokens and not bad_words:
+            return []
+        stop = (*(() if params.ignore_eos else request.eos_token_ids), *params.stop_token_ids)
+        # the outputs' tail a bad word can end with, then the drafts
+        tail = request.output_token_ids[-max(map(len, bad_words)):] if bad_words else []
+        rows = []
+        for j in range(1 + len(drafts)):
+            banned = stop if n + j < params.min_tokens else ()
+            if bad_words:
+                banned += completing_tokens(bad_words, tail + drafts[:j])
+            rows.append(tuple(dict.fromkeys(banned)))
+        return rows
 
     def _preempt(self, request: Request) -> None:
         self.num_recomputed_tokens += request.num_computed_tokens

@@ -25,7 +25,7 @@ class SimScheduler(Scheduler):
     """The engine's Scheduler; only the step's hand-over to the runner is lighter."""
 
     def _scheduled(self, request: Request, num_new: int,
-                   drafts: list[int] | None = None) -> ReplayScheduled:
+                   drafts: list[int] | None = None, bitmasks=None) -> ReplayScheduled:
         start = request.num_computed_tokens
         return ReplayScheduled(request.request_id, num_new, request.num_cached_slots,
                                start + num_new == request.num_tokens)

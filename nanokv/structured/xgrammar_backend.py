@@ -61,6 +61,35 @@ class RequestGrammar:
         self._matcher.fill_next_token_bitmask(self._bitmask)
         return self._bitmask[0].copy()
 
+    def draft_rows(self, drafts: list[int]) -> tuple[list[int], np.ndarray | None]:
+        """Speculative decoding: the drafts this grammar lets through and each sampling row's
+        bitmask, the matcher left as it was. Row j samples the token after drafts[:j]: its
+        mask is the matcher's after them, int32 [1 + kept, words]. Kept: the drafts before the
+        first the grammar refuses or that would end it (a stop token: the request stops there,
+        no row may follow it). While waiting, every row is free (None) and the drafts stop
+        before the one that would complete the text the grammar starts after."""
+        if self.waiting:
+            for j in range(len(drafts)):
+                recent = (self._recent + drafts[:j + 1])[-(len(self._waiting_for) + 4):]
+                if self._waiting_for in self._decode(recent):
+                    return drafts[:j], None
+            return drafts, None
+        matcher = self._matcher
+        masks = np.empty((len(drafts) + 1, self._bitmask.shape[1]), dtype=np.int32)
+        matcher.fill_next_token_bitmask(masks, 0)
+        kept = 0
+        for token in drafts:
+            if not matcher.accept_token(token):
+                break
+            if matcher.is_terminated():
+                matcher.rollback(1)
+                break
+            kept += 1
+            matcher.fill_next_token_bitmask(masks, kept)
+        if kept:
+            matcher.rollback(kept)
+        return drafts[:kept], masks[:kept + 1]
+
     def accept(self, token: int) -> bool:
         """Advance past a sampled token; False when the grammar does not allow it."""
         if self.waiting:

@@ -37,6 +37,17 @@ def _history(s: ScheduledRequest, j: int) -> tuple[list[int], list[int]] | None:
     return prompt, [*outputs, *s.draft_token_ids[:j]]
 
 
+def _banned(s: ScheduledRequest, j: int) -> tuple[int, ...]:
+    """The tokens a request's j-th sampling row may not give."""
+    return s.banned_token_ids[j] if s.banned_token_ids else ()
+
+
+def _bitmask(s: ScheduledRequest, j: int):
+    """The int32 bitmask words of the tokens a request's j-th sampling row may give (its
+    grammar's), None when free."""
+    return None if s.allowed_token_bitmask is None else s.allowed_token_bitmask[j]
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache, attention_backend, device: torch.device,
                  seed: int, tp=None, enforce_eager: bool = True, max_num_seqs: int = 1,
@@ -93,8 +104,8 @@ class ModelRunner:
         out = self.sampler.sample(logits, [s.params for s, _ in rows],
                                   [s.output_index + j for s, j in rows],
                                   [_history(s, j) for s, j in rows],
-                                  [s.banned_token_ids for s, _ in rows],
-                                  [s.allowed_token_bitmask for s, _ in rows])
+                                  [_banned(s, j) for s, j in rows],
+                                  [_bitmask(s, j) for s, j in rows])
         result = RunnerOutput({}, prompt_logits, captured, prompt_logprobs=prompt_logprobs)
         for (s, j), token, lp in zip(rows, out.token_ids, out.logprobs):
             if j == 0:

@@ -24,10 +24,11 @@ def servers(tiny_llama):
     stop_server(spec)
 
 
-def _complete(server, prompt, **kwargs):
+def _complete(server, prompt, extra_body=None, **kwargs):
     client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
     return client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=40,
-                                     temperature=0, extra_body={"ignore_eos": True}, **kwargs)
+                                     temperature=0, extra_body={"ignore_eos": True,
+                                                                **(extra_body or {})}, **kwargs)
 
 
 def test_completions_equal_decoding_alone_and_drafts_are_counted(servers):
@@ -46,3 +47,27 @@ def test_completions_equal_decoding_alone_and_drafts_are_counted(servers):
     assert not any("spec_decode" in name for name, _ in plain.metrics())
     r = httpx.get(spec.url + "/health", timeout=10)
     assert r.status_code == 200
+
+
+def test_structured_completions_with_drafts_equal_decoding_alone(servers):
+    """The openai SDK's structured requests (vLLM's structured_outputs field and a JSON
+    schema response_format) through the speculative server: the plain server's answers, with
+    drafts accepted."""
+    plain, spec = servers
+    before = spec.wait_idle().get(("nanokv:spec_decode_num_accepted_tokens_total", ()), 0)
+    regex = {"structured_outputs": {"regex": "(ab|cd|[0-9])+"}}
+    for prompt in PROMPTS:
+        want = _complete(plain, prompt, extra_body=regex).choices[0].text
+        assert _complete(spec, prompt, extra_body=regex).choices[0].text == want
+    schema = {"type": "json_schema", "json_schema": {"name": "numbers", "schema": {
+        "type": "array", "items": {"type": "integer"}}}}
+    answers = []
+    for server in servers:
+        client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        answers.append([client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": prompt}], max_tokens=40,
+            temperature=0, response_format=schema).choices[0].message.content
+            for prompt in PROMPTS])
+    assert answers[0] == answers[1]
+    after = spec.wait_idle()[("nanokv:spec_decode_num_accepted_tokens_total", ())]
+    assert after > before

@@ -78,11 +78,14 @@ def test_scheduler_bans_completions_beside_min_tokens():
     params = SamplingParams(min_tokens=2, stop_token_ids=[9])
     request = Request("r", [1, 2, 3], params, eos_token_ids=(0,))
     request.bad_words_token_ids = ((4,), (5, 6), (7, 5, 8))
-    assert Scheduler._banned(request) == (0, 9, 4)
+    assert Scheduler._banned(request, []) == [(0, 9, 4)]
     request.output_token_ids = [7, 5]
-    assert Scheduler._banned(request) == (4, 6, 8)  # min_tokens reached: the words alone
+    assert Scheduler._banned(request, []) == [(4, 6, 8)]  # min_tokens reached: the words alone
     request.output_token_ids = [7, 6]
-    assert Scheduler._banned(request) == (4,)
+    assert Scheduler._banned(request, []) == [(4,)]
+    # speculative drafts: row j as if drafts[:j] were outputs
+    request.output_token_ids = [7]
+    assert Scheduler._banned(request, [5, 1]) == [(0, 9, 4), (4, 6, 8), (4,)]
     plain = Request("p", [1, 2, 3], SamplingParams(), eos_token_ids=(0,))
     plain.output_token_ids = [5]
-    assert Scheduler._banned(plain) == ()
+    assert Scheduler._banned(plain, []) == [] and Scheduler._banned(plain, [6, 5]) == []

@@ -412,7 +412,8 @@ def test_banned_tokens_before_min_tokens(params, eos, expected):
     seen = []
     while h.sched.has_unfinished and len(seen) < 4:
         out = h.step()
-        seen += [set(s.banned_token_ids) for s in out.scheduled if s.sample]
+        seen += [set(s.banned_token_ids[0]) if s.banned_token_ids else set()
+                 for s in out.scheduled if s.sample]
     assert seen == [set(e) for e in expected]
 
 

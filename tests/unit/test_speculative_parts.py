@@ -120,3 +120,48 @@ def test_counters_go_to_prometheus_as_deltas():
     assert [m[("nanokv:spec_decode_num_accepted_tokens_per_pos_total",
                (("position", str(i)),))] for i in range(3)] == [2, 2, 1]
     assert stats.acceptance_rate == 5 / 8
+
+
+@pytest.mark.parametrize("min_tokens,bad_words", [
+    (0, [[7, 8], [5], [9, 5, 6]]), (6, []), (5, [[6, 7]]), (2, [[8, 5, 6, 7, 8]])])
+def test_each_draft_row_bans_as_if_the_drafts_before_it_were_outputs(min_tokens, bad_words):
+    """The scheduler's banned tokens of every sampling row of a drafting request: row j's are
+    what a brute force over outputs + drafts[:j] bans (min_tokens' stop tokens, the bad words'
+    completing tokens); the drafts come from the prompt's loop."""
+    from nanokv.bad_words import completing_tokens
+    from nanokv.cache.block_manager import BlockManager
+    from nanokv.request import Request
+    from nanokv.sampling_params import SamplingParams
+    from nanokv.scheduler.output import RunnerOutput
+    from nanokv.scheduler.scheduler import Scheduler
+
+    spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4,
+                                        "prompt_lookup_max": 2, "prompt_lookup_min": 1})
+    sched = Scheduler(BlockManager(32, 4, True), 4, 64, 64, speculative=spec)
+    loop = [5, 6, 7, 8]
+    params = SamplingParams(max_tokens=20, min_tokens=min_tokens, stop_token_ids=[9])
+    request = Request("r", loop * 3, params, eos_token_ids=(2,))
+    request.bad_words_token_ids = bad_words
+    sched.add_request(request)
+    checked = 0
+    step = 0
+    while sched.has_unfinished:
+        out = sched.schedule()
+        s, = out.scheduled
+        outputs = list(request.output_token_ids)
+        if step:  # decoding: drafts from the loop
+            assert s.draft_token_ids
+            expected = []
+            for j in range(1 + len(s.draft_token_ids)):
+                seen = outputs + s.draft_token_ids[:j]
+                banned = (2, 9) if len(outputs) + j < min_tokens else ()
+                expected.append(set(banned) | set(completing_tokens(bad_words, seen)))
+            got = [set(b) for b in s.banned_token_ids] or [set()] * len(expected)
+            assert got == expected
+            checked += any(expected)
+        # the loop goes on (the drafts that follow it accepted)
+        tokens = (loop * 8)[len(outputs):len(outputs) + 1 + len(s.draft_token_ids)]
+        sched.update_from_output(out, RunnerOutput({"r": tokens[0]},
+                                                   draft_samples={"r": tokens[1:]}))
+        step += 1
+    assert checked and request.output_token_ids == (loop * 5)[:20]

@@ -196,3 +196,59 @@ def test_unconstrained_steps_cost_nothing(monkeypatch):
     p = [SamplingParams(temperature=0)] * 2
     assert Sampler(0).sample(logits, p, [0, 0], None, None, [None, None]).token_ids == \
         logits.argmax(-1).tolist()
+
+
+def _matcher_rows(backend, spec, eos, tokens):
+    """An independent xgrammar matcher's bitmask after each prefix of tokens (the rows a
+    request and its drafts sample at)."""
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(backend.compile(spec), override_stop_tokens=[eos])
+    rows = []
+    for t in [*tokens, None]:
+        mask = np.empty((1, (VOCAB + 31) // 32), dtype=np.int32)
+        matcher.fill_next_token_bitmask(mask)
+        rows.append(_allowed(mask[0]))
+        if t is not None:
+            assert matcher.accept_token(t)
+    return rows
+
+
+def test_draft_rows_cut_the_drafts_the_grammar_refuses_or_ends_on(backend, tokenizer):
+    """Speculative decoding: row j's mask is the grammar's after drafts[:j] (an independent
+    matcher's); drafts stop before the first the grammar refuses or that would end it; the
+    request's matcher is left where it was."""
+    eos = tokenizer.eos_token_id
+    spec = StructuredOutputsParams(choice=["yes sir", "no"])
+    grammar = backend.request_grammar(spec, stop_token_ids=(eos,))
+    yes = tokenizer.encode("yes sir", add_special_tokens=False)
+    no = tokenizer.encode("no", add_special_tokens=False)
+    assert len(yes) >= 2
+    before = _allowed(grammar.allowed_bitmask())
+    for drafts, kept in [(yes, yes), (yes + [eos, yes[0]], yes),  # EOS would end the grammar
+                         (yes[:1] + no, yes[:1]), (no + yes, no), (yes[1:], []), ([eos], [])]:
+        got, masks = grammar.draft_rows(list(drafts))
+        assert got == kept and masks.shape == (len(kept) + 1, (VOCAB + 31) // 32)
+        assert [_allowed(m) for m in masks] == _matcher_rows(backend, spec, eos, kept)
+        assert _allowed(grammar.allowed_bitmask()) == before  # the matcher did not move
+    for t in yes:  # then the accepted drafts are fed one by one, as sampled tokens are
+        assert grammar.accept(t)
+    assert _allowed(grammar.allowed_bitmask()) == {eos}
+
+
+def test_draft_rows_while_a_grammar_waits_are_free_up_to_its_start(backend, tokenizer):
+    """starts_after: the drafts stop before the one that completes the text (the rows after
+    it would be the grammar's); every row before is free."""
+    spec = StructuredOutputsParams(regex="[0-9]+", starts_after="grass")
+    grammar = backend.request_grammar(spec, stop_token_ids=(tokenizer.eos_token_id,),
+                                      decode=tokenizer.decode)
+    tokens = tokenizer.encode("The grass is green", add_special_tokens=False)
+    start = next(k for k in range(1, len(tokens) + 1)
+                 if "grass" in tokenizer.decode(tokens[:k]))
+    assert grammar.draft_rows(tokens) == (tokens[:start - 1], None)
+    assert grammar.draft_rows(tokens[:start - 1]) == (tokens[:start - 1], None)
+    assert grammar.accept(tokens[0]) and grammar.waiting  # fed one by one: the same start
+    assert grammar.draft_rows(tokens[1:]) == (tokens[1:start - 1], None)
+    for t in tokens[1:start]:
+        assert grammar.accept(t)
+    assert not grammar.waiting
