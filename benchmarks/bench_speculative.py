@@ -72,6 +72,9 @@ def main() -> None:
                     help="num_speculative_tokens values to time")
     ap.add_argument("--prompt-lookup-max", type=int, default=3)
     ap.add_argument("--prompt-lookup-min", type=int, default=1)
+    ap.add_argument("--per-batch-size", type=json.loads, default=None,
+                    help="num_speculative_tokens_per_batch_size for every k, JSON, e.g. "
+                         "'[[1, 1, 8], [2, 64, 0]]' (k capped by the batch size's entry)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of each setting")
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--kv-cache-memory", default="512MiB", help="each engine's KV pool")
@@ -95,13 +98,16 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     total = args.prompts * args.output_len
     rows, results = [], {"model": args.model, "prompts": args.prompts,
-                         "output_len": args.output_len, "settings": []}
+                         "output_len": args.output_len, "per_batch_size": args.per_batch_size,
+                         "settings": []}
     prompts, reference, base = None, None, {}
     for k in [None, *args.k]:  # one engine at a time: each holds its own weights and pool
         name = "nanokv" if k is None else f"nanokv ngram k={k}"
         spec = None if k is None else {"method": "ngram", "num_speculative_tokens": k,
                                        "prompt_lookup_max": args.prompt_lookup_max,
                                        "prompt_lookup_min": args.prompt_lookup_min}
+        if spec is not None and args.per_batch_size is not None:
+            spec["num_speculative_tokens_per_batch_size"] = args.per_batch_size
         llm = LLM(args.model, speculative_config=spec, **options)
         if prompts is None:
             prompts = make_prompts(llm.engine.hf_config.vocab_size, args.prompts, args.segment,
@@ -168,7 +174,8 @@ def main() -> None:
         (out / "speculative.md").write_text(
             f"model {args.model}, {args.prompts} prompts of {len(prompts[0])} tokens, "
             f"{args.output_len} output tokens, greedy, torch threads "
-            f"{results['torch_threads']}, medians of {args.repeats}\n\n{table}\n")
+            f"{results['torch_threads']}, medians of {args.repeats}, "
+            f"num_speculative_tokens_per_batch_size {args.per_batch_size}\n\n{table}\n")
 
 
 if __name__ == "__main__":

@@ -153,7 +153,9 @@ class EngineConfig:
     speculative_config: dict | None = _opt(
         None, "speculative decoding, vLLM's form (JSON on the CLI): {\"method\": \"ngram\", "
               "\"num_speculative_tokens\": k (1-16), \"prompt_lookup_max\": n, "
-              "\"prompt_lookup_min\": m (default 5, or each other)}: each decoding request "
+              "\"prompt_lookup_min\": m (default 5, or each other), optionally "
+              "\"num_speculative_tokens_per_batch_size\": [[first, last, k], ...] (k by "
+              "the running batch size, vLLM's)}: each decoding request "
               "drafts up to k tokens a step from the first occurrence of the longest "
               "n-gram ending its tokens (m <= n), verified in one forward pass; the output is "
               "the one decoding alone gives (greedy, and seeded sampling token for token). "

@@ -198,7 +198,10 @@ def startup_report(config: EngineConfig, model, device: torch.device, dtype_note
     lines.append(f"attention backend: {backend.name} ({backend.description}; {backend_why})")
     spec = config.speculative
     if spec is not None:
+        by_batch = "" if spec.per_batch_size is None else " (by batch size: " + ", ".join(
+            f"{first}-{last}: {min(k, spec.num_speculative_tokens)}"
+            for first, last, k in spec.per_batch_size) + ")"
         lines.append(f"speculative decoding: {spec.method}, up to {spec.num_speculative_tokens} "
-                     f"draft tokens a step from n-grams of {spec.prompt_lookup_min}-"
+                     f"draft tokens a step{by_batch} from n-grams of {spec.prompt_lookup_min}-"
                      f"{spec.prompt_lookup_max} tokens")
     return lines

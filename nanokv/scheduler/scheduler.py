@@ -117,11 +117,13 @@ class Scheduler:
         kept: dict[str, int] = {}  # those blocks by request (priority policy: given back if it
         # is preempted after being scheduled)
         to_copy: set[int] = set()  # the blocks those steps will copy if still shared then
+        # speculative decoding: draft tokens per request at this batch size (running requests)
+        k = self.speculative.tokens_for_batch(len(self.running)) if self.speculative else 0
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._chunk(request, request.num_computed_tokens, budget)
-            drafts, bitmasks = self._drafts(request, num_new, budget, reserved)
+            drafts, bitmasks = self._drafts(request, num_new, budget, reserved, k)
             while not drafts and not bm.allocate_slots(request, num_new, keep_free=reserved):
                 v = self._victim_index()
                 victim = self.running.pop(v)
@@ -179,21 +181,22 @@ class Scheduler:
         self.num_scheduled_tokens += sum(s.num_tokens for s in scheduled)
         return SchedulerOutput(scheduled, [r.request_id for r in preempted])
 
-    def _drafts(self, request: Request, num_new: int, budget: int,
-                reserved: int) -> tuple[list[int], np.ndarray | None]:
+    def _drafts(self, request: Request, num_new: int, budget: int, reserved: int,
+                k: int) -> tuple[list[int], np.ndarray | None]:
         """Speculative decoding: the n-gram drafts a decoding request verifies this step, with
         their slots (and its token's) allocated, and a structured request's bitmask of each
         sampling row (`RequestGrammar.draft_rows`: the drafts its grammar refuses are cut);
         ([], None) when it drafts none (the caller allocates its one token as any other,
-        preempting if it must: drafts never preempt). Up to k, no more than the budget,
-        max_tokens and max_model_len leave room for; none for a request with a KV policy."""
-        spec = self.speculative
-        if spec is None or num_new != 1 or request.num_computed_tokens != request.num_tokens - 1:
+        preempting if it must: drafts never preempt). Up to k (the step's, by batch size), no
+        more than the budget, max_tokens and max_model_len leave room for; none for a request
+        with a KV policy."""
+        if k == 0 or num_new != 1 or request.num_computed_tokens != request.num_tokens - 1:
             return [], None
         params = request.params
         if request.kv_policy is not None or request.layer_slices is not None:
             return [], None
-        k = min(spec.num_speculative_tokens, budget - 1,
+        spec = self.speculative
+        k = min(k, budget - 1,
                 params.max_tokens - request.num_output_tokens - 1,
                 self.max_model_len - request.num_tokens)
         if k < 1:

@@ -1,5 +1,6 @@
 """`speculative_config`, vLLM's form: {"method": "ngram", "num_speculative_tokens": k,
-"prompt_lookup_max": n, "prompt_lookup_min": m}."""
+"prompt_lookup_max": n, "prompt_lookup_min": m, "num_speculative_tokens_per_batch_size":
+[[first, last, k], ...]}."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from dataclasses import dataclass
 from nanokv.validation import check_int
 
 METHODS = ("ngram",)
-KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+        "num_speculative_tokens_per_batch_size")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -22,6 +24,22 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     prompt_lookup_min: int
     method: str = "ngram"
+    # vLLM's dynamic speculative decoding: (first, last, k) inclusive ranges of batch sizes,
+    # sorted, from 1, k >= 0 (capped at num_speculative_tokens); None: k at every batch size
+    per_batch_size: tuple[tuple[int, int, int], ...] | None = None
+
+    def tokens_for_batch(self, batch_size: int) -> int:
+        """Draft tokens per request in a step of batch_size requests: the k of the range that
+        holds it; between ranges and past the last, the k of the range before (vLLM's)."""
+        k = self.num_speculative_tokens
+        if self.per_batch_size is None:
+            return k
+        chosen = self.per_batch_size[0][2]
+        for first, _, tokens in self.per_batch_size:
+            if first > batch_size:
+                break
+            chosen = tokens
+        return min(k, chosen)
 
     @classmethod
     def from_dict(cls, given: dict) -> SpeculativeConfig:
@@ -53,4 +71,34 @@ class SpeculativeConfig:
         if low > high:
             raise ValueError(f"speculative_config prompt_lookup_min ({low}) must be <= "
                              f"prompt_lookup_max ({high})")
-        return cls(k, high, low, method)
+        schedule = given.get("num_speculative_tokens_per_batch_size")
+        return cls(k, high, low, method, None if schedule is None else _batch_schedule(schedule))
+
+
+def _batch_schedule(given) -> tuple[tuple[int, int, int], ...]:
+    """vLLM's rules for num_speculative_tokens_per_batch_size: a non-empty list of [first,
+    last, k] (inclusive batch sizes, first >= 1, first <= last, k >= 0), ranges apart, the
+    first from 1."""
+    name = "speculative_config num_speculative_tokens_per_batch_size"
+    shape = "a non-empty list of [first, last, k] entries (inclusive batch-size ranges)"
+    if not isinstance(given, (list, tuple)) or not given:
+        raise ValueError(f"{name} must be {shape}, got {given!r}")
+    entries = []
+    for entry in given:
+        if (not isinstance(entry, (list, tuple)) or len(entry) != 3
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in entry)):
+            raise ValueError(f"{name} must be {shape}; got the entry {entry!r}")
+        first, last, k = entry
+        if first < 1 or first > last:
+            raise ValueError(f"{name}: a range must have 1 <= first <= last, got {entry!r}")
+        if k < 0:
+            raise ValueError(f"{name}: k must be >= 0 (0: no drafts), got {entry!r}")
+        entries.append((first, last, k))
+    entries.sort()
+    for (_, last, _), (first, _, _) in zip(entries, entries[1:]):
+        if first <= last:
+            raise ValueError(f"{name}: the ranges must not overlap, got {list(given)!r}")
+    if entries[0][0] != 1:
+        raise ValueError(f"{name}: the first range must start at batch size 1 (every batch "
+                         f"size needs a k), got {list(given)!r}")
+    return tuple(entries)

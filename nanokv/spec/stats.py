@@ -28,8 +28,9 @@ class SpecDecodeStats:
             self.accepted_per_position[position] += 1
 
     @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+    def acceptance_rate(self) -> float | None:
+        """Accepted / drafted tokens; None when nothing was drafted."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
     def since(self, earlier: SpecDecodeStats | None) -> SpecDecodeStats:
         """The counts after `earlier` (a snapshot of the same counters; None: all)."""

@@ -211,3 +211,30 @@ def test_what_speculation_does_not_serve_is_refused(tiny_llama):
         LLM(tiny_llama, kv_cache_dtype="kvquant", speculative_config=SPEC)
     with pytest.raises(ValueError, match="does not go with a KV policy"):
         LLM(tiny_llama, kv_policy="h2o", kv_budget=64, speculative_config=SPEC)
+
+
+def test_drafts_by_batch_size_keep_the_outputs(tiny_llama):
+    """vLLM's num_speculative_tokens_per_batch_size: no drafts while 3 or more run, 4 a step
+    alone; the outputs are decoding alone's, and drafts came only once few requests ran."""
+    schedule = {**SPEC, "num_speculative_tokens_per_batch_size": [[1, 2, 4], [3, 64, 0]]}
+    options = dict(block_size=16, max_model_len=256)
+    prompts = looping_prompts(seed=6)
+    params = [SamplingParams(temperature=0, max_tokens=6 + 6 * i, ignore_eos=True)
+              for i in range(len(prompts))]
+    spec = LLM(tiny_llama, speculative_config=schedule, **options)
+    assert ("up to 4 draft tokens a step (by batch size: 1-2: 4, 3-64: 0)"
+            in "\n".join(spec.engine.startup_lines))
+    engine = spec.engine
+    execute = engine.runner.execute
+    drafted_at = []
+
+    def recording(sched):
+        if any(s.draft_token_ids for s in sched.scheduled):
+            drafted_at.append(len(sched.scheduled))
+        return execute(sched)
+
+    engine.runner.execute = recording
+    want = LLM(tiny_llama, **options).generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert drafted_at and max(drafted_at) <= 2 and accepted(spec) > 0

@@ -95,6 +95,80 @@ def test_config_defaults_and_errors():
         assert fragment in str(e.value)
 
 
+def vllm_dense_schedule(schedule, max_batch, k):
+    """A brute force of vLLM's batch-size lookup: per batch size, the k of the range holding
+    it, else of the last range before it; capped at k."""
+    out = {}
+    for b in range(1, max_batch + 1):
+        holding = [t for first, last, t in schedule if first <= b <= last]
+        before = [t for first, last, t in sorted(schedule) if last < b]
+        out[b] = min(k, holding[0] if holding else before[-1])
+    return out
+
+
+@pytest.mark.parametrize("schedule", [[[1, 1, 4], [2, 3, 2], [5, 8, 0]], [[1, 64, 3]],
+                                      [[9, 12, 1], [1, 4, 6]], [[1, 2, 0], [40, 50, 8]]])
+def test_draft_tokens_by_batch_size_follow_vllms_schedule(schedule):
+    c = SpeculativeConfig.from_dict({"num_speculative_tokens": 5,
+                                     "num_speculative_tokens_per_batch_size": schedule})
+    assert {b: c.tokens_for_batch(b) for b in range(1, 70)} == vllm_dense_schedule(
+        schedule, 69, 5)
+    plain = SpeculativeConfig.from_dict({"num_speculative_tokens": 5})
+    assert plain.per_batch_size is None and plain.tokens_for_batch(40) == 5
+
+
+@pytest.mark.parametrize("schedule,fragment", [
+    ([], "must be a non-empty list"), ({"1": 2}, "must be a non-empty list"),
+    ([[1, 2]], "got the entry [1, 2]"), ([[1, 2, "3"]], "got the entry"),
+    ([[1, 2, True]], "got the entry"), ([[0, 2, 1]], "1 <= first <= last"),
+    ([[3, 2, 1]], "1 <= first <= last"), ([[1, 2, -1]], "k must be >= 0"),
+    ([[1, 4, 2], [4, 8, 1]], "must not overlap"), ([[2, 4, 2]], "must start at batch size 1")])
+def test_bad_batch_size_schedules_say_what_is_allowed(schedule, fragment):
+    with pytest.raises(ValueError) as e:
+        SpeculativeConfig.from_dict({"num_speculative_tokens": 4,
+                                     "num_speculative_tokens_per_batch_size": schedule})
+    assert "num_speculative_tokens_per_batch_size" in str(e.value) and fragment in str(e.value)
+
+
+def test_the_scheduler_drafts_by_the_running_batch_size():
+    """Each step's drafts per request are the schedule's k for the requests running when the
+    step is scheduled (at most: a request's n-grams may give fewer)."""
+    from nanokv.cache.block_manager import BlockManager
+    from nanokv.request import Request
+    from nanokv.sampling_params import SamplingParams
+    from nanokv.scheduler.output import RunnerOutput
+    from nanokv.scheduler.scheduler import Scheduler
+
+    spec = SpeculativeConfig.from_dict({"num_speculative_tokens": 4, "prompt_lookup_max": 2,
+                                        "prompt_lookup_min": 1,
+                                        "num_speculative_tokens_per_batch_size":
+                                            [[1, 1, 4], [2, 2, 2], [3, 8, 0]]})
+    sched = Scheduler(BlockManager(64, 4, True), 8, 256, 128, speculative=spec)
+    loop = [5, 6, 7, 8]
+    for i in range(3):  # each leaves at another length
+        sched.add_request(Request(f"r{i}", loop * 3, SamplingParams(max_tokens=8 + 12 * i)))
+    seen = set()
+    while sched.has_unfinished:
+        running = len(sched.running)
+        out = sched.schedule()
+        for s in out.scheduled:
+            if s.sample and s.num_tokens > 1 + len(s.draft_token_ids):
+                continue  # a prefill chunk
+            request = sched.requests[s.request_id]
+            left = request.params.max_tokens - request.num_output_tokens - 1
+            want = {1: 4, 2: 2}.get(running, 0)
+            assert len(s.draft_token_ids) == min(want, left)
+            seen.add(want)
+        samples = {}
+        for s in out.scheduled:
+            n = len(sched.requests[s.request_id].output_token_ids)
+            samples[s.request_id] = (loop * 20)[n:n + 1 + len(s.draft_token_ids)]
+        sched.update_from_output(out, RunnerOutput(
+            {r: t[0] for r, t in samples.items()}, draft_samples={r: t[1:] for r, t in
+                                                                  samples.items()}))
+    assert seen == {0, 2, 4}
+
+
 def snapshot(stats: SpecDecodeStats) -> SchedulerStats:
     return SchedulerStats(0, 0, 10, 10, 0.0, 0, 0, 0, 0, {}, spec_decode=stats.copy())
 
@@ -120,6 +194,7 @@ def test_counters_go_to_prometheus_as_deltas():
     assert [m[("nanokv:spec_decode_num_accepted_tokens_per_pos_total",
                (("position", str(i)),))] for i in range(3)] == [2, 2, 1]
     assert stats.acceptance_rate == 5 / 8
+    assert stats.since(stats.copy()).acceptance_rate is None  # nothing drafted: no rate
 
 
 @pytest.mark.parametrize("min_tokens,bad_words", [
