@@ -159,8 +159,8 @@ class EngineConfig:
               "drafts up to k tokens a step from the first occurrence of the longest "
               "n-gram ending its tokens (m <= n), verified in one forward pass; the output is "
               "the one decoding alone gives (greedy, and seeded sampling token for token). "
-              "Not with KV policies, kvquant / kivi caches; structured outputs, bad_words and "
-              "min_tokens constrain every draft row", type="json")
+              "Not with KV policies; structured outputs, bad_words and min_tokens constrain "
+              "every draft row", type="json")
 
     @classmethod
     def from_kwargs(cls, model: str, **options) -> "EngineConfig":

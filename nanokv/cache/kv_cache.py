@@ -118,9 +118,14 @@ class KVCache(ABC):
     # True: a policy's extra scoring forward pass (KVzip's reconstruction) can run over it
     supports_reconstruction: ClassVar[bool] = False
     engine_options: ClassVar[frozenset[str]] = frozenset()  # read beyond kv_cache_dtype
-    # True: a slot's K/V stands alone (nothing else of its block depends on it), so a rejected
-    # draft token's slot may simply be written again (speculative decoding)
+    # True: a rejected draft token's slot may simply be written again (speculative decoding):
+    # its K/V stands alone (nothing else of its block depends on it), or waits in staging
+    # until its block fills (quantizes_full_blocks)
     supports_speculation: ClassVar[bool] = False
+    # True: a block's K/V is fixed when its last slot is written (quantized with statistics of
+    # all its tokens); until then its slots are staged and may be written again. Speculative
+    # drafts then stop before a block's last slot: only a known token fills a block
+    quantizes_full_blocks: ClassVar[bool] = False
     # True: `begin_step` takes the step's slots and positions as device tensors (no host values
     # needed: the runner's one upload serves it); False: host lists (its bookkeeping reads them)
     begin_step_on_device: ClassVar[bool] = False

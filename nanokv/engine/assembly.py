@@ -91,14 +91,14 @@ def resolve_parts(config: EngineConfig, hf_config) -> EngineParts:
 def check_speculation(config: EngineConfig, kv_class: type[KVCache],
                       policy: PolicyConfig | None) -> None:
     """Speculative decoding writes draft tokens' K/V that a rejection leaves behind, to be
-    written over: a cache kind whose slots stand alone, no KV policy (its scores and
-    evictions would see the drafts)."""
+    written over: a cache kind that allows it (`KVCache.supports_speculation`: slots that stand
+    alone, or partial blocks staged until they fill), no KV policy (its scores and evictions
+    would see the drafts)."""
     if not kv_class.supports_speculation:
         allowed = [d for d in KV_CACHE_DTYPES if kv_cache_class(d).supports_speculation]
-        raise ValueError(f"speculative_config needs a KV cache whose slots are written one by "
-                         f"one (a rejected draft token's slot is written over): kv_cache_dtype "
-                         f"one of {allowed}, got {config.kv_cache_dtype!r} (its blocks keep "
-                         f"statistics of their tokens)")
+        raise ValueError(f"speculative_config needs a KV cache whose slots a rejected draft "
+                         f"token leaves can be written again: kv_cache_dtype one of {allowed}, "
+                         f"got {config.kv_cache_dtype!r}")
     if policy is not None:
         raise ValueError(f"speculative_config does not go with a KV policy (kv_policy "
                          f"{config.kv_policy!r}: its scores and evictions would see draft "

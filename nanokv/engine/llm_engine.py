@@ -130,7 +130,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_model_len,
                                    config.enable_chunked_prefill, config.scheduling_policy,
-                                   config.speculative)
+                                   config.speculative, self.kv_cache.quantizes_full_blocks)
         self.runner = ModelRunner(self.model, self.kv_cache, self.attention_backend, self.device,
                                   config.seed, tp=None if self.executor is None
                                   else self.executor.tp, enforce_eager=config.enforce_eager,

@@ -119,6 +119,11 @@ class KIVIStore(QuantizedKVStore):
 
     # the engine options it reads beyond kv_cache_dtype (nanokv.cache.registry)
     engine_options: ClassVar[frozenset[str]] = frozenset({"kv_quant_bits"})
+    # a partial block is staged at full precision, quantized when its last slot is written:
+    # speculative drafts stop before that slot, and a rejected one's staged slot is written
+    # again
+    supports_speculation = True
+    quantizes_full_blocks = True
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu",
                  *, bits: int = 2, group_size: int = 32, num_staging_blocks: int,

@@ -87,6 +87,11 @@ class HostWritePlan(graph_write.HostWritePlan):
 
 class KVQuantStore(QuantizedKVStore):
     kv_cache_dtype = "kvquant"
+    # a partial block is staged at full precision, quantized when its last slot is written:
+    # speculative drafts stop before that slot, and a rejected one's staged slot is written
+    # again
+    supports_speculation = True
+    quantizes_full_blocks = True
     graph_parts = graph_write.COMMON_PARTS + ("sink_dst",)  # its decode steps' graph plan
 
     def __init__(self, layout: KVLayout, num_blocks: int, config: KVQuantConfig,

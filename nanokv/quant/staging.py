@@ -3,7 +3,9 @@ KIVI's keys and values): how many slots each block holds, and the full-precision
 partial block keeps its tokens in until then. No torch, no device sync: the stores turn the
 plan into index tensors once per step (`read_filling` reads a store's staging rows).
 
-A block is filled in slot order; writing slot 0 restarts it. One staging row per partial block
+A block is filled in slot order; writing slot 0 restarts it, and writing slot j of a partial
+block that holds more restarts it from j (speculative decoding: the slots of rejected draft
+tokens are written again; a full block, quantized, cannot be). One staging row per partial block
 suffices (a request has at most one), and a block that fills in a step frees its row before the
 step's new partial blocks take theirs. Every check runs before any state changes, so a refused
 step leaves the bookkeeping as it was.
@@ -60,12 +62,14 @@ class BlockStaging:
             groups.setdefault(s // bsz, []).append(t)
         starts = {}
         for b, toks in groups.items():
-            fill = 0 if slots[toks[0]] % bsz == 0 else int(self.fill[b])  # slot 0: fresh
+            first, fill = slots[toks[0]] % bsz, int(self.fill[b])
+            if first == 0 or first < fill < bsz:  # slot 0: fresh; a partial block rewound
+                fill = first
             got = [slots[t] % bsz for t in toks]
             if got != list(range(fill, fill + len(toks))):
                 raise RuntimeError(f"{self.label}: block {b}: slots {got} written out of order; "
                                    f"it holds {fill} slots (blocks fill in slot order; slot 0 "
-                                   f"restarts)")
+                                   f"restarts a block, an earlier slot a partial one)")
             if self.staged and fill and self.row[b] < 0:
                 raise RuntimeError(f"{self.label}: block {b} has {fill} slots but no staged "
                                    f"tokens (released while in use?)")

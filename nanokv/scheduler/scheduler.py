@@ -35,7 +35,11 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
                  enable_chunked_prefill: bool = True, scheduling_policy: str = "fcfs",
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None,
+                 drafts_before_block_end: bool = False) -> None:
+        """drafts_before_block_end: speculative drafts never take a block's last slot (a KV
+        cache that quantizes a block when that slot is written: `KVCache.quantizes_full_blocks`);
+        only a known token fills a block."""
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, "
                              f"got {scheduling_policy!r}")
@@ -52,6 +56,7 @@ class Scheduler:
         self.num_scheduled_tokens = 0  # tokens of every step's batch (prefill chunks + decodes)
         self.num_recomputed_tokens = 0  # computed tokens thrown away by preemption
         self.speculative = speculative  # n-gram drafts for decoding requests (None: off)
+        self.drafts_before_block_end = drafts_before_block_end
         self.spec_stats = SpecDecodeStats(speculative.num_speculative_tokens) \
             if speculative is not None else None
 
@@ -199,6 +204,9 @@ class Scheduler:
         k = min(k, budget - 1,
                 params.max_tokens - request.num_output_tokens - 1,
                 self.max_model_len - request.num_tokens)
+        if self.drafts_before_block_end:  # the drafts' slots stop before their block's last
+            bs = self.block_manager.block_size
+            k = min(k, bs - 1 - (request.num_cached_slots + 1) % bs)
         if k < 1:
             return [], None
         if request.ngram_index is None:

@@ -2,7 +2,8 @@
 decoding alone gives. Verification steps (a request's token and its drafts) go through the CUDA
 prefill path while steps without drafts replay decode graphs; oracles: Hugging Face
 transformers' greedy tokens and the same engine without speculative_config (eager), over the
-float pool, the int8 / fp8 stores, and under preemption. Every run asserts that drafts were
+float pool, the int8 / fp8 stores, the kvquant / kivi stores (their Triton writes, drafts before
+a block's last slot), and under preemption. Every run asserts that drafts were
 accepted, else it would test nothing."""
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ def accepted(llm: LLM) -> int:
     return llm.engine.scheduler.spec_stats.num_accepted_tokens
 
 
-@pytest.mark.parametrize("options", [dict(), dict(num_kv_blocks=12), dict(kv_cache_dtype="int8"),
-                                     dict(kv_cache_dtype="fp8", num_kv_blocks=12)],
-                         ids=["float", "preemption", "int8", "fp8_preemption"])
+@pytest.mark.parametrize("options", [
+    dict(), dict(num_kv_blocks=12), dict(kv_cache_dtype="int8"),
+    dict(kv_cache_dtype="fp8", num_kv_blocks=12), dict(kv_cache_dtype="kvquant", kv_quant_bits=4),
+    dict(kv_cache_dtype="kivi", kv_quant_bits=2, num_kv_blocks=12)],
+    ids=["float", "preemption", "int8", "fp8_preemption", "kvquant", "kivi_preemption"])
 def test_greedy_drafts_equal_decoding_alone_and_hf(tiny_model, options):
     prompts = looping_prompts()
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)

@@ -69,6 +69,12 @@ SCENARIOS = {
     "int8": dict(block_size=16, max_model_len=256, kv_cache_dtype="int8"),
     "fp8_preemption": dict(block_size=16, num_kv_blocks=12, max_model_len=128,
                            kv_cache_dtype="fp8"),
+    # stores that quantize a block when it fills: drafts stop before a block's last slot
+    "kvquant": dict(block_size=16, max_model_len=256, kv_cache_dtype="kvquant",
+                    kv_quant_bits=2),
+    "kvquant_preemption": dict(block_size=16, num_kv_blocks=12, max_model_len=128,
+                               kv_cache_dtype="kvquant", kv_quant_bits=4),
+    "kivi": dict(block_size=16, max_model_len=256, kv_cache_dtype="kivi", kv_quant_bits=2),
 }
 PARAMS = {
     "greedy": SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
@@ -87,6 +93,17 @@ def test_outputs_are_decoding_alone(tiny_llama, scenario, kind):
     params = PARAMS[kind]
     plain = LLM(tiny_llama, **options)
     spec = LLM(tiny_llama, speculative_config=SPEC, **options)
+    engine, bs = spec.engine, options["block_size"]
+    execute = engine.runner.execute
+    last_slot_drafts = []
+
+    def checking(sched):  # drafts on a block's last slot (none where the cache fills blocks)
+        last_slot_drafts.extend(s.start_slot + 1 + j for s in sched.scheduled
+                                for j in range(len(s.draft_token_ids))
+                                if (s.start_slot + 1 + j) % bs == bs - 1)
+        return execute(sched)
+
+    engine.runner.execute = checking
     rounds = 2 if scenario == "prefix_hits" else 1
     for _ in range(rounds):
         want = run(plain, prompts, params)
@@ -97,6 +114,12 @@ def test_outputs_are_decoding_alone(tiny_llama, scenario, kind):
         assert accepted(spec) > 0
     if "preemption" in scenario:
         assert spec.engine.scheduler.num_preemptions > 0
+    assert engine.kv_cache.quantizes_full_blocks == (scenario.split("_")[0] in ("kvquant",
+                                                                                "kivi"))
+    if engine.kv_cache.quantizes_full_blocks:
+        assert not last_slot_drafts
+    elif kind == "greedy":  # elsewhere drafts take any slot
+        assert last_slot_drafts
 
 
 def test_logprobs_of_accepted_drafts_are_their_rows(tiny_llama):
@@ -207,8 +230,16 @@ def test_drafts_never_cross_the_step_budget_or_preempt(tiny_llama):
 
 
 def test_what_speculation_does_not_serve_is_refused(tiny_llama):
+    from nanokv.cache.kv_cache import KVCache
+    from nanokv.config import EngineConfig
+    from nanokv.engine.assembly import check_speculation
+
+    class Unwritable(KVCache):  # a kind that does not declare supports_speculation
+        pass
+
+    config = EngineConfig.from_kwargs(tiny_llama, speculative_config=SPEC)
     with pytest.raises(ValueError, match="kv_cache_dtype one of"):
-        LLM(tiny_llama, kv_cache_dtype="kvquant", speculative_config=SPEC)
+        check_speculation(config, Unwritable, None)
     with pytest.raises(ValueError, match="does not go with a KV policy"):
         LLM(tiny_llama, kv_policy="h2o", kv_budget=64, speculative_config=SPEC)
 

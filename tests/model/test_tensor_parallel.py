@@ -92,6 +92,23 @@ def test_speculative_drafts_on_two_ranks_beside_per_request_policies(tiny_llama)
         two.engine.close()
 
 
+def test_speculative_drafts_on_two_ranks_over_kivi(tiny_llama):
+    """Over a store that quantizes full blocks (each rank's staging rewound where drafts were
+    rejected, drafts before a block's last slot): one process's tokens without drafts."""
+    prompts = workload(2, 4) + [[5, 6, 7, 8] * 6, [9, 10, 11] * 8]
+    options = dict(OPTIONS, kv_cache_dtype="kivi", kv_quant_bits=2)
+    expected = run(LLM(tiny_llama, **options), prompts, [None])
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1}
+    two = LLM(tiny_llama, tensor_parallel_size=2, speculative_config=spec, **options)
+    try:
+        assert run(two, prompts, [None]) == expected
+        assert two.engine.scheduler.spec_stats.num_accepted_tokens > 0
+        two.engine.check_invariants()
+    finally:
+        two.engine.close()
+
+
 def test_biases_of_q_k_v_o_and_the_mlp(tmp_path):
     """Column-parallel biases are split with their rows; row-parallel ones (o, down) are added
     once, after the all-reduce."""

@@ -17,6 +17,7 @@ from nanokv.quant.attention import (
 )
 from nanokv.quant.codebook import fisher_kmeans
 from nanokv.quant.codec import LayerCodec, fake_quantize_sequence
+from nanokv.quant.kivi_store import KIVIStore
 
 L, H, D, B = 2, 2, 16, 16
 
@@ -178,6 +179,56 @@ def test_block_reuse_release_and_staging_limits():
     assert torch.equal(store.read(0, [0], 3)[0], ka[0, :3])
     with pytest.raises(RuntimeError, match="out of order"):
         store.plan_write([0 * B + 5], [5])
+
+
+@pytest.mark.parametrize("kind,opts", [
+    ("kvquant", dict(kvquant_config=KVQuantConfig(bits=2, num_sink_tokens=2,
+                                                  outlier_fraction=0.02))),
+    ("kvquant", dict(kvquant_config=KVQuantConfig(bits=4))),
+    ("kivi", dict(bits=2, group_size=16))], ids=["kvquant-2bit-sinks-outliers", "kvquant-4bit",
+                                                 "kivi"])
+def test_rejected_draft_slots_written_again_read_as_if_never_written(kind, opts):
+    """Speculative decoding on a store that quantizes full blocks: a partial block's slots of
+    rejected drafts (other K/V) written again from an earlier slot, then the block filled by a
+    known token, read exactly as a store that only ever saw the final tokens; a full block's
+    slots cannot be rewound."""
+    gen = torch.Generator().manual_seed(11)
+    k, v = torch.randn(L, 40, H, D, generator=gen), torch.randn(L, 40, H, D, generator=gen)
+    wrong_k, wrong_v = torch.randn(L, 40, H, D, generator=gen), torch.randn(L, 40, H, D,
+                                                                           generator=gen)
+    table = [3, 0, 5]
+
+    def write(store, first, end, rejected_from=None):
+        """Slots [first, end) of the sequence, those from rejected_from on with other K/V."""
+        slots = [table[j // B] * B + j % B for j in range(first, end)]
+        plan = store.plan_write(slots, list(range(first, end)))
+        kk, vv = k[:, first:end].clone(), v[:, first:end].clone()
+        if rejected_from is not None:
+            kk[:, rejected_from - first:] = wrong_k[:, rejected_from:end]
+            vv[:, rejected_from - first:] = wrong_v[:, rejected_from:end]
+        for layer in range(L):
+            store.write(layer, plan, kk[layer], vv[layer])
+
+    def make():
+        if kind == "kivi":
+            return KIVIStore(layout(), 6, num_staging_blocks=2, **opts)
+        return make_kv_store(kind, layout(), 6, num_staging_blocks=2, **opts)
+
+    once = make()
+    write(once, 0, 10)
+    write(once, 10, 40)
+    spec = make()
+    write(spec, 0, 10)
+    write(spec, 10, 15, rejected_from=12)  # a token and 4 drafts, the last 3 rejected
+    write(spec, 12, 14, rejected_from=13)  # the next step: 1 rejected again
+    write(spec, 13, 16)  # the block filled by a known token
+    write(spec, 16, 19, rejected_from=16)  # drafts opening the next block, all rejected
+    write(spec, 16, 40)
+    for layer in range(L):
+        for a, b in zip(spec.read(layer, table, 40), once.read(layer, table, 40)):
+            assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="out of order"):  # block 3 is full, quantized
+        spec.plan_write([3 * B + 14], [14])
 
 
 @pytest.mark.parametrize("kv_dtype", ["kvquant", "int8"])
