@@ -78,6 +78,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of each setting")
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--kv-cache-memory", default="512MiB", help="each engine's KV pool")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="every nanokv engine's KV cache (auto, int8, fp8, kvquant, kivi)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", default=None, help="directory for speculative.{json,md}")
     args = ap.parse_args()
@@ -94,11 +96,12 @@ def main() -> None:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     options = dict(num_threads=args.num_threads, max_num_seqs=args.prompts,
-                   kv_cache_memory=args.kv_cache_memory)
+                   kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     total = args.prompts * args.output_len
     rows, results = [], {"model": args.model, "prompts": args.prompts,
                          "output_len": args.output_len, "per_batch_size": args.per_batch_size,
+                         "kv_cache_dtype": args.kv_cache_dtype,
                          "settings": []}
     prompts, reference, base = None, None, {}
     for k in [None, *args.k]:  # one engine at a time: each holds its own weights and pool
@@ -174,7 +177,8 @@ def main() -> None:
         (out / "speculative.md").write_text(
             f"model {args.model}, {args.prompts} prompts of {len(prompts[0])} tokens, "
             f"{args.output_len} output tokens, greedy, torch threads "
-            f"{results['torch_threads']}, medians of {args.repeats}, "
+            f"{results['torch_threads']}, medians of {args.repeats}, KV cache "
+            f"{args.kv_cache_dtype}, "
             f"num_speculative_tokens_per_batch_size {args.per_batch_size}\n\n{table}\n")
 
 
