@@ -81,7 +81,9 @@ def add_serve_parser(subparsers, add_engine_args, engine_options) -> None:
                         "hermes (<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>, "
                         "Qwen2.5 / Qwen3 / Hermes templates), llama3_json ({\"name\": ..., "
                         "\"parameters\": {...}} objects, Llama 3.1 / 3.2 / 3.3 JSON templates) "
-                        "or pythonic ([f(a=1), g()], Llama 3.2 / 4 pythonic templates) "
+                        "pythonic ([f(a=1), g()], Llama 3.2 / 4 pythonic templates) or "
+                        "mistral ([TOOL_CALLS]name[ARGS]{...} or [TOOL_CALLS] [{\"name\": ..., "
+                        "\"arguments\": {...}}], Mistral's templates; 9-character call ids) "
                         "(default: none)")
     s.add_argument("--responses-store-size", type=int, default=0, metavar="N",
                    help="keep the last N responses of /v1/responses in memory (the oldest "

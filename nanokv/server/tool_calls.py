@@ -12,6 +12,10 @@ come back as the message's `tool_calls`.
   - pythonic (Llama 3.2 / 4 pythonic templates): the answer is a Python list of calls with
     keyword arguments of literal values, `[get_weather(city="Rome"), get_time()]`, as vLLM
     reads it; content null.
+  - mistral (Mistral's templates): the text before the first `[TOOL_CALLS]` is the `content`;
+    after a marker, v11+ tokenizers' `name[ARGS]{...}` (or `name{...}`), one call per marker,
+    or pre-v11's JSON array of `{"name": ..., "arguments": {...}}` (or one such object). Call
+    ids are 9 letters and digits, what Mistral's templates accept back in the history.
 - `"required"`: the answer is constrained (structured outputs) to a JSON array of
   `{"name", "parameters"}`, one of the tools each, every item a call.
 - a named function (`{"type": "function", "function": {"name": ...}}`): the answer is
@@ -24,18 +28,26 @@ from __future__ import annotations
 import ast
 import json
 import re
+import secrets
+import string
 import uuid
 from typing import Any
 
-PARSERS = ("hermes", "llama3_json", "pythonic")
+PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
 PYTHON_TAG = "<|python_tag|>"  # Llama 3's marker of a tool call answer
 HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+MISTRAL_CALLS = "[TOOL_CALLS]"  # Mistral's marker before each call (v11+) or the call list
+# a v11+ call's name, then [ARGS] (or nothing) before its JSON arguments
+MISTRAL_NAME = re.compile(r"\s*([A-Za-z_][\w.\-]*)\s*(?:\[ARGS\])?\s*(?=\{)")
+ALPHANUMERIC = string.ascii_letters + string.digits
 
 
-def tool_call(name: str, arguments: str) -> dict:
-    """A response message's tool call (vLLM's id format)."""
-    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+def tool_call(name: str, arguments: str, parser: str | None = None) -> dict:
+    """A response message's tool call (vLLM's id format; under the mistral parser 9 letters
+    and digits, as Mistral's templates require of the ids sent back)."""
+    call_id = ("".join(secrets.choice(ALPHANUMERIC) for _ in range(9)) if parser == "mistral"
+               else f"chatcmpl-tool-{uuid.uuid4().hex}")
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 NOT_A_CALL = (ValueError, KeyError, TypeError)  # what reading a text that is no call raises
@@ -48,9 +60,9 @@ def hermes_call(block: str) -> dict:
     return tool_call(call["name"], json.dumps(call["arguments"], ensure_ascii=False))
 
 
-def required_call(item) -> dict:
+def required_call(item, parser: str | None = None) -> dict:
     """The call of one item of a "required" answer's array: {"name", "parameters"}."""
-    return tool_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
+    return tool_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False), parser)
 
 
 def parse_hermes(text: str) -> tuple[list[dict], str | None]:
@@ -135,11 +147,68 @@ def parse_pythonic(text: str) -> tuple[list[dict], str | None]:
         return [], text
 
 
-def parse_required(text: str) -> list[dict]:
+def mistral_listed_call(obj) -> dict:
+    """A call of a pre-v11 Mistral list: {"name": a string, "arguments": an object or a JSON
+    string (kept as given)} (NOT_A_CALL when it is not one)."""
+    name, arguments = obj["name"], obj["arguments"]
+    if not isinstance(name, str) or not isinstance(arguments, (dict, str)):
+        raise ValueError("not a call")
+    if isinstance(arguments, dict):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return tool_call(name, arguments, "mistral")
+
+
+def mistral_segment_calls(text: str) -> tuple[list[dict], int]:
+    """The calls at the start of `text` (after a `[TOOL_CALLS]`, blank text skipped) and where
+    they end: pre-v11's JSON array of calls (or one call object), or v11+'s `name[ARGS]{...}`
+    (NOT_A_CALL when it is neither)."""
+    start = len(text) - len(text.lstrip())
+    decoder = json.JSONDecoder()
+    if text[start:start + 1] in ("[", "{"):
+        value, end = decoder.raw_decode(text, start)
+        items = value if isinstance(value, list) else [value]
+        return [mistral_listed_call(v) for v in items], end
+    match = MISTRAL_NAME.match(text, start)
+    if match is None:
+        raise ValueError("not a call")
+    arguments, end = decoder.raw_decode(text, match.end())
+    if not isinstance(arguments, dict):
+        raise ValueError("arguments must be an object")
+    return [tool_call(match.group(1), json.dumps(arguments, ensure_ascii=False), "mistral")], end
+
+
+def parse_mistral(text: str) -> tuple[list[dict], str | None]:
+    """(tool calls, content) of an answer, as vLLM's mistral parser reads it: the content is
+    the text before the first `[TOOL_CALLS]` (None when blank); after each marker (markers with
+    nothing between count once) the calls that follow it, and text after them up to the next
+    marker is dropped. If a marker is followed by no call, there are no calls and the whole
+    text is the content."""
+    at = text.find(MISTRAL_CALLS)
+    if at < 0:
+        return [], text
+    calls = []
+    try:
+        while at >= 0:
+            while text.startswith(MISTRAL_CALLS, at):  # repeated markers: one
+                at = len(text) - len(text[at + len(MISTRAL_CALLS):].lstrip())
+            if at == len(text):
+                break
+            found, end = mistral_segment_calls(text[at:])
+            calls += found
+            at = text.find(MISTRAL_CALLS, at + end)
+    except (*NOT_A_CALL, json.JSONDecodeError):
+        return [], text
+    if not calls:
+        return [], text
+    content = text[:text.find(MISTRAL_CALLS)]
+    return calls, content if content.strip() else None
+
+
+def parse_required(text: str, parser: str | None = None) -> list[dict]:
     """The calls of a `tool_choice: "required"` answer (a JSON array of {"name",
     "parameters"}); none when it is not one (an answer cut short by max_tokens)."""
     try:
-        return [required_call(item) for item in json.loads(text)]
+        return [required_call(item, parser) for item in json.loads(text)]
     except NOT_A_CALL:
         return []
 
@@ -197,8 +266,8 @@ def answer_tool_calls(text: str, choice: str, name: str | None, parser: str = "h
     "required"; or "function" with the function's name): vLLM's message fields (content ""
     when a call was forced)."""
     if choice == "auto":
-        return {"llama3_json": parse_llama3_json, "pythonic": parse_pythonic}.get(
-            parser, parse_hermes)(text)
+        return {"llama3_json": parse_llama3_json, "pythonic": parse_pythonic,
+                "mistral": parse_mistral}.get(parser, parse_hermes)(text)
     if choice == "required":
-        return parse_required(text), ""
-    return ([tool_call(name, text)] if text.strip() else []), ""
+        return parse_required(text, parser), ""
+    return ([tool_call(name, text, parser)] if text.strip() else []), ""

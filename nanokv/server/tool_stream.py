@@ -18,6 +18,11 @@ sends the same fields, its arguments in smaller pieces). By tool choice:
 - "auto", pythonic: as vLLM's stream, an answer that starts with `[` is read as a list of
   calls, here whole once the answer ends (the calls, or all its text as content when it is not
   one); any other answer is content as it comes.
+- "auto", mistral: the text before the first `[TOOL_CALLS]` is `content` (blank text before a
+  call dropped); after a marker, pre-v11's JSON array sends each `{"name", "arguments"}` item
+  once it closes (a single object once it closes), v11+'s `name[ARGS]{...}` once its arguments
+  close; text after a call that is no marker is dropped. What is not a call goes out as content,
+  with everything after it.
 - "required": each item of the constrained JSON array `[{"name", "parameters"}, ...]` is a call
   once its object closes; no content.
 - a named function: the answer is the call's arguments, sent as it comes: the first piece with
@@ -27,9 +32,12 @@ sends the same fields, its arguments in smaller pieces). By tool choice:
 from __future__ import annotations
 
 import json
+import re
 
-from nanokv.server.tool_calls import (NOT_A_CALL, PYTHON_TAG, finish_reason, hermes_call,
-                                      llama3_call, parse_pythonic, required_call, tool_call)
+from nanokv.server.tool_calls import (MISTRAL_CALLS, MISTRAL_NAME, NOT_A_CALL, PYTHON_TAG,
+                                      finish_reason, hermes_call, llama3_call,
+                                      mistral_listed_call, parse_pythonic, required_call,
+                                      tool_call)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -50,6 +58,11 @@ class ToolCallStream:
         self.blank = ""  # blank text before the first block, dropped unless all is content
         self.objects = JsonObjects(2 if choice == "required" else 1)  # required, llama3_json
         self.answer_is_calls: bool | None = None  # llama3_json, pythonic: None until it starts
+        # mistral: after the first marker, the open call's name (None: a pre-v11 list or
+        # object) and JSON scanner (None: between calls)
+        self.call_name: str | None = None
+        self.call_json: JsonObjects | None = None
+        self.call_text = ""  # the open call's text so far, its markers and name included
 
     @property
     def called(self) -> bool:
@@ -71,6 +84,8 @@ class ToolCallStream:
             return self._llama3(final)
         if self.choice == "auto" and self.parser == "pythonic":
             return self._pythonic(final)
+        if self.choice == "auto" and self.parser == "mistral":
+            return self._mistral(final)
         if self.choice == "auto":
             return self._auto(final)
         if self.choice == "required":
@@ -129,12 +144,110 @@ class ToolCallStream:
         except NOT_A_CALL:
             return None
 
+    # -- "auto", mistral: [TOOL_CALLS] markers ---------------------------------------------------
+    def _mistral(self, final: bool) -> tuple[str, list[dict]]:
+        content, calls = [], []
+        if not self.in_block and not self.plain:  # before the first marker: content
+            start = self.pending.find(MISTRAL_CALLS)
+            if start >= 0:
+                before = self.pending[:start]
+                if self.sent_content or before.strip():
+                    content.append(before)
+                else:
+                    self.blank = before  # blank text before a call: dropped
+                self.in_block, self.pending = True, self.pending[start:]
+            else:
+                keep = 0 if final else _partial_suffix(self.pending, MISTRAL_CALLS)
+                ready = self.pending[:len(self.pending) - keep]
+                if final or self.sent_content or ready.strip():
+                    content.append(ready)
+                    self.pending = self.pending[len(ready):]
+        while self.in_block and not self.plain and self.pending:
+            if self.call_json is None and not self._mistral_start(final):
+                break
+            calls += self._mistral_feed()
+            if self.call_json is not None:  # the call goes on
+                break
+        if final and self.call_json is not None and not self.plain:  # cut short: content
+            self.plain, self.pending = True, self.call_text
+        if self.plain:
+            content.append(self.pending)
+            self.pending = ""
+        text = "".join(content)
+        self.sent_content = self.sent_content or bool(text)
+        return text, calls
+
+    def _mistral_start(self, final: bool) -> bool:
+        """At a call's start (markers, then a list, an object or a name): open it; False when
+        it cannot start yet (more text to come, or none: then content from here on)."""
+        self.pending = _after_marker(self.pending)  # text after a call up to a marker: dropped
+        if not self.pending.startswith(MISTRAL_CALLS):  # a marker still coming, or none
+            if final:
+                self.pending = ""
+            return False
+        body = self.pending
+        while body.startswith(MISTRAL_CALLS):
+            body = body[len(MISTRAL_CALLS):].lstrip()
+        if not body or MISTRAL_CALLS.startswith(body):  # the next marker still coming, or the end
+            if final and not self.calls:  # markers and nothing after: all content
+                self.plain, self.pending = True, self.blank + self.pending
+            elif final:
+                self.pending = ""
+            return False
+        head = self.pending[:len(self.pending) - len(body)]  # the markers before it
+        match = MISTRAL_NAME.match(body)
+        if body[0] in "[{":
+            self.call_name, self.call_json = None, JsonObjects(2 if body[0] == "[" else 1)
+            self.call_text, self.pending = head, body
+        elif match is not None:
+            self.call_name, self.call_json = match.group(1), JsonObjects(1)
+            self.call_text, self.pending = head + body[:match.end()], body[match.end():]
+        elif final or not _may_name(body):  # no call here: it and all after it are content
+            self.plain = True
+            if not self.calls:
+                self.pending = self.blank + self.pending
+            return False
+        else:
+            return False  # a name still coming
+        return True
+
+    def _mistral_feed(self) -> list[dict]:
+        """The calls the open call's text completes: an object (a name's arguments, or one
+        pre-v11 call) or a pre-v11 list's items; the call is done when its object or list
+        closes, and the text after it is dropped up to the next marker."""
+        calls = []
+        for at, ch in enumerate(self.pending):
+            self.call_text += ch
+            for obj, _ in self.call_json.feed(ch):
+                call = self._mistral_call(obj)
+                if call is None:  # not a call: its text and all after it are content
+                    self.plain, self.pending = True, self.call_text + self.pending[at + 1:]
+                    return calls
+                calls.append(call)
+            if self.call_json.depth == 0:
+                self.call_json, self.pending = None, self.pending[at + 1:]
+                return calls
+        self.pending = ""
+        return calls
+
+    def _mistral_call(self, obj: str) -> dict | None:
+        try:
+            if self.call_name is None:
+                return self._entry(mistral_listed_call(json.loads(obj)))
+            arguments = json.loads(obj)
+            if not isinstance(arguments, dict):
+                return None
+            return self._entry(tool_call(self.call_name,
+                                         json.dumps(arguments, ensure_ascii=False), "mistral"))
+        except (*NOT_A_CALL, json.JSONDecodeError):
+            return None
+
     # -- "required": the items of a JSON array ----------------------------------------------------
     def _required(self) -> list[dict]:
         calls = []
         for item, _ in self.objects.feed(self.pending):
             try:
-                calls.append(self._entry(required_call(json.loads(item))))
+                calls.append(self._entry(required_call(json.loads(item), self.parser)))
             except NOT_A_CALL:
                 pass  # not a call (the constraint makes every item one)
         self.pending = ""
@@ -185,8 +298,21 @@ class ToolCallStream:
             return []  # the call starts with its arguments' first text (none: no call)
         out, self.pending = self.pending, ""
         if not self.calls:
-            return [self._entry(tool_call(self.name, out))]
+            return [self._entry(tool_call(self.name, out, self.parser))]
         return [{"index": 0, "function": {"arguments": out}}] if out else []
+
+
+def _after_marker(text: str) -> str:
+    """Mistral: what follows a call, from its next marker on (other text is dropped)."""
+    at = text.find(MISTRAL_CALLS)
+    return text[at:] if at >= 0 else text[len(text) - _partial_suffix(text, MISTRAL_CALLS):]
+
+
+def _may_name(text: str) -> bool:
+    """Mistral: whether text may still become `name[ARGS]{`."""
+    name = text.split("[", 1)[0].rstrip()
+    return (bool(re.fullmatch(r"[A-Za-z_][\w.\-]*", name))
+            and ("[" not in text or "[ARGS]".startswith("[" + text.split("[", 1)[1].strip())))
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -1,8 +1,8 @@
 """Tool calling through the `openai` SDK (`nanokv serve --enable-auto-tool-choice
---tool-call-parser hermes`, llama3_json and pythonic), whole and streamed (the stream's deltas put
-together against the whole answer): the tiny model writes no tool calls by itself, so `auto`
-is driven by a structured-outputs regex, and "required" / named functions by the engine's own
-constraint. The prompt's tools and history are checked against transformers'
+--tool-call-parser hermes`, llama3_json, pythonic and mistral), whole and streamed (the stream's
+deltas put together against the whole answer): the tiny model writes no tool calls by itself,
+so `auto` is driven by a structured-outputs regex, and "required" / named functions by the
+engine's own constraint. The prompt's tools and history are checked against transformers'
 apply_chat_template(tools=...)."""
 
 from __future__ import annotations
@@ -237,6 +237,54 @@ def test_pythonic_calls_whole_and_streamed(tiny_llama):
             assert [(name, args) for _, name, args in calls] == _calls(whole.message)
             assert (content or None) == whole.message.content
             assert finish == whole.finish_reason == ("tool_calls" if num_calls else "stop")
+    finally:
+        stop_server(server)
+
+
+def test_mistral_calls_whole_and_streamed_and_their_ids_go_back(tiny_llama):
+    """`--tool-call-parser mistral`: v11+ `[TOOL_CALLS]name[ARGS]{...}` calls and a pre-v11
+    `[TOOL_CALLS] [{...}]` list are the calls, the text before them the content, whole and
+    streamed; each id 9 letters and digits (Mistral's templates refuse others), and an answer's
+    call sent back in the history reaches the template with its id."""
+    # Mistral's templates' check of the ids in the history (their message, as they raise it)
+    checked = ("{% for m in messages %}{% for i in [m.tool_call_id] + (m.tool_calls or [])"
+               "| map(attribute='id', default=m.tool_call_id) | list if i %}"
+               "{% if i | length != 9 %}{{ raise_exception('Tool call IDs should be "
+               "alphanumeric strings with length 9!') }}{% endif %}{% endfor %}{% endfor %}")
+    server = start_in_process(tiny_llama, settings=dict(
+        chat_template=checked + TEMPLATE, enable_auto_tool_choice=True,
+        tool_call_parser="mistral"), max_model_len=1024)
+    v11 = r'\[TOOL_CALLS\]get_weather\[ARGS\]\{"city": "[a-z]{3}"\}'
+    listed = r'\[TOOL_CALLS\] \[\{"name": "get_weather", "arguments": \{"city": "[a-z]{3}"\}\}\]'
+    try:
+        for regex, num_calls, content_len in (("[a-z]{4}" + v11 + v11, 2, 4), (listed, 1, 0),
+                                              ("[a-z]{6}", 0, 6)):
+            kwargs = dict(tools=TOOLS, max_tokens=200, extra_body={"structured_outputs": {
+                "regex": regex}})
+            whole = _chat(server, **kwargs).choices[0]
+            content, calls, finish, entries = _stream(server, **kwargs)
+            assert len(_calls(whole.message)) == num_calls
+            assert [(name, args) for _, name, args in calls] == _calls(whole.message)
+            assert len(content) == content_len and content == (whole.message.content or "")
+            assert finish == whole.finish_reason == ("tool_calls" if num_calls else "stop")
+            ids = [c.id for c in whole.message.tool_calls or []] + [i for i, _, _ in calls]
+            assert all(len(i) == 9 and i.isalnum() for i in ids)
+            assert all(json.loads(args)["city"].isalpha() for _, _, args in calls)
+        whole = _chat(server, tools=TOOLS, max_tokens=200, extra_body={"structured_outputs": {
+            "regex": v11}}).choices[0]
+        [call] = whole.message.tool_calls
+        history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+            call.model_dump()]}, {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        r = httpx.post(server.url + "/tokenize", json={"messages": history, "tools": TOOLS},
+                       timeout=30)
+        assert r.status_code == 200, r.text
+        from transformers import AutoTokenizer
+
+        prompt = AutoTokenizer.from_pretrained(tiny_llama).decode(r.json()["tokens"])
+        assert f"sunny [{call.id}]" in prompt and '"name": "get_weather"' in prompt
+        history[-1]["tool_call_id"] = history[1]["tool_calls"][0]["id"] = "call_1"
+        with pytest.raises(BadRequestError, match="length 9"):  # what other ids would meet
+            _chat(server, messages=history, tools=TOOLS, max_tokens=2)
     finally:
         stop_server(server)
 

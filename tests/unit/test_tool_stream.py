@@ -1,14 +1,15 @@
 """Streamed tool calls (`nanokv/server/tool_stream.py`) against the whole answer's parse
-(`tool_calls.parse_hermes`, `parse_required`, the named function's arguments): the same text fed
-in pieces of random sizes puts together to the same content and calls."""
+(`tool_calls.parse_hermes`, `parse_llama3_json`, `parse_pythonic`, `parse_mistral`,
+`parse_required`, the named function's arguments): the same text fed in pieces of random sizes
+puts together to the same content and calls."""
 
 import json
 import random
 
 import pytest
 
-from nanokv.server.tool_calls import (parse_hermes, parse_llama3_json, parse_pythonic,
-                                      parse_required)
+from nanokv.server.tool_calls import (parse_hermes, parse_llama3_json, parse_mistral,
+                                      parse_pythonic, parse_required)
 from nanokv.server.tool_stream import ToolCallStream
 
 
@@ -198,3 +199,42 @@ def test_pythonic_streams_the_whole_answers_calls_at_its_end(text):
     assert [c["function"]["name"] for c in stream.finish()[1]] == ["f"]
     stream = ToolCallStream("auto", parser="pythonic")
     assert stream.feed("hi [") == ("hi [", [])  # not a list: content as it comes
+
+
+def test_random_mistral_answers_stream_as_the_whole_answer():
+    """Answers of content, blank text, v11+ calls (`name[ARGS]{...}`, `name{...}`) or a pre-v11
+    list or object, with strings holding markers and brackets, text after calls, fed in random
+    pieces: the same content and calls as the whole answer's parse; and what is no call streams
+    as content."""
+    from test_tool_calls import MISTRAL, MISTRAL_MALFORMED
+
+    rng = random.Random(11)
+    words = ["hi", " ", "\n", "[TOOL", "_CALLS]", "[ARGS]", "{", "}", "[", "]", '"', "ü"]
+
+    def args():
+        return {"s": "".join(rng.choice(words) for _ in range(rng.randint(0, 4))), "n": [1]}
+
+    texts = [text for text, _, _ in MISTRAL]
+    for _ in range(300):
+        parts = ["".join(rng.choice(words) for _ in range(rng.randint(0, 4)))
+                 .replace("[TOOL_CALLS]", "")] if rng.random() < 0.7 else []
+        if rng.random() < 0.5:  # v11+
+            for k in range(rng.randint(1, 3)):
+                parts.append(rng.choice(["[TOOL_CALLS]", "[TOOL_CALLS] ", "[TOOL_CALLS]\n"]))
+                parts.append(f"f{k}" + rng.choice(["[ARGS]", "", " [ARGS] "])
+                             + json.dumps(args()) + rng.choice(["", " ", "junk"]))
+        else:  # pre-v11
+            calls = [{"name": f"f{k}", "arguments": args()} for k in range(rng.randint(1, 3))]
+            parts.append("[TOOL_CALLS]" + rng.choice(["", " "]) + json.dumps(
+                calls if len(calls) > 1 or rng.random() < 0.5 else calls[0]))
+        texts.append("".join(parts))
+    for text in texts:
+        want_calls, want_content = parse_mistral(text)
+        want = [(c["function"]["name"], c["function"]["arguments"]) for c in want_calls]
+        content, calls, entries, stream = streamed("auto", text, rng, parser="mistral")
+        assert calls == want, text
+        assert (content if content.strip() or not want else None) == want_content, text
+        assert all(len(e["id"]) == 9 and e["id"].isalnum() for e in entries)
+        assert stream.finish_reason("stop") == ("tool_calls" if want else "stop")
+    for text in MISTRAL_MALFORMED[:2]:  # no call before the bad one: all content
+        assert streamed("auto", text, rng, parser="mistral")[:2] == (text, [])
