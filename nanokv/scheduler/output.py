@@ -51,7 +51,9 @@ class ScheduledRequest:
 
     @property
     def is_decode(self) -> bool:
-        return len(self.token_ids) == 1 and self.start_slot > 0
+        """One token after a cached past, or (speculative decoding) one and its drafts: each
+        of their rows attends as a decode of its own (`step_inputs`: one decode entry a row)."""
+        return len(self.token_ids) == 1 + len(self.draft_token_ids) and self.start_slot > 0
 
 
 @dataclass

@@ -69,8 +69,8 @@ def build_step_inputs(scheduled: list[ScheduledRequest], block_size: int, num_po
                 # each layer addresses its own slices; the slot positions are kept at layer 0's
                 # slot, as a pool slot
                 host[2] = slots % (num_pool_blocks * block_size)
-        common = CommonAttentionMetadata(host[2].tolist(), num_decode, [], [], [],
-                                         per_layer=per_layer)
+        common = CommonAttentionMetadata(host[2].tolist(), per_layer[0].num_decode_tokens, [],
+                                         [], [], per_layer=per_layer)
     else:
         common, host[2] = _common(scheduled, num_decode, lens, query_start, within, block_size,
                                   0, None)
@@ -118,8 +118,14 @@ def _common(scheduled: list[ScheduledRequest], num_decode: int, lens: np.ndarray
     contexts = (firsts + lens).tolist()
     prefills = [PrefillChunk(int(query_start[i]), int(lens[i]), contexts[i], tables[i])
                 for i in range(num_decode, len(scheduled))]
-    common = CommonAttentionMetadata(slots.tolist(), num_decode, tables[:num_decode],
-                                     contexts[:num_decode], prefills)
+    # a decode entry per decode row: a request's token and drafts (speculative decoding) each
+    # over the slots up to its own, as it would decode alone
+    row_contexts = (slot_in_request[:int(query_start[num_decode])] + 1).tolist()
+    decode_tables = [tables[i][:cdiv(c, block_size)] if lens[i] > 1 else tables[i]
+                     for i in range(num_decode)
+                     for c in row_contexts[int(query_start[i]):int(query_start[i + 1])]]
+    common = CommonAttentionMetadata(slots.tolist(), len(row_contexts), decode_tables,
+                                     row_contexts, prefills)
     return common, slots
 
 
@@ -127,7 +133,6 @@ def common_reference(scheduled: list[ScheduledRequest], block_size: int, num_poo
                      layer: int | None) -> CommonAttentionMetadata:
     """The same addressing built token by token in Python lists (the oracle of `_common`)."""
     offset = 0 if layer is None else layer * num_pool_blocks
-    num_decode = sum(1 for s in scheduled if s.is_decode)
     slots: list[int] = []
     decode_tables: list[list[int]] = []
     decode_lens: list[int] = []
@@ -144,9 +149,10 @@ def common_reference(scheduled: list[ScheduledRequest], block_size: int, num_poo
         table = table[:cdiv(context, block_size)]
         slots += [table[j // block_size] * block_size + j % block_size
                   for j in range(first, context)]
-        if s.is_decode:
-            decode_tables.append(table)
-            decode_lens.append(context)
+        if s.is_decode:  # each row (a token, its drafts) a decode over the slots up to its own
+            for j in range(first + 1, context + 1):
+                decode_tables.append(table[:cdiv(j, block_size)])
+                decode_lens.append(j)
         else:
             prefills.append(PrefillChunk(start, n, context, table))
-    return CommonAttentionMetadata(slots, num_decode, decode_tables, decode_lens, prefills)
+    return CommonAttentionMetadata(slots, len(decode_lens), decode_tables, decode_lens, prefills)

@@ -16,19 +16,23 @@ BS, POOL, LAYERS = 16, 64, 3
 
 
 def random_step(seed: int, per_layer: bool = False) -> list[ScheduledRequest]:
-    """Decodes first, then prefill chunks; slots differ from positions (evicted caches), tables
-    longer than needed (the runner trims them)."""
+    """Decodes first (some with speculative drafts, across block ends), then prefill chunks;
+    slots differ from positions (evicted caches), tables longer than needed (the runner trims
+    them)."""
     rng = random.Random(seed)
     out = []
     for i in range(rng.randrange(1, 9)):
         decode = i < 3 and rng.random() < 0.8 and (not out or out[-1].is_decode)
-        n = 1 if decode else rng.randrange(1, 40)
+        drafts = [rng.randrange(500) for _ in range(rng.choice([0, 0, 2, 5, 20]))] \
+            if decode and not per_layer else []
+        n = 1 + len(drafts) if decode else rng.randrange(1, 40)
         first = rng.randrange(1, 100) if decode else rng.choice([0, rng.randrange(0, 60)])
         table = rng.sample(range(POOL), cdiv(first + n, BS) + rng.randrange(3))
-        s = ScheduledRequest(f"r{i}", [rng.randrange(500) for _ in range(n)],
-                             first + rng.randrange(0, 30), first, table, sample=rng.random() < .7,
-                             params=SamplingParams(), output_index=0,
-                             capture_from=rng.choice([None, first + n // 2]))
+        s = ScheduledRequest(f"r{i}", [rng.randrange(500) for _ in range(n - len(drafts))]
+                             + drafts, first + rng.randrange(0, 30), first, table,
+                             sample=rng.random() < .7 or bool(drafts), params=SamplingParams(),
+                             output_index=0, capture_from=rng.choice([None, first + n // 2]),
+                             draft_token_ids=drafts)
         if per_layer and rng.random() < 0.5:
             firsts = [max(0, first - rng.randrange(0, 20)) if layer else first
                       for layer in range(LAYERS)]
@@ -60,7 +64,11 @@ def test_arrays_equal_the_per_token_lists(seed):
     assert inputs.positions.tolist() == [p for s in scheduled for p in
                                          range(s.start_position, s.start_position + s.num_tokens)]
     ends = list(torch.tensor([s.num_tokens for s in scheduled]).cumsum(0).tolist())
-    assert inputs.sample_rows == [e - 1 for e, s in zip(ends, scheduled) if s.sample]
+    assert inputs.sample_rows == [r for e, s in zip(ends, scheduled) if s.sample
+                                  for r in range(e - 1 - len(s.draft_token_ids), e)]
+    # a decode entry per decode row, drafts included
+    assert inputs.common.num_decode_tokens == sum(s.num_tokens for s in scheduled
+                                                  if s.is_decode)
     rows = [] if inputs.capture_rows is None else inputs.capture_rows.tolist()
     want_rows = []
     start = 0
@@ -86,6 +94,20 @@ def test_per_layer_tables_equal_the_per_token_lists(seed):
     layer0 = common_reference(scheduled, BS, POOL, 0).slot_mapping
     assert inputs.common.slot_mapping == [s % (POOL * BS) for s in layer0]
     assert inputs.slots.tolist() == inputs.common.slot_mapping
+
+
+def test_a_token_and_its_drafts_decode_each_over_the_slots_up_to_its_own():
+    """Speculative decoding: a request's token at slot 14 and 4 drafts (slots 15-18, across a
+    block end) are 5 decode entries of contexts 15-19, each table the blocks it reads."""
+    s = ScheduledRequest("d", [7, 1, 2, 3, 4], 30, 14, [9, 4, 11], True, SamplingParams(), 3,
+                         draft_token_ids=[1, 2, 3, 4])
+    plain = ScheduledRequest("e", [8], 5, 5, [2], True, SamplingParams(), 0)
+    assert s.is_decode and plain.is_decode
+    c = build_step_inputs([s, plain], BS, POOL, LAYERS, torch.device("cpu")).common
+    assert c.num_decode_tokens == 6 and not c.prefills
+    assert c.decode_context_lens == [15, 16, 17, 18, 19, 6]
+    assert c.decode_block_tables == [[9], [9], [9, 4], [9, 4], [9, 4], [2]]
+    assert c.slot_mapping == [9 * BS + 14, 9 * BS + 15, 4 * BS, 4 * BS + 1, 4 * BS + 2, 2 * BS + 5]
 
 
 def test_decodes_must_come_first():
