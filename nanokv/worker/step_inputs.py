@@ -34,6 +34,7 @@ class StepInputs:
     capture: list[tuple[str, int, int]]  # (request id, first row, end row) of query capture
     capture_rows: torch.Tensor | None  # [Tc] int64 on the device, or None
     positions_host: np.ndarray | None = None  # [T] int64, the positions before the upload
+    has_drafts: bool = False  # a request's speculative drafts are among the decode rows
 
     @property
     def is_decode_only(self) -> bool:
@@ -88,7 +89,7 @@ def build_step_inputs(scheduled: list[ScheduledRequest], block_size: int, num_po
     if capture:
         capture_rows = upload(np.concatenate([np.arange(a, b) for _, a, b in capture]), device)
     return StepInputs(dev[0], dev[1], dev[2], common, sample_rows, capture, capture_rows,
-                      host[1])
+                      host[1], has_drafts=any(s.draft_token_ids for s in scheduled))
 
 
 def _common(scheduled: list[ScheduledRequest], num_decode: int, lens: np.ndarray,

@@ -1,6 +1,7 @@
 """On a CUDA GPU (skipped elsewhere): speculative decoding (n-gram drafts) gives the tokens
-decoding alone gives. Verification steps (a request's token and its drafts) go through the CUDA
-prefill path while steps without drafts replay decode graphs; oracles: Hugging Face
+decoding alone gives. Verification steps (a request's token and its drafts, one decode row
+each) run eagerly through the CUDA decode kernels while steps without drafts replay decode
+graphs; oracles: Hugging Face
 transformers' greedy tokens and the same engine without speculative_config (eager), over the
 float pool, the int8 / fp8 stores, the kvquant / kivi stores (their Triton writes, drafts before
 a block's last slot), and under preemption. Every run asserts that drafts were

@@ -105,6 +105,8 @@ def test_a_token_and_its_drafts_decode_each_over_the_slots_up_to_its_own():
     assert s.is_decode and plain.is_decode
     c = build_step_inputs([s, plain], BS, POOL, LAYERS, torch.device("cpu")).common
     assert c.num_decode_tokens == 6 and not c.prefills
+    assert build_step_inputs([s, plain], BS, POOL, LAYERS, torch.device("cpu")).has_drafts
+    assert not build_step_inputs([plain], BS, POOL, LAYERS, torch.device("cpu")).has_drafts
     assert c.decode_context_lens == [15, 16, 17, 18, 19, 6]
     assert c.decode_block_tables == [[9], [9], [9, 4], [9, 4], [9, 4], [2]]
     assert c.slot_mapping == [9 * BS + 14, 9 * BS + 15, 4 * BS, 4 * BS + 1, 4 * BS + 2, 2 * BS + 5]
