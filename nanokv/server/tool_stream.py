@@ -131,6 +131,11 @@ class ToolCallStream:
                 content.append(ready)
                 self.pending = self.pending[len(ready):]
             break
+        return self._emit(content, calls)
+
+    def _emit(self, content: list[str], calls: list[dict]) -> tuple[str, list[dict]]:
+        """A piece's (content, calls), and all text still waiting once nothing more can be a
+        call ("auto": hermes, mistral)."""
         if self.plain:
             content.append(self.pending)
             self.pending = ""
@@ -170,12 +175,7 @@ class ToolCallStream:
                 break
         if final and self.call_json is not None and not self.plain:  # cut short: content
             self.plain, self.pending = True, self.call_text
-        if self.plain:
-            content.append(self.pending)
-            self.pending = ""
-        text = "".join(content)
-        self.sent_content = self.sent_content or bool(text)
-        return text, calls
+        return self._emit(content, calls)
 
     def _mistral_start(self, final: bool) -> bool:
         """At a call's start (markers, then a list, an object or a name): open it; False when

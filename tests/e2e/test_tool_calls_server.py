@@ -121,6 +121,21 @@ def _calls(message) -> list[tuple[str, str]]:
     return [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
 
 
+def _whole_and_streamed(server, regex: str, num_calls: int):
+    """The auto answer the regex drives, whole and streamed: the same calls (num_calls of
+    them), content and finish_reason. Returns (whole choice, streamed content, streamed calls
+    as (id, name, arguments))."""
+    kwargs = dict(tools=TOOLS, max_tokens=200, extra_body={"structured_outputs": {
+        "regex": regex}})
+    whole = _chat(server, **kwargs).choices[0]
+    content, calls, finish, _ = _stream(server, **kwargs)
+    assert len(_calls(whole.message)) == num_calls
+    assert [(name, args) for _, name, args in calls] == _calls(whole.message)
+    assert (content or None) == whole.message.content
+    assert finish == whole.finish_reason == ("tool_calls" if num_calls else "stop")
+    return whole, content, calls
+
+
 @pytest.mark.parametrize("regex,content_len,num_calls", [
     ("[a-z]{4}" + CALL, 4, 1),  # content, then a call
     (r"\n" + CALL + "[a-z]{2}" + CALL, 0, 2),  # blank content, two calls, text between
@@ -205,14 +220,7 @@ def test_llama3_json_calls_whole_and_streamed(tiny_llama):
     one = r'\{"name": "get_weather", "parameters": \{"city": "[a-z]{3}"\}\}'
     try:
         for regex, num_calls in ((one + "; " + one, 2), ("[a-z]{6}", 0)):
-            kwargs = dict(tools=TOOLS, max_tokens=200, extra_body={"structured_outputs": {
-                "regex": regex}})
-            whole = _chat(server, **kwargs).choices[0]
-            content, calls, finish, entries = _stream(server, **kwargs)
-            assert len(_calls(whole.message)) == num_calls
-            assert [(name, args) for _, name, args in calls] == _calls(whole.message)
-            assert (content or None) == whole.message.content
-            assert finish == whole.finish_reason == ("tool_calls" if num_calls else "stop")
+            whole, _, calls = _whole_and_streamed(server, regex, num_calls)
             if num_calls:
                 assert whole.message.content is None
                 assert all(json.loads(args)["city"].isalpha() for _, _, args in calls)
@@ -229,14 +237,7 @@ def test_pythonic_calls_whole_and_streamed(tiny_llama):
     try:
         for regex, num_calls in ((r'\[get_weather\(city="[a-z]{3}"\), get_time\(\)\]', 2),
                                  ("[a-z]{6}", 0)):
-            kwargs = dict(tools=TOOLS, max_tokens=200, extra_body={"structured_outputs": {
-                "regex": regex}})
-            whole = _chat(server, **kwargs).choices[0]
-            content, calls, finish, _ = _stream(server, **kwargs)
-            assert len(_calls(whole.message)) == num_calls
-            assert [(name, args) for _, name, args in calls] == _calls(whole.message)
-            assert (content or None) == whole.message.content
-            assert finish == whole.finish_reason == ("tool_calls" if num_calls else "stop")
+            _whole_and_streamed(server, regex, num_calls)
     finally:
         stop_server(server)
 
@@ -259,14 +260,8 @@ def test_mistral_calls_whole_and_streamed_and_their_ids_go_back(tiny_llama):
     try:
         for regex, num_calls, content_len in (("[a-z]{4}" + v11 + v11, 2, 4), (listed, 1, 0),
                                               ("[a-z]{6}", 0, 6)):
-            kwargs = dict(tools=TOOLS, max_tokens=200, extra_body={"structured_outputs": {
-                "regex": regex}})
-            whole = _chat(server, **kwargs).choices[0]
-            content, calls, finish, entries = _stream(server, **kwargs)
-            assert len(_calls(whole.message)) == num_calls
-            assert [(name, args) for _, name, args in calls] == _calls(whole.message)
-            assert len(content) == content_len and content == (whole.message.content or "")
-            assert finish == whole.finish_reason == ("tool_calls" if num_calls else "stop")
+            whole, content, calls = _whole_and_streamed(server, regex, num_calls)
+            assert len(content) == content_len
             ids = [c.id for c in whole.message.tool_calls or []] + [i for i, _, _ in calls]
             assert all(len(i) == 9 and i.isalnum() for i in ids)
             assert all(json.loads(args)["city"].isalpha() for _, _, args in calls)
