@@ -37,8 +37,9 @@ PARSERS = ("hermes", "llama3_json", "pythonic", "mistral")
 PYTHON_TAG = "<|python_tag|>"  # Llama 3's marker of a tool call answer
 HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 MISTRAL_CALLS = "[TOOL_CALLS]"  # Mistral's marker before each call (v11+) or the call list
+MISTRAL_FUNCTION = re.compile(r"[A-Za-z_][\w.\-]*")  # a v11+ call's function name
 # a v11+ call's name, then [ARGS] (or nothing) before its JSON arguments
-MISTRAL_NAME = re.compile(r"\s*([A-Za-z_][\w.\-]*)\s*(?:\[ARGS\])?\s*(?=\{)")
+MISTRAL_NAME = re.compile(rf"\s*({MISTRAL_FUNCTION.pattern})\s*(?:\[ARGS\])?\s*(?=\{{)")
 ALPHANUMERIC = string.ascii_letters + string.digits
 
 
@@ -158,6 +159,14 @@ def mistral_listed_call(obj) -> dict:
     return tool_call(name, arguments, "mistral")
 
 
+def mistral_named_call(name: str, arguments) -> dict:
+    """A v11+ Mistral call: its name and its JSON arguments, which must be an object
+    (NOT_A_CALL otherwise)."""
+    if not isinstance(arguments, dict):
+        raise ValueError("arguments must be an object")
+    return tool_call(name, json.dumps(arguments, ensure_ascii=False), "mistral")
+
+
 def mistral_segment_calls(text: str) -> tuple[list[dict], int]:
     """The calls at the start of `text` (after a `[TOOL_CALLS]`, blank text skipped) and where
     they end: pre-v11's JSON array of calls (or one call object), or v11+'s `name[ARGS]{...}`
@@ -172,9 +181,7 @@ def mistral_segment_calls(text: str) -> tuple[list[dict], int]:
     if match is None:
         raise ValueError("not a call")
     arguments, end = decoder.raw_decode(text, match.end())
-    if not isinstance(arguments, dict):
-        raise ValueError("arguments must be an object")
-    return [tool_call(match.group(1), json.dumps(arguments, ensure_ascii=False), "mistral")], end
+    return [mistral_named_call(match.group(1), arguments)], end
 
 
 def parse_mistral(text: str) -> tuple[list[dict], str | None]:

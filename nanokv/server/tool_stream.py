@@ -32,12 +32,11 @@ sends the same fields, its arguments in smaller pieces). By tool choice:
 from __future__ import annotations
 
 import json
-import re
 
-from nanokv.server.tool_calls import (MISTRAL_CALLS, MISTRAL_NAME, NOT_A_CALL, PYTHON_TAG,
-                                      finish_reason, hermes_call, llama3_call,
-                                      mistral_listed_call, parse_pythonic, required_call,
-                                      tool_call)
+from nanokv.server.tool_calls import (MISTRAL_CALLS, MISTRAL_FUNCTION, MISTRAL_NAME, NOT_A_CALL,
+                                      PYTHON_TAG, finish_reason, hermes_call, llama3_call,
+                                      mistral_listed_call, mistral_named_call, parse_pythonic,
+                                      required_call, tool_call)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -234,11 +233,7 @@ class ToolCallStream:
         try:
             if self.call_name is None:
                 return self._entry(mistral_listed_call(json.loads(obj)))
-            arguments = json.loads(obj)
-            if not isinstance(arguments, dict):
-                return None
-            return self._entry(tool_call(self.call_name,
-                                         json.dumps(arguments, ensure_ascii=False), "mistral"))
+            return self._entry(mistral_named_call(self.call_name, json.loads(obj)))
         except (*NOT_A_CALL, json.JSONDecodeError):
             return None
 
@@ -311,7 +306,7 @@ def _after_marker(text: str) -> str:
 def _may_name(text: str) -> bool:
     """Mistral: whether text may still become `name[ARGS]{`."""
     name = text.split("[", 1)[0].rstrip()
-    return (bool(re.fullmatch(r"[A-Za-z_][\w.\-]*", name))
+    return (bool(MISTRAL_FUNCTION.fullmatch(name))
             and ("[" not in text or "[ARGS]".startswith("[" + text.split("[", 1)[1].strip())))
 
 

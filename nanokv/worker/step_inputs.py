@@ -121,10 +121,11 @@ def _common(scheduled: list[ScheduledRequest], num_decode: int, lens: np.ndarray
                 for i in range(num_decode, len(scheduled))]
     # a decode entry per decode row: a request's token and drafts (speculative decoding) each
     # over the slots up to its own, as it would decode alone
-    row_contexts = (slot_in_request[:int(query_start[num_decode])] + 1).tolist()
-    decode_tables = [tables[i][:cdiv(c, block_size)] if lens[i] > 1 else tables[i]
-                     for i in range(num_decode)
-                     for c in row_contexts[int(query_start[i]):int(query_start[i + 1])]]
+    num_rows = int(query_start[num_decode])
+    row_contexts = (slot_in_request[:num_rows] + 1).tolist()
+    decode_tables = tables[:num_decode] if num_rows == num_decode else [  # no drafts: one a row
+        tables[i][:cdiv(c, block_size)] for i in range(num_decode)
+        for c in row_contexts[int(query_start[i]):int(query_start[i + 1])]]
     common = CommonAttentionMetadata(slots.tolist(), len(row_contexts), decode_tables,
                                      row_contexts, prefills)
     return common, slots

@@ -12,6 +12,7 @@ import random
 import pytest
 
 from nanokv import LLM, SamplingParams
+from policy_oracles import run_checked
 from tiny_models import VOCAB, hf_greedy, load_hf
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
@@ -33,12 +34,7 @@ def run(llm: LLM, prompts, params) -> list:
     step; the outputs in prompt order."""
     engine = llm.engine
     ids = [engine.add_request(p, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.check_invariants()
+    done = run_checked(engine)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     return [done[i].outputs[0] for i in ids]
 
