@@ -16,3 +16,13 @@ def triton_device() -> torch.device:
         pytest.skip("the Triton kernels need a GPU or TRITON_INTERPRET=1 before triton is "
                     "imported (tests/conftest.py sets it)", allow_module_level=True)
     return device
+
+
+def triton_ready() -> bool:
+    """Whether an engine's Triton backend runs on this CPU (Triton's interpreter, triton
+    installed); the model tests' engines are CPU engines."""
+    try:
+        from nanokv.attention import triton_paged
+    except ImportError:
+        return False
+    return triton_paged.interpreter_on() and not triton_paged.triton_unavailable()

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from tqdm.auto import tqdm
 
+from nanokv.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from nanokv.config import EngineConfig
 from nanokv.engine.chat import ChatRenderer, chat_messages
 from nanokv.engine.llm_engine import LLMEngine
@@ -120,6 +121,76 @@ class LLM:
             ids = list(self.engine.tokenizer.encode(text, add_special_tokens=False))
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: str | list[int] | dict | list[str | list[int] | dict],
+                    params: BeamSearchParams, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None,
+                    cache_salt: str | None = None) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search` (`nanokv.beam_search`): per prompt, the beam_width best
+        sequences, best first, each with the prompt's tokens then its own (an ending EOS kept)
+        and `text` their decoding (the prompt's text included, as vLLM's offline search
+        returns it), `cum_logprob`, `finish_reason` ("stop" at an EOS of the model's, unless
+        ignore_eos, else "length"). Each step runs one request per live beam of up to
+        `concurrency_limit` prompts at once (None: all), which reads the blocks of its earlier
+        steps from the prefix cache (with enable_prefix_caching=False each step recomputes
+        whole beams). `use_tqdm`: a bar over the steps. Every prompt is validated first."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        params.validate()
+        if concurrency_limit is not None and (isinstance(concurrency_limit, bool) or not
+                                              isinstance(concurrency_limit, int)
+                                              or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be a positive integer or None, got "
+                             f"{concurrency_limit!r}")
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a prompt (text, token ids or a prompt dict) or a "
+                             "non-empty list of them")
+        engine, step = self.engine, params.step_params()
+        limit = engine.config.max_model_len
+        searches, salts = [], {}
+        for p in prompts:  # each prompt parsed, tokenized and checked as a request would be
+            first = engine.make_request(p, step, cache_salt=cache_salt)
+            ids = first.prompt_token_ids
+            if len(ids) + params.max_tokens > limit:
+                raise ValueError(f"a prompt of {len(ids)} tokens and max_tokens "
+                                 f"{params.max_tokens} exceed max_model_len {limit}")
+            searches.append(BeamSearch(ids, params, engine.eos_token_ids))
+            salts[searches[-1]] = first.cache_salt  # a prompt dict's own, else the call's
+        batch = concurrency_limit or len(searches)
+        for first in range(0, len(searches), batch):
+            group = searches[first:first + batch]
+            steps = range(params.max_tokens)
+            for _ in (tqdm(steps, desc="Beam search", unit="token") if use_tqdm else steps):
+                beams = [(s, b) for s in group for b in s.live()]
+                if not beams:
+                    break
+                requests = [engine.make_request(b.tokens, step, cache_salt=salts[s])
+                            for s, b in beams]
+                outs = self.generate_requests(requests, use_tqdm=False)
+                for search in group:
+                    if search.done:
+                        continue
+                    mine = [o for (s, _), o in zip(beams, outs) if s is search]
+                    for o in mine:
+                        if o.error or not o.outputs[0].logprobs:
+                            raise RuntimeError(f"beam search step failed: "
+                                               f"{o.error or o.finish_reason}")
+                    search.advance([o.outputs[0].logprobs[0] for o in mine])
+        results = []
+        for search in searches:
+            best = search.best()
+            for beam in best:
+                beam.text = self._decode(beam.tokens, params.skip_special_tokens)
+            results.append(BeamSearchOutput(best))
+        return results
+
+    def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        tokenizer = self.engine.tokenizer
+        return "" if tokenizer is None else tokenizer.decode(
+            token_ids, skip_special_tokens=skip_special_tokens)
 
     def generate_requests(self, requests: list,
                           use_tqdm: bool | Callable[..., tqdm] = True) -> list[RequestOutput]:

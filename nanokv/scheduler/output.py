@@ -44,6 +44,9 @@ class ScheduledRequest:
     # speculative decoding: the draft tokens ending token_ids (after the request's last token);
     # every one of their rows samples too (the row after draft j: output_index + j + 1)
     draft_token_ids: list[int] = field(default_factory=list)
+    # a short prefill chunk after a cached past (a prefix-cache hit's last partial block) whose
+    # rows attend as decodes do (Scheduler._as_decode_rows)
+    decode_rows: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -51,9 +54,11 @@ class ScheduledRequest:
 
     @property
     def is_decode(self) -> bool:
-        """One token after a cached past, or (speculative decoding) one and its drafts: each
-        of their rows attends as a decode of its own (`step_inputs`: one decode entry a row)."""
-        return len(self.token_ids) == 1 + len(self.draft_token_ids) and self.start_slot > 0
+        """One token after a cached past, (speculative decoding) one and its drafts, or a short
+        chunk's tokens (`decode_rows`): each of their rows attends as a decode of its own
+        (`step_inputs`: one decode entry a row)."""
+        return (self.decode_rows or len(self.token_ids) == 1 + len(self.draft_token_ids)) \
+            and self.start_slot > 0
 
 
 @dataclass

@@ -31,6 +31,13 @@ from nanokv.spec.ngram import NgramIndex
 from nanokv.spec.stats import SpecDecodeStats
 
 
+# the longest prefill chunk after a cached past that attends as decode rows: up to it the decode
+# kernels, which read the past once a row, beat the prefill path's gather and attention call
+# (benchmarks/bench_decode_rows.py, Qwen3-0.6B shape, 8 requests: 0.29-0.71x its step time at 2
+# rows, 0.82-0.94x at 8, 0.98-1.10x at 12, 1.06-1.28x at 16; docs/results/engine/decode_rows.md)
+DECODE_ROW_CHUNK = 8
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
@@ -39,7 +46,8 @@ class Scheduler:
                  drafts_before_block_end: bool = False) -> None:
         """drafts_before_block_end: speculative drafts never take a block's last slot (a KV
         cache that quantizes a block when that slot is written: `KVCache.quantizes_full_blocks`);
-        only a known token fills a block."""
+        only a known token fills a block; and a chunk that writes one goes by the prefill path,
+        not as decode rows (`_as_decode_rows`)."""
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, "
                              f"got {scheduling_policy!r}")
@@ -346,7 +354,25 @@ class Scheduler:
             prompt_logprob_targets=(self._prompt_logprob_targets(request, start, num_new)
                                     if request.params.prompt_logprobs is not None else None),
             draft_token_ids=list(drafts),
+            decode_rows=not drafts and self._as_decode_rows(request, num_new),
         )
+
+    def _as_decode_rows(self, request: Request, num_new: int) -> bool:
+        """Whether a prefill chunk of num_new tokens attends as decode rows (each row over the
+        slots up to its own, as it would decoding alone: the same outputs as the prefill path,
+        through the decode kernels): a short chunk (at most DECODE_ROW_CHUNK tokens) after a
+        cached past, such as a prefix-cache hit's last partial block (n > 1 samples, beam
+        search, a conversation's next turn); not for a request with a KV policy or per-layer
+        tables (their prefill passes keep what they score), nor, in a cache that quantizes a
+        block when its last slot is written, a chunk that writes one (its earlier rows would
+        read that block quantized: the prefill path reads it staged)."""
+        if not 1 < num_new <= DECODE_ROW_CHUNK or request.num_cached_slots == 0 \
+                or request.kv_policy is not None or request.layer_slices is not None \
+                or request.params.prompt_logprobs is not None \
+                or request.params.return_prompt_logits:
+            return False
+        bs = self.block_manager.block_size
+        return not self.drafts_before_block_end or request.num_cached_slots % bs + num_new < bs
 
     @staticmethod
     def _prompt_logprob_targets(request: Request, start: int, num_new: int) -> list[int] | None:

@@ -30,6 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from nanokv.server.beam_serving import run_beam_search
 from nanokv.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                     DetokenizeRequest, TokenizeRequest, error_body)
 from nanokv.server.responses_api import ResponsesRequest
@@ -282,6 +283,26 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
             finals, logprobs = await server.run_to_end(streams, raw)
         except ClientGone:
             return Response(status_code=499)
+        return respond(finals, logprobs, head, body, content, prompt_logprobs_field,
+                       reasoning_tokens, token_ids)
+
+    async def beam_response(prompts, rid: str, labels, raw: Request, head: dict, body, content,
+                            reasoning_tokens=None, token_ids: bool = True):
+        """A beam search's answer (use_beam_search): each prompt's n best sequences are its
+        choices, made as `final_response` makes a run's."""
+        try:
+            answers = await run_beam_search(server, body, prompts, rid, labels, raw,
+                                            server.priority(body, raw))
+        except ClientGone:
+            return Response(status_code=499)
+        finals = [o for outs in answers for o in outs]
+        return respond(finals, [[] for _ in finals], head, body, content, False,
+                       reasoning_tokens, token_ids, [outs[0] for outs in answers])
+
+    def respond(finals, logprobs, head: dict, body, content, prompt_logprobs_field: bool,
+                reasoning_tokens, token_ids: bool, per_prompt=None) -> dict:
+        """The answer's body from the choices' final outputs (`final_response`'s arguments);
+        `per_prompt`: one output of each prompt for the usage, where not every n-th one."""
         choices, n = [], body.num_choices
         for i, (o, lps) in enumerate(zip(finals, logprobs)):
             prompt_lps = finals[i - i % n].prompt_logprobs
@@ -292,9 +313,10 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
             if body.return_token_ids and token_ids:
                 choice.update(token_ids=o.token_ids, prompt_token_ids=o.prompt_token_ids)
             choices.append(choice)
+        completion_tokens = None if per_prompt is None else sum(len(o.token_ids) for o in finals)
         response = {**head, "choices": choices, "usage": usage(
-            finals, body.num_choices,
-            reasoning_tokens=reasoning_tokens(finals) if reasoning_tokens else None)}
+            finals if per_prompt is None else per_prompt, n if per_prompt is None else 1,
+            completion_tokens, reasoning_tokens(finals) if reasoning_tokens else None)}
         if prompt_logprobs_field and finals[0].prompt_logprobs is not None:
             response["prompt_logprobs"] = prompt_logprobs_json(finals[0].prompt_logprobs,
                                                                server.tokenizer)
@@ -313,7 +335,7 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
         rid = f"cmpl-{uuid.uuid4().hex}"
         bad_words = await server.bad_words_token_ids(body)
         structured = await server.structured_outputs(body)
-        requests = []
+        requests, beam_prompts = [], []
         for i, p in enumerate(prompts):
             if isinstance(p, str):
                 text, ids = p, await server.encode(p, body.add_special_tokens)
@@ -322,16 +344,20 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
             else:
                 text, ids = None, list(p)
             ids = server.truncate(body, ids)  # the echoed text stays the prompt's (vLLM's)
-            default = min(COMPLETION_DEFAULT_MAX_TOKENS, server.max_model_len - len(ids))
+            default = max(min(COMPLETION_DEFAULT_MAX_TOKENS, server.max_model_len - len(ids)), 1)
+            if body.use_beam_search:
+                beam_prompts.append((ids, text, server.max_tokens_of(
+                    body, len(ids), body.max_tokens, default, "prompt")))
+                continue
             requests += server.make_requests(body, ids, text, f"{rid}-{i}", body.max_tokens,
-                                             max(default, 1), "prompt",
+                                             default, "prompt",
                                              bad_words_token_ids=bad_words,
                                              structured_outputs=structured,
                                              priority=server.priority(body, raw))
-        streams = server.open_streams(requests, labels)
         head = {"id": rid, "object": "text_completion", "created": int(time.time()),
                 "model": settings.model_name}
         token_texts = partial(server.token_texts, skip_special_tokens=body.skip_special_tokens)
+        streams = [] if body.use_beam_search else server.open_streams(requests, labels)
         if body.stream:
             return EngineStreamingResponse(
                 stream_events(server.events(streams), len(streams), head, body, False,
@@ -352,6 +378,9 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(prompt_lps, server.tokenizer)
             return choice
 
+        if body.use_beam_search:
+            return await beam_response(beam_prompts, rid, labels, raw, head, body,
+                                       completion_choice)
         return await final_response(streams, raw, head, body, completion_choice)
 
     responses_serving = ResponsesServing(server)
@@ -388,11 +417,22 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         max_param = "max_tokens" if body.max_completion_tokens is None \
             else "max_completion_tokens"
-        requests = server.make_requests(body, ids, prompt.text, rid, body.requested_max_tokens,
-                                        max(server.max_model_len - len(ids), 1), "messages",
-                                        max_param, prompt.bad_words, prompt.structured,
-                                        server.priority(body, raw))
-        streams = server.open_streams(requests, prompt.labels)
+        default = max(server.max_model_len - len(ids), 1)
+        if body.use_beam_search:
+            if prompt.structured is not None:  # a forced tool call's grammar
+                raise APIError(400, "tool_choice required or a named function constrains the "
+                                    "answer, which beam search (use_beam_search=true) does not "
+                                    "apply; use tool_choice auto or none", param="tool_choice",
+                               code="unsupported_parameter")
+            beam_prompts = [(ids, prompt.text, server.max_tokens_of(
+                body, len(ids), body.requested_max_tokens, default, "messages", max_param))]
+            streams = []
+        else:
+            requests = server.make_requests(body, ids, prompt.text, rid,
+                                            body.requested_max_tokens, default, "messages",
+                                            max_param, prompt.bad_words, prompt.structured,
+                                            server.priority(body, raw))
+            streams = server.open_streams(requests, prompt.labels)
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()),
                 "model": settings.model_name}
         token_texts = partial(server.token_texts, skip_special_tokens=body.skip_special_tokens)
@@ -426,10 +466,14 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
             return {"message": {**message, "content": content}, "finish_reason": finish_reason(
                 prompt.tool_choice, bool(calls), o.finish_reason)}
 
-        return await final_response(streams, raw, head, body, lambda o, lps, _: {
-            **message(o),
-            "logprobs": chat_logprobs(lps, token_texts(o.prompt_token_ids))
-            if body.num_logprobs is not None and not hidden else None},
-            prompt_logprobs_field=True, reasoning_tokens=partial(
-                count_reasoning, token_texts=token_texts, thinking=prompt.thinking)
-            if parser else None, token_ids=not hidden)
+        def choice(o, lps, _) -> dict:
+            return {**message(o), "logprobs": chat_logprobs(lps, token_texts(o.prompt_token_ids))
+                    if body.num_logprobs is not None and not hidden else None}
+
+        count = partial(count_reasoning, token_texts=token_texts, thinking=prompt.thinking) \
+            if parser else None
+        if body.use_beam_search:
+            return await beam_response(beam_prompts, rid, prompt.labels, raw, head, body, choice,
+                                       count, not hidden)
+        return await final_response(streams, raw, head, body, choice, prompt_logprobs_field=True,
+                                    reasoning_tokens=count, token_ids=not hidden)

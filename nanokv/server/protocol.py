@@ -157,10 +157,13 @@ class _SamplingRequest(_Body):
     guided_grammar: str | None = None
     cache_salt: str | None = Field(default=None, description="a tenant's prefix-cache namespace")
     return_token_ids: bool = False  # choices carry "token_ids" (streaming: each chunk's new ids)
+    # vLLM's beam search (nanokv/server/beam_serving.py): n is the beam width
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for fields set to something nanokv does not implement."""
-        bad = []
+        bad = self._beam_search_conflicts() if self.use_beam_search else []
         if self.stream_options is not None and not self.stream:
             bad.append(("stream_options", "stream_options needs stream=true"))
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
@@ -168,6 +171,31 @@ class _SamplingRequest(_Body):
                 bad.append((name, f"{name} is not supported (vLLM removed it): use "
                                   f"structured_outputs {{\"{name[len('guided_'):]}\": ...}}"))
         return bad
+
+    def _beam_search_conflicts(self) -> list[tuple[str, str]]:
+        """With use_beam_search: the fields set to what a beam search does not apply (vLLM
+        ignores them; nanokv says so). It applies n (the beam width), max_tokens,
+        length_penalty, ignore_eos, include_stop_str_in_output, skip_special_tokens, the
+        prompt's fields and the bookkeeping; temperature and seed change nothing in it."""
+        given = {
+            "stream": bool(self.stream),
+            "top_p": self.top_p not in (None, 1.0), "top_k": self.top_k not in (None, 0, -1),
+            "min_p": bool(self.min_p), "repetition_penalty": self.repetition_penalty
+            not in (None, 1.0), "presence_penalty": bool(self.presence_penalty),
+            "frequency_penalty": bool(self.frequency_penalty), "logit_bias": bool(
+                self.logit_bias), "min_tokens": self.min_tokens != 0,
+            "stop": bool(self.stop_list()), "stop_token_ids": bool(self.stop_token_ids),
+            "bad_words": bool(self.bad_words), "allowed_token_ids": self.allowed_token_ids
+            is not None, "prompt_logprobs": self.prompt_logprobs is not None,
+            "logprobs": self.num_logprobs is not None,
+            "structured_outputs": self.structured_outputs is not None,
+            "response_format": self._response_format_constraint() != {}}
+        takes = ("takes n (the beam width), max_tokens, length_penalty, ignore_eos, "
+                 "include_stop_str_in_output and skip_special_tokens")
+        return [(name, "stream=true is not supported with beam search (use_beam_search=true): "
+                       "its answer comes whole" if name == "stream" else
+                 f"{name} is not applied by beam search (use_beam_search=true), which {takes}")
+                for name, set_ in given.items() if set_]
 
     FORMAT_PARAM: ClassVar[str] = "response_format"  # the output format's field (Responses: text)
 

@@ -119,6 +119,9 @@ class ResponsesRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
+        if self.use_beam_search:  # the first reason given: nothing else of it applies
+            return [("use_beam_search", "beam search is served on /v1/completions and "
+                                        "/v1/chat/completions, not on /v1/responses")]
         bad = super().unsupported()
         for name, why in (("n", "one answer per response"), ("max_tokens", "use "
                           "max_output_tokens"), ("response_format", "use text.format"),

@@ -458,8 +458,9 @@ class OpenAIServer:
             raise APIError(400, str(e), param="truncate_prompt_tokens",
                            code="invalid_value") from e
 
-    async def decode(self, token_ids: list[int]) -> str:
-        return await self._in_worker(lambda: self._thread_tokenizer()[0].decode(token_ids))
+    async def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return await self._in_worker(lambda: self._thread_tokenizer()[0].decode(
+            token_ids, skip_special_tokens=skip_special_tokens))
 
     def token_texts(self, prompt_token_ids: list[int],
                     skip_special_tokens: bool = True) -> TokenTexts:
@@ -469,18 +470,10 @@ class OpenAIServer:
         return TokenTexts(self.tokenizer, prompt_token_ids, skip_special_tokens)
 
     # ---- engine requests -----------------------------------------------------------------------
-    def make_requests(self, body: _SamplingRequest, token_ids: list[int], text: str | None,
-                      request_id: str, requested_max: int | None, default_max: int,
-                      prompt_param: str, max_param: str = "max_tokens",
-                      bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None,
-                      structured_outputs: StructuredOutputsParams | None = None,
-                      priority: int = 0) -> list:
-        """The n engine requests of one prompt (ids `request_id-j`; `token_ids` already
-        truncated, `bad_words_token_ids` from `bad_words_token_ids`, `structured_outputs`
-        from `structured_outputs`, `priority` from `priority()`); n > 1 share the prompt's
-        blocks through the prefix cache, and seeded choices use seed + j. Echo with max_tokens
-        0 runs max_tokens 1 (vLLM's)."""
-        n = len(token_ids)
+    def max_tokens_of(self, body: _SamplingRequest, n: int, requested_max: int | None,
+                      default_max: int, prompt_param: str, max_param: str = "max_tokens") -> int:
+        """The output budget of an `n`-token prompt: the request's, checked against the model
+        length (APIError 400 naming the field), else `default_max`."""
         if n >= self.max_model_len:
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} "
                                 f"tokens; the prompt has {n} tokens (at most "
@@ -504,6 +497,21 @@ class OpenAIServer:
                                     f"prompt or {max_param}.", param=max_param,
                                code="context_length_exceeded")
             max_tokens = requested_max
+        return max_tokens
+
+    def make_requests(self, body: _SamplingRequest, token_ids: list[int], text: str | None,
+                      request_id: str, requested_max: int | None, default_max: int,
+                      prompt_param: str, max_param: str = "max_tokens",
+                      bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None,
+                      structured_outputs: StructuredOutputsParams | None = None,
+                      priority: int = 0) -> list:
+        """The n engine requests of one prompt (ids `request_id-j`; `token_ids` already
+        truncated, `bad_words_token_ids` from `bad_words_token_ids`, `structured_outputs`
+        from `structured_outputs`, `priority` from `priority()`); n > 1 share the prompt's
+        blocks through the prefix cache, and seeded choices use seed + j. Echo with max_tokens
+        0 runs max_tokens 1 (vLLM's)."""
+        max_tokens = self.max_tokens_of(body, len(token_ids), requested_max, default_max,
+                                        prompt_param, max_param)
         try:
             kwargs = body.sampling_kwargs()
             base = SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=body.num_logprobs,

@@ -13,12 +13,13 @@ class ReplayScheduled:
     __slots__ = ("request_id", "num_tokens", "start_slot", "sample", "is_decode")
     draft_token_ids = ()  # the simulator models no speculative decoding
 
-    def __init__(self, request_id: str, num_tokens: int, start_slot: int, sample: bool):
+    def __init__(self, request_id: str, num_tokens: int, start_slot: int, sample: bool,
+                 decode_rows: bool = False):
         self.request_id = request_id
         self.num_tokens = num_tokens
         self.start_slot = start_slot
         self.sample = sample
-        self.is_decode = num_tokens == 1 and start_slot > 0
+        self.is_decode = (num_tokens == 1 or decode_rows) and start_slot > 0
 
 
 class SimScheduler(Scheduler):
@@ -28,4 +29,5 @@ class SimScheduler(Scheduler):
                    drafts: list[int] | None = None, bitmasks=None) -> ReplayScheduled:
         start = request.num_computed_tokens
         return ReplayScheduled(request.request_id, num_new, request.num_cached_slots,
-                               start + num_new == request.num_tokens)
+                               start + num_new == request.num_tokens,
+                               self._as_decode_rows(request, num_new))

@@ -219,7 +219,7 @@ class Simulator:
                 sched.check_invariants()
             if (cfg.fast_forward and not cfg.check_invariants and not out.preempted_request_ids
                     and len(out.scheduled) == len(sched.running)
-                    and all(s.is_decode for s in out.scheduled)
+                    and all(s.is_decode and s.num_tokens == 1 for s in out.scheduled)
                     and (cfg.compression_ratio is None
                          or all(r.request_id in compressed for r in sched.running))
                     and (cfg.eviction_ratio is None

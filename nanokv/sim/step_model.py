@@ -37,9 +37,9 @@ class StepFeatures:
             n, start = s.num_tokens, s.start_slot
             tokens += n
             seqs += 1
-            if s.is_decode:
-                decodes += 1
-                ctx += start + 1
+            if s.is_decode:  # each row over the slots up to its own (one row but for drafts
+                decodes += 1  # or a short chunk's decode rows)
+                ctx += n * start + n * (n + 1) // 2
             else:
                 pairs += n * start + n * (n + 1) // 2
                 pctx += start

@@ -65,12 +65,12 @@ class DecodeGraphs:
         raise ValueError(f"{num_rows} rows exceed the largest graph batch {self.max_batch}")
 
     def can_run(self, inputs: StepInputs) -> bool:
-        """A decode-only step the static buffers can hold, without speculative drafts (their
-        rows, several of a request writing one block, run eagerly: not yet checked on a GPU
-        through the graphs' static write plans)."""
+        """A decode-only step the static buffers can hold, with one row a request (several
+        rows of a request, speculative drafts or a short chunk's decode rows, writing one block,
+        run eagerly: not yet checked on a GPU through the graphs' static write plans)."""
         c = inputs.common
         return (inputs.is_decode_only and c.per_layer is None and inputs.capture_rows is None
-                and not inputs.has_drafts
+                and not inputs.has_row_groups
                 and c.num_decodes <= self.max_batch
                 and max(len(t) for t in c.decode_block_tables) <= self.max_blocks)
 

@@ -34,7 +34,8 @@ class StepInputs:
     capture: list[tuple[str, int, int]]  # (request id, first row, end row) of query capture
     capture_rows: torch.Tensor | None  # [Tc] int64 on the device, or None
     positions_host: np.ndarray | None = None  # [T] int64, the positions before the upload
-    has_drafts: bool = False  # a request's speculative drafts are among the decode rows
+    # a request has several decode rows (speculative drafts, or a short chunk's decode_rows)
+    has_row_groups: bool = False
 
     @property
     def is_decode_only(self) -> bool:
@@ -89,7 +90,8 @@ def build_step_inputs(scheduled: list[ScheduledRequest], block_size: int, num_po
     if capture:
         capture_rows = upload(np.concatenate([np.arange(a, b) for _, a, b in capture]), device)
     return StepInputs(dev[0], dev[1], dev[2], common, sample_rows, capture, capture_rows,
-                      host[1], has_drafts=any(s.draft_token_ids for s in scheduled))
+                      host[1], has_row_groups=any(s.draft_token_ids or s.decode_rows
+                                                 for s in scheduled))
 
 
 def _common(scheduled: list[ScheduledRequest], num_decode: int, lens: np.ndarray,

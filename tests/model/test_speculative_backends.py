@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from nanokv import LLM, SamplingParams
+from triton_device import triton_ready
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
         "prompt_lookup_min": 1}
@@ -15,14 +16,6 @@ PROMPTS = [[5, 6, 7, 8] * 5, [40, 41, 42] * 6 + [40], [90, 91, 92, 93, 94] * 4]
 CACHES = {"float": {}, "int8": dict(kv_cache_dtype="int8"),
           "kvquant": dict(kv_cache_dtype="kvquant", kv_quant_bits=4),
           "kivi": dict(kv_cache_dtype="kivi", kv_quant_bits=2)}
-
-
-def triton_ready() -> bool:
-    try:
-        from nanokv.attention import triton_paged
-    except ImportError:
-        return False
-    return triton_paged.interpreter_on() and not triton_paged.triton_unavailable()
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

@@ -109,6 +109,36 @@ def test_speculative_drafts_on_two_ranks_over_kivi(tiny_llama):
         two.engine.close()
 
 
+def test_decode_rows_on_two_ranks(tiny_qwen3, monkeypatch):
+    """Short chunks after prefix hits as decode rows on 2 ranks (int8 codes): the tokens of one
+    process that takes them by the prefill path."""
+    import nanokv.scheduler.scheduler as scheduler_module
+
+    rng = random.Random(3)
+    shared = [rng.randrange(300) for _ in range(40)]
+    prompts = [shared] + [shared + [rng.randrange(300) for _ in range(n)] for n in (1, 3, 6)]
+    options = dict(OPTIONS, kv_cache_dtype="int8")
+    monkeypatch.setattr(scheduler_module, "DECODE_ROW_CHUNK", 0)
+    expected = run(LLM(tiny_qwen3, **options), prompts, [None])
+    monkeypatch.setattr(scheduler_module, "DECODE_ROW_CHUNK", 8)
+    two = LLM(tiny_qwen3, tensor_parallel_size=2, **options)
+    routed = []
+    schedule = two.engine.scheduler.schedule
+
+    def spying():
+        out = schedule()
+        routed.extend(s for s in out.scheduled if s.decode_rows)
+        return out
+
+    monkeypatch.setattr(two.engine.scheduler, "schedule", spying)
+    try:
+        assert run(two, prompts, [None]) == expected
+        assert routed
+        two.engine.check_invariants()
+    finally:
+        two.engine.close()
+
+
 def test_biases_of_q_k_v_o_and_the_mlp(tmp_path):
     """Column-parallel biases are split with their rows; row-parallel ones (o, down) are added
     once, after the all-reduce."""

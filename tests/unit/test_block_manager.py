@@ -722,8 +722,11 @@ def test_same_step_admissions_share_prefix_blocks():
     sched.add_request(a)
     sched.add_request(b)
     out = sched.schedule()
-    assert [s.request_id for s in out.scheduled] == ["a", "b"]
-    sa, sb = out.scheduled
+    # b's 2 tokens after the 8 shared slots go as decode rows, first in the batch (each layer
+    # writes the step's K/V, a's prefix too, before any row attends)
+    assert [s.request_id for s in out.scheduled] == ["b", "a"]
+    sb, sa = out.scheduled
+    assert sb.decode_rows and not sa.decode_rows
     assert sa.start_position == 0 and sa.num_tokens == 11
     assert sb.start_position == 8 and sb.start_slot == 8 and sb.token_ids == [40, 41]
     assert b.block_table[:2] == a.block_table[:2]

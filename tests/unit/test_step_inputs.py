@@ -16,7 +16,8 @@ BS, POOL, LAYERS = 16, 64, 3
 
 
 def random_step(seed: int, per_layer: bool = False) -> list[ScheduledRequest]:
-    """Decodes first (some with speculative drafts, across block ends), then prefill chunks;
+    """Decodes first (some with speculative drafts, across block ends, some short chunks as
+    decode rows), then prefill chunks;
     slots differ from positions (evicted caches), tables longer than needed (the runner trims
     them)."""
     rng = random.Random(seed)
@@ -25,14 +26,15 @@ def random_step(seed: int, per_layer: bool = False) -> list[ScheduledRequest]:
         decode = i < 3 and rng.random() < 0.8 and (not out or out[-1].is_decode)
         drafts = [rng.randrange(500) for _ in range(rng.choice([0, 0, 2, 5, 20]))] \
             if decode and not per_layer else []
-        n = 1 + len(drafts) if decode else rng.randrange(1, 40)
+        rows = decode and not drafts and rng.random() < 0.3  # a short chunk as decode rows
+        n = rng.randrange(2, 9) if rows else 1 + len(drafts) if decode else rng.randrange(1, 40)
         first = rng.randrange(1, 100) if decode else rng.choice([0, rng.randrange(0, 60)])
         table = rng.sample(range(POOL), cdiv(first + n, BS) + rng.randrange(3))
         s = ScheduledRequest(f"r{i}", [rng.randrange(500) for _ in range(n - len(drafts))]
                              + drafts, first + rng.randrange(0, 30), first, table,
                              sample=rng.random() < .7 or bool(drafts), params=SamplingParams(),
                              output_index=0, capture_from=rng.choice([None, first + n // 2]),
-                             draft_token_ids=drafts)
+                             draft_token_ids=drafts, decode_rows=rows)
         if per_layer and rng.random() < 0.5:
             firsts = [max(0, first - rng.randrange(0, 20)) if layer else first
                       for layer in range(LAYERS)]
@@ -105,8 +107,8 @@ def test_a_token_and_its_drafts_decode_each_over_the_slots_up_to_its_own():
     assert s.is_decode and plain.is_decode
     c = build_step_inputs([s, plain], BS, POOL, LAYERS, torch.device("cpu")).common
     assert c.num_decode_tokens == 6 and not c.prefills
-    assert build_step_inputs([s, plain], BS, POOL, LAYERS, torch.device("cpu")).has_drafts
-    assert not build_step_inputs([plain], BS, POOL, LAYERS, torch.device("cpu")).has_drafts
+    assert build_step_inputs([s, plain], BS, POOL, LAYERS, torch.device("cpu")).has_row_groups
+    assert not build_step_inputs([plain], BS, POOL, LAYERS, torch.device("cpu")).has_row_groups
     assert c.decode_context_lens == [15, 16, 17, 18, 19, 6]
     assert c.decode_block_tables == [[9], [9], [9, 4], [9, 4], [9, 4], [2]]
     assert c.slot_mapping == [9 * BS + 14, 9 * BS + 15, 4 * BS, 4 * BS + 1, 4 * BS + 2, 2 * BS + 5]
