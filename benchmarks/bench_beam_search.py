@@ -25,6 +25,27 @@ def make_prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[in
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
 
 
+def add_search_args(ap: argparse.ArgumentParser) -> None:
+    """The flags this script and bench_beam_search_vllm.py share (the same search)."""
+    ap.add_argument("--model", default="models/nanokv-tiny")
+    ap.add_argument("--prompts", type=int, default=4, help="prompts searched together")
+    ap.add_argument("--prompt-len", type=int, default=200, help="tokens per prompt")
+    ap.add_argument("--beam-width", type=int, default=4, help="1-10")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--ignore-eos", action="store_true")
+    ap.add_argument("--length-penalty", type=float, default=1.0)
+    ap.add_argument("--repeats", type=int, default=3)
+
+
+def check_search_args(ap: argparse.ArgumentParser, args, positive: tuple[str, ...] = ()):
+    """The shared flags' ranges (and the caller's own `positive` ones): ap.error otherwise."""
+    for name in ("prompts", "prompt_len", "max_tokens", "repeats", *positive):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 1 <= args.beam_width <= 10:
+        ap.error("--beam-width must be in [1, 10]")
+
+
 def vllm_result(path: str) -> dict:
     """The JSON line of bench_beam_search_vllm.py's output (vLLM's logs around it)."""
     with open(path) as f:
@@ -48,25 +69,14 @@ def compare(ours: list[list[dict]], theirs: list[list[dict]]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="models/nanokv-tiny")
-    ap.add_argument("--prompts", type=int, default=4, help="prompts searched together")
-    ap.add_argument("--prompt-len", type=int, default=200, help="tokens per prompt")
-    ap.add_argument("--beam-width", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--ignore-eos", action="store_true")
-    ap.add_argument("--length-penalty", type=float, default=1.0)
-    ap.add_argument("--repeats", type=int, default=3)
+    add_search_args(ap)
     ap.add_argument("--num-threads", type=int, default=2)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--hf", action="store_true",
                     help="also time Hugging Face's beam search (needs --ignore-eos)")
     ap.add_argument("--vllm-json", help="bench_beam_search_vllm.py's output, to compare")
     args = ap.parse_args()
-    for name in ('prompts', 'prompt_len', 'max_tokens', 'repeats', 'num_threads', 'block_size'):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    if not 1 <= args.beam_width <= 10:
-        ap.error("--beam-width must be in [1, 10]")
+    check_search_args(ap, args, ("num_threads", "block_size"))
     if args.hf and not args.ignore_eos:
         ap.error("--hf needs --ignore-eos (Hugging Face's search ends beams differently)")
 

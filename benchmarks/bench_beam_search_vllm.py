@@ -14,32 +14,23 @@ import time
 from pathlib import Path
 
 
-def make_prompts_fn():
-    """bench_beam_search.make_prompts, loaded by path (its nanokv imports are inside main)."""
+def nanokv_bench():
+    """bench_beam_search.py loaded by path (its nanokv imports are inside main): its prompts
+    and its flags."""
     spec = importlib.util.spec_from_file_location(
         "nanokv_bench_beam_search", Path(__file__).with_name("bench_beam_search.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.make_prompts
+    return mod
 
 
 def main() -> None:
+    bench = nanokv_bench()
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", default="models/nanokv-tiny")
-    ap.add_argument("--prompts", type=int, default=4, help="prompts searched together")
-    ap.add_argument("--prompt-len", type=int, default=200, help="tokens per prompt")
-    ap.add_argument("--beam-width", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--ignore-eos", action="store_true")
-    ap.add_argument("--length-penalty", type=float, default=1.0)
-    ap.add_argument("--repeats", type=int, default=3)
+    bench.add_search_args(ap)
     ap.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     args = ap.parse_args()
-    for name in ('prompts', 'prompt_len', 'max_tokens', 'repeats', 'kv_cache_gib'):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    if not 1 <= args.beam_width <= 10:
-        ap.error("--beam-width must be in [1, 10]")
+    bench.check_search_args(ap, args, ("kv_cache_gib",))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
@@ -48,7 +39,7 @@ def main() -> None:
     from vllm.sampling_params import BeamSearchParams
 
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
-    prompts = make_prompts_fn()(vocab, args.prompts, args.prompt_len)
+    prompts = bench.make_prompts(vocab, args.prompts, args.prompt_len)
     llm = LLM(model=args.model, dtype="float32", enforce_eager=True, seed=0,
               max_model_len=-(-(args.prompt_len + args.max_tokens) // 256) * 256,
               max_num_seqs=max(16, 2 * args.prompts * args.beam_width))

@@ -50,12 +50,7 @@ class LLM:
         `priority` (as in vLLM): one for all prompts or one per prompt, lower served first
         under scheduling_policy "priority" (ignored under "fcfs"); default 0.
         """
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError("prompts must be a prompt (text, token ids or a prompt dict) or a "
-                             "non-empty list of them")
+        prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         elif isinstance(sampling_params, (list, tuple)):
@@ -142,12 +137,7 @@ class LLM:
                                               or concurrency_limit < 1):
             raise ValueError(f"concurrency_limit must be a positive integer or None, got "
                              f"{concurrency_limit!r}")
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError("prompts must be a prompt (text, token ids or a prompt dict) or a "
-                             "non-empty list of them")
+        prompts = _prompt_list(prompts)
         engine, step = self.engine, params.step_params()
         limit = engine.config.max_model_len
         searches, salts = [], {}
@@ -218,6 +208,18 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finals[r.request_id] for r in requests]
+
+
+def _prompt_list(prompts) -> list:
+    """A batch of prompts: a single prompt (text, token ids, a prompt dict) as a batch of one;
+    ValueError for anything else or an empty batch."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                            and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a prompt (text, token ids or a prompt dict) or a "
+                         "non-empty list of them")
+    return prompts
 
 
 def _merge(request_id: str, samples: list[RequestOutput]) -> RequestOutput:

@@ -11,6 +11,7 @@ import pytest
 
 import nanokv.scheduler.scheduler as scheduler_module
 from nanokv import LLM, SamplingParams
+from schedule_spy import record_decode_rows
 from tiny_models import VOCAB
 from triton_device import triton_ready
 
@@ -31,15 +32,7 @@ def run(model, prompts, params, rows_limit, monkeypatch, **options):
     monkeypatch.setattr(scheduler_module, "DECODE_ROW_CHUNK", rows_limit)
     llm = LLM(model, skip_tokenizer_init=True, block_size=BS, num_kv_blocks=96,
               max_model_len=256, max_num_seqs=8, max_num_batched_tokens=44, **options)
-    routed = []
-    schedule = llm.engine.scheduler.schedule
-
-    def spying():
-        out = schedule()
-        routed.extend(s for s in out.scheduled if s.decode_rows)
-        return out
-
-    monkeypatch.setattr(llm.engine.scheduler, "schedule", spying)
+    routed = record_decode_rows(llm.engine, monkeypatch)
     llm.generate(prompts[:1], params, use_tqdm=False)  # its blocks serve the others' prefix
     outs = llm.generate(prompts, params, use_tqdm=False)
     return outs, routed, llm

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from schedule_spy import record_decode_rows
 from tiny_models import build_tiny_model
 
 from nanokv import LLM, SamplingParams
@@ -122,15 +123,7 @@ def test_decode_rows_on_two_ranks(tiny_qwen3, monkeypatch):
     expected = run(LLM(tiny_qwen3, **options), prompts, [None])
     monkeypatch.setattr(scheduler_module, "DECODE_ROW_CHUNK", 8)
     two = LLM(tiny_qwen3, tensor_parallel_size=2, **options)
-    routed = []
-    schedule = two.engine.scheduler.schedule
-
-    def spying():
-        out = schedule()
-        routed.extend(s for s in out.scheduled if s.decode_rows)
-        return out
-
-    monkeypatch.setattr(two.engine.scheduler, "schedule", spying)
+    routed = record_decode_rows(two.engine, monkeypatch)
     try:
         assert run(two, prompts, [None]) == expected
         assert routed

@@ -1,6 +1,6 @@
-"""benchmarks/bench_beam_search.py and its vLLM peer script without vLLM: the same prompts,
-the comparison of their sequences, the peer's JSON line found among its logs, and flags
-refused before any engine (or vLLM) is needed."""
+"""benchmarks/bench_beam_search.py and its vLLM peer script (which loads this one's prompts and
+flags) without vLLM: the prompts, the comparison of their sequences, the peer's JSON line found
+among its logs, and flags refused before any engine (or vLLM) is needed."""
 
 import subprocess
 import sys
@@ -10,12 +10,12 @@ import pytest
 from benchmark_scripts import BENCHMARKS, load_benchmark
 
 
-def test_the_peer_searches_the_same_prompts():
-    ours = load_benchmark("bench_beam_search")
-    peer = load_benchmark("bench_beam_search_vllm")
-    assert peer.make_prompts_fn()(500, 3, 40) == ours.make_prompts(500, 3, 40)
-    prompts = ours.make_prompts(500, 3, 40)
-    assert len(prompts) == 3 and all(len(p) == 40 and min(p) >= 10 for p in prompts)
+def test_the_prompts_are_seeded_token_ids_past_the_specials():
+    make = load_benchmark("bench_beam_search").make_prompts
+    prompts = make(500, 3, 40)
+    assert prompts == make(500, 3, 40) and prompts != make(500, 3, 40, seed=1)
+    assert len(prompts) == 3 and all(len(p) == 40 and 10 <= min(p) and max(p) < 500
+                                     for p in prompts)
 
 
 def test_compare_counts_prompts_with_the_same_sequences_in_order():
