@@ -132,6 +132,10 @@ def generate_prompts(args: argparse.Namespace) -> list:
 def cmd_generate(args: argparse.Namespace) -> int:
     from nanokv import LLM, SamplingParams
 
+    if args.beam_width is not None:
+        return beam_generate(args)
+    if args.length_penalty != 1.0:
+        raise ValueError("--length-penalty ranks beam search's sequences: it needs --beam-width")
     # the sampling flags and prompts checked before the model loads
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.sampling_seed, max_tokens=args.max_tokens,
@@ -166,6 +170,47 @@ def cmd_generate(args: argparse.Namespace) -> int:
                   f"ttft {out.metrics.ttft * 1000:.0f} ms")
     n = sum(len(o.token_ids) for o in outs)
     print(f"[nanokv] {n} tokens in {elapsed:.2f} s ({n / elapsed:.1f} tok/s)", file=sys.stderr)
+    return 0
+
+
+def beam_generate(args: argparse.Namespace) -> int:
+    """`nanokv generate --beam-width N`: each prompt's best sequences, best first."""
+    from nanokv import LLM, BeamSearchParams
+
+    sampling = {"--temperature": args.temperature != 0.0, "--top-k": args.top_k != -1,
+                "--top-p": args.top_p != 1.0, "--sampling-seed": args.sampling_seed is not None,
+                "--stop": bool(args.stop)}
+    given = [flag for flag, set_ in sampling.items() if set_]
+    if given:
+        raise ValueError(f"{', '.join(given)} not applied by beam search (--beam-width), which "
+                         f"takes --max-tokens, --ignore-eos and --length-penalty")
+    params = BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens,
+                              ignore_eos=args.ignore_eos, length_penalty=args.length_penalty)
+    prompts = generate_prompts(args)
+    llm = LLM(args.model, **engine_options(args))
+    for line in llm.engine.startup_lines:
+        print(f"[nanokv] {line}", file=sys.stderr)
+    t0 = time.perf_counter()
+    outs = llm.beam_search(prompts, params)
+    elapsed = time.perf_counter() - t0
+    tokenizer = llm.tokenizer
+    for prompt, out in zip(prompts, outs):
+        shown = prompt if isinstance(prompt, str) else None
+        if not args.json:
+            print(f"--- prompt: {prompt!r}" if shown is not None
+                  else f"--- prompt token ids: {prompt}")
+        for i, seq in enumerate(out.sequences):
+            start = len(seq.tokens) - seq.num_generated()
+            ids = seq.tokens[start:]
+            text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer else ""
+            if args.json:
+                print(json.dumps({"prompt": shown, "beam": i, "text": text, "token_ids": ids,
+                                  "cum_logprob": seq.cum_logprob,
+                                  "finish_reason": seq.finish_reason}))
+            else:
+                print(f"[beam {i}] cum_logprob {seq.cum_logprob:.3f}, {len(ids)} tokens, "
+                      f"finish: {seq.finish_reason}: {text if tokenizer else ids}")
+    print(f"[nanokv] beam search of width {args.beam_width} in {elapsed:.2f} s", file=sys.stderr)
     return 0
 
 
@@ -236,6 +281,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--beam-width", type=int, default=None,
+                   help="beam search of this width (1-10; vLLM's LLM.beam_search): prints each "
+                        "prompt's best sequences; takes --max-tokens, --ignore-eos and "
+                        "--length-penalty, not the sampling flags nor --stop")
+    g.add_argument("--length-penalty", type=float, default=1.0,
+                   help="with --beam-width: sequences ranked by cumulative log-probability / "
+                        "length ** this")
     g.add_argument("--json", action="store_true", help="one JSON object per output")
     g.set_defaults(func=cmd_generate)
 

@@ -30,10 +30,12 @@ def run(model, prompts, params, rows_limit, monkeypatch, **options):
     """The outputs, and every scheduled chunk that went as decode rows (with the engine's
     cache), with rows of up to `rows_limit` tokens (0: none)."""
     monkeypatch.setattr(scheduler_module, "DECODE_ROW_CHUNK", rows_limit)
-    llm = LLM(model, skip_tokenizer_init=True, block_size=BS, num_kv_blocks=96,
-              max_model_len=256, max_num_seqs=8, max_num_batched_tokens=44, **options)
+    options = {"skip_tokenizer_init": True, **options}
+    llm = LLM(model, block_size=BS, num_kv_blocks=96, max_model_len=256, max_num_seqs=8,
+              max_num_batched_tokens=44, **options)
     routed = record_decode_rows(llm.engine, monkeypatch)
-    llm.generate(prompts[:1], params, use_tqdm=False)  # its blocks serve the others' prefix
+    first = params[0] if isinstance(params, list) else params
+    llm.generate(prompts[:1], first, use_tqdm=False)  # its blocks serve the others' prefix
     outs = llm.generate(prompts, params, use_tqdm=False)
     return outs, routed, llm
 
@@ -92,3 +94,23 @@ def test_decode_rows_through_the_backends_cuda_takes(tiny_llama, backend, kv, mo
     got, routed, llm = run(tiny_llama, prompts, params, 8, monkeypatch, **options)
     assert llm.engine.attention_backend.name == backend and routed
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_sampling_rules_at_a_decode_row_chunks_last_row(tiny_llama, monkeypatch):
+    """The chunk's last row samples with the request's rules as the prefill path's does: a
+    grammar's mask, penalties over the history, min_tokens' bans, a seeded draw."""
+    from nanokv import StructuredOutputsParams
+
+    shared = tokens(37, 0)
+    prompts = [shared] + [shared + tokens(n, i + 1) for i, n in enumerate((1, 2, 3))]
+    params = [SamplingParams(temperature=0, max_tokens=8,
+                             structured_outputs=StructuredOutputsParams(regex="[a-e ]{3,8}")),
+              SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.8,
+                             presence_penalty=0.7, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=4, min_tokens=3),
+              SamplingParams(temperature=0.9, seed=7, max_tokens=8, ignore_eos=True)]
+    options = dict(skip_tokenizer_init=False)
+    want, _, _ = run(tiny_llama, prompts, params, 0, monkeypatch, **options)
+    got, routed, _ = run(tiny_llama, prompts, params, 8, monkeypatch, **options)
+    assert len(routed) == 4  # every prompt's tail after the 32 cached slots
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

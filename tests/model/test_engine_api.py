@@ -301,6 +301,26 @@ def test_cli_generate_and_errors(tiny_llama, capsys):
         assert line["token_ids"] == ref.token_ids and line["prompt"] is None
 
 
+def test_cli_generate_beam_search(tiny_llama, capsys):
+    from nanokv import BeamSearchParams
+
+    flags = ["generate", "--model", tiny_llama, "--prompt-token-ids", "5,6,7,8", "--max-tokens",
+             "5", "--block-size", "16", "--max-model-len", "128", "--skip-tokenizer-init"]
+    assert cli_main([*flags, "--beam-width", "3", "--length-penalty", "0.5", "--json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()[-3:]]
+    want = LLM(tiny_llama, block_size=16, max_model_len=128).beam_search(
+        [[5, 6, 7, 8]], BeamSearchParams(beam_width=3, max_tokens=5, length_penalty=0.5))[0]
+    assert [x["beam"] for x in lines] == [0, 1, 2]
+    assert [x["token_ids"] for x in lines] == [s.tokens[4:] for s in want.sequences]
+    assert [x["cum_logprob"] for x in lines] == pytest.approx([s.cum_logprob
+                                                               for s in want.sequences])
+    for bad, says in ((["--beam-width", "3", "--temperature", "0.5"], "--temperature not "
+                       "applied by beam search"), (["--length-penalty", "2"], "needs --beam-width"),
+                      (["--beam-width", "11"], "beam_width must be in [1, 10]")):
+        assert cli_main([*flags, *bad]) == 2
+        assert says in capsys.readouterr().err
+
+
 def test_reference_linear_backend_matches_hf(tiny_qwen3):
     prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
     expected = hf_greedy(load_hf(tiny_qwen3), prompt, 8)[0]
