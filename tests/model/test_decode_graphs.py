@@ -177,6 +177,12 @@ def test_eager_when_the_step_does_not_fit(tiny_llama):
     decodes[1].layer_tables = decodes[1].layer_start_slots = None
     decodes[0].capture_from = 0
     assert not graphs.can_run(runner.inputs(SchedulerOutput(decodes)))
+    decodes[0].capture_from = None
+    # and several rows of a request: a short chunk's decode rows (as speculative drafts)
+    rows = ScheduledRequest(decodes[0].request_id, [3, 4], 3, 3, decodes[0].block_table, True,
+                            decodes[0].params, 1, decode_rows=True)
+    assert rows.is_decode and graphs.can_run(runner.inputs(SchedulerOutput(decodes)))
+    assert not graphs.can_run(runner.inputs(SchedulerOutput([rows, decodes[1]])))
 
 
 def test_graphs_need_cuda_and_a_backend_that_supports_them(tiny_llama):

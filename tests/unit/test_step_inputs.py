@@ -114,6 +114,24 @@ def test_a_token_and_its_drafts_decode_each_over_the_slots_up_to_its_own():
     assert c.slot_mapping == [9 * BS + 14, 9 * BS + 15, 4 * BS, 4 * BS + 1, 4 * BS + 2, 2 * BS + 5]
 
 
+def test_a_short_chunks_decode_rows_sample_at_its_last_row_alone():
+    """A prefill chunk of 3 tokens at slots 30-32 after a cached past, as decode rows: 3 decode
+    entries of contexts 31-33 (across a block end), the last row alone sampling; the step has
+    row groups (the CUDA graphs leave it to the eager path)."""
+    s = ScheduledRequest("c", [7, 8, 9], 40, 30, [9, 4, 11], True, SamplingParams(), 0,
+                         decode_rows=True)
+    plain = ScheduledRequest("e", [8], 5, 5, [2], True, SamplingParams(), 0)
+    inputs = build_step_inputs([s, plain], BS, POOL, LAYERS, torch.device("cpu"))
+    c = inputs.common
+    assert s.is_decode and c.num_decode_tokens == 4 and not c.prefills
+    assert c.decode_context_lens == [31, 32, 33, 6]
+    assert c.decode_block_tables == [[9, 4], [9, 4], [9, 4, 11], [2]]
+    assert inputs.sample_rows == [2, 3] and inputs.has_row_groups
+    prefill = ScheduledRequest("p", [7, 8, 9], 0, 0, [9], True, SamplingParams(), 0,
+                               decode_rows=True)  # no cached past: a prefill after all
+    assert not prefill.is_decode
+
+
 def test_decodes_must_come_first():
     prefill = ScheduledRequest("p", [1, 2], 0, 0, [5], True, SamplingParams(), 0)
     decode = ScheduledRequest("d", [3], 7, 7, [6], True, SamplingParams(), 0)
