@@ -150,3 +150,19 @@ class BeamSearch:
         ranked = sorted(self.completed + self.beams, reverse=True,
                         key=lambda s: beam_score(s, self.eos, self.params.length_penalty))
         return ranked[:self.params.beam_width]
+
+
+def step_beams(searches: list[BeamSearch]) -> list[tuple[int, BeamSearchSequence]]:
+    """One step's beams to extend, all searches together: (search index, beam)."""
+    return [(i, beam) for i, search in enumerate(searches) for beam in search.live()]
+
+
+def advance_all(searches: list[BeamSearch], beams: list[tuple[int, BeamSearchSequence]],
+                results: list[TokenLogprobs]) -> None:
+    """Each search advanced by its beams' results (`results[k]` is `beams[k]`'s)."""
+    mine: list[list[TokenLogprobs]] = [[] for _ in searches]
+    for (i, _), lp in zip(beams, results, strict=True):
+        mine[i].append(lp)
+    for search, lps in zip(searches, mine):
+        if lps:
+            search.advance(lps)

@@ -8,7 +8,8 @@ from dataclasses import replace
 
 from tqdm.auto import tqdm
 
-from nanokv.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from nanokv.beam_search import (BeamSearch, BeamSearchOutput, BeamSearchParams, advance_all,
+                                step_beams)
 from nanokv.config import EngineConfig
 from nanokv.engine.chat import ChatRenderer, chat_messages
 from nanokv.engine.llm_engine import LLMEngine
@@ -154,21 +155,17 @@ class LLM:
             group = searches[first:first + batch]
             steps = range(params.max_tokens)
             for _ in (tqdm(steps, desc="Beam search", unit="token") if use_tqdm else steps):
-                beams = [(s, b) for s in group for b in s.live()]
+                beams = step_beams(group)
                 if not beams:
                     break
-                requests = [engine.make_request(b.tokens, step, cache_salt=salts[s])
-                            for s, b in beams]
+                requests = [engine.make_request(b.tokens, step, cache_salt=salts[group[i]])
+                            for i, b in beams]
                 outs = self.generate_requests(requests, use_tqdm=False)
-                for search in group:
-                    if search.done:
-                        continue
-                    mine = [o for (s, _), o in zip(beams, outs) if s is search]
-                    for o in mine:
-                        if o.error or not o.outputs[0].logprobs:
-                            raise RuntimeError(f"beam search step failed: "
-                                               f"{o.error or o.finish_reason}")
-                    search.advance([o.outputs[0].logprobs[0] for o in mine])
+                for o in outs:
+                    if o.error or not o.outputs[0].logprobs:
+                        raise RuntimeError(f"beam search step failed: "
+                                           f"{o.error or o.finish_reason}")
+                advance_all(group, beams, [o.outputs[0].logprobs[0] for o in outs])
         results = []
         for search in searches:
             best = search.best()

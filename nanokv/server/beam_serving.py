@@ -9,7 +9,8 @@ import time
 
 from starlette.requests import Request
 
-from nanokv.beam_search import MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams
+from nanokv.beam_search import (MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams, advance_all,
+                                step_beams)
 from nanokv.outputs import CompletionOutput, RequestOutput
 from nanokv.server.protocol import APIError, _SamplingRequest
 
@@ -41,30 +42,26 @@ async def run_beam_search(server, body: _SamplingRequest,
     firsts: list[RequestOutput | None] = [None] * len(searches)
     deadline = time.monotonic() + server.settings.request_timeout
     step = 0
-    while beams := [(i, j, b) for i, s in enumerate(searches) for j, b in enumerate(s.live())]:
+    while beams := step_beams(searches):
         if time.monotonic() > deadline:
             raise APIError(504, f"the beam search did not finish within the server's request "
                                 f"timeout of {server.settings.request_timeout:g} s; it was "
                                 f"aborted", "server_error", code="timeout")
         try:
             requests = [server.engine.make_request(b.tokens, step_params,
-                                                   request_id=f"{request_id}-{i}-beam{step}.{j}",
+                                                   request_id=f"{request_id}-{i}-beam{step}.{k}",
                                                    cache_salt=body.cache_salt, priority=priority)
-                        for i, j, b in beams]
+                        for k, (i, b) in enumerate(beams)]
         except ValueError as e:
             raise APIError(400, str(e), param="cache_salt" if "cache_salt" in str(e) else None,
                            code="invalid_value") from e
         finals, _ = await server.run_to_end(server.open_streams(requests, labels), raw)
-        results: list[list] = [[] for _ in searches]
-        for (i, _, _), out in zip(beams, finals):
+        for (i, _), out in zip(beams, finals):
             if out.error or not out.outputs[0].logprobs:
                 raise APIError(500, f"a beam search step failed: {out.error or 'no output'}",
                                "server_error", code="engine_error")
             firsts[i] = firsts[i] or out
-            results[i].append(out.outputs[0].logprobs[0])
-        for search, lps in zip(searches, results):
-            if lps:
-                search.advance(lps)
+        advance_all(searches, beams, [out.outputs[0].logprobs[0] for out in finals])
         step += 1
     answers = []
     for search, (ids, text, _), first in zip(searches, prompts, firsts):

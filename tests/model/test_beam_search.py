@@ -121,7 +121,7 @@ def test_eos_beams_equal_the_reference(eos_model, hf_model, length_penalty):
     assert llm.engine.scheduler.block_manager.num_used_blocks == 0
 
 
-def test_ignore_eos_and_the_penalty_change_the_ranking_only(eos_model, hf_model):
+def test_ignore_eos_keeps_eos_tokens_as_continuations(eos_model, hf_model):
     path, eos = eos_model
     llm = LLM(path, block_size=BLOCK, num_kv_blocks=256, max_model_len=256)
     out = llm.beam_search(PROMPTS[0], BeamSearchParams(beam_width=3, max_tokens=6,
@@ -129,6 +129,16 @@ def test_ignore_eos_and_the_penalty_change_the_ranking_only(eos_model, hf_model)
     want = reference_beam_search(hf_model, PROMPTS[0], 3, 6, set(eos), True, 1.0)
     assert [s.tokens for s in out.sequences] == [w[0] for w in want]
     assert all(s.finish_reason == "length" for s in out.sequences)
+    # one step: the likely EOS id is a live beam's token with ignore_eos, a finished sequence
+    # without it (the same tokens either way)
+    one = llm.beam_search(PROMPTS[0], BeamSearchParams(beam_width=3, max_tokens=1,
+                                                       ignore_eos=True))[0]
+    assert sum(s.tokens[-1] in eos for s in one.sequences) == 1
+    assert {s.finish_reason for s in one.sequences} == {"length"}
+    ended = llm.beam_search(PROMPTS[0], BeamSearchParams(beam_width=3, max_tokens=1))[0]
+    assert [s.tokens for s in ended.sequences] == [s.tokens for s in one.sequences]
+    assert [s.finish_reason for s in ended.sequences] == [
+        "stop" if s.tokens[-1] in eos else "length" for s in one.sequences]
 
 
 def test_steps_read_earlier_blocks_from_the_prefix_cache(llm, monkeypatch):
