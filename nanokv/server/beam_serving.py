@@ -1,11 +1,14 @@
 """The server's beam search: vLLM's `use_beam_search` on /v1/completions and
 /v1/chat/completions, with n the beam width (`nanokv.beam_search` holds the search). Each step
 opens one engine request per live beam of every prompt and runs them to their end; the answer
-has the n best sequences of each prompt as its choices, not streamed."""
+has the n best sequences of each prompt as its choices: whole, or (chat, stream=true, as vLLM's)
+streamed once the search is done (`beam_search_events`)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from starlette.requests import Request
 
@@ -13,6 +16,7 @@ from nanokv.beam_search import (MAX_BEAM_WIDTH, BeamSearch, BeamSearchParams, ad
                                 step_beams)
 from nanokv.outputs import CompletionOutput, RequestOutput
 from nanokv.server.protocol import APIError, _SamplingRequest
+from nanokv.server.serving import ClientGone
 
 
 def beam_params(body: _SamplingRequest, max_tokens: int) -> BeamSearchParams:
@@ -80,3 +84,18 @@ async def run_beam_search(server, body: _SamplingRequest,
                 metrics=first.metrics))
         answers.append(outs)
     return answers
+
+
+async def beam_search_events(server, body: _SamplingRequest,
+                             prompts: list[tuple[list[int], str | None, int]], request_id: str,
+                             labels: tuple[str, str], raw: Request, priority: int
+                             ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """`run_beam_search`'s choices as a stream's events (index, output), each whole with all
+    its tokens new; none when the client left."""
+    try:
+        answers = await run_beam_search(server, body, prompts, request_id, labels, raw,
+                                        priority)
+    except ClientGone:
+        return
+    for i, out in enumerate(o for outs in answers for o in outs):
+        yield i, replace(out, new_token_ids=list(out.token_ids))

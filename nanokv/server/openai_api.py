@@ -30,7 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanokv.server.beam_serving import run_beam_search
+from nanokv.server.beam_serving import beam_search_events, run_beam_search
 from nanokv.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                     DetokenizeRequest, TokenizeRequest, error_body)
 from nanokv.server.responses_api import ResponsesRequest
@@ -446,9 +446,11 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
                     token_texts(prompt_ids), prompt.thinking)) if parser else None,
                 include_reasoning=body.include_reasoning, echo=body.echo_text(),
                 role=body.answer_role)
+            events, num = (server.events(streams), len(streams)) if not body.use_beam_search \
+                else (beam_search_events(server, body, beam_prompts, rid, prompt.labels, raw,
+                                         server.priority(body, raw)), body.num_choices)
             return EngineStreamingResponse(
-                stream_events(server.events(streams), len(streams), head, body, True,
-                              token_texts, ids, parts), streams)
+                stream_events(events, num, head, body, True, token_texts, ids, parts), streams)
 
         echo = body.echo_text()
 

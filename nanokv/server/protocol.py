@@ -178,7 +178,6 @@ class _SamplingRequest(_Body):
         length_penalty, ignore_eos, include_stop_str_in_output, skip_special_tokens, the
         prompt's fields and the bookkeeping; temperature and seed change nothing in it."""
         given = {
-            "stream": bool(self.stream),
             "top_p": self.top_p not in (None, 1.0), "top_k": self.top_k not in (None, 0, -1),
             "min_p": bool(self.min_p), "repetition_penalty": self.repetition_penalty
             not in (None, 1.0), "presence_penalty": bool(self.presence_penalty),
@@ -192,10 +191,8 @@ class _SamplingRequest(_Body):
             "response_format": self._response_format_constraint() != {}}
         takes = ("takes n (the beam width), max_tokens, length_penalty, ignore_eos, "
                  "include_stop_str_in_output and skip_special_tokens")
-        return [(name, "stream=true is not supported with beam search (use_beam_search=true): "
-                       "its answer comes whole" if name == "stream" else
-                 f"{name} is not applied by beam search (use_beam_search=true), which {takes}")
-                for name, set_ in given.items() if set_]
+        return [(name, f"{name} is not applied by beam search (use_beam_search=true), which "
+                       f"{takes}") for name, set_ in given.items() if set_]
 
     FORMAT_PARAM: ClassVar[str] = "response_format"  # the output format's field (Responses: text)
 
@@ -315,6 +312,10 @@ class CompletionRequest(_SamplingRequest):
 
     def unsupported(self) -> list[tuple[str, str]]:
         bad = super().unsupported()
+        if self.use_beam_search and self.stream:  # vLLM's completions refuse it too
+            bad.insert(0, ("stream", "stream=true is not supported with beam search "
+                                     "(use_beam_search=true) on completions: its answer comes "
+                                     "whole (chat completions stream it when it is done)"))
         if self.suffix:
             bad.append(("suffix", "suffix is not supported"))
         if self.best_of not in (None, self.num_choices):

@@ -54,6 +54,28 @@ def test_chat_choices_are_the_offline_beams(client, offline):
     assert r.usage.completion_tokens == 16
 
 
+def test_a_chat_stream_carries_the_beams_once_the_search_is_done(client, offline):
+    """vLLM's chat streams a beam search's answer (its completions refuse stream): each
+    choice's role first, then its whole text and finish reason, the usage last."""
+    kwargs = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "The sun is"}],
+                  max_tokens=6, n=3)
+    whole = client.chat.completions.create(**kwargs, extra_body={"use_beam_search": True})
+    chunks = list(client.chat.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True},
+        extra_body={"use_beam_search": True}))
+    roles = [c.choices[0].delta.role for c in chunks[:3]]
+    assert roles == ["assistant"] * 3 and [c.choices[0].index for c in chunks[:3]] == [0, 1, 2]
+    texts, reasons = ["", "", ""], [None] * 3
+    for c in chunks[3:-1]:
+        choice = c.choices[0]
+        texts[choice.index] += choice.delta.content or ""
+        reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+    assert texts == [c.message.content for c in whole.choices]
+    assert reasons == [c.finish_reason for c in whole.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 18
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
 @pytest.mark.parametrize("endpoint,extra,param", [
     ("completions", {"stream": True}, "stream"),
     ("completions", {"top_p": 0.5}, "top_p"),
@@ -97,7 +119,33 @@ def test_a_client_leaving_stops_the_search(slow_server):
     idle = server.wait_idle(timeout=10)  # the running step's requests aborted, nothing left
     assert idle[("nanokv:kv_cache_usage_perc", ())] == 0
     left = _finished(server)
-    assert 0 < left - before < 3 * 200  # some steps ran, far from all of them
+    assert 0 < left - before < 300  # some steps ran, far from all (1 + 3 x 199 requests)
     time.sleep(0.3)
     assert _finished(server) == left  # and no step started after the client left
+    server.assert_healthy()
+
+
+def test_a_client_leaving_a_streamed_search_stops_it(slow_server):
+    server = slow_server
+    server.wait_idle()
+    before = _finished(server)
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "def add(a, b):"}],
+            "max_tokens": 200, "n": 3, "ignore_eos": True, "use_beam_search": True,
+            "stream": True}
+    with httpx.Client(timeout=30) as c:
+        with c.stream("POST", server.url + "/v1/chat/completions", headers=server.headers,
+                      json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            # the three roles' events (the blank line after the third waits for more data)
+            got = [line for line, _ in zip(lines, range(5)) if line.startswith("data: ")]
+            assert len(got) == 3 and all('"role":"assistant"' in line for line in got)
+            time.sleep(0.3)  # some steps
+        # leaving the block closes the connection mid-search
+    idle = server.wait_idle(timeout=10)
+    assert idle[("nanokv:kv_cache_usage_perc", ())] == 0
+    left = _finished(server)
+    assert 0 < left - before < 300  # far from all 1 + 3 x 199 of the steps' requests
+    time.sleep(0.3)
+    assert _finished(server) == left  # no step started after the client left
     server.assert_healthy()
