@@ -90,8 +90,7 @@ def build_step_inputs(scheduled: list[ScheduledRequest], block_size: int, num_po
     if capture:
         capture_rows = upload(np.concatenate([np.arange(a, b) for _, a, b in capture]), device)
     return StepInputs(dev[0], dev[1], dev[2], common, sample_rows, capture, capture_rows,
-                      host[1], has_row_groups=any(s.draft_token_ids or s.decode_rows
-                                                 for s in scheduled))
+                      host[1], has_row_groups=int(query_start[num_decode]) != num_decode)
 
 
 def _common(scheduled: list[ScheduledRequest], num_decode: int, lens: np.ndarray,

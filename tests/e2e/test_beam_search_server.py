@@ -107,6 +107,19 @@ def _finished(server) -> float:
                if name == "nanokv:request_success_total")
 
 
+def assert_stopped_early(server, before: float) -> None:
+    """After a client left a search of 200 steps of 3 beams (1 + 3 x 199 requests): the
+    running step's requests aborted and nothing left, some steps ran but far from all, and no
+    step starts after; the block accounting consistent (--check-invariants)."""
+    idle = server.wait_idle(timeout=10)
+    assert idle[("nanokv:kv_cache_usage_perc", ())] == 0
+    left = _finished(server)
+    assert 0 < left - before < 300
+    time.sleep(0.3)
+    assert _finished(server) == left
+    server.assert_healthy()
+
+
 def test_a_client_leaving_stops_the_search(slow_server):
     server = slow_server  # 10 ms more per step: 200 steps of 3 beams take over 2 s
     server.wait_idle()
@@ -116,13 +129,7 @@ def test_a_client_leaving_stops_the_search(slow_server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", headers=server.headers, json=body,
                    timeout=httpx.Timeout(30, read=0.5))
-    idle = server.wait_idle(timeout=10)  # the running step's requests aborted, nothing left
-    assert idle[("nanokv:kv_cache_usage_perc", ())] == 0
-    left = _finished(server)
-    assert 0 < left - before < 300  # some steps ran, far from all (1 + 3 x 199 requests)
-    time.sleep(0.3)
-    assert _finished(server) == left  # and no step started after the client left
-    server.assert_healthy()
+    assert_stopped_early(server, before)
 
 
 def test_a_client_leaving_a_streamed_search_stops_it(slow_server):
@@ -142,10 +149,4 @@ def test_a_client_leaving_a_streamed_search_stops_it(slow_server):
             assert len(got) == 3 and all('"role":"assistant"' in line for line in got)
             time.sleep(0.3)  # some steps
         # leaving the block closes the connection mid-search
-    idle = server.wait_idle(timeout=10)
-    assert idle[("nanokv:kv_cache_usage_perc", ())] == 0
-    left = _finished(server)
-    assert 0 < left - before < 300  # far from all 1 + 3 x 199 of the steps' requests
-    time.sleep(0.3)
-    assert _finished(server) == left  # no step started after the client left
-    server.assert_healthy()
+    assert_stopped_early(server, before)
