@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""Speculative decoding (n-gram drafts) against decoding alone, and Hugging Face transformers'
-prompt lookup decoding (`generate(prompt_lookup_num_tokens=k)`) against its own greedy decoding,
-in the same run: output tokens per second, greedy, one request at a time (the latency case
-drafts are for) and a batch of all prompts at once (nanokv).
+"""Speculative decoding (n-gram drafts, or a draft model's with --draft-model) against decoding
+alone, and Hugging Face transformers' prompt lookup decoding (`generate(prompt_lookup_num_tokens=
+k)`) or assisted generation (`generate(assistant_model=draft)`, k tokens a step, no confidence
+cut) against its own greedy decoding, in the same run: output tokens per second, greedy, one
+request at a time (the latency case drafts are for) and a batch of all prompts at once (nanokv).
 
 The workload copies: each prompt is a random segment of --segment tokens said --repeats-in-prompt
 times, then its first half again, so a model that continues the pattern copies text it has
@@ -12,6 +13,9 @@ reported next to the speed. Every nanokv output is checked equal to decoding alo
     .venv/bin/python benchmarks/bench_speculative.py --model models/nanokv-tiny
     .venv/bin/python benchmarks/bench_speculative.py --model /tmp/qwen3-0.6b-4l-random \\
         --num-threads 2 --out docs/results/speculative
+    # a draft model (benchmarks/make_draft_pair.py makes a pair that agrees often)
+    .venv/bin/python benchmarks/bench_speculative.py --model /tmp/draft-pair/target \\
+        --draft-model /tmp/draft-pair/draft --repeats-in-prompt 1 --num-threads 2
 """
 
 from __future__ import annotations
@@ -43,6 +47,19 @@ def time_nanokv(llm, prompts, params, batched: bool) -> tuple[float, list[list[i
     else:
         outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
     return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
+
+
+def hf_assistant(path: str, k: int):
+    """transformers' assistant model for assisted generation: k draft tokens every step (its
+    constant schedule), no early stop on low confidence (as the engines' drafts)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    draft = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    draft.generation_config.num_assistant_tokens = k
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    return draft
 
 
 def time_hf(model, prompts, output_len: int, lookup: dict) -> tuple[float, list[list[int]]]:
@@ -80,6 +97,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default="512MiB", help="each engine's KV pool")
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help="every nanokv engine's KV cache (auto, int8, fp8, kvquant, kivi)")
+    ap.add_argument("--draft-model", default=None, metavar="DIR",
+                    help="draft tokens from this checkpoint (speculative_config's \"model\"; "
+                         "transformers' assisted generation) instead of n-grams")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", default=None, help="directory for speculative.{json,md}")
     args = ap.parse_args()
@@ -99,16 +119,20 @@ def main() -> None:
                    kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     total = args.prompts * args.output_len
-    rows, results = [], {"model": args.model, "prompts": args.prompts,
+    rows, results = [], {"model": args.model, "draft_model": args.draft_model,
+                         "prompts": args.prompts,
                          "output_len": args.output_len, "per_batch_size": args.per_batch_size,
                          "kv_cache_dtype": args.kv_cache_dtype,
                          "settings": []}
     prompts, reference, base = None, None, {}
     for k in [None, *args.k]:  # one engine at a time: each holds its own weights and pool
-        name = "nanokv" if k is None else f"nanokv ngram k={k}"
-        spec = None if k is None else {"method": "ngram", "num_speculative_tokens": k,
-                                       "prompt_lookup_max": args.prompt_lookup_max,
-                                       "prompt_lookup_min": args.prompt_lookup_min}
+        method = "draft" if args.draft_model else "ngram"
+        name = "nanokv" if k is None else f"nanokv {method} k={k}"
+        spec = None if k is None else (
+            {"model": args.draft_model, "num_speculative_tokens": k} if args.draft_model
+            else {"method": "ngram", "num_speculative_tokens": k,
+                  "prompt_lookup_max": args.prompt_lookup_max,
+                  "prompt_lookup_min": args.prompt_lookup_min})
         if spec is not None and args.per_batch_size is not None:
             spec["num_speculative_tokens_per_batch_size"] = args.per_batch_size
         llm = LLM(args.model, speculative_config=spec, **options)
@@ -145,8 +169,13 @@ def main() -> None:
         hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
         base = None
         for k in [None, *args.k]:
-            lookup = {} if k is None else {"prompt_lookup_num_tokens": k,
-                                           "max_matching_ngram_size": args.prompt_lookup_max}
+            if k is None:
+                lookup = {}
+            elif args.draft_model:
+                lookup = {"assistant_model": hf_assistant(args.draft_model, k)}
+            else:
+                lookup = {"prompt_lookup_num_tokens": k,
+                          "max_matching_ngram_size": args.prompt_lookup_max}
             time_hf(hf, prompts[:1], 4, lookup)
             times = []
             for _ in range(args.repeats):
@@ -156,7 +185,8 @@ def main() -> None:
             del outs
             median = statistics.median(times)
             base = base or median
-            name = "HF transformers" + ("" if k is None else f" prompt lookup k={k}")
+            how = "assisted" if args.draft_model else "prompt lookup"
+            name = "HF transformers" + ("" if k is None else f" {how} k={k}")
             rows.append(("one at a time", name, total / median, base / median,
                          None if same else "tokens differ"))
             results["settings"].append({"mode": "one at a time", "engine": name, "k": k,
@@ -175,7 +205,8 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "speculative.json").write_text(json.dumps(results, indent=2))
         (out / "speculative.md").write_text(
-            f"model {args.model}, {args.prompts} prompts of {len(prompts[0])} tokens, "
+            f"model {args.model}, draft model {args.draft_model}, "
+            f"{args.prompts} prompts of {len(prompts[0])} tokens, "
             f"{args.output_len} output tokens, greedy, torch threads "
             f"{results['torch_threads']}, medians of {args.repeats}, KV cache "
             f"{args.kv_cache_dtype}, "

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """vLLM (CPU build) on `bench_speculative.py`'s workload: n-gram speculative decoding
-(`speculative_config={"method": "ngram", ...}`) against vLLM's decoding alone, one request at a
-time and a batch of all prompts, greedy, float32, the same prompts (`make_prompts`, loaded by
-path: nanokv is not installed in vLLM's venv). One engine per run (`--k 0`: no drafts).
+(`speculative_config={"method": "ngram", ...}`), or a draft model's (`--draft-model DIR`:
+`{"model": DIR, ...}`), against vLLM's decoding alone, one request at a time and a batch of
+all prompts, greedy, float32, the same prompts (`make_prompts`, loaded by path: nanokv is not
+installed in vLLM's venv). One engine per run (`--k 0`: no drafts).
 
 Run with the vLLM venv made by benchmarks/setup_vllm.sh, not the project's:
 
@@ -47,6 +48,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--prompt-lookup-max", type=int, default=3)
     ap.add_argument("--prompt-lookup-min", type=int, default=1)
+    ap.add_argument("--draft-model", default=None, metavar="DIR",
+                    help="draft tokens from this checkpoint instead of n-grams")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs of each mode")
     ap.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--max-model-len", type=int, default=None,
@@ -66,9 +69,11 @@ def main() -> None:
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     prompts = make_prompts_fn()(vocab, args.prompts, args.segment, args.repeats_in_prompt, 0)
     longest = max(len(p) for p in prompts) + args.output_len
-    spec = None if args.k == 0 else {"method": "ngram", "num_speculative_tokens": args.k,
-                                     "prompt_lookup_max": args.prompt_lookup_max,
-                                     "prompt_lookup_min": args.prompt_lookup_min}
+    spec = None if args.k == 0 else (
+        {"model": args.draft_model, "num_speculative_tokens": args.k} if args.draft_model
+        else {"method": "ngram", "num_speculative_tokens": args.k,
+              "prompt_lookup_max": args.prompt_lookup_max,
+              "prompt_lookup_min": args.prompt_lookup_min})
     t0 = time.perf_counter()
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype="float32",
               max_model_len=args.max_model_len or -(-longest // 256) * 256,
@@ -78,7 +83,8 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     llm.generate(inputs[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    result = {"engine": "vllm", "k": args.k, "model": args.model, "prompts": args.prompts,
+    result = {"engine": "vllm", "k": args.k, "model": args.model,
+              "draft_model": args.draft_model, "prompts": args.prompts,
               "prompt_len": len(prompts[0]), "output_len": args.output_len,
               "startup_s": startup, "modes": {}}
     total = args.prompts * args.output_len

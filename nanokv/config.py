@@ -157,10 +157,15 @@ class EngineConfig:
               "\"num_speculative_tokens_per_batch_size\": [[first, last, k], ...] (k by "
               "the running batch size, vLLM's)}: each decoding request "
               "drafts up to k tokens a step from the first occurrence of the longest "
-              "n-gram ending its tokens (m <= n), verified in one forward pass; the output is "
+              "n-gram ending its tokens (m <= n), verified in one forward pass; or "
+              "{\"model\": DIR, \"num_speculative_tokens\": k} (method \"draft_model\"): "
+              "a smaller checkpoint with the model's vocabulary, KV heads and head size drafts "
+              "k tokens greedily (its layers held in the same KV pool; float, int8 or fp8 "
+              "caches, one process); the output is "
               "the one decoding alone gives (greedy, and seeded sampling token for token). "
               "Not with KV policies; structured outputs, bad_words and min_tokens constrain "
-              "every draft row", type="json")
+              "every draft row (n-grams; a draft model drafts none for requests with "
+              "structured outputs or bad_words)", type="json")
 
     @classmethod
     def from_kwargs(cls, model: str, **options) -> "EngineConfig":

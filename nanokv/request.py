@@ -132,6 +132,9 @@ class Request:
         # speculative decoding: its tokens for n-gram drafts (`nanokv.spec.NgramIndex`), made
         # when it first drafts
         self.ngram_index = None
+        # draft-model speculation: the draft model's K/V of this request is written up to this
+        # position (`nanokv.spec.draft_model`); None before its first step
+        self.draft_kv_end: int | None = None
         # what the request held when it finished (the metrics and the eval harness read these)
         self.final_kv_blocks = 0
         self.final_kv_slots = 0

@@ -79,3 +79,25 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> tuple[list[in
                                 pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     tokens = out.sequences[0, len(prompt):].tolist()
     return tokens, torch.stack([step[0] for step in out.logits]).float()
+
+
+def build_noisy_copy(src: str, out_dir: str, scale: float, seed: int = 7) -> str:
+    """A copy of the checkpoint at `src` with Gaussian noise of std `scale` added to every
+    matrix: a draft model that agrees with it often, not always (config and tokenizer
+    copied)."""
+    import glob
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(src):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(src, name), out_dir)
+    gen = torch.Generator().manual_seed(seed)
+    for path in glob.glob(os.path.join(src, "*.safetensors")):
+        weights = {name: w + scale * torch.randn(w.shape, generator=gen) if w.dim() == 2 else w
+                   for name, w in load_file(path).items()}
+        save_file(weights, os.path.join(out_dir, os.path.basename(path)),
+                  metadata={"format": "pt"})
+    return out_dir

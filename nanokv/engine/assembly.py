@@ -34,6 +34,8 @@ from nanokv.engine.kv_cache_plan import (
     estimate_activation_bytes,
     kv_budget,
 )
+from nanokv.models.registry import model_class
+from nanokv.worker.loader import load_hf_config
 from nanokv.worker.profiler import measure_activation_bytes
 from nanokv.policies.base import PolicyConfig, policy_class
 from nanokv.utils import cdiv, head_dim_of
@@ -49,6 +51,7 @@ class EngineParts:
     kv_cache_settings: dict
     default_policy: PolicyConfig | None
     max_model_len_given: bool  # False: it may be lowered to what the pool holds
+    draft_layers: int = 0  # a draft model's layers, held in the pool after the model's
 
 
 def engine_policy(config: EngineConfig) -> PolicyConfig | None:
@@ -71,8 +74,12 @@ def resolve_parts(config: EngineConfig, hf_config) -> EngineParts:
     if config.attention_backend not in names:
         raise ValueError(f"attention_backend must be one of {names}, "
                          f"got {config.attention_backend!r}")
+    spec = config.speculative
+    draft_layers = 0
+    if spec is not None and spec.method == "draft_model":
+        draft_layers = check_draft_model(config, hf_config, spec.model)
     # dtype is not known before loading; the settings do not depend on it
-    layout = KVLayout(hf_config.num_hidden_layers, hf_config.num_key_value_heads,
+    layout = KVLayout(hf_config.num_hidden_layers + draft_layers, hf_config.num_key_value_heads,
                       head_dim_of(hf_config), config.block_size, torch.float32)
     kv_class, settings = kv_cache_settings(
         KVCacheOptions(config.kv_cache_dtype, config.max_num_seqs, config.kv_quant_bits,
@@ -83,9 +90,41 @@ def resolve_parts(config: EngineConfig, hf_config) -> EngineParts:
         check_policy_support(kv_class, built)
     elif config.kv_policy is not None and config.kv_policy != "full":
         policy_class(config.kv_policy)
-    if config.speculative_config is not None:
+    if spec is not None:
         check_speculation(config, kv_class, policy)
-    return EngineParts(kv_class, settings, policy, given)
+    return EngineParts(kv_class, settings, policy, given, draft_layers)
+
+
+def check_draft_model(config: EngineConfig, hf_config, path: str) -> int:
+    """A draft model's checkpoint against the model's, before either is loaded: its layers
+    share the model's KV pool (the same KV heads and head size), its token ids are the model's
+    (the same vocabulary size), it covers max_model_len, it runs in this process. Returns its
+    layer count."""
+    name = "speculative_config model"
+    if config.tensor_parallel_size != 1:
+        raise ValueError(f"a draft model ({name}) runs with tensor_parallel_size 1 only, got "
+                         f"{config.tensor_parallel_size}; use method \"ngram\" under tensor "
+                         f"parallelism")
+    try:
+        draft, arch = load_hf_config(path)
+        model_class(arch)
+    except ValueError as e:
+        raise ValueError(f"{name} {path!r}: {e}") from None
+    shape = (draft.num_key_value_heads, head_dim_of(draft))
+    target = (hf_config.num_key_value_heads, head_dim_of(hf_config))
+    if shape != target:
+        raise ValueError(f"{name} {path!r} has {shape[0]} KV heads of {shape[1]} channels, the "
+                         f"model {target[0]} of {target[1]}: a draft model's layers share the "
+                         f"model's KV pool, so both must match")
+    if draft.vocab_size != hf_config.vocab_size:
+        raise ValueError(f"{name} {path!r} has a vocabulary of {draft.vocab_size} tokens, the "
+                         f"model {hf_config.vocab_size}: a draft model must share the model's "
+                         f"token ids")
+    if draft.max_position_embeddings < config.max_model_len:
+        raise ValueError(f"{name} {path!r} covers {draft.max_position_embeddings} positions "
+                         f"(max_position_embeddings), less than max_model_len "
+                         f"{config.max_model_len}; lower max_model_len")
+    return int(draft.num_hidden_layers)
 
 
 def check_speculation(config: EngineConfig, kv_class: type[KVCache],
@@ -99,6 +138,12 @@ def check_speculation(config: EngineConfig, kv_class: type[KVCache],
         raise ValueError(f"speculative_config needs a KV cache whose slots a rejected draft "
                          f"token leaves can be written again: kv_cache_dtype one of {allowed}, "
                          f"got {config.kv_cache_dtype!r}")
+    if config.speculative.method == "draft_model" and kv_class.quantizes_full_blocks:
+        allowed = [d for d in KV_CACHE_DTYPES if kv_cache_class(d).supports_speculation
+                   and not kv_cache_class(d).quantizes_full_blocks]
+        raise ValueError(f"a draft model's layers share the KV cache, whose block statistics "
+                         f"and staging are the model's: kv_cache_dtype one of {allowed} with a "
+                         f"draft model, got {config.kv_cache_dtype!r}")
     if policy is not None:
         raise ValueError(f"speculative_config does not go with a KV policy (kv_policy "
                          f"{config.kv_policy!r}: its scores and evictions would see draft "
@@ -201,7 +246,8 @@ def startup_report(config: EngineConfig, model, device: torch.device, dtype_note
         by_batch = "" if spec.per_batch_size is None else " (by batch size: " + ", ".join(
             f"{first}-{last}: {min(k, spec.num_speculative_tokens)}"
             for first, last, k in spec.per_batch_size) + ")"
+        source = (f"from n-grams of {spec.prompt_lookup_min}-{spec.prompt_lookup_max} tokens"
+                  if spec.method == "ngram" else f"from the draft model {spec.model}")
         lines.append(f"speculative decoding: {spec.method}, up to {spec.num_speculative_tokens} "
-                     f"draft tokens a step{by_batch} from n-grams of {spec.prompt_lookup_min}-"
-                     f"{spec.prompt_lookup_max} tokens")
+                     f"draft tokens a step{by_batch} {source}")
     return lines

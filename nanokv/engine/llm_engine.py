@@ -34,6 +34,7 @@ from nanokv.outputs import CompletionOutput, RequestOutput
 from nanokv.request import Request, RequestStatus
 from nanokv.sampling_params import SamplingParams
 from nanokv.scheduler.scheduler import Scheduler
+from nanokv.spec.draft_model import DraftModelProposer
 from nanokv.utils import head_dim_of
 
 logger = logging.getLogger("nanokv")
@@ -98,8 +99,16 @@ class LLMEngine:
         if self.device.type == "cpu":  # reuse freed activation memory (cpu_memory.py)
             tune_glibc_malloc()
 
+        self.draft_model = None  # draft-model speculation: its layers follow the model's
+        if parts.draft_layers:
+            self.draft_model = load_model(config.speculative.model,
+                                          str(self.dtype).removeprefix("torch."), config.device,
+                                          skip_tokenizer_init=True,
+                                          max_positions=config.max_model_len,
+                                          linear_backend=config.linear_backend).model
         cfg = self.hf_config
-        self.layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads // tp_size,
+        self.layout = KVLayout(cfg.num_hidden_layers + parts.draft_layers,
+                               cfg.num_key_value_heads // tp_size,
                                head_dim_of(cfg), config.block_size, self.dtype)
         spec = parts.kv_cache_class.spec(self.layout, parts.kv_cache_settings)
         plan_spec = spec
@@ -138,6 +147,10 @@ class LLMEngine:
                                   max_model_len=config.max_model_len)
         if self.executor is not None:
             self.runner = self.executor.runner(self.runner)
+        self.drafter = None
+        if self.draft_model is not None:
+            self.drafter = DraftModelProposer(self.draft_model, self.runner,
+                                              layer_offset=cfg.num_hidden_layers)
         scoring = None  # a policy's extra forward pass (KVzip): one process only
         if self.executor is None:
             scoring = ScoringPass(self.runner.score_forward, self._encode_plain,
@@ -329,6 +342,8 @@ class LLMEngine:
         if sched.is_empty:
             return [self._output(request, []) for request in failed]
         try:
+            if self.drafter is not None:
+                self.drafter.propose(sched, self.scheduler.requests)
             runner_out = self.runner.execute(sched)
         except Exception:
             # the step's K/V may be half written: free its requests and forget their hashes

@@ -27,6 +27,7 @@ from nanokv.request import Request, RequestStatus
 from nanokv.scheduler.output import (RunnerOutput, ScheduledRequest, SchedulerOutput,
                                      SchedulerStats)
 from nanokv.spec.config import SpeculativeConfig
+from nanokv.spec.draft_model import PENDING_DRAFT
 from nanokv.spec.ngram import NgramIndex
 from nanokv.spec.stats import SpecDecodeStats
 
@@ -196,7 +197,8 @@ class Scheduler:
 
     def _drafts(self, request: Request, num_new: int, budget: int, reserved: int,
                 k: int) -> tuple[list[int], np.ndarray | None]:
-        """Speculative decoding: the n-gram drafts a decoding request verifies this step, with
+        """Speculative decoding: the drafts a decoding request verifies this step (n-grams, or
+        a draft model's: k placeholders the proposer fills before the forward pass), with
         their slots (and its token's) allocated, and a structured request's bitmask of each
         sampling row (`RequestGrammar.draft_rows`: the drafts its grammar refuses are cut);
         ([], None) when it drafts none (the caller allocates its one token as any other,
@@ -217,10 +219,18 @@ class Scheduler:
             k = min(k, bs - 1 - (request.num_cached_slots + 1) % bs)
         if k < 1:
             return [], None
-        if request.ngram_index is None:
-            request.ngram_index = NgramIndex()
-        request.ngram_index.sync(request.prompt_token_ids, request.output_token_ids)
-        drafts = request.ngram_index.propose(spec.prompt_lookup_min, spec.prompt_lookup_max, k)
+        if spec.method == "draft_model":
+            # the draft model fills them in before the forward pass (`DraftModelProposer`);
+            # rows whose masks depend on the drafts' tokens are not known here: none for them
+            if request.grammar is not None or request.bad_words_token_ids:
+                return [], None
+            drafts = [PENDING_DRAFT] * k
+        else:
+            if request.ngram_index is None:
+                request.ngram_index = NgramIndex()
+            request.ngram_index.sync(request.prompt_token_ids, request.output_token_ids)
+            drafts = request.ngram_index.propose(spec.prompt_lookup_min, spec.prompt_lookup_max,
+                                                 k)
         bitmasks = None
         if drafts and request.grammar is not None:
             drafts, bitmasks = request.grammar.draft_rows(drafts)
@@ -407,7 +417,13 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.num_recomputed_tokens += request.num_computed_tokens
-        self.block_manager.free(request, reason="preemption")
+        bm = self.block_manager
+        if request.draft_kv_end is not None and request.draft_kv_end < request.num_computed_tokens:
+            # a draft model's K/V lags at its last accepted draft (`nanokv.spec.draft_model`):
+            # that block and those after it are no prefix for a later hit
+            bm.mark_content_changed(request, request.draft_kv_end // bm.block_size)
+        request.draft_kv_end = None
+        bm.free(request, reason="preemption")
         request.num_computed_tokens = 0
         request.num_evicted_tokens = 0
         request.compressed = False  # the recomputed cache is compressed again

@@ -1,6 +1,7 @@
 """`speculative_config`, vLLM's form: {"method": "ngram", "num_speculative_tokens": k,
 "prompt_lookup_max": n, "prompt_lookup_min": m, "num_speculative_tokens_per_batch_size":
-[[first, last, k], ...]}."""
+[[first, last, k], ...]}, or a draft model: {"model": path, "num_speculative_tokens": k}
+("method": "draft_model", implied by "model" as vLLM does)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,20 @@ from dataclasses import dataclass
 
 from nanokv.validation import check_int
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-        "num_speculative_tokens_per_batch_size")
+        "num_speculative_tokens_per_batch_size", "model", "draft_tensor_parallel_size")
+NGRAM_KEYS = ("prompt_lookup_max", "prompt_lookup_min")  # read by method "ngram" only
 MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """k draft tokens a step per decoding request, from the longest n-gram (prompt_lookup_min
-    <= n <= prompt_lookup_max) that ends its tokens and occurred in them before: the tokens that
-    followed its first occurrence."""
+    """k draft tokens a step per decoding request: method "ngram", from the longest n-gram
+    (prompt_lookup_min <= n <= prompt_lookup_max) that ends its tokens and occurred in them
+    before (the tokens that followed its first occurrence); method "draft_model", the greedy
+    continuation of `model` (a smaller checkpoint of the same vocabulary, `nanokv/spec/
+    draft_model.py`)."""
 
     num_speculative_tokens: int
     prompt_lookup_max: int
@@ -27,6 +31,7 @@ class SpeculativeConfig:
     # vLLM's dynamic speculative decoding: (first, last, k) inclusive ranges of batch sizes,
     # sorted, from 1, k >= 0 (capped at num_speculative_tokens); None: k at every batch size
     per_batch_size: tuple[tuple[int, int, int], ...] | None = None
+    model: str | None = None  # the draft model's checkpoint directory (method "draft_model")
 
     def tokens_for_batch(self, batch_size: int) -> int:
         """Draft tokens per request in a step of batch_size requests: the k of the range that
@@ -51,10 +56,27 @@ class SpeculativeConfig:
         unknown = sorted(set(given) - set(KEYS))
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {list(KEYS)}")
-        method = given.get("method", "ngram")
+        model = given.get("model")
+        method = given.get("method", "draft_model" if model is not None else "ngram")
         if method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {list(METHODS)} (drafts "
-                             f"from n-grams of the request's own tokens), got {method!r}")
+                             f"from n-grams of the request's own tokens, or from a draft model "
+                             f"given as \"model\"), got {method!r}")
+        if method == "draft_model":
+            if not isinstance(model, str) or not model.strip():
+                raise ValueError(f"speculative_config method \"draft_model\" needs \"model\": "
+                                 f"the draft checkpoint's directory, got {model!r}")
+            given_ngram = [key for key in NGRAM_KEYS if key in given]
+            if given_ngram:
+                raise ValueError(f"speculative_config {given_ngram} apply to method \"ngram\" "
+                                 f"only, not to a draft model")
+            tp = given.get("draft_tensor_parallel_size", 1)
+            if tp != 1 or isinstance(tp, bool):
+                raise ValueError(f"speculative_config draft_tensor_parallel_size must be 1 (the "
+                                 f"draft model runs in one process), got {tp!r}")
+        elif model is not None or "draft_tensor_parallel_size" in given:
+            raise ValueError(f"speculative_config \"model\" and \"draft_tensor_parallel_size\" "
+                             f"apply to method \"draft_model\" only, got method {method!r}")
         if "num_speculative_tokens" not in given:
             raise ValueError("speculative_config needs num_speculative_tokens (draft tokens a "
                              "step, 1-16)")
@@ -72,7 +94,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config prompt_lookup_min ({low}) must be <= "
                              f"prompt_lookup_max ({high})")
         schedule = given.get("num_speculative_tokens_per_batch_size")
-        return cls(k, high, low, method, None if schedule is None else _batch_schedule(schedule))
+        return cls(k, high, low, method, None if schedule is None else _batch_schedule(schedule),
+                   model)
 
 
 def _batch_schedule(given) -> tuple[tuple[int, int, int], ...]:
