@@ -164,8 +164,8 @@ class EngineConfig:
               "caches, one process); the output is "
               "the one decoding alone gives (greedy, and seeded sampling token for token). "
               "Not with KV policies; structured outputs, bad_words and min_tokens constrain "
-              "every draft row (n-grams; a draft model drafts none for requests with "
-              "structured outputs or bad_words)", type="json")
+              "every draft row (a draft model's drafts are its greedy tokens under those "
+              "constraints)", type="json")
 
     @classmethod
     def from_kwargs(cls, model: str, **options) -> "EngineConfig":

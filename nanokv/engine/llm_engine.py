@@ -150,7 +150,8 @@ class LLMEngine:
         self.drafter = None
         if self.draft_model is not None:
             self.drafter = DraftModelProposer(self.draft_model, self.runner,
-                                              layer_offset=cfg.num_hidden_layers)
+                                              layer_offset=cfg.num_hidden_layers,
+                                              constraints=self.scheduler.draft_constraints)
         scoring = None  # a policy's extra forward pass (KVzip): one process only
         if self.executor is None:
             scoring = ScoringPass(self.runner.score_forward, self._encode_plain,
@@ -343,7 +344,10 @@ class LLMEngine:
             return [self._output(request, []) for request in failed]
         try:
             if self.drafter is not None:
-                self.drafter.propose(sched, self.scheduler.requests)
+                drafts = self.drafter.propose(sched, self.scheduler.requests)
+                for s in sched.scheduled:
+                    if s.request_id in drafts:
+                        self.scheduler.fill_drafts(s, drafts[s.request_id])
             runner_out = self.runner.execute(sched)
         except Exception:
             # the step's K/V may be half written: free its requests and forget their hashes

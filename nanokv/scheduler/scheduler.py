@@ -27,7 +27,7 @@ from nanokv.request import Request, RequestStatus
 from nanokv.scheduler.output import (RunnerOutput, ScheduledRequest, SchedulerOutput,
                                      SchedulerStats)
 from nanokv.spec.config import SpeculativeConfig
-from nanokv.spec.draft_model import PENDING_DRAFT
+from nanokv.spec.draft_model import PENDING_DRAFT, RowConstraints
 from nanokv.spec.ngram import NgramIndex
 from nanokv.spec.stats import SpecDecodeStats
 
@@ -198,7 +198,7 @@ class Scheduler:
     def _drafts(self, request: Request, num_new: int, budget: int, reserved: int,
                 k: int) -> tuple[list[int], np.ndarray | None]:
         """Speculative decoding: the drafts a decoding request verifies this step (n-grams, or
-        a draft model's: k placeholders the proposer fills before the forward pass), with
+        a draft model's: k placeholders, `fill_drafts` before the forward pass), with
         their slots (and its token's) allocated, and a structured request's bitmask of each
         sampling row (`RequestGrammar.draft_rows`: the drafts its grammar refuses are cut);
         ([], None) when it drafts none (the caller allocates its one token as any other,
@@ -219,11 +219,8 @@ class Scheduler:
             k = min(k, bs - 1 - (request.num_cached_slots + 1) % bs)
         if k < 1:
             return [], None
-        if spec.method == "draft_model":
-            # the draft model fills them in before the forward pass (`DraftModelProposer`);
-            # rows whose masks depend on the drafts' tokens are not known here: none for them
-            if request.grammar is not None or request.bad_words_token_ids:
-                return [], None
+        bitmasks = None
+        if spec.method == "draft_model":  # placeholders until `fill_drafts`
             drafts = [PENDING_DRAFT] * k
         else:
             if request.ngram_index is None:
@@ -231,13 +228,42 @@ class Scheduler:
             request.ngram_index.sync(request.prompt_token_ids, request.output_token_ids)
             drafts = request.ngram_index.propose(spec.prompt_lookup_min, spec.prompt_lookup_max,
                                                  k)
-        bitmasks = None
-        if drafts and request.grammar is not None:
-            drafts, bitmasks = request.grammar.draft_rows(drafts)
+            if drafts and request.grammar is not None:
+                drafts, bitmasks = request.grammar.draft_rows(drafts)
         if not drafts or not self.block_manager.allocate_slots(request, 1 + len(drafts),
                                                                keep_free=reserved):
             return [], None if bitmasks is None else bitmasks[:1]
         return drafts, bitmasks
+
+    def draft_constraints(self, request_id: str, drafts: list[int]) -> RowConstraints | None:
+        """What a draft model's next draft for a request may be: its sampling row after
+        `drafts` (its grammar's bitmask after them, the bans of min_tokens and bad words);
+        None when its grammar refuses or ends at one of `drafts` (no later draft is kept)."""
+        request = self.requests[request_id]
+        bitmask = None
+        if request.grammar is not None:
+            kept, masks = request.grammar.draft_rows(drafts)
+            if len(kept) < len(drafts):
+                return None
+            bitmask = None if masks is None else masks[-1]
+        banned = self._banned(request, drafts)
+        return RowConstraints(bitmask, banned[-1] if banned else ())
+
+    def fill_drafts(self, s: ScheduledRequest, drafts: list[int]) -> None:
+        """A draft model's drafts for a step whose k draft slots `_drafts` allocated with
+        placeholders, and the sampling rows that depend on their tokens: a structured request's
+        drafts cut before the first its grammar refuses, with each row's bitmask; the bans of
+        bad words after the drafts before each row. Slots of drafts cut stay allocated and
+        unused this step (written again later, as a rejected draft's)."""
+        request = self.requests[s.request_id]
+        if request.grammar is not None:
+            drafts, bitmasks = request.grammar.draft_rows(drafts)
+            if bitmasks is not None:
+                s.allowed_token_bitmask = bitmasks
+        own = s.num_tokens - len(s.draft_token_ids)
+        s.token_ids = s.token_ids[:own] + drafts
+        s.draft_token_ids = list(drafts)
+        s.banned_token_ids = self._banned(request, drafts)
 
     def _reserve_for_policy(self, request: Request, index: int, preempted: list[Request],
                             reserved: int) -> int:

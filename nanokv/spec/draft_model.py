@@ -15,7 +15,10 @@ pass, the proposer runs the draft model
        accepted (the draft model gave it, never took it in); the drafting requests' last rows
        give their first drafts;
     2. k - 1 single-token passes over the drafting requests, pass i over draft i at its slot,
-       its row giving draft i + 1 (vLLM's k passes a step).
+       its row giving draft i + 1 (vLLM's k passes a step);
+
+then `Scheduler.fill_drafts` puts them in the step, with the rows that depend on their tokens
+(a structured request's drafts cut before the first its grammar refuses, bad words' bans).
 
 `Request.draft_kv_end` is how far the draft model wrote a request's K/V (a rejected draft's slot
 is written again by both models). The one slot it may lag behind, a request's last accepted
@@ -26,31 +29,52 @@ allocates no more; a preempted one unregisters the block (`Scheduler._preempt`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nanokv.attention.common import StepAttention
+from nanokv.layers.batch_sampling import apply_token_bitmasks, ban_tokens, shape_logits_batch
 from nanokv.scheduler.output import ScheduledRequest, SchedulerOutput
 
 PENDING_DRAFT = -1  # a draft slot the draft model has not filled yet (never an input id)
 
 
+@dataclass(frozen=True)
+class RowConstraints:
+    """What a request's sampling row after some drafts may give: its grammar's bitmask (int32
+    words, None: free) and its banned token ids (min_tokens, bad words)."""
+
+    bitmask: np.ndarray | None = None
+    banned: tuple[int, ...] = ()
+
+
 class DraftModelProposer:
-    def __init__(self, model: torch.nn.Module, runner, layer_offset: int) -> None:
+    def __init__(self, model: torch.nn.Module, runner, layer_offset: int,
+                 constraints: Callable[[str, list[int]], RowConstraints | None]) -> None:
         """model: the draft model, loaded; runner: the model's `ModelRunner` (its step inputs
         and attention backend over the shared pool); layer_offset: the pool layer of the draft
-        model's first layer (the model's layer count). Sets the draft layers' pool indexes."""
+        model's first layer (the model's layer count); constraints(request id, drafts so far):
+        what the row after those drafts may sample, None when they cannot be kept
+        (`Scheduler.draft_constraints`). Sets the draft layers' pool indexes."""
         self.model = model
         self.runner = runner
+        self.constraints = constraints
         for index, attention in enumerate(model.attention_layers()):
             attention.layer_index = layer_offset + index
 
     @torch.inference_mode()
-    def propose(self, sched: SchedulerOutput, requests: Mapping[str, object]) -> None:
-        """Fill the step's drafts in place (each drafting request's `token_ids` tail and
-        `draft_token_ids`), writing the draft model's K/V of the step's known tokens and its
-        drafts but the last. `requests`: the scheduler's, by id."""
+    def propose(self, sched: SchedulerOutput,
+                requests: Mapping[str, object]) -> dict[str, list[int]]:
+        """Each drafting request's drafts (request id -> at most as many tokens as it has
+        draft slots: fewer where its constraints refuse the drafts so far), writing the draft
+        model's K/V of the step's known tokens and of its drafts but the last. Each draft is
+        the draft model's greedy token among those its row may sample (the request's grammar,
+        bans, allowed_token_ids and logit_bias, as the model's row will be constrained).
+        `requests`: the scheduler's, by id. The caller puts the drafts in the step
+        (`Scheduler.fill_drafts`)."""
         known = []  # pass 1: the step's tokens but the drafts, after what the draft model lacks
         for s in sched.scheduled:
             request = requests[s.request_id]
@@ -63,33 +87,49 @@ class DraftModelProposer:
                                           s.start_slot - (start - begin), s.block_table,
                                           sample=k > 0, params=s.params, output_index=0,
                                           decode_rows=begin < start))
-            # a drafting request's drafts but the last are written below
-            request.draft_kv_end = start + s.num_tokens - (1 if k else 0)
+            request.draft_kv_end = start + s.num_tokens - k  # a drafting one's: below
         drafting = [s for s in sched.scheduled if s.draft_token_ids]
-        proposed = self._forward(known)
-        drafted = {s.request_id: [proposed[s.request_id]] for s in drafting}
-        for i in range(1, max((len(s.draft_token_ids) for s in drafting), default=0)):
-            step = [ScheduledRequest(s.request_id, [drafted[s.request_id][i - 1]],
-                                     s.start_position + i, s.start_slot + i, s.block_table,
-                                     sample=True, params=s.params, output_index=0)
-                    for s in drafting if len(s.draft_token_ids) > i]
-            for request_id, token in self._forward(step).items():
+        drafted: dict[str, list[int]] = {s.request_id: [] for s in drafting}
+        rows = {s.request_id: self.constraints(s.request_id, []) for s in drafting}
+        step = known  # pass 1 always: the draft model's K/V follows the model's
+        for i in range(max([1, *(len(s.draft_token_ids) for s in drafting)])):
+            if i:  # pass i + 1: draft i at its slot, for those whose drafts so far are kept
+                going = [s for s in drafting if len(s.draft_token_ids) > i]
+                rows = {s.request_id: self.constraints(s.request_id, drafted[s.request_id])
+                        for s in going}
+                drafting = [s for s in going if rows[s.request_id] is not None]
+                if not drafting:
+                    break
+                step = [ScheduledRequest(s.request_id, [drafted[s.request_id][-1]],
+                                         s.start_position + i, s.start_slot + i, s.block_table,
+                                         sample=True, params=s.params, output_index=0)
+                        for s in drafting]
+            for request_id, token in self._forward(step, rows).items():
                 drafted[request_id].append(token)
-        for s in drafting:
-            s.draft_token_ids = drafted[s.request_id]
-            s.token_ids[-len(s.draft_token_ids):] = s.draft_token_ids
+        for request_id, d in drafted.items():  # K/V written up to its last draft
+            requests[request_id].draft_kv_end = requests[request_id].num_computed_tokens + len(d)
+        return drafted
 
-    def _forward(self, scheduled: list[ScheduledRequest]) -> dict[str, int]:
+    def _forward(self, scheduled: list[ScheduledRequest],
+                 rows: dict[str, RowConstraints]) -> dict[str, int]:
         """One forward pass of the draft model over `scheduled` (any order): request id -> the
-        greedy token of its last row, for the requests that sample."""
+        greedy token of its last row within `rows[request id]`, for the requests that sample."""
         scheduled = sorted(scheduled, key=lambda s: not s.is_decode)  # decodes first
         inputs = self.runner.inputs(SchedulerOutput(scheduled))
         backend = self.runner.backend
         step = StepAttention(backend, backend.build(inputs.common))
         hidden, _ = self.model(inputs.input_ids, inputs.positions, step)  # [T, hidden]
-        sampling = [s.request_id for s in scheduled if s.sample]
+        sampling = [s for s in scheduled if s.sample]
         if not sampling:
             return {}
-        rows = torch.tensor(inputs.sample_rows, device=hidden.device)
-        logits = self.model.compute_logits(hidden[rows])  # [N, vocab]
-        return dict(zip(sampling, logits.argmax(dim=-1).tolist()))
+        index = torch.tensor(inputs.sample_rows, device=hidden.device)
+        logits = self.model.compute_logits(hidden[index])  # [N, vocab]
+        logits = shape_logits_batch(logits, [s.params for s in sampling])
+        bitmasks = [rows[s.request_id].bitmask for s in sampling]
+        if any(m is not None for m in bitmasks):
+            logits = apply_token_bitmasks(logits, bitmasks)
+        banned = [rows[s.request_id].banned for s in sampling]
+        if any(banned):  # in place: these logits are the draft model's own
+            logits = ban_tokens(logits, banned, raw=None)
+        return {s.request_id: token
+                for s, token in zip(sampling, logits.argmax(dim=-1).tolist())}

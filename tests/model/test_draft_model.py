@@ -31,17 +31,16 @@ def spec(draft: str, k: int = 4) -> dict:
 
 
 def record_drafts(engine) -> list[tuple[str, list[int], list[int]]]:
-    """(request id, its tokens, the drafts it was given) for each drafting request of each
-    step, as the proposer fills them in."""
+    """(request id, its tokens, the drafts the draft model proposed) for each drafting request
+    of each step."""
     records = []
     propose = engine.drafter.propose
 
     def recording(sched, requests):
-        propose(sched, requests)
-        for s in sched.scheduled:
-            if s.draft_token_ids:
-                request = engine.scheduler.requests[s.request_id]
-                records.append((s.request_id, request.all_token_ids, list(s.draft_token_ids)))
+        drafts = propose(sched, requests)
+        records.extend((request_id, requests[request_id].all_token_ids, list(d))
+                       for request_id, d in drafts.items())
+        return drafts
 
     engine.drafter.propose = recording
     return records
@@ -164,23 +163,52 @@ def test_the_pool_holds_the_draft_models_layers(tiny_llama, tmp_path):
     assert plain.kv_cache_plan.num_blocks == 2**20 // plain.kv_bytes_per_block
 
 
-def test_requests_with_bad_words_or_structured_outputs_draft_nothing(tiny_llama, drafts):
-    llm = LLM(tiny_llama, block_size=16, max_model_len=256,
-              speculative_config=spec(drafts[tiny_llama]))
+CONSTRAINED = {
+    "regex": dict(structured_outputs=StructuredOutputsParams(regex=r"(ab|cd|ef|[0-9])+")),
+    "json": dict(structured_outputs=StructuredOutputsParams(
+        json={"type": "array", "items": {"type": "integer"}}, disable_any_whitespace=True)),
+    "grammar": dict(structured_outputs=StructuredOutputsParams(
+        grammar='root ::= ("ab" | "ba" | "is ")+')),
+    # per prompt, from its unconstrained greedy output (so that they bite): a bad word of its
+    # 4th-5th tokens' text; a stop token it gives 3rd, banned until 9 outputs
+    "bad_words": lambda free: dict(bad_words=[free.text[len(free.text) // 3:][:3]]),
+    "min_tokens": lambda free: dict(min_tokens=9, stop_token_ids=[free.token_ids[2]]),
+}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7], ids=["greedy", "seeded"])
+def test_constrained_requests_draft_and_decode_as_alone(tiny_llama, temperature):
+    """Structured outputs, bad words and min_tokens with a draft model's drafts: each row
+    constrained as if the drafts before it were outputs (the drafts cut before the first the
+    grammar refuses: `Scheduler.fill_drafts`), so the outputs are decoding alone's. The model
+    is its own draft model and each draft is its greedy token under the row's constraints
+    (`Scheduler.draft_constraints`), so greedy, every draft is accepted; seeded, some are."""
+    options = dict(block_size=16, max_model_len=256)
+    plain = LLM(tiny_llama, **options)
+    llm = LLM(tiny_llama, speculative_config=spec(tiny_llama), **options)
     records = record_drafts(llm.engine)
-    plain = LLM(tiny_llama, block_size=16, max_model_len=256)
-    prompt = looping_prompts(seed=15, count=1)[0]
-    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    banned = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
-                            bad_words=[plain.get_tokenizer().decode(prompt[:1])])
-    regex = SamplingParams(temperature=0, max_tokens=12,
-                           structured_outputs=StructuredOutputsParams(regex=r"(ab|cd|[0-9])+"))
-    engine = llm.engine
-    ids = [engine.add_request(prompt, params) for params in (free, banned, regex)]
-    done = run_checked(engine)
-    want = [run(plain, [prompt], params)[0] for params in (free, banned, regex)]
-    assert [done[i].outputs[0].token_ids for i in ids] == [w.token_ids for w in want]
-    assert {request_id for request_id, _, _ in records} == {ids[0]}
+    prompts = ["The grass is", "def add(a, b):", "import os\n", "The sky is blue. The sky is"]
+    stats = llm.engine.scheduler.spec_stats
+    free = [o.outputs[0] for o in plain.generate(prompts, SamplingParams(
+        temperature=temperature, seed=3, max_tokens=24, ignore_eos=True), use_tqdm=False)]
+    for name, constraint in CONSTRAINED.items():
+        params = [SamplingParams(temperature=temperature, seed=3, max_tokens=24,
+                                 **(constraint(f) if callable(constraint) else constraint))
+                  for f in free]
+        want = [o.outputs[0] for o in plain.generate(prompts, params, use_tqdm=False)]
+        if callable(constraint):  # it bites: the output is not the free one
+            assert [o.token_ids for o in want] != [f.token_ids for f in free], name
+        before, records[:] = stats.copy(), []
+        got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert [o.token_ids for o in got] == [o.token_ids for o in want], name
+        assert [o.finish_reason for o in got] == [o.finish_reason for o in want], name
+        step = stats.since(before)
+        assert records and step.num_draft_tokens > 0, name
+        if temperature == 0:
+            assert step.num_accepted_tokens == step.num_draft_tokens, name
+        llm.engine.check_invariants()
+        assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    assert stats.num_accepted_tokens > 0
 
 
 def test_what_a_draft_model_does_not_serve_is_refused(tiny_llama, drafts, tmp_path):
@@ -234,9 +262,9 @@ class SlotLedger:
             self._record(self.target, sched.scheduled)
             return execute(sched)
 
-        def drafting(scheduled):
+        def drafting(scheduled, rows):
             self._record(self.draft, scheduled)
-            return forward(scheduled)
+            return forward(scheduled, rows)
 
         engine.runner.execute, engine.drafter._forward = executing, drafting
 
