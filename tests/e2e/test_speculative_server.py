@@ -1,5 +1,6 @@
-"""`nanokv serve` with speculative decoding: streamed and whole completions equal a server's
-without it (the oracle), and /metrics counts the drafts (vLLM's spec_decode counters)."""
+"""`nanokv serve` with speculative decoding (n-gram drafts, and a draft model: the model
+itself): streamed and whole completions equal a server's without it (the oracle), and /metrics
+counts the drafts (vLLM's spec_decode counters)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ PROMPTS = ["block cache block cache block cache block", "def add(a, b):\n    ret
            "def add(a, b):\n    return"]
 
 
-@pytest.fixture(scope="module")
-def servers(tiny_llama):
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def servers(tiny_llama, request):
+    config = SPEC if request.param == "ngram" else {"model": tiny_llama,
+                                                    "num_speculative_tokens": 4}
     plain = start_in_process(tiny_llama, max_model_len=256)
-    spec = start_in_process(tiny_llama, max_model_len=256, speculative_config=SPEC)
+    spec = start_in_process(tiny_llama, max_model_len=256, speculative_config=config)
     yield plain, spec
     stop_server(plain)
     stop_server(spec)
