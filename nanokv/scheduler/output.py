@@ -10,6 +10,19 @@ from nanokv.sampling_params import SamplingParams
 from nanokv.spec.stats import SpecDecodeStats
 
 
+PENDING_DRAFT = -1  # a draft slot a draft model has not filled yet (never an input id)
+
+
+@dataclass(frozen=True)
+class RowConstraints:
+    """What a request's sampling row after some drafts may give (a draft model's next draft
+    is chosen within it): its grammar's bitmask (int32 words, None: free) and its banned token
+    ids (min_tokens, bad words)."""
+
+    bitmask: np.ndarray | None = None
+    banned: tuple[int, ...] = ()
+
+
 @dataclass
 class ScheduledRequest:
     """One request's share of a step."""

@@ -24,10 +24,9 @@ from nanokv.bad_words import completing_tokens
 from nanokv.cache.block_manager import BlockManager
 from nanokv.config import SCHEDULING_POLICIES
 from nanokv.request import Request, RequestStatus
-from nanokv.scheduler.output import (RunnerOutput, ScheduledRequest, SchedulerOutput,
-                                     SchedulerStats)
+from nanokv.scheduler.output import (PENDING_DRAFT, RowConstraints, RunnerOutput,
+                                     ScheduledRequest, SchedulerOutput, SchedulerStats)
 from nanokv.spec.config import SpeculativeConfig
-from nanokv.spec.draft_model import PENDING_DRAFT, RowConstraints
 from nanokv.spec.ngram import NgramIndex
 from nanokv.spec.stats import SpecDecodeStats
 

@@ -30,25 +30,12 @@ allocates no more; a preempted one unregisters the block (`Scheduler._preempt`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from nanokv.attention.common import StepAttention
 from nanokv.layers.batch_sampling import apply_token_bitmasks, ban_tokens, shape_logits_batch
-from nanokv.scheduler.output import ScheduledRequest, SchedulerOutput
-
-PENDING_DRAFT = -1  # a draft slot the draft model has not filled yet (never an input id)
-
-
-@dataclass(frozen=True)
-class RowConstraints:
-    """What a request's sampling row after some drafts may give: its grammar's bitmask (int32
-    words, None: free) and its banned token ids (min_tokens, bad words)."""
-
-    bitmask: np.ndarray | None = None
-    banned: tuple[int, ...] = ()
+from nanokv.scheduler.output import RowConstraints, ScheduledRequest, SchedulerOutput
 
 
 class DraftModelProposer:
