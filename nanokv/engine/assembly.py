@@ -38,6 +38,7 @@ from nanokv.models.registry import model_class
 from nanokv.worker.loader import load_hf_config
 from nanokv.worker.profiler import measure_activation_bytes
 from nanokv.policies.base import PolicyConfig, policy_class
+from nanokv.spec.config import SpeculativeConfig
 from nanokv.utils import cdiv, head_dim_of
 
 logger = logging.getLogger("nanokv")
@@ -91,7 +92,7 @@ def resolve_parts(config: EngineConfig, hf_config) -> EngineParts:
     elif config.kv_policy is not None and config.kv_policy != "full":
         policy_class(config.kv_policy)
     if spec is not None:
-        check_speculation(config, kv_class, policy)
+        check_speculation(config, spec, kv_class, policy)
     return EngineParts(kv_class, settings, policy, given, draft_layers)
 
 
@@ -127,7 +128,7 @@ def check_draft_model(config: EngineConfig, hf_config, path: str) -> int:
     return int(draft.num_hidden_layers)
 
 
-def check_speculation(config: EngineConfig, kv_class: type[KVCache],
+def check_speculation(config: EngineConfig, spec: SpeculativeConfig, kv_class: type[KVCache],
                       policy: PolicyConfig | None) -> None:
     """Speculative decoding writes draft tokens' K/V that a rejection leaves behind, to be
     written over: a cache kind that allows it (`KVCache.supports_speculation`: slots that stand
@@ -138,7 +139,7 @@ def check_speculation(config: EngineConfig, kv_class: type[KVCache],
         raise ValueError(f"speculative_config needs a KV cache whose slots a rejected draft "
                          f"token leaves can be written again: kv_cache_dtype one of {allowed}, "
                          f"got {config.kv_cache_dtype!r}")
-    if config.speculative.method == "draft_model" and kv_class.quantizes_full_blocks:
+    if spec.method == "draft_model" and kv_class.quantizes_full_blocks:
         allowed = [d for d in KV_CACHE_DTYPES if kv_cache_class(d).supports_speculation
                    and not kv_cache_class(d).quantizes_full_blocks]
         raise ValueError(f"a draft model's layers share the KV cache, whose block statistics "

@@ -443,10 +443,13 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.num_recomputed_tokens += request.num_computed_tokens
         bm = self.block_manager
-        if request.draft_kv_end is not None and request.draft_kv_end < request.num_computed_tokens:
-            # a draft model's K/V lags at its last accepted draft (`nanokv.spec.draft_model`):
-            # that block and those after it are no prefix for a later hit
-            bm.mark_content_changed(request, request.draft_kv_end // bm.block_size)
+        # blocks registered for tokens whose K/V is not all written are no prefix for a later
+        # hit: those a step allocated for its tokens when the priority policy preempts the
+        # request after scheduling it; a draft model's lagging slot (`nanokv.spec.draft_model`)
+        written = request.num_cached_slots
+        if request.draft_kv_end is not None:  # no KV policy: its positions are its slots
+            written = min(written, request.draft_kv_end)
+        bm.mark_content_changed(request, written // bm.block_size)
         request.draft_kv_end = None
         bm.free(request, reason="preemption")
         request.num_computed_tokens = 0

@@ -24,7 +24,8 @@ then `Scheduler.fill_drafts` puts them in the step, with the rows that depend on
 is written again by both models). The one slot it may lag behind, a request's last accepted
 draft, is in no prefix-cache block before its next step writes it: blocks are registered when
 a step allocates, in the step that writes it (`BlockManager.allocate_slots`); a finished request
-allocates no more; a preempted one unregisters the block (`Scheduler._preempt`).
+allocates no more; a preempted one keeps registered only blocks whose K/V is all written
+(`Scheduler._preempt`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from nanokv.attention.common import StepAttention
-from nanokv.layers.batch_sampling import apply_token_bitmasks, ban_tokens, shape_logits_batch
+from nanokv.layers.sampler import constrain_logits
 from nanokv.scheduler.output import RowConstraints, ScheduledRequest, SchedulerOutput
 
 
@@ -111,12 +112,8 @@ class DraftModelProposer:
             return {}
         index = torch.tensor(inputs.sample_rows, device=hidden.device)
         logits = self.model.compute_logits(hidden[index])  # [N, vocab]
-        logits = shape_logits_batch(logits, [s.params for s in sampling])
-        bitmasks = [rows[s.request_id].bitmask for s in sampling]
-        if any(m is not None for m in bitmasks):
-            logits = apply_token_bitmasks(logits, bitmasks)
-        banned = [rows[s.request_id].banned for s in sampling]
-        if any(banned):  # in place: these logits are the draft model's own
-            logits = ban_tokens(logits, banned, raw=None)
+        _, logits = constrain_logits(logits, [s.params for s in sampling],
+                                     [rows[s.request_id].banned for s in sampling],
+                                     [rows[s.request_id].bitmask for s in sampling])
         return {s.request_id: token
                 for s, token in zip(sampling, logits.argmax(dim=-1).tolist())}

@@ -13,7 +13,7 @@ import torch
 from nanokv import LLM, SamplingParams, StructuredOutputsParams
 from nanokv.spec.config import SpeculativeConfig
 from policy_oracles import run_checked
-from test_speculative import looping_prompts
+from test_speculative import looping_prompts, run
 from tiny_models import VOCAB, build_noisy_copy, build_tiny_model, hf_greedy, load_hf
 
 DRAFT_NOISE = 0.005  # the noisy copy's weights: about half its drafts accepted
@@ -63,14 +63,6 @@ def assert_drafts_are_the_draft_models(records, draft_path: str) -> None:
     assert records
     for _, tokens, drafted in records:
         assert drafted == greedy_continuation(hf, tokens, len(drafted))
-
-
-def run(llm: LLM, prompts, params) -> list:
-    engine = llm.engine
-    ids = [engine.add_request(p, params) for p in prompts]
-    done = run_checked(engine)
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    return [done[i].outputs[0] for i in ids]
 
 
 def test_greedy_outputs_are_hf_greedy_and_drafts_the_draft_models(tiny_model, drafts):
@@ -321,7 +313,7 @@ def test_no_block_is_shared_before_the_draft_model_wrote_it(tiny_llama, monkeypa
         ledger = SlotLedger(engine)  # read by preempting too
         engine.add_request([5 + i % 40 for i in range(low)], params, priority=5)
         for step in range(24):
-            if step in (4, 6, 8):  # urgent requests that take the pool from it
+            if step in (3, 5, 7):  # urgent requests that take the pool from it
                 engine.add_request([90 + (i * step) % 50 for i in range(40)], params,
                                    priority=0)
             engine.step()

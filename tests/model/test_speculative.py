@@ -235,7 +235,7 @@ def test_what_speculation_does_not_serve_is_refused(tiny_llama):
 
     config = EngineConfig.from_kwargs(tiny_llama, speculative_config=SPEC)
     with pytest.raises(ValueError, match="kv_cache_dtype one of"):
-        check_speculation(config, Unwritable, None)
+        check_speculation(config, config.speculative, Unwritable, None)
     with pytest.raises(ValueError, match="does not go with a KV policy"):
         LLM(tiny_llama, kv_policy="h2o", kv_budget=64, speculative_config=SPEC)
 
