@@ -7,6 +7,7 @@ import math
 import re
 from dataclasses import dataclass, field, fields
 
+from nanokv.lora.options import check_lora_options
 from nanokv.spec.config import SpeculativeConfig
 from nanokv.validation import check_bool, check_choice, check_fraction, check_int
 
@@ -166,6 +167,19 @@ class EngineConfig:
               "Not with KV policies; structured outputs, bad_words and min_tokens constrain "
               "every draft row (a draft model's drafts are its greedy tokens under those "
               "constraints)", type="json")
+    enable_lora: bool = _opt(
+        False, "serve LoRA adapters (PEFT directories: adapter_config.json, "
+               "adapter_model.safetensors) per request, as vLLM: LLM.generate(..., "
+               "lora_request=LoRARequest(name, id, path)), the server's --lora-modules; "
+               "adapters of the q/k/v, o, gate/up and down projections; one process (no "
+               "tensor parallelism)")
+    max_loras: int = _opt(1, "with enable_lora: distinct LoRA adapters running at once (a "
+                             "request of another adapter waits)")
+    max_lora_rank: int = _opt(16, "with enable_lora: the largest adapter rank r accepted (each "
+                                  "adapter slot is this wide)")
+    max_cpu_loras: int | None = _opt(
+        None, "with enable_lora: adapters kept in memory once read, least recently used "
+              "dropped first (default and at least: max_loras)", type=int)
 
     @classmethod
     def from_kwargs(cls, model: str, **options) -> "EngineConfig":
@@ -197,7 +211,7 @@ class EngineConfig:
         check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "skip_tokenizer_init",
-                     "enforce_eager"):
+                     "enforce_eager", "enable_lora"):
             check_bool(name, getattr(self, name))
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) \
                 or not -2**63 <= self.seed < 2**64:
@@ -236,6 +250,7 @@ class EngineConfig:
                              f"got {self.kv_quant_config!r}")
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)
+        check_lora_options(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
         # which kv_cache_dtype exists, which options it reads and which policies it serves are
         # checked where the KV cache and the policy meet (nanokv/engine/assembly.py)
 

@@ -74,7 +74,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  prompt: str | None = None, eos_token_ids: tuple[int, ...] = (),
                  cache_salt: str | None = None, arrival_time: float | None = None,
-                 priority: int = 0) -> None:
+                 priority: int = 0, lora_request=None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -88,6 +88,9 @@ class Request:
         self.grammar = None
         self.cache_salt = cache_salt
         self.priority = priority  # the priority scheduling policy's: lower is served first
+        # the LoRA adapter it runs with (a `nanokv.lora.LoRARequest`; None: the base model)
+        self.lora_request = lora_request
+        self.lora_int_id = 0 if lora_request is None else lora_request.lora_int_id
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.error: str | None = None  # why the engine aborted it, when it failed

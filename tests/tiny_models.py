@@ -101,3 +101,95 @@ def build_noisy_copy(src: str, out_dir: str, scale: float, seed: int = 7) -> str
         save_file(weights, os.path.join(out_dir, os.path.basename(path)),
                   metadata={"format": "pt"})
     return out_dir
+
+
+def build_lora_adapter(model_dir: str, out_dir: str, rank: int = 8, alpha: float = 16,
+                       targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                   "gate_proj", "up_proj", "down_proj"),
+                       seed: int = 1, std: float = 0.08, **lora_options) -> str:
+    """A PEFT LoRA adapter of the checkpoint at `model_dir` written by PEFT itself, its A and B
+    random (PEFT starts B at zero, which would change nothing). Returns out_dir."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(load_hf(model_dir), LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0,
+        **lora_options))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(std * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def load_hf_lora(model_dir: str, adapter_dir: str):
+    """Hugging Face transformers' model with the PEFT adapter applied (PEFT's own LoRA layers:
+    the oracle of nanokv's)."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(load_hf(model_dir), adapter_dir).eval()
+
+
+def write_lora_adapter(model_dir: str, out_dir: str, rank: int = 8, alpha: float = 16,
+                       targets: tuple[str, ...] = ("q_proj", "v_proj", "o_proj", "down_proj"),
+                       seed: int = 1, std: float = 0.08) -> str:
+    """A LoRA adapter in PEFT's file format written without PEFT (machines without it: the
+    CUDA tests), its A and B random. Returns out_dir."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    shapes = {"q_proj": (cfg.hidden_size, q), "k_proj": (cfg.hidden_size, kv),
+              "v_proj": (cfg.hidden_size, kv), "o_proj": (q, cfg.hidden_size),
+              "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
+              "up_proj": (cfg.hidden_size, cfg.intermediate_size),
+              "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg.num_hidden_layers):
+        for name in targets:
+            part = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            key = f"base_model.model.model.layers.{layer}.{part}.{name}"
+            fan_in, fan_out = shapes[name]
+            tensors[f"{key}.lora_A.weight"] = std * torch.randn(rank, fan_in, generator=gen)
+            tensors[f"{key}.lora_B.weight"] = std * torch.randn(fan_out, rank, generator=gen)
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": alpha,
+                   "target_modules": list(targets), "bias": "none"}, f)
+    return out_dir
+
+
+def merge_lora(model_dir: str, adapter_dir: str, out_dir: str) -> str:
+    """The checkpoint with a LoRA adapter merged into its weights (W + alpha / r * B A): the
+    model the adapter makes, as plain weights (config and tokenizer copied)."""
+    import glob
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        config = json.load(f)
+    scaling = config["lora_alpha"] / config["r"]
+    lora = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(model_dir):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(model_dir, name), out_dir)
+    for path in glob.glob(os.path.join(model_dir, "*.safetensors")):
+        weights = load_file(path)
+        for name in weights:
+            key = "base_model.model." + name.removesuffix(".weight")
+            if f"{key}.lora_A.weight" in lora:
+                a, b = lora[f"{key}.lora_A.weight"], lora[f"{key}.lora_B.weight"]
+                weights[name] = weights[name] + scaling * (b @ a)
+        save_file(weights, os.path.join(out_dir, os.path.basename(path)),
+                  metadata={"format": "pt"})
+    return out_dir

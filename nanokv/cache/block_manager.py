@@ -88,9 +88,14 @@ class BlockManager:
         return cdiv(num_slots, self.block_size)
 
     def request_extra_keys(self, request: Request) -> tuple:
-        if request.cache_salt is None:
-            return self.extra_keys
-        return self.extra_keys + (("salt", request.cache_salt),)
+        """The engine's keys, then the request's: its cache salt and its LoRA adapter (K/V
+        computed under an adapter is that adapter's)."""
+        extra = self.extra_keys
+        if request.cache_salt is not None:
+            extra += (("salt", request.cache_salt),)
+        if request.lora_int_id:
+            extra += (("lora", request.lora_int_id),)
+        return extra
 
     # ---- prefix cache --------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

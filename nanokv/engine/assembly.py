@@ -71,6 +71,9 @@ def resolve_parts(config: EngineConfig, hf_config) -> EngineParts:
     given = config.max_model_len is not None
     config.resolve(int(hf_config.max_position_embeddings))
     check_tensor_parallel(config, hf_config)
+    if config.enable_lora and config.tensor_parallel_size != 1:
+        raise ValueError(f"enable_lora runs with tensor_parallel_size 1 only (the adapters are "
+                         f"not sharded), got {config.tensor_parallel_size}")
     names = backend_names()
     if config.attention_backend not in names:
         raise ValueError(f"attention_backend must be one of {names}, "

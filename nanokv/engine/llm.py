@@ -13,6 +13,7 @@ from nanokv.beam_search import (BeamSearch, BeamSearchOutput, BeamSearchParams, 
 from nanokv.config import EngineConfig
 from nanokv.engine.chat import ChatRenderer, chat_messages
 from nanokv.engine.llm_engine import LLMEngine
+from nanokv.lora.request import LoRARequest
 from nanokv.outputs import RequestOutput
 from nanokv.sampling_params import SamplingParams
 
@@ -33,7 +34,9 @@ class LLM:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  cache_salt: str | None = None,
                  use_tqdm: bool | Callable[..., tqdm] = True,
-                 priority: int | list[int] | None = None) -> list[RequestOutput]:
+                 priority: int | list[int] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
         A prompt is text, token ids, or vLLM's prompt dicts ({"prompt": text} or
@@ -50,6 +53,9 @@ class LLM:
         `functools.partial(tqdm, leave=False)`).
         `priority` (as in vLLM): one for all prompts or one per prompt, lower served first
         under scheduling_policy "priority" (ignored under "fcfs"); default 0.
+        `lora_request` (as in vLLM; an engine with enable_lora): one LoRARequest for all
+        prompts or one per prompt (None: the base model), each adapter read and checked before
+        any request is queued.
         """
         prompts = _prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -66,22 +72,29 @@ class LLM:
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts; "
                              f"pass one, or one per prompt")
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts; "
+                             f"pass one, or one per prompt")
         for sp in params:
             if not isinstance(sp, SamplingParams):
                 raise ValueError(f"sampling_params must be a SamplingParams or a list of them "
                                  f"(one per prompt), got {type(sp).__name__}")
             sp.validate()  # n (fanned out here) and the rest may have changed since it was built
         requests, groups = [], []  # groups: (request id, its samples' indexes in requests)
-        for p, sp, rank in zip(prompts, params, priorities):
+        for p, sp, rank, lora in zip(prompts, params, priorities, loras):
             if sp.n == 1:
-                request = self.engine.make_request(p, sp, cache_salt=cache_salt, priority=rank)
+                request = self.engine.make_request(p, sp, cache_salt=cache_salt, priority=rank,
+                                                   lora_request=lora)
                 groups.append((request.request_id, [len(requests)]))
                 requests.append(request)
                 continue
             rid = self.engine.new_request_id()
             groups.append((rid, list(range(len(requests), len(requests) + sp.n))))
             requests += [self.engine.make_request(p, sp.sample(j), f"{rid}-{j}",
-                                                  cache_salt=cache_salt, priority=rank)
+                                                  cache_salt=cache_salt, priority=rank,
+                                                  lora_request=lora)
                          for j in range(sp.n)]
         outputs = self.generate_requests(requests, use_tqdm=use_tqdm)
         return [outputs[rows[0]] if len(rows) == 1 else _merge(rid, [outputs[i] for i in rows])
@@ -91,14 +104,17 @@ class LLM:
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool | Callable[..., tqdm] = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: each conversation (a list of {"role", "content"} messages; one
         conversation or a list of them) rendered with the chat template (the tokenizer's, else
         `nanokv.engine.chat`'s fallback; `chat_template` overrides it), tokenized without added
         special tokens (the template holds them), then generated as `generate` does. Message
         content is text or a list of {"type": "text", "text"} parts. `continue_final_message`
         renders the last message open, for the model to continue (not with
-        add_generation_prompt). Every conversation is rendered before any request is queued."""
+        add_generation_prompt). Every conversation is rendered before any request is queued.
+        `lora_request`: as in `generate`."""
         if self.engine.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this engine was started with "
                              "skip_tokenizer_init=True")
@@ -116,12 +132,14 @@ class LLM:
                                    chat_template_kwargs, continue_final_message)
             ids = list(self.engine.tokenizer.encode(text, add_special_tokens=False))
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     def beam_search(self, prompts: str | list[int] | dict | list[str | list[int] | dict],
                     params: BeamSearchParams, use_tqdm: bool = False,
                     concurrency_limit: int | None = None,
-                    cache_salt: str | None = None) -> list[BeamSearchOutput]:
+                    cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search` (`nanokv.beam_search`): per prompt, the beam_width best
         sequences, best first, each with the prompt's tokens then its own (an ending EOS kept)
         and `text` their decoding (the prompt's text included, as vLLM's offline search
@@ -129,7 +147,8 @@ class LLM:
         ignore_eos, else "length"). Each step runs one request per live beam of up to
         `concurrency_limit` prompts at once (None: all), which reads the blocks of its earlier
         steps from the prefix cache (with enable_prefix_caching=False each step recomputes
-        whole beams). `use_tqdm`: a bar over the steps. Every prompt is validated first."""
+        whole beams). `use_tqdm`: a bar over the steps. `lora_request`: every beam runs under
+        that LoRA adapter. Every prompt is validated first."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         params.validate()
@@ -143,7 +162,7 @@ class LLM:
         limit = engine.config.max_model_len
         searches, salts = [], {}
         for p in prompts:  # each prompt parsed, tokenized and checked as a request would be
-            first = engine.make_request(p, step, cache_salt=cache_salt)
+            first = engine.make_request(p, step, cache_salt=cache_salt, lora_request=lora_request)
             ids = first.prompt_token_ids
             if len(ids) + params.max_tokens > limit:
                 raise ValueError(f"a prompt of {len(ids)} tokens and max_tokens "
@@ -158,7 +177,8 @@ class LLM:
                 beams = step_beams(group)
                 if not beams:
                     break
-                requests = [engine.make_request(b.tokens, step, cache_salt=salts[group[i]])
+                requests = [engine.make_request(b.tokens, step, cache_salt=salts[group[i]],
+                                                lora_request=lora_request)
                             for i, b in beams]
                 outs = self.generate_requests(requests, use_tqdm=False)
                 for o in outs:

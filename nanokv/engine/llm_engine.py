@@ -27,6 +27,8 @@ from nanokv.engine.detokenizer import update_text
 from nanokv.engine.policy_runner import PolicyRunner, ScoringPass
 from nanokv.bad_words import tokenize_bad_words
 from nanokv.engine.prompts import parse_prompt, truncate_prompt
+from nanokv.lora.manager import LoRAManager
+from nanokv.lora.request import LoRARequest
 from nanokv.worker.cpu_memory import huge_page_share, request_huge_pages, tune_glibc_malloc
 from nanokv.worker.loader import load_hf_config, load_model, resolve_device
 from nanokv.worker.model_runner import ModelRunner
@@ -98,6 +100,10 @@ class LLMEngine:
         self.device, self.dtype = loaded.device, loaded.dtype
         if self.device.type == "cpu":  # reuse freed activation memory (cpu_memory.py)
             tune_glibc_malloc()
+        self.lora = None  # LoRA adapters: the model's projections wrapped, their slots
+        if config.enable_lora:
+            self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
+                                    config.max_cpu_loras, self.device)
 
         self.draft_model = None  # draft-model speculation: its layers follow the model's
         if parts.draft_layers:
@@ -139,12 +145,14 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_model_len,
                                    config.enable_chunked_prefill, config.scheduling_policy,
-                                   config.speculative, self.kv_cache.quantizes_full_blocks)
+                                   config.speculative, self.kv_cache.quantizes_full_blocks,
+                                   max_loras=config.max_loras if config.enable_lora else 0)
         self.runner = ModelRunner(self.model, self.kv_cache, self.attention_backend, self.device,
                                   config.seed, tp=None if self.executor is None
                                   else self.executor.tp, enforce_eager=config.enforce_eager,
                                   max_num_seqs=config.max_num_seqs,
                                   max_model_len=config.max_model_len)
+        self.runner.lora = self.lora
         if self.executor is not None:
             self.runner = self.executor.runner(self.runner)
         self.drafter = None
@@ -171,6 +179,10 @@ class LLMEngine:
             self.startup_lines.append(
                 f"transparent huge pages: {share[0] / 2**20:.0f} of {share[1] / 2**20:.0f} MiB "
                 f"resident (THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '')})")
+        if self.lora is not None:
+            self.startup_lines.append(
+                f"LoRA: up to {config.max_loras} adapters at once of rank <= "
+                f"{config.max_lora_rank}, {self.lora.max_cpu_loras} kept in memory")
         for line in self.startup_lines:
             logger.info(line)
 
@@ -222,13 +234,14 @@ class LLMEngine:
                      request_id: str | None = None, cache_salt: str | None = None,
                      kv_policy=None, compress_after: int | None = None,
                      bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None,
-                     priority: int = 0) -> Request:
+                     priority: int = 0, lora_request: LoRARequest | None = None) -> Request:
         """Validate and tokenize; raises ValueError without touching the engine's state.
         `prompt`: text, token ids, or vLLM's prompt dicts (`nanokv.engine.prompts`).
         `priority`: lower is served first under scheduling_policy "priority"; ignored under
         "fcfs" (as vLLM's engine does).
         `bad_words_token_ids`: params.bad_words tokenized by the caller in its own thread
-        (`tokenize_bad_words`; the server's), else the engine tokenizes them."""
+        (`tokenize_bad_words`; the server's), else the engine tokenizes them.
+        `lora_request`: the LoRA adapter it runs with (enable_lora), read and checked here."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got "
@@ -291,9 +304,14 @@ class LLMEngine:
         if compress_after is not None and not 1 <= compress_after <= len(token_ids):
             raise ValueError(f"compress_after must be in [1, {len(token_ids)}] (the prompt "
                              f"length), got {compress_after}")
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError("lora_request needs an engine started with enable_lora=True "
+                                 "(the server's --enable-lora)")
+            self.lora.register(lora_request)
         request = Request(rid, token_ids, params, prompt=text,
                           eos_token_ids=self.eos_token_ids, cache_salt=cache_salt,
-                          priority=priority)
+                          priority=priority, lora_request=lora_request)
         request.compress_after = compress_after
         request.bad_words_token_ids = bad_words_token_ids or ()
         if params.structured_outputs is not None:  # a matcher of its own (each of n samples)
@@ -314,15 +332,27 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None,
-                    kv_policy=None, priority: int = 0) -> str:
+                    kv_policy=None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> str:
         request = self.make_request(prompt, params, request_id, cache_salt, kv_policy,
-                                    priority=priority)
+                                    priority=priority, lora_request=lora_request)
         self.scheduler.add_request(request)
         return request.request_id
 
     def add_prepared(self, request: Request) -> str:
         self.scheduler.add_request(request)
         return request.request_id
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check a LoRA adapter ahead of its requests (vLLM's); ValueError if bad."""
+        if self.lora is None:
+            raise ValueError("add_lora needs an engine started with enable_lora=True")
+        self.lora.register(lora_request)
+        return True
+
+    def list_loras(self) -> set[int]:
+        """The ids of the LoRA adapters held in memory (vLLM's)."""
+        return set() if self.lora is None else set(self.lora.list_loras())
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)

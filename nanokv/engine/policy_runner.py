@@ -255,7 +255,8 @@ class PolicyRunner:
                                                 scratch.block_table[0])])
                 q, chunk_keys = self.scoring.forward(chunk.token_ids, seen, seen,
                                                      request.block_table[:full]
-                                                     + scratch.block_table)
+                                                     + scratch.block_table,
+                                                     request.lora_int_id)
             finally:
                 bm.free(scratch)
             for layer in range(self.num_layers):

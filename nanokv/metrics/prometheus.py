@@ -184,6 +184,12 @@ class PrometheusExporter:
 
         # speculative decoding's counters (totals, by draft position), made on first use
         self._spec: tuple | None = None
+        self._lora_info = Gauge(  # vLLM's vllm:lora_requests_info: one series, the current
+            PREFIX + "lora_requests_info", "LoRA adapters (enable_lora): max_lora, and the "
+            "adapters of the running and the waiting requests (comma-separated names); the "
+            "value is when they last changed (Unix seconds).",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+        self._lora_labels: tuple[str, str, str] | None = None
         self._spec_positions: list = []
 
         c = cache_config
@@ -231,6 +237,13 @@ class PrometheusExporter:
             self.step_tokens.observe(it.step_tokens)
         if it.spec_decode is not None and it.spec_decode.num_drafts:
             self._record_spec(it.spec_decode)
+        if it.lora is not None:
+            labels = (str(it.lora[0]), ",".join(it.lora[1]), ",".join(it.lora[2]))
+            if labels != self._lora_labels:
+                if self._lora_labels is not None:
+                    self._lora_info.remove(*self._lora_labels)
+                self._lora_info.labels(*labels).set_to_current_time()
+                self._lora_labels = labels
         for f in it.finished:
             if f.finish_reason not in self.success:
                 self.success[f.finish_reason] = self._success_family.labels(

@@ -105,6 +105,8 @@ class IterationStats:
     itls_s: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
     spec_decode: SpecDecodeStats | None = None  # the turn's drafts (speculative decoding)
+    # LoRA: (max_loras, running adapters' names, waiting adapters' names); None: LoRA off
+    lora: tuple[int, tuple[str, ...], tuple[str, ...]] | None = None
 
 
 class SchedulerDeltas:
@@ -128,6 +130,8 @@ class SchedulerDeltas:
                              if n != before.get(reason, 0)}
         if snap.spec_decode is not None:
             it.spec_decode = snap.spec_decode.since(last.spec_decode if last else None)
+        if snap.max_loras:
+            it.lora = (snap.max_loras, snap.running_lora_adapters, snap.waiting_lora_adapters)
         self._last = snap
 
 

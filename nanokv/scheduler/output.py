@@ -60,6 +60,7 @@ class ScheduledRequest:
     # a short prefill chunk after a cached past (a prefix-cache hit's last partial block) whose
     # rows attend as decodes do (Scheduler._as_decode_rows)
     decode_rows: bool = False
+    lora_int_id: int = 0  # the request's LoRA adapter (0: the base model)
 
     @property
     def num_tokens(self) -> int:
@@ -120,3 +121,7 @@ class SchedulerStats:
     prefix_cache_hits: int
     evicted_blocks: dict[str, int]
     spec_decode: SpecDecodeStats | None = None  # with speculative decoding
+    # LoRA (enable_lora): max_loras, and the adapters of the running and the waiting requests
+    max_loras: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()

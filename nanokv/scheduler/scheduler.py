@@ -43,11 +43,13 @@ class Scheduler:
                  max_num_batched_tokens: int, max_model_len: int,
                  enable_chunked_prefill: bool = True, scheduling_policy: str = "fcfs",
                  speculative: SpeculativeConfig | None = None,
-                 drafts_before_block_end: bool = False) -> None:
+                 drafts_before_block_end: bool = False, max_loras: int = 0) -> None:
         """drafts_before_block_end: speculative drafts never take a block's last slot (a KV
         cache that quantizes a block when that slot is written: `KVCache.quantizes_full_blocks`);
         only a known token fills a block; and a chunk that writes one goes by the prefill path,
-        not as decode rows (`_as_decode_rows`)."""
+        not as decode rows (`_as_decode_rows`). max_loras: the most distinct LoRA adapters
+        running at once (a waiting request of another adapter waits, those behind it may go
+        first, as in vLLM)."""
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, "
                              f"got {scheduling_policy!r}")
@@ -65,6 +67,7 @@ class Scheduler:
         self.num_recomputed_tokens = 0  # computed tokens thrown away by preemption
         self.speculative = speculative  # n-gram drafts for decoding requests (None: off)
         self.drafts_before_block_end = drafts_before_block_end
+        self.max_loras = max_loras
         self.spec_stats = SpecDecodeStats(speculative.num_speculative_tokens) \
             if speculative is not None else None
 
@@ -159,9 +162,14 @@ class Scheduler:
             budget -= num_new + len(drafts)
             i += 1
 
-        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
-               and not preempted):
-            request = self.waiting[0]
+        adapters = self._running_adapters()
+        index = 0  # the waiting request tried: those before it wait for an adapter slot
+        while (index < len(self.waiting) and budget > 0
+               and len(self.running) < self.max_num_seqs and not preempted):
+            request = self.waiting[index]
+            if self._waits_for_adapter(request, adapters):
+                index += 1
+                continue
             hits = self._hits(request)
             hit_tokens = len(hits) * bm.block_size
             if request.num_tokens - hit_tokens > budget and not self.enable_chunked_prefill:
@@ -176,7 +184,9 @@ class Scheduler:
             if not bm.allocate_slots(request, num_new, hits, keep_free=reserved + copies):
                 break
             reserved += copies
-            self.waiting.popleft()
+            del self.waiting[index]
+            if request.lora_int_id:
+                adapters.add(request.lora_int_id)
             request.num_computed_tokens = hit_tokens
             if request.num_cached_tokens < 0:  # first admission: count prefix-cache stats
                 request.num_cached_tokens = hit_tokens
@@ -317,15 +327,28 @@ class Scheduler:
                       key=lambda r: r.policy_wait is None)
 
     def blocks_to_admit(self) -> int:
-        """Free blocks the first waiting request needs to be admitted and compute its whole
-        prompt (and one more token) without preempting anyone, prefix hits counted, beside
-        those kept for running requests' waiting policy steps; 0 when nothing waits or the
-        batch is full."""
+        """Free blocks the first waiting request (that the LoRA adapter limit lets in) needs to
+        be admitted and compute its whole prompt (and one more token) without preempting
+        anyone, prefix hits counted, beside those kept for running requests' waiting policy
+        steps; 0 when nothing waits or the batch is full."""
         if not self.waiting or len(self.running) >= self.max_num_seqs:
             return 0
-        request = self.waiting[0]
+        adapters = self._running_adapters()
+        request = next((r for r in self.waiting if not self._waits_for_adapter(r, adapters)),
+                       None)
+        if request is None:
+            return 0
         kept = sum(self.block_manager.blocks_wanted(r) for r in self.running)
         return self._blocks_to_start(request, self._hits(request), extra_tokens=1) + kept
+
+    def _running_adapters(self) -> set[int]:
+        """The LoRA adapters of the running requests."""
+        return {r.lora_int_id for r in self.running if r.lora_int_id}
+
+    def _waits_for_adapter(self, request: Request, adapters: set[int]) -> bool:
+        """Admitting the request would run one LoRA adapter more than max_loras at once."""
+        return (bool(request.lora_int_id) and request.lora_int_id not in adapters
+                and len(adapters) >= self.max_loras)
 
     @staticmethod
     def _hit_limit(request: Request) -> int | None:
@@ -390,6 +413,7 @@ class Scheduler:
                                     if request.params.prompt_logprobs is not None else None),
             draft_token_ids=list(drafts),
             decode_rows=not drafts and self._as_decode_rows(request, num_new),
+            lora_int_id=request.lora_int_id,
         )
 
     def _as_decode_rows(self, request: Request, num_new: int) -> bool:
@@ -564,7 +588,10 @@ class Scheduler:
             prefix_cache_queries=bm.stats.prefix_cache_queries,
             prefix_cache_hits=bm.stats.prefix_cache_hits,
             evicted_blocks=dict(bm.stats.evicted_blocks),
-            spec_decode=self.spec_stats.copy() if self.spec_stats is not None else None)
+            spec_decode=self.spec_stats.copy() if self.spec_stats is not None else None,
+            max_loras=self.max_loras,
+            running_lora_adapters=_adapter_names(self.running),
+            waiting_lora_adapters=_adapter_names(self.waiting))
 
     def check_invariants(self) -> None:
         live = [r for r in self.running] + [r for r in self.waiting if r.block_table]
@@ -584,3 +611,8 @@ class Scheduler:
 def _rank(request: Request) -> tuple[int, float]:
     """The priority policy's order: lower priority value first, then earlier arrival."""
     return request.priority, request.metrics.arrival_time
+
+
+def _adapter_names(requests) -> tuple[str, ...]:
+    """The LoRA adapters' names of `requests`, sorted, each once."""
+    return tuple(sorted({r.lora_request.lora_name for r in requests if r.lora_int_id}))

@@ -54,7 +54,8 @@ async def run_beam_search(server, body: _SamplingRequest,
         try:
             requests = [server.engine.make_request(b.tokens, step_params,
                                                    request_id=f"{request_id}-{i}-beam{step}.{k}",
-                                                   cache_salt=body.cache_salt, priority=priority)
+                                                   cache_salt=body.cache_salt, priority=priority,
+                                                   lora_request=server.loras.get(body.model))
                         for k, (i, b) in enumerate(beams)]
         except ValueError as e:
             raise APIError(400, str(e), param="cache_salt" if "cache_salt" in str(e) else None,

@@ -100,6 +100,11 @@ def add_serve_parser(subparsers, add_engine_args, engine_options) -> None:
                         "(start, duration, tokens, sequences, context read; every 4th step "
                         "also times a fixed ~0.2 ms machine-speed probe); nanokv simulate "
                         "--step-log fits a step model to it")
+    s.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) served under their own names, "
+                        "vLLM's forms: name=path or JSON {\"name\": ..., \"path\": ...}; a "
+                        "request's `model` picks one (listed in /v1/models); needs "
+                        "--enable-lora")
     s.add_argument("--check-invariants", action="store_true",
                    help="debug: verify the block accounting whenever the engine goes idle; a "
                         "violation stops the engine and /health turns 503")
@@ -119,6 +124,7 @@ def cmd_serve(args: argparse.Namespace, engine_options) -> int:
 
     from nanokv.config import EngineConfig
     from nanokv.engine.llm_engine import LLMEngine
+    from nanokv.lora.request import parse_lora_modules
     from nanokv.server.openai_api import ServerSettings, build_app
     from nanokv.server.shutdown import DrainingServer
 
@@ -154,8 +160,11 @@ def cmd_serve(args: argparse.Namespace, engine_options) -> int:
         reasoning_parser=args.reasoning_parser,
         structured_outputs_enable_in_reasoning=args.structured_outputs_enable_in_reasoning,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
-        tool_call_parser=args.tool_call_parser, responses_store_size=args.responses_store_size)
+        tool_call_parser=args.tool_call_parser, responses_store_size=args.responses_store_size,
+        lora_modules=parse_lora_modules(args.lora_modules))
 
+    if settings.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     from nanokv.replicas.cli import check_replica_args
 
     check_replica_args(args)

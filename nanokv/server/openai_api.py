@@ -229,14 +229,19 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
         return {"id": settings.model_name, "object": "model", "created": server.created,
                 "owned_by": "nanokv", "max_model_len": server.max_model_len}
 
+    def lora_card(module) -> dict:  # vLLM's: the adapter's path as root, the model as parent
+        return {**model_card(), "id": module.lora_name, "root": module.lora_path,
+                "parent": settings.model_name}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list",
+                "data": [model_card(), *(lora_card(m) for m in server.loras.values())]}
 
     @app.get("/v1/models/{model:path}")  # OpenAI's retrieve (`client.models.retrieve`)
     async def model(model: str):
         server.check_model(model)
-        return model_card()
+        return lora_card(server.loras[model]) if model in server.loras else model_card()
 
     @app.get("/version")  # vLLM's
     async def version():
@@ -355,7 +360,7 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
                                              structured_outputs=structured,
                                              priority=server.priority(body, raw))
         head = {"id": rid, "object": "text_completion", "created": int(time.time()),
-                "model": settings.model_name}
+                "model": server.served_name(body.model)}
         token_texts = partial(server.token_texts, skip_special_tokens=body.skip_special_tokens)
         streams = [] if body.use_beam_search else server.open_streams(requests, labels)
         if body.stream:
@@ -434,7 +439,7 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
                                             server.priority(body, raw))
             streams = server.open_streams(requests, prompt.labels)
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()),
-                "model": settings.model_name}
+                "model": server.served_name(body.model)}
         token_texts = partial(server.token_texts, skip_special_tokens=body.skip_special_tokens)
         hidden = parser is not None and not body.include_reasoning  # vLLM's rule
         if body.stream:

@@ -70,7 +70,7 @@ class ResponsesServing:
         keep = self.keeps(body)
         chat = body.messages(self.history(body))
         prompt = await server.chat_prompt(body, raw, "responses", chat)
-        shape = ResponseShape(body, server.settings.model_name, keep)
+        shape = ResponseShape(body, server.served_name(body.model), keep)
         ids = prompt.token_ids
         requests = server.make_requests(body, ids, prompt.text, shape.id, body.max_output_tokens,
                                         max(server.max_model_len - len(ids), 1), "input",

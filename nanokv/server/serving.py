@@ -20,6 +20,7 @@ from nanokv.bad_words import tokenize_bad_words
 from nanokv.engine.detokenizer import TokenTexts
 from nanokv.engine.prompts import truncate_prompt
 from nanokv.extras import MissingExtraError
+from nanokv.lora.request import LoRARequest
 from nanokv.metrics.prometheus import PrometheusExporter
 from nanokv.metrics.stats import CacheConfigInfo
 from nanokv.outputs import RequestOutput
@@ -72,6 +73,8 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (nanokv.server.tool_calls)
     tool_call_parser: str | None = None  # reads tool calls out of chat answers
     responses_store_size: int = 0  # Responses API responses kept (response_store); 0: none
+    # LoRA adapters served by name (--lora-modules; the engine needs enable_lora)
+    lora_modules: tuple[LoRARequest, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -108,6 +111,10 @@ class ServerSettings:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
         self.request_classes = tuple(self.request_classes)
+        self.lora_modules = tuple(self.lora_modules)
+        if self.model_name in {m.lora_name for m in self.lora_modules}:
+            raise ValueError(f"a LoRA module may not be named as the served model "
+                             f"({self.model_name!r})")
         for c in self.request_classes:
             if not (c and len(c) <= 64 and all(ch.isalnum() or ch in "-_." for ch in c)):
                 raise ValueError(f"a request class must be 1-64 letters, digits, '-', '_' or "
@@ -152,6 +159,11 @@ class OpenAIServer:
             if settings.reasoning_parser else None
         self._local = threading.local()
         self._worker = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="nanokv-tokenize")
+        if settings.lora_modules and engine.lora is None:
+            raise ValueError("--lora-modules needs --enable-lora")
+        for module in settings.lora_modules:  # read and checked before serving
+            engine.lora.register(module)
+        self.loras = {m.lora_name: m for m in settings.lora_modules}
         self.exporter = PrometheusExporter(settings.model_name,
                                            CacheConfigInfo.from_engine(engine),
                                            window_s=settings.metrics_window)
@@ -171,10 +183,15 @@ class OpenAIServer:
 
     # ---- validation ----------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.settings.model_name:
+        """The body's `model`: the served model's name, a LoRA module's, or None."""
+        if model is not None and model != self.settings.model_name and model not in self.loras:
+            served = ", ".join(f"`{name}`" for name in (self.settings.model_name, *self.loras))
             raise APIError(404, f"The model `{model}` does not exist. This server serves "
-                                f"`{self.settings.model_name}`.", param="model",
-                           code="model_not_found")
+                                f"{served}.", param="model", code="model_not_found")
+
+    def served_name(self, model: str | None) -> str:
+        """The `model` a response names: the LoRA module asked for, else the served model."""
+        return model if model in self.loras else self.settings.model_name
 
     def check_request(self, body: _SamplingRequest) -> None:
         self.check_model(body.model)
@@ -531,7 +548,8 @@ class OpenAIServer:
                                                    request_id=f"{request_id}-{j}",
                                                    cache_salt=body.cache_salt,
                                                    bad_words_token_ids=bad_words_token_ids,
-                                                   priority=priority)
+                                                   priority=priority,
+                                                   lora_request=self.loras.get(body.model))
             except ValueError as e:
                 first = str(e).split(" ", 1)[0]
                 param = ("cache_salt" if "cache_salt" in str(e)

@@ -66,6 +66,7 @@ class ModelRunner:
         self.block_size = kv_cache.layout.block_size
         self.num_pool_blocks = kv_cache.num_blocks
         self.sampler = Sampler(seed)
+        self.lora = None  # the engine's `LoRAManager` when LoRA is enabled (enable_lora)
         self.graphs: DecodeGraphs | None = None
         if (not enforce_eager and device.type == "cuda" and tp is None
                 and attention_backend.supports_cuda_graphs):
@@ -75,7 +76,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         inputs = self.inputs(sched)
-        if self.graphs is not None and self.graphs.can_run(inputs):
+        lora_rows = self.lora is not None and self.lora.step.groups  # graphs hold no adapter
+        if self.graphs is not None and not lora_rows and self.graphs.can_run(inputs):
             hidden, q_rows, capture = self.graphs.run(inputs), None, []  # [n, hidden]
         else:
             step = StepAttention(self.backend, self.backend.build(inputs.common),
@@ -120,11 +122,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def score_forward(self, token_ids: list[int], start_position: int, start_slot: int,
-                      block_table: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                      block_table: list[int], lora_int_id: int = 0
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """A KV policy's extra forward pass (KVzip's reconstruction): `token_ids` as one prefill
         chunk at positions start_position.. and slots start_slot.. of `block_table`, attending to
         slots [0, start_slot) of it. The caller gives a table whose blocks from slot start_slot on
-        are scratch blocks (the request's own are only read). Returns per layer the chunk's
+        are scratch blocks (the request's own are only read); lora_int_id: the request's LoRA
+        adapter, the pass runs under it. Returns per layer the chunk's
         post-RoPE queries [T, Hq, D] and its keys as written [T, Hkv, D]. Float pool only."""
         n = len(token_ids)
         rotary = self.model.rotary
@@ -133,7 +137,7 @@ class ModelRunner:
             rotary.build_tables(self.device)
         s = ScheduledRequest("#scoring", list(token_ids), start_position, start_slot, block_table,
                              sample=False, params=_SCORING_PARAMS, output_index=0,
-                             capture_from=start_position)
+                             capture_from=start_position, lora_int_id=lora_int_id)
         inputs = self.inputs(SchedulerOutput([s]))
         step = StepAttention(self.backend, self.backend.build(inputs.common),
                              inputs.capture_rows)
@@ -191,6 +195,8 @@ class ModelRunner:
         """The step's inputs on the device, the KV cache's step begun (`common.write_plan`)."""
         inputs = build_step_inputs(sched.scheduled, self.block_size, self.num_pool_blocks,
                                    self.kv_cache.layout.num_layers, self.device)
+        if self.lora is not None:  # the step's adapters in slots, its rows by slot
+            self.lora.set_step(sched.scheduled)
         if self.kv_cache.begin_step_on_device:
             plan = self.kv_cache.begin_step(inputs.slots, inputs.positions)
         else:  # host bookkeeping: lists, not device tensors read back

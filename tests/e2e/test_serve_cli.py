@@ -19,6 +19,15 @@ from nanokv.cli import main
     (["--max-stop-strings", "0"], "max_stop_strings"),
     (["--shutdown-timeout", "-1"], "shutdown_timeout"),
     (["--request-classes", "a,bad class"], "request class"),
+    (["--lora-modules", "a"], "give name=path"),
+    (["--lora-modules", '{"name": "a"}'], "with \"name\" and \"path\""),
+    (["--lora-modules", "{oops"], "is not JSON"),
+    (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
+    (["--enable-lora", "--lora-modules", "a=/x", "b=/y", "a=/z"], "names must differ"),
+    (["--enable-lora", "--lora-modules", "a=/nonexistent"], "is not a directory"),
+    (["--served-model-name", "a", "--enable-lora", "--lora-modules", "a=/x"],
+     "named as the served model"),
+    (["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"], "max_cpu_loras (1)"),
 ])
 def test_bad_serve_flags(tiny_llama, capsys, flags, fragment):
     assert main(["serve", tiny_llama, *flags]) == 2
@@ -33,6 +42,7 @@ def test_every_serve_flag_has_help(capsys):
                  "--request-timeout", "--retry-after", "--metrics-window", "--chat-template",
                  "--check-invariants", "--log-level", "--no-access-log", "--max-body-bytes",
                  "--max-prompt-chars", "--max-stop-strings", "--max-stop-length",
-                 "--shutdown-timeout", "--request-classes"):
+                 "--shutdown-timeout", "--request-classes", "--enable-lora", "--lora-modules",
+                 "--max-loras", "--max-lora-rank", "--max-cpu-loras"):
         assert flag in out
     assert "127.0.0.1" in out

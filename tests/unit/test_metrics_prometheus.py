@@ -166,3 +166,23 @@ def test_per_request_histograms_as_vllm():
     assert bounds == [1, 2, 5, 10, 20, 50, 100, 200, float("inf")]
     assert m[("nanokv:request_prompt_tokens_bucket", (("le", "50.0"),))] == 2
     assert m[("nanokv:request_prompt_tokens_bucket", (("le", "5.0"),))] == 0
+
+
+def test_lora_requests_info_is_one_series_of_the_current_adapters():
+    """vLLM's lora_requests_info: labels max_lora and the running / waiting adapters' names;
+    a change replaces the series (the old one is gone); no series while LoRA is off."""
+    clock = Clock()
+    e = PrometheusExporter("m", CONFIG, window_s=60.0, clock=clock)
+    e.record(IterationStats(time=clock.t))
+    assert not [k for k in scrape(e) if k[0] == "nanokv:lora_requests_info"]
+
+    def info():
+        return [labels for (name, labels), value in scrape(e).items()
+                if name == "nanokv:lora_requests_info" and value > 0]
+
+    e.record(IterationStats(time=clock.t, lora=(2, ("sql",), ("chat", "math"))))
+    assert info() == [(("max_lora", "2"), ("running_lora_adapters", "sql"),
+                       ("waiting_lora_adapters", "chat,math"))]
+    e.record(IterationStats(time=clock.t, lora=(2, ("chat", "sql"), ())))
+    assert info() == [(("max_lora", "2"), ("running_lora_adapters", "chat,sql"),
+                       ("waiting_lora_adapters", ""))]

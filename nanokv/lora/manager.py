@@ -1,0 +1,158 @@
+"""The engine's LoRA adapters: which are loaded, which sit in the max_loras slots, and each
+step's rows by slot.
+
+    register(lora_request)   (any thread) read and check the adapter, before its request is
+                             queued: a bad adapter is refused with nothing allocated
+    set_step(scheduled)      (engine thread) the step's adapters into slots (at most max_loras:
+                             the scheduler admits no more distinct adapters at once), then the
+                             rows of each slot for every LoRALinear
+
+Adapters read from disk are kept in an LRU of max_cpu_loras (those in a slot stay); one evicted
+is read again when a request needs it. An adapter id stays bound to its first name and path.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from nanokv.lora.adapter import LoRAAdapter, load_adapter
+from nanokv.lora.layers import LoRALinear, LoRAStep
+from nanokv.lora.options import check_lora_options
+from nanokv.lora.request import LoRARequest
+from nanokv.scheduler.output import ScheduledRequest
+from nanokv.transfer import upload
+
+
+class LoRAManager:
+    def __init__(self, model: torch.nn.Module, max_loras: int, max_lora_rank: int,
+                 max_cpu_loras: int | None, device: torch.device) -> None:
+        """Wraps the model's decoder projections in LoRALinear layers (q/k/v, o, gate/up,
+        down), each with max_loras zeroed slots of rank max_lora_rank."""
+        check_lora_options(max_loras, max_lora_rank, max_cpu_loras)
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.max_cpu_loras = max_cpu_loras or max_loras
+        self.device = device
+        self.step = LoRAStep()
+        self.layers: list[dict[str, LoRALinear]] = []  # per decoder layer, projection -> layer
+        self.shapes: dict[str, tuple[int, int]] = {}  # projection -> (in, out) features
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            q, kv = attn.q_size, attn.kv_size
+            wrapped = {
+                ("self_attn", "qkv_proj"): [("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
+                ("self_attn", "o_proj"): [("o_proj", attn.o_proj.out_features)],
+                ("mlp", "gate_up_proj"): [("gate_proj", mlp.intermediate),
+                                          ("up_proj", mlp.intermediate)],
+                ("mlp", "down_proj"): [("down_proj", mlp.down_proj.out_features)],
+            }
+            by_projection = {}
+            for (parent, name), shards in wrapped.items():
+                owner = getattr(layer, parent)
+                lora = LoRALinear(getattr(owner, name), shards, max_loras, max_lora_rank,
+                                  self.step)
+                setattr(owner, name, lora)
+                for projection, size in shards:
+                    by_projection[projection] = lora
+                    self.shapes[projection] = (lora.in_features, size)
+            self.layers.append(by_projection)
+        self._lock = threading.Lock()  # register (server threads) against set_step
+        self._bound: dict[int, tuple[str, str]] = {}  # id -> (name, path) of first use
+        self._adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU, newest last
+        self._slots: list[int | None] = [None] * max_loras  # adapter id per slot
+        self._slot_used = [0] * max_loras  # the step that last used each slot
+        self._steps = 0
+
+    # ---- adapters ------------------------------------------------------------------------------
+    def register(self, lora: LoRARequest) -> None:
+        """Check a request's adapter: its id bound to one name and path, its files read and
+        checked against the model (ValueError otherwise)."""
+        if not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora_request must be a nanokv.lora.LoRARequest, got "
+                             f"{type(lora).__name__}")
+        with self._lock:
+            key = (lora.lora_name, lora.lora_path)
+            bound = self._bound.get(lora.lora_int_id)
+            if bound is not None and bound != key:
+                raise ValueError(f"lora_int_id {lora.lora_int_id} is already the adapter "
+                                 f"{bound[0]!r} at {bound[1]!r}; each adapter needs its own id")
+            for other, (name, _) in self._bound.items():
+                if name == lora.lora_name and other != lora.lora_int_id:
+                    raise ValueError(f"lora_name {name!r} is already the adapter of "
+                                     f"lora_int_id {other}")
+            self._adapter(lora.lora_int_id, key)
+            self._bound[lora.lora_int_id] = key
+
+    def _adapter(self, lora_int_id: int, key: tuple[str, str]) -> LoRAAdapter:
+        """The adapter from the LRU, or read from disk (and the LRU trimmed); under the lock."""
+        adapter = self._adapters.get(lora_int_id)
+        if adapter is None:
+            adapter = load_adapter(key[0], lora_int_id, key[1], len(self.layers), self.shapes,
+                                   self.max_lora_rank)
+            self._adapters[lora_int_id] = adapter
+            in_slots = set(self._slots)
+            for old in list(self._adapters):
+                if len(self._adapters) <= self.max_cpu_loras:
+                    break
+                if old not in in_slots and old != lora_int_id:
+                    del self._adapters[old]
+        self._adapters.move_to_end(lora_int_id)
+        return adapter
+
+    def list_loras(self) -> list[int]:
+        """The ids of the adapters held in memory, least recently used first."""
+        with self._lock:
+            return list(self._adapters)
+
+    def adapter_names(self) -> dict[int, str]:
+        """Every adapter id registered so far -> its name."""
+        with self._lock:
+            return {i: name for i, (name, _) in self._bound.items()}
+
+    # ---- one step ------------------------------------------------------------------------------
+    def set_step(self, scheduled: list[ScheduledRequest]) -> None:
+        """Put the step's adapters in slots and group its rows by slot (`LoRAStep`)."""
+        self._steps += 1
+        ids = [s.lora_int_id for s in scheduled]
+        wanted = list(dict.fromkeys(i for i in ids if i))
+        if not wanted:
+            self.step.groups = []
+            return
+        if len(wanted) > self.max_loras:
+            raise RuntimeError(f"a step holds {len(wanted)} adapters, max_loras is "
+                               f"{self.max_loras}")
+        slot_of = {}
+        for lora_int_id in wanted:
+            slot = self._slot_for(lora_int_id, wanted)
+            self._slot_used[slot] = self._steps
+            slot_of[lora_int_id] = slot
+        lens = np.fromiter((s.num_tokens for s in scheduled), dtype=np.int64,
+                           count=len(scheduled))
+        slots = np.repeat(np.array([slot_of.get(i, -1) for i in ids], dtype=np.int64),
+                          lens)  # [T]: each row's slot, -1 for the base model
+        if len(wanted) == 1 and (slots >= 0).all():
+            self.step.groups = [(slot_of[wanted[0]], None)]
+            return
+        self.step.groups = [(slot, upload(np.flatnonzero(slots == slot), self.device))
+                            for slot in slot_of.values()]
+
+    def _slot_for(self, lora_int_id: int, wanted: list[int]) -> int:
+        """The slot holding the adapter, else one that is free or was used longest ago by an
+        adapter this step does not need, loaded with it."""
+        if lora_int_id in self._slots:
+            return self._slots.index(lora_int_id)
+        candidates = [s for s, held in enumerate(self._slots) if held not in wanted]
+        slot = min(candidates, key=lambda s: (self._slots[s] is not None, self._slot_used[s]))
+        with self._lock:
+            adapter = self._adapter(lora_int_id, self._bound[lora_int_id])
+            self._slots[slot] = lora_int_id
+        for index, by_projection in enumerate(self.layers):
+            for lora in set(by_projection.values()):
+                lora.set_slot(slot, {name: adapter.weights[(index, name)]
+                                     for name in lora.shard_names
+                                     if (index, name) in adapter.weights})
+        return slot
