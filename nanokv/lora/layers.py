@@ -1,12 +1,15 @@
 """A projection with LoRA adapters: base(x) plus, for each adapter in the step, its rows'
 scaling * B (A x).
 
-The adapters live in `max_loras` slots of zero-padded weights, one pair of tensors per layer:
-A [slots, shards * R, in] and B [slots, out, R] (R = max_lora_rank; a packed projection such as
-q/k/v has one shard per checkpoint projection, each with its own R columns of A's output and its
-rows of B). A step's rows are grouped by slot (`LoRAStep`): each group is two small matmuls,
-added into its rows. A slot's zero padding adds nothing, so adapters of any rank <= R share the
-slots; rows of no adapter are left as the base computed them.
+The adapters live in `max_loras` slots of zero-padded weights, one pair of tensors per layer,
+laid out for plain matmuls: A^T [slots, in, shards * R] and B^T [slots, shards * R, out]
+(R = max_lora_rank). A packed projection such as q/k/v has one shard per checkpoint projection:
+shard k owns columns [kR, kR + r) of A^T and, in B^T, those rows over its own output columns
+(B^T is block-diagonal), so one pair of matmuls serves the whole packed projection. The scheduler
+puts each adapter's rows side by side (`LoRAStep`: slices of the batch), so a step adds, per
+slice, `(x A^T) B^T` into the base output's rows in place (`addmm_`). Zero padding adds nothing,
+so adapters of any rank <= R and any subset of projections share the slots; rows of no adapter
+are left as the base computed them.
 """
 
 from __future__ import annotations
@@ -19,10 +22,10 @@ from torch import nn
 
 @dataclass
 class LoRAStep:
-    """This step's rows by adapter slot: (slot, row indexes [n] int64 on the device, or None
-    when every row of the batch is that slot's). Empty: no row has an adapter."""
+    """This step's adapter rows: (slot, first row, end row) slices of the batch, each of one
+    adapter. Empty: no row has an adapter."""
 
-    groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+    slices: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class LoRALinear(nn.Module):
@@ -42,10 +45,11 @@ class LoRALinear(nn.Module):
         self.step = step
         # the plain weight's device and dtype (an empty tensor once a packed copy replaced it)
         weight_like = dict(device=base.weight.device, dtype=base.weight.dtype)
-        self.lora_a = torch.zeros(max_loras, len(shards) * max_rank, base.in_features,
-                                  **weight_like)  # [S, shards * R, in]
-        self.lora_b = torch.zeros(max_loras, base.out_features, max_rank,
-                                  **weight_like)  # [S, out, R]
+        width = len(shards) * max_rank
+        self.lora_a = torch.zeros(max_loras, base.in_features, width,
+                                  **weight_like)  # A^T [S, in, shards * R]
+        self.lora_b = torch.zeros(max_loras, width, base.out_features,
+                                  **weight_like)  # B^T [S, shards * R, out], block-diagonal
 
     @property
     def in_features(self) -> int:
@@ -58,33 +62,22 @@ class LoRALinear(nn.Module):
     def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Slot `slot` holds an adapter's (A [r, in], scaled B [out_shard, r]) by shard name;
         shards it does not adapt get zeros."""
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
-        row, r_max = 0, self.max_rank
+        a, b = self.lora_a[slot], self.lora_b[slot]
+        a.zero_()
+        b.zero_()
+        column = 0
         for k, (name, size) in enumerate(zip(self.shard_names, self.shard_sizes)):
             if name in weights:
-                a, b = weights[name]
-                r = a.shape[0]
-                self.lora_a[slot, k * r_max:k * r_max + r] = a
-                self.lora_b[slot, row:row + size, :r] = b
-            row += size
+                shard_a, shard_b = weights[name]
+                first, r = k * self.max_rank, shard_a.shape[0]
+                a[:, first:first + r] = shard_a.T
+                b[first:first + r, column:column + size] = shard_b.T
+            column += size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out]."""
         y = self.base(x)
-        for slot, rows in self.step.groups:
-            xs = x if rows is None else x.index_select(0, rows)  # [n, in]
-            u = xs @ self.lora_a[slot].T  # [n, shards * R]
-            b = self.lora_b[slot]  # [out, R]
-            if len(self.shard_sizes) == 1:
-                delta = u @ b.T  # [n, out]
-            else:  # each shard's R columns of u through its rows of B
-                delta = torch.cat([u[:, k * self.max_rank:(k + 1) * self.max_rank] @ part.T
-                                   for k, part in enumerate(b.split(self.shard_sizes))],
-                                  dim=-1)  # [n, out]
-            if rows is None:
-                y += delta
-            else:
-                y.index_add_(0, rows, delta)
+        for slot, start, end in self.step.slices:
+            # y[start:end] += (x[start:end] A^T) B^T, in place
+            y[start:end].addmm_(x[start:end] @ self.lora_a[slot], self.lora_b[slot])
         return y
-

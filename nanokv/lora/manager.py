@@ -5,7 +5,7 @@ step's rows by slot.
                              queued: a bad adapter is refused with nothing allocated
     set_step(scheduled)      (engine thread) the step's adapters into slots (at most max_loras:
                              the scheduler admits no more distinct adapters at once), then the
-                             rows of each slot for every LoRALinear
+                             slices of rows of each slot for every LoRALinear
 
 Adapters read from disk are kept in an LRU of max_cpu_loras (those in a slot stay); one evicted
 is read again when a request needs it. An adapter id stays bound to its first name and path.
@@ -16,7 +16,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-import numpy as np
 import torch
 
 from nanokv.lora.adapter import LoRAAdapter, load_adapter
@@ -24,7 +23,6 @@ from nanokv.lora.layers import LoRALinear, LoRAStep
 from nanokv.lora.options import check_lora_options
 from nanokv.lora.request import LoRARequest
 from nanokv.scheduler.output import ScheduledRequest
-from nanokv.transfer import upload
 
 
 class LoRAManager:
@@ -115,12 +113,12 @@ class LoRAManager:
 
     # ---- one step ------------------------------------------------------------------------------
     def set_step(self, scheduled: list[ScheduledRequest]) -> None:
-        """Put the step's adapters in slots and group its rows by slot (`LoRAStep`)."""
+        """Put the step's adapters in slots and find its rows' slices by slot (`LoRAStep`)."""
         self._steps += 1
         ids = [s.lora_int_id for s in scheduled]
         wanted = list(dict.fromkeys(i for i in ids if i))
         if not wanted:
-            self.step.groups = []
+            self.step.slices = []
             return
         if len(wanted) > self.max_loras:
             raise RuntimeError(f"a step holds {len(wanted)} adapters, max_loras is "
@@ -130,15 +128,18 @@ class LoRAManager:
             slot = self._slot_for(lora_int_id, wanted)
             self._slot_used[slot] = self._steps
             slot_of[lora_int_id] = slot
-        lens = np.fromiter((s.num_tokens for s in scheduled), dtype=np.int64,
-                           count=len(scheduled))
-        slots = np.repeat(np.array([slot_of.get(i, -1) for i in ids], dtype=np.int64),
-                          lens)  # [T]: each row's slot, -1 for the base model
-        if len(wanted) == 1 and (slots >= 0).all():
-            self.step.groups = [(slot_of[wanted[0]], None)]
-            return
-        self.step.groups = [(slot, upload(np.flatnonzero(slots == slot), self.device))
-                            for slot in slot_of.values()]
+        # the scheduler puts an adapter's requests side by side: one slice per run of them
+        slices, start = [], 0
+        for s in scheduled:
+            end = start + s.num_tokens
+            if s.lora_int_id:
+                slot = slot_of[s.lora_int_id]
+                if slices and slices[-1][0] == slot and slices[-1][2] == start:
+                    slices[-1] = (slot, slices[-1][1], end)
+                else:
+                    slices.append((slot, start, end))
+            start = end
+        self.step.slices = slices
 
     def _slot_for(self, lora_int_id: int, wanted: list[int]) -> int:
         """The slot holding the adapter, else one that is free or was used longest ago by an

@@ -200,7 +200,9 @@ class Scheduler:
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
 
-        scheduled.sort(key=lambda s: not s.is_decode)  # decodes first, then prefill chunks
+        # decodes first, then prefill chunks; within each, a LoRA adapter's rows side by side
+        # (one slice per adapter for its projections; the order stays without LoRA)
+        scheduled.sort(key=lambda s: (not s.is_decode, s.lora_int_id))
         self.num_scheduled_tokens += sum(s.num_tokens for s in scheduled)
         return SchedulerOutput(scheduled, [r.request_id for r in preempted])
 

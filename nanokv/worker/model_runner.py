@@ -76,7 +76,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         inputs = self.inputs(sched)
-        lora_rows = self.lora is not None and self.lora.step.groups  # graphs hold no adapter
+        lora_rows = self.lora is not None and self.lora.step.slices  # graphs hold no adapter
         if self.graphs is not None and not lora_rows and self.graphs.can_run(inputs):
             hidden, q_rows, capture = self.graphs.run(inputs), None, []  # [n, hidden]
         else:
