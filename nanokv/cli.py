@@ -129,6 +129,17 @@ def generate_prompts(args: argparse.Namespace) -> list:
     return ["def fibonacci(n):"]
 
 
+def generate_lora(args: argparse.Namespace):
+    """`nanokv generate --lora-path DIR`: the LoRARequest every prompt runs under (and LoRA
+    turned on), else None."""
+    from nanokv.lora import LoRARequest
+
+    if args.lora_path is None:
+        return None
+    args.enable_lora = True
+    return LoRARequest("lora", 1, args.lora_path)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from nanokv import LLM, SamplingParams
 
@@ -144,6 +155,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("--stop strings are matched in the output text, which needs the "
                          "tokenizer that --skip-tokenizer-init leaves out")
     prompts = generate_prompts(args)
+    lora = generate_lora(args)
     llm = LLM(args.model, **engine_options(args))
     for line in llm.engine.startup_lines:
         print(f"[nanokv] {line}", file=sys.stderr)
@@ -151,7 +163,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if note:
         print(f"[nanokv] {note}", file=sys.stderr)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, lora_request=lora)
     elapsed = time.perf_counter() - t0
     for out in outs:
         if args.json:
@@ -187,11 +199,12 @@ def beam_generate(args: argparse.Namespace) -> int:
     params = BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens,
                               ignore_eos=args.ignore_eos, length_penalty=args.length_penalty)
     prompts = generate_prompts(args)
+    lora = generate_lora(args)
     llm = LLM(args.model, **engine_options(args))
     for line in llm.engine.startup_lines:
         print(f"[nanokv] {line}", file=sys.stderr)
     t0 = time.perf_counter()
-    outs = llm.beam_search(prompts, params)
+    outs = llm.beam_search(prompts, params, lora_request=lora)
     elapsed = time.perf_counter() - t0
     tokenizer = llm.tokenizer
     for prompt, out in zip(prompts, outs):
@@ -288,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--length-penalty", type=float, default=1.0,
                    help="with --beam-width: sequences ranked by cumulative log-probability / "
                         "length ** this")
+    g.add_argument("--lora-path", default=None, metavar="DIR",
+                   help="run every prompt under this LoRA adapter (a PEFT directory; turns on "
+                        "--enable-lora)")
     g.add_argument("--json", action="store_true", help="one JSON object per output")
     g.set_defaults(func=cmd_generate)
 

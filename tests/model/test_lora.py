@@ -263,3 +263,18 @@ def test_adapters_match_merged_weights(tiny_model, tmp_path, options):
     """Adapters written without PEFT against the merged weights (the CUDA test's check), over
     the float pool, an int8 cache and a KV policy (each the same in both engines)."""
     check_against_merged(tiny_model, tmp_path, **options)
+
+
+def test_generate_cli_runs_prompts_under_an_adapter(tiny_llama, adapters, peft_tokens, capsys):
+    """`nanokv generate --lora-path DIR`: PEFT's tokens; a bad adapter exits 2 naming it."""
+    from nanokv.cli import main
+
+    prompt = ",".join(map(str, PROMPTS[0]))
+    common = ["generate", "--model", tiny_llama, "--prompt-token-ids", prompt, "--json",
+              "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--num-kv-blocks", "32",
+              "--block-size", "16"]
+    assert main([*common, "--lora-path", adapters[tiny_llama][1]]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["token_ids"] == peft_tokens[tiny_llama][2][0]
+    assert main([*common, "--lora-path", adapters[tiny_llama][2], "--max-lora-rank", "8"]) == 2
+    assert "rank 16, more than max_lora_rank 8" in capsys.readouterr().err
