@@ -103,7 +103,7 @@ class LLMEngine:
         self.lora = None  # LoRA adapters: the model's projections wrapped, their slots
         if config.enable_lora:
             self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
-                                    config.max_cpu_loras, self.device)
+                                    config.max_cpu_loras)
 
         self.draft_model = None  # draft-model speculation: its layers follow the model's
         if parts.draft_layers:
@@ -350,8 +350,13 @@ class LLMEngine:
         self.lora.register(lora_request)
         return True
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unregister a LoRA adapter (vLLM's): its name may name another id then; requests
+        already queued under it still run with it. False if it was not registered."""
+        return self.lora is not None and self.lora.remove(lora_int_id)
+
     def list_loras(self) -> set[int]:
-        """The ids of the LoRA adapters held in memory (vLLM's)."""
+        """The ids of the registered LoRA adapters (vLLM's)."""
         return set() if self.lora is None else set(self.lora.list_loras())
 
     def abort(self, request_id: str) -> RequestOutput | None:

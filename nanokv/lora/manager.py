@@ -8,7 +8,9 @@ step's rows by slot.
                              slices of rows of each slot for every LoRALinear
 
 Adapters read from disk are kept in an LRU of max_cpu_loras (those in a slot stay); one evicted
-is read again when a request needs it. An adapter id stays bound to its first name and path.
+is read again when a request needs it. An adapter id stays bound to its first name and path for
+the engine's life (the prefix cache keys blocks by the id); `remove` frees the name for another
+id, and requests already queued under the removed adapter still run with it.
 """
 
 from __future__ import annotations
@@ -27,14 +29,13 @@ from nanokv.scheduler.output import ScheduledRequest
 
 class LoRAManager:
     def __init__(self, model: torch.nn.Module, max_loras: int, max_lora_rank: int,
-                 max_cpu_loras: int | None, device: torch.device) -> None:
+                 max_cpu_loras: int | None) -> None:
         """Wraps the model's decoder projections in LoRALinear layers (q/k/v, o, gate/up,
         down), each with max_loras zeroed slots of rank max_lora_rank."""
         check_lora_options(max_loras, max_lora_rank, max_cpu_loras)
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras or max_loras
-        self.device = device
         self.step = LoRAStep()
         self.layers: list[dict[str, LoRALinear]] = []  # per decoder layer, projection -> layer
         self.shapes: dict[str, tuple[int, int]] = {}  # projection -> (in, out) features
@@ -60,6 +61,7 @@ class LoRAManager:
             self.layers.append(by_projection)
         self._lock = threading.Lock()  # register (server threads) against set_step
         self._bound: dict[int, tuple[str, str]] = {}  # id -> (name, path) of first use
+        self._names: dict[str, int] = {}  # the registered (not removed) adapters' ids
         self._adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU, newest last
         self._slots: list[int | None] = [None] * max_loras  # adapter id per slot
         self._slot_used = [0] * max_loras  # the step that last used each slot
@@ -78,12 +80,25 @@ class LoRAManager:
             if bound is not None and bound != key:
                 raise ValueError(f"lora_int_id {lora.lora_int_id} is already the adapter "
                                  f"{bound[0]!r} at {bound[1]!r}; each adapter needs its own id")
-            for other, (name, _) in self._bound.items():
-                if name == lora.lora_name and other != lora.lora_int_id:
-                    raise ValueError(f"lora_name {name!r} is already the adapter of "
-                                     f"lora_int_id {other}")
+            other = self._names.get(lora.lora_name, lora.lora_int_id)
+            if other != lora.lora_int_id:
+                raise ValueError(f"lora_name {lora.lora_name!r} is already the adapter of "
+                                 f"lora_int_id {other}")
             self._adapter(lora.lora_int_id, key)
             self._bound[lora.lora_int_id] = key
+            self._names[lora.lora_name] = lora.lora_int_id
+
+    def remove(self, lora_int_id: int) -> bool:
+        """Unregister an adapter (False if it is not registered): its name is free again, its
+        weights leave memory unless a slot holds them. Its id stays bound to it."""
+        with self._lock:
+            bound = self._bound.get(lora_int_id)
+            if bound is None or self._names.get(bound[0]) != lora_int_id:
+                return False
+            del self._names[bound[0]]
+            if lora_int_id not in self._slots:
+                self._adapters.pop(lora_int_id, None)
+            return True
 
     def _adapter(self, lora_int_id: int, key: tuple[str, str]) -> LoRAAdapter:
         """The adapter from the LRU, or read from disk (and the LRU trimmed); under the lock."""
@@ -102,14 +117,9 @@ class LoRAManager:
         return adapter
 
     def list_loras(self) -> list[int]:
-        """The ids of the adapters held in memory, least recently used first."""
+        """The ids of the registered adapters (not removed), in order of registration."""
         with self._lock:
-            return list(self._adapters)
-
-    def adapter_names(self) -> dict[int, str]:
-        """Every adapter id registered so far -> its name."""
-        with self._lock:
-            return {i: name for i, (name, _) in self._bound.items()}
+            return list(self._names.values())
 
     # ---- one step ------------------------------------------------------------------------------
     def set_step(self, scheduled: list[ScheduledRequest]) -> None:

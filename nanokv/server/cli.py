@@ -105,6 +105,11 @@ def add_serve_parser(subparsers, add_engine_args, engine_options) -> None:
                         "vLLM's forms: name=path or JSON {\"name\": ..., \"path\": ...}; a "
                         "request's `model` picks one (listed in /v1/models); needs "
                         "--enable-lora")
+    s.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve vLLM's POST /v1/load_lora_adapter {lora_name, lora_path} and "
+                        "/v1/unload_lora_adapter {lora_name} (needs --enable-lora; also on with "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, as in vLLM); not with "
+                        "--replicas")
     s.add_argument("--check-invariants", action="store_true",
                    help="debug: verify the block accounting whenever the engine goes idle; a "
                         "violation stops the engine and /health turns 503")
@@ -117,6 +122,12 @@ def add_serve_parser(subparsers, add_engine_args, engine_options) -> None:
     add_replica_args(p)
     p.set_defaults(func=lambda args: cmd_serve(args, engine_options),
                    model_default=p.get_default("model"))
+
+
+def runtime_lora_updating(args: argparse.Namespace) -> bool:
+    """--allow-runtime-lora-updating, or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING (true / 1)."""
+    env = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower()
+    return args.allow_runtime_lora_updating or env in ("1", "true")
 
 
 def cmd_serve(args: argparse.Namespace, engine_options) -> int:
@@ -161,10 +172,17 @@ def cmd_serve(args: argparse.Namespace, engine_options) -> int:
         structured_outputs_enable_in_reasoning=args.structured_outputs_enable_in_reasoning,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser, responses_store_size=args.responses_store_size,
-        lora_modules=parse_lora_modules(args.lora_modules))
+        lora_modules=parse_lora_modules(args.lora_modules),
+        allow_runtime_lora_updating=runtime_lora_updating(args))
 
     if settings.lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
+    if settings.allow_runtime_lora_updating and not args.enable_lora:
+        raise ValueError("--allow-runtime-lora-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING) "
+                         "needs --enable-lora")
+    if settings.allow_runtime_lora_updating and args.replicas is not None:
+        raise ValueError("--allow-runtime-lora-updating would load an adapter on one replica "
+                         "only: not with --replicas (give the adapters as --lora-modules)")
     from nanokv.replicas.cli import check_replica_args
 
     check_replica_args(args)

@@ -4,6 +4,7 @@
     GET, DELETE /v1/responses/{id}; POST /v1/responses/{id}/cancel; GET .../input_items
     GET  /v1/models, /v1/models/{model}, /health, /ping (also POST), /version, /metrics
     POST /tokenize, /detokenize
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter (--allow-runtime-lora-updating)
 
 Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: 400 bad input, 401 bad
 API key, 404 unknown model or route, 413 body over --max-body-bytes, 415 a body not sent as
@@ -32,7 +33,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanokv.server.beam_serving import beam_search_events, run_beam_search
 from nanokv.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                    DetokenizeRequest, TokenizeRequest, error_body)
+                                    DetokenizeRequest, LoadLoRAAdapterRequest, TokenizeRequest,
+                                    UnloadLoRAAdapterRequest, error_body)
 from nanokv.server.responses_api import ResponsesRequest
 from nanokv.server.responses_serving import ResponsesServing
 from nanokv.server.responses import (ChatParts, ReasoningTokenCount, chat_logprobs,
@@ -242,6 +244,16 @@ def _add_routes(app: FastAPI, server: OpenAIServer) -> None:
     async def model(model: str):
         server.check_model(model)
         return lora_card(server.loras[model]) if model in server.loras else model_card()
+
+    @app.post("/v1/load_lora_adapter", dependencies=json_body)  # vLLM's
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        return Response(await server.load_lora(body.lora_name, body.lora_path),
+                        media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter", dependencies=json_body)  # vLLM's
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        return Response(server.unload_lora(body.lora_name, body.lora_int_id),
+                        media_type="text/plain")
 
     @app.get("/version")  # vLLM's
     async def version():

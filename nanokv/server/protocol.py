@@ -568,3 +568,17 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(_Body):
+    """vLLM's POST /v1/load_lora_adapter."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """vLLM's POST /v1/unload_lora_adapter (lora_int_id, when given, must be the adapter's)."""
+
+    lora_name: str
+    lora_int_id: int | None = None

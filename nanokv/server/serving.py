@@ -75,6 +75,9 @@ class ServerSettings:
     responses_store_size: int = 0  # Responses API responses kept (response_store); 0: none
     # LoRA adapters served by name (--lora-modules; the engine needs enable_lora)
     lora_modules: tuple[LoRARequest, ...] = ()
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's, behind its
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -164,6 +167,7 @@ class OpenAIServer:
         for module in settings.lora_modules:  # read and checked before serving
             engine.lora.register(module)
         self.loras = {m.lora_name: m for m in settings.lora_modules}
+        self._next_lora_id = len(settings.lora_modules) + 1  # ids are never reused
         self.exporter = PrometheusExporter(settings.model_name,
                                            CacheConfigInfo.from_engine(engine),
                                            window_s=settings.metrics_window)
@@ -188,6 +192,44 @@ class OpenAIServer:
             served = ", ".join(f"`{name}`" for name in (self.settings.model_name, *self.loras))
             raise APIError(404, f"The model `{model}` does not exist. This server serves "
                                 f"{served}.", param="model", code="model_not_found")
+
+    async def load_lora(self, name: str, path: str) -> str:
+        """POST /v1/load_lora_adapter: the adapter read and checked (in a worker thread), then
+        served under `name` with a new id."""
+        self._check_runtime_lora()
+        if not name or name == self.settings.model_name or name in self.loras:
+            why = "is the served model's" if name == self.settings.model_name else \
+                "is already loaded" if name else "must not be empty"
+            raise APIError(400, f"The lora adapter name '{name}' {why}.", param="lora_name",
+                           code="invalid_value")
+        try:
+            lora = LoRARequest(name, self._next_lora_id, path)
+            await asyncio.get_running_loop().run_in_executor(self._worker,
+                                                             self.engine.lora.register, lora)
+        except ValueError as e:
+            raise APIError(400, str(e), param="lora_path", code="invalid_value") from e
+        self._next_lora_id += 1
+        self.loras[name] = lora
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    def unload_lora(self, name: str, lora_int_id: int | None) -> str:
+        """POST /v1/unload_lora_adapter: the name no longer served (requests already queued
+        under it finish with it)."""
+        self._check_runtime_lora()
+        lora = self.loras.get(name)
+        if lora is None or lora_int_id not in (None, lora.lora_int_id):
+            raise APIError(404, f"The lora adapter '{name}' cannot be found.",
+                           "not_found_error", param="lora_name", code="model_not_found")
+        del self.loras[name]
+        self.engine.remove_lora(lora.lora_int_id)
+        return f"Success: LoRA adapter '{name}' removed successfully."
+
+    def _check_runtime_lora(self) -> None:
+        if not self.settings.allow_runtime_lora_updating or self.engine.lora is None:
+            raise APIError(400, "loading and unloading LoRA adapters at runtime needs "
+                                "--enable-lora and --allow-runtime-lora-updating (or "
+                                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true)",
+                           code="unsupported_operation")
 
     def served_name(self, model: str | None) -> str:
         """The `model` a response names: the LoRA module asked for, else the served model."""

@@ -1,21 +1,23 @@
 """`nanokv serve --enable-lora --lora-modules ...` through the openai SDK: the adapters are
 listed as models, a request's `model` picks its adapter (the answer equals the offline engine's
 under that LoRARequest: `LLM.generate`, whose tokens tests/model/test_lora.py holds to PEFT's),
-streams too, an unknown model is a 404 naming what is served, and /metrics carries vLLM's
-lora_requests_info."""
+streams too, an unknown model is a 404 naming what is served, /metrics carries vLLM's
+lora_requests_info, and vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter change what is
+served."""
 
 from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 from openai import OpenAI
 
 from nanokv import LLM, SamplingParams
 from nanokv.lora import LoRARequest
-from servers import (API_KEY, MODEL_NAME, OFFLINE_OPTIONS, launch_server, stop_server,
-                     wait_ready)
+from servers import (API_KEY, MODEL_NAME, OFFLINE_OPTIONS, launch_server, start_in_process,
+                     stop_server, wait_ready)
 from tiny_models import build_lora_adapter
 
 PROMPTS = ["block cache block cache", "def add(a, b):\n    return"]
@@ -33,7 +35,8 @@ def adapters(tiny_llama, tmp_path_factory) -> dict[str, str]:
 def server(tiny_llama, adapters, tmp_path_factory):
     s = wait_ready(launch_server(
         tiny_llama, str(tmp_path_factory.mktemp("lora-server")), "--enable-lora",
-        "--max-loras", "2", "--lora-modules", f"sql={adapters['sql']}",
+        "--max-loras", "2", "--allow-runtime-lora-updating",
+        "--lora-modules", f"sql={adapters['sql']}",
         json.dumps({"name": "chat", "path": adapters["chat"], "base_model_name": MODEL_NAME})))
     yield s
     stop_server(s)
@@ -99,3 +102,49 @@ def test_unknown_model_is_a_404_naming_the_served_ones(server):
     assert "`nope` does not exist" in str(e.value)
     assert "`sql`" in str(e.value) and "`chat`" in str(e.value)
     server.assert_healthy()
+
+
+def _post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, headers=server.headers, timeout=60)
+
+
+def test_adapters_loaded_and_unloaded_at_runtime(server, adapters, offline):
+    client = _client(server)
+    r = _post(server, "/v1/load_lora_adapter", {"lora_name": "math", "lora_path": adapters["sql"]})
+    assert r.status_code == 200 and "'math' added" in r.text
+    assert "math" in {m.id for m in client.models.list().data}
+    args = dict(prompt=PROMPTS[0], max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    assert client.completions.create(model="math", **args).choices[0].text == offline["sql"][0]
+    for body, status, message in (
+            ({"lora_name": "math", "lora_path": adapters["chat"]}, 400, "already loaded"),
+            ({"lora_name": MODEL_NAME, "lora_path": adapters["chat"]}, 400,
+             "the served model's"),
+            ({"lora_name": "bad", "lora_path": "/nonexistent"}, 400, "is not a directory"),
+            ({"lora_name": "bad"}, 400, "lora_path")):
+        r = _post(server, "/v1/load_lora_adapter", body)
+        assert r.status_code == status and message in r.json()["error"]["message"], r.text
+    r = _post(server, "/v1/unload_lora_adapter", {"lora_name": "math"})
+    assert r.status_code == 200 and "'math' removed" in r.text
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="math", **args)
+    assert _post(server, "/v1/unload_lora_adapter", {"lora_name": "math"}).status_code == 404
+    assert _post(server, "/v1/unload_lora_adapter",
+                 {"lora_name": "sql", "lora_int_id": 99}).status_code == 404
+    # the name again, now another adapter (a new id: no block of the old one is a hit)
+    r = _post(server, "/v1/load_lora_adapter", {"lora_name": "math",
+                                                "lora_path": adapters["chat"]})
+    assert r.status_code == 200
+    assert client.completions.create(model="math", **args).choices[0].text == offline["chat"][0]
+    server.wait_idle()
+    server.assert_healthy()
+
+
+def test_runtime_updating_is_off_by_default(tiny_llama, adapters):
+    plain = start_in_process(tiny_llama, enable_lora=True)
+    try:
+        r = _post(plain, "/v1/load_lora_adapter", {"lora_name": "x",
+                                                   "lora_path": adapters["sql"]})
+        assert r.status_code == 400
+        assert "--allow-runtime-lora-updating" in r.json()["error"]["message"]
+    finally:
+        stop_server(plain)

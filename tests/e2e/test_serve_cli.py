@@ -28,6 +28,8 @@ from nanokv.cli import main
     (["--served-model-name", "a", "--enable-lora", "--lora-modules", "a=/x"],
      "named as the served model"),
     (["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"], "max_cpu_loras (1)"),
+    (["--allow-runtime-lora-updating"], "needs --enable-lora"),
+    (["--enable-lora", "--allow-runtime-lora-updating", "--replicas", "2"], "not with --replicas"),
 ])
 def test_bad_serve_flags(tiny_llama, capsys, flags, fragment):
     assert main(["serve", tiny_llama, *flags]) == 2
@@ -43,6 +45,23 @@ def test_every_serve_flag_has_help(capsys):
                  "--check-invariants", "--log-level", "--no-access-log", "--max-body-bytes",
                  "--max-prompt-chars", "--max-stop-strings", "--max-stop-length",
                  "--shutdown-timeout", "--request-classes", "--enable-lora", "--lora-modules",
-                 "--max-loras", "--max-lora-rank", "--max-cpu-loras"):
+                 "--max-loras", "--max-lora-rank", "--max-cpu-loras",
+                 "--allow-runtime-lora-updating"):
         assert flag in out
     assert "127.0.0.1" in out
+
+
+def test_vllm_runtime_lora_variable_turns_runtime_updating_on(monkeypatch, tiny_llama, capsys):
+    """VLLM_ALLOW_RUNTIME_LORA_UPDATING=true|1 acts as --allow-runtime-lora-updating (vLLM's
+    switch), so it too needs --enable-lora; other values leave it off."""
+    import argparse
+
+    from nanokv.server.cli import runtime_lora_updating
+
+    off = argparse.Namespace(allow_runtime_lora_updating=False)
+    for value, on in (("true", True), ("1", True), ("TRUE", True), ("0", False), ("", False)):
+        monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", value)
+        assert runtime_lora_updating(off) is on
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
+    assert main(["serve", tiny_llama]) == 2
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING) needs --enable-lora" in capsys.readouterr().err

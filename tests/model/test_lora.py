@@ -278,3 +278,27 @@ def test_generate_cli_runs_prompts_under_an_adapter(tiny_llama, adapters, peft_t
     assert out["token_ids"] == peft_tokens[tiny_llama][2][0]
     assert main([*common, "--lora-path", adapters[tiny_llama][2], "--max-lora-rank", "8"]) == 2
     assert "rank 16, more than max_lora_rank 8" in capsys.readouterr().err
+
+
+def test_removed_adapter_frees_its_name_and_its_queued_requests_finish(tiny_llama, adapters,
+                                                                       peft_tokens):
+    """remove_lora (vLLM's): the name may then name another id; a request queued under the
+    removed adapter still runs with it (PEFT's tokens), its weights read again if need be."""
+    llm = LLM(tiny_llama, enable_lora=True, max_loras=1, max_cpu_loras=1, num_kv_blocks=64,
+              block_size=16)
+    engine = llm.engine
+    first, second, _ = loras(adapters[tiny_llama])
+    queued = engine.add_request(PROMPTS[0], GREEDY, lora_request=first)
+    other = engine.add_request(PROMPTS[0], GREEDY, lora_request=second)
+    assert engine.remove_lora(1) and not engine.remove_lora(1) and not engine.remove_lora(7)
+    assert engine.list_loras() == {2}
+    renamed = engine.add_request(PROMPTS[1], GREEDY, lora_request=LoRARequest(
+        "adapter0", 9, adapters[tiny_llama][1]))
+    with pytest.raises(ValueError, match="lora_int_id 1 is already the adapter 'adapter0'"):
+        engine.add_request(PROMPTS[1], GREEDY, lora_request=LoRARequest(
+            "adapter0", 1, adapters[tiny_llama][2]))
+    outs = run_checked(engine)
+    want = peft_tokens[tiny_llama]
+    assert outs[queued].outputs[0].token_ids == want[1][0]
+    assert outs[other].outputs[0].token_ids == want[2][0]
+    assert outs[renamed].outputs[0].token_ids == want[2][1]
