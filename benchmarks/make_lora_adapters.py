@@ -28,7 +28,9 @@ def projection_shapes(config: dict) -> dict[str, tuple[int, int]]:
             "down_proj": (inter, hidden)}
 
 
-def write_adapter(model: Path, out: Path, rank: int, alpha: float, std: float, seed: int) -> None:
+def write_adapter(model: Path, out: Path, rank: int, alpha: float, std: float, seed: int,
+                  targets: tuple[str, ...] = PROJECTIONS) -> None:
+    """An adapter of `targets` in every decoder layer, A and B of normal entries of `std`."""
     import torch
     from safetensors.torch import save_file
 
@@ -37,7 +39,7 @@ def write_adapter(model: Path, out: Path, rank: int, alpha: float, std: float, s
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(config["num_hidden_layers"]):
-        for name in PROJECTIONS:
+        for name in targets:
             part = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
             key = f"base_model.model.model.layers.{layer}.{part}.{name}"
             fan_in, fan_out = shapes[name]
@@ -47,7 +49,7 @@ def write_adapter(model: Path, out: Path, rank: int, alpha: float, std: float, s
     save_file(tensors, str(out / "adapter_model.safetensors"))
     (out / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
-        "lora_dropout": 0.0, "bias": "none", "target_modules": list(PROJECTIONS),
+        "lora_dropout": 0.0, "bias": "none", "target_modules": list(targets),
         "base_model_name_or_path": str(model)}, indent=2) + "\n")
 
 

@@ -135,34 +135,14 @@ def write_lora_adapter(model_dir: str, out_dir: str, rank: int = 8, alpha: float
                        targets: tuple[str, ...] = ("q_proj", "v_proj", "o_proj", "down_proj"),
                        seed: int = 1, std: float = 0.08) -> str:
     """A LoRA adapter in PEFT's file format written without PEFT (machines without it: the
-    CUDA tests), its A and B random. Returns out_dir."""
-    import json
+    CUDA tests), its A and B random: benchmarks/make_lora_adapters.py's writer. Returns
+    out_dir."""
+    from pathlib import Path
 
-    from safetensors.torch import save_file
-    from transformers import AutoConfig
+    from benchmark_scripts import load_benchmark
 
-    cfg = AutoConfig.from_pretrained(model_dir)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
-    shapes = {"q_proj": (cfg.hidden_size, q), "k_proj": (cfg.hidden_size, kv),
-              "v_proj": (cfg.hidden_size, kv), "o_proj": (q, cfg.hidden_size),
-              "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
-              "up_proj": (cfg.hidden_size, cfg.intermediate_size),
-              "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(cfg.num_hidden_layers):
-        for name in targets:
-            part = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-            key = f"base_model.model.model.layers.{layer}.{part}.{name}"
-            fan_in, fan_out = shapes[name]
-            tensors[f"{key}.lora_A.weight"] = std * torch.randn(rank, fan_in, generator=gen)
-            tensors[f"{key}.lora_B.weight"] = std * torch.randn(fan_out, rank, generator=gen)
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
-    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
-        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": alpha,
-                   "target_modules": list(targets), "bias": "none"}, f)
+    load_benchmark("make_lora_adapters").write_adapter(Path(model_dir), Path(out_dir), rank,
+                                                       alpha, std, seed, targets)
     return out_dir
 
 

@@ -12,6 +12,7 @@ class ReplayScheduled:
 
     __slots__ = ("request_id", "num_tokens", "start_slot", "sample", "is_decode")
     draft_token_ids = ()  # the simulator models no speculative decoding
+    lora_int_id = 0  # nor LoRA adapters
 
     def __init__(self, request_id: str, num_tokens: int, start_slot: int, sample: bool,
                  decode_rows: bool = False):
