@@ -29,7 +29,8 @@ from ray.serve.config import RequestRouterConfig
 
 from nanokv.replicas.asgi import ProxiedRequest, ResponseStart, call_app, start_lifespan
 from nanokv.replicas.drain import HEALTH_PERIOD_S
-from nanokv.replicas.prefix_hashes import HashSpec, PromptTokenizer, prompt_block_hashes
+from nanokv.replicas.prefix_hashes import (HashSpec, PromptTokenizer, body_lora_id,
+                                           prompt_block_hashes)
 from nanokv.replicas.router import CACHED_HASHES_KEY
 from nanokv.server.protocol import error_body
 from nanokv.server.serving import ServerSettings
@@ -162,6 +163,7 @@ class Ingress:
         self.max_body_bytes = settings.max_body_bytes
         self.max_attempts = max_attempts
         self._spec: HashSpec | None = None
+        self.lora_ids = {m.lora_name: m.lora_int_id for m in settings.lora_modules}
 
     async def _block_hashes(self, path: str, body: bytes) -> list[int]:
         if path not in HASHED_PATHS or len(body) > self.max_body_bytes:
@@ -172,7 +174,8 @@ class Ingress:
         if found is None:
             return []
         token_ids, salt = found
-        return prompt_block_hashes(token_ids, self._spec, salt)
+        return prompt_block_hashes(token_ids, self._spec, salt,
+                                   body_lora_id(body, self.lora_ids))
 
     async def forward(self, request: Request) -> Response:
         if request.url.path == "/metrics":  # one replica's counters would pass for the total

@@ -4,8 +4,9 @@ manager computes them, so that the router's predicted hit is the hit the replica
 The block manager looks a prompt up block by block: block i's hash is
 `hash_block(hash of block i-1, token ids of block i, extra keys)` (nanokv/cache/hashing.py),
 where the extra keys are the engine's (KV dtype, KV cache kind) plus `("salt", cache_salt)` when
-the request has one, and it looks up at most `(num_tokens - 1) // block_size` blocks (the last
-prompt token is always computed). `HashSpec` is what a replica's engine says about those rules;
+the request has one and `("lora", id)` when it runs under a LoRA adapter (`body_lora_id`), and
+it looks up at most `(num_tokens - 1) // block_size` blocks (the last prompt token is always
+computed). `HashSpec` is what a replica's engine says about those rules;
 `prompt_block_hashes` applies them. `PromptTokenizer` turns an OpenAI request body into the token
 ids the server would compute (same tokenizer, chat template and defaults).
 """
@@ -34,19 +35,35 @@ class HashSpec:
         return cls(bm.block_size, tuple(bm.extra_keys), bm.enable_prefix_caching)
 
 
-def prompt_block_hashes(token_ids: list[int], spec: HashSpec,
-                        cache_salt: str | None = None) -> list[int]:
-    """The chained hashes of the prompt's blocks the block manager would look up, in order."""
+def prompt_block_hashes(token_ids: list[int], spec: HashSpec, cache_salt: str | None = None,
+                        lora_int_id: int = 0) -> list[int]:
+    """The chained hashes of the prompt's blocks the block manager would look up, in order
+    (lora_int_id: the request's LoRA adapter, 0 for none)."""
     if not spec.enabled or not token_ids:
         return []
     bs = spec.block_size
     extra = spec.extra_keys if cache_salt is None else spec.extra_keys + (("salt", cache_salt),)
+    if lora_int_id:
+        extra += (("lora", lora_int_id),)
     hashes: list[int] = []
     parent = ROOT_HASH
     for i in range((len(token_ids) - 1) // bs):
         parent = hash_block(parent, tuple(token_ids[i * bs:(i + 1) * bs]), extra)
         hashes.append(parent)
     return hashes
+
+
+def body_lora_id(body: bytes, lora_ids: dict[str, int]) -> int:
+    """The LoRA adapter id a request body's `model` names (`lora_ids`: the server's
+    --lora-modules, name -> id), 0 for the served model or a body that names none."""
+    if not lora_ids:
+        return 0
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return 0
+    model = data.get("model") if isinstance(data, dict) else None
+    return lora_ids.get(model, 0) if isinstance(model, str) else 0
 
 
 def matched_blocks(hashes: list[int], cached) -> int:

@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 BS = 16
 
 
-def served_hit(llm: LLM, ids: list[int], salt: str | None = None) -> int:
+def served_hit(llm: LLM, ids: list[int], salt: str | None = None, lora=None) -> int:
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1), cache_salt=salt,
-                       use_tqdm=False)[0]
+                       use_tqdm=False, lora_request=lora)[0]
     return out.num_cached_tokens
 
 
@@ -47,6 +47,34 @@ def test_predicted_hit_is_the_served_hit(tiny_llama, kv_cache_dtype):
     assert spec.extra_keys == llm.engine.block_manager.extra_keys
     assert (("kv_dtype", "torch.float32") in spec.extra_keys)
 
+
+
+def test_predicted_hit_under_lora_adapters_is_the_served_hit(tiny_llama, tmp_path):
+    """A request's LoRA adapter is part of its blocks' hashes (the body's `model` naming a
+    --lora-modules entry): the router predicts no hit across adapters, a hit within one."""
+    from nanokv.lora import LoRARequest
+    from nanokv.replicas.prefix_hashes import body_lora_id
+    from tiny_models import write_lora_adapter
+
+    adapters = [LoRARequest(f"a{i}", i + 1, write_lora_adapter(tiny_llama, str(tmp_path / f"a{i}"),
+                                                               seed=i)) for i in range(2)]
+    lora_ids = {a.lora_name: a.lora_int_id for a in adapters}
+    llm = LLM(tiny_llama, num_kv_blocks=64, block_size=BS, max_model_len=512, enable_lora=True,
+              max_loras=2)
+    spec = HashSpec.from_engine(llm.engine)
+    cached = llm.engine.block_manager.cached
+    base = [(5 * i) % 250 + 3 for i in range(4 * BS + 3)]
+    for ids, model in ((base, None), (base, "a0"), (base + [1], "a0"), (base + [2], "a1"),
+                       (base + [3], "m"), (base[:2 * BS + 1], "a1")):
+        body = json.dumps({"model": model, "prompt": ids}).encode()
+        lora_int_id = body_lora_id(body, lora_ids)
+        predicted = matched_blocks(prompt_block_hashes(ids, spec, None, lora_int_id),
+                                   set(cached)) * BS
+        lora = adapters[lora_int_id - 1] if lora_int_id else None
+        assert predicted == served_hit(llm, ids, lora=lora), (len(ids), model)
+    assert [served_hit(llm, base + [4], lora=a) for a in (None, *adapters)] == [4 * BS] * 3
+    assert body_lora_id(b"[1, 2]", lora_ids) == body_lora_id(b"{", lora_ids) == 0
+    assert body_lora_id(b'{"model": 3}', lora_ids) == 0
 
 def test_prompt_tokenizer_matches_the_server_tokenization(tiny_llama):
     llm = LLM(tiny_llama, num_kv_blocks=16, block_size=BS, max_model_len=256)
