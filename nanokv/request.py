@@ -90,7 +90,6 @@ class Request:
         self.priority = priority  # the priority scheduling policy's: lower is served first
         # the LoRA adapter it runs with (a `nanokv.lora.LoRARequest`; None: the base model)
         self.lora_request = lora_request
-        self.lora_int_id = 0 if lora_request is None else lora_request.lora_int_id
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.error: str | None = None  # why the engine aborted it, when it failed
@@ -141,6 +140,11 @@ class Request:
         # what the request held when it finished (the metrics and the eval harness read these)
         self.final_kv_blocks = 0
         self.final_kv_slots = 0
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its LoRA adapter's id, 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     # ---- token views -------------------------------------------------------------------------
     @property

@@ -64,6 +64,18 @@ def build_tiny_model(out_dir: str, arch: str = "llama", seed: int = 0, tokenizer
     return out_dir
 
 
+def edit_json(path: str, **fields) -> None:
+    """Set fields of a saved JSON file (config.json, adapter_config.json: flags a config class
+    would not keep, or values a test changes)."""
+    import json
+
+    with open(path) as f:
+        data = json.load(f)
+    data.update(fields)
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
 def load_hf(path: str):
     from transformers import AutoModelForCausalLM
 

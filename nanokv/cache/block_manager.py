@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from nanokv.cache.block import FreeBlockQueue, KVCacheBlock
-from nanokv.cache.hashing import ROOT_HASH, hash_block
+from nanokv.cache.hashing import ROOT_HASH, hash_block, request_extra_keys
 from nanokv.cache.layer_slices import LayerSlices
 from nanokv.request import Request
 from nanokv.utils import cdiv
@@ -88,14 +88,7 @@ class BlockManager:
         return cdiv(num_slots, self.block_size)
 
     def request_extra_keys(self, request: Request) -> tuple:
-        """The engine's keys, then the request's: its cache salt and its LoRA adapter (K/V
-        computed under an adapter is that adapter's)."""
-        extra = self.extra_keys
-        if request.cache_salt is not None:
-            extra += (("salt", request.cache_salt),)
-        if request.lora_int_id:
-            extra += (("lora", request.lora_int_id),)
-        return extra
+        return request_extra_keys(self.extra_keys, request.cache_salt, request.lora_int_id)
 
     # ---- prefix cache --------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

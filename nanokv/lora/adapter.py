@@ -6,7 +6,7 @@ A PEFT adapter directory holds `adapter_config.json` (r, lora_alpha, use_rslora,
 (`base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`). A projection's output
 becomes W x + scaling * B (A x), scaling = lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA),
 which is what PEFT's `LoraLayer` computes at inference (dropout off). Here the scaling is folded
-into B once.
+into B once: an adapter is its `AdapterWeights`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass
-
 import torch
 from safetensors.torch import load_file
 
@@ -33,16 +31,9 @@ _UNSUPPORTED = {
 }
 
 
-@dataclass
-class LoRAAdapter:
-    """An adapter's weights on the host: per (layer, projection) (A [r, in], scaling * B
-    [out, r]), float32."""
-
-    name: str
-    lora_int_id: int
-    path: str
-    rank: int
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+# an adapter's weights on the host: per (layer, projection) (A [r, in], scaling * B [out, r]),
+# float32
+AdapterWeights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
 def read_adapter_config(path: str) -> dict:
@@ -80,8 +71,8 @@ def read_adapter_config(path: str) -> dict:
     return config
 
 
-def load_adapter(name: str, lora_int_id: int, path: str, num_layers: int,
-                 shapes: dict[str, tuple[int, int]], max_lora_rank: int) -> LoRAAdapter:
+def load_adapter(path: str, num_layers: int, shapes: dict[str, tuple[int, int]],
+                 max_lora_rank: int) -> AdapterWeights:
     """Read and check a PEFT adapter: its rank at most max_lora_rank, each tensor a projection
     of `shapes` (projection -> (in, out) features) in layers [0, num_layers) with both A and B
     of the adapter's rank and the projection's shape. Raises ValueError saying what is wrong."""
@@ -127,4 +118,4 @@ def load_adapter(name: str, lora_int_id: int, path: str, num_layers: int,
                              f"{list(a.shape)} and lora_B {list(b.shape)}; the model needs "
                              f"[{rank}, {fan_in}] and [{fan_out}, {rank}] (rank r={rank})")
         weights[(layer, projection)] = (a.float(), b.float() * scaling)
-    return LoRAAdapter(name, lora_int_id, path, rank, weights)
+    return weights

@@ -15,6 +15,7 @@ projections share the slots; rows of no adapter are left as the base computed th
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -38,10 +39,11 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base = base
         self.shard_names = [name for name, _ in shards]
-        self.shard_sizes = [size for _, size in shards]
-        if sum(self.shard_sizes) != base.out_features:
+        ends = list(itertools.accumulate(size for _, size in shards))
+        if ends[-1] != base.out_features:
             raise ValueError(f"LoRA shards {shards} do not add up to the projection's "
                              f"{base.out_features} outputs")
+        self.shard_columns = list(zip([0, *ends[:-1]], ends))  # each shard's [first, end)
         self.max_rank = max_rank
         self.step = step
         # the plain weight's device and dtype (an empty tensor once a packed copy replaced it)
@@ -51,9 +53,6 @@ class LoRALinear(nn.Module):
                                   **weight_like)  # A^T [S, in, shards * R]
         self.lora_b = torch.zeros(max_loras, max_rank, base.out_features,
                                   **weight_like)  # B^T [S, R, out]: each shard its columns
-        # each shard's output columns [first, end)
-        ends = [sum(self.shard_sizes[:k + 1]) for k in range(len(shards))]
-        self.shard_columns = list(zip([0, *ends[:-1]], ends))
 
     @property
     def in_features(self) -> int:
@@ -69,14 +68,12 @@ class LoRALinear(nn.Module):
         a, b = self.lora_a[slot], self.lora_b[slot]
         a.zero_()
         b.zero_()
-        column = 0
-        for k, (name, size) in enumerate(zip(self.shard_names, self.shard_sizes)):
+        for k, (name, (first, last)) in enumerate(zip(self.shard_names, self.shard_columns)):
             if name in weights:
                 shard_a, shard_b = weights[name]
-                first, r = k * self.max_rank, shard_a.shape[0]
-                a[:, first:first + r] = shard_a.T
-                b[:r, column:column + size] = shard_b.T
-            column += size
+                r = shard_a.shape[0]
+                a[:, k * self.max_rank:k * self.max_rank + r] = shard_a.T
+                b[:r, first:last] = shard_b.T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out]."""

@@ -20,9 +20,8 @@ from collections import OrderedDict
 
 import torch
 
-from nanokv.lora.adapter import LoRAAdapter, load_adapter
+from nanokv.lora.adapter import AdapterWeights, load_adapter
 from nanokv.lora.layers import LoRALinear, LoRAStep
-from nanokv.lora.options import check_lora_options
 from nanokv.lora.request import LoRARequest
 from nanokv.scheduler.output import ScheduledRequest
 
@@ -31,13 +30,13 @@ class LoRAManager:
     def __init__(self, model: torch.nn.Module, max_loras: int, max_lora_rank: int,
                  max_cpu_loras: int | None) -> None:
         """Wraps the model's decoder projections in LoRALinear layers (q/k/v, o, gate/up,
-        down), each with max_loras zeroed slots of rank max_lora_rank."""
-        check_lora_options(max_loras, max_lora_rank, max_cpu_loras)
+        down), each with max_loras zeroed slots of rank max_lora_rank (the options checked by
+        EngineConfig)."""
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras or max_loras
         self.step = LoRAStep()
-        self.layers: list[dict[str, LoRALinear]] = []  # per decoder layer, projection -> layer
+        self.layers: list[list[LoRALinear]] = []  # per decoder layer, its wrapped projections
         self.shapes: dict[str, tuple[int, int]] = {}  # projection -> (in, out) features
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -49,20 +48,20 @@ class LoRAManager:
                                           ("up_proj", mlp.intermediate)],
                 ("mlp", "down_proj"): [("down_proj", mlp.down_proj.out_features)],
             }
-            by_projection = {}
+            loras = []
             for (parent, name), shards in wrapped.items():
                 owner = getattr(layer, parent)
                 lora = LoRALinear(getattr(owner, name), shards, max_loras, max_lora_rank,
                                   self.step)
                 setattr(owner, name, lora)
+                loras.append(lora)
                 for projection, size in shards:
-                    by_projection[projection] = lora
                     self.shapes[projection] = (lora.in_features, size)
-            self.layers.append(by_projection)
+            self.layers.append(loras)
         self._lock = threading.Lock()  # register (server threads) against set_step
         self._bound: dict[int, tuple[str, str]] = {}  # id -> (name, path) of first use
         self._names: dict[str, int] = {}  # the registered (not removed) adapters' ids
-        self._adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU, newest last
+        self._adapters: OrderedDict[int, AdapterWeights] = OrderedDict()  # LRU, newest last
         self._slots: list[int | None] = [None] * max_loras  # adapter id per slot
         self._slot_used = [0] * max_loras  # the step that last used each slot
         self._steps = 0
@@ -84,7 +83,7 @@ class LoRAManager:
             if other != lora.lora_int_id:
                 raise ValueError(f"lora_name {lora.lora_name!r} is already the adapter of "
                                  f"lora_int_id {other}")
-            self._adapter(lora.lora_int_id, key)
+            self._adapter(lora.lora_int_id, lora.lora_path)
             self._bound[lora.lora_int_id] = key
             self._names[lora.lora_name] = lora.lora_int_id
 
@@ -100,12 +99,11 @@ class LoRAManager:
                 self._adapters.pop(lora_int_id, None)
             return True
 
-    def _adapter(self, lora_int_id: int, key: tuple[str, str]) -> LoRAAdapter:
+    def _adapter(self, lora_int_id: int, path: str) -> AdapterWeights:
         """The adapter from the LRU, or read from disk (and the LRU trimmed); under the lock."""
         adapter = self._adapters.get(lora_int_id)
         if adapter is None:
-            adapter = load_adapter(key[0], lora_int_id, key[1], len(self.layers), self.shapes,
-                                   self.max_lora_rank)
+            adapter = load_adapter(path, len(self.layers), self.shapes, self.max_lora_rank)
             self._adapters[lora_int_id] = adapter
             in_slots = set(self._slots)
             for old in list(self._adapters):
@@ -159,11 +157,10 @@ class LoRAManager:
         candidates = [s for s, held in enumerate(self._slots) if held not in wanted]
         slot = min(candidates, key=lambda s: (self._slots[s] is not None, self._slot_used[s]))
         with self._lock:
-            adapter = self._adapter(lora_int_id, self._bound[lora_int_id])
+            adapter = self._adapter(lora_int_id, self._bound[lora_int_id][1])
             self._slots[slot] = lora_int_id
-        for index, by_projection in enumerate(self.layers):
-            for lora in set(by_projection.values()):
-                lora.set_slot(slot, {name: adapter.weights[(index, name)]
-                                     for name in lora.shard_names
-                                     if (index, name) in adapter.weights})
+        for index, loras in enumerate(self.layers):
+            for lora in loras:
+                lora.set_slot(slot, {name: adapter[(index, name)] for name in lora.shard_names
+                                     if (index, name) in adapter})
         return slot

@@ -18,7 +18,7 @@ import json
 import threading
 from dataclasses import dataclass
 
-from nanokv.cache.hashing import ROOT_HASH, hash_block
+from nanokv.cache.hashing import ROOT_HASH, hash_block, request_extra_keys
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,7 @@ def prompt_block_hashes(token_ids: list[int], spec: HashSpec, cache_salt: str | 
     if not spec.enabled or not token_ids:
         return []
     bs = spec.block_size
-    extra = spec.extra_keys if cache_salt is None else spec.extra_keys + (("salt", cache_salt),)
-    if lora_int_id:
-        extra += (("lora", lora_int_id),)
+    extra = request_extra_keys(spec.extra_keys, cache_salt, lora_int_id)
     hashes: list[int] = []
     parent = ROOT_HASH
     for i in range((len(token_ids) - 1) // bs):

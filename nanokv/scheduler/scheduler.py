@@ -591,9 +591,9 @@ class Scheduler:
             prefix_cache_hits=bm.stats.prefix_cache_hits,
             evicted_blocks=dict(bm.stats.evicted_blocks),
             spec_decode=self.spec_stats.copy() if self.spec_stats is not None else None,
-            max_loras=self.max_loras,
-            running_lora_adapters=_adapter_names(self.running),
-            waiting_lora_adapters=_adapter_names(self.waiting))
+            max_loras=self.max_loras,  # the adapters' names only with LoRA on (every turn)
+            running_lora_adapters=_adapter_names(self.running) if self.max_loras else (),
+            waiting_lora_adapters=_adapter_names(self.waiting) if self.max_loras else ())
 
     def check_invariants(self) -> None:
         live = [r for r in self.running] + [r for r in self.waiting if r.block_table]

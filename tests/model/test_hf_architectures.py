@@ -4,7 +4,6 @@ Qwen2's q/k/v bias; Qwen3's attention_bias; Mistral's none), the scaled RoPE typ
 other than hidden / heads, a sharded checkpoint, and sliding-window flags that leave every layer
 on full attention. Configs nanokv cannot run as HF does are refused before any weight is read."""
 
-import json
 import os
 import random
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from nanokv import LLM, SamplingParams
-from tiny_models import hf_greedy, load_hf
+from tiny_models import edit_json, hf_greedy, load_hf
 
 VOCAB, MAX_NEW, MAX_LEN = 200, 6, 256
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -48,12 +47,7 @@ def build(out_dir: str, arch: str, seed: int = 0, max_shard_size: str | None = N
 
 def edit_config(model_dir: str, **fields) -> None:
     """Set fields in config.json after saving (flags a config class would not keep)."""
-    path = os.path.join(model_dir, "config.json")
-    with open(path) as f:
-        cfg = json.load(f)
-    cfg.update(fields)
-    with open(path, "w") as f:
-        json.dump(cfg, f)
+    edit_json(os.path.join(model_dir, "config.json"), **fields)
 
 
 def prompts(seed: int) -> list[list[int]]:

@@ -15,7 +15,7 @@ from nanokv import LLM, SamplingParams
 from nanokv.lora import LoRARequest
 from policy_oracles import prompt_of, run_checked
 from lora_oracles import check_against_merged
-from tiny_models import build_lora_adapter, hf_greedy, load_hf, load_hf_lora
+from tiny_models import build_lora_adapter, edit_json, hf_greedy, load_hf, load_hf_lora
 
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -180,13 +180,7 @@ def test_generate_chat_and_beam_search_take_lora_request(tiny_qwen3, adapters, p
 
 def _copy(src: str, dst: str, **config_changes) -> str:
     shutil.copytree(src, dst)
-    if config_changes:
-        file = os.path.join(dst, "adapter_config.json")
-        with open(file) as f:
-            config = json.load(f)
-        config.update(config_changes)
-        with open(file, "w") as f:
-            json.dump(config, f)
+    edit_json(os.path.join(dst, "adapter_config.json"), **config_changes)
     return dst
 
 
