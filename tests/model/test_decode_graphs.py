@@ -212,3 +212,27 @@ def test_triton_backend_through_static_buffers_equals_hf(tiny_llama):
                                  cdiv(MAX_LEN, BLOCK), capture=False)
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert runner.graphs.num_graph_steps > 0 and runner.graphs.padded_rows > 0
+
+
+def test_steps_with_lora_rows_run_eagerly(tiny_llama, tmp_path):
+    """A decode step with LoRA adapter rows never goes through the graphs (a captured graph
+    holds no adapter); base-model decode steps still do. Tokens: the eager LoRA engine's."""
+    from nanokv.lora import LoRARequest
+    from tiny_models import write_lora_adapter
+
+    lora = LoRARequest("a", 1, write_lora_adapter(tiny_llama, str(tmp_path / "a")))
+    prompts, _ = prompts_and_lengths(2, 4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    kw = dict(block_size=BLOCK, max_model_len=MAX_LEN, max_num_seqs=8,
+              attention_backend="torch", enable_lora=True, **CPU)
+    eager = LLM(tiny_llama, **kw)
+    want = {name: [o.token_ids for o in eager.generate(prompts, params, lora_request=adapter)]
+            for name, adapter in (("base", None), ("lora", lora))}
+    assert want["base"] != want["lora"]
+    llm = LLM(tiny_llama, **kw)
+    graphs = with_static_graphs(llm, 8)
+    assert [o.token_ids for o in llm.generate(prompts, params, lora_request=lora)] == \
+        want["lora"]
+    assert graphs.num_graph_steps == 0
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want["base"]
+    assert graphs.num_graph_steps > 0
