@@ -10,6 +10,11 @@ float32 safetensors, so no download is needed. No tokenizer: the benchmarks use 
 --layers keeps the width, heads and vocabulary and stacks fewer decoder layers: a shallower
 Qwen3 shape whose KV cache per token shrinks with the depth (the long-context peer preset of
 benchmarks/run_peers.sh uses 8 layers, so one engine's run fits a few minutes on 2 cores).
+
+--sliding-window N makes every layer attend over its newest N tokens (use_sliding_window, with
+max_window_layers 0); the same seed gives the same weights with or without it:
+
+    python benchmarks/make_qwen3_0_6b.py --layers 4 --sliding-window 512 --out /tmp/qwen3-4l-sw512
 """
 
 from __future__ import annotations
@@ -55,7 +60,11 @@ GENERATION_CONFIG = {
 
 
 def build(
-    out: Path, seed: int, init_std: float, layers: int = QWEN3_0_6B["num_hidden_layers"]
+    out: Path,
+    seed: int,
+    init_std: float,
+    layers: int = QWEN3_0_6B["num_hidden_layers"],
+    sliding_window: int | None = None,
 ) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -63,7 +72,12 @@ def build(
     if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
         raise ValueError(f"layers must be an integer >= 1, got {layers!r}")
     torch.manual_seed(seed)
+    bad_window = isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+    if sliding_window is not None and (bad_window or sliding_window < 1):
+        raise ValueError(f"sliding_window must be an integer >= 1, got {sliding_window!r}")
     shape = {**QWEN3_0_6B, "num_hidden_layers": layers, "max_window_layers": layers}
+    if sliding_window is not None:  # every layer: Qwen's sliding layers start at max_window_layers
+        shape.update(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=0)
     config = Qwen3Config(
         **shape,
         initializer_range=init_std,
@@ -112,10 +126,19 @@ def main() -> None:
         help="decoder layers, >= 1 (default 28, the published shape; fewer keeps the width, "
         "heads and vocabulary)",
     )
+    ap.add_argument(
+        "--sliding-window",
+        type=int,
+        default=None,
+        help="every layer attends over its newest N tokens, N >= 1 (default: the whole context, "
+        "as the published model)",
+    )
     args = ap.parse_args()
     if args.layers < 1:
         ap.error(f"--layers must be >= 1, got {args.layers}")
-    build(args.out, args.seed, args.init_std, args.layers)
+    if args.sliding_window is not None and args.sliding_window < 1:
+        ap.error(f"--sliding-window must be >= 1, got {args.sliding_window}")
+    build(args.out, args.seed, args.init_std, args.layers, args.sliding_window)
 
 
 if __name__ == "__main__":

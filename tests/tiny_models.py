@@ -34,7 +34,7 @@ def build_tokenizer(out_dir: str) -> int:
 def build_tiny_model(out_dir: str, arch: str = "llama", seed: int = 0, tokenizer: bool = True,
                      **overrides) -> str:
     """Write a tiny random HF checkpoint (float32 safetensors + config) and return its path."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    import transformers
 
     os.makedirs(out_dir, exist_ok=True)
     eos = build_tokenizer(out_dir) if tokenizer else VOCAB - 1
@@ -44,12 +44,16 @@ def build_tiny_model(out_dir: str, arch: str = "llama", seed: int = 0, tokenizer
     common.update(overrides)
     torch.manual_seed(seed)
     if arch == "llama":
-        cfg = LlamaConfig(tie_word_embeddings=False, **common)
-        model = LlamaForCausalLM(cfg)
+        model = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(tie_word_embeddings=False, **common))
     elif arch == "qwen3":
         common.setdefault("head_dim", 32)
-        cfg = Qwen3Config(tie_word_embeddings=True, **common)
-        model = Qwen3ForCausalLM(cfg)
+        model = transformers.Qwen3ForCausalLM(
+            transformers.Qwen3Config(tie_word_embeddings=True, **common))
+    elif arch == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    elif arch == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common))
     else:
         raise ValueError(arch)
     # a larger init than HF's default makes the logits peaked, so greedy ties are rare

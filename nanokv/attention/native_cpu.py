@@ -40,4 +40,4 @@ class NativeCPUBackend(TorchPagedBackend):
 
     def _decode_metadata(self, meta: AttentionMetadata, c: CommonAttentionMetadata) -> None:
         meta.decode_runs = build_decode_runs(c.decode_block_tables, c.decode_context_lens,
-                                             self.block_size)
+                                             self.block_size, meta.window)

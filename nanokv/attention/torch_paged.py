@@ -3,7 +3,8 @@
 Decodes on CPU attend request by request over their own blocks in place (the copy of a gather
 costs more there than the attention itself); on CUDA as one padded, masked batch. Prefill chunks
 attend with SDPA over their request's blocks. Steps with per-layer block tables address each
-layer in flat layer-slice ids (`KVPool.flat_layers`).
+layer in flat layer-slice ids (`KVPool.flat_layers`). Layers with a sliding window
+(`KVLayout.sliding_windows`) get the step's metadata built for their window.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from nanokv.layers.attention import AttentionMetadata, PrefillSeq, paged_attenti
 
 @dataclass
 class PoolStep:
-    """The step's kernel metadata: one for all layers, or one per layer (per-layer tables)."""
+    """The step's kernel metadata: one per sliding window the layers have (None: the whole
+    context), or one per layer (per-layer tables)."""
 
-    shared: AttentionMetadata | None
+    by_window: dict[int | None, AttentionMetadata] | None
     per_layer: list[AttentionMetadata] | None
     write_plan: object
 
@@ -48,12 +50,15 @@ class TorchPagedBackend(AttentionBackend):
             return PoolStep(None, [self._kernel_metadata(c) for c in common.per_layer],
                             common.write_plan)
         # the pool's write plan is the step's slot mapping as a tensor: not made twice
-        return PoolStep(self._kernel_metadata(common, common.write_plan), None,
-                        common.write_plan)
+        windows = set(self.kv_cache.layout.sliding_windows) or {None}
+        return PoolStep({w: self._kernel_metadata(common, common.write_plan, w)
+                         for w in windows}, None, common.write_plan)
 
     def _kernel_metadata(self, c: CommonAttentionMetadata,
-                         slot_mapping: torch.Tensor | None = None) -> AttentionMetadata:
+                         slot_mapping: torch.Tensor | None = None,
+                         window: int | None = None) -> AttentionMetadata:
         meta = kernel_metadata(c, self.device, slot_mapping)
+        meta.window = window
         if c.num_decodes:
             self._decode_metadata(meta, c)
         return meta
@@ -64,7 +69,8 @@ class TorchPagedBackend(AttentionBackend):
             meta.decode_block_lists = c.decode_block_tables
         else:
             meta.decode_block_tables, meta.decode_mask = padded_decode_tables(
-                c.decode_block_tables, c.decode_context_lens, self.block_size, self.device)
+                c.decode_block_tables, c.decode_context_lens, self.block_size, self.device,
+                meta.window)
 
     # ---- one layer -----------------------------------------------------------------------------
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -74,7 +80,7 @@ class TorchPagedBackend(AttentionBackend):
             k_cache, v_cache = self.kv_cache.flat_layers()
             write_slots(k_cache, v_cache, meta.slot_mapping, k, v)
         else:
-            meta = step.shared
+            meta = step.by_window[self.kv_cache.layout.window(layer)]
             self.kv_cache.write_layer(layer, step.write_plan, k, v, k_pre)
             k_cache, v_cache = self.kv_cache.layer(layer)
         return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
@@ -96,12 +102,17 @@ def kernel_metadata(c: CommonAttentionMetadata, device: torch.device,
 
 
 def padded_decode_tables(tables: list[list[int]], context_lens: list[int], block_size: int,
-                         device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+                         device: torch.device, window: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block tables of different lengths as one [B, max_blocks] int64 tensor (0-padded) and the
-    mask of each request's real slots, [B, 1, 1, max_blocks * block_size] bool."""
+    mask of each request's real slots, [B, 1, 1, max_blocks * block_size] bool (with a sliding
+    `window`, its last `window` slots)."""
     width = max(len(t) for t in tables)
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long,
                           device=device)  # [B, max_blocks]
     lens = torch.tensor(context_lens, device=device)
     span = torch.arange(width * block_size, device=device)
-    return padded, (span[None, :] < lens[:, None])[:, None, None, :]
+    mask = span[None, :] < lens[:, None]  # [B, S]
+    if window is not None:
+        mask &= span[None, :] >= lens[:, None] - window
+    return padded, mask[:, None, None, :]

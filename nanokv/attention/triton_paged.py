@@ -121,6 +121,9 @@ class TritonPagedBackend(AttentionBackend):
             dtype = getattr(kv_cache, "kv_cache_dtype", "?")
             return (f"its kernels read the float pool (float32, bfloat16, float16) and the int8 "
                     f"and fp8 stores with keys after RoPE (the cache is {dtype})"), True
+        if kv_cache.layout.sliding_windows:
+            return ("its kernels attend over whole contexts (this model has sliding-window "
+                    "layers)"), False
         why = triton_unavailable()
         if why is not None:
             return why, False

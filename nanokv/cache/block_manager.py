@@ -130,15 +130,19 @@ class BlockManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[KVCacheBlock] | None = None,
-                       keep_free: int = 0) -> bool:
+                       keep_free: int = 0, skip: int = 0) -> bool:
         """Grow the block table to hold `num_new_tokens` more slots (after any prefix hits).
 
         Returns False, changing nothing, when the pool cannot supply the blocks and still keep
         `keep_free` blocks free (those the scheduler holds for other requests' policy steps).
+        `skip`: the first hits lie behind the request's sliding window: they count as computed
+        (their tokens in `num_evicted_tokens`, as `free_leading_blocks` leaves them) but are
+        not taken.
         """
         computed_blocks = computed_blocks or []
         if computed_blocks and request.block_table:
             raise RuntimeError("prefix hits can only be taken by a request without blocks")
+        behind, computed_blocks = computed_blocks[:skip], computed_blocks[skip:]
         need = self.num_new_blocks_needed(request, num_new_tokens, len(computed_blocks))
         # hits that sit in the free queue stop being free once taken
         hits_in_queue = sum(1 for b in computed_blocks if b.ref_cnt == 0)
@@ -146,6 +150,10 @@ class BlockManager:
             return False
 
         now = time.monotonic()
+        for block in behind:  # their hashes chain the request's later blocks
+            request.block_hashes.append(block.block_hash)
+            request.block_content_ids.append(block.content_id)
+        request.num_evicted_tokens += len(behind) * self.block_size
         for block in computed_blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
@@ -165,7 +173,7 @@ class BlockManager:
             request.layer_slices.reserve(request.block_table, request.layer_slices.lengths(
                 request.num_computed_tokens + num_new_tokens))
 
-        hit_tokens = len(computed_blocks) * self.block_size
+        hit_tokens = (len(behind) + len(computed_blocks)) * self.block_size
         # known tokens only: speculative draft tokens past them are hashed once accepted
         self._cache_full_blocks(request, min(request.num_tokens, request.num_computed_tokens
                                              + hit_tokens + num_new_tokens))
@@ -193,7 +201,9 @@ class BlockManager:
             if parent_content is None or other:
                 request.block_content_ids.append(None)  # its prefix is not cached, or its
                 continue  # hash is another content's (a collision): never a hit
-            block = self.blocks[request.block_table[i]]
+            # a sliding window's freed blocks left the table's front (free_leading_blocks);
+            # they were registered before they went
+            block = self.blocks[request.block_table[i - request.num_evicted_tokens // bs]]
             block.token_ids, block.extra_keys = tokens, identity
             if twin is None:
                 block.content_id = next(self._content_ids)
@@ -324,6 +334,26 @@ class BlockManager:
         request.block_hashes = request.block_hashes[:min(drop)]
         request.block_content_ids = request.block_content_ids[:min(drop)]
 
+    def free_leading_blocks(self, request: Request, num_blocks: int) -> None:
+        """Free the first `num_blocks` of the request's table: slots its sliding window has
+        left, which no later query sees (their slots then leave the table from the front, and
+        `num_evicted_tokens` counts them). Not an eviction (nothing a query needs is lost), so
+        not counted as one; the request's full blocks stay registered for prefix caching, the
+        freed ones cached until reused, and it goes on registering those it fills (its block
+        hashes count token blocks from its first)."""
+        if not 0 < num_blocks <= len(request.block_table):
+            raise ValueError(f"cannot free the first {num_blocks} of the request's "
+                             f"{len(request.block_table)} blocks")
+        # register its computed full blocks first (a draft model's accepted tokens wait for
+        # the next allocation): the freed ones must be among them
+        self._cache_full_blocks(request, min(request.num_tokens, request.num_computed_tokens))
+        now = time.monotonic()
+        freed = [block_id for block_id in request.block_table[:num_blocks]
+                 if self._release(self.blocks[block_id], now, drop_cache=False)]
+        self._notify_freed(freed)
+        del request.block_table[:num_blocks]
+        request.num_evicted_tokens += num_blocks * self.block_size
+
     def make_private(self, request: Request, indices: range | list[int],
                      spare: Sequence[int] = ()) -> list[tuple[int, int]] | None:
         """Copy-on-write: give the request its own copy of every shared block at `indices`
@@ -424,9 +454,12 @@ class BlockManager:
             elif block.copy_of is not None:
                 self._drop_copy(block)
                 block.reset_hash()
+        # its block hashes count token blocks from the first (free_leading_blocks)
+        first = from_block + (request.num_evicted_tokens // self.block_size
+                              if request.prefix_cacheable else 0)
         request.prefix_cacheable = False
-        request.block_hashes = request.block_hashes[:from_block]
-        request.block_content_ids = request.block_content_ids[:from_block]
+        request.block_hashes = request.block_hashes[:first]
+        request.block_content_ids = request.block_content_ids[:first]
 
     def _release(self, block: KVCacheBlock, now: float, drop_cache: bool) -> bool:
         """Drop one reference; True when the block became free."""

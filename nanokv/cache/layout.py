@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanokv.utils import cdiv
+
 POSITION_BYTES = 4  # each slot records its token's RoPE position as int32
 
 
@@ -16,6 +18,32 @@ class KVLayout:
     head_dim: int
     block_size: int
     dtype: torch.dtype  # the compute dtype (the float pool stores K/V in it)
+    # per layer, the sliding window its queries attend over (the newest `window` tokens, their
+    # own included), None: the whole context; empty: no layer has one
+    sliding_windows: tuple[int | None, ...] = ()
+
+    def window(self, layer: int) -> int | None:
+        """The layer's sliding window, None when it attends over the whole context."""
+        return self.sliding_windows[layer] if layer < len(self.sliding_windows) else None
+
+    @property
+    def common_window(self) -> int | None:
+        """When every layer has a sliding window, the largest: no query attends further back,
+        so a request's slots behind it can be freed. None when some layer sees the whole
+        context."""
+        windows = self.sliding_windows
+        if len(windows) < self.num_layers or None in windows:
+            return None
+        return max(windows)
+
+    def max_request_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """The most blocks one request holds at once: its whole context, or fewer with a
+        window on every layer (`window_request_blocks`)."""
+        whole = cdiv(max_model_len, self.block_size)
+        window = self.common_window
+        if window is None:
+            return whole
+        return min(whole, window_request_blocks(window, self.block_size, max_num_batched_tokens))
 
     @property
     def bytes_per_token(self) -> int:
@@ -27,3 +55,12 @@ class KVLayout:
     def bytes_per_block(self) -> int:
         """A float-pool block: its K/V plus each slot's recorded position."""
         return self.block_size * (self.bytes_per_token + POSITION_BYTES)
+
+
+def window_request_blocks(window: int, block_size: int, max_num_batched_tokens: int) -> int:
+    """The most blocks a request holds at once when every layer attends over `window` tokens:
+    the blocks behind its next token's window are freed after each step and a prefix hit takes
+    none of them, so at most the window before a step's (up to max_num_batched_tokens) tokens
+    and those tokens, from a block start: cdiv(W - 1 + T, B) + 1, as vLLM's sliding-window
+    spec."""
+    return cdiv(window - 1 + max_num_batched_tokens, block_size) + 1

@@ -172,7 +172,8 @@ class TensorParallelExecutor:
 
         self.send(BuildCache(kv_cache_dtype=kv_cache_dtype, settings=settings,
                              num_blocks=local_kv_cache.num_blocks,
-                             attention_backend=attention_backend))
+                             attention_backend=attention_backend,
+                             sliding_windows=local_kv_cache.layout.sliding_windows))
         self._wait_for("ready")
         return ShardedKVCache(local_kv_cache, self)
 

@@ -52,6 +52,7 @@ class BuildCache(Command):
     settings: dict = field(default_factory=dict)
     num_blocks: int = 0
     attention_backend: str = "auto"
+    sliding_windows: tuple = ()  # rank 0's KVLayout.sliding_windows
 
 
 @dataclass

@@ -73,7 +73,8 @@ class RankWorker:
 
         cfg = self.model.config
         layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads // self.tp.size,
-                          head_dim_of(cfg), self.config.block_size, self.dtype)
+                          head_dim_of(cfg), self.config.block_size, self.dtype,
+                          tuple(command.sliding_windows))
         self.kv_cache = kv_cache_class(command.kv_cache_dtype).create(
             layout, command.num_blocks, self.device, command.settings, rotary=self.model.rotary)
         backend_class, _ = select_backend(command.attention_backend, self.kv_cache, self.device)

@@ -53,6 +53,8 @@ class EngineParts:
     default_policy: PolicyConfig | None
     max_model_len_given: bool  # False: it may be lowered to what the pool holds
     draft_layers: int = 0  # a draft model's layers, held in the pool after the model's
+    # per layer, its sliding window (`KVLayout.sliding_windows`; () when none is active)
+    sliding_windows: tuple[int | None, ...] = ()
 
 
 def engine_policy(config: EngineConfig) -> PolicyConfig | None:
@@ -64,12 +66,13 @@ def engine_policy(config: EngineConfig) -> PolicyConfig | None:
                         options=dict(config.kv_policy_options or {}))
 
 
-def resolve_parts(config: EngineConfig, hf_config) -> EngineParts:
+def resolve_parts(config: EngineConfig, hf_config, architecture: str) -> EngineParts:
     """Resolve the config's 'auto' values against the model (block_size, max_model_len: this is
     the one place) and check every part against the others; raises ValueError before anything
     is loaded."""
     given = config.max_model_len is not None
     config.resolve(int(hf_config.max_position_embeddings))
+    windows = model_class(architecture).layer_windows(hf_config, config.max_model_len)
     check_tensor_parallel(config, hf_config)
     if config.enable_lora and config.tensor_parallel_size != 1:
         raise ValueError(f"enable_lora runs with tensor_parallel_size 1 only (the adapters are "
@@ -88,6 +91,8 @@ def resolve_parts(config: EngineConfig, hf_config) -> EngineParts:
     kv_class, settings = kv_cache_settings(
         KVCacheOptions(config.kv_cache_dtype, config.max_num_seqs, config.kv_quant_bits,
                        config.kv_quant_config), layout)
+    if windows:
+        check_sliding_windows(config, windows, kv_class)
     policy = engine_policy(config)
     if policy is not None:
         built = policy.build(block_size=config.block_size)  # validates the option values
@@ -96,7 +101,28 @@ def resolve_parts(config: EngineConfig, hf_config) -> EngineParts:
         policy_class(config.kv_policy)
     if spec is not None:
         check_speculation(config, spec, kv_class, policy)
-    return EngineParts(kv_class, settings, policy, given, draft_layers)
+    return EngineParts(kv_class, settings, policy, given, draft_layers, windows)
+
+
+def check_sliding_windows(config: EngineConfig, windows: tuple[int | None, ...],
+                          kv_class: type[KVCache]) -> None:
+    """A model whose layers attend over sliding windows runs on the float pool (the quantized
+    stores' kernels attend over whole blocks), without a KV policy (its evictions would move
+    the window's slots) and without a draft model (whose layers share the pool's slots)."""
+    window = min(w for w in windows if w is not None)
+    if kv_class is not kv_cache_class("auto"):
+        raise ValueError(f"this model attends over a sliding window ({window} tokens) on some "
+                         f"layers: it runs with kv_cache_dtype 'auto' (the float pool), got "
+                         f"{config.kv_cache_dtype!r}")
+    if config.kv_policy is not None and config.kv_policy != "full":
+        raise ValueError(f"this model attends over a sliding window ({window} tokens) on some "
+                         f"layers: it runs without a KV policy (its own window frees the blocks "
+                         f"behind it), got kv_policy {config.kv_policy!r}")
+    spec = config.speculative
+    if spec is not None and spec.method == "draft_model":
+        raise ValueError(f"this model attends over a sliding window ({window} tokens) on some "
+                         f"layers: speculative decoding with a draft model is not supported "
+                         f"with it; use method \"ngram\"")
 
 
 def check_draft_model(config: EngineConfig, hf_config, path: str) -> int:
@@ -124,6 +150,10 @@ def check_draft_model(config: EngineConfig, hf_config, path: str) -> int:
         raise ValueError(f"{name} {path!r} has a vocabulary of {draft.vocab_size} tokens, the "
                          f"model {hf_config.vocab_size}: a draft model must share the model's "
                          f"token ids")
+    if model_class(arch).layer_windows(draft, config.max_model_len):
+        raise ValueError(f"{name} {path!r} attends over a sliding window within max_model_len "
+                         f"{config.max_model_len}: a draft model must attend over the whole "
+                         f"context")
     if draft.max_position_embeddings < config.max_model_len:
         raise ValueError(f"{name} {path!r} covers {draft.max_position_embeddings} positions "
                          f"(max_position_embeddings), less than max_model_len "
@@ -177,13 +207,16 @@ def measure_kv_budget(config: EngineConfig, model, hf_config, device: torch.devi
                                   f"{activation[0] / 2**20:.0f} MiB, {activation[1]}")
 
 
-def plan_kv_cache(config: EngineConfig, spec: KVCacheSpec, budget: KVBudget | None,
-                  max_model_len_given: bool, reserve_scratch: bool) -> KVCachePlan:
+def plan_kv_cache(config: EngineConfig, spec: KVCacheSpec, layout: KVLayout,
+                  budget: KVBudget | None, max_model_len_given: bool,
+                  reserve_scratch: bool) -> KVCachePlan:
     """Blocks from num_kv_blocks or the budget (decode scratch reserved per block when
     `reserve_scratch`: see `budget_blocks`); max_model_len lowered to the pool when it was not
-    given (a ValueError when it was and one request cannot fit)."""
+    given (a ValueError when it was and one request cannot fit: with a sliding window on every
+    layer, the window and a step's tokens, `KVLayout.max_request_blocks`)."""
     bs = config.block_size
-    blocks_per_seq = cdiv(config.max_model_len, bs)
+    blocks_per_seq = layout.max_request_blocks(config.max_model_len,
+                                               config.max_num_batched_tokens)
     if budget is None:
         num_blocks, source = config.num_kv_blocks, "num_kv_blocks"
     else:
@@ -194,15 +227,17 @@ def plan_kv_cache(config: EngineConfig, spec: KVCacheSpec, budget: KVBudget | No
         fit = num_blocks * bs
         if max_model_len_given:
             raise ValueError(f"the KV pool ({num_blocks} blocks = {fit} tokens) cannot hold "
-                             f"one request of max_model_len {max_model_len}; lower "
-                             f"max_model_len or raise kv_cache_memory")
+                             f"one request of max_model_len {max_model_len} ({blocks_per_seq} "
+                             f"blocks at once); lower max_model_len or raise kv_cache_memory")
         logger.warning("max_model_len lowered from %d to %d to fit the KV pool", max_model_len,
                        fit)
         max_model_len = fit
-    return KVCachePlan(spec, num_blocks, bs, max_model_len, source)
+        blocks_per_seq = min(blocks_per_seq, cdiv(fit, bs))
+    return KVCachePlan(spec, num_blocks, bs, max_model_len, source, blocks_per_seq)
 
 
-def build_kv_cache(config: EngineConfig, spec: KVCacheSpec, budget: KVBudget | None,
+def build_kv_cache(config: EngineConfig, spec: KVCacheSpec, layout: KVLayout,
+                   budget: KVBudget | None,
                    max_model_len_given: bool, create: Callable[[int], KVCache],
                    device: torch.device
                    ) -> tuple[KVCachePlan, KVCache, type[AttentionBackend], str]:
@@ -211,11 +246,13 @@ def build_kv_cache(config: EngineConfig, spec: KVCacheSpec, budget: KVBudget | N
     that reads the codes in place needs none); when the chosen backend dequantizes the blocks it
     reads and that changes the block count, the cache is planned and allocated again, with the
     scratch reserved (the choice stays: same kind, same settings, same device)."""
-    plan = plan_kv_cache(config, spec, budget, max_model_len_given, reserve_scratch=False)
+    plan = plan_kv_cache(config, spec, layout, budget, max_model_len_given,
+                         reserve_scratch=False)
     kv_cache = create(plan.num_blocks)
     backend_class, why = select_backend(config.attention_backend, kv_cache, device)
     if backend_class.dequantizes_blocks:
-        reserved = plan_kv_cache(config, spec, budget, max_model_len_given, reserve_scratch=True)
+        reserved = plan_kv_cache(config, spec, layout, budget, max_model_len_given,
+                                 reserve_scratch=True)
         if reserved.num_blocks != plan.num_blocks:
             del kv_cache  # freed before the smaller one is allocated
             plan, kv_cache = reserved, create(reserved.num_blocks)
@@ -245,6 +282,14 @@ def startup_report(config: EngineConfig, model, device: torch.device, dtype_note
     lines.append(f"max concurrency at max_model_len {plan.max_model_len}: "
                  f"{plan.max_concurrency:.2f} requests")
     lines.append(f"attention backend: {backend.name} ({backend.description}; {backend_why})")
+    windows = kv_cache.layout.sliding_windows
+    if windows:
+        sizes = sorted({w for w in windows if w is not None})
+        freed = ("a request's blocks behind it are freed after each step"
+                 if kv_cache.layout.common_window is not None
+                 else "the other layers attend over the whole context: every block is kept")
+        lines.append(f"sliding-window attention: {'/'.join(map(str, sizes))} tokens on "
+                     f"{sum(w is not None for w in windows)} of {len(windows)} layers; {freed}")
     spec = config.speculative
     if spec is not None:
         by_batch = "" if spec.per_batch_size is None else " (by batch size: " + ", ".join(

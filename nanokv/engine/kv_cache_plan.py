@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from nanokv.cache.kv_cache import KVCacheSpec
-from nanokv.utils import cdiv, head_dim_of
+from nanokv.utils import head_dim_of
 
 # Without an explicit kv_cache_memory a CPU pool takes at most this much (vLLM's CPU backend
 # defaults to 4 GiB too): the pool is zero-filled, so every byte of it is resident.
@@ -29,14 +29,12 @@ class KVCachePlan:
     block_size: int
     max_model_len: int  # lowered to what the pool holds when it was not given
     source: str  # how the budget was found (printed at start-up)
+    # the most blocks one request holds at once (`KVLayout.max_request_blocks`)
+    blocks_per_request: int
 
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
-
-    @property
-    def blocks_per_request(self) -> int:
-        return cdiv(self.max_model_len, self.block_size)
 
     @property
     def max_concurrency(self) -> float:

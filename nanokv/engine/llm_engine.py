@@ -68,8 +68,8 @@ class LLMEngine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        hf_config, _ = load_hf_config(config.model)
-        parts = resolve_parts(config, hf_config)
+        hf_config, architecture = load_hf_config(config.model)
+        parts = resolve_parts(config, hf_config, architecture)
         tp_size = config.tensor_parallel_size
         self.executor = None  # rank 0's end of the tensor-parallel group
         if tp_size > 1:
@@ -115,7 +115,8 @@ class LLMEngine:
         cfg = self.hf_config
         self.layout = KVLayout(cfg.num_hidden_layers + parts.draft_layers,
                                cfg.num_key_value_heads // tp_size,
-                               head_dim_of(cfg), config.block_size, self.dtype)
+                               head_dim_of(cfg), config.block_size, self.dtype,
+                               parts.sliding_windows)
         spec = parts.kv_cache_class.spec(self.layout, parts.kv_cache_settings)
         plan_spec = spec
         if self.executor is not None:
@@ -131,7 +132,7 @@ class LLMEngine:
                                                parts.kv_cache_settings, rotary=self.model.rotary)
 
         self.kv_cache_plan, self.kv_cache, backend_class, backend_why = build_kv_cache(
-            config, plan_spec, budget, parts.max_model_len_given, create, self.device)
+            config, plan_spec, self.layout, budget, parts.max_model_len_given, create, self.device)
         config.max_model_len = self.kv_cache_plan.max_model_len
         self.attention_backend = backend_class(self.kv_cache, self.device)
         kv_cache = self.kv_cache  # what the block manager and the policies act on
@@ -146,7 +147,8 @@ class LLMEngine:
                                    config.max_num_batched_tokens, config.max_model_len,
                                    config.enable_chunked_prefill, config.scheduling_policy,
                                    config.speculative, self.kv_cache.quantizes_full_blocks,
-                                   max_loras=config.max_loras if config.enable_lora else 0)
+                                   max_loras=config.max_loras if config.enable_lora else 0,
+                                   sliding_window=self.layout.common_window)
         self.runner = ModelRunner(self.model, self.kv_cache, self.attention_backend, self.device,
                                   config.seed, tp=None if self.executor is None
                                   else self.executor.tp, enforce_eager=config.enforce_eager,

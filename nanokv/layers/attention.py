@@ -2,7 +2,10 @@
 
 K/V of every new token are first written into the paged pool at its slot; then each query
 attends over its request's cached slots. Slots are in logical order, so causality is by slot
-index: query i of a chunk whose first slot is s0 sees slots [0, s0 + i].
+index: query i of a chunk whose first slot is s0 sees slots [0, s0 + i], and with a sliding
+window of W tokens (a layer of Mistral, Qwen2 / Qwen3 with use_sliding_window) the last W of them,
+[s0 + i + 1 - W, s0 + i]: the blocks a request's window has left are freed (their slots leave the
+table from the front), so the window is by slot index too.
 """
 
 from __future__ import annotations
@@ -12,7 +15,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nanokv.layers.native_attention import DecodeRuns, native_decode_attention, slot_runs
+from nanokv.layers.native_attention import (
+    DecodeRuns,
+    native_decode_attention,
+    slot_runs,
+    window_start,
+)
 from nanokv.utils import cdiv
 
 
@@ -45,6 +53,9 @@ class AttentionMetadata:
     decode_context_lens: list[int] | None = None
     decode_block_lists: list[list[int]] | None = None
     decode_runs: DecodeRuns | None = None
+    # the layers' sliding window: each query attends over its newest `window` slots (its own
+    # included); None: over all of them. The decode addressing above is built for it.
+    window: int | None = None
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -62,7 +73,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, scale)
     for seq in meta.prefills:
         sl = slice(seq.query_start, seq.query_start + seq.query_len)
-        out[sl] = _prefill(q[sl], k[sl], v[sl], k_cache, v_cache, seq, scale)
+        out[sl] = _prefill(q[sl], k[sl], v[sl], k_cache, v_cache, seq, scale, meta.window)
     return out
 
 
@@ -99,7 +110,7 @@ def _decode_per_request(q, k_cache, v_cache, meta: AttentionMetadata,
         num_blocks = cdiv(context, block_size)
         blocks = (meta.decode_block_lists[i][:num_blocks] if meta.decode_block_lists is not None
                   else meta.decode_block_tables[i, :num_blocks].tolist())
-        runs = [(b * block_size, n) for b, n in slot_runs(blocks, context, block_size)]
+        runs = slot_runs(blocks, context, block_size, window_start(context, meta.window))
         scores = [torch.matmul(qg, k_slots[s:s + n].permute(1, 2, 0))  # [Hkv, D, n] view
                   for s, n in runs]  # each [Hkv, g, n]
         probs = (scores[0] if len(scores) == 1 else torch.cat(scores, dim=-1))
@@ -114,28 +125,53 @@ def _decode_per_request(q, k_cache, v_cache, meta: AttentionMetadata,
     return out
 
 
-def _prefill(q, k, v, k_cache, v_cache, seq: PrefillSeq, scale: float) -> torch.Tensor:
+def _prefill(q, k, v, k_cache, v_cache, seq: PrefillSeq, scale: float,
+             window: int | None = None) -> torch.Tensor:
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
-    if seq.context_len == seq.query_len:  # no past: attend over the chunk's own fresh K/V
+    past = seq.context_len - seq.query_len
+    # the first query's window starts here: slots before it are seen by none of the chunk
+    first = window_start(past + 1, window)
+    if past == first:  # no past in view: attend over the chunk's own fresh K/V
         kh = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
         vh = v.transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
-                                           enable_gqa=True)
+        if window is None or window >= seq.query_len:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        else:
+            o = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=True,
+                                               attn_mask=causal_mask(seq.query_len, 0, window,
+                                                                     qh.device))
     else:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        past = seq.context_len - seq.query_len
-        # the cached prefix; the chunk's own K/V are the fresh k, v (written to the same slots)
-        kc = k_cache[seq.block_table].view(-1, num_kv_heads, head_dim)[:past]  # [P, Hkv, D]
-        vc = v_cache[seq.block_table].view(-1, num_kv_heads, head_dim)[:past]
-        o = chunk_over_prefix(qh, kc, vc, k, v, scale)
+        block_size = k_cache.shape[1]
+        # the cached prefix in view; the chunk's own K/V are the fresh k, v (written to the same
+        # slots)
+        table = seq.block_table[first // block_size:]
+        in_view = slice(first % block_size, first % block_size + past - first)
+        kc = k_cache[table].view(-1, num_kv_heads, head_dim)[in_view]  # [P, Hkv, D]
+        vc = v_cache[table].view(-1, num_kv_heads, head_dim)[in_view]
+        o = chunk_over_prefix(qh, kc, vc, k, v, scale, window)
     return o.squeeze(0).transpose(0, 1)  # [L, Hq, D]
+
+
+def causal_mask(length: int, num_past: int, window: int | None,
+                device: torch.device) -> torch.Tensor:
+    """[L, P + L] bool: query i (slot P + i of the P + L in view) sees slots <= P + i, and with
+    a window only the last `window` of those."""
+    rows = torch.arange(length, device=device).unsqueeze(1) + num_past  # each query's slot
+    cols = torch.arange(num_past + length, device=device).unsqueeze(0)
+    mask = cols <= rows
+    if window is not None:
+        mask &= cols > rows - window
+    return mask
 
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def chunk_over_prefix(qh: torch.Tensor, k_past: torch.Tensor, v_past: torch.Tensor,
-                      k_new: torch.Tensor, v_new: torch.Tensor, scale: float) -> torch.Tensor:
+                      k_new: torch.Tensor, v_new: torch.Tensor, scale: float,
+                      window: int | None = None) -> torch.Tensor:
     """A prefill chunk's attention over its cached prefix and itself, causal by position.
 
     qh: [1, Hq, L, D]; k_past, v_past: [P, Hkv, D] (P >= 1); k_new, v_new: [L, Hkv, D].
@@ -143,38 +179,39 @@ def chunk_over_prefix(qh: torch.Tensor, k_past: torch.Tensor, v_past: torch.Tens
     prefix without a mask, the chunk causal, which skips its upper triangle) and are merged by
     their log-sum-exp: o = o_past + (o_new - o_past) * sigmoid(lse_new - lse_past). One call with
     an explicit [L, P + L] mask (the reference, and the path elsewhere) computes every block.
+    `window`: each query sees its newest `window` slots only (the masked path; k_past starts
+    where the first query's window does).
     """
     past = k_past.transpose(0, 1).unsqueeze(0)  # [1, Hkv, P, D]
     past_v = v_past.transpose(0, 1).unsqueeze(0)
     new = k_new.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
     new_v = v_new.transpose(0, 1).unsqueeze(0)
-    if _FLASH_CPU is not None and qh.device.type == "cpu" and qh.dtype == k_past.dtype \
-            == k_new.dtype == torch.float32:
+    if _FLASH_CPU is not None and window is None and qh.device.type == "cpu" \
+            and qh.dtype == k_past.dtype == k_new.dtype == torch.float32:
         o_past, lse_past = _FLASH_CPU(qh, past, past_v, 0.0, False, scale=scale)[:2]
         o_new, lse_new = _FLASH_CPU(qh, new, new_v, 0.0, True, scale=scale)[:2]
         w_new = torch.sigmoid(lse_new - lse_past).unsqueeze(-1)  # [1, Hq, L, 1]
         return o_past.add_(o_new.sub_(o_past).mul_(w_new))
-    return chunk_over_prefix_masked(qh, past, past_v, new, new_v, scale)
+    return chunk_over_prefix_masked(qh, past, past_v, new, new_v, scale, window)
 
 
-def chunk_over_prefix_masked(qh, past, past_v, new, new_v, scale: float) -> torch.Tensor:
+def chunk_over_prefix_masked(qh, past, past_v, new, new_v, scale: float,
+                             window: int | None = None) -> torch.Tensor:
     """`chunk_over_prefix`'s reference: one call over [prefix + chunk] with a causal mask.
     past / new: [1, Hkv, P or L, D]."""
-    num_past, length = past.shape[2], qh.shape[2]
     kh = torch.cat([past, new], dim=2)  # [1, Hkv, S, D] (the caller matches the dtypes)
     vh = torch.cat([past_v, new_v], dim=2)
-    rows = torch.arange(length, device=qh.device).unsqueeze(1)
-    cols = torch.arange(num_past + length, device=qh.device).unsqueeze(0)
-    mask = cols <= rows + num_past  # [L, S]
+    mask = causal_mask(qh.shape[2], past.shape[2], window, qh.device)  # [L, S]
     return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
                                           enable_gqa=True)
 
 
 def dense_reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              scale: float) -> torch.Tensor:
+                              scale: float, window: int | None = None) -> torch.Tensor:
     """Obviously-correct causal attention for one sequence, in float64.
 
     q: [L, Hq, D] are the LAST L of the S tokens whose keys/values are k, v: [S, Hkv, D].
+    `window`: each query sees only the newest `window` tokens (its own included).
     """
     num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
     group = num_q_heads // num_kv_heads
@@ -185,7 +222,10 @@ def dense_reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scores = torch.einsum("lhd,shd->hls", qd, kd) * scale  # [Hq, L, S]
     past = total - length
     cols = torch.arange(total, device=q.device)
-    allowed = cols[None, :] <= torch.arange(length, device=q.device)[:, None] + past  # [L, S]
+    position = torch.arange(length, device=q.device)[:, None] + past  # [L, 1] each query's
+    allowed = cols[None, :] <= position  # [L, S]
+    if window is not None:
+        allowed &= cols[None, :] > position - window
     scores = scores.masked_fill(~allowed, float("-inf"))
     probs = scores.softmax(-1)
     return torch.einsum("hls,shd->lhd", probs, vd).to(q.dtype)  # [L, Hq, D]

@@ -50,27 +50,37 @@ class DecodeRuns:
     run_len: torch.Tensor  # [R] int64, slots in the run
 
 
-def slot_runs(blocks: list[int], context: int, block_size: int) -> list[tuple[int, int]]:
-    """A request's slots as runs of consecutive pool blocks: (first block, slots in the run).
-    Blocks allocated together are usually consecutive, and one run is one contiguous view."""
+def slot_runs(blocks: list[int], context: int, block_size: int,
+              start: int = 0) -> list[tuple[int, int]]:
+    """A request's slots [start, context) as runs of consecutive pool slots: (first pool slot,
+    slots in the run). Blocks allocated together are usually consecutive, and one run is one
+    contiguous view. `start` > 0: a sliding window's first slot (those before it not read)."""
     runs: list[tuple[int, int]] = []
-    for j, b in enumerate(blocks):
-        n = min(block_size, context - j * block_size)
-        if runs and runs[-1][0] + cdiv(runs[-1][1], block_size) == b \
-                and runs[-1][1] % block_size == 0:
-            runs[-1] = (runs[-1][0], runs[-1][1] + n)
+    for j in range(start // block_size, cdiv(context, block_size)):
+        lo, hi = max(start, j * block_size), min(context, (j + 1) * block_size)
+        first = blocks[j] * block_size + lo - j * block_size
+        if runs and runs[-1][0] + runs[-1][1] == first:
+            runs[-1] = (runs[-1][0], runs[-1][1] + hi - lo)
         else:
-            runs.append((b, n))
+            runs.append((first, hi - lo))
     return runs
 
 
+def window_start(context: int, window: int | None) -> int:
+    """The first of a query's `context` slots (its own the last) that its sliding window of
+    `window` tokens sees; 0 without a window."""
+    return 0 if window is None else max(0, context - window)
+
+
 def build_decode_runs(block_tables: list[list[int]], context_lens: list[int],
-                      block_size: int) -> DecodeRuns:
-    """Runs of consecutive blocks, from host block tables (once per step, shared by layers)."""
+                      block_size: int, window: int | None = None) -> DecodeRuns:
+    """Runs of consecutive slots, from host block tables (once per step, shared by the layers
+    of one window): each request's last `window` slots, all of them without one."""
     ptr, starts, lens = [0], [], []
     for blocks, context in zip(block_tables, context_lens):
-        for first_block, n in slot_runs(blocks[:cdiv(context, block_size)], context, block_size):
-            starts.append(first_block * block_size)
+        for first_slot, n in slot_runs(blocks, context, block_size,
+                                       window_start(context, window)):
+            starts.append(first_slot)
             lens.append(n)
         ptr.append(len(starts))
     return DecodeRuns(torch.tensor(ptr, dtype=torch.int64), torch.tensor(starts, dtype=torch.int64),

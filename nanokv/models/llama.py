@@ -159,12 +159,18 @@ class LlamaForCausalLM(nn.Module):
         attention = bool(getattr(cfg, "attention_bias", False))
         return LinearBiases(attention, attention, bool(getattr(cfg, "mlp_bias", False)))
 
-    @staticmethod
-    def sliding_window(cfg) -> int | None:
-        """The window of the layers that attend over a sliding window, None when every layer
-        attends over the whole context. Llama and Mistral: `sliding_window` when set (Hugging
-        Face's Llama forward ignores it, but its generate then keeps a sliding-window cache)."""
-        return getattr(cfg, "sliding_window", None)
+    @classmethod
+    def layer_windows(cls, cfg, max_positions: int) -> tuple[int | None, ...]:
+        """Each layer's sliding window (`KVLayout.sliding_windows`), () when every layer attends
+        over the whole context, as it does when the window covers max_positions. Llama: refused
+        when `sliding_window` is set and shorter (Hugging Face's Llama forward ignores it, but
+        its generate then keeps a sliding-window cache: no one attention to match)."""
+        window = getattr(cfg, "sliding_window", None)
+        if window is not None and window < max_positions:
+            raise ValueError(f"sliding_window {window} of {cls.__name__} is not supported (Hugging "
+                             f"Face's Llama attends over the whole context in its forward and "
+                             f"over a sliding window in generate); set max_model_len <= {window}")
+        return ()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention
                 ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
@@ -240,26 +246,40 @@ class LlamaForCausalLM(nn.Module):
         return name if name.startswith("lm_head") else "model." + name
 
 
-def _window_of_layer_types(cfg) -> int | None:
+def _active_windows(windows: list[int | None], max_positions: int) -> tuple[int | None, ...]:
+    """Per layer, the window where one is shorter than max_positions; () when none is."""
+    for w in windows:
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"sliding_window must be an integer >= 1 or null, got {w!r}")
+    active = tuple(w if w is not None and w < max_positions else None for w in windows)
+    return active if any(w is not None for w in active) else ()
+
+
+def _windows_of_layer_types(cls, cfg, max_positions: int) -> tuple[int | None, ...]:
     """Qwen2 / Qwen3: a sliding window on the layers `layer_types` marks "sliding_attention"
     (their configs derive it from use_sliding_window and max_window_layers)."""
     window = getattr(cfg, "sliding_window", None)
     types = getattr(cfg, "layer_types", None)
     if types is None:  # a config object that did not derive them
-        if not getattr(cfg, "use_sliding_window", False):
-            return None
         first = getattr(cfg, "max_window_layers", 0)
-        types = ["sliding_attention" if i >= first else "full_attention"
-                 for i in range(cfg.num_hidden_layers)]
-    return window if window is not None and "sliding_attention" in types else None
+        types = ["sliding_attention" if getattr(cfg, "use_sliding_window", False)
+                 and i >= first else "full_attention" for i in range(cfg.num_hidden_layers)]
+    return _active_windows([window if t == "sliding_attention" else None for t in types],
+                           max_positions)
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """No biases (Hugging Face's Mistral ignores attention_bias and mlp_bias)."""
+    """No biases (Hugging Face's Mistral ignores attention_bias and mlp_bias); `sliding_window`
+    on every layer."""
 
     @staticmethod
     def biases(cfg) -> LinearBiases:
         return LinearBiases()
+
+    @classmethod
+    def layer_windows(cls, cfg, max_positions: int) -> tuple[int | None, ...]:
+        window = getattr(cfg, "sliding_window", None)
+        return _active_windows([window] * cfg.num_hidden_layers, max_positions)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -269,7 +289,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     def biases(cfg) -> LinearBiases:
         return LinearBiases(qkv=True)
 
-    sliding_window = staticmethod(_window_of_layer_types)
+    layer_windows = classmethod(_windows_of_layer_types)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
@@ -282,4 +302,4 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
         attention = bool(getattr(cfg, "attention_bias", False))
         return LinearBiases(attention, attention, False)
 
-    sliding_window = staticmethod(_window_of_layer_types)
+    layer_windows = classmethod(_windows_of_layer_types)

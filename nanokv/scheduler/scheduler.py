@@ -22,6 +22,7 @@ import numpy as np
 
 from nanokv.bad_words import completing_tokens
 from nanokv.cache.block_manager import BlockManager
+from nanokv.cache.layout import window_request_blocks
 from nanokv.config import SCHEDULING_POLICIES
 from nanokv.request import Request, RequestStatus
 from nanokv.scheduler.output import (PENDING_DRAFT, RowConstraints, RunnerOutput,
@@ -43,13 +44,16 @@ class Scheduler:
                  max_num_batched_tokens: int, max_model_len: int,
                  enable_chunked_prefill: bool = True, scheduling_policy: str = "fcfs",
                  speculative: SpeculativeConfig | None = None,
-                 drafts_before_block_end: bool = False, max_loras: int = 0) -> None:
+                 drafts_before_block_end: bool = False, max_loras: int = 0,
+                 sliding_window: int | None = None) -> None:
         """drafts_before_block_end: speculative drafts never take a block's last slot (a KV
         cache that quantizes a block when that slot is written: `KVCache.quantizes_full_blocks`);
         only a known token fills a block; and a chunk that writes one goes by the prefill path,
         not as decode rows (`_as_decode_rows`). max_loras: the most distinct LoRA adapters
         running at once (a waiting request of another adapter waits, those behind it may go
-        first, as in vLLM)."""
+        first, as in vLLM). sliding_window: the window every layer attends over
+        (`KVLayout.common_window`): after each step a request's blocks wholly behind its next
+        token's window are freed (vLLM's sliding-window manager)."""
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, "
                              f"got {scheduling_policy!r}")
@@ -68,6 +72,10 @@ class Scheduler:
         self.speculative = speculative  # n-gram drafts for decoding requests (None: off)
         self.drafts_before_block_end = drafts_before_block_end
         self.max_loras = max_loras
+        self.sliding_window = sliding_window
+        # the most blocks a request holds at once under the window (None: its whole context)
+        self.window_blocks = None if sliding_window is None else window_request_blocks(
+            sliding_window, block_manager.block_size, max_num_batched_tokens)
         self.spec_stats = SpecDecodeStats(speculative.num_speculative_tokens) \
             if speculative is not None else None
 
@@ -84,6 +92,8 @@ class Scheduler:
         # that outgrows the whole pool would preempt itself forever and block the waiting queue
         longest = min(request.num_prompt_tokens + request.params.max_tokens, self.max_model_len)
         blocks = self.block_manager.blocks_for(longest - 1)
+        if self.window_blocks is not None:
+            blocks = min(blocks, self.window_blocks)
         if blocks > self.block_manager.num_blocks:
             raise ValueError(f"request needs up to {blocks} KV blocks (prompt + max_tokens, "
                              f"capped at max_model_len) but the pool has only "
@@ -181,7 +191,8 @@ class Scheduler:
             if self._blocks_to_start(request, hits) + copies > bm.num_free_blocks - reserved:
                 break
             num_new = self._chunk(request, hit_tokens, budget)
-            if not bm.allocate_slots(request, num_new, hits, keep_free=reserved + copies):
+            if not bm.allocate_slots(request, num_new, hits, keep_free=reserved + copies,
+                                     skip=self._blocks_behind(hit_tokens)):
                 break
             reserved += copies
             del self.waiting[index]
@@ -316,9 +327,14 @@ class Scheduler:
         the outputs of a preempted one) and `extra_tokens` more: new blocks after its hits, and
         the hits that sit in the free queue."""
         bm = self.block_manager
-        in_free_queue = sum(1 for b in hits if b.ref_cnt == 0)
-        new_tokens = request.num_tokens - len(hits) * bm.block_size + extra_tokens
-        return bm.num_new_blocks_needed(request, new_tokens, len(hits)) + in_free_queue
+        hit_tokens = len(hits) * bm.block_size
+        held = hits[self._blocks_behind(hit_tokens):]  # a window's: none behind it
+        in_free_queue = sum(1 for b in held if b.ref_cnt == 0)
+        new_tokens = request.num_tokens - hit_tokens + extra_tokens
+        need = bm.num_new_blocks_needed(request, new_tokens, len(held))
+        if self.window_blocks is not None:  # the window frees what it leaves as it goes
+            need = min(need, max(0, self.window_blocks - len(held)))
+        return need + in_free_queue
 
     def policy_order(self, out: SchedulerOutput) -> list[Request]:
         """The step's running requests in the order their KV-policy steps run: those waiting
@@ -530,7 +546,25 @@ class Scheduler:
                     request.num_computed_tokens -= len(tokens) - 1 - j
                     self.finish(request, status)
                     break
+        if self.sliding_window is not None:
+            for s in output.scheduled:
+                request = self.requests.get(s.request_id)
+                if request is not None:  # running on (a finished one left `requests`)
+                    self._free_behind_window(request)
         return progressed
+
+    def _blocks_behind(self, slot: int) -> int:
+        """Blocks wholly before the window of the token at `slot` (it sees slots
+        [slot + 1 - W, slot]): no query of it or after it reaches them; 0 without a window."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, (slot + 1 - self.sliding_window) // self.block_manager.block_size)
+
+    def _free_behind_window(self, request: Request) -> None:
+        """Free the request's blocks behind its next token's window."""
+        behind = self._blocks_behind(request.num_cached_slots)
+        if behind:
+            self.block_manager.free_leading_blocks(request, behind)
 
     def _verified(self, request: Request, s: ScheduledRequest,
                   runner_output: RunnerOutput) -> list[int]:

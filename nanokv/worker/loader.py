@@ -234,11 +234,8 @@ def load_model(model_path: str, dtype: str = "auto", device: str = "auto",
     cls = model_class(arch)
     dev = resolve_device(device)
     torch_dtype, note = resolve_dtype(dtype, checkpoint_dtype(cfg), dev)
-    sliding = cls.sliding_window(cfg)
     n_pos = max_positions or cfg.max_position_embeddings
-    if sliding is not None and sliding < n_pos:
-        raise ValueError(f"sliding-window attention (window {sliding}) is not supported; "
-                         f"set max_model_len <= {sliding}")
+    cls.layer_windows(cfg, n_pos)  # refuses a sliding window nanokv cannot apply as HF does
     with torch.device("meta"):
         model = cls(cfg, n_pos) if tp is None else cls(cfg, n_pos, tp=tp)
     model = model.to_empty(device=dev).to(torch_dtype)

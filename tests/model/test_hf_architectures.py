@@ -2,7 +2,8 @@
 HF transformers' own forward (float32): biases (Llama's attention_bias on q/k/v and o, mlp_bias;
 Qwen2's q/k/v bias; Qwen3's attention_bias; Mistral's none), the scaled RoPE types, a head size
 other than hidden / heads, a sharded checkpoint, and sliding-window flags that leave every layer
-on full attention. Configs nanokv cannot run as HF does are refused before any weight is read."""
+on full attention (active windows: test_sliding_window.py). Configs nanokv cannot run as HF does
+are refused before any weight is read."""
 
 import os
 import random
@@ -133,16 +134,13 @@ def test_partial_rotary_factor_is_refused(tmp_path, where):
         LLM(model_dir, skip_tokenizer_init=True, max_model_len=64, block_size=16)
 
 
-@pytest.mark.parametrize("arch,flags", [
-    ("mistral", dict(sliding_window=16)),
-    ("llama", dict(sliding_window=16)),  # HF's generate keeps a sliding-window cache for it
-    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
-    ("qwen3", dict(use_sliding_window=True, sliding_window=16, max_window_layers=0)),
-])
-def test_an_active_sliding_window_is_refused_unless_the_model_length_fits(tmp_path, arch, flags):
-    model_dir = build(str(tmp_path / arch), arch, **flags)
-    with pytest.raises(ValueError, match=r"sliding-window attention \(window 16\).*"
-                                         r"max_model_len <= 16"):
+def test_llama_sliding_window_is_refused_unless_the_model_length_fits(tmp_path):
+    """Hugging Face's Llama attends over the whole context in its forward and over a sliding
+    window in generate: no one attention to match (Mistral's and Qwen's windows are served:
+    tests/model/test_sliding_window.py)."""
+    model_dir = build(str(tmp_path / "llama"), "llama", sliding_window=16)
+    with pytest.raises(ValueError, match=r"sliding_window 16 of LlamaForCausalLM is not "
+                                         r"supported.*max_model_len <= 16"):
         LLM(model_dir, skip_tokenizer_init=True, max_model_len=64, block_size=16)
     # within the window, attention is the same as full attention: HF's greedy tokens
     llm = LLM(model_dir, skip_tokenizer_init=True, max_model_len=16, block_size=16)
@@ -150,3 +148,15 @@ def test_an_active_sliding_window_is_refused_unless_the_model_length_fits(tmp_pa
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_NEW,
                                                 ignore_eos=True), use_tqdm=False)[0]
     assert out.token_ids == hf_greedy(load_hf(model_dir), prompt, MAX_NEW)[0]
+
+
+@pytest.mark.parametrize("value,match", [
+    (0, r"sliding_window must be an integer >= 1 or null, got 0"),
+    (-3, r"sliding_window must be an integer >= 1 or null, got -3"),
+    (2.5, r"sliding_window.*expected int"),  # transformers' own config check
+])
+def test_a_bad_sliding_window_is_refused(tmp_path, value, match):
+    model_dir = build(str(tmp_path / "mistral"), "mistral")
+    edit_config(model_dir, sliding_window=value)
+    with pytest.raises(ValueError, match=match):
+        LLM(model_dir, skip_tokenizer_init=True, max_model_len=64, block_size=16)

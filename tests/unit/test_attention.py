@@ -1,4 +1,5 @@
-"""Paged attention against the dense reference on random tensors and random block layouts."""
+"""Paged attention against the dense reference on random tensors and random block layouts, with
+and without a sliding window."""
 
 import random
 
@@ -7,6 +8,7 @@ import torch
 
 from nanokv.layers.attention import (AttentionMetadata, PrefillSeq, dense_reference_attention,
                                      paged_attention)
+from nanokv.attention.torch_paged import padded_decode_tables
 from nanokv.layers.native_attention import build_decode_runs
 
 HQ, HKV, D = 4, 2, 8
@@ -29,16 +31,17 @@ def scatter_into_pool(k_all, v_all, num_blocks, block_size, rng):
     return k_cache, v_cache, tables
 
 
+@pytest.mark.parametrize("window", [None, 1, 6, 13])
 @pytest.mark.parametrize("decode_path", ["padded", "per_request", "native"])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_decode_and_prefill_with_past_match_dense(block_size, decode_path):
+def test_decode_and_prefill_with_past_match_dense(block_size, decode_path, window):
     per_request = decode_path != "padded"
     rng = random.Random(0)
     torch.manual_seed(0)
     # three decodes with different context lengths, two prefill chunks with a cached past
     decode_lens = [5, 16, 17, 33]  # partial and exactly full last blocks
     nd = len(decode_lens)
-    prefill = [(10, 7), (0, 12)]  # (past, new)
+    prefill = [(10, 7), (0, 12), (21, 5)]  # (past, new)
     seqs = decode_lens + [p + n for p, n in prefill]
     k_all = [torch.randn(n, HKV, D) for n in seqs]
     v_all = [torch.randn(n, HKV, D) for n in seqs]
@@ -58,18 +61,17 @@ def test_decode_and_prefill_with_past_match_dense(block_size, decode_path):
     v_cache.view(-1, HKV, D)[slots] = 0
     del past_k, past_v
 
-    width = max(len(t) for t in tables[:nd])
-    dec_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables[:nd]])
-    lens = torch.tensor(decode_lens)
-    mask = (torch.arange(width * block_size)[None] < lens[:, None])[:, None, None, :]
+    dec_tables, mask = padded_decode_tables(tables[:nd], decode_lens, block_size,
+                                            torch.device("cpu"), window)
     prefills, start = [], nd
     for (past, new), table in zip(prefill, tables[nd:]):
         prefills.append(PrefillSeq(start, new, past + new, torch.tensor(table)))
         start += new
     meta = AttentionMetadata(torch.tensor(slots), nd, dec_tables, mask, prefills,
-                             decode_context_lens=decode_lens if per_request else None)
+                             decode_context_lens=decode_lens if per_request else None,
+                             window=window)
     if decode_path == "native":  # the C kernel (tests/unit/test_native_attention.py)
-        meta.decode_runs = build_decode_runs(tables[:nd], decode_lens, block_size)
+        meta.decode_runs = build_decode_runs(tables[:nd], decode_lens, block_size, window)
     q = torch.cat(q_all)
     k_new = torch.cat([k[-n:] for k, n in zip(k_all, q_lens)])
     v_new = torch.cat([v[-n:] for v, n in zip(v_all, q_lens)])
@@ -77,9 +79,28 @@ def test_decode_and_prefill_with_past_match_dense(block_size, decode_path):
 
     offset = 0
     for qs, k, v in zip(q_all, k_all, v_all):
-        ref = dense_reference_attention(qs, k, v, D ** -0.5)
+        ref = dense_reference_attention(qs, k, v, D ** -0.5, window)
         torch.testing.assert_close(out[offset:offset + qs.shape[0]], ref, atol=1e-5, rtol=1e-5)
         offset += qs.shape[0]
+
+
+def test_dense_reference_window_sees_the_newest_tokens_only():
+    torch.manual_seed(2)
+    q, k, v = torch.randn(6, HQ, D), torch.randn(9, HKV, D), torch.randn(9, HKV, D)
+    scale = 0.3
+    out = dense_reference_attention(q, k, v, scale, window=4)
+    # a window of 1: each query's output is its own value
+    own = dense_reference_attention(q, k, v, scale, window=1)
+    torch.testing.assert_close(own, v[3:].repeat_interleave(HQ // HKV, dim=1))
+    # query i (token 3 + i) over tokens 3 + i - 3 .. 3 + i only: as if the rest were absent
+    for i in range(6):
+        last = 3 + i
+        alone = dense_reference_attention(q[i:i + 1], k[last - 3:last + 1], v[last - 3:last + 1],
+                                          scale)
+        torch.testing.assert_close(out[i:i + 1], alone)
+    # a window as long as the context is no window
+    torch.testing.assert_close(dense_reference_attention(q, k, v, scale, window=9),
+                               dense_reference_attention(q, k, v, scale))
 
 
 def test_dense_reference_is_causal():
@@ -97,10 +118,15 @@ def test_dense_reference_is_causal():
 def test_slot_runs_merge_consecutive_full_blocks_only():
     from nanokv.layers.native_attention import slot_runs
 
-    assert slot_runs([4, 5, 6], 40, 16) == [(4, 40)]
-    assert slot_runs([4, 5, 9, 10], 60, 16) == [(4, 32), (9, 28)]
-    assert slot_runs([7], 3, 16) == [(7, 3)]
-    assert slot_runs([3, 2], 20, 16) == [(3, 16), (2, 4)]
+    # (first pool slot, slots): block b's slots start at b * 16
+    assert slot_runs([4, 5, 6], 40, 16) == [(64, 40)]
+    assert slot_runs([4, 5, 9, 10], 60, 16) == [(64, 32), (144, 28)]
+    assert slot_runs([7], 3, 16) == [(112, 3)]
+    assert slot_runs([3, 2], 20, 16) == [(48, 16), (32, 4)]
+    # from a sliding window's first slot: inside a block, at a block's start, in the last one
+    assert slot_runs([4, 5, 9, 10], 60, 16, start=20) == [(84, 12), (144, 28)]
+    assert slot_runs([4, 5, 9, 10], 60, 16, start=32) == [(144, 28)]
+    assert slot_runs([4, 5, 9, 10], 60, 16, start=59) == [(171, 1)]
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
