@@ -138,9 +138,7 @@ def _prefill(q, k, v, k_cache, v_cache, seq: PrefillSeq, scale: float,
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
                                                enable_gqa=True)
         else:
-            o = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=True,
-                                               attn_mask=causal_mask(seq.query_len, 0, window,
-                                                                     qh.device))
+            o = window_attention(qh, kh, vh, 0, window, scale)
     else:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         block_size = k_cache.shape[1]
@@ -150,8 +148,33 @@ def _prefill(q, k, v, k_cache, v_cache, seq: PrefillSeq, scale: float,
         in_view = slice(first % block_size, first % block_size + past - first)
         kc = k_cache[table].view(-1, num_kv_heads, head_dim)[in_view]  # [P, Hkv, D]
         vc = v_cache[table].view(-1, num_kv_heads, head_dim)[in_view]
-        o = chunk_over_prefix(qh, kc, vc, k, v, scale, window)
+        if window is None:
+            o = chunk_over_prefix(qh, kc, vc, k, v, scale)
+        else:
+            kh = torch.cat([kc, k]).transpose(0, 1).unsqueeze(0)  # [1, Hkv, P + L, D]
+            vh = torch.cat([vc, v]).transpose(0, 1).unsqueeze(0)
+            o = window_attention(qh, kh, vh, past - first, window, scale)
     return o.squeeze(0).transpose(0, 1)  # [L, Hq, D]
+
+
+def window_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, num_past: int,
+                     window: int, scale: float, tile: int = 256) -> torch.Tensor:
+    """Queries over a sliding window: query i (slot P + i of kh's P + L) sees slots
+    [P + i + 1 - window, P + i]. The queries go in tiles of max(window, tile), each over the
+    slots its queries' windows cover (at most tile + window - 1), so the work is O(L (tile +
+    window)), not O(L (P + L)) as one masked call over everything (`causal_mask`, the
+    reference). qh: [1, Hq, L, D]; kh, vh: [1, Hkv, P + L, D]. Returns [1, Hq, L, D]."""
+    length = qh.shape[2]
+    step = max(window, tile)
+    out = torch.empty_like(qh)
+    for a in range(0, length, step):
+        b = min(length, a + step)
+        first = max(0, num_past + a + 1 - window)  # the tile's first query's first slot
+        mask = causal_mask(b - a, num_past + a - first, window, qh.device)  # [b - a, keys]
+        out[:, :, a:b] = F.scaled_dot_product_attention(
+            qh[:, :, a:b], kh[:, :, first:num_past + b], vh[:, :, first:num_past + b],
+            attn_mask=mask, scale=scale, enable_gqa=True)
+    return out
 
 
 def causal_mask(length: int, num_past: int, window: int | None,
@@ -170,8 +193,7 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 
 def chunk_over_prefix(qh: torch.Tensor, k_past: torch.Tensor, v_past: torch.Tensor,
-                      k_new: torch.Tensor, v_new: torch.Tensor, scale: float,
-                      window: int | None = None) -> torch.Tensor:
+                      k_new: torch.Tensor, v_new: torch.Tensor, scale: float) -> torch.Tensor:
     """A prefill chunk's attention over its cached prefix and itself, causal by position.
 
     qh: [1, Hq, L, D]; k_past, v_past: [P, Hkv, D] (P >= 1); k_new, v_new: [L, Hkv, D].
@@ -179,29 +201,26 @@ def chunk_over_prefix(qh: torch.Tensor, k_past: torch.Tensor, v_past: torch.Tens
     prefix without a mask, the chunk causal, which skips its upper triangle) and are merged by
     their log-sum-exp: o = o_past + (o_new - o_past) * sigmoid(lse_new - lse_past). One call with
     an explicit [L, P + L] mask (the reference, and the path elsewhere) computes every block.
-    `window`: each query sees its newest `window` slots only (the masked path; k_past starts
-    where the first query's window does).
     """
     past = k_past.transpose(0, 1).unsqueeze(0)  # [1, Hkv, P, D]
     past_v = v_past.transpose(0, 1).unsqueeze(0)
     new = k_new.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
     new_v = v_new.transpose(0, 1).unsqueeze(0)
-    if _FLASH_CPU is not None and window is None and qh.device.type == "cpu" \
+    if _FLASH_CPU is not None and qh.device.type == "cpu" \
             and qh.dtype == k_past.dtype == k_new.dtype == torch.float32:
         o_past, lse_past = _FLASH_CPU(qh, past, past_v, 0.0, False, scale=scale)[:2]
         o_new, lse_new = _FLASH_CPU(qh, new, new_v, 0.0, True, scale=scale)[:2]
         w_new = torch.sigmoid(lse_new - lse_past).unsqueeze(-1)  # [1, Hq, L, 1]
         return o_past.add_(o_new.sub_(o_past).mul_(w_new))
-    return chunk_over_prefix_masked(qh, past, past_v, new, new_v, scale, window)
+    return chunk_over_prefix_masked(qh, past, past_v, new, new_v, scale)
 
 
-def chunk_over_prefix_masked(qh, past, past_v, new, new_v, scale: float,
-                             window: int | None = None) -> torch.Tensor:
+def chunk_over_prefix_masked(qh, past, past_v, new, new_v, scale: float) -> torch.Tensor:
     """`chunk_over_prefix`'s reference: one call over [prefix + chunk] with a causal mask.
     past / new: [1, Hkv, P or L, D]."""
     kh = torch.cat([past, new], dim=2)  # [1, Hkv, S, D] (the caller matches the dtypes)
     vh = torch.cat([past_v, new_v], dim=2)
-    mask = causal_mask(qh.shape[2], past.shape[2], window, qh.device)  # [L, S]
+    mask = causal_mask(qh.shape[2], past.shape[2], None, qh.device)  # [L, S]
     return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
                                           enable_gqa=True)
 

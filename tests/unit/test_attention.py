@@ -84,6 +84,25 @@ def test_decode_and_prefill_with_past_match_dense(block_size, decode_path, windo
         offset += qs.shape[0]
 
 
+@pytest.mark.parametrize("num_past,length,window,tile", [
+    (0, 37, 5, 4),  # tiles of the window (5 > 4)
+    (0, 37, 3, 8),  # tiles of 8 over windows of 3
+    (10, 23, 7, 4),  # a cached past in view
+    (3, 40, 43, 16),  # a window past the first slot: causal only
+])
+def test_window_attention_by_tiles_matches_dense(num_past, length, window, tile):
+    from nanokv.layers.attention import window_attention
+
+    torch.manual_seed(3)
+    q = torch.randn(length, HQ, D)
+    k, v = torch.randn(num_past + length, HKV, D), torch.randn(num_past + length, HKV, D)
+    out = window_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                           v.transpose(0, 1)[None], num_past, window, 0.3, tile=tile)
+    torch.testing.assert_close(out[0].transpose(0, 1),
+                               dense_reference_attention(q, k, v, 0.3, window),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_dense_reference_window_sees_the_newest_tokens_only():
     torch.manual_seed(2)
     q, k, v = torch.randn(6, HQ, D), torch.randn(9, HKV, D), torch.randn(9, HKV, D)
