@@ -206,8 +206,8 @@ def chunk_over_prefix(qh: torch.Tensor, k_past: torch.Tensor, v_past: torch.Tens
     past_v = v_past.transpose(0, 1).unsqueeze(0)
     new = k_new.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
     new_v = v_new.transpose(0, 1).unsqueeze(0)
-    if _FLASH_CPU is not None and qh.device.type == "cpu" \
-            and qh.dtype == k_past.dtype == k_new.dtype == torch.float32:
+    if _FLASH_CPU is not None and qh.device.type == "cpu" and qh.dtype == k_past.dtype \
+            == k_new.dtype == torch.float32:
         o_past, lse_past = _FLASH_CPU(qh, past, past_v, 0.0, False, scale=scale)[:2]
         o_new, lse_new = _FLASH_CPU(qh, new, new_v, 0.0, True, scale=scale)[:2]
         w_new = torch.sigmoid(lse_new - lse_past).unsqueeze(-1)  # [1, Hq, L, 1]

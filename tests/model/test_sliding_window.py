@@ -9,9 +9,10 @@ import random
 
 import pytest
 import torch
+from beam_reference import reference_beam_search
 from tiny_models import build_tiny_model, load_hf
 
-from nanokv import LLM, SamplingParams
+from nanokv import LLM, BeamSearchParams, SamplingParams
 from nanokv.utils import cdiv
 
 MAX_NEW = 24
@@ -145,6 +146,22 @@ def test_ngram_speculation_with_a_window(models):
     llm.engine.check_invariants()
 
 
+def test_beam_search_with_a_window(models):
+    """Beam search's steps take their earlier blocks from the prefix cache, the hits behind the
+    window left out: the beams are those of vLLM's rules over HF's full forward passes."""
+    llm = LLM(models["mistral"], skip_tokenizer_init=True, max_model_len=256, block_size=16)
+    hf = load_hf(models["mistral"])
+    width, steps = 3, 10
+    batch = prompts(13, (40, 21))
+    outs = llm.beam_search(batch, BeamSearchParams(beam_width=width, max_tokens=steps,
+                                                   ignore_eos=True))
+    for prompt, out in zip(batch, outs):
+        want = reference_beam_search(hf, prompt, width, steps, set(), True, 1.0)
+        assert [s.tokens for s in out.sequences] == [w[0] for w in want]
+    assert llm.engine.stats().prefix_cache_hits > 0
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
 @pytest.mark.parametrize("options,match", [
     (dict(kv_cache_dtype="int8"), r"sliding window \(12 tokens\).*kv_cache_dtype 'auto'"),
     (dict(kv_policy="paged_eviction", kv_budget=64), r"without a KV policy"),
@@ -190,8 +207,8 @@ def test_tensor_parallel_ranks_apply_the_window(models):
 def test_a_pool_smaller_than_one_request_runs_with_a_window(models):
     """Every layer windowed: a request holds at most cdiv(W - 1 + T, B) + 1 blocks (T the step's
     token budget), so a pool of 6 blocks (96 tokens) serves max_model_len 256 and prompts of
-    100-150 tokens, several at once, with HF's tokens. The same pool without a window on every
-    layer is refused."""
+    100-150 tokens, several at once (and preempted, recomputed), with HF's tokens. The same pool
+    without a window on every layer is refused."""
     window, bs, budget = MODELS["mistral"][2], 16, 16
     cap = cdiv(window - 1 + budget, bs) + 1
     options = dict(skip_tokenizer_init=True, max_model_len=256, block_size=bs,
@@ -213,6 +230,7 @@ def test_a_pool_smaller_than_one_request_runs_with_a_window(models):
         most_running = max(most_running, len(engine.scheduler.running))
         engine.check_invariants()
     assert most_running >= 2
+    assert engine.stats().num_preemptions > 0  # recomputed requests start their window anew
     hf = load_hf(models["mistral"])
     for i, prompt in enumerate(batch):
         check_against_hf(hf, prompt, outputs[str(i)])
