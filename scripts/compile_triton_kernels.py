@@ -11,7 +11,8 @@ kernels replaced by recorders, then compiles each recorded launch to a cubin.
 Shapes: Qwen3-0.6B's attention (16 query heads, 8 KV heads, head dim 128, block size 16) in
 bfloat16 over the float pool and the int8 / fp8 stores and the KVQuant decode kernel over a
 4-bit store with keys before RoPE (with --quick: one split; else also 2-bit with outliers and
-sinks, and KIVI), the read of their blocks into a prefill's scratch cache (and of partial blocks
+sinks, and KIVI), the float pool's prefill with a sliding window, the read of their blocks into a
+prefill's scratch cache (and of partial blocks
 from given staging rows) and the prefill over it in decode's view, KVQuant's
 quantize-on-write (4-bit; else also 2-, 3- and 8-bit) and KIVI's (2-bit keys and values; else
 also 4-bit), plus a
@@ -143,6 +144,9 @@ def record(dtype, hq, hkv, dim, block_size, quick: bool) -> None:
                                     B.num_stages)
         prefill.prefill_attention(q, k, k, kv, i32[:2], i32[:2], i32[:2], tables[:2], 20, out,
                                   0.1, block_rows, tile_n, B.num_warps)
+        if name == "float":  # a sliding window's prefill variant (the float pool's only)
+            prefill.prefill_attention(q, k, k, kv, i32[:2], i32[:2], i32[:2], tables[:2], 20,
+                                      out, 0.1, block_rows, tile_n, B.num_warps, window=4096)
 
 
 def record_quant(dtype, hq, hkv, dim, block_size, quick: bool) -> None:

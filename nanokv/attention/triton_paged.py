@@ -7,7 +7,9 @@ only, then a merge of the splits) and one prefill kernel for all prefill chunks 
 view: a chunk's token reads its earlier tokens from the cache, the chunk's own as just written,
 and itself fresh, as `reference_quantized_attention`). Nothing is gathered into padded
 copies and nothing dequantized to memory. Serves the float pool (float32 / bfloat16 / float16)
-and the int8 / fp8 (e4m3, e5m2) stores with keys kept after RoPE.
+and the int8 / fp8 (e4m3, e5m2) stores with keys kept after RoPE. Layers with a sliding window
+(`KVLayout.sliding_windows`, the float pool) pass it to both kernels: each query over its last
+W slots.
 
 CUDA graphs: `supports_cuda_graphs`; decode-only steps run from static metadata
 (`graph_decode_metadata` / `fill_graph_decode`, the contract in `backend.py`) with launches
@@ -121,9 +123,9 @@ class TritonPagedBackend(AttentionBackend):
             dtype = getattr(kv_cache, "kv_cache_dtype", "?")
             return (f"its kernels read the float pool (float32, bfloat16, float16) and the int8 "
                     f"and fp8 stores with keys after RoPE (the cache is {dtype})"), True
-        if kv_cache.layout.sliding_windows:
-            return ("its kernels attend over whole contexts (this model has sliding-window "
-                    "layers)"), False
+        if kv_cache.layout.sliding_windows and not isinstance(kv_cache, KVPool):
+            return ("its kernels attend over a sliding window over the float pool only (the "
+                    f"cache is {kv_cache.kv_cache_dtype})"), False
         why = triton_unavailable()
         if why is not None:
             return why, False
@@ -184,6 +186,7 @@ class TritonPagedBackend(AttentionBackend):
         if step.per_layer is not None:
             step = step.per_layer[layer]
         kv = self.paged_kv(layer, step.flat_layers)
+        window = self.kv_cache.layout.window(layer)
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         rows = q.shape[0]
         self._write.write_kv(k, v, step.slot_mapping[:rows], kv)
@@ -193,11 +196,11 @@ class TritonPagedBackend(AttentionBackend):
             self._decode.decode_attention(
                 q[:nd], k[:nd], v[:nd], kv, step.block_tables[:nd], step.context_lens[:nd],
                 out[:nd], scale, step.num_splits, self.decode_tile_n, self.num_warps,
-                self.num_stages)
+                self.num_stages, window)
         chunks = step.prefill
         if chunks is not None:
             self._prefill.prefill_attention(
                 q, k, v, kv, chunks.query_start, chunks.query_len, chunks.context_lens,
                 chunks.block_tables, chunks.max_query_len, out, scale, self.block_rows,
-                self.tile_n, self.num_warps)
+                self.tile_n, self.num_warps, window=window)
         return out

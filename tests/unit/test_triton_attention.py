@@ -94,9 +94,10 @@ def test_codes_equal_torch_casts(kind):
 
 
 # ---- the KV write --------------------------------------------------------------------------------
-def make_cache(kind, head_dim, block_size, num_blocks, num_layers=1):
+def make_cache(kind, head_dim, block_size, num_blocks, num_layers=1, window=None):
     dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
-    lay = KVLayout(num_layers, HKV, head_dim, block_size, dtype)
+    lay = KVLayout(num_layers, HKV, head_dim, block_size, dtype,
+                   () if window is None else (window,) * num_layers)
     if kind in ("float32", "bfloat16"):
         return KVPool(lay, num_blocks, DEVICE)
     return make_kv_store(kind, lay, num_blocks, DEVICE)
@@ -152,8 +153,9 @@ def run_step(cache, backend, q, k, v, slots, decode_tables, decode_lens, prefill
     return backend.forward(0, q, k, v, k, meta, q.shape[-1] ** -0.5), meta
 
 
-def reference(cache, q, k_new, v_new, table, past):
-    """Dense attention over the first `past` slots the cache holds, then the fresh K/V."""
+def reference(cache, q, k_new, v_new, table, past, window=None):
+    """Dense attention over the first `past` slots the cache holds, then the fresh K/V (with a
+    sliding window: each query over its last `window` of them)."""
     scale = q.shape[-1] ** -0.5
     if not isinstance(cache, KVPool):
         return reference_quantized_attention(q, k_new, v_new, cache, 0, table, past, scale)
@@ -163,7 +165,7 @@ def reference(cache, q, k_new, v_new, table, past):
     k_past = k_cache[ids].reshape(-1, heads, dim)[:past]  # [past, Hkv, D]
     v_past = v_cache[ids].reshape(-1, heads, dim)[:past]
     return dense_reference_attention(q, torch.cat([k_past, k_new]), torch.cat([v_past, v_new]),
-                                     scale)
+                                     scale, window)
 
 
 def slots_of(table, first, count, bs):
@@ -171,24 +173,27 @@ def slots_of(table, first, count, bs):
 
 
 DECODE_LENS = {16: [1, 2, 15, 16, 17, 40], 64: [1, 5, 64, 65, 100]}
-CASES = [  # (cache, block size, query heads over 2 KV heads: GQA 1, 2, 8, head dim)
-    ("float32", 16, 2, 32), ("float32", 64, 4, 32), ("float32", 16, 16, 24),
-    ("bfloat16", 64, 4, 64),
-    ("int8", 16, 4, 32), ("int8", 64, 16, 32), ("fp8_e4m3", 16, 2, 32),
-    ("fp8_e4m3", 64, 4, 32), ("fp8_e5m2", 16, 16, 32),
+CASES = [  # (cache, block size, query heads over 2 KV heads: GQA 1, 2, 8, head dim, window)
+    ("float32", 16, 2, 32, None), ("float32", 64, 4, 32, None), ("float32", 16, 16, 24, None),
+    ("bfloat16", 64, 4, 64, None),
+    ("int8", 16, 4, 32, None), ("int8", 64, 16, 32, None), ("fp8_e4m3", 16, 2, 32, None),
+    ("fp8_e4m3", 64, 4, 32, None), ("fp8_e5m2", 16, 16, 32, None),
+    # sliding windows (the float pool): shorter than a block, than the tiles, than contexts
+    ("float32", 16, 4, 32, 5), ("float32", 64, 2, 32, 70), ("bfloat16", 16, 8, 32, 20),
 ]
 
 
-@pytest.mark.parametrize("kind,bs,hq,dim", CASES)
-def test_prefill_and_decode_equal_dense_reference(kind, bs, hq, dim):
+@pytest.mark.parametrize("kind,bs,hq,dim,window", CASES)
+def test_prefill_and_decode_equal_dense_reference(kind, bs, hq, dim, window):
     """Step 1: every request's prompt as prefill chunks of one launch. Step 2: each request
     decodes its next token (contexts ending mid-block, several splits), one request continues
-    its prompt over its cached prefix, a new request starts."""
+    its prompt over its cached prefix, a new request starts. With a window, each query over
+    its last `window` slots."""
     rng, gen = random.Random(bs + hq), torch.Generator().manual_seed(bs * hq)
     lens = DECODE_LENS[bs]
     cont_past, cont_new, fresh = 30, 15, 19
     all_lens = lens + [cont_past + cont_new, fresh]
-    cache = make_cache(kind, dim, bs, sum(cdiv(n, bs) for n in all_lens) + 2)
+    cache = make_cache(kind, dim, bs, sum(cdiv(n, bs) for n in all_lens) + 2, window=window)
     blocks = list(range(cache.num_blocks))
     rng.shuffle(blocks)
     tables = [[blocks.pop() for _ in range(cdiv(n, bs))] for n in all_lens]
@@ -217,7 +222,7 @@ def test_prefill_and_decode_equal_dense_reference(kind, bs, hq, dim):
     out, _ = run_step(cache, backend, q, k, v, slots, [], [], chunks)
     for c in chunks:
         rows = slice(c.query_start, c.query_start + c.query_len)
-        check(out[rows], reference(cache, q[rows], k[rows], v[rows], c.block_table, 0))
+        check(out[rows], reference(cache, q[rows], k[rows], v[rows], c.block_table, 0, window))
 
     # step 2: decodes first, then the continued request, then a new one
     nd, cont = len(lens), len(lens)
@@ -231,10 +236,11 @@ def test_prefill_and_decode_equal_dense_reference(kind, bs, hq, dim):
     assert meta.num_splits > 1
     for i, n in enumerate(lens):
         check(out[i:i + 1], reference(cache, q[i:i + 1], k[i:i + 1], v[i:i + 1], tables[i],
-                                      n - 1))
+                                      n - 1, window))
     for c, past in zip(chunks, (cont_past, 0)):
         rows = slice(c.query_start, c.query_start + c.query_len)
-        check(out[rows], reference(cache, q[rows], k[rows], v[rows], c.block_table, past))
+        check(out[rows], reference(cache, q[rows], k[rows], v[rows], c.block_table, past,
+                                   window))
 
     # the same decodes launched with more splits than the backend chooses (most of them empty
     # at these lengths) and another pipelining depth, as the GPU sweep tries
@@ -242,10 +248,10 @@ def test_prefill_and_decode_equal_dense_reference(kind, bs, hq, dim):
     backend._decode.decode_attention(
         q[:nd], k[:nd], v[:nd], backend.paged_kv(0), meta.block_tables[:nd],
         meta.context_lens[:nd], wide, q.shape[-1] ** -0.5, num_splits=24, tile_n=16,
-        num_stages=2)
+        num_stages=2, window=window)
     for i, n in enumerate(lens):
         check(wide[i:i + 1], reference(cache, q[i:i + 1], k[i:i + 1], v[i:i + 1], tables[i],
-                                       n - 1))
+                                       n - 1, window))
 
 
 @pytest.mark.parametrize("kind", ["float32", "int8"])
@@ -498,3 +504,28 @@ def test_engine_greedy_tokens_equal_the_default_backend(tiny_llama, kv, triton_b
         assert writes["quantize_tokens"] > 0 and writes["quantize_blocks"] > 0, writes
     if kv["kv_cache_dtype"] == "kivi":  # blocks filled, partial blocks staged
         assert writes["quantize_blocks"] > 0 and writes["scatter_rows"] > 0, writes
+
+
+def test_engine_with_a_sliding_window_equals_the_default_backend(tmp_path):
+    """A model with a 12-token window on every layer (Mistral's sliding_window), chunked
+    prefill next to decodes and the blocks behind the window freed: the Triton kernels give
+    the greedy tokens of the backend auto picks on CPU (checked against Hugging Face in
+    tests/model/test_sliding_window.py)."""
+    from tiny_models import build_tiny_model
+
+    from nanokv import LLM, SamplingParams
+
+    model = build_tiny_model(str(tmp_path / "mistral"), "mistral", tokenizer=False,
+                             max_position_embeddings=256, sliding_window=12)
+    prompts = [list(range(1, 40)), list(range(5, 22))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    reference_backend = "auto" if DEVICE.type == "cpu" else "torch"
+    tokens = {}
+    for backend in (reference_backend, "triton"):
+        llm = LLM(model, skip_tokenizer_init=True, block_size=16, num_kv_blocks=16,
+                  max_model_len=256, max_num_batched_tokens=24, max_num_seqs=2,
+                  attention_backend=backend, device=DEVICE.type)
+        tokens[backend] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if backend == "triton":
+            assert type(llm.engine.attention_backend) is TritonPagedBackend
+    assert tokens["triton"] == tokens[reference_backend]

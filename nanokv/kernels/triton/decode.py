@@ -26,7 +26,8 @@ from nanokv.kernels.triton.paged_kv import PagedKV
 from nanokv.kernels.triton.paged_tile import LOG2E, attend_paged_span, dot_dtype
 
 MAX_SPLITS = 64  # the most splits the kernels take (triton_paged.SPLIT_CAP: all of them)
-_PER_STEP = ["table_ptr", "stride_table", "context_ptr", "stride_context", "num_splits"]
+_PER_STEP = ["table_ptr", "stride_table", "context_ptr", "stride_context", "num_splits",
+             "window"]
 
 
 @triton.jit
@@ -71,7 +72,7 @@ def _decode_split_kernel(
         k_scale_ptr, v_scale_ptr, stride_sb, stride_ss,
         table_ptr, stride_table, context_ptr, stride_context,
         out_ptr, stride_ot, stride_oh, part_m_ptr, part_l_ptr, part_acc_ptr, qk_scale,
-        num_splits, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr,
+        num_splits, window, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr,
         D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
         DIRECT_OUT: tl.constexpr, KV_FORMAT: tl.constexpr, DOT_DTYPE: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -79,8 +80,10 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     context = tl.load(context_ptr + b * stride_context)
     past = tl.maximum(context - 1, 0)  # cached tokens; the last one is the step's own
-    per_split = tl.cdiv(tl.cdiv(past, num_splits), TILE_N) * TILE_N
-    lo = split * per_split
+    # a sliding window (window > 0) sees the last `window` tokens, its own included
+    first = tl.where(window > 0, tl.maximum(context - window, 0), 0)
+    per_split = tl.cdiv(tl.cdiv(tl.maximum(past - first, 0), num_splits), TILE_N) * TILE_N
+    lo = first + split * per_split
     hi = tl.minimum(lo + per_split, past)
 
     g = tl.arange(0, G_PAD)
@@ -99,7 +102,7 @@ def _decode_split_kernel(
     m_i, l_i, acc = attend_paged_span(
         q, m_i, l_i, acc, lo, hi, hi, table, kv_head, k_cache_ptr, v_cache_ptr, stride_cb,
         stride_cs, stride_ch, k_scale_ptr, v_scale_ptr, stride_sb, stride_ss, d, d_mask,
-        qk_scale, BLOCK_SIZE, TILE_N, KV_FORMAT, DOT_DTYPE, False)
+        qk_scale, BLOCK_SIZE, TILE_N, KV_FORMAT, DOT_DTYPE, False, 0, False)
 
     store_split(out_ptr, stride_ot, stride_oh, part_m_ptr, part_l_ptr, part_acc_ptr, b, q_head,
                 g_mask, d, d_mask, split, num_splits, m_i, l_i, acc, GROUP, D_PAD, DIRECT_OUT)
@@ -130,15 +133,19 @@ def _decode_merge_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_o
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor,
                      scale: float, num_splits: int = 1, tile_n: int = 64,
-                     num_warps: int = 4, num_stages: int | None = None) -> None:
+                     num_warps: int = 4, num_stages: int | None = None,
+                     window: int | None = None) -> None:
     """q, out: [B, Hq, D]; k, v: [B, Hkv, D] the step's own (fresh) K/V; block_tables:
     [B, max_blocks] int32 (any row stride); context_lens: [B] int32 cached slots after this
     step, the own token included (0: a padded row, output zeros). num_stages: the compiler's
     software-pipelining depth of the key-tile loop (None: Triton's default, 3 on NVIDIA GPUs;
-    1 none). Writes out."""
+    1 none). window: a sliding window, each row over its last `window` slots (None: all).
+    Writes out."""
     rows, num_q_heads, dim = q.shape
     heads = kv.num_kv_heads
     _check(q, k, v, out, kv, block_tables, context_lens, num_splits, tile_n, num_stages)
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 or None, got {window}")
     if rows == 0:
         return
     group = num_q_heads // heads
@@ -150,7 +157,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Page
         kv.k, kv.v, *kv.cache_strides(), k_scales, v_scales, *kv.scale_strides(),
         block_tables, block_tables.stride(0), context_lens, context_lens.stride(0),
         out, out.stride(0), out.stride(1), part_m, part_l, parts, scale * LOG2E, num_splits,
-        GROUP=group, HEAD_DIM=dim, G_PAD=max(16, triton.next_power_of_2(group)), D_PAD=d_pad,
+        window or 0, GROUP=group, HEAD_DIM=dim, G_PAD=max(16, triton.next_power_of_2(group)),
+        D_PAD=d_pad,
         BLOCK_SIZE=kv.block_size, TILE_N=tile_n, DIRECT_OUT=num_splits == 1,
         KV_FORMAT=kv.kv_format, DOT_DTYPE=dot_dtype(_decode_split_kernel, q.dtype),
         num_warps=num_warps, **stages(num_stages))

@@ -92,11 +92,12 @@ def attend_paged_span(q, m_i, l_i, acc, lo, hi, row_end, table_ptr, kv_head, k_c
                       v_cache_ptr, stride_cb, stride_cs, stride_ch, k_scale_ptr, v_scale_ptr,
                       stride_sb, stride_ss, d, d_mask, qk_scale, BLOCK_SIZE: tl.constexpr,
                       TILE_N: tl.constexpr, KV_FORMAT: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                      ROW_END: tl.constexpr):
+                      ROW_END: tl.constexpr, row_start, ROW_START: tl.constexpr):
     """Fold a request's cached tokens [lo, hi) (block-table row at table_ptr, one KV head), read
     in place tile by tile, into the online softmax of rows q [R, D_PAD]: every row sees every
     one of them (decode's split, prefill's cached prefix), or with ROW_END row r only those
-    before row_end[r] (a prefill's decode view; row_end [R], unused without ROW_END).
+    before row_end[r] (a prefill's decode view; row_end [R], unused without ROW_END), and with
+    ROW_START only those from row_start[r] on (a sliding window; row_start [R]).
     Returns (m_i, l_i, acc)."""
     for start in range(lo, hi, TILE_N):
         t = start + tl.arange(0, TILE_N)
@@ -113,6 +114,8 @@ def attend_paged_span(q, m_i, l_i, acc, lo, hi, row_end, table_ptr, kv_head, k_c
         seen = t_mask[None, :]  # [1, TILE_N], or [R, TILE_N] with ROW_END
         if ROW_END:
             seen = seen & (t[None, :] < row_end[:, None])
+        if ROW_START:
+            seen = seen & (t[None, :] >= row_start[:, None])
         m_i, l_i, acc = attend_tile(q, k, v, k_scale, v_scale, seen, m_i, l_i, acc, qk_scale,
                                     KV_FORMAT != 0, DOT_DTYPE)
     return m_i, l_i, acc

@@ -38,9 +38,10 @@ from nanokv.kernels.triton.paged_tile import (
     paged_slots,
 )
 
-# per-step values (where the packed step tensors sit, the tables' width): not specialised on
+# per-step values (where the packed step tensors sit, the tables' width) and the layer's window:
+# not specialised on
 _PER_STEP = ["table_ptr", "stride_table", "query_start_ptr", "query_len_ptr", "context_ptr",
-             "stage_table_ptr", "stride_stage"]
+             "stage_table_ptr", "stride_stage", "window"]
 FRESH, PER_TOKEN, STAGED = 0, 1, 2  # VIEW: what a chunk's token sees of its earlier ones
 
 
@@ -51,11 +52,11 @@ def _prefill_kernel(
         k_scale_ptr, v_scale_ptr, stride_sb, stride_ss,
         table_ptr, stride_table, query_start_ptr, query_len_ptr, context_ptr,
         k_stage_ptr, v_stage_ptr, stage_table_ptr, stride_stage,
-        out_ptr, stride_ot, stride_oh, qk_scale,
+        out_ptr, stride_ot, stride_oh, qk_scale, window,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr,
         D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
         TILE_N: tl.constexpr, KV_FORMAT: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        VIEW: tl.constexpr, STAGED_V: tl.constexpr):
+        VIEW: tl.constexpr, STAGED_V: tl.constexpr, WINDOWED: tl.constexpr):
     row0 = tl.program_id(0) * BLOCK_M
     chunk = tl.program_id(1).to(tl.int64)
     kv_head = tl.program_id(2)
@@ -82,14 +83,21 @@ def _prefill_kernel(
     table = table_ptr + chunk * stride_table
     own_end = tl.minimum(query_len, row0 + BLOCK_M)
     if VIEW == 0:  # FRESH
-        # the cached prefix: every row sees all of it
+        # with WINDOWED, row slot n = past + tok sees slots [n + 1 - window, n]: the tile's
+        # first row the earliest
+        row_start = past + tok + 1 - window  # [R]
+        lo = 0
+        if WINDOWED:
+            lo = tl.maximum(past + row0 + 1 - window, 0)
+        # the cached prefix: every row sees all of it (its window's part)
         m_i, l_i, acc = attend_paged_span(
-            q, m_i, l_i, acc, 0, past, past, table, kv_head, k_cache_ptr, v_cache_ptr,
-            stride_cb, stride_cs, stride_ch, k_scale_ptr, v_scale_ptr, stride_sb, stride_ss, d,
-            d_mask, qk_scale, BLOCK_SIZE, TILE_N, KV_FORMAT, DOT_DTYPE, False)
+            q, m_i, l_i, acc, tl.minimum(lo, past), past, past, table, kv_head, k_cache_ptr,
+            v_cache_ptr, stride_cb, stride_cs, stride_ch, k_scale_ptr, v_scale_ptr, stride_sb,
+            stride_ss, d, d_mask, qk_scale, BLOCK_SIZE, TILE_N, KV_FORMAT, DOT_DTYPE, False,
+            row_start, WINDOWED)
 
-        # the chunk's own tokens, causal: token i sees own tokens j <= i
-        for start in range(0, own_end, TILE_N):
+        # the chunk's own tokens, causal: token i sees own tokens j <= i (and j >= i + 1 - W)
+        for start in range(tl.maximum(lo - past, 0), own_end, TILE_N):
             j = start + tl.arange(0, TILE_N)
             j_mask = j < own_end
             kv_row = (query_start + j).to(tl.int64)  # [TILE_N]
@@ -99,6 +107,8 @@ def _prefill_kernel(
             v = tl.load(v_ptr + kv_row[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
                         mask=jd_mask, other=0.0)
             causal = j_mask[None, :] & (j[None, :] <= tok[:, None])  # [R, TILE_N]
+            if WINDOWED:
+                causal = causal & (past + j[None, :] >= row_start[:, None])
             m_i, l_i, acc = attend_tile(q, k, v, 1.0, 1.0, causal, m_i, l_i, acc, qk_scale,
                                         False, DOT_DTYPE)
     else:  # decode's view
@@ -110,7 +120,7 @@ def _prefill_kernel(
         m_i, l_i, acc = attend_paged_span(
             q, m_i, l_i, acc, 0, hi, final_end, table, kv_head, k_cache_ptr, v_cache_ptr,
             stride_cb, stride_cs, stride_ch, k_scale_ptr, v_scale_ptr, stride_sb, stride_ss, d,
-            d_mask, qk_scale, BLOCK_SIZE, TILE_N, KV_FORMAT, DOT_DTYPE, True)
+            d_mask, qk_scale, BLOCK_SIZE, TILE_N, KV_FORMAT, DOT_DTYPE, True, 0, False)
         if VIEW == 2:  # slots [final_end, n) of row n's block, still filling: as staged
             # the chunk's staged blocks, from the one holding its slot `past` (float)
             stage = stage_table_ptr + chunk * stride_stage - past // BLOCK_SIZE
@@ -156,7 +166,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Pag
                       tile_n: int = 64, num_warps: int = 4,
                       stage_tables: torch.Tensor | None = None,
                       k_stage: torch.Tensor | None = None,
-                      v_stage: torch.Tensor | None = None) -> None:
+                      v_stage: torch.Tensor | None = None, window: int | None = None) -> None:
     """q, out: [T, Hq, D]; k, v: [T, Hkv, D] (after RoPE, the step's fresh K/V); per chunk
     (int32 [C]): query_start, query_len, context_lens (cached slots after this step) and
     block_tables [C, max_blocks]; max_query_len: the longest chunk's (a host int). A program
@@ -165,7 +175,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Pag
     (kv: a float scratch holding the final read of every block of each chunk's context):
     stage_tables [C, w] int32, the rows of k_stage (and v_stage, or None: values from kv)
     [n, B, Hkv, D] holding each chunk's blocks from the one of its slot `past` on, as
-    staged."""
+    staged. window: a sliding window (the float pool's view only), each token over its last
+    `window` slots, its own included (None: all)."""
     num_q_heads, dim = q.shape[1], q.shape[2]
     heads = kv.num_kv_heads
     if dim != kv.head_dim or num_q_heads % heads or k.shape != (q.shape[0], heads, dim) \
@@ -190,6 +201,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Pag
         return
     k_scales, v_scales = kv.scale_tensors()
     view = PER_TOKEN if kv.kv_format != FLOAT else FRESH
+    if window is not None and (window < 1 or view != FRESH or stage_tables is not None):
+        raise ValueError(f"a sliding window (>= 1, got {window}) is attended over the float "
+                         f"pool only")
     if stage_tables is not None:
         stage = (k_stage, k_stage if v_stage is None else v_stage)
         if kv.kv_format != FLOAT or any(x.stride() != kv.k.stride() or x.dtype != kv.k.dtype
@@ -205,8 +219,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Pag
         kv.k, kv.v, *kv.cache_strides(), k_scales, v_scales, *kv.scale_strides(),
         block_tables, block_tables.stride(0), query_start, query_len, context_lens,
         *stage, stage_tables, stage_tables.stride(0),
-        out, out.stride(0), out.stride(1), scale * LOG2E,
+        out, out.stride(0), out.stride(1), scale * LOG2E, window or 0,
         GROUP=group, HEAD_DIM=dim, G_PAD=g_pad, D_PAD=max(16, triton.next_power_of_2(dim)),
         BLOCK_SIZE=kv.block_size, BLOCK_M=block_m, TILE_N=tile_n, KV_FORMAT=kv.kv_format,
         DOT_DTYPE=dot_dtype(_prefill_kernel, q.dtype), VIEW=view,
-        STAGED_V=v_stage is not None, num_warps=num_warps)
+        STAGED_V=v_stage is not None, WINDOWED=window is not None, num_warps=num_warps)
