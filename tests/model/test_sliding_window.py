@@ -1,9 +1,11 @@
 """Sliding-window attention (Mistral's `sliding_window` on every layer; Qwen2 / Qwen3's
 `use_sliding_window` layers from max_window_layers on): nanokv's prompt logits and greedy tokens
-against Hugging Face's forward over the whole sequence (its sliding-window mask, teacher-forced),
-through chunked prefill, both CPU attention paths, prefix hits and n-gram speculation; the blocks
-behind every layer's window freed after each step (brute force over each step's tables), not
-counted as evictions; what nanokv does not run with a window refused before loading."""
+against Hugging Face's forward over the whole sequence (its sliding-window mask, teacher-forced:
+HF's own generate can disagree with its forward on these windows), through chunked prefill, both
+CPU attention paths, prefix hits, preemption, n-gram speculation, beam search and two
+tensor-parallel ranks; the blocks behind every layer's window freed after each step (brute force
+over each step's tables), not counted as evictions, so a pool smaller than one max_model_len
+request serves it; what nanokv does not run with a window refused before loading."""
 
 import random
 
@@ -53,6 +55,21 @@ def check_against_hf(hf, prompt: list[int], out) -> None:
     assert out.token_ids == logits[len(prompt) - 1:-1].argmax(-1).tolist()
 
 
+def run_by_steps(engine, batch, params, after_step) -> dict:
+    """Run the prompts through the engine step by step, `after_step(engine)` after each step;
+    the finished outputs by request id (the prompt's index)."""
+    for i, prompt in enumerate(batch):
+        engine.add_request(prompt, params, request_id=str(i))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+        after_step(engine)
+        engine.check_invariants()
+    return outputs
+
+
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
                         return_prompt_logits=True)
 
@@ -90,13 +107,10 @@ def test_blocks_behind_the_window_are_freed_after_every_step(models):
     batch = prompts(5, (3, 30, 61, 100))
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
                             return_prompt_logits=True)
-    for i, prompt in enumerate(batch):
-        engine.add_request(prompt, params, request_id=str(i))
-    outputs, peak = {}, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out
+    peak = 0
+
+    def check_tables(engine) -> None:
+        nonlocal peak
         for request in engine.scheduler.running:
             # the next token (position p) sees positions [p + 1 - W, p]: the blocks of
             # positions wholly before them are gone, the rest held, slot by slot
@@ -104,7 +118,8 @@ def test_blocks_behind_the_window_are_freed_after_every_step(models):
             assert request.num_evicted_tokens == max(0, p + 1 - window) // bs * bs
             assert len(request.block_table) == cdiv(request.num_cached_slots, bs)
             peak = max(peak, len(request.block_table))
-        engine.check_invariants()
+
+    outputs = run_by_steps(engine, batch, params, check_tables)
     # at most the window's slots before the next token, from a block start
     assert peak <= cdiv(window - 1 + bs - 1, bs)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
@@ -218,17 +233,14 @@ def test_a_pool_smaller_than_one_request_runs_with_a_window(models):
     engine = llm.engine
     batch = prompts(11, (100, 150, 120))
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    for i, prompt in enumerate(batch):
-        engine.add_request(prompt, params, request_id=str(i))
-    outputs, most_running = {}, 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out
-        for request in engine.scheduler.running:
-            assert len(request.block_table) <= cap
+    most_running = 0
+
+    def check_cap(engine) -> None:
+        nonlocal most_running
+        assert all(len(r.block_table) <= cap for r in engine.scheduler.running)
         most_running = max(most_running, len(engine.scheduler.running))
-        engine.check_invariants()
+
+    outputs = run_by_steps(engine, batch, params, check_cap)
     assert most_running >= 2
     assert engine.stats().num_preemptions > 0  # recomputed requests start their window anew
     hf = load_hf(models["mistral"])
