@@ -381,7 +381,8 @@ def test_decode_launch_by_cache_format():
 def test_kernels_compile_for_a_gpu(tmp_path):
     """What the interpreter cannot check (types through loops and branches, dot shapes and
     operand types, constexpr use, registers): every kernel the backend launches for a bfloat16
-    model over the float pool and int8 codes, the KVQuant decode kernel over a 4-bit store and
+    model over the float pool (its prefill also with a sliding window) and int8 codes, the
+    KVQuant decode kernel over a 4-bit store and
     that store's quantize-on-write kernels (per token, per channel, and the staging and sink
     rows' copy for a bfloat16 staging and fp16 sinks), KIVI's quantize-on-write (keys per
     channel, values in groups), the read of the KVQuant blocks into a prefill's scratch cache
@@ -399,12 +400,14 @@ def test_kernels_compile_for_a_gpu(tmp_path):
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = [line for line in done.stdout.splitlines() if line.startswith("ok")]
-    assert len(compiled) == 19, done.stdout
+    assert len(compiled) == 20, done.stdout
     assert sum(" _quantize_" in line for line in compiled) == 2, done.stdout  # KVQuant
     assert sum("kivi_quantize_blocks" in line for line in compiled) == 2, done.stdout
     assert sum("_scatter_rows_" in line for line in compiled) == 2, done.stdout
     assert sum("_kvquant_read_" in line for line in compiled) == 2, done.stdout
-    assert sum("_prefill_kernel" in line for line in compiled) == 3, done.stdout  # one a view
+    # the float pool's (and its sliding window's), the codes' and the staged view's
+    assert sum("_prefill_kernel" in line for line in compiled) == 4, done.stdout
+    assert sum("WINDOWED=True" in line for line in compiled) == 1, done.stdout
     spilled = [line for line in compiled if " stack 0 local 0 " not in line]
     assert not spilled, spilled  # registers spilled to local memory
 
