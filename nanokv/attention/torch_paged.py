@@ -9,7 +9,7 @@ layer in flat layer-slice ids (`KVPool.flat_layers`). Layers with a sliding wind
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -50,15 +50,17 @@ class TorchPagedBackend(AttentionBackend):
             return PoolStep(None, [self._kernel_metadata(c) for c in common.per_layer],
                             common.write_plan)
         # the pool's write plan is the step's slot mapping as a tensor: not made twice
-        windows = set(self.kv_cache.layout.sliding_windows) or {None}
-        return PoolStep({w: self._kernel_metadata(common, common.write_plan, w)
-                         for w in windows}, None, common.write_plan)
+        base = kernel_metadata(common, self.device, common.write_plan)
+        by_window = {}
+        # the prefill chunks shared; each window its own decode addressing
+        for window in set(self.kv_cache.layout.sliding_windows) or {None}:
+            meta = by_window[window] = replace(base, window=window)
+            if common.num_decodes:
+                self._decode_metadata(meta, common)
+        return PoolStep(by_window, None, common.write_plan)
 
-    def _kernel_metadata(self, c: CommonAttentionMetadata,
-                         slot_mapping: torch.Tensor | None = None,
-                         window: int | None = None) -> AttentionMetadata:
-        meta = kernel_metadata(c, self.device, slot_mapping)
-        meta.window = window
+    def _kernel_metadata(self, c: CommonAttentionMetadata) -> AttentionMetadata:
+        meta = kernel_metadata(c, self.device)
         if c.num_decodes:
             self._decode_metadata(meta, c)
         return meta

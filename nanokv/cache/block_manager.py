@@ -344,8 +344,8 @@ class BlockManager:
         if not 0 < num_blocks <= len(request.block_table):
             raise ValueError(f"cannot free the first {num_blocks} of the request's "
                              f"{len(request.block_table)} blocks")
-        # register its computed full blocks first (a draft model's accepted tokens wait for
-        # the next allocation): the freed ones must be among them
+        # register its computed full blocks first (accepted speculative tokens are hashed at
+        # the next allocation otherwise): the freed ones must be among them
         self._cache_full_blocks(request, min(request.num_tokens, request.num_computed_tokens))
         now = time.monotonic()
         freed = [block_id for block_id in request.block_table[:num_blocks]

@@ -57,6 +57,12 @@ class KVLayout:
         return self.block_size * (self.bytes_per_token + POSITION_BYTES)
 
 
+def window_start(context: int, window: int | None) -> int:
+    """The first of a query's `context` slots (its own the last) that its sliding window of
+    `window` tokens sees; 0 without a window."""
+    return 0 if window is None else max(0, context - window)
+
+
 def window_request_blocks(window: int, block_size: int, max_num_batched_tokens: int) -> int:
     """The most blocks a request holds at once when every layer attends over `window` tokens:
     the blocks behind its next token's window are freed after each step and a prefix hit takes

@@ -15,12 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nanokv.layers.native_attention import (
-    DecodeRuns,
-    native_decode_attention,
-    slot_runs,
-    window_start,
-)
+from nanokv.cache.layout import window_start
+from nanokv.layers.native_attention import DecodeRuns, native_decode_attention, slot_runs
 from nanokv.utils import cdiv
 
 
@@ -169,7 +165,7 @@ def window_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, num_p
     out = torch.empty_like(qh)
     for a in range(0, length, step):
         b = min(length, a + step)
-        first = max(0, num_past + a + 1 - window)  # the tile's first query's first slot
+        first = window_start(num_past + a + 1, window)  # the tile's first query's first slot
         mask = causal_mask(b - a, num_past + a - first, window, qh.device)  # [b - a, keys]
         out[:, :, a:b] = F.scaled_dot_product_attention(
             qh[:, :, a:b], kh[:, :, first:num_past + b], vh[:, :, first:num_past + b],

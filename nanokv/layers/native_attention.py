@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from nanokv.cache.layout import window_start
 from nanokv.utils import cdiv
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.c"
@@ -64,12 +65,6 @@ def slot_runs(blocks: list[int], context: int, block_size: int,
         else:
             runs.append((first, hi - lo))
     return runs
-
-
-def window_start(context: int, window: int | None) -> int:
-    """The first of a query's `context` slots (its own the last) that its sliding window of
-    `window` tokens sees; 0 without a window."""
-    return 0 if window is None else max(0, context - window)
 
 
 def build_decode_runs(block_tables: list[list[int]], context_lens: list[int],

@@ -22,7 +22,7 @@ import numpy as np
 
 from nanokv.bad_words import completing_tokens
 from nanokv.cache.block_manager import BlockManager
-from nanokv.cache.layout import window_request_blocks
+from nanokv.cache.layout import window_request_blocks, window_start
 from nanokv.config import SCHEDULING_POLICIES
 from nanokv.request import Request, RequestStatus
 from nanokv.scheduler.output import (PENDING_DRAFT, RowConstraints, RunnerOutput,
@@ -556,9 +556,7 @@ class Scheduler:
     def _blocks_behind(self, slot: int) -> int:
         """Blocks wholly before the window of the token at `slot` (it sees slots
         [slot + 1 - W, slot]): no query of it or after it reaches them; 0 without a window."""
-        if self.sliding_window is None:
-            return 0
-        return max(0, (slot + 1 - self.sliding_window) // self.block_manager.block_size)
+        return window_start(slot + 1, self.sliding_window) // self.block_manager.block_size
 
     def _free_behind_window(self, request: Request) -> None:
         """Free the request's blocks behind its next token's window."""
