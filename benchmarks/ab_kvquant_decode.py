@@ -62,7 +62,7 @@ def ab_pair(args, libs: dict, requests: int, context: int, bits: int) -> dict:
     common = CommonAttentionMetadata([0] * requests, requests, tables, [context] * requests, [])
     common.write_plan = SimpleNamespace(slot_mapping=torch.empty(0, dtype=torch.long))
     backend = NativeQuantizedBackend(store, torch.device("cpu"))
-    call = partial(backend.decode, 0, q, k_new, v_new, backend.build(common),
+    call = partial(backend.decode, 0, q, k_new, v_new, backend.build(common).decodes[None],
                    args.head_dim ** -0.5)
     outs = {}
     own = nqa._LIBRARY  # put back afterwards: the A/B libraries lack the switches' typing

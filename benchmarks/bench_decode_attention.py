@@ -138,10 +138,10 @@ def bench_pair(args, num_requests: int, context: int, rotary, log) -> dict:
         store = make_store(args, dtype, bits, num_blocks, num_requests, rotary)
         fill(store, context, num_requests, gen)
         native = NativeQuantizedBackend(store, torch.device("cpu"))
-        step = native.build(common)
+        step = native.build(common).decodes[None]
         fns[f"{label} native"] = partial(native.decode, 0, q, k_new, v_new, step, scale)
         if num_requests * context <= args.torch_max_slots:
-            meta = QuantizedTorchBackend(store, torch.device("cpu")).build(common).meta
+            meta = QuantizedTorchBackend(store, torch.device("cpu")).build(common).by_window[None]
             fns[f"{label} torch"] = partial(quantized_paged_attention, q, k_new, v_new, None,
                                             store, 0, meta, None, scale, store.rope)
         keep.append(store)

@@ -136,7 +136,7 @@ def decode_only_fns(store, common, q, k, v, device) -> dict:
     scale = q.shape[-1] ** -0.5
     common.write_plan = SimpleNamespace(slot_mapping=torch.empty(0, dtype=torch.long,
                                                                  device=device))
-    meta = QuantizedTorchBackend(store, device).build(common).meta
+    meta = QuantizedTorchBackend(store, device).build(common).by_window[None]
     return {"torch": lambda: quantized_paged_attention(q, k, v, None, store, 0, meta, None,
                                                        scale, store.rope),
             "triton": sweep_fn(store, common.decode_block_tables, common.decode_context_lens,
@@ -156,14 +156,14 @@ def prefill_only_fns(store, common, q, k, v, device) -> dict:
     common.write_plan = plan = store.begin_step(common.slot_mapping, positions)
     torch_backend, triton_backend = QuantizedTorchBackend(store, device), \
         TritonQuantizedBackend(store, device)
-    meta = torch_backend.build(common).meta
+    meta = torch_backend.build(common).by_window[None]
     staged_pasts = read_staged_pasts(store, 0, meta.prefills, plan, store.rope)
     pre = triton_backend.prefill_chunks(common)
     triton_backend.read_staged_pasts(0, pre)
     store.write_layer(0, plan, k, v, k)
 
     def torch_path():
-        meta = torch_backend.build(common).meta
+        meta = torch_backend.build(common).by_window[None]
         return quantized_paged_attention(q, k, v, None, store, 0, meta, plan, scale, store.rope,
                                          None, staged_pasts)
 

@@ -11,9 +11,9 @@ kernels replaced by recorders, then compiles each recorded launch to a cubin.
 Shapes: Qwen3-0.6B's attention (16 query heads, 8 KV heads, head dim 128, block size 16) in
 bfloat16 over the float pool and the int8 / fp8 stores and the KVQuant decode kernel over a
 4-bit store with keys before RoPE (with --quick: one split; else also 2-bit with outliers and
-sinks, and KIVI), the float pool's prefill with a sliding window, the read of their blocks into a
-prefill's scratch cache (and of partial blocks
-from given staging rows) and the prefill over it in decode's view, KVQuant's
+sinks, and KIVI), every prefill view also with a sliding window, the read of their blocks into
+a prefill's scratch cache (and of partial blocks from given staging rows) and the prefill over it
+in decode's view, KVQuant's
 quantize-on-write (4-bit; else also 2-, 3- and 8-bit) and KIVI's (2-bit keys and values; else
 also 4-bit), plus a
 float32 pool with GQA 8 and head dim 64 (the dot in IEEE float32).
@@ -144,9 +144,9 @@ def record(dtype, hq, hkv, dim, block_size, quick: bool) -> None:
                                     B.num_stages)
         prefill.prefill_attention(q, k, k, kv, i32[:2], i32[:2], i32[:2], tables[:2], 20, out,
                                   0.1, block_rows, tile_n, B.num_warps)
-        if name == "float":  # a sliding window's prefill variant (the float pool's only)
-            prefill.prefill_attention(q, k, k, kv, i32[:2], i32[:2], i32[:2], tables[:2], 20,
-                                      out, 0.1, block_rows, tile_n, B.num_warps, window=4096)
+        # a sliding window's prefill variant (the decode kernel takes the window at run time)
+        prefill.prefill_attention(q, k, k, kv, i32[:2], i32[:2], i32[:2], tables[:2], 20, out,
+                                  0.1, block_rows, tile_n, B.num_warps, window=4096)
 
 
 def record_quant(dtype, hq, hkv, dim, block_size, quick: bool) -> None:
@@ -190,10 +190,11 @@ def record_quant(dtype, hq, hkv, dim, block_size, quick: bool) -> None:
     tile_n, block_rows = TritonPagedBackend.tiles_for(dtype)
     paged = PagedKV(scratch, scratch.clone())
     for staged_values in ((False,) if quick else (False, True)):
-        prefill.prefill_attention(q, k, k, paged, ids, ids, ids, tables[:2], 4,
-                                  torch.empty_like(q), 0.1, block_rows, tile_n,
-                                  TritonPagedBackend.num_warps, tables[:2], scratch,
-                                  scratch if staged_values else None)
+        for window in (None, 4096):  # and a sliding window's variant
+            prefill.prefill_attention(q, k, k, paged, ids, ids, ids, tables[:2], 4,
+                                      torch.empty_like(q), 0.1, block_rows, tile_n,
+                                      TritonPagedBackend.num_warps, tables[:2], scratch,
+                                      scratch if staged_values else None, window)
     if not quick:  # two blocks a loop iteration (a launch variant the GPU sweep tries)
         kvquant_decode.kvquant_decode_attention(q, k, k, views[0], tables, lens,
                                                 torch.empty_like(q), 0.1, 4, unroll=2)

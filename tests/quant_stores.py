@@ -56,9 +56,10 @@ def kvquant_config(name, head_dim):
 
 
 def make_store(kind, head_dim, block_size, num_blocks, num_requests, staging_dtype=None,
-               device=CPU, num_layers=NUM_LAYERS):
-    """num_layers: other than NUM_LAYERS only for configs without per-layer tables."""
-    lay = KVLayout(num_layers, HKV, head_dim, block_size, torch.float32)
+               device=CPU, num_layers=NUM_LAYERS, windows=()):
+    """num_layers: other than NUM_LAYERS only for configs without per-layer tables; windows:
+    each layer's sliding window (None: the whole context), () none."""
+    lay = KVLayout(num_layers, HKV, head_dim, block_size, torch.float32, tuple(windows))
     if kind.startswith("kvquant:"):
         store = KVQuantStore(lay, num_blocks, kvquant_config(kind[8:], head_dim),
                              num_staging_blocks=num_requests, device=device,
@@ -190,7 +191,8 @@ def scenario(store, hq, lens, rng, gen, chunk=None, backend_cls=NativeQuantizedB
             for layer, out in enumerate(outs):  # the prefill path, checked on the way
                 ref = reference_quantized_attention(q[layer], k[layer], v[layer], store, layer,
                                                     table, done, d ** -0.5, rotate,
-                                                    k_pre[layer], pos.to(device), before[layer])
+                                                    k_pre[layer], pos.to(device), before[layer],
+                                                    store.layout.window(layer))
                 torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
             done += m
     # one step: every request's new token (decodes), then a new request's first chunk of m
@@ -205,11 +207,14 @@ def scenario(store, hq, lens, rng, gen, chunk=None, backend_cls=NativeQuantizedB
                 [PrefillChunk(nd, m, m, new_table)])
     refs = []
     for layer in range(NUM_LAYERS):
+        window = store.layout.window(layer)
         rows = [reference_quantized_attention(q[layer, i:i + 1], k[layer, i:i + 1],
                                               v[layer, i:i + 1], store, layer, tables[i], n - 1,
-                                              d ** -0.5, rotate) for i, n in enumerate(lens)]
+                                              d ** -0.5, rotate, window=window)
+                for i, n in enumerate(lens)]
         rows.append(reference_quantized_attention(q[layer, nd:], k[layer, nd:], v[layer, nd:],
                                                   store, layer, new_table, 0, d ** -0.5, rotate,
-                                                  k_pre[layer, nd:], pos[nd:].to(device)))
+                                                  k_pre[layer, nd:], pos[nd:].to(device),
+                                                  window=window))
         refs.append(torch.cat(rows))
     return outs, refs

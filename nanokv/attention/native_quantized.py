@@ -3,7 +3,8 @@ KVQuant, KIVI), on CPU.
 
 Decodes: one pass over each request's cached slots with an online softmax, the step's own token
 attended with its fresh K/V (`nanokv/layers/csrc/quant_decode_attention.c`); no dequantized copy
-of the cache is made. Prefill chunks go through the PyTorch path
+of the cache is made. A layer with a sliding window reads its window's slots only (the step's
+addressing built once per window). Prefill chunks go through the PyTorch path
 (`nanokv.quant.attention.quantized_paged_attention`): in a long-context decode-heavy run the
 decode steps dominate (docs/results/kvquant/bench.md). Usable on CPU where the kernels build;
 other stores and devices pass to the PyTorch backend.
@@ -12,6 +13,7 @@ other stores and devices pass to the PyTorch backend.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -35,7 +37,12 @@ from nanokv.layers.native_quant_attention import (
     rope_rows,
     rope_tiles,
 )
-from nanokv.attention.quantized import prefill_only_metadata, write_prefill_then_decode
+from nanokv.attention.quantized import (
+    by_layer_window,
+    prefill_only_metadata,
+    write_prefill_then_decode,
+)
+from nanokv.cache.layout import window_start
 from nanokv.quant.kvquant import centroid_table
 from nanokv.quant.kivi_store import KIVIStore
 from nanokv.quant.kvquant_store import KVQuantStore
@@ -62,14 +69,25 @@ BLOCK_TABLE_STORES = (KVQuantStore, KIVIStore)
 
 
 @dataclass
+class QuantDecodes:
+    """The step's decodes addressed for one sliding window (None: the whole context): each
+    request's cached slots from its window's first on (the new token comes fresh)."""
+
+    runs: DecodeRuns | None = None  # per-token stores: runs of consecutive slots
+    blk_ptr: torch.Tensor | None = None  # kvquant, kivi: [B + 1] int64 CSR over blk_ids
+    blk_ids: torch.Tensor | None = None  # [nblk] int64 from the window's first block
+    past: torch.Tensor | None = None  # [B] int64 cached slots from the first listed block
+    skip: torch.Tensor | None = None  # [B] int64 slots of that block behind the window
+
+
+@dataclass
 class NativeQuantStep:
     write_plan: object
     num_decode_tokens: int
-    prefill_meta: AttentionMetadata | None  # the prefill chunks (PyTorch path), None if none
-    runs: DecodeRuns | None = None  # per-token stores: cached slots of each decode request
-    blk_ptr: torch.Tensor | None = None  # kvquant, kivi: [B + 1] int64 CSR over blk_ids
-    blk_ids: torch.Tensor | None = None  # [nblk] int64
-    past: torch.Tensor | None = None  # [B] int64 cached slots (the new token excluded)
+    # per sliding window the layers have (None: the whole context), the prefill chunks'
+    # metadata (PyTorch path; None: no chunk) and the decodes' addressing
+    prefill_meta: dict[int | None, AttentionMetadata] | None
+    decodes: dict[int | None, QuantDecodes]
 
 
 class NativeQuantizedBackend(AttentionBackend):
@@ -108,43 +126,55 @@ class NativeQuantizedBackend(AttentionBackend):
 
     # ---- metadata ------------------------------------------------------------------------------
     def build(self, common: CommonAttentionMetadata) -> NativeQuantStep:
-        prefill_meta = prefill_only_metadata(common, self.device)
-        step = NativeQuantStep(common.write_plan, common.num_decode_tokens, prefill_meta)
-        if common.num_decodes:
-            past = [c - 1 for c in common.decode_context_lens]  # the new token comes fresh
-            bs = self.block_size
-            if isinstance(self.kv_cache, BLOCK_TABLE_STORES):
-                ptr, ids = [0], []
-                for blocks, n in zip(common.decode_block_tables, past):
-                    ids += blocks[:cdiv(n, bs)]
-                    ptr.append(len(ids))
-                step.blk_ptr = torch.tensor(ptr, dtype=torch.int64)
-                step.blk_ids = torch.tensor(ids, dtype=torch.int64)
-                step.past = torch.tensor(past, dtype=torch.int64)
-            else:
-                step.runs = build_decode_runs(common.decode_block_tables, past, bs)
-        return step
+        windows = self.kv_cache.layout.sliding_windows
+        base = prefill_only_metadata(common, self.device)
+        prefill = None if base is None else by_layer_window(base, windows)
+        decodes = {w: self._decodes(common, w) for w in set(windows) or {None}} \
+            if common.num_decodes else {}
+        return NativeQuantStep(common.write_plan, common.num_decode_tokens, prefill, decodes)
+
+    def _decodes(self, common: CommonAttentionMetadata, window: int | None) -> QuantDecodes:
+        past = [c - 1 for c in common.decode_context_lens]  # the new token comes fresh
+        cached = None if window is None else window - 1  # the window's cached slots
+        bs = self.block_size
+        if not isinstance(self.kv_cache, BLOCK_TABLE_STORES):
+            return QuantDecodes(runs=build_decode_runs(common.decode_block_tables, past, bs,
+                                                       cached))
+        ptr, ids, listed, skip = [0], [], [], []
+        for blocks, n in zip(common.decode_block_tables, past):
+            first = window_start(n, cached)  # the first cached slot the window sees
+            ids += blocks[first // bs:cdiv(n, bs)]
+            ptr.append(len(ids))
+            listed.append(n - first // bs * bs)
+            skip.append(first % bs)
+        as_tensor = partial(torch.tensor, dtype=torch.int64)
+        return QuantDecodes(blk_ptr=as_tensor(ptr), blk_ids=as_tensor(ids),
+                            past=as_tensor(listed),
+                            skip=None if window is None else as_tensor(skip))
 
     # ---- one layer -----------------------------------------------------------------------------
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_pre: torch.Tensor, step: NativeQuantStep, scale: float) -> torch.Tensor:
         store = self.kv_cache
         read_past = self._read_past if isinstance(store, BLOCK_TABLE_STORES) else None
+        window = store.layout.window(layer)
+        prefill = None if step.prefill_meta is None else step.prefill_meta[window]
         return write_prefill_then_decode(
-            store, layer, q, k, v, k_pre, step.write_plan, step.prefill_meta,
-            step.num_decode_tokens, scale,
-            lambda qd, kd, vd: self.decode(layer, qd, kd, vd, step, scale), read_past)
+            store, layer, q, k, v, k_pre, step.write_plan, prefill, step.num_decode_tokens,
+            scale, lambda qd, kd, vd: self.decode(layer, qd, kd, vd, step.decodes[window], scale),
+            read_past)
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               step: NativeQuantStep, scale: float) -> torch.Tensor:
+               at: QuantDecodes, scale: float) -> torch.Tensor:
         """q: [B, Hq, D], k (after RoPE), v: [B, Hkv, D] of the decode tokens -> [B, Hq, D]."""
         if isinstance(self.kv_cache, BLOCK_TABLE_STORES):
             struct = self._block_layer(layer, q.shape[1])
-            return kvquant_decode(struct, q, k, v, step.blk_ptr, step.blk_ids, step.past, scale)
+            return kvquant_decode(struct, q, k, v, at.blk_ptr, at.blk_ids, at.past, scale,
+                                  at.skip)
         buf = self.kv_cache.buffers
         return pertoken_decode(q, k, v, pertoken_format(self.kv_cache), buf["k_codes"][layer],
                                buf["v_codes"][layer], buf["k_scales"][layer],
-                               buf["v_scales"][layer], step.runs, scale, self._rope())
+                               buf["v_scales"][layer], at.runs, scale, self._rope())
 
     def _read_past(self, layer: int, block_table: torch.Tensor, num_slots: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,10 +1,11 @@
 """PyTorch attention over a quantized KV store: the blocks a step reads are dequantized (keys
 rotated to their slot's position when stored before RoPE), then attended with SDPA; the step's
-own tokens attend with their fresh, full-precision K/V."""
+own tokens attend with their fresh, full-precision K/V. Layers with a sliding window
+(`KVLayout.sliding_windows`) get the step's metadata built for their window."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -18,7 +19,7 @@ from nanokv.quant.store import QuantizedKVStore
 
 @dataclass
 class StoreStep:
-    meta: AttentionMetadata
+    by_window: dict[int | None, AttentionMetadata]  # a sliding window (None: none) -> its own
     write_plan: object
 
 
@@ -36,17 +37,27 @@ class QuantizedTorchBackend(AttentionBackend):
     def build(self, common: CommonAttentionMetadata) -> StoreStep:
         if common.per_layer is not None:
             raise RuntimeError("per-layer block tables need the float KV pool")
-        meta = kernel_metadata(common, self.device, common.write_plan.slot_mapping)
-        if common.num_decodes:
-            meta.decode_block_tables, meta.decode_mask = padded_decode_tables(
-                common.decode_block_tables, common.decode_context_lens,
-                self.kv_cache.block_size, self.device)
-        return StoreStep(meta, common.write_plan)
+        base = kernel_metadata(common, self.device, common.write_plan.slot_mapping)
+        by_window = by_layer_window(base, self.kv_cache.layout.sliding_windows)
+        if common.num_decodes:  # the prefill chunks shared; each window its own decode mask
+            for window, meta in by_window.items():
+                meta.decode_block_tables, meta.decode_mask = padded_decode_tables(
+                    common.decode_block_tables, common.decode_context_lens,
+                    self.kv_cache.block_size, self.device, window)
+        return StoreStep(by_window, common.write_plan)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_pre: torch.Tensor, step: StoreStep, scale: float) -> torch.Tensor:
+        meta = step.by_window[self.kv_cache.layout.window(layer)]
         return write_prefill_then_decode(self.kv_cache, layer, q, k, v, k_pre, step.write_plan,
-                                         step.meta, 0, scale, None)
+                                         meta, 0, scale, None)
+
+
+def by_layer_window(meta: AttentionMetadata, windows: tuple[int | None, ...]
+                    ) -> dict[int | None, AttentionMetadata]:
+    """The step's metadata for each sliding window the layers have (None: the whole context):
+    copies of `meta` sharing its tensors, each with its window."""
+    return {window: replace(meta, window=window) for window in set(windows) or {None}}
 
 
 # ---- for backends that decode with their own kernel and prefill through this path ------------

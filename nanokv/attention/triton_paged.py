@@ -8,8 +8,7 @@ view: a chunk's token reads its earlier tokens from the cache, the chunk's own a
 and itself fresh, as `reference_quantized_attention`). Nothing is gathered into padded
 copies and nothing dequantized to memory. Serves the float pool (float32 / bfloat16 / float16)
 and the int8 / fp8 (e4m3, e5m2) stores with keys kept after RoPE. Layers with a sliding window
-(`KVLayout.sliding_windows`, the float pool) pass it to both kernels: each query over its last
-W slots.
+(`KVLayout.sliding_windows`) pass it to both kernels: each query over its last W slots.
 
 CUDA graphs: `supports_cuda_graphs`; decode-only steps run from static metadata
 (`graph_decode_metadata` / `fill_graph_decode`, the contract in `backend.py`) with launches
@@ -123,9 +122,6 @@ class TritonPagedBackend(AttentionBackend):
             dtype = getattr(kv_cache, "kv_cache_dtype", "?")
             return (f"its kernels read the float pool (float32, bfloat16, float16) and the int8 "
                     f"and fp8 stores with keys after RoPE (the cache is {dtype})"), True
-        if kv_cache.layout.sliding_windows and not isinstance(kv_cache, KVPool):
-            return ("its kernels attend over a sliding window over the float pool only (the "
-                    f"cache is {kv_cache.kv_cache_dtype})"), False
         why = triton_unavailable()
         if why is not None:
             return why, False

@@ -13,6 +13,9 @@ scratch, a block still filling from the staged cache, the token itself fresh); p
 store's: on CUDA both stores quantize on write in Triton (`kernels/triton/kvquant_write.py`,
 `kivi_write.py`).
 
+Layers with a sliding window (`KVLayout.sliding_windows`) pass it to both kernels: a decode's
+splits over the blocks from its window's first on, each token of a chunk over its newest W.
+
 Serves KVQuant with per-channel keys (before RoPE over the whole head, or after it) and KIVI,
 at power-of-two block sizes; per-token KVQuant keys (the ablation layout) stay on the PyTorch
 backend. CUDA graphs for the decode steps of both with their Triton writes
@@ -277,15 +280,16 @@ class TritonQuantizedBackend(AttentionBackend):
         self.kv_cache.write_layer(layer, step.write_plan, k, v, k_pre)
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         out = torch.empty_like(q)
+        window = self.kv_cache.layout.window(layer)
         if pre is not None:
             self.attend_prefill(layer, q, k, v, k_pre, step.write_plan.positions, pre, out,
-                                scale)
+                                scale, window)
         nd = step.num_decode_tokens
         if nd:
             self._kernels.kvquant_decode_attention(
                 q[:nd], k[:nd], v[:nd], self.layer_views(layer), step.block_tables,
                 step.context_lens, out[:nd], scale, step.num_splits, self.num_warps,
-                self.num_stages, self.unroll)
+                self.num_stages, self.unroll, window)
         return out
 
     def read_staged_pasts(self, layer: int, pre: QuantPrefill) -> None:
@@ -298,11 +302,12 @@ class TritonQuantizedBackend(AttentionBackend):
 
     def attend_prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        k_pre: torch.Tensor, positions: torch.Tensor, pre: QuantPrefill,
-                       out: torch.Tensor, scale: float) -> None:
+                       out: torch.Tensor, scale: float, window: int | None = None) -> None:
         """The prefill chunks' rows of out (after the write; the pasts' partial blocks already
         in the staged cache): the chunks' tokens as staged into the staged cache, then group by
         group the group's blocks decoded into the scratch cache and its chunks in one launch of
-        the paged prefill kernel (its STAGED view)."""
+        the paged prefill kernel (its STAGED view; with a sliding `window`, each token over its
+        newest `window`)."""
         rows, heads, dim = pre.token_rows, k.shape[1], k.shape[2]
         k_stg, v_stg = self.kv_cache.staged_rows(k[rows], v[rows], k_pre[rows], positions[rows])
         for cache, x in ((pre.k_staged, k_stg), (pre.v_staged, v_stg)):  # x: [N, Hkv, D]
@@ -317,7 +322,7 @@ class TritonQuantizedBackend(AttentionBackend):
                 q, k, v, paged, chunks.query_start, chunks.query_len, chunks.context_lens,
                 chunks.block_tables, chunks.max_query_len, out, scale, self.block_rows,
                 self.tile_n, self.num_warps, group.stage_tables, pre.k_staged,
-                None if v_stg is None else pre.v_staged)
+                None if v_stg is None else pre.v_staged, window)
 
     def read_blocks(self, layer: int, block_ids: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:

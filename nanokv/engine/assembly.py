@@ -92,7 +92,7 @@ def resolve_parts(config: EngineConfig, hf_config, architecture: str) -> EngineP
         KVCacheOptions(config.kv_cache_dtype, config.max_num_seqs, config.kv_quant_bits,
                        config.kv_quant_config), layout)
     if windows:
-        check_sliding_windows(config, windows, kv_class)
+        check_sliding_windows(config, windows)
     policy = engine_policy(config)
     if policy is not None:
         built = policy.build(block_size=config.block_size)  # validates the option values
@@ -104,16 +104,11 @@ def resolve_parts(config: EngineConfig, hf_config, architecture: str) -> EngineP
     return EngineParts(kv_class, settings, policy, given, draft_layers, windows)
 
 
-def check_sliding_windows(config: EngineConfig, windows: tuple[int | None, ...],
-                          kv_class: type[KVCache]) -> None:
-    """A model whose layers attend over sliding windows runs on the float pool (the quantized
-    stores' kernels attend over whole blocks), without a KV policy (its evictions would move
-    the window's slots) and without a draft model (whose layers share the pool's slots)."""
+def check_sliding_windows(config: EngineConfig, windows: tuple[int | None, ...]) -> None:
+    """A model whose layers attend over sliding windows runs on any KV cache (every backend
+    reads a window's slots only), without a KV policy (its evictions would move the window's
+    slots) and without a draft model (whose layers share the pool's slots)."""
     window = min(w for w in windows if w is not None)
-    if kv_class is not kv_cache_class("auto"):
-        raise ValueError(f"this model attends over a sliding window ({window} tokens) on some "
-                         f"layers: it runs with kv_cache_dtype 'auto' (the float pool), got "
-                         f"{config.kv_cache_dtype!r}")
     if config.kv_policy is not None and config.kv_policy != "full":
         raise ValueError(f"this model attends over a sliding window ({window} tokens) on some "
                          f"layers: it runs without a KV policy (its own window frees the blocks "

@@ -58,7 +58,7 @@ def type_kernels(lib: ctypes.CDLL) -> None:
     ab_kvquant_decode.py` loads an older checkout's through it, without its later switches)."""
     lib.pertoken_decode_attention.argtypes = [_p] * 14 + [_i64] * 6
     lib.pertoken_decode_attention.restype = ctypes.c_int
-    lib.kvquant_decode_attention.argtypes = [ctypes.POINTER(KVQuantLayer)] + [_p] * 7 + [_i64]
+    lib.kvquant_decode_attention.argtypes = [ctypes.POINTER(KVQuantLayer)] + [_p] * 8 + [_i64]
     lib.kvquant_decode_attention.restype = ctypes.c_int
     lib.kvquant_read_blocks.argtypes = [ctypes.POINTER(KVQuantLayer), _p, _i64, _i64, _p, _p]
     lib.kvquant_read_blocks.restype = ctypes.c_int
@@ -218,15 +218,19 @@ def pertoken_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, f
 
 def kvquant_decode(layer: KVQuantLayer, q: torch.Tensor, k_new: torch.Tensor,
                    v_new: torch.Tensor, blk_ptr: torch.Tensor, blk_ids: torch.Tensor,
-                   past: torch.Tensor, scale: float) -> torch.Tensor:
+                   past: torch.Tensor, scale: float, skip: torch.Tensor | None = None
+                   ) -> torch.Tensor:
     """q: [B, Hq, D]; k_new, v_new: [B, Hkv, D]; request i's cached slots are the first past[i]
-    slots of blocks blk_ids[blk_ptr[i]:blk_ptr[i + 1]] (int64 tensors). Returns [B, Hq, D]."""
+    slots of blocks blk_ids[blk_ptr[i]:blk_ptr[i + 1]] (int64 tensors), less the first skip[i]
+    slots of its first block (a sliding window's start, < the block size; None: none). Returns
+    [B, Hq, D]."""
     qs = (q.float() * scale).contiguous()  # [B, Hq, D]
     kn, vn = k_new.float().contiguous(), v_new.float().contiguous()  # [B, Hkv, D]
     out = torch.empty_like(qs)
     _check(load_quant_kernels().kvquant_decode_attention(
         ctypes.byref(layer), qs.data_ptr(), kn.data_ptr(), vn.data_ptr(), out.data_ptr(),
-        blk_ptr.data_ptr(), blk_ids.data_ptr(), past.data_ptr(), q.shape[0]))
+        blk_ptr.data_ptr(), blk_ids.data_ptr(), past.data_ptr(),
+        None if skip is None else skip.data_ptr(), q.shape[0]))
     return out
 
 

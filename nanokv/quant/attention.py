@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nanokv.cache.layout import window_start
 from nanokv.layers.attention import AttentionMetadata, PrefillSeq
 from nanokv.layers.rotary import RotaryEmbedding
 from nanokv.quant.decode_view import decode_view_attention
@@ -36,7 +37,9 @@ def quantized_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     write plan (it writes here when `meta.write_cache`; its positions round staged keys).
     read_past(layer, block_table, num_slots) -> (keys after RoPE, values) [num_slots, Hkv, D]
     reads a chunk's sequence in place of `store.read_blocks` (a native kernel). staged_pasts:
-    `read_staged_pasts` made before the write (when the caller wrote). Returns [T, Hq, D]."""
+    `read_staged_pasts` made before the write (when the caller wrote). `meta.window`: each
+    token sees only the newest `window` tokens, its own included (the decode mask is built
+    for it). Returns [T, Hq, D]."""
     k_store = k if k_store is None else k_store
     if meta.write_cache:
         staged_pasts = read_staged_pasts(store, layer, meta.prefills, plan, rope)
@@ -50,7 +53,8 @@ def quantized_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         sl = slice(seq.query_start, seq.query_start + seq.query_len)
         positions = plan.positions[sl] if plan is not None else None
         out[sl] = _prefill(q[sl], k[sl], v[sl], k_store[sl], positions, store, layer, seq, scale,
-                           rope, read_past, staged_pasts[i] if staged_pasts else None)
+                           rope, read_past, staged_pasts[i] if staged_pasts else None,
+                           meta.window)
     return out
 
 
@@ -81,7 +85,9 @@ def _decode(q, k, v, store, layer, meta: AttentionMetadata, scale, rope) -> torc
     kc, vc = store.read_blocks(layer, tables.flatten(), rope)  # [B * max_blocks, bs, Hkv, D]
     kc = kc.reshape(bsz, -1, heads, dim)  # [B, S, Hkv, D]
     vc = vc.reshape(bsz, -1, heads, dim)
-    last = meta.decode_mask.reshape(bsz, -1).sum(-1) - 1  # [B] slot of the new token
+    mask = meta.decode_mask.reshape(bsz, -1)  # [B, S]: a window's last slots, or all of them
+    span = torch.arange(mask.shape[1], device=q.device)
+    last = torch.where(mask, span, 0).amax(-1)  # [B] slot of the new token: the last one seen
     rows = torch.arange(bsz, device=q.device)
     kc[rows, last] = k.to(kc.dtype)  # the step's own token: fresh
     vc[rows, last] = v.to(vc.dtype)
@@ -91,17 +97,23 @@ def _decode(q, k, v, store, layer, meta: AttentionMetadata, scale, rope) -> torc
 
 
 def _prefill(q, k, v, k_store, positions, store, layer, seq: PrefillSeq, scale, rope,
-             read_past=None, staged_past=None) -> torch.Tensor:
+             read_past=None, staged_past=None, window: int | None = None) -> torch.Tensor:
     """One chunk in decode's view (`nanokv.quant.decode_view`): its sequence read after the
-    write (final), and the staged rows of its blocks that were filling."""
-    total, bs = seq.context_len, store.block_size
-    past = total - seq.query_len
+    write (final), and the staged rows of its blocks that were filling; with a `window`, each
+    token over its newest `window` tokens."""
+    bs = store.block_size
+    past = seq.context_len - seq.query_len
+    # the blocks before the one holding the first token's window start: seen by no token of the
+    # chunk, not read; indexes below are from the first block read (whole blocks: the staging
+    # arithmetic holds)
+    skip = window_start(past + 1, window) // bs
+    table, total, past = seq.block_table[skip:], seq.context_len - skip * bs, past - skip * bs
     heads, dim = k.shape[1], k.shape[2]
     if read_past is None:
-        kc, vc = store.read_blocks(layer, seq.block_table[:cdiv(total, bs)], rope)
+        kc, vc = store.read_blocks(layer, table[:cdiv(total, bs)], rope)
         kc, vc = kc.reshape(-1, heads, dim)[:total], vc.reshape(-1, heads, dim)[:total]
     else:
-        kc, vc = read_past(layer, seq.block_table, total)  # [total, Hkv, D]
+        kc, vc = read_past(layer, table, total)  # [total, Hkv, D]
     kc, vc = kc.to(q.dtype), vc.to(q.dtype)
     staged = None
     if store.stages_blocks:
@@ -112,7 +124,7 @@ def _prefill(q, k, v, k_store, positions, store, layer, seq: PrefillSeq, scale, 
         staged = tuple(None if x is None else torch.cat([old.to(q.dtype), x.to(q.dtype)])
                        for old, x in ((k_old, ks), (v_old, vs)))  # None: read final
     return decode_view_attention(q, k.to(q.dtype), v.to(q.dtype), kc, vc, staged, past, bs,
-                                 scale)
+                                 scale, window)
 
 
 def reference_quantized_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -120,8 +132,8 @@ def reference_quantized_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: t
                                   num_past: int, scale: float, rope: Rope | None = None,
                                   k_store: torch.Tensor | None = None,
                                   positions: torch.Tensor | None = None,
-                                  staged_past: tuple[torch.Tensor, torch.Tensor] | None = None
-                                  ) -> torch.Tensor:
+                                  staged_past: tuple[torch.Tensor, torch.Tensor] | None = None,
+                                  window: int | None = None) -> torch.Tensor:
     """The oracle, dense in float64: each of a step's L tokens of one sequence attends as it
     would decoding alone (decode's view), so a sequence's outputs do not depend on how its
     prompt is chunked or how much of it a prefix-cache hit supplies. Token n sees
@@ -133,7 +145,8 @@ def reference_quantized_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: t
     k_store, positions: the keys as written and their positions (only where the store's staging
     dtype rounds staged keys); staged_past: (k, v) [num_past % B, Hkv, D] of the past's partial
     block read before the step's write, needed when the store stages blocks and the step fills
-    that block."""
+    that block. window: token n sees only tokens j > n - window (its newest `window`, itself
+    included)."""
     length, bs = q.shape[0], store.block_size
     earliest = num_past + length - 1  # tokens that are earlier than some query: [0, earliest)
     k_fin, v_fin = store.read(layer, block_table, earliest,
@@ -143,6 +156,8 @@ def reference_quantized_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: t
     n = num_past + torch.arange(length, device=q.device)[:, None]  # [L, 1] query index
     j = torch.arange(earliest, device=q.device)[None, :]  # [1, earliest]
     earlier = j < n
+    if window is not None:
+        earlier &= j > n - window
     if store.stages_blocks:
         ks, vs = store.staged_rows(k_new, v_new, k_new if k_store is None else k_store,
                                    positions) if length > 1 else (None, None)

@@ -12,11 +12,15 @@ sees
     the partial block returned then (`QuantizedKVStore.staged_rows`; for the past's partial
     block, a read made before the step's write).
 
+With a sliding window of W tokens, token n sees only tokens j > n - W (itself included).
+
 `decode_view_attention` runs on CPU as a few flash calls merged by their log-sum-exp (groups of
 about GROUP_ROWS query rows: the part of the context every row of a group sees final, without a
 mask, and a small masked window around the group); `decode_view_attention_masked` is the
-reference path (one SDPA call with an explicit mask), taken elsewhere. The oracle of both is
-`nanokv.quant.attention.reference_quantized_attention` (float64, dense).
+reference path (SDPA calls with an explicit mask: one over the whole context, or with a sliding
+window one per tile of rows over the slots their windows cover), taken elsewhere and with a
+window. The oracle of both is `nanokv.quant.attention.reference_quantized_attention` (float64,
+dense).
 """
 
 from __future__ import annotations
@@ -24,17 +28,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nanokv.cache.layout import window_start
 from nanokv.layers.attention import _FLASH_CPU
 
 GROUP_ROWS = 128  # query rows per flash call (a multiple of the block size, at least one block)
 
 
-def visible(rows: torch.Tensor, keys: torch.Tensor, block_size: int, stages: bool
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def visible(rows: torch.Tensor, keys: torch.Tensor, block_size: int, stages: bool,
+            window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Which version of key j each query n sees: (final [R, K], staged [R, K]) bool, for query
-    indexes rows [R] and key indexes keys [K] (logical positions; the diagonal is fresh)."""
+    indexes rows [R] and key indexes keys [K] (logical positions; the diagonal is fresh); with a
+    window, none of the keys j <= n - window."""
     n, j = rows[:, None], keys[None, :]
     earlier = j < n
+    if window is not None:
+        earlier &= j > n - window
     if not stages:
         return earlier, torch.zeros_like(earlier)
     full = (j // block_size < n // block_size) | (n % block_size == block_size - 1)
@@ -44,7 +52,8 @@ def visible(rows: torch.Tensor, keys: torch.Tensor, block_size: int, stages: boo
 def decode_view_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                           k_fin: torch.Tensor, v_fin: torch.Tensor,
                           staged: tuple[torch.Tensor, torch.Tensor] | None, past: int,
-                          block_size: int, scale: float) -> torch.Tensor:
+                          block_size: int, scale: float, window: int | None = None
+                          ) -> torch.Tensor:
     """q: [L, Hq, D]; k_new (after RoPE), v_new: [L, Hkv, D] the chunk's fresh rows; k_fin, v_fin:
     [past + L, Hkv, D] the sequence as read after the write (keys after RoPE); staged: None for
     a per-token store, else (k, v) [past + L - start, Hkv, D], rows start = past // B * B on, as
@@ -57,11 +66,12 @@ def decode_view_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
     starting on a block edge the chunk's blocks before the group's (no mask) and the group's
     own slots: for a group of one block (block sizes from GROUP_ROWS on, the default sizes) its
     earlier slots staged (the chunk's causally, one row off) and, for the block's last slot,
-    final, all without a mask; for a group of several blocks, a masked window."""
-    if not (_FLASH_CPU is not None and q.device.type == "cpu"
-            and q.dtype == k_fin.dtype == k_new.dtype == torch.float32):
+    final, all without a mask; for a group of several blocks, a masked window. With a sliding
+    `window` (token n sees tokens j > n - window): the masked path, by tiles of rows."""
+    if window is not None or not (_FLASH_CPU is not None and q.device.type == "cpu"
+                                  and q.dtype == k_fin.dtype == k_new.dtype == torch.float32):
         return decode_view_attention_masked(q, k_new, v_new, k_fin, v_fin, staged, past,
-                                            block_size, scale)
+                                            block_size, scale, window)
     (length, num_q, dim), num_kv = q.shape, k_new.shape[1]
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
     # [1, Hkv, past + L, D], contiguous: the kernel reads strided keys far slower
@@ -141,25 +151,44 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, o_lse: torch.T
 
 
 def decode_view_attention_masked(q, k_new, v_new, k_fin, v_fin, staged, past: int,
-                                 block_size: int, scale: float) -> torch.Tensor:
-    """`decode_view_attention` in one SDPA call over [final; staged; fresh] keys with an
-    explicit [L, K] mask (the reference path; the path off CPU float32)."""
-    length, total = q.shape[0], k_fin.shape[0]
-    rows = torch.arange(past, past + length, device=q.device)
-    final, stg = visible(rows, torch.arange(total, device=q.device), block_size,
-                         staged is not None)
-    keys, values, seen = [k_fin], [v_fin], [final]
+                                 block_size: int, scale: float, window: int | None = None,
+                                 tile: int = 256) -> torch.Tensor:
+    """`decode_view_attention` with explicit masks (the reference path; the path off CPU
+    float32 and with a sliding window): one SDPA call over [final; staged; fresh] keys, or with
+    a `window` one per tile of max(window, tile) rows over the keys their windows cover, so the
+    work is O(L (tile + window)), not O(L (past + L))."""
+    length = q.shape[0]
+    rows = length if window is None else max(window, tile)
+    if rows >= length:
+        return _masked_rows(q, k_new, v_new, k_fin, v_fin, staged, past, block_size, scale,
+                            window, 0, length)
+    return torch.cat([_masked_rows(q, k_new, v_new, k_fin, v_fin, staged, past, block_size,
+                                   scale, window, a, min(a + rows, length))
+                      for a in range(0, length, rows)])  # [L, Hq, D]
+
+
+def _masked_rows(q, k_new, v_new, k_fin, v_fin, staged, past: int, block_size: int,
+                 scale: float, window: int | None, a: int, b: int) -> torch.Tensor:
+    """Rows [a, b) of the chunk (logical indexes past + a ..) in one SDPA call over the keys
+    from the first row's window start on: [final; staged; fresh], masked. Returns [b - a, Hq,
+    D]."""
+    lo, hi = window_start(past + a + 1, window), past + b  # the keys any of the rows sees
+    final, stg = visible(torch.arange(past + a, hi, device=q.device),
+                         torch.arange(lo, hi, device=q.device), block_size, staged is not None,
+                         window)  # [R, hi - lo] each
+    keys, values, seen = [k_fin[lo:hi]], [v_fin[lo:hi]], [final]
     if staged is not None:
-        start = past // block_size * block_size
-        keys.append(k_fin[start:] if staged[0] is None else staged[0])
-        values.append(v_fin[start:] if staged[1] is None else staged[1])
-        seen.append(stg[:, start:])
-    keys.append(k_new.to(k_fin.dtype))
-    values.append(v_new.to(v_fin.dtype))
-    seen.append(torch.eye(length, dtype=torch.bool, device=q.device))
+        start = past // block_size * block_size  # staged rows from here on
+        s0 = max(lo, start)
+        keys.append(k_fin[s0:hi] if staged[0] is None else staged[0][s0 - start:hi - start])
+        values.append(v_fin[s0:hi] if staged[1] is None else staged[1][s0 - start:hi - start])
+        seen.append(stg[:, s0 - lo:])
+    keys.append(k_new[a:b].to(k_fin.dtype))
+    values.append(v_new[a:b].to(v_fin.dtype))
+    seen.append(torch.eye(b - a, dtype=torch.bool, device=q.device))
     kh = torch.cat(keys).transpose(0, 1).unsqueeze(0)  # [1, Hkv, K, D]
     vh = torch.cat(values).transpose(0, 1).unsqueeze(0)
-    o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), kh, vh,
+    o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1).unsqueeze(0), kh, vh,
                                        attn_mask=torch.cat(seen, dim=1), scale=scale,
-                                       enable_gqa=True)  # [1, Hq, L, D]
+                                       enable_gqa=True)  # [1, Hq, R, D]
     return o.squeeze(0).transpose(0, 1)

@@ -178,8 +178,9 @@ def test_beam_search_with_a_window(models):
 
 
 @pytest.mark.parametrize("options,match", [
-    (dict(kv_cache_dtype="int8"), r"sliding window \(12 tokens\).*kv_cache_dtype 'auto'"),
-    (dict(kv_policy="paged_eviction", kv_budget=64), r"without a KV policy"),
+    (dict(kv_policy="paged_eviction", kv_budget=64), r"sliding window \(12 tokens\).*without a KV "
+                                                     r"policy"),
+    (dict(kv_cache_dtype="int8", kv_policy="snapkv", kv_budget=64), r"without a KV policy"),
 ])
 def test_what_a_window_does_not_run_with_is_refused(models, options, match):
     with pytest.raises(ValueError, match=match):

@@ -57,6 +57,29 @@ def test_decode_equals_dequantize_then_dense(kind, block_size, hq):
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend_cls", [NativeQuantizedBackend, QuantizedTorchBackend])
+@pytest.mark.parametrize("kind", STORES)
+@pytest.mark.parametrize("block_size,windows", [
+    (16, (1, 23)),  # a window of the token alone; one starting mid-block
+    (16, (16, None)),  # a window of one block next to a layer over the whole context
+    (256, (40, 300)),  # within the first block; across two
+])
+def test_sliding_window_decode_and_prefill_equal_the_reference(kind, block_size, windows,
+                                                               backend_cls):
+    """Layers with sliding windows (each its own, or none): the prefill chunks and the decodes
+    of every store against dequantize-then-dense over each token's newest `window` tokens,
+    the blocks behind the windows left in the tables (a hybrid model keeps them)."""
+    rng = random.Random(block_size)
+    gen = torch.Generator().manual_seed(len(kind))
+    lens = LENS[block_size]
+    store = make_store(kind, 32, block_size, sum(cdiv(n, block_size) for n in lens) + 3,
+                       len(lens) + 1, windows=windows)
+    outs, refs = scenario(store, 4, lens, rng, gen, chunk=block_size // 2 + 3,
+                          backend_cls=backend_cls)
+    for out, ref in zip(outs, refs):
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("kind", ["int8", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("head_dim,hq", [(64, 24), (32, 2), (48, 4)])
 def test_codes_in_registers_equal_the_tile_path_and_the_reference(kind, head_dim, hq):
@@ -182,7 +205,7 @@ def test_kvquant_constant_value_rows(head_dim):
     k_new = torch.randn(1, HKV, head_dim, generator=gen)
     v_new = torch.randn(1, HKV, head_dim, generator=gen)
     scale = head_dim ** -0.5
-    out = backend.decode(0, q, k_new, v_new, backend.build(common), scale)
+    out = backend.decode(0, q, k_new, v_new, backend.build(common).decodes[None], scale)
     ref = reference_quantized_attention(q, k_new, v_new, store, 0, table, past, scale,
                                         store.rope)
     assert bool((store.buffers["v_half0"][:2] == 0).any())  # rows without a centroid scale
@@ -223,7 +246,7 @@ def _decode_one(store, table, past, seed=6, hq=16):
     q = torch.randn(1, hq, d, generator=gen) * 3
     k_new, v_new = torch.randn(1, hkv, d, generator=gen), torch.randn(1, hkv, d, generator=gen)
     backend = NativeQuantizedBackend(store, CPU)
-    out = backend.decode(0, q, k_new, v_new, backend.build(common), d ** -0.5)
+    out = backend.decode(0, q, k_new, v_new, backend.build(common).decodes[None], d ** -0.5)
     ref = reference_quantized_attention(q, k_new, v_new, store, 0, table, past, d ** -0.5,
                                         store.rope)
     return out, ref
@@ -408,7 +431,8 @@ def test_kvquant_key_passes_equal_the_reference(bits, d, hkv, block_size, halves
         for slot_keys in (True, False):
             set_slot_keys(slot_keys)
             backend = NativeQuantizedBackend(store, CPU)
-            outs.append(backend.decode(0, q, k_new, v_new, backend.build(common), d ** -0.5))
+            outs.append(backend.decode(0, q, k_new, v_new, backend.build(common).decodes[None],
+                                       d ** -0.5))
     finally:
         set_slot_keys(True)
     for out in outs:
@@ -526,7 +550,8 @@ def test_kvquant_heads_of_32_in_fixed_instances(bits, gqa, block_size, halves):
     try:
         for fixed in (True, False):
             set_fixed_head_dims(fixed)
-            outs.append(backend.decode(0, q, k_new, v_new, backend.build(common), 32 ** -0.5))
+            outs.append(backend.decode(0, q, k_new, v_new, backend.build(common).decodes[None],
+                                       32 ** -0.5))
     finally:
         set_fixed_head_dims(True)
     for out in outs:
@@ -617,7 +642,8 @@ def test_kvquant_compact_rope_tables_equal_the_full_ones(bits, d, hkv, block_siz
     try:
         for on in (True, False):
             set_rope_tiles(on)
-            outs.append(backend.decode(0, q, k_new, v_new, backend.build(common), d ** -0.5))
+            outs.append(backend.decode(0, q, k_new, v_new, backend.build(common).decodes[None],
+                                       d ** -0.5))
     finally:
         set_rope_tiles(True)
     for out in outs:

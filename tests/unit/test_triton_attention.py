@@ -158,7 +158,8 @@ def reference(cache, q, k_new, v_new, table, past, window=None):
     sliding window: each query over its last `window` of them)."""
     scale = q.shape[-1] ** -0.5
     if not isinstance(cache, KVPool):
-        return reference_quantized_attention(q, k_new, v_new, cache, 0, table, past, scale)
+        return reference_quantized_attention(q, k_new, v_new, cache, 0, table, past, scale,
+                                             window=window)
     heads, dim = k_new.shape[1:]
     k_cache, v_cache = cache.layer(0)
     ids = torch.tensor(table, dtype=torch.long, device=DEVICE)
@@ -178,8 +179,9 @@ CASES = [  # (cache, block size, query heads over 2 KV heads: GQA 1, 2, 8, head 
     ("bfloat16", 64, 4, 64, None),
     ("int8", 16, 4, 32, None), ("int8", 64, 16, 32, None), ("fp8_e4m3", 16, 2, 32, None),
     ("fp8_e4m3", 64, 4, 32, None), ("fp8_e5m2", 16, 16, 32, None),
-    # sliding windows (the float pool): shorter than a block, than the tiles, than contexts
+    # sliding windows: shorter than a block, than the tiles, than contexts; over codes too
     ("float32", 16, 4, 32, 5), ("float32", 64, 2, 32, 70), ("bfloat16", 16, 8, 32, 20),
+    ("int8", 16, 4, 32, 7), ("fp8_e4m3", 64, 16, 32, 70), ("fp8_e5m2", 16, 2, 32, 1),
 ]
 
 
@@ -381,7 +383,7 @@ def test_decode_launch_by_cache_format():
 def test_kernels_compile_for_a_gpu(tmp_path):
     """What the interpreter cannot check (types through loops and branches, dot shapes and
     operand types, constexpr use, registers): every kernel the backend launches for a bfloat16
-    model over the float pool (its prefill also with a sliding window) and int8 codes, the
+    model over the float pool and int8 codes (each prefill view also with a sliding window), the
     KVQuant decode kernel over a 4-bit store and
     that store's quantize-on-write kernels (per token, per channel, and the staging and sink
     rows' copy for a bfloat16 staging and fp16 sinks), KIVI's quantize-on-write (keys per
@@ -400,14 +402,14 @@ def test_kernels_compile_for_a_gpu(tmp_path):
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = [line for line in done.stdout.splitlines() if line.startswith("ok")]
-    assert len(compiled) == 20, done.stdout
+    assert len(compiled) == 22, done.stdout
     assert sum(" _quantize_" in line for line in compiled) == 2, done.stdout  # KVQuant
     assert sum("kivi_quantize_blocks" in line for line in compiled) == 2, done.stdout
     assert sum("_scatter_rows_" in line for line in compiled) == 2, done.stdout
     assert sum("_kvquant_read_" in line for line in compiled) == 2, done.stdout
-    # the float pool's (and its sliding window's), the codes' and the staged view's
-    assert sum("_prefill_kernel" in line for line in compiled) == 4, done.stdout
-    assert sum("WINDOWED=True" in line for line in compiled) == 1, done.stdout
+    # the float pool's, the codes' and the staged view's, each also with a sliding window
+    assert sum("_prefill_kernel" in line for line in compiled) == 6, done.stdout
+    assert sum("WINDOWED=True" in line for line in compiled) == 3, done.stdout
     spilled = [line for line in compiled if " stack 0 local 0 " not in line]
     assert not spilled, spilled  # registers spilled to local memory
 

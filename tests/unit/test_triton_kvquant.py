@@ -66,6 +66,25 @@ def test_decode_equals_dequantize_then_dense(kind, block_size, hq, splits, unrol
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["kvquant:2bit-nuq-thresholds", "kvquant:per-channel-post-rope",
+                                  "kivi:4"])
+@pytest.mark.parametrize("block_size,windows,splits", [(16, (1, 23), 3), (32, (40, None), 2)])
+def test_sliding_window_equals_dequantize_then_dense(kind, block_size, windows, splits):
+    """Layers with sliding windows (each its own, or none; the blocks behind a window left in
+    the tables, as a hybrid model keeps them): the decodes over several splits and the prefill
+    chunks' STAGED view against dequantize-then-dense over each token's newest `window`."""
+    rng = random.Random(block_size)
+    gen = torch.Generator().manual_seed(block_size + len(kind))
+    lens = LENS[block_size]
+    store = make_store(kind, 32, block_size, sum(cdiv(n, block_size) for n in lens) + 3,
+                       len(lens) + 1, device=DEVICE, windows=windows)
+    backend = type("Backend", (_Splits,), {"splits": splits})
+    outs, refs = scenario(store, 4, lens, rng, gen, chunk=block_size // 2 + 3,
+                          backend_cls=backend, device=DEVICE)
+    for out, ref in zip(outs, refs):
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("kind", ["kvquant:4bit-outliers5", "kvquant:per-channel-post-rope"])
 def test_key_outliers_in_chunks(kind):
     """Blocks whose key outliers take several of the kernel's chunks of entries (5% of a block

@@ -255,7 +255,8 @@ def _key_outlier_chunk(blk, g, s, e0, staged, q_row, g_mask, k_oidx_ptr, k_oval_
     return tl.dot(add, one_hot, input_precision="ieee")
 
 
-_PER_STEP = ["table_ptr", "stride_table", "context_ptr", "stride_context", "num_splits"]
+_PER_STEP = ["table_ptr", "stride_table", "context_ptr", "stride_context", "num_splits",
+             "window"]
 
 
 @triton.jit(do_not_specialize=_PER_STEP, do_not_specialize_on_alignment=_PER_STEP)
@@ -266,7 +267,7 @@ def _kvquant_decode_kernel(
         k_stage_ptr, v_stage_ptr, k_lut_ptr, v_lut_ptr, pos_ptr, cos_ptr, sin_ptr,
         table_ptr, stride_table, context_ptr, stride_context,
         out_ptr, stride_ot, stride_oh, part_m_ptr, part_l_ptr, part_acc_ptr, qk_scale,
-        num_splits, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr,
+        num_splits, window, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr,
         D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HKV: tl.constexpr,
         K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_PACKED: tl.constexpr,
         V_PACKED: tl.constexpr, V_GROUPS: tl.constexpr, K_CAP: tl.constexpr,
@@ -281,8 +282,12 @@ def _kvquant_decode_kernel(
     split = tl.program_id(2)
     context = tl.load(context_ptr + b * stride_context)
     past = tl.maximum(context - 1, 0)  # cached tokens; the last one is the step's own
-    per_split = tl.cdiv(tl.cdiv(past, BLOCK_SIZE), num_splits)  # whole blocks
-    lo = split * per_split
+    # a sliding window (window > 0) sees the last `window` tokens, its own included: the
+    # blocks from the one holding its first slot, split in runs of whole blocks
+    first = tl.where(window > 0, tl.maximum(context - window, 0), 0)
+    first_block = first // BLOCK_SIZE
+    per_split = tl.cdiv(tl.maximum(tl.cdiv(past, BLOCK_SIZE) - first_block, 0), num_splits)
+    lo = first_block + split * per_split
     hi = tl.minimum(lo + per_split, tl.cdiv(past, BLOCK_SIZE))
 
     g = tl.arange(0, G_PAD)
@@ -313,10 +318,10 @@ def _kvquant_decode_kernel(
             j = j0 + u
             if UNROLL == 1:
                 blk = tl.load(table + j).to(tl.int64)
-                live = j * BLOCK_SIZE + s < past  # [B]
+                live = (j * BLOCK_SIZE + s < past) & (j * BLOCK_SIZE + s >= first)  # [B]
             else:  # the last iteration may run past the split: those blocks see no keys
                 blk = tl.load(table + j, mask=j < hi, other=0).to(tl.int64)
-                live = (j * BLOCK_SIZE + s < past) & (j < hi)
+                live = (j * BLOCK_SIZE + s < past) & (j * BLOCK_SIZE + s >= first) & (j < hi)
             m = live[:, None] & d_mask[None, :]
             staged = tl.load(staging_index_ptr + blk)
             if ROPE:
@@ -364,10 +369,12 @@ def kvquant_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              layer: QuantLayerViews, block_tables: torch.Tensor,
                              context_lens: torch.Tensor, out: torch.Tensor, scale: float,
                              num_splits: int = 1, num_warps: int = 4,
-                             num_stages: int | None = None, unroll: int = 1) -> None:
+                             num_stages: int | None = None, unroll: int = 1,
+                             window: int | None = None) -> None:
     """q, out: [B, Hq, D]; k (after RoPE), v: [B, Hkv, D] the step's own K/V; block_tables
     [B, max_blocks] int32 (contiguous rows); context_lens [B] int32: cached slots after this
-    step, the own token included (0: a padded row, output zeros). Writes out."""
+    step, the own token included (0: a padded row, output zeros); window: a sliding window,
+    each row over its last `window` slots (None: all). Writes out."""
     rows, num_q_heads, dim = q.shape
     nb, block_size, heads, k_packed = layer.k_codes.shape
     if k.shape != (rows, heads, dim) or v.shape != k.shape or out.shape != q.shape \
@@ -384,6 +391,8 @@ def kvquant_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError(f"unroll must be 1, 2 or 4 blocks an iteration, got {unroll}")
     if block_size & (block_size - 1):
         raise ValueError(f"the kernel takes power-of-two block sizes, got {block_size}")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 or None, got {window}")
     if rows == 0:
         return
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
@@ -404,7 +413,7 @@ def kvquant_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         layer.k_lut, layer.v_lut, _or(layer.positions, none), _or(layer.cos, none),
         _or(layer.sin, none), block_tables, block_tables.stride(0), context_lens,
         context_lens.stride(0), out, out.stride(0), out.stride(1), part_m, part_l, parts,
-        scale * LOG2E, num_splits, GROUP=group, HEAD_DIM=dim,
+        scale * LOG2E, num_splits, window or 0, GROUP=group, HEAD_DIM=dim,
         G_PAD=max(16, triton.next_power_of_2(group)), D_PAD=d_pad, BLOCK_SIZE=block_size,
         HKV=heads, K_BITS=layer.k_bits, V_BITS=layer.v_bits, K_PACKED=k_packed,
         V_PACKED=layer.v_codes.shape[-1], V_GROUPS=layer.v_half.shape[-1], K_CAP=k_cap,

@@ -117,10 +117,17 @@ def _prefill_kernel(
         final_end = n  # [R] row n reads the cache's slots [0, final_end) (PER_TOKEN: all j < n)
         if VIEW == 2:  # STAGED: the blocks full once n was written
             final_end = tl.where(n % BLOCK_SIZE == BLOCK_SIZE - 1, n, n - n % BLOCK_SIZE)
+        # with WINDOWED, row n sees slots [n + 1 - window, n] only: the tile's first row the
+        # earliest
+        row_start = n + 1 - window  # [R]
+        lo = 0
+        if WINDOWED:
+            lo = tl.maximum(past + row0 + 1 - window, 0)
         m_i, l_i, acc = attend_paged_span(
-            q, m_i, l_i, acc, 0, hi, final_end, table, kv_head, k_cache_ptr, v_cache_ptr,
+            q, m_i, l_i, acc, lo, hi, final_end, table, kv_head, k_cache_ptr, v_cache_ptr,
             stride_cb, stride_cs, stride_ch, k_scale_ptr, v_scale_ptr, stride_sb, stride_ss, d,
-            d_mask, qk_scale, BLOCK_SIZE, TILE_N, KV_FORMAT, DOT_DTYPE, True, 0, False)
+            d_mask, qk_scale, BLOCK_SIZE, TILE_N, KV_FORMAT, DOT_DTYPE, True, row_start,
+            WINDOWED)
         if VIEW == 2:  # slots [final_end, n) of row n's block, still filling: as staged
             # the chunk's staged blocks, from the one holding its slot `past` (float)
             stage = stage_table_ptr + chunk * stride_stage - past // BLOCK_SIZE
@@ -138,6 +145,8 @@ def _prefill_kernel(
                     v = load_paged_rows(v_cache_ptr, row, t_mask, d, d_mask, 0)
                 seen = t_mask[None, :] & (t[None, :] >= final_end[:, None]) \
                     & (t[None, :] < n[:, None])  # [R, TILE_N]
+                if WINDOWED:
+                    seen = seen & (t[None, :] >= row_start[:, None])
                 m_i, l_i, acc = attend_tile(q, k, v, 1.0, 1.0, seen, m_i, l_i, acc, qk_scale,
                                             False, DOT_DTYPE)
         # the row's own token, fresh (rows of k, v)
@@ -175,8 +184,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Pag
     (kv: a float scratch holding the final read of every block of each chunk's context):
     stage_tables [C, w] int32, the rows of k_stage (and v_stage, or None: values from kv)
     [n, B, Hkv, D] holding each chunk's blocks from the one of its slot `past` on, as
-    staged. window: a sliding window (the float pool's view only), each token over its last
-    `window` slots, its own included (None: all)."""
+    staged. window: a sliding window (any view), each token over its last `window` slots, its
+    own included (None: all)."""
     num_q_heads, dim = q.shape[1], q.shape[2]
     heads = kv.num_kv_heads
     if dim != kv.head_dim or num_q_heads % heads or k.shape != (q.shape[0], heads, dim) \
@@ -201,9 +210,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Pag
         return
     k_scales, v_scales = kv.scale_tensors()
     view = PER_TOKEN if kv.kv_format != FLOAT else FRESH
-    if window is not None and (window < 1 or view != FRESH or stage_tables is not None):
-        raise ValueError(f"a sliding window (>= 1, got {window}) is attended over the float "
-                         f"pool only")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 or None, got {window}")
     if stage_tables is not None:
         stage = (k_stage, k_stage if v_stage is None else v_stage)
         if kv.kv_format != FLOAT or any(x.stride() != kv.k.stride() or x.dtype != kv.k.dtype

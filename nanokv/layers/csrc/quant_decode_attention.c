@@ -1268,16 +1268,16 @@ static void value_head(const KVQuantLayer *L, int64_t blk, int64_t t, int64_t h,
     *b = off;
 }
 
-/* one block (its first n slots) of a request's attention, a row at a time: every layout the
+/* one block (its slots [from, len)) of a request's attention, a row at a time: every layout the
  * stores have (staged keys, per-token keys, value groups, partial RoPE, 8-bit codes); the
  * reference of the block path */
-static void kvquant_row_block(const KVQuantLayer *L, int64_t blk, int64_t len, const float *qb,
-                              Softmax *s, KVQuantScratch *w) {
+static void kvquant_row_block(const KVQuantLayer *L, int64_t blk, int64_t from, int64_t len,
+                              const float *qb, Softmax *s, KVQuantScratch *w) {
     const int64_t Hkv = L->num_kv_heads, D = L->head_dim, B = L->block_size;
     const int64_t group = L->num_q_heads / Hkv;
     const int64_t staged = L->k.per_channel ? L->staging_index[blk] : -1;
     if (L->k.per_channel && staged < 0) key_block_setup(L, blk, w);
-    for (int64_t t0 = 0; t0 < len; t0 += TILE) {
+    for (int64_t t0 = from; t0 < len; t0 += TILE) {
         const int64_t n = len - t0 < TILE ? len - t0 : TILE;
         /* the tile's rows of every KV head in address order (the codes are [B, Hkv, packed]
          * per block), as the per-token kernel reads them: a stream the hardware prefetchers
@@ -1479,11 +1479,14 @@ static void kvquant_block_fast(const KVQuantLayer *L, int64_t blk, int64_t next_
 #endif
 
 /* Request b's cached slots: the first past[b] slots of its blocks blk_ids[blk_ptr[b] ..
- * blk_ptr[b + 1]). Blocks go through the block path where it fits (AVX-512 and AVX2 builds;
- * the layout of `block_path_fits`; keys not staged), else a row at a time. */
+ * blk_ptr[b + 1]), less the first skip[b] slots of its first block (a sliding window's start;
+ * skip NULL: none). Blocks go through the block path where it fits (AVX-512 and AVX2 builds;
+ * the layout of `block_path_fits`; keys not staged), else a row at a time (a first block read
+ * from a slot past its first too). */
 int kvquant_decode_attention(const KVQuantLayer *L, const float *q, const float *k_new,
                              const float *v_new, float *out, const int64_t *blk_ptr,
-                             const int64_t *blk_ids, const int64_t *past, int64_t num_requests) {
+                             const int64_t *blk_ids, const int64_t *past, const int64_t *skip,
+                             int64_t num_requests) {
     const int64_t Hq = L->num_q_heads, Hkv = L->num_kv_heads, D = L->head_dim;
     const int64_t B = L->block_size, row = Hkv * D;
 #if HAVE_BLOCK_PATH
@@ -1516,15 +1519,16 @@ int kvquant_decode_attention(const KVQuantLayer *L, const float *q, const float 
                 const int64_t blk = blk_ids[j], first_slot = (j - blk_ptr[b]) * B;
                 const int64_t len = past[b] - first_slot < B ? past[b] - first_slot : B;
                 if (len <= 0) break;
+                const int64_t from = skip && j == blk_ptr[b] ? skip[b] : 0;
 #if HAVE_BLOCK_PATH
-                if (block_path && L->staging_index[blk] < 0) {
+                if (block_path && from == 0 && L->staging_index[blk] < 0) {
                     const int64_t next = j + 1 < blk_ptr[b + 1] && past[b] > first_slot + B
                                          ? blk_ids[j + 1] : -1;
                     kvquant_block_fast(L, blk, next, len, qb, &s, &bw);
                     continue;
                 }
 #endif
-                kvquant_row_block(L, blk, len, qb, &s, &w);
+                kvquant_row_block(L, blk, from, len, qb, &s, &w);
             }
             attend_fresh(&s, qb, k_new + b * row, v_new + b * row, Hq, Hkv, D);
             softmax_finish(&s, out + b * Hq * D, Hq, D);
