@@ -569,11 +569,13 @@ def test_kernels_of_narrower_builds_equal_the_reference(tmp_path, flags):
     pass's fixed instances; the key passes over RoPE tables of every kind (head_dim 96: key
     outliers corrected a tile at a time) and the compact RoPE rows switched on and off; the AVX2
     slot-lanes key pass at head_dim 64-256, GQA 1, 2, 3, 4 and 8 (the value-pass and
-    value-outlier checks' layers)."""
+    value-outlier checks' layers); KVQuant with sliding windows (a first block read from a slot
+    past its first)."""
     run_narrow_build(__file__, "(test_decode_equals_dequantize_then_dense and (kvquant or (int8 "
                      "or fp8) and not hq-4)) or registers or fp8_codes or heads_of_32 or "
                      "key_passes or compact_rope or value_pass_widths or "
-                     "value_outliers_by_pairs", tmp_path,
+                     "value_outliers_by_pairs or (sliding_window and Native and kvquant)",
+                     tmp_path,
                      "quant_decode_attention",
                      flags=flags)
 
