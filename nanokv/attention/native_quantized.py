@@ -37,11 +37,8 @@ from nanokv.layers.native_quant_attention import (
     rope_rows,
     rope_tiles,
 )
-from nanokv.attention.quantized import (
-    by_layer_window,
-    prefill_only_metadata,
-    write_prefill_then_decode,
-)
+from nanokv.attention.quantized import prefill_only_metadata, write_prefill_then_decode
+from nanokv.attention.torch_paged import by_layer_window
 from nanokv.cache.layout import window_start
 from nanokv.quant.kvquant import centroid_table
 from nanokv.quant.kivi_store import KIVIStore

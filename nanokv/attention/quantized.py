@@ -5,13 +5,13 @@ own tokens attend with their fresh, full-precision K/V. Layers with a sliding wi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from nanokv.attention.backend import AttentionBackend
 from nanokv.attention.common import CommonAttentionMetadata
-from nanokv.attention.torch_paged import kernel_metadata, padded_decode_tables
+from nanokv.attention.torch_paged import by_layer_window, kernel_metadata, padded_decode_tables
 from nanokv.layers.attention import AttentionMetadata
 from nanokv.quant.attention import quantized_paged_attention, read_staged_pasts
 from nanokv.quant.store import QuantizedKVStore
@@ -52,12 +52,6 @@ class QuantizedTorchBackend(AttentionBackend):
         return write_prefill_then_decode(self.kv_cache, layer, q, k, v, k_pre, step.write_plan,
                                          meta, 0, scale, None)
 
-
-def by_layer_window(meta: AttentionMetadata, windows: tuple[int | None, ...]
-                    ) -> dict[int | None, AttentionMetadata]:
-    """The step's metadata for each sliding window the layers have (None: the whole context):
-    copies of `meta` sharing its tensors, each with its window."""
-    return {window: replace(meta, window=window) for window in set(windows) or {None}}
 
 
 # ---- for backends that decode with their own kernel and prefill through this path ------------

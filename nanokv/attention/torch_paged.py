@@ -51,11 +51,9 @@ class TorchPagedBackend(AttentionBackend):
                             common.write_plan)
         # the pool's write plan is the step's slot mapping as a tensor: not made twice
         base = kernel_metadata(common, self.device, common.write_plan)
-        by_window = {}
-        # the prefill chunks shared; each window its own decode addressing
-        for window in set(self.kv_cache.layout.sliding_windows) or {None}:
-            meta = by_window[window] = replace(base, window=window)
-            if common.num_decodes:
+        by_window = by_layer_window(base, self.kv_cache.layout.sliding_windows)
+        if common.num_decodes:  # the prefill chunks shared; each window its own decode addressing
+            for meta in by_window.values():
                 self._decode_metadata(meta, common)
         return PoolStep(by_window, None, common.write_plan)
 
@@ -86,6 +84,13 @@ class TorchPagedBackend(AttentionBackend):
             self.kv_cache.write_layer(layer, step.write_plan, k, v, k_pre)
             k_cache, v_cache = self.kv_cache.layer(layer)
         return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+
+
+def by_layer_window(meta: AttentionMetadata, windows: tuple[int | None, ...]
+                    ) -> dict[int | None, AttentionMetadata]:
+    """A step's metadata for each sliding window the layers have (`KVLayout.sliding_windows`;
+    None: the whole context): copies of `meta` sharing its tensors, each with its window."""
+    return {window: replace(meta, window=window) for window in set(windows) or {None}}
 
 
 def kernel_metadata(c: CommonAttentionMetadata, device: torch.device,

@@ -32,6 +32,7 @@ from nanokv.cache.layout import window_start
 from nanokv.layers.attention import _FLASH_CPU
 
 GROUP_ROWS = 128  # query rows per flash call (a multiple of the block size, at least one block)
+WINDOW_TILE = 256  # with a sliding window, at least this many query rows per masked call
 
 
 def visible(rows: torch.Tensor, keys: torch.Tensor, block_size: int, stages: bool,
@@ -67,9 +68,11 @@ def decode_view_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
     own slots: for a group of one block (block sizes from GROUP_ROWS on, the default sizes) its
     earlier slots staged (the chunk's causally, one row off) and, for the block's last slot,
     final, all without a mask; for a group of several blocks, a masked window. With a sliding
-    `window` (token n sees tokens j > n - window): the masked path, by tiles of rows."""
-    if window is not None or not (_FLASH_CPU is not None and q.device.type == "cpu"
-                                  and q.dtype == k_fin.dtype == k_new.dtype == torch.float32):
+    `window` (token n sees tokens j > n - window), a part whose keys some of its rows' windows
+    leave goes by tiles of max(window, WINDOW_TILE) rows, each over the keys from its first
+    row's window start on, masked (`_window_parts`): O(L (tile + window)) work, not O(L^2)."""
+    if not (_FLASH_CPU is not None and q.device.type == "cpu"
+            and q.dtype == k_fin.dtype == k_new.dtype == torch.float32):
         return decode_view_attention_masked(q, k_new, v_new, k_fin, v_fin, staged, past,
                                             block_size, scale, window)
     (length, num_q, dim), num_kv = q.shape, k_new.shape[1]
@@ -91,9 +94,20 @@ def decode_view_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
 
     def fold(lo: int, hi: int, keys: slice, stg: bool = False, causal: bool = False) -> None:
         """Rows [lo, hi) (logical) attend to keys (logical slice) of the final or, with stg, the
-        staged sequence; causal: row lo + i sees keys.start .. keys.start + i."""
-        rows = slice(lo - past, hi - past)
+        staged sequence; causal: row lo + i sees keys.start .. keys.start + i; each row only
+        the keys inside its window."""
         kx, vx, off = (k_stg, v_stg, start) if stg else (k_ctx, v_ctx, 0)
+        if window is not None and keys.start < hi - window:  # the last rows' windows cut keys
+            for a, b, ks, seen in _window_parts(lo, hi, keys, causal, window, q.device):
+                rows = slice(a - past, b - past)
+                o, o_lse = _FLASH_CPU(qh[:, :, rows], kx[:, :, ks.start - off:ks.stop - off],
+                                      vx[:, :, ks.start - off:ks.stop - off], 0.0, False,
+                                      attn_mask=_additive(seen, q.dtype), scale=scale)[:2]
+                none = ~seen.any(1)  # [R] rows that see none of these keys: no share
+                _merge(out[:, :, rows], lse[:, :, rows], o.masked_fill(none[:, None], 0.0),
+                       o_lse.masked_fill(none, float("-inf")))
+            return
+        rows = slice(lo - past, hi - past)
         at = slice(keys.start - off, keys.stop - off)
         _merge(out[:, :, rows], lse[:, :, rows],
                *_FLASH_CPU(qh[:, :, rows], kx[:, :, at], vx[:, :, at], 0.0, causal,
@@ -126,11 +140,11 @@ def decode_view_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
         elif b - 1 > w:  # the window [w, b - 1) of several blocks: final or staged, masked
             rows = slice(a - past, b - past)  # (the last key is no row's earlier token)
             final, stg = visible(torch.arange(a, b, device=q.device),
-                                 torch.arange(w, b - 1, device=q.device), block_size, True)
+                                 torch.arange(w, b - 1, device=q.device), block_size, True,
+                                 window)
             seen = torch.cat([final, stg], dim=1)  # [R, 2 (b - 1 - w)]
             if bool(seen.any()):
-                mask = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(
-                    ~seen, float("-inf"))
+                mask = _additive(seen, q.dtype)
                 kw = torch.cat([k_ctx[:, :, w:b - 1], k_stg[:, :, w - start:b - 1 - start]], 2)
                 vw = torch.cat([v_ctx[:, :, w:b - 1], v_stg[:, :, w - start:b - 1 - start]], 2)
                 o_win, lse_win = _FLASH_CPU(qh[:, :, rows], kw, vw, 0.0, False, attn_mask=mask,
@@ -140,6 +154,33 @@ def decode_view_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Ten
                 _merge(out[:, :, rows], lse[:, :, rows], o_win, lse_win)
         a = b
     return out.squeeze(0).transpose(0, 1)  # [L, Hq, D]
+
+
+def _window_parts(lo: int, hi: int, keys: slice, causal: bool, window: int,
+                  device: torch.device):
+    """A part of the flash path (rows [lo, hi) over keys, causal: row lo + i sees keys.start ..
+    keys.start + i) cut by a sliding window (row n sees keys j > n - window): yields per tile of
+    max(window, WINDOW_TILE) rows (a, b, the keys any of them sees, seen [b - a, len(keys)]
+    bool)."""
+    step = max(window, WINDOW_TILE)
+    for a in range(lo, hi, step):
+        b = min(hi, a + step)
+        stop = min(keys.stop, keys.start + b - lo) if causal else keys.stop
+        first = max(keys.start, a + 1 - window)  # row a's window start: no row sees before
+        if first >= stop:
+            continue
+        n = torch.arange(a, b, device=device)[:, None]  # [R, 1] logical row
+        j = torch.arange(first, stop, device=device)[None, :]  # [1, K] logical key
+        seen = j > n - window
+        if causal:
+            seen &= j - keys.start <= n - lo
+        yield a, b, slice(first, stop), seen
+
+
+def _additive(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as the additive one the flash kernel takes: 0 where seen, -inf elsewhere."""
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(
+        ~seen, float("-inf"))
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, o_lse: torch.Tensor) -> None:
@@ -152,7 +193,7 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, o_lse: torch.T
 
 def decode_view_attention_masked(q, k_new, v_new, k_fin, v_fin, staged, past: int,
                                  block_size: int, scale: float, window: int | None = None,
-                                 tile: int = 256) -> torch.Tensor:
+                                 tile: int = WINDOW_TILE) -> torch.Tensor:
     """`decode_view_attention` with explicit masks (the reference path; the path off CPU
     float32 and with a sliding window): one SDPA call over [final; staged; fresh] keys, or with
     a `window` one per tile of max(window, tile) rows over the keys their windows cover, so the

@@ -110,11 +110,14 @@ def test_read_filling_equals_a_read_before_the_step(kind, staging_dtype):
     assert not torch.equal(after_k[bs:], before[0][0][bs:])  # the write quantized them
 
 
+@pytest.mark.parametrize("window", [None, 1, 20, 150])
 @pytest.mark.parametrize("stages", [None, "keys and values", "keys"])  # None: per token
 @pytest.mark.parametrize("block_size,past,length", [(16, 0, 300), (16, 37, 129), (256, 250, 70),
                                                     (16, 5, 1), (16, 15, 1), (16, 16, 2),
                                                     (128, 100, 300), (128, 127, 1), (128, 0, 129)])
-def test_grouped_flash_path_equals_the_masked_path(stages, block_size, past, length):
+def test_grouped_flash_path_equals_the_masked_path(stages, block_size, past, length, window):
+    """With a sliding window too: the flash path's parts by tiles of rows (two tiles at 300
+    rows), the masked path by tiles of 8 rows and in one call."""
     gen = torch.Generator().manual_seed(past + length)
     total, hq, hkv, d = past + length, 8, 2, 32
     q = torch.randn(length, hq, d, generator=gen)
@@ -127,15 +130,18 @@ def test_grouped_flash_path_equals_the_masked_path(stages, block_size, past, len
               torch.randn(total - start, hkv, d, generator=gen)) if stages else None
     if stages == "keys":  # KVQuant: values read from their codes (final) from the first write
         staged = (staged[0], None)
-    args = (q, k_new, v_new, k_fin, v_fin, staged, past, block_size, d ** -0.5)
+    args = (q, k_new, v_new, k_fin, v_fin, staged, past, block_size, d ** -0.5, window)
     tensors = [x for x in (q, k_new, v_new, k_fin, v_fin, *(staged or ())) if x is not None]
     inputs = [x.clone() for x in tensors]
     assert decode_view._FLASH_CPU is not None
     fast = decode_view.decode_view_attention(*args)
     for x, before in zip(tensors, inputs):
         assert torch.equal(x, before)  # the parts merge in place, never in the inputs
-    torch.testing.assert_close(fast, decode_view.decode_view_attention_masked(*args),
-                               atol=2e-5, rtol=1e-4)
+    masked = decode_view.decode_view_attention_masked(*args, tile=10**6)  # one call
+    torch.testing.assert_close(fast, masked, atol=2e-5, rtol=1e-4)
+    if window is not None:
+        torch.testing.assert_close(decode_view.decode_view_attention_masked(*args, tile=8),
+                                   masked, atol=2e-5, rtol=1e-4)
 
 
 def test_visible_rule_by_hand():
