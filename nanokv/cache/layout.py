@@ -31,10 +31,7 @@ class KVLayout:
         """When every layer has a sliding window, the largest: no query attends further back,
         so a request's slots behind it can be freed. None when some layer sees the whole
         context."""
-        windows = self.sliding_windows
-        if len(windows) < self.num_layers or None in windows:
-            return None
-        return max(windows)
+        return common_window(self.sliding_windows, self.num_layers)
 
     def max_request_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         """The most blocks one request holds at once: its whole context, or fewer with a
@@ -55,6 +52,14 @@ class KVLayout:
     def bytes_per_block(self) -> int:
         """A float-pool block: its K/V plus each slot's recorded position."""
         return self.block_size * (self.bytes_per_token + POSITION_BYTES)
+
+
+def common_window(windows: tuple[int | None, ...], num_layers: int) -> int | None:
+    """The largest of `num_layers` layers' sliding windows when every layer has one (None: a
+    layer attends over the whole context, or none has a window)."""
+    if len(windows) < num_layers or None in windows or not windows:
+        return None
+    return max(windows)
 
 
 def window_start(context: int, window: int | None) -> int:

@@ -17,6 +17,13 @@ The sweep is staged, not a full product: block size x KV dtype first, then max_n
 best of those, then KV policies (compression, pool-pressure eviction) on the best. Policies
 change what the model attends to (see docs/results/policies): they are only recommended when
 they win clearly, with that caveat.
+
+A model with a sliding window on every layer (Mistral's `sliding_window`, Qwen's windowed
+layers from layer 0: `model_window`) is replayed as the engine runs it: each request's blocks
+behind its next token's window are freed after each step (so a long request holds about the
+window's blocks, and a decode reads at most the window), and no KV policy is swept (the engine
+runs such a model without one). A model whose other layers see the whole context keeps every
+block, as in the engine.
 """
 
 from __future__ import annotations
@@ -104,9 +111,14 @@ class AdviseSettings:
     default_max_num_seqs: int = 256
     admission: str = "arrival"  # or "recorded" (a served trace's own step boundaries)
     num_blocks: int | None = None  # a served run's pool, instead of kv_memory's
+    # the window every layer of the model attends over (`model_window`): the blocks behind a
+    # request's window are freed after each step and no KV policy is swept; None: none
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         check_int("max_model_len", self.max_model_len, 2)
+        if self.sliding_window is not None:
+            check_int("sliding_window", self.sliding_window, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         if self.num_blocks is not None:
             check_int("num_kv_blocks", self.num_blocks, 1)
@@ -117,6 +129,24 @@ class AdviseSettings:
                            meaning=" (fraction removed)")
         for e in self.eviction_ratios:
             check_fraction("eviction ratio", e)
+
+
+def model_window(model_dir: str, max_model_len: int) -> int | None:
+    """The window every layer of the checkpoint's model attends over at max_model_len, as the
+    engine reads it (`layer_windows` of its architecture; `KVLayout.common_window`): None when
+    some layer sees the whole context or the config sets no `sliding_window`."""
+    import json
+
+    from nanokv.cache.layout import common_window
+    from nanokv.models.registry import model_class
+    from nanokv.worker.loader import load_hf_config
+
+    with open(f"{model_dir}/config.json", encoding="utf-8") as f:
+        if json.load(f).get("sliding_window") is None:
+            return None
+    cfg, arch = load_hf_config(model_dir)
+    return common_window(model_class(arch).layer_windows(cfg, max_model_len),
+                         cfg.num_hidden_layers)
 
 
 def kv_cost(model: ModelShape, kv_dtype: str, block_size: int, max_num_seqs: int,
@@ -158,7 +188,7 @@ def evaluate(records: list[TraceRecord], s: AdviseSettings, c: Candidate,
                     max_num_seqs=c.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                     max_model_len=s.max_model_len, bytes_per_block=per_block,
                     compression_ratio=c.compression_ratio, eviction_ratio=c.eviction_ratio,
-                    admission=s.admission)
+                    admission=s.admission, sliding_window=s.sliding_window)
     out = Outcome(c, int(num_blocks), per_token, per_block,
                   Simulator(records, cfg, step, overhead=s.overhead).run())
     if capacity:
@@ -212,10 +242,11 @@ def sweep(records: list[TraceRecord], s: AdviseSettings, progress=None) -> list[
     for m in s.max_num_seqs:
         run(replace(best, max_num_seqs=m))
     best = min(done.values(), key=_key).candidate
-    for r in s.compressions:
-        run(replace(best, compression_ratio=r))
-    for e in s.eviction_ratios:
-        run(replace(best, eviction_ratio=e))
+    if s.sliding_window is None:  # a windowed model runs without a KV policy
+        for r in s.compressions:
+            run(replace(best, compression_ratio=r))
+        for e in s.eviction_ratios:
+            run(replace(best, eviction_ratio=e))
     return sorted(done.values(), key=_key)
 
 

@@ -76,7 +76,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-trace", default=None, metavar="FILE",
                    help="also write the synthetic trace to FILE")
     p.add_argument("--model-config", required=True, metavar="DIR",
-                   help="directory with the model's Hugging Face config.json (no weights read)")
+                   help="directory with the model's Hugging Face config.json (no weights read); "
+                        "a sliding window on every layer (Mistral, Qwen's windowed configs) is "
+                        "replayed as the engine runs it: the blocks behind each request's "
+                        "window freed after every step, no KV policy")
     p.add_argument("--kv-memory", required=True, help="KV cache memory, e.g. 80GiB")
     p.add_argument("--device", default="h200",
                    help="roofline step model of this device: h200, h100, a100, l40s, cpu "
@@ -147,7 +150,7 @@ def _load(args):
     import torch
 
     from nanokv.config import parse_memory
-    from nanokv.sim.advise import AdviseSettings
+    from nanokv.sim.advise import AdviseSettings, model_window
     from nanokv.sim.step_model import DEVICES, LinearStepModel, ModelShape
     from nanokv.sim.synthetic import WorkloadShape, generate
     from nanokv.sim.trace import read_trace, write_trace
@@ -192,7 +195,8 @@ def _load(args):
                               device=device, fitted=fitted, overhead=overhead,
                               compute_dtype=getattr(torch, args.compute_dtype),
                               max_model_len=max_len,
-                              max_num_batched_tokens=args.max_num_batched_tokens)
+                              max_num_batched_tokens=args.max_num_batched_tokens,
+                              sliding_window=model_window(args.model_config, max_len))
     return records, settings, make
 
 

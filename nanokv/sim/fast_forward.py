@@ -7,7 +7,8 @@ one, or the blocks they need run short (preemption) or cross the pool-pressure l
 recorded admission, until the step a request is added or aborted before. Those steps are
 applied in one go: each request's tokens are appended and `allocate_slots` gives it the blocks
 of all of them in one call (the same blocks taken from the free queue and the same prefix-cache
-entries registered, only in another order between requests).
+entries registered, only in another order between requests). Not with a sliding window on
+every layer: its decode steps free blocks as they go (each step runs on its own).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def fast_forward(sched: Scheduler, clock: StepClock, tokens: dict[str, list[int]
     bm = sched.block_manager
     bs = bm.block_size
     running = sched.running
-    if not running or (sched.waiting and len(running) < sched.max_num_seqs):
+    if not running or (sched.waiting and len(running) < sched.max_num_seqs) \
+            or sched.sliding_window is not None:
         return 0, 0.0
     k = min(min(r.params.max_tokens - r.num_output_tokens - 1,
                 sched.max_model_len - r.num_tokens - 1) for r in running)

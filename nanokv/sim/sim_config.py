@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanokv.validation import check_fraction
+from nanokv.validation import check_fraction, check_int
 
 ADMISSIONS = ("arrival", "recorded")
 
@@ -26,6 +26,9 @@ class SimConfig:
     check_invariants: bool = False  # run scheduler.check_invariants() after every step (slow)
     fast_forward: bool = True  # batch runs of pure decode steps that change no block (exact)
     admission: str = "arrival"  # or "recorded": at the served run's own step boundaries
+    # the window every layer attends over (`KVLayout.common_window`): a request's blocks behind
+    # its next token's window are freed after each step, as the engine does; None: none
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.admission not in ADMISSIONS:
@@ -36,3 +39,9 @@ class SimConfig:
                            high_open=True, meaning=" (fraction removed)")
         if self.eviction_ratio is not None:  # as `advise` and PagedEviction's pool pressure
             check_fraction("eviction ratio", self.eviction_ratio)
+        if self.sliding_window is not None:
+            check_int("sliding_window", self.sliding_window, 1)
+            if self.compression_ratio is not None or self.eviction_ratio is not None:
+                raise ValueError("a model with a sliding window on every layer runs without a "
+                                 "KV policy (as the engine): leave compression_ratio and "
+                                 "eviction_ratio unset")

@@ -85,7 +85,8 @@ class Simulator:
         self.bm = BlockManager(config.num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = SimScheduler(self.bm, config.max_num_seqs,
                                       config.max_num_batched_tokens, config.max_model_len,
-                                      config.enable_chunked_prefill)
+                                      config.enable_chunked_prefill,
+                                      sliding_window=config.sliding_window)
         # per step: ([(request id, tokens)], [preempted ids]) for tests against the engine
         self.decisions: list[tuple[list[tuple[str, int]], list[str]]] | None = (
             [] if record_decisions else None)

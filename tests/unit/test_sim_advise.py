@@ -154,3 +154,52 @@ def test_recommended_prefers_the_full_cache_unless_a_policy_adds_10_percent():
     assert pick is big_gain[0] and "+30% capacity" in caveat
     only_full = [outcome("full", 3.0)]
     assert adv.recommended(only_full) == (only_full[0], "")
+
+
+def test_a_window_on_every_layer_is_replayed_as_the_engine_runs_it(tmp_path):
+    """A Mistral checkpoint's window (every layer) read as the engine reads it: the replay frees
+    the blocks behind each request's window after every step, so a request holds at most
+    cdiv(W - 1 + T, B) + 1 blocks (the full-attention replay of the same trace holds a whole
+    request's) and more run at once; no KV policy is swept or simulated. A hybrid Qwen2 (layer
+    0 over the whole context), a window no shorter than max_model_len and a config without one
+    give no window."""
+    from tiny_models import build_tiny_model
+
+    from nanokv.sim.advise import model_window
+    from nanokv.sim.simulator import SimConfig
+
+    mistral = build_tiny_model(str(tmp_path / "mistral"), "mistral", tokenizer=False,
+                               sliding_window=64, max_position_embeddings=2048)
+    hybrid = build_tiny_model(str(tmp_path / "qwen2"), "qwen2", tokenizer=False,
+                              use_sliding_window=True, sliding_window=64, max_window_layers=1,
+                              max_position_embeddings=2048)
+    assert model_window(mistral, 1024) == 64
+    assert model_window(mistral, 64) is None  # the window covers max_model_len: no window
+    assert model_window(hybrid, 1024) is None
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps(LLAMA3_8B))
+    assert model_window(str(plain), 1024) is None
+    shape = WorkloadShape(system_prompts=2, system_len=(400, 600), user_len=(50, 200),
+                          output_len=(100, 200), max_model_len=1024)
+    recs = generate("chat", 40, rate=50.0, seed=1, shape=shape)
+    base = AdviseSettings(model=ModelShape.from_hf_config(LLAMA3_8B), kv_memory=0,
+                          num_blocks=160, fitted=LinearStepModel(step=0.01), max_model_len=1024,
+                          max_num_batched_tokens=256, block_sizes=(16,), kv_dtypes=("auto",),
+                          max_num_seqs=(), compressions=(0.5,), eviction_ratios=(0.2,),
+                          default_max_num_seqs=32)
+    windowed = replace(base, sliding_window=64)
+    full = evaluate(recs, base, Candidate(16, "auto", 32)).result
+    slid = evaluate(recs, windowed, Candidate(16, "auto", 32)).result
+    cap = -(-(64 - 1 + 256) // 16) + 1
+    assert max(r.peak_blocks for r in slid.requests) <= cap
+    assert max(r.peak_blocks for r in full.requests) > 2 * cap
+    assert slid.peak_running > full.peak_running
+    assert len(slid.requests) == len(full.requests) == len(recs)
+    outcomes = sweep(recs, windowed)
+    assert {o.candidate.policy for o in outcomes} == {"full"}  # no policy with a window
+    assert {o.candidate.policy for o in sweep(recs, base)} != {"full"}
+    with pytest.raises(ValueError, match="without a KV policy"):
+        SimConfig(block_size=16, num_blocks=8, sliding_window=64, compression_ratio=0.5)
+    with pytest.raises(ValueError, match="sliding_window must be an integer >= 1"):
+        replace(base, sliding_window=0)

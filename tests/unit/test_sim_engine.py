@@ -101,6 +101,45 @@ def test_recorded_admission_replays_the_engine(tiny_llama, tmp_path, seed):
     assert fitted.step_time(log[0].features) > 0
 
 
+def test_a_sliding_window_is_replayed_as_the_engine_runs_it(tmp_path):
+    """A Mistral model with a window on every layer: the engine frees each request's blocks
+    behind its window after every step; the replay (recorded admission) makes the same
+    decisions, step shapes, hits and preemptions with the same window (fast-forward off by
+    itself: those decode steps free blocks)."""
+    from tiny_models import build_tiny_model
+
+    model = build_tiny_model(str(tmp_path / "mistral"), "mistral", tokenizer=False,
+                             sliding_window=20, max_position_embeddings=256)
+    engine = LLM(model, skip_tokenizer_init=True, **ENGINE).engine
+    assert engine.scheduler.sliding_window == 20
+    trace, steps = str(tmp_path / "t.jsonl"), str(tmp_path / "s.jsonl")
+    writer = TraceWriter(trace, steps_path=steps)
+    decisions, requests = _serve(engine, _workload(engine.hf_config.vocab_size, 2), writer)
+    writer.close()
+    records, log = read_trace(trace), read_step_log(steps)
+    assert any(r.num_evicted_tokens for r in requests.values())  # blocks freed behind windows
+    order = {rid: str(i) for i, rid in enumerate(requests)}
+    want = [([(order[rid], n) for rid, n in sched], [order[p] for p in pre])
+            for sched, pre in decisions]
+    cfg = dict(block_size=16, num_blocks=ENGINE["num_kv_blocks"], max_num_seqs=4,
+               max_num_batched_tokens=48, max_model_len=256, admission="recorded")
+    sim = Simulator(records, SimConfig(**cfg, sliding_window=20, check_invariants=True),
+                    LinearStepModel(step=1e-3), record_decisions=True)
+    res = sim.run()
+    assert sim.decisions == want
+    assert sim.features == [e.features for e in log]
+    assert res.preemptions == engine.scheduler.num_preemptions
+    assert sorted((r.arrival, r.cached) for r in res.requests) == sorted(
+        (r.t, r.cached) for r in records)
+    peak = max(r.peak_blocks for r in res.requests)
+    assert peak == max(r.peak_blocks for r in requests.values())
+    # without the window the replay holds whole requests: other decisions
+    plain = Simulator(records, SimConfig(**cfg), LinearStepModel(step=1e-3),
+                      record_decisions=True)
+    plain.run()
+    assert plain.decisions != want
+
+
 def test_recorded_admission_needs_the_step_fields():
     from nanokv.sim.trace import TraceRecord
 

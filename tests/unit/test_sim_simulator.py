@@ -53,7 +53,8 @@ def test_salts_separate_tenants():
 def _vanilla(records, cfg: SimConfig):
     """The unmodified Scheduler with a plain runner, everything added at once in trace order."""
     bm = BlockManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-    sched = Scheduler(bm, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
+    sched = Scheduler(bm, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len,
+                      sliding_window=cfg.sliding_window)
     tokens = {}
     for i, rec in enumerate(records):
         toks = replay_token_ids(rec, i)
@@ -82,13 +83,15 @@ def _pressure_trace(n=24, seed=0):
     return recs
 
 
+@pytest.mark.parametrize("window", [None, 24])  # a sliding window on every layer: 24 tokens
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_same_decisions_as_the_unmodified_scheduler(seed):
+def test_same_decisions_as_the_unmodified_scheduler(seed, window):
     recs = _pressure_trace(seed=seed)
     cfg = SimConfig(block_size=16, num_blocks=30, max_num_seqs=6, max_num_batched_tokens=96,
-                    max_model_len=512)
+                    max_model_len=512, sliding_window=window)
     want, preemptions, stats = _vanilla(recs, cfg)
-    assert preemptions > 0  # the pool is small enough to preempt
+    assert preemptions > 0 or window  # the pool is small enough to preempt whole requests
+    features = []
     for ff in (False, True):
         sim = Simulator(recs, SimConfig(**{**cfg.__dict__, "fast_forward": ff}), STEP,
                         record_decisions=True)
@@ -97,6 +100,8 @@ def test_same_decisions_as_the_unmodified_scheduler(seed):
         assert res.preemptions == preemptions
         assert sim.bm.stats.prefix_cache_hits == stats.prefix_cache_hits
         assert res.evicted_blocks == dict(stats.evicted_blocks)
+        features.append(sim.features)
+    assert features[0] == features[1]  # the step shapes too
 
 
 def test_fast_forward_is_exact_with_arrivals_over_time():
