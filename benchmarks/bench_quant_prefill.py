@@ -5,12 +5,16 @@
               `chunk_over_prefix` over the same context (the chunk attending to itself fresh:
               the float pool's path, and the quantized path's before decode's view), for
               chunk lengths x cached pasts, on a model shape's heads (default Qwen3-0.6B's:
-              16 query heads, 8 KV heads, head dim 128)
+              16 query heads, 8 KV heads, head dim 128); with --window W, each token over its
+              newest W (the float pool's path then `window_attention`)
   engine      whole prompts through the engine (max_tokens 1: prefill only) per
               kv_cache_dtype, prompt tok/s and the ratio to float32 measured in the same run
 
     .venv/bin/python benchmarks/bench_quant_prefill.py --model models/nanokv-tiny \\
         --prompts 8 --prompt-len 1536 --repeats 3 --num-threads 2
+    # a model with a sliding window on every layer (its config's), and the attention's window
+    .venv/bin/python benchmarks/bench_quant_prefill.py --model /tmp/qwen3-4l-std08-sw512 \\
+        --window 512 --chunks 3072 --pasts 0 --prompts 1 --prompt-len 3072 --block-size 256
 
 float32 compute; random inputs (attention) and random token-id prompts (engine, prefix
 caching off).
@@ -31,7 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from nanokv import LLM, SamplingParams  # noqa: E402
-from nanokv.layers.attention import chunk_over_prefix  # noqa: E402
+from nanokv.layers.attention import chunk_over_prefix, window_attention  # noqa: E402
 
 ENGINE_SETTINGS = [("float32", {}), ("int8", dict(kv_cache_dtype="int8")),
                    ("kvquant 4-bit", dict(kv_cache_dtype="kvquant", kv_quant_bits=4)),
@@ -62,7 +66,11 @@ def attention_rows(args) -> list[str]:
             k_new, v_new = (torch.randn(length, hkv, d, generator=gen) for _ in range(2))
             k_fin, v_fin = (torch.randn(total, hkv, d, generator=gen) for _ in range(2))
             qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
-            if past:
+            if args.window is not None:  # the float pool's windowed prefill over [past; chunk]
+                kh, vh = (torch.cat([x[:past], y]).transpose(0, 1).unsqueeze(0)
+                          for x, y in ((k_fin, k_new), (v_fin, v_new)))  # [1, Hkv, past + L, D]
+                fresh = partial(window_attention, qh, kh, vh, past, args.window, d ** -0.5)
+            elif past:
                 fresh = partial(chunk_over_prefix, qh, k_fin[:past], v_fin[:past], k_new, v_new,
                                 d ** -0.5)
             else:
@@ -78,7 +86,7 @@ def attention_rows(args) -> list[str]:
                     torch.randn(total - start, hkv, d, generator=gen),
                     torch.randn(total - start, hkv, d, generator=gen))
                 t = median_time(partial(decode_view_attention, q, k_new, v_new, k_fin, v_fin,
-                                        staged, past, bs, d ** -0.5), args.repeats)
+                                        staged, past, bs, d ** -0.5, args.window), args.repeats)
                 rows.append(f"| {length} | {past} | {bs} | {label} | {t * 1e3:.2f} | "
                             f"{t_fresh * 1e3:.2f} | {t / t_fresh:.2f}x |")
     return rows
@@ -116,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--window", type=int, default=None,
+                   help="attention part: a sliding window of this many tokens (default none)")
     p.add_argument("--skip", choices=["attention", "engine"], default=None)
     args = p.parse_args(argv)
     for name in ("repeats", "num_threads", "prompts", "prompt_len", "block_size",
@@ -127,8 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--heads: HQ, HKV, D must be >= 1 and HQ a multiple of HKV, got {args.heads}")
     if min(args.chunks) < 1 or min(args.pasts) < 0:
         p.error("--chunks must be >= 1 and --pasts >= 0")
+    if args.window is not None and args.window < 1:
+        p.error(f"--window must be >= 1, got {args.window}")
     torch.set_num_threads(args.num_threads)
-    print(f"torch {torch.__version__}, {args.num_threads} threads, float32")
+    window = "" if args.window is None else f", attention window {args.window}"
+    print(f"torch {torch.__version__}, {args.num_threads} threads, float32{window}")
     if args.skip != "attention":
         print("\n".join(attention_rows(args)))
     if args.skip != "engine":
