@@ -3,8 +3,9 @@ decode call of the C kernels equals dequantize-then-dense (`reference_quantized_
 the request's own block table and the layer's window, the blocks behind a window on every layer
 freed after each step (Mistral) or kept (a hybrid Qwen2); a sequence's tokens do not depend on how
 its prompt is chunked, on which CPU backend runs it (the C decode kernels or PyTorch over the
-dequantized blocks) or on prefix hits; the blocks behind the window freed after every step
-(brute force), so a pool smaller than one max_model_len request serves it."""
+dequantized blocks), on prefix hits or on two tensor-parallel ranks; the blocks behind the
+window freed after every step (brute force), so a pool smaller than one max_model_len request
+serves it."""
 
 import pytest
 import torch
@@ -114,3 +115,19 @@ def test_a_small_pool_frees_the_blocks_behind_the_window(models, cache):  # noqa
     large = engine(models, "mistral", cache, max_num_batched_tokens=budget)
     want = large.generate(batch, params, use_tqdm=False)
     assert [outputs[str(i)].token_ids for i in range(len(batch))] == [o.token_ids for o in want]
+
+
+@pytest.mark.parametrize("cache", ["int8", "kivi2"])  # (KVQuant runs on one rank only)
+def test_tensor_parallel_ranks_apply_the_window(models, cache):  # noqa: F811
+    """Two ranks (gloo), each holding one of the two KV heads in its own quantized cache (the
+    codes' statistics are per KV head: sharding changes none of them) with rank 0's windows:
+    the greedy tokens of one process."""
+    batch = prompts(6)
+    want = [o.token_ids for o in engine(models, "qwen3", cache, max_num_batched_tokens=32)
+            .generate(batch, PARAMS, use_tqdm=False)]
+    llm = engine(models, "qwen3", cache, max_num_batched_tokens=32, tensor_parallel_size=2)
+    try:
+        assert [o.token_ids for o in llm.generate(batch, PARAMS, use_tqdm=False)] == want
+        llm.engine.check_invariants()
+    finally:
+        llm.engine.close()
