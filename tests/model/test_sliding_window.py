@@ -70,6 +70,20 @@ def run_by_steps(engine, batch, params, after_step) -> dict:
     return outputs
 
 
+def check_window_tables(engine, window: int, bs: int) -> int:
+    """Brute force over the running requests: each table starts at the block holding its next
+    token's first visible slot (the next token, position p, sees [p + 1 - W, p]: the blocks of
+    positions wholly before them gone) and holds its slots, slot by slot. Returns the longest
+    table."""
+    longest = 0
+    for request in engine.scheduler.running:
+        p = request.num_computed_tokens
+        assert request.num_evicted_tokens == max(0, p + 1 - window) // bs * bs
+        assert len(request.block_table) == cdiv(request.num_cached_slots, bs)
+        longest = max(longest, len(request.block_table))
+    return longest
+
+
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True,
                         return_prompt_logits=True)
 
@@ -111,13 +125,7 @@ def test_blocks_behind_the_window_are_freed_after_every_step(models):
 
     def check_tables(engine) -> None:
         nonlocal peak
-        for request in engine.scheduler.running:
-            # the next token (position p) sees positions [p + 1 - W, p]: the blocks of
-            # positions wholly before them are gone, the rest held, slot by slot
-            p = request.num_computed_tokens
-            assert request.num_evicted_tokens == max(0, p + 1 - window) // bs * bs
-            assert len(request.block_table) == cdiv(request.num_cached_slots, bs)
-            peak = max(peak, len(request.block_table))
+        peak = max(peak, check_window_tables(engine, window, bs))
 
     outputs = run_by_steps(engine, batch, params, check_tables)
     # at most the window's slots before the next token, from a block start

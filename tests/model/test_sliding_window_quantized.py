@@ -9,7 +9,13 @@ serves it."""
 
 import pytest
 import torch
-from test_sliding_window import MODELS, models, prompts, run_by_steps  # noqa: F401 (fixture)
+from test_sliding_window import (  # noqa: F401 (models: the fixture)
+    MODELS,
+    check_window_tables,
+    models,
+    prompts,
+    run_by_steps,
+)
 
 from nanokv import LLM, SamplingParams
 from nanokv.attention.native_quantized import NativeQuantizedBackend
@@ -103,10 +109,7 @@ def test_a_small_pool_frees_the_blocks_behind_the_window(models, cache):  # noqa
 
     def check_tables(engine) -> None:
         nonlocal most_running
-        for request in engine.scheduler.running:
-            p = request.num_computed_tokens
-            assert request.num_evicted_tokens == max(0, p + 1 - window) // bs * bs
-            assert len(request.block_table) == cdiv(request.num_cached_slots, bs) <= cap
+        assert check_window_tables(engine, window, bs) <= cap
         most_running = max(most_running, len(engine.scheduler.running))
 
     outputs = run_by_steps(small.engine, batch, params, check_tables)
