@@ -47,15 +47,19 @@ def check_block_size(what: str, value) -> None:
                          f"got {value!r}")
 
 
-def auto_block_size(max_model_len: int) -> int:
+def auto_block_size(max_model_len: int, window: int | None = None) -> int:
     """Larger blocks for longer contexts: the block table (and each step's per-block work) stays
     short, while a short context does not waste most of a large last block. 128 tokens below 2k,
-    256 up to 32k, 512 up to 100k, 1024 beyond."""
-    if max_model_len < 2048:
+    256 up to 32k, 512 up to 100k, 1024 beyond. With a sliding window on every layer
+    (`KVLayout.common_window`) a request holds about the window's blocks however long it runs:
+    the window's length decides instead (a 512-token window in 256-token blocks spans 768
+    slots, in 128-token blocks 640)."""
+    context = max_model_len if window is None else min(max_model_len, window)
+    if context < 2048:
         return 128
-    if max_model_len <= 32 * 1024:
+    if context <= 32 * 1024:
         return 256
-    if max_model_len <= 100 * 1024:
+    if context <= 100 * 1024:
         return 512
     return 1024
 
@@ -82,7 +86,8 @@ class EngineConfig:
         type=int)
     block_size: int | str = _opt(
         "auto", "tokens per KV block, 16..1024, or auto (128 below 2k context, 256 up to 32k, "
-                "512 above, 1024 above 100k)", type="block_size")
+                "512 above, 1024 above 100k; with a sliding window on every layer, by the "
+                "window's length)", type="block_size")
     kv_cache_memory: int | str | None = _opt(
         None, "KV pool size: bytes or with a unit, e.g. 4GiB, 512MiB")
     kv_cache_memory_fraction: float = _opt(

@@ -23,9 +23,9 @@ import torch
 from nanokv.attention.backend import AttentionBackend
 from nanokv.attention.selector import backend_names, select_backend
 from nanokv.cache.kv_cache import KVCache, KVCacheOptions, KVCacheSpec, check_policy_support
-from nanokv.cache.layout import KVLayout
+from nanokv.cache.layout import KVLayout, common_window
 from nanokv.cache.registry import KV_CACHE_DTYPES, kv_cache_class, kv_cache_settings
-from nanokv.config import EngineConfig
+from nanokv.config import EngineConfig, auto_block_size
 from nanokv.distributed.support import check_tensor_parallel
 from nanokv.engine.kv_cache_plan import (
     KVBudget,
@@ -71,8 +71,12 @@ def resolve_parts(config: EngineConfig, hf_config, architecture: str) -> EngineP
     the one place) and check every part against the others; raises ValueError before anything
     is loaded."""
     given = config.max_model_len is not None
+    auto_block = config.block_size == "auto"
     config.resolve(int(hf_config.max_position_embeddings))
     windows = model_class(architecture).layer_windows(hf_config, config.max_model_len)
+    window = common_window(windows, hf_config.num_hidden_layers)
+    if auto_block and window is not None:  # a request holds about its window's blocks
+        config.block_size = auto_block_size(config.max_model_len, window)
     check_tensor_parallel(config, hf_config)
     if config.enable_lora and config.tensor_parallel_size != 1:
         raise ValueError(f"enable_lora runs with tensor_parallel_size 1 only (the adapters are "

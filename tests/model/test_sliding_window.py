@@ -286,3 +286,24 @@ def test_a_prefix_hit_takes_only_the_blocks_in_its_window(models):
             again = out
     assert again.token_ids == first.token_ids
     check_against_hf(load_hf(models["mistral"]), prompt, again)
+
+
+def test_auto_block_size_follows_a_window_on_every_layer(tmp_path):
+    """block_size "auto" by the context a request holds: max_model_len, or with a window on
+    every layer the window's length (a 512-token window: 128-token blocks where 4k of context
+    takes 256); a hybrid model keeps every block (max_model_len decides)."""
+    from nanokv.config import auto_block_size
+
+    assert (auto_block_size(4096), auto_block_size(4096, 512)) == (256, 128)
+    assert (auto_block_size(200_000), auto_block_size(200_000, 4096)) == (1024, 256)
+    assert auto_block_size(1000, 4096) == 128  # the window covers max_model_len
+    options = dict(skip_tokenizer_init=True, max_model_len=4096, num_kv_blocks=64)
+    for name, arch, flags, want in (
+            ("mistral", "mistral", dict(sliding_window=512), 128),
+            ("hybrid", "qwen2", dict(use_sliding_window=True, sliding_window=512,
+                                     max_window_layers=1), 256),
+            ("full", "mistral", dict(sliding_window=None), 256)):
+        model = build_tiny_model(str(tmp_path / name), arch, tokenizer=False,
+                                 max_position_embeddings=4096, **flags)
+        assert LLM(model, **options).engine.config.block_size == want, name
+        assert LLM(model, block_size=64, **options).engine.config.block_size == 64
