@@ -153,8 +153,11 @@ def _prefill(q, k, v, k_cache, v_cache, seq: PrefillSeq, scale: float,
     return o.squeeze(0).transpose(0, 1)  # [L, Hq, D]
 
 
+WINDOW_TILE = 256  # with a sliding window, at least this many query rows per masked call
+
+
 def window_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, num_past: int,
-                     window: int, scale: float, tile: int = 256) -> torch.Tensor:
+                     window: int, scale: float, tile: int = WINDOW_TILE) -> torch.Tensor:
     """Queries over a sliding window: query i (slot P + i of kh's P + L) sees slots
     [P + i + 1 - window, P + i]. The queries go in tiles of max(window, tile), each over the
     slots its queries' windows cover (at most tile + window - 1), so the work is O(L (tile +

@@ -29,10 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from nanokv.cache.layout import window_start
-from nanokv.layers.attention import _FLASH_CPU
+from nanokv.layers.attention import _FLASH_CPU, WINDOW_TILE
 
 GROUP_ROWS = 128  # query rows per flash call (a multiple of the block size, at least one block)
-WINDOW_TILE = 256  # with a sliding window, at least this many query rows per masked call
 
 
 def visible(rows: torch.Tensor, keys: torch.Tensor, block_size: int, stages: bool,

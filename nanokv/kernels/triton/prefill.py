@@ -82,13 +82,13 @@ def _prefill_kernel(
 
     table = table_ptr + chunk * stride_table
     own_end = tl.minimum(query_len, row0 + BLOCK_M)
+    # with WINDOWED, row slot n = past + tok sees slots [n + 1 - window, n] only (every view):
+    # the tile's first row the earliest
+    row_start = past + tok + 1 - window  # [R]
+    lo = 0
+    if WINDOWED:
+        lo = tl.maximum(past + row0 + 1 - window, 0)
     if VIEW == 0:  # FRESH
-        # with WINDOWED, row slot n = past + tok sees slots [n + 1 - window, n]: the tile's
-        # first row the earliest
-        row_start = past + tok + 1 - window  # [R]
-        lo = 0
-        if WINDOWED:
-            lo = tl.maximum(past + row0 + 1 - window, 0)
         # the cached prefix: every row sees all of it (its window's part)
         m_i, l_i, acc = attend_paged_span(
             q, m_i, l_i, acc, tl.minimum(lo, past), past, past, table, kv_head, k_cache_ptr,
@@ -117,12 +117,6 @@ def _prefill_kernel(
         final_end = n  # [R] row n reads the cache's slots [0, final_end) (PER_TOKEN: all j < n)
         if VIEW == 2:  # STAGED: the blocks full once n was written
             final_end = tl.where(n % BLOCK_SIZE == BLOCK_SIZE - 1, n, n - n % BLOCK_SIZE)
-        # with WINDOWED, row n sees slots [n + 1 - window, n] only: the tile's first row the
-        # earliest
-        row_start = n + 1 - window  # [R]
-        lo = 0
-        if WINDOWED:
-            lo = tl.maximum(past + row0 + 1 - window, 0)
         m_i, l_i, acc = attend_paged_span(
             q, m_i, l_i, acc, lo, hi, final_end, table, kv_head, k_cache_ptr, v_cache_ptr,
             stride_cb, stride_cs, stride_ch, k_scale_ptr, v_scale_ptr, stride_sb, stride_ss, d,
