@@ -15,6 +15,13 @@ benchmarks/run_peers.sh uses 8 layers, so one engine's run fits a few minutes on
 max_window_layers 0); the same seed gives the same weights with or without it:
 
     python benchmarks/make_qwen3_0_6b.py --layers 4 --sliding-window 512 --out /tmp/qwen3-4l-sw512
+
+--shape qwen3-30b-a3b builds the published Qwen3-30B-A3B mixture of experts instead (hidden
+2048, 32 query / 4 KV heads of 128, 128 experts of width 768 per layer, 8 per token): with
+--layers 2 about 1.9B parameters (7.5 GB in float32), for the MoE peer run
+(docs/results/moe/):
+
+    python benchmarks/make_qwen3_0_6b.py --shape qwen3-30b-a3b --layers 2 --out /tmp/qwen3-moe-2l
 """
 
 from __future__ import annotations
@@ -48,6 +55,25 @@ QWEN3_0_6B = {
 }
 ROPE_THETA = 1000000.0
 
+# Published Qwen3-30B-A3B config (Qwen/Qwen3-30B-A3B config.json), its fields that differ.
+QWEN3_30B_A3B = {
+    **QWEN3_0_6B,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "tie_word_embeddings": False,
+    "max_window_layers": 48,
+}
+SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-30b-a3b": QWEN3_30B_A3B}
+
 GENERATION_CONFIG = {
     "bos_token_id": 151643,
     "eos_token_id": [151645, 151643],
@@ -63,28 +89,37 @@ def build(
     out: Path,
     seed: int,
     init_std: float,
-    layers: int = QWEN3_0_6B["num_hidden_layers"],
+    layers: int | None = None,
     sliding_window: int | None = None,
+    shape_name: str = "qwen3-0.6b",
 ) -> None:
+    """layers None: the shape's own depth."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    if shape_name not in SHAPES:
+        raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape_name!r}")
+    published = SHAPES[shape_name]
+    layers = published["num_hidden_layers"] if layers is None else layers
     if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
         raise ValueError(f"layers must be an integer >= 1, got {layers!r}")
     torch.manual_seed(seed)
     bad_window = isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
     if sliding_window is not None and (bad_window or sliding_window < 1):
         raise ValueError(f"sliding_window must be an integer >= 1, got {sliding_window!r}")
-    shape = {**QWEN3_0_6B, "num_hidden_layers": layers, "max_window_layers": layers}
+    shape = {**published, "num_hidden_layers": layers, "max_window_layers": layers}
     if sliding_window is not None:  # every layer: Qwen's sliding layers start at max_window_layers
         shape.update(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=0)
-    config = Qwen3Config(
+    moe = "num_experts" in shape
+    config_cls, model_cls = ((Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe
+                             else (Qwen3Config, Qwen3ForCausalLM))
+    config = config_cls(
         **shape,
         initializer_range=init_std,
         rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
     )
     t0 = time.perf_counter()
-    model = Qwen3ForCausalLM(config).to(torch.float32).eval()
+    model = model_cls(config).to(torch.float32).eval()
     n_params = sum(p.numel() for p in model.parameters())
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
@@ -120,11 +155,18 @@ def main() -> None:
         help="std of the normal init of linear/embedding weights (default 0.02)",
     )
     ap.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="qwen3-0.6b",
+        help="the published config to copy (default qwen3-0.6b; qwen3-30b-a3b: the mixture "
+        "of experts)",
+    )
+    ap.add_argument(
         "--layers",
         type=int,
-        default=QWEN3_0_6B["num_hidden_layers"],
-        help="decoder layers, >= 1 (default 28, the published shape; fewer keeps the width, "
-        "heads and vocabulary)",
+        default=None,
+        help="decoder layers, >= 1 (default: the published depth, 28 or 48; fewer keeps the "
+        "width, heads, experts and vocabulary)",
     )
     ap.add_argument(
         "--sliding-window",
@@ -134,11 +176,11 @@ def main() -> None:
         "as the published model)",
     )
     args = ap.parse_args()
-    if args.layers < 1:
+    if args.layers is not None and args.layers < 1:
         ap.error(f"--layers must be >= 1, got {args.layers}")
     if args.sliding_window is not None and args.sliding_window < 1:
         ap.error(f"--sliding-window must be >= 1, got {args.sliding_window}")
-    build(args.out, args.seed, args.init_std, args.layers, args.sliding_window)
+    build(args.out, args.seed, args.init_std, args.layers, args.sliding_window, args.shape)
 
 
 if __name__ == "__main__":

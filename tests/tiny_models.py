@@ -54,12 +54,25 @@ def build_tiny_model(out_dir: str, arch: str = "llama", seed: int = 0, tokenizer
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     elif arch == "mistral":
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**common))
+    elif arch == "qwen3_moe":  # 8 experts of width 48, top 2, renormalized
+        moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                   norm_topk_prob=True, head_dim=32)
+        model = transformers.Qwen3MoeForCausalLM(
+            transformers.Qwen3MoeConfig(tie_word_embeddings=True, **{**moe, **common}))
+    elif arch == "qwen2_moe":  # 6 experts of width 48, top 2, a shared expert of width 96
+        moe = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
+                   shared_expert_intermediate_size=96)
+        model = transformers.Qwen2MoeForCausalLM(
+            transformers.Qwen2MoeConfig(**{**moe, **common}))
+    elif arch == "mixtral":  # 4 experts of intermediate_size, top 2
+        moe = dict(num_local_experts=4, num_experts_per_tok=2)
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**{**moe, **common}))
     else:
         raise ValueError(arch)
     # a larger init than HF's default makes the logits peaked, so greedy ties are rare
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # matrices, and the [experts, out, in] stacks of a MoE
                 p.normal_(0, 0.08)
             elif name.endswith("bias"):  # only with attention_bias / mlp_bias: not left zero
                 p.normal_(0, 0.3)

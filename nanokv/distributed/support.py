@@ -1,14 +1,16 @@
 """Which engines can be split over N tensor-parallel ranks; checked before anything loads.
 
-Supported: Llama / Mistral / Qwen2 / Qwen3 checkpoints whose query heads, KV heads and MLP width
-divide by N (the vocabulary need not: the last rank's share is padded), on CPU (N processes on
-one host, gloo) or CUDA (N GPUs, NCCL); every KV policy; the float KV pool and the per-token
-(int8, fp8) and KIVI stores. Rejected: kv_cache_dtype 'kvquant' (its calibration covers every KV
-head's channels at once).
+Supported: Llama / Mistral / Qwen2 / Qwen3 checkpoints and their mixtures of experts (Mixtral,
+Qwen2-MoE, Qwen3-MoE) whose query heads, KV heads and MLP widths (dense, each expert's, the
+shared expert's) divide by N (the vocabulary need not: the last rank's share is padded), on CPU
+(N processes on one host, gloo) or CUDA (N GPUs, NCCL); every KV policy; the float KV pool and
+the per-token (int8, fp8) and KIVI stores. Rejected: kv_cache_dtype 'kvquant' (its calibration
+covers every KV head's channels at once).
 """
 
 from __future__ import annotations
 
+from nanokv.models.moe_shape import mlp_widths
 from nanokv.utils import head_dim_of
 
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2", "kivi")
@@ -29,9 +31,10 @@ def check_tensor_parallel(config, hf_config) -> None:
     if heads % n:
         raise ValueError(f"tensor_parallel_size {n} does not divide the model's {heads} "
                          f"attention heads")
-    if hf_config.intermediate_size % n:
-        raise ValueError(f"tensor_parallel_size {n} does not divide the model's MLP width "
-                         f"{hf_config.intermediate_size}")
+    for width in mlp_widths(hf_config):  # a dense MLP's, each expert's, the shared expert's
+        if width % n:
+            raise ValueError(f"tensor_parallel_size {n} does not divide the model's MLP width "
+                             f"{width}")
     head_dim_of(hf_config)  # raises on a model whose heads do not tile hidden_size
     if config.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype!r} is not supported with "

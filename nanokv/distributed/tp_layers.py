@@ -65,12 +65,16 @@ class ColumnParallelLinear(Linear):
 
 
 class RowParallelLinear(Linear):
-    """`in_features`: this rank's input columns; the output is summed over ranks."""
+    """`in_features`: this rank's input columns; the output is summed over ranks (reduce
+    False: left as this rank's partial sum, for the caller to reduce, and no bias)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
-                 tp: TensorParallel) -> None:
+                 tp: TensorParallel, reduce: bool = True) -> None:
+        if bias and not reduce:
+            raise ValueError("a row-parallel layer left unreduced cannot add its bias once")
         super().__init__(in_features, out_features, bias)
         self.tp = tp
+        self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Linear.forward without the bias: it is added once, after the sum
@@ -78,7 +82,8 @@ class RowParallelLinear(Linear):
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         else:
             y = F.linear(x, self.weight)
-        self.tp.all_reduce(y)
+        if self.reduce:
+            self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 
@@ -120,10 +125,11 @@ def column_linear(in_features: int, out_features: int, bias: bool,
 
 
 def row_linear(in_features: int, out_features: int, bias: bool,
-               tp: TensorParallel | None) -> Linear:
+               tp: TensorParallel | None, reduce: bool = True) -> Linear:
+    """reduce False: a tensor-parallel layer leaves its partial sum (`RowParallelLinear`)."""
     if tp is None:
         return Linear(in_features, out_features, bias=bias)
-    return RowParallelLinear(in_features, out_features, bias, tp)
+    return RowParallelLinear(in_features, out_features, bias, tp, reduce)
 
 
 def param_shard(model: nn.Module, name: str) -> Shard | None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from nanokv.cache.kv_cache import KVCacheSpec
+from nanokv.models.moe_shape import mlp_token_width
 from nanokv.utils import head_dim_of
 
 # Without an explicit kv_cache_memory a CPU pool takes at most this much (vLLM's CPU backend
@@ -54,7 +55,7 @@ def estimate_activation_bytes(cfg, num_tokens: int, num_seqs: int, dtype: torch.
     """Upper estimate of the live tensors of one forward of `num_tokens` tokens."""
     elem = torch.empty(0, dtype=dtype).element_size()
     qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * head_dim_of(cfg)
-    per_token = 4 * cfg.hidden_size + qkv + 3 * cfg.intermediate_size
+    per_token = 4 * cfg.hidden_size + qkv + 3 * mlp_token_width(cfg)
     logits = num_seqs * cfg.vocab_size * 4
     return 2 * num_tokens * per_token * elem + logits
 

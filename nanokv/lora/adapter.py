@@ -71,11 +71,12 @@ def read_adapter_config(path: str) -> dict:
     return config
 
 
-def load_adapter(path: str, num_layers: int, shapes: dict[str, tuple[int, int]],
+def load_adapter(path: str, shapes: list[dict[str, tuple[int, int]]],
                  max_lora_rank: int) -> AdapterWeights:
     """Read and check a PEFT adapter: its rank at most max_lora_rank, each tensor a projection
-    of `shapes` (projection -> (in, out) features) in layers [0, num_layers) with both A and B
+    that its layer takes (`shapes[layer]`: projection -> (in, out) features) with both A and B
     of the adapter's rank and the projection's shape. Raises ValueError saying what is wrong."""
+    num_layers = len(shapes)
     config = read_adapter_config(path)
     rank = config["r"]
     if not isinstance(rank, int) or rank > max_lora_rank:
@@ -112,7 +113,11 @@ def load_adapter(path: str, num_layers: int, shapes: dict[str, tuple[int, int]],
             raise ValueError(f"LoRA adapter {path!r}: layer {layer} {projection} has lora_"
                              f"{''.join(ab)} but not both lora_A and lora_B")
         a, b = ab["A"], ab["B"]
-        fan_in, fan_out = shapes[projection]
+        if projection not in shapes[layer]:
+            raise ValueError(f"LoRA adapter {path!r}: layer {layer} {projection} cannot take an "
+                             f"adapter (a mixture of experts' MLP takes none); this layer's "
+                             f"projections: {sorted(shapes[layer])}")
+        fan_in, fan_out = shapes[layer][projection]
         if tuple(a.shape) != (rank, fan_in) or tuple(b.shape) != (fan_out, rank):
             raise ValueError(f"LoRA adapter {path!r}: layer {layer} {projection} has lora_A "
                              f"{list(a.shape)} and lora_B {list(b.shape)}; the model needs "

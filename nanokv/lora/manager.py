@@ -23,32 +23,35 @@ import torch
 from nanokv.lora.adapter import AdapterWeights, load_adapter
 from nanokv.lora.layers import LoRALinear, LoRAStep
 from nanokv.lora.request import LoRARequest
+from nanokv.models.llama import LlamaMLP
 from nanokv.scheduler.output import ScheduledRequest
 
 
 class LoRAManager:
     def __init__(self, model: torch.nn.Module, max_loras: int, max_lora_rank: int,
                  max_cpu_loras: int | None) -> None:
-        """Wraps the model's decoder projections in LoRALinear layers (q/k/v, o, gate/up,
-        down), each with max_loras zeroed slots of rank max_lora_rank (the options checked by
-        EngineConfig)."""
+        """Wraps the model's decoder projections in LoRALinear layers (q/k/v, o, and a dense
+        MLP's gate/up, down), each with max_loras zeroed slots of rank max_lora_rank (the
+        options checked by EngineConfig)."""
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras or max_loras
         self.step = LoRAStep()
         self.layers: list[list[LoRALinear]] = []  # per decoder layer, its wrapped projections
-        self.shapes: dict[str, tuple[int, int]] = {}  # projection -> (in, out) features
+        # per layer, projection -> (in, out) features
+        self.shapes: list[dict[str, tuple[int, int]]] = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             q, kv = attn.q_size, attn.kv_size
             wrapped = {
                 ("self_attn", "qkv_proj"): [("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
                 ("self_attn", "o_proj"): [("o_proj", attn.o_proj.out_features)],
-                ("mlp", "gate_up_proj"): [("gate_proj", mlp.intermediate),
-                                          ("up_proj", mlp.intermediate)],
-                ("mlp", "down_proj"): [("down_proj", mlp.down_proj.out_features)],
             }
-            loras = []
+            if isinstance(mlp, LlamaMLP):  # a mixture of experts' MLP takes no adapter
+                wrapped[("mlp", "gate_up_proj")] = [("gate_proj", mlp.intermediate),
+                                                    ("up_proj", mlp.intermediate)]
+                wrapped[("mlp", "down_proj")] = [("down_proj", mlp.down_proj.out_features)]
+            loras, shapes = [], {}
             for (parent, name), shards in wrapped.items():
                 owner = getattr(layer, parent)
                 lora = LoRALinear(getattr(owner, name), shards, max_loras, max_lora_rank,
@@ -56,8 +59,9 @@ class LoRAManager:
                 setattr(owner, name, lora)
                 loras.append(lora)
                 for projection, size in shards:
-                    self.shapes[projection] = (lora.in_features, size)
+                    shapes[projection] = (lora.in_features, size)
             self.layers.append(loras)
+            self.shapes.append(shapes)
         self._lock = threading.Lock()  # register (server threads) against set_step
         self._bound: dict[int, tuple[str, str]] = {}  # id -> (name, path) of first use
         self._names: dict[str, int] = {}  # the registered (not removed) adapters' ids
@@ -103,7 +107,7 @@ class LoRAManager:
         """The adapter from the LRU, or read from disk (and the LRU trimmed); under the lock."""
         adapter = self._adapters.get(lora_int_id)
         if adapter is None:
-            adapter = load_adapter(path, len(self.layers), self.shapes, self.max_lora_rank)
+            adapter = load_adapter(path, self.shapes, self.max_lora_rank)
             self._adapters[lora_int_id] = adapter
             in_slots = set(self._slots)
             for old in list(self._adapters):

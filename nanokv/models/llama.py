@@ -84,14 +84,19 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg, bias: bool, tp: TensorParallel | None = None) -> None:
+    def __init__(self, cfg, bias: bool, tp: TensorParallel | None = None,
+                 intermediate_size: int | None = None, reduce: bool = True) -> None:
+        """intermediate_size: the whole MLP's width (cfg.intermediate_size unless given: an
+        expert's); reduce False: under tensor parallelism the output stays this rank's partial
+        sum (a mixture of experts sums its experts first, then reduces once)."""
         super().__init__()
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported; supported: ['silu']")
-        self.intermediate = cfg.intermediate_size // (1 if tp is None else tp.size)
+        width = cfg.intermediate_size if intermediate_size is None else intermediate_size
+        self.intermediate = width // (1 if tp is None else tp.size)
         self.gate_up_proj = column_linear(cfg.hidden_size, 2 * self.intermediate, bias, tp)
-        self.down_proj = row_linear(self.intermediate, cfg.hidden_size, bias, tp)
+        self.down_proj = row_linear(self.intermediate, cfg.hidden_size, bias, tp, reduce)
         self.native = False  # SiLU-and-multiply in C on float32 CPU (use_native_elementwise)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,10 +109,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg, rotary: RotaryEmbedding, qk_norm: bool, biases: LinearBiases,
-                 tp: TensorParallel | None = None) -> None:
+                 mlp: nn.Module, tp: TensorParallel | None = None) -> None:
+        """mlp: the layer's feed-forward block (a `LlamaMLP`, or a mixture of experts)."""
         super().__init__()
         self.self_attn = LlamaAttention(cfg, rotary, qk_norm, biases, tp)
-        self.mlp = LlamaMLP(cfg, biases.mlp, tp)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -144,14 +150,22 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None
                              else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, self.rotary, self.qk_norm, biases, tp)
-            for _ in range(cfg.num_hidden_layers))
+            LlamaDecoderLayer(cfg, self.rotary, self.qk_norm, biases,
+                              self.make_mlp(cfg, index, biases, tp), tp)
+            for index in range(cfg.num_hidden_layers))
         for index, layer in enumerate(self.layers):
             layer.self_attn.layer_index = index
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = (Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if tp is None
                         else ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp))
+
+    @classmethod
+    def make_mlp(cls, cfg, layer: int, biases: LinearBiases,
+                 tp: TensorParallel | None) -> nn.Module:
+        """Layer `layer`'s feed-forward block: a dense MLP here (mixtures of experts:
+        nanokv/models/moe.py)."""
+        return LlamaMLP(cfg, biases.mlp, tp)
 
     @staticmethod
     def biases(cfg) -> LinearBiases:

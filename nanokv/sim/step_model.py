@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 
+from nanokv.models.moe_shape import moe_shape
+
 
 @dataclass(frozen=True)
 class StepFeatures:
@@ -189,17 +191,28 @@ class ModelShape:
     vocab_size: int
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 8192
+    # a mixture of experts (`nanokv.models.moe_shape`): its sparse layers hold num_experts
+    # experts of expert_width (and a shared one of shared_width); each token runs top_k
+    sparse_layers: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+    expert_width: int = 0
+    shared_width: int = 0
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelShape:
         try:
             heads = cfg["num_attention_heads"]
+            moe = moe_shape(cfg)
+            experts = {} if moe is None else dict(
+                sparse_layers=sum(moe.sparse_layers), num_experts=moe.num_experts,
+                top_k=moe.top_k, expert_width=moe.expert_width, shared_width=moe.shared_width)
             return cls(cfg["num_hidden_layers"], cfg["hidden_size"], heads,
                        cfg.get("num_key_value_heads", heads),
                        cfg.get("head_dim") or cfg["hidden_size"] // heads,
                        cfg["intermediate_size"], cfg["vocab_size"],
                        bool(cfg.get("tie_word_embeddings", False)),
-                       cfg.get("max_position_embeddings", 8192))
+                       cfg.get("max_position_embeddings", 8192), **experts)
         except KeyError as e:
             raise ValueError(f"the model config lacks {e.args[0]!r}") from None
 
@@ -217,15 +230,33 @@ class ModelShape:
         """Parameters (embeddings and lm_head once each unless tied; norms ignored)."""
         h, d = self.hidden_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        mlp = 3 * h * self.intermediate_size
+        dense = 3 * h * self.intermediate_size
+        sparse = (self.num_experts * self._expert_params + 3 * h * self.shared_width
+                  + h * (self.num_experts + (1 if self.shared_width else 0)))  # + routers
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp) + emb
+        return (self.num_layers * attn + (self.num_layers - self.sparse_layers) * dense
+                + self.sparse_layers * sparse + emb)
+
+    @property
+    def _expert_params(self) -> int:
+        return 3 * self.hidden_size * self.expert_width
 
     @property
     def matmul_params(self) -> int:
-        """Parameters each token multiplies (the input embedding is a lookup)."""
-        return self.num_params - self.vocab_size * self.hidden_size * (
+        """Parameters each token multiplies (the input embedding is a lookup; of each sparse
+        layer's experts, its top_k)."""
+        idle = self.sparse_layers * (self.num_experts - self.top_k) * self._expert_params
+        return self.num_params - idle - self.vocab_size * self.hidden_size * (
             0 if self.tie_word_embeddings else 1)
+
+    def params_read(self, num_tokens: int) -> float:
+        """Parameters a step of num_tokens tokens reads: all but the experts none of its
+        tokens picks (expected, each token's top_k drawn uniformly)."""
+        if not self.sparse_layers:
+            return self.num_params
+        untouched = (1 - self.top_k / self.num_experts) ** num_tokens
+        return (self.num_params - self.sparse_layers * self.num_experts * untouched
+                * self._expert_params)
 
 
 @dataclass
@@ -245,7 +276,8 @@ class RooflineStepModel(StepModel):
         # K/V read once per step (flash attention streams them): each decode its context, each
         # prefill chunk its earlier slots; every new token's K/V written once
         kv = f.decode_context + f.prefill_context + f.num_tokens
-        moved = self.weight_bytes + self.kv_bytes_per_token * kv
+        weights = m.params_read(f.num_tokens) * self.weight_bytes_per_param
+        moved = weights + self.kv_bytes_per_token * kv
         attn_flops = 4 * m.num_layers * m.num_heads * m.head_dim * (f.decode_context
                                                                      + f.prefill_pairs)
         flops = 2 * m.matmul_params * f.num_tokens + attn_flops

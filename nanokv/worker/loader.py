@@ -187,8 +187,9 @@ def _packed_sizes(model, dst: str, param: torch.nn.Parameter) -> list[int]:
         q = cfg.num_attention_heads * head_dim
         kv = cfg.num_key_value_heads * head_dim
         return [q, kv, kv]
-    if dst == "gate_up_proj":
-        return [cfg.intermediate_size, cfg.intermediate_size]
+    if dst == "gate_up_proj":  # a dense MLP's or an expert's: half the packed rows each
+        width = param.shape[0] * (1 if model.tp is None else model.tp.size) // 2
+        return [width, width]
     raise ValueError(f"unknown packed module {dst}")
 
 

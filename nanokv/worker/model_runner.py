@@ -69,7 +69,8 @@ class ModelRunner:
         self.lora = None  # the engine's `LoRAManager` when LoRA is enabled (enable_lora)
         self.graphs: DecodeGraphs | None = None
         if (not enforce_eager and device.type == "cuda" and tp is None
-                and attention_backend.supports_cuda_graphs):
+                and attention_backend.supports_cuda_graphs
+                and getattr(model, "cuda_graphs", True)):  # mixtures of experts: eager
             self.graphs = DecodeGraphs(model, attention_backend, device, max_num_seqs,
                                        cdiv(max_model_len, self.block_size))
 

@@ -1,7 +1,8 @@
 """Each architecture's config flags read as its Hugging Face class reads them, checked against
 HF transformers' own forward (float32): biases (Llama's attention_bias on q/k/v and o, mlp_bias;
 Qwen2's q/k/v bias; Qwen3's attention_bias; Mistral's none), the scaled RoPE types, a head size
-other than hidden / heads, a sharded checkpoint, and sliding-window flags that leave every layer
+other than hidden / heads, a sharded checkpoint, the mixtures of experts (Qwen3-MoE, Qwen2-MoE,
+Mixtral), and sliding-window flags that leave every layer
 on full attention (active windows: test_sliding_window.py). Configs nanokv cannot run as HF does
 are refused before any weight is read."""
 
@@ -31,12 +32,15 @@ def build(out_dir: str, arch: str, seed: int = 0, max_shard_size: str | None = N
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }[arch]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**{**COMMON, **overrides}))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # matrices, and the [experts, out, in] stacks of a MoE
                 p.normal_(0, 0.08)
             elif name.endswith("bias"):
                 p.normal_(0, 0.3)
@@ -75,6 +79,20 @@ VARIANTS = {
     "qwen3_llama3_rope": ("qwen3", dict(rope_parameters=LLAMA3), {}),
     "llama_linear_rope_head_dim_24": ("llama", dict(rope_parameters=LINEAR, head_dim=24), {}),
     "llama_sharded": ("llama", dict(), dict(max_shard_size="40KB")),
+    # mixtures of experts: Qwen3-MoE with a dense layer (mlp_only_layers) and renormalized
+    # top-k weights, and without; Qwen2-MoE's shared expert and every other layer sparse
+    # (decoder_sparse_step); Mixtral's checkpoint names (block_sparse_moe, w1 / w2 / w3)
+    "qwen3_moe_dense_layer_norm_topk": ("qwen3_moe", dict(
+        num_experts=8, num_experts_per_tok=3, moe_intermediate_size=40, mlp_only_layers=[1],
+        norm_topk_prob=True, num_hidden_layers=3), {}),
+    "qwen3_moe_top1_attention_bias": ("qwen3_moe", dict(
+        num_experts=4, num_experts_per_tok=1, moe_intermediate_size=48, attention_bias=True,
+        norm_topk_prob=False), {}),
+    "qwen2_moe_shared_expert_sparse_step": ("qwen2_moe", dict(
+        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40,
+        shared_expert_intermediate_size=72, decoder_sparse_step=2, num_hidden_layers=3), {}),
+    "mixtral_sharded": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2),
+                        dict(max_shard_size="40KB")),
 }
 # flags written into config.json that the HF class does not read (no tensors behind them)
 IGNORED_FLAGS = {"mistral_bias_flags_ignored": dict(attention_bias=True, mlp_bias=True),
