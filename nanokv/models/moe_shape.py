@@ -29,16 +29,6 @@ class MoEShape:
     def dense_layers(self) -> int:
         return len(self.sparse_layers) - sum(self.sparse_layers)
 
-    def expert_params(self, hidden_size: int) -> int:
-        """One routed expert's gate, up and down weights."""
-        return 3 * hidden_size * self.expert_width
-
-    def active_mlp_params(self, hidden_size: int) -> int:
-        """The MLP weights one token of a sparse layer multiplies: its top_k experts, the
-        shared expert and its gate, the router."""
-        return (self.top_k * self.expert_params(hidden_size) + 3 * hidden_size * self.shared_width
-                + (hidden_size if self.shared_width else 0) + hidden_size * self.num_experts)
-
 
 def _get(cfg, key: str, default=None):
     return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)

@@ -123,3 +123,19 @@ def test_moe_shapes_of_the_configs():
 def test_bad_expert_fields_are_refused(field, value, match):
     with pytest.raises(ValueError, match=match):
         moe_shape({**QWEN3_30B_A3B, field: value})
+
+
+def test_activation_estimate_counts_a_tokens_experts():
+    """The KV budget leaves room for a sparse layer's widest activations: a token's top_k
+    experts and the shared expert, as wide as a dense MLP of their summed width."""
+    from nanokv.engine.kv_cache_plan import estimate_activation_bytes
+
+    common = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=100)
+    moe = SimpleNamespace(model_type="qwen2_moe", intermediate_size=32, num_experts=8,
+                          num_experts_per_tok=3, moe_intermediate_size=40,
+                          shared_expert_intermediate_size=24, **common)
+    dense = SimpleNamespace(model_type="qwen2", intermediate_size=3 * 40 + 24, **common)
+    for tokens in (1, 512):
+        assert (estimate_activation_bytes(moe, tokens, 4, torch.float32)
+                == estimate_activation_bytes(dense, tokens, 4, torch.float32))
