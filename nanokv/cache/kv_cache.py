@@ -144,6 +144,12 @@ class KVCache(ABC):
         and turn them into its constructor settings; runs before the model loads."""
 
     @classmethod
+    def shard_settings(cls, settings: dict, rank: int, size: int) -> dict:
+        """The settings of tensor-parallel rank `rank` of `size`, whose cache holds its share of
+        the KV heads (`settings` cover every head). The same unless a setting is per head."""
+        return settings
+
+    @classmethod
     @abstractmethod
     def spec(cls, layout: KVLayout, settings: dict) -> KVCacheSpec:
         """The cost of a cache of this kind with these settings (nothing allocated)."""

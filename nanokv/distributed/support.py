@@ -3,17 +3,15 @@
 Supported: Llama / Mistral / Qwen2 / Qwen3 checkpoints and their mixtures of experts (Mixtral,
 Qwen2-MoE, Qwen3-MoE) whose query heads, KV heads and MLP widths (dense, each expert's, the
 shared expert's) divide by N (the vocabulary need not: the last rank's share is padded), on CPU
-(N processes on one host, gloo) or CUDA (N GPUs, NCCL); every KV policy; the float KV pool and
-the per-token (int8, fp8) and KIVI stores. Rejected: kv_cache_dtype 'kvquant' (its calibration
-covers every KV head's channels at once).
+(N processes on one host, gloo) or CUDA (N GPUs, NCCL); every KV policy; every KV cache kind
+(each rank's holds its KV heads; KVQuant's calibrated key thresholds are cut by head:
+`KVCache.shard_settings`).
 """
 
 from __future__ import annotations
 
 from nanokv.models.moe_shape import mlp_widths
 from nanokv.utils import head_dim_of
-
-SUPPORTED_KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2", "kivi")
 
 
 def check_tensor_parallel(config, hf_config) -> None:
@@ -36,10 +34,6 @@ def check_tensor_parallel(config, hf_config) -> None:
             raise ValueError(f"tensor_parallel_size {n} does not divide the model's MLP width "
                              f"{width}")
     head_dim_of(hf_config)  # raises on a model whose heads do not tile hidden_size
-    if config.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype!r} is not supported with "
-                         f"tensor_parallel_size > 1 (a KVQuant calibration covers every KV "
-                         f"head at once); supported: {list(SUPPORTED_KV_CACHE_DTYPES)}")
     if config.device == "cuda" or (config.device == "auto" and _cuda_available()):
         import torch
 

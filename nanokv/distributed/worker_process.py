@@ -75,8 +75,10 @@ class RankWorker:
         layout = KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads // self.tp.size,
                           head_dim_of(cfg), self.config.block_size, self.dtype,
                           tuple(command.sliding_windows))
-        self.kv_cache = kv_cache_class(command.kv_cache_dtype).create(
-            layout, command.num_blocks, self.device, command.settings, rotary=self.model.rotary)
+        kind = kv_cache_class(command.kv_cache_dtype)
+        settings = kind.shard_settings(command.settings, self.tp.rank, self.tp.size)
+        self.kv_cache = kind.create(layout, command.num_blocks, self.device, settings,
+                                    rotary=self.model.rotary)
         backend_class, _ = select_backend(command.attention_backend, self.kv_cache, self.device)
         backend = backend_class(self.kv_cache, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, backend, self.device,

@@ -117,7 +117,10 @@ class LLMEngine:
                                cfg.num_key_value_heads // tp_size,
                                head_dim_of(cfg), config.block_size, self.dtype,
                                parts.sliding_windows)
-        spec = parts.kv_cache_class.spec(self.layout, parts.kv_cache_settings)
+        # rank 0's share of per-head settings (the other ranks take theirs in build_caches)
+        settings = (parts.kv_cache_settings if self.executor is None else
+                    parts.kv_cache_class.shard_settings(parts.kv_cache_settings, 0, tp_size))
+        spec = parts.kv_cache_class.spec(self.layout, settings)
         plan_spec = spec
         if self.executor is not None:
             self.executor.wait_until_loaded()
@@ -128,8 +131,8 @@ class LLMEngine:
         budget = measure_kv_budget(config, self.model, cfg, self.device, self.dtype)
 
         def create(num_blocks: int):
-            return parts.kv_cache_class.create(self.layout, num_blocks, self.device,
-                                               parts.kv_cache_settings, rotary=self.model.rotary)
+            return parts.kv_cache_class.create(self.layout, num_blocks, self.device, settings,
+                                               rotary=self.model.rotary)
 
         self.kv_cache_plan, self.kv_cache, backend_class, backend_why = build_kv_cache(
             config, plan_spec, self.layout, budget, parts.max_model_len_given, create, self.device)

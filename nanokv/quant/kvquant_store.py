@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -172,6 +172,19 @@ class KVQuantStore(QuantizedKVStore):
         config.validate_for(layout.num_layers, layout.num_kv_heads, layout.head_dim,
                             layout.block_size)
         return {"config": config, "num_staging_blocks": options.max_num_seqs}
+
+    @classmethod
+    def shard_settings(cls, settings: dict, rank: int, size: int) -> dict:
+        """Everything KVQuant computes is per KV head (statistics, outliers, sinks) but the
+        calibrated key thresholds, [L, 2, Hkv, D]: a rank takes its heads' rows. Codebooks and
+        per-layer bits are per layer, the same on every rank."""
+        config = settings["config"]
+        t = config.key_outlier_thresholds
+        if t is None:
+            return settings
+        heads = t.shape[2] // size
+        mine = t[:, :, rank * heads:(rank + 1) * heads].contiguous()  # [L, 2, Hkv / N, D]
+        return {**settings, "config": replace(config, key_outlier_thresholds=mine)}
 
     @classmethod
     def from_settings(cls, layout: KVLayout, num_blocks: int, device: torch.device | str,
