@@ -21,6 +21,7 @@
 #     plus --kv-policy paged_eviction --kv-compression-ratio 0.5: a 2x policy). The summary adds
 #     peak running requests and preemptions per engine and each engine's ratio to vllm.
 #     Any engine name of the long preset also works with -p short (its budget flags included).
+#     nanokv-w8 (either preset): nanokv with int8 weights (--quantization int8), float32 KV.
 #
 # Env: VLLM_VENV (default /work/.vllm-venv), VLLM_ARGS (extra bench_vllm.py args, e.g.
 # "--compile"), NANOKV_ARGS (extra `nanokv bench` args), NICE (default 0), WORKLOAD (replaces
@@ -52,7 +53,7 @@ while getopts "p:r:m:e:o:h" opt; do
         m) MODEL="$OPTARG" ;;
         e) ENGINES="$OPTARG" ;;
         o) OUT="$OPTARG" ;;
-        *) sed -n '2,41p' "$0"; exit 2 ;;
+        *) sed -n '2,42p' "$0"; exit 2 ;;
     esac
 done
 case "$ROUNDS" in
@@ -117,11 +118,13 @@ engine_cmd() {
     local vllm="$PEER_ENV $VLLM_VENV/bin/python $ROOT/benchmarks/bench_vllm.py --model $MODEL ${WORKLOAD[*]} --dtype float32 $VLLM_ARGS"
     case "$PRESET:$1" in
         short:nanokv) echo "$nanokv --max-model-len 1024 --kv-cache-memory 4GiB" ;;
+        short:nanokv-w8) echo "$nanokv --max-model-len 1024 --kv-cache-memory 4GiB --quantization int8" ;;
         short:vllm) echo "$vllm" ;;
         *:hf) echo "$PEER_ENV $ROOT/.venv/bin/python $ROOT/benchmarks/bench_hf.py --model $MODEL ${WORKLOAD[*]} --dtype float32" ;;
         *:vllm) echo "$vllm $VLLM_LONG" ;;
         *:nanokv) echo "$nanokv $NANOKV_LONG" ;;
         *:nanokv-int8) echo "$nanokv $NANOKV_LONG --kv-cache-dtype int8" ;;
+        *:nanokv-w8) echo "$nanokv $NANOKV_LONG --quantization int8" ;;
         *:nanokv-kvquant4) echo "$nanokv $NANOKV_LONG --kv-cache-dtype kvquant --kv-quant-bits 4" ;;
         *:nanokv-kvquant4-pe2) echo "$nanokv $NANOKV_LONG --kv-cache-dtype kvquant --kv-quant-bits 4 --kv-policy paged_eviction --kv-compression-ratio 0.5" ;;
         *) return 1 ;;
@@ -163,7 +166,7 @@ wait_idle() {
 ACTIVE=""
 for e in $ENGINES; do
     if ! engine_cmd "$e" >/dev/null; then
-        echo "[run_peers] unknown engine '$e' (nanokv hf vllm nanokv-int8 nanokv-kvquant4 nanokv-kvquant4-pe2)" >&2
+        echo "[run_peers] unknown engine '$e' (nanokv hf vllm nanokv-int8 nanokv-kvquant4 nanokv-kvquant4-pe2 nanokv-w8)" >&2
         exit 2
     fi
     if engine_available "$e"; then ACTIVE="$ACTIVE $e"; else echo "[run_peers] skipping $e: not available" >&2; fi

@@ -7,6 +7,7 @@ import math
 import re
 from dataclasses import dataclass, field, fields
 
+from nanokv.layers.int8_weights import QUANTIZATIONS
 from nanokv.lora.options import check_lora_options
 from nanokv.spec.config import SpeculativeConfig
 from nanokv.validation import check_bool, check_choice, check_fraction, check_int
@@ -118,6 +119,10 @@ class EngineConfig:
                 "load) and the fused C norm / RoPE / SiLU-and-multiply kernels on CPU (fast "
                 "path), torch F.linear elsewhere; torch: the reference path (PyTorch ops only)",
         choices=LINEAR_BACKENDS)
+    quantization: str | None = _opt(
+        None, "weight quantization: int8 (weight-only, one scale per output row, every linear "
+              "layer but a MoE router; CPU, float32 activations, one process) or unset: the "
+              "checkpoint's weights in dtype", choices=QUANTIZATIONS)
     attention_backend: str = _opt(
         "auto", "attention implementation, chosen once at start-up. auto: the fastest that "
                 "applies (on CPU with a float32 pool the C decode kernel, built on first use "
@@ -200,6 +205,8 @@ class EngineConfig:
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("device", self.device, DEVICES)
         check_choice("linear_backend", self.linear_backend, LINEAR_BACKENDS)
+        if self.quantization is not None:
+            check_choice("quantization", self.quantization, QUANTIZATIONS)
         check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         if not isinstance(self.attention_backend, str):
             raise ValueError(f"attention_backend must be a backend name, "

@@ -94,7 +94,8 @@ class LLMEngine:
                             skip_tokenizer_init=config.skip_tokenizer_init,
                             max_positions=config.max_model_len,
                             linear_backend=config.linear_backend,
-                            tp=None if self.executor is None else self.executor.tp)
+                            tp=None if self.executor is None else self.executor.tp,
+                            quantization=config.quantization)
         self.model, self.hf_config = loaded.model, loaded.hf_config
         self.tokenizer, self.eos_token_ids = loaded.tokenizer, loaded.eos_token_ids
         self.device, self.dtype = loaded.device, loaded.dtype
@@ -111,7 +112,8 @@ class LLMEngine:
                                           str(self.dtype).removeprefix("torch."), config.device,
                                           skip_tokenizer_init=True,
                                           max_positions=config.max_model_len,
-                                          linear_backend=config.linear_backend).model
+                                          linear_backend=config.linear_backend,
+                                          quantization=config.quantization).model
         cfg = self.hf_config
         self.layout = KVLayout(cfg.num_hidden_layers + parts.draft_layers,
                                cfg.num_key_value_heads // tp_size,

@@ -6,7 +6,8 @@ the weights are loaded; `F.linear` on the plain weight stays as the reference pa
 (`linear_backend="torch"`). A float32 weight is packed into column panels for the panel kernel
 too (`pack_panels`, `native_linear`): a decode step's few rows read it at close to the memory's
 speed, where oneDNN's blocking for a few rows does not. Which of the two copies a layer keeps is
-measured once per weight shape at load (`keep_faster_path`).
+measured once per weight shape at load (`keep_faster_path`). With weight-only int8
+(`quantize_int8`) the panels hold int8 codes and `scale` one float per output row.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanokv.layers import native_linear
+from nanokv.layers import int8_weights, native_linear
 
 
 def onednn_available() -> bool:
@@ -39,6 +40,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN-blocked copy of the weight
         self.panels: torch.Tensor | None = None  # column panels of the weight (native_linear)
+        self.scale: torch.Tensor | None = None  # int8 panels: the scale per output row
 
     def pack(self) -> None:
         """Reorder the weight for oneDNN (CPU, float32/bfloat16 only)."""
@@ -65,6 +67,19 @@ class Linear(nn.Module):
             return False  # forward trusts the panels and bias it packed with
         self.panels = native_linear.pack_panels(self.weight.detach())
         return True
+
+    def quantize_int8(self) -> None:
+        """Replace the weight by int8 codes in column panels with a scale per output row
+        (`int8_weights`, weight-only, CPU float32; the plain weight freed). Raises ValueError
+        where the panel kernel cannot run it."""
+        if self.weight.device.type != "cpu" or self.weight.dtype != torch.float32:
+            raise ValueError(f"int8 weights run on CPU with float32 activations; this layer is "
+                             f"{self.weight.dtype} on {self.weight.device.type}")
+        native_linear.load_panel_linear()  # raises NativeKernelUnavailable with the reason
+        codes, self.scale = int8_weights.quantize_rows(self.weight)
+        self.panels = native_linear.panels_of(codes)  # [P, K, 32] int8
+        self.packed = None
+        self.free_plain()
 
     def keep_faster_path(self, rows: Sequence[int] = native_linear.HEAD_ROWS,
                          repeats: int = 3) -> bool:
@@ -95,7 +110,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
             return native_linear.panel_linear(x, self.panels, self.out_features, self.bias,
-                                              trusted=True)
+                                              trusted=True, scale=self.scale)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -1,13 +1,15 @@
 """The panel kernel for CPU linear layers (`csrc/panel_linear.c`): y = x @ w.T (+ bias) over
 the float32 weight packed once into column panels [ceil(N / 32), K, 32] (`pack_panels`), at any
-row count. A decode step reads every weight for a few rows (the LM head alone: 622 MB for
-Qwen3); in panels a weight is read once, front to back, and each row of x costs a broadcast and
-two FMAs per weight vector, no horizontal sums. Each float32 layer keeps the faster of its panels
-and oneDNN's packed copy, measured once per weight shape at load (`Linear.keep_faster_path`,
-`panels_win`), so the memory is what it was. AVX-512 and AVX2 vector paths, plain C elsewhere.
-`F.linear` on the unpacked weight is the reference (tests/unit/test_panel_linear.py);
-`benchmarks/bench_lm_head.py` times it against F.linear and oneDNN. Built on first use like the
-decode kernels (`native_attention.build_library`)."""
+row count; or over int8 codes in the same panels with a scale per output column (weight-only
+int8, `quantization="int8"`: `int8_weights.py`). A decode step reads every weight for a few
+rows (the LM head alone: 622 MB for Qwen3); in panels a weight is read once, front to back,
+and each row of x costs a broadcast and two FMAs per weight vector, no horizontal sums. Each
+float32 layer keeps the faster of its panels and oneDNN's packed copy, measured once per weight
+shape at load (`Linear.keep_faster_path`, `panels_win`), so the memory is what it was. AVX-512
+and AVX2 vector paths, plain C elsewhere. `F.linear` on the unpacked (or dequantized) weight is
+the reference (tests/unit/test_panel_linear.py); `benchmarks/bench_lm_head.py` times it against
+F.linear and oneDNN. Built on first use like the decode kernels
+(`native_attention.build_library`)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ def _setup(lib: ctypes.CDLL) -> None:
     lib.pack_panels.restype = None
     lib.panel_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
     lib.panel_linear.restype = ctypes.c_int
+    lib.panel_linear_int8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
+    lib.panel_linear_int8.restype = ctypes.c_int
     if lib.panel_width() != PANEL:
         raise OSError(f"panel_linear.c packs {lib.panel_width()} columns a panel, "
                       f"native_linear.py expects {PANEL}")
@@ -67,39 +71,51 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return panels
 
 
-def pack_panels_reference(weight: torch.Tensor) -> torch.Tensor:
-    """pack_panels in PyTorch ops (the tests' reference)."""
+def panels_of(weight: torch.Tensor) -> torch.Tensor:
+    """pack_panels in PyTorch ops, for a weight of any dtype: the reference of the C packing, and
+    how int8 codes are packed (once, at load: `Linear.quantize_int8`)."""
     n, k = weight.shape
     padded = torch.nn.functional.pad(weight, (0, 0, 0, num_panels(n) * PANEL - n))
     return padded.view(num_panels(n), PANEL, k).transpose(1, 2).contiguous()  # [P, K, 32]
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
-                 bias: torch.Tensor | None = None, trusted: bool = False) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, trusted: bool = False,
+                 scale: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) from weight's panels (`pack_panels`): x [..., K] float32 CPU
-    -> [..., out_features] float32. `trusted`: panels and bias are a layer's own, checked when
-    it packed them (`Linear.pack_panels`), so only x is checked (a decode step's hot path)."""
+    -> [..., out_features] float32. With `scale` [out_features] float32, the panels hold int8
+    codes (`panels_of` the codes) of weight = code * scale[:, None] (weight-only int8). `trusted`:
+    panels, scale and bias are a layer's own, checked when it packed them (`Linear.pack_panels`,
+    `Linear.quantize_int8`), so only x is checked (a decode step's hot path)."""
     k = panels.shape[1] if panels.dim() == 3 else -1
     if not trusted:
-        if (panels.dim() != 3 or panels.shape[2] != PANEL or panels.dtype != torch.float32
+        dtype = torch.float32 if scale is None else torch.int8
+        if (panels.dim() != 3 or panels.shape[2] != PANEL or panels.dtype != dtype
                 or not panels.is_contiguous() or panels.shape[0] != num_panels(out_features)):
-            raise ValueError(f"panels must be float32 [{num_panels(out_features)}, K, {PANEL}] "
-                             f"(pack_panels of a [{out_features}, K] weight), got "
+            raise ValueError(f"panels must be {dtype} [{num_panels(out_features)}, K, {PANEL}] "
+                             f"(packed from a [{out_features}, K] weight), got "
                              f"{tuple(panels.shape)} {panels.dtype}")
-        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,)):
-            raise ValueError(f"bias must be float32 [{out_features}], got {tuple(bias.shape)} "
-                             f"{bias.dtype}")
+        for name, t in (("bias", bias), ("scale", scale)):
+            if t is not None and (t.dtype != torch.float32 or t.shape != (out_features,)
+                                  or not t.is_contiguous()):
+                raise ValueError(f"{name} must be float32 [{out_features}], got "
+                                 f"{tuple(t.shape)} {t.dtype}")
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() < 1 or x.shape[-1] != k:
         raise ValueError(f"panel_linear takes float32 CPU x [..., {k}], got {tuple(x.shape)} "
                          f"{x.dtype} {x.device}")
     rows = x.reshape(-1, k).contiguous()  # [M, K]
     bias = None if bias is None else bias.contiguous()
     y = torch.empty(rows.shape[0], out_features)
-    status = load_panel_linear().panel_linear(
-        rows.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(),
-        y.data_ptr(), rows.shape[0], out_features, k)
+    lib, bias_ptr = load_panel_linear(), None if bias is None else bias.data_ptr()
+    if scale is None:
+        status = lib.panel_linear(rows.data_ptr(), panels.data_ptr(), bias_ptr, y.data_ptr(),
+                                  rows.shape[0], out_features, k)
+    else:
+        status = lib.panel_linear_int8(rows.data_ptr(), panels.data_ptr(), scale.data_ptr(),
+                                       bias_ptr, y.data_ptr(), rows.shape[0], out_features, k)
     if status != 0:
-        raise MemoryError(f"panel_linear could not allocate a copy of x {tuple(rows.shape)}")
+        raise MemoryError(f"panel_linear could not allocate its scratch (a copy of x "
+                          f"{tuple(rows.shape)}, a widened int8 panel a thread)")
     return y.view(*x.shape[:-1], out_features)
 
 

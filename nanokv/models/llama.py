@@ -212,8 +212,8 @@ class LlamaForCausalLM(nn.Module):
         chosen: dict[tuple, bool] = {}  # (is the head, out, in) -> panels kept
         t0 = time.perf_counter()
         for module in self.modules():
-            if not isinstance(module, Linear):
-                continue
+            if not isinstance(module, Linear) or module.scale is not None:
+                continue  # int8 layers keep their codes' panels (`quantize_int8`)
             keep_plain = module is self.lm_head and self.tie_word_embeddings
             is_head, plain = module is self.lm_head, type(module) is Linear
             shape = (is_head, module.out_features, module.in_features)
@@ -231,6 +231,17 @@ class LlamaForCausalLM(nn.Module):
                         "; ".join(f"{'LM head ' if head else ''}{n} x {k}: "
                                   f"{'column panels' if panels else 'oneDNN'}"
                                   for (head, n, k), panels in chosen.items()))
+
+    def quantize_int8(self) -> int:
+        """Weight-only int8 for every linear layer but those marked `keep_float` (a MoE
+        router: its top-k choices follow small differences): int8 codes in column panels with
+        a scale per output row (`Linear.quantize_int8`). Returns how many layers. A tied LM head
+        gets codes of its own; the embedding keeps the float matrix for its lookups."""
+        layers = [m for m in self.modules()
+                  if isinstance(m, Linear) and not getattr(m, "keep_float", False)]
+        for module in layers:
+            module.quantize_int8()
+        return len(layers)
 
     def use_native_elementwise(self) -> bool:
         """Route the norms, RoPE and SiLU-and-multiply through the fused C kernels

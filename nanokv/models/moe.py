@@ -54,6 +54,7 @@ class SparseMoeBlock(nn.Module):
         self.num_experts, self.top_k, self.normalize = moe.num_experts, moe.top_k, moe.normalize
         self.tp = tp
         self.gate = Linear(cfg.hidden_size, moe.num_experts, bias=False)  # the router
+        self.gate.keep_float = True  # not quantized: its top-k choices follow small changes
         self.experts = nn.ModuleList(
             LlamaMLP(cfg, False, tp, moe.expert_width, reduce=False)
             for _ in range(moe.num_experts))
@@ -61,6 +62,8 @@ class SparseMoeBlock(nn.Module):
                               if moe.shared_width else None)
         self.shared_expert_gate = (Linear(cfg.hidden_size, 1, bias=False)
                                    if moe.shared_width else None)
+        if self.shared_expert_gate is not None:
+            self.shared_expert_gate.keep_float = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
+from nanokv.layers.int8_weights import QUANTIZATIONS
 from nanokv.layers.linear import onednn_available
 from nanokv.models.registry import model_class
 from nanokv.utils import head_dim_of
@@ -193,6 +194,22 @@ def _packed_sizes(model, dst: str, param: torch.nn.Parameter) -> list[int]:
     raise ValueError(f"unknown packed module {dst}")
 
 
+def check_quantization(quantization: str, dtype: str, device: torch.device, tp) -> None:
+    """Where weight-only int8 runs: CPU (the panel kernel), float32 activations (dtype auto or
+    float32), one process (a rank's shard would take scales of its own). ValueError otherwise."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or None, got "
+                         f"{quantization!r}")
+    if device.type != "cpu":
+        raise ValueError(f"quantization {quantization!r} runs on CPU (its kernel is the CPU "
+                         f"panel kernel); device is {device.type}")
+    if dtype not in ("auto", "float32"):
+        raise ValueError(f"quantization {quantization!r} computes in float32 (int8 weights, "
+                         f"float32 activations); dtype must be auto or float32, got {dtype!r}")
+    if tp is not None:
+        raise ValueError(f"quantization {quantization!r} runs with tensor_parallel_size 1")
+
+
 def load_eos_token_ids(path: str, cfg, tokenizer) -> tuple[int, ...]:
     ids: list[int] = []
     gen_file = os.path.join(path, "generation_config.json")
@@ -228,12 +245,16 @@ def load_tokenizer(path: str):
 def load_model(model_path: str, dtype: str = "auto", device: str = "auto",
                max_positions: int | None = None, tokenizer_path: str | None = None,
                skip_tokenizer_init: bool = False, linear_backend: str = "auto",
-               tp=None) -> LoadedModel:
+               tp=None, quantization: str | None = None) -> LoadedModel:
     """tp: this rank's `nanokv.distributed.parallel_state.TensorParallel` (None: the whole
-    model in this process)."""
+    model in this process). quantization "int8": the linear layers' weights become int8 codes
+    with a scale per output row (`LlamaForCausalLM.quantize_int8`; CPU, float32 activations)."""
     cfg, arch = load_hf_config(model_path)
     cls = model_class(arch)
     dev = resolve_device(device)
+    if quantization is not None:
+        check_quantization(quantization, dtype, dev, tp)
+        dtype = "float32"  # int8 weights take float32 activations
     torch_dtype, note = resolve_dtype(dtype, checkpoint_dtype(cfg), dev)
     n_pos = max_positions or cfg.max_position_embeddings
     cls.layer_windows(cfg, n_pos)  # refuses a sliding window nanokv cannot apply as HF does
@@ -244,6 +265,9 @@ def load_model(model_path: str, dtype: str = "auto", device: str = "auto",
     load_weights(model, model_path)
     model.tie_weights()
     model.eval()
+    if quantization is not None:
+        layers = model.quantize_int8()
+        note += f", int8 weights ({layers} linear layers, a scale per output row)"
     backend = linear_backend
     if backend == "auto":
         backend = "onednn" if dev.type == "cpu" and onednn_available() else "torch"

@@ -4,7 +4,7 @@ prefill, prefix hits, preemption and quantized KV caches, with sliding windows (
 over the whole sequence with its window mask), on two tensor-parallel ranks (one process's
 tokens), and under LoRA adapters on the attention projections (PEFT's model the oracle);
 what cannot run is refused before loading. (Parity of each config's flags:
-test_hf_architectures.py; the block against its dense formula: tests/unit/test_moe.py.)"""
+test_hf_architectures.py; the block against its dense formula: tests/unit/test_moe_block.py.)"""
 
 from __future__ import annotations
 

@@ -4,14 +4,15 @@ AVX-512 path takes 8 rows at a time, AVX2 2, plain C 8); vocabulary sizes that a
 of the 32-column panel (the last panel's padding); head sizes of any length; a bias; leading
 dimensions. The packing against its PyTorch reference; bad inputs refused; the load-time choice
 between the panels and oneDNN's packed copy, and a loaded model's LM head on the copy it keeps
-(tied: the embedding keeps its plain matrix; untied: only the kept copy); and the same checks
-built without AVX-512 (the AVX2 path) and without AVX2 (plain C)."""
+(tied: the embedding keeps its plain matrix; untied: only the kept copy); int8 codes in the same
+panels with a scale per row (weight-only int8) against F.linear over the dequantized weight; and
+the same checks built without AVX-512 (the AVX2 path) and without AVX2 (plain C)."""
 
 import pytest
 import torch
 from narrow_builds import run_narrow_build
 
-from nanokv.layers import native_linear
+from nanokv.layers import int8_weights, native_linear
 from nanokv.layers.native_attention import NativeKernelUnavailable
 
 try:
@@ -38,11 +39,49 @@ def test_equals_f_linear(rows, n, k):
     torch.testing.assert_close(got, reference(x, w, bias), atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 19, 23, 40])
+@pytest.mark.parametrize("n,k", [(4096, 256), (77, 48), (33, 40), (130, 7)])
+def test_int8_panels_equal_f_linear_over_the_dequantized_weight(rows, n, k):
+    """Weight-only int8: the codes' panels and a scale per row against F.linear over code *
+    scale (float64); the weights' rows of different ranges, a zero row among them."""
+    gen = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen) * 3
+    w[n // 2] = 0
+    bias = torch.randn(n, generator=gen) if n % 2 else None
+    codes, scale = int8_weights.quantize_rows(w)
+    got = native_linear.panel_linear(x, native_linear.panels_of(codes), n, bias, scale=scale)
+    torch.testing.assert_close(got, reference(x, int8_weights.dequantize(codes, scale), bias),
+                               atol=1e-4, rtol=1e-5)
+
+
+def test_int8_rows_round_to_the_nearest_step():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(50, 300, generator=gen) * torch.rand(50, 1, generator=gen)
+    w[3] = 0
+    codes, scale = int8_weights.quantize_rows(w)
+    assert codes.dtype == torch.int8 and codes.abs().max() == 127 and scale[3] == 1
+    assert codes[3].eq(0).all()
+    error = (int8_weights.dequantize(codes, scale) - w).abs()
+    assert bool((error <= scale[:, None] / 2 * (1 + 1e-5)).all())
+    # each nonzero row uses its whole range: its largest magnitude is code +-127
+    assert codes.abs().amax(dim=1)[torch.arange(50) != 3].eq(127).all()
+
+
+def test_int8_inputs_are_checked():
+    codes, scale = int8_weights.quantize_rows(torch.randn(40, 16))
+    panels = native_linear.panels_of(codes)
+    with pytest.raises(ValueError, match=r"panels must be torch.int8 \[2, K, 32\]"):
+        native_linear.panel_linear(torch.randn(3, 16), panels.float(), 40, scale=scale)
+    with pytest.raises(ValueError, match=r"scale must be float32 \[40\]"):
+        native_linear.panel_linear(torch.randn(3, 16), panels, 40, scale=scale[:39])
+
+
 def test_packing_equals_its_reference_and_pads_with_zeros():
     w = torch.randn(70, 24)
     panels = native_linear.pack_panels(w)
     assert panels.shape == (3, 24, native_linear.PANEL)
-    assert torch.equal(panels, native_linear.pack_panels_reference(w))
+    assert torch.equal(panels, native_linear.panels_of(w))
     assert torch.equal(panels[1, :, 5], w[37])  # panels[p, k, j] = w[32 p + j, k]
     assert not panels[2, :, 6:].any()  # rows 70-95 do not exist
 
@@ -198,5 +237,5 @@ def test_the_choice_is_measured_once_per_shape(tiny_model, monkeypatch):
 def test_a_narrower_build_equals_f_linear(tmp_path, flags):
     """The AVX2 path (built without AVX-512) and plain C (without AVX2, which every CPU builds):
     the same checks with the library built that way."""
-    run_narrow_build(__file__, "test_equals_f_linear or test_leading", tmp_path, "panel_linear",
-                     flags=flags, timeout=300)
+    run_narrow_build(__file__, "test_equals_f_linear or test_leading or test_int8_panels",
+                     tmp_path, "panel_linear", flags=flags, timeout=300)

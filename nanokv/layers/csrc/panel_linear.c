@@ -19,7 +19,15 @@
  * prefetches ahead in the stream it reads, `STREAM_AHEAD`). x is
  * first copied group-major ([M / gr][K][gr], gr = group_rows(M)) so a group's broadcasts for
  * one k are adjacent. Plain C where AVX2 is missing (the compiler's vectoriser).
- * The reference is `torch.nn.functional.linear` on the unpacked weight. */
+ * The reference is `torch.nn.functional.linear` on the unpacked weight.
+ *
+ * Int8 weights (weight-only quantization, `panel_linear_int8`): the same panels of int8 codes
+ * [P, K, 32] and a float32 scale per output column, w[n, k] = code[n, k] * scale[n]. Each panel
+ * row is widened to float32 in registers (AVX-512: two 16-lane conversions; AVX2: four 8-lane)
+ * and the passes are the float kernel's; the scale multiplies each output once, at the store:
+ * y = scale * (x @ code.T) + bias. A quarter of the bytes a step over k, so a decode step that
+ * streams its weights from memory reads a quarter as much. The reference is F.linear over the
+ * dequantized weight (code * scale). */
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -69,12 +77,17 @@ void pack_panels(const float *w, float *panels, int64_t N, int64_t K) {
     }
 }
 
-/* one output row segment: y_row[n0 + j] = acc[j] (+ bias), j < 32, only columns below N */
-static inline void store_row(float *y_row, const float *acc, const float *bias, int64_t n0,
-                             int64_t N) {
+/* one output row segment: y_row[n0 + j] = acc[j] (x scale, int8 weights) (+ bias), j < 32,
+ * only columns below N */
+static inline void store_row(float *y_row, const float *acc, const float *scale,
+                             const float *bias, int64_t n0, int64_t N) {
     const int64_t n_end = n0 + PANEL < N ? n0 + PANEL : N;
-    for (int64_t n = n0; n < n_end; n++) y_row[n] = acc[n - n0] + (bias ? bias[n] : 0.f);
+    for (int64_t n = n0; n < n_end; n++)
+        y_row[n] = acc[n - n0] * (scale ? scale[n] : 1.f) + (bias ? bias[n] : 0.f);
 }
+
+/* bytes of one weight: a float32 panel's or an int8 one's (I8: a constant where inlined) */
+static inline int64_t weight_bytes(const int I8) { return I8 ? 1 : (int64_t)sizeof(float); }
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 /* step k's share bytes from pf on, into L2 (_MM_HINT_T2: not L1; on AVX2 a weight that sits in
@@ -86,18 +99,29 @@ static inline __attribute__((always_inline)) void prefetch_step(const char *pf, 
 #endif
 
 #if defined(__AVX512F__)
-/* the MC rows of group xg ([K][MC], x's rows m0..m0 + MC) times panel pw ([K][32]) into y,
- * each step over k prefetching `share` bytes from pf on (pf NULL: none; `STREAM_AHEAD`) (always
- * inlined with MC constant: 2 * MC accumulators in registers) */
+/* 16 weights of a panel from element i on, as float32 (int8 codes widened: I8 constant) */
+static inline __attribute__((always_inline)) __m512 load16(const void *pw, int64_t i,
+                                                           const int I8) {
+    if (I8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128((const __m128i *)((const int8_t *)pw + i))));
+    return _mm512_loadu_ps((const float *)pw + i);
+}
+
+/* the MC rows of group xg ([K][MC], x's rows m0..m0 + MC) times panel pw ([K][32], float32 or
+ * int8 codes: I8, with scale per column) into y, each step over k prefetching `share` bytes
+ * from pf on (pf NULL: none; `STREAM_AHEAD`) (always inlined with MC and I8 constant: 2 * MC
+ * accumulators in registers) */
 static inline __attribute__((always_inline)) void panel_group_pass(
-        const float *xg, const float *pw, float *y, const float *bias, int64_t n0, int64_t N,
-        int64_t K, int64_t m0, const int MC, const char *pf, int64_t share, const int prefetch) {
+        const float *xg, const void *pw, const float *scale, float *y, const float *bias,
+        int64_t n0, int64_t N, int64_t K, int64_t m0, const int MC, const char *pf,
+        int64_t share, const int prefetch, const int I8) {
     __m512 acc[G][2];
     for (int m = 0; m < MC; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
         if (prefetch) prefetch_step(pf, k, share);
-        const __m512 w0 = _mm512_loadu_ps(pw + k * PANEL);
-        const __m512 w1 = _mm512_loadu_ps(pw + k * PANEL + 16);
+        const __m512 w0 = load16(pw, k * PANEL, I8);
+        const __m512 w1 = load16(pw, k * PANEL + 16, I8);
         for (int m = 0; m < MC; m++) {
             const __m512 xb = _mm512_set1_ps(xg[k * MC + m]);
             acc[m][0] = _mm512_fmadd_ps(w0, xb, acc[m][0]);
@@ -110,39 +134,56 @@ static inline __attribute__((always_inline)) void panel_group_pass(
         if (n0 + PANEL <= N) {
             __m512 b0 = _mm512_setzero_ps(), b1 = b0;
             if (bias) b0 = _mm512_loadu_ps(bias + n0), b1 = _mm512_loadu_ps(bias + n0 + 16);
-            _mm512_storeu_ps(y_row + n0, _mm512_add_ps(acc[m][0], b0));
-            _mm512_storeu_ps(y_row + n0 + 16, _mm512_add_ps(acc[m][1], b1));
+            if (I8) {
+                _mm512_storeu_ps(y_row + n0, _mm512_fmadd_ps(
+                    acc[m][0], _mm512_loadu_ps(scale + n0), b0));
+                _mm512_storeu_ps(y_row + n0 + 16, _mm512_fmadd_ps(
+                    acc[m][1], _mm512_loadu_ps(scale + n0 + 16), b1));
+            } else {
+                _mm512_storeu_ps(y_row + n0, _mm512_add_ps(acc[m][0], b0));
+                _mm512_storeu_ps(y_row + n0 + 16, _mm512_add_ps(acc[m][1], b1));
+            }
         } else {  /* the last panel: columns past N are padding */
             float tail[PANEL];
             _mm512_storeu_ps(tail, acc[m][0]);
             _mm512_storeu_ps(tail + 16, acc[m][1]);
-            store_row(y_row, tail, bias, n0, N);
+            store_row(y_row, tail, I8 ? scale : NULL, bias, n0, N);
         }
     }
 }
 
 static inline __attribute__((always_inline)) void panel_group(
-        const float *xg, const float *pw, float *y, const float *bias, int64_t n0, int64_t N,
-        int64_t K, int64_t m0, const int MC, const char *pf, int64_t share) {
+        const float *xg, const void *pw, const float *scale, float *y, const float *bias,
+        int64_t n0, int64_t N, int64_t K, int64_t m0, const int MC, const char *pf,
+        int64_t share, const int I8) {
     if (pf)  /* the loop without prefetches stays as it was */
-        panel_group_pass(xg, pw, y, bias, n0, N, K, m0, MC, pf, share, 1);
+        panel_group_pass(xg, pw, scale, y, bias, n0, N, K, m0, MC, pf, share, 1, I8);
     else
-        panel_group_pass(xg, pw, y, bias, n0, N, K, m0, MC, pf, share, 0);
+        panel_group_pass(xg, pw, scale, y, bias, n0, N, K, m0, MC, pf, share, 0, I8);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
+
+/* 8 weights of a panel from element i on, as float32 (int8 codes widened: I8 constant) */
+static inline __attribute__((always_inline)) __m256 load8(const void *pw, int64_t i,
+                                                          const int I8) {
+    if (I8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64((const __m128i *)((const int8_t *)pw + i))));
+    return _mm256_loadu_ps((const float *)pw + i);
+}
 
 /* the MC rows of group xg times the columns [16 h, 16 h + 16) of panel pw into acc (MC <= 6:
  * 2 * MC accumulators, two weight vectors and a broadcast, 15 of the 16 registers), with share
  * bytes of the next panel from pf on prefetched into L2 each step over k where `prefetch` (a
  * constant, as in panel_pass) */
 static inline __attribute__((always_inline)) void panel_half(
-        const float *xg, const float *pw, int64_t K, const int MC, int h, __m256 acc[G][2],
-        const char *pf, int64_t share, const int prefetch) {
+        const float *xg, const void *pw, int64_t K, const int MC, int h, __m256 acc[G][2],
+        const char *pf, int64_t share, const int prefetch, const int I8) {
     for (int m = 0; m < MC; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
         if (prefetch) prefetch_step(pf, k, share);
-        const __m256 w0 = _mm256_loadu_ps(pw + k * PANEL + 16 * h);
-        const __m256 w1 = _mm256_loadu_ps(pw + k * PANEL + 16 * h + 8);
+        const __m256 w0 = load8(pw, k * PANEL + 16 * h, I8);
+        const __m256 w1 = load8(pw, k * PANEL + 16 * h + 8, I8);
         for (int m = 0; m < MC; m++) {
             const __m256 xb = _mm256_broadcast_ss(xg + k * MC + m);
             acc[m][0] = _mm256_fmadd_ps(w0, xb, acc[m][0]);
@@ -155,14 +196,14 @@ static inline __attribute__((always_inline)) void panel_half(
  * share bytes of the next panel from pf on prefetched into L2 each step over k (always inlined
  * with `prefetch` constant: the loop without it stays as it was) */
 static inline __attribute__((always_inline)) void panel_pass(
-        const float *xg, const float *pw, int64_t K, const int MC, __m256 acc[2][4],
-        const char *pf, int64_t share, const int prefetch) {
+        const float *xg, const void *pw, int64_t K, const int MC, __m256 acc[2][4],
+        const char *pf, int64_t share, const int prefetch, const int I8) {
     for (int m = 0; m < MC; m++)
         for (int v = 0; v < 4; v++) acc[m][v] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
         if (prefetch) prefetch_step(pf, k, share);
         __m256 wv[4];
-        for (int v = 0; v < 4; v++) wv[v] = _mm256_loadu_ps(pw + k * PANEL + 8 * v);
+        for (int v = 0; v < 4; v++) wv[v] = load8(pw, k * PANEL + 8 * v, I8);
         for (int m = 0; m < MC; m++) {
             const __m256 xb = _mm256_broadcast_ss(xg + k * MC + m);
             for (int v = 0; v < 4; v++) acc[m][v] = _mm256_fmadd_ps(wv[v], xb, acc[m][v]);
@@ -170,17 +211,20 @@ static inline __attribute__((always_inline)) void panel_pass(
     }
 }
 
-/* the 8 outputs of acc at column col of panel n0 for one row of x: into y_row (+ bias), or into
- * tail_row on the last panel (columns past N being padding; store_row copies them after) */
+/* the 8 outputs of acc at column col of panel n0 for one row of x: into y_row (x scale where
+ * I8, + bias), or into tail_row on the last panel (columns past N being padding; store_row
+ * scales and copies them after) */
 static inline __attribute__((always_inline)) void store8(
-        __m256 acc, float *y_row, float *tail_row, const float *bias, int64_t n0, int64_t col,
-        int whole) {
+        __m256 acc, float *y_row, float *tail_row, const float *scale, const float *bias,
+        int64_t n0, int64_t col, int whole, const int I8) {
     if (!whole) {
         _mm256_storeu_ps(tail_row + col, acc);
         return;
     }
     const __m256 b = bias ? _mm256_loadu_ps(bias + n0 + col) : _mm256_setzero_ps();
-    _mm256_storeu_ps(y_row + n0 + col, _mm256_add_ps(acc, b));
+    _mm256_storeu_ps(y_row + n0 + col,
+                     I8 ? _mm256_fmadd_ps(acc, _mm256_loadu_ps(scale + n0 + col), b)
+                        : _mm256_add_ps(acc, b));
 }
 
 /* as above with 8-float vectors, a panel row being four of them: up to two rows of x over the
@@ -190,48 +234,60 @@ static inline __attribute__((always_inline)) void store8(
  * reading the panel from L2). Both kinds of pass also bring `share` bytes a step over k from pf
  * on into L2 (pf NULL: none; next_panel_share; a group of halves takes two passes' shares) */
 static inline __attribute__((always_inline)) void panel_group(
-        const float *xg, const float *pw, float *y, const float *bias, int64_t n0, int64_t N,
-        int64_t K, int64_t m0, const int MC, const char *pf, int64_t share) {
+        const float *xg, const void *pw, const float *scale, float *y, const float *bias,
+        int64_t n0, int64_t N, int64_t K, int64_t m0, const int MC, const char *pf,
+        int64_t share, const int I8) {
     float tail[G][PANEL];  /* the last panel's rows, columns past N being padding */
     const int whole = n0 + PANEL <= N;
     if (MC > 2) {
         for (int h = 0; h < 2; h++) {
             __m256 acc[G][2];
             if (pf)  /* each half a pass of its own */
-                panel_half(xg, pw, K, MC, h, acc, pf + h * K * share, share, 1);
+                panel_half(xg, pw, K, MC, h, acc, pf + h * K * share, share, 1, I8);
             else
-                panel_half(xg, pw, K, MC, h, acc, pf, share, 0);
+                panel_half(xg, pw, K, MC, h, acc, pf, share, 0, I8);
             for (int m = 0; m < MC; m++)
                 for (int v = 0; v < 2; v++)
-                    store8(acc[m][v], y + (m0 + m) * N, tail[m], bias, n0, 16 * h + 8 * v,
-                           whole);
+                    store8(acc[m][v], y + (m0 + m) * N, tail[m], scale, bias, n0,
+                           16 * h + 8 * v, whole, I8);
         }
     } else {
         __m256 acc[2][4];
         if (pf)
-            panel_pass(xg, pw, K, MC, acc, pf, share, 1);
+            panel_pass(xg, pw, K, MC, acc, pf, share, 1, I8);
         else
-            panel_pass(xg, pw, K, MC, acc, pf, share, 0);
+            panel_pass(xg, pw, K, MC, acc, pf, share, 0, I8);
         for (int m = 0; m < MC; m++)
             for (int v = 0; v < 4; v++)
-                store8(acc[m][v], y + (m0 + m) * N, tail[m], bias, n0, 8 * v, whole);
+                store8(acc[m][v], y + (m0 + m) * N, tail[m], scale, bias, n0, 8 * v, whole,
+                       I8);
     }
     if (!whole)
-        for (int m = 0; m < MC; m++) store_row(y + (m0 + m) * N, tail[m], bias, n0, N);
+        for (int m = 0; m < MC; m++)
+            store_row(y + (m0 + m) * N, tail[m], I8 ? scale : NULL, bias, n0, N);
 }
 #else
 static inline __attribute__((always_inline)) void panel_group(
-        const float *xg, const float *pw, float *y, const float *bias, int64_t n0, int64_t N,
-        int64_t K, int64_t m0, const int MC, const char *pf, int64_t share) {
+        const float *xg, const void *pw, const float *scale, float *y, const float *bias,
+        int64_t n0, int64_t N, int64_t K, int64_t m0, const int MC, const char *pf,
+        int64_t share, const int I8) {
     (void)pf; (void)share;  /* no prefetch here (next_panel_share) */
     float acc[G][PANEL] = {{0}};
+    const float *pf32 = (const float *)pw;
+    const int8_t *pi8 = (const int8_t *)pw;
     for (int64_t k = 0; k < K; k++)
         for (int m = 0; m < MC; m++) {
             const float xv = xg[k * MC + m];
-            #pragma omp simd
-            for (int j = 0; j < PANEL; j++) acc[m][j] += pw[k * PANEL + j] * xv;
+            if (I8) {
+                #pragma omp simd
+                for (int j = 0; j < PANEL; j++) acc[m][j] += (float)pi8[k * PANEL + j] * xv;
+            } else {
+                #pragma omp simd
+                for (int j = 0; j < PANEL; j++) acc[m][j] += pf32[k * PANEL + j] * xv;
+            }
         }
-    for (int m = 0; m < MC; m++) store_row(y + (m0 + m) * N, acc[m], bias, n0, N);
+    for (int m = 0; m < MC; m++)
+        store_row(y + (m0 + m) * N, acc[m], I8 ? scale : NULL, bias, n0, N);
 }
 #endif
 
@@ -248,8 +304,9 @@ static inline __attribute__((always_inline)) void panel_group(
  * at 17-48 (ab_panel_linear.py --decode-step). The AVX-512 build takes up to 8 rows in one
  * pass and prefetches within that pass's own stream instead (`STREAM_AHEAD`). */
 #if !defined(__AVX512F__)
-static int64_t next_panel_share(int64_t M, int64_t passes, int64_t K, long l2) {
-    const int64_t panel = K * PANEL * (int64_t)sizeof(float);
+static int64_t next_panel_share(int64_t M, int64_t passes, int64_t K, long l2,
+                                int64_t elem) {
+    const int64_t panel = K * PANEL * elem;
     const int64_t room = l2 > 0 ? (int64_t)l2 - panel - (int64_t)l2 / 8 : 0;
     if (passes < 2 || room <= 0 || M > DECODE_ROWS) return 0;
     return (room < panel ? room : panel) / (passes * K);
@@ -286,10 +343,58 @@ static long prefetch_l2_bytes(void) {
 }
 #endif
 
-/* y = x @ w.T (+ bias) from w's panels; returns 0, or -1 when the scratch copy of x cannot be
- * allocated */
-int panel_linear(const float *x, const float *panels, const float *bias, float *y, int64_t M,
-                 int64_t N, int64_t K) {
+/* An int8 panel that several groups of rows pass over is widened once into float32 (code x
+ * scale, 128 KiB at 1,024 columns: it stays in L2) and the passes read that, as the float
+ * kernel reads a float panel: the codes come from memory once either way, and each pass
+ * widening them again made a 64-row product of the LM head 1.2x float32's time. Columns past
+ * the last panel's N - n0 get scale 0. */
+static void widen_panel(const int8_t *codes, const float *scale, int64_t cols, int64_t K,
+                        float *dst) {
+    float s[PANEL];
+    for (int j = 0; j < PANEL; j++) s[j] = j < cols ? scale[j] : 0.f;
+    for (int64_t k = 0; k < K; k++) {
+        #pragma omp simd
+        for (int j = 0; j < PANEL; j++) dst[k * PANEL + j] = (float)codes[k * PANEL + j] * s[j];
+    }
+}
+
+/* The groups of rows [mt, m_end) of xg over panel p at pw (float32, or int8 codes with scale
+ * where I8), each a pass, prefetching as described above where `prefetch` (the panel is the one
+ * in memory, not a widened copy) */
+static inline __attribute__((always_inline)) void panel_rows(
+        const float *xg, const char *pw, const float *scale, float *y, const float *bias,
+        int64_t p, int64_t P, int64_t N, int64_t K, int64_t M, int64_t mt, int64_t m_end,
+        int64_t gr, int64_t share, int64_t halves, const int prefetch, const int I8) {
+    (void)P; (void)halves;
+    for (int64_t m0 = mt; m0 < m_end; m0 += gr) {
+        const float *g = xg + m0 * K;
+#if defined(__AVX512F__)
+        /* the first group's pass reads the panel from memory (STREAM_AHEAD) */
+        const char *pf = prefetch && m0 == mt ? pw + STREAM_AHEAD : NULL;
+#else
+        /* this group's shares of the next panel (its first pass: (m0 - mt) / gr times halves
+         * of passes) */
+        const char *pf = prefetch && share && p + 1 < P
+            ? pw + K * PANEL * weight_bytes(I8) + (m0 - mt) / gr * halves * K * share
+            : NULL;
+#endif
+        switch (M - m0 < gr ? M - m0 : gr) {  /* instances with MC constant */
+#define GROUP(c) case c: panel_group(g, pw, scale, y, bias, p * PANEL, N, K, m0, c, pf, share, \
+                                     I8); break;
+        GROUP(1) GROUP(2) GROUP(3) GROUP(4) GROUP(5) GROUP(6)
+#if G > 6
+        GROUP(7) GROUP(8)
+#endif
+#undef GROUP
+        }
+    }
+}
+
+/* y = x @ w.T (+ bias) from w's panels (float32, or int8 codes with a scale per column: I8, a
+ * constant in each caller); returns 0, or -1 when a scratch buffer cannot be allocated */
+static inline __attribute__((always_inline)) int panel_linear_any(
+        const float *x, const void *panels, const float *scale, const float *bias, float *y,
+        int64_t M, int64_t N, int64_t K, const int I8) {
     if (M < 1 || N < 1 || K < 1) return 0;
     const int64_t gr = group_rows(M), m_tile = M_TILE_ROWS / gr * gr;
     /* x group-major: group g (rows g gr .. g gr + mc) at xg + g gr K, as [K][mc] */
@@ -306,42 +411,51 @@ int panel_linear(const float *x, const float *panels, const float *bias, float *
 #if !defined(__AVX512F__)
     const long l2 = prefetch_l2_bytes();
 #endif
+    _Atomic int failed = 0;
     #pragma omp parallel
-    for (int64_t mt = 0; mt < M; mt += m_tile) {  /* every thread walks the tiles in step */
-        const int64_t m_end = mt + m_tile < M ? mt + m_tile : M;
+    {
+        /* this thread's widened int8 panel, where several groups pass over one */
+        float *wide = I8 && M > gr ? malloc(sizeof(float) * K * PANEL) : NULL;
+        if (I8 && M > gr && !wide) atomic_store(&failed, 1);
+        #pragma omp barrier  /* every thread sees any failure before the loops' barriers */
+        for (int64_t mt = 0; mt < M && !atomic_load(&failed); mt += m_tile) {
+            /* every thread walks the tiles in step */
+            const int64_t m_end = mt + m_tile < M ? mt + m_tile : M;
+            const int widen = I8 && m_end - mt > gr;
 #if defined(__AVX512F__)
-        const int64_t share = PANEL * (int64_t)sizeof(float);  /* one panel row a step */
+            const int64_t share = PANEL * weight_bytes(I8), halves = 1;  /* a panel row a step */
 #else
-        /* passes over a panel: groups of rows, each one pass (gr 2) or two halves (gr 6) */
-        const int64_t halves = gr == 2 ? 1 : 2, passes = (m_end - mt + gr - 1) / gr * halves;
-        const int64_t share = next_panel_share(M, passes, K, l2);
+            /* passes over a panel: groups of rows, each one pass (gr 2) or two halves (gr 6) */
+            const int64_t halves = gr == 2 ? 1 : 2;
+            const int64_t passes = (m_end - mt + gr - 1) / gr * halves;
+            const int64_t share = next_panel_share(M, passes, K, l2, weight_bytes(I8));
 #endif
-        #pragma omp for schedule(static)
-        for (int64_t p = 0; p < P; p++) {
-            const float *pw = panels + p * K * PANEL;
-            for (int64_t m0 = mt; m0 < m_end; m0 += gr) {
-                const float *g = xg + m0 * K;
-#if defined(__AVX512F__)
-                /* the first group's pass reads the panel from memory (STREAM_AHEAD) */
-                const char *pf = m0 == mt ? (const char *)pw + STREAM_AHEAD : NULL;
-#else
-                /* this group's shares of the next panel (its first pass: (m0 - mt) / gr
-                 * times halves of passes) */
-                const char *pf = share && p + 1 < P
-                    ? (const char *)(pw + K * PANEL) + (m0 - mt) / gr * halves * K * share
-                    : NULL;
-#endif
-                switch (M - m0 < gr ? M - m0 : gr) {  /* instances with MC constant */
-#define GROUP(c) case c: panel_group(g, pw, y, bias, p * PANEL, N, K, m0, c, pf, share); break;
-                GROUP(1) GROUP(2) GROUP(3) GROUP(4) GROUP(5) GROUP(6)
-#if G > 6
-                GROUP(7) GROUP(8)
-#endif
-#undef GROUP
+            #pragma omp for schedule(static)
+            for (int64_t p = 0; p < P; p++) {
+                const char *pw = (const char *)panels + p * K * PANEL * weight_bytes(I8);
+                if (widen) {
+                    widen_panel((const int8_t *)pw, scale + p * PANEL, N - p * PANEL, K, wide);
+                    panel_rows(xg, (const char *)wide, NULL, y, bias, p, P, N, K, M, mt, m_end,
+                               gr, share, halves, 0, 0);
+                } else {
+                    panel_rows(xg, pw, scale, y, bias, p, P, N, K, M, mt, m_end, gr, share,
+                               halves, 1, I8);
                 }
             }
         }
+        free(wide);
     }
     free(xg);
-    return 0;
+    return atomic_load(&failed) ? -1 : 0;
+}
+
+int panel_linear(const float *x, const float *panels, const float *bias, float *y, int64_t M,
+                 int64_t N, int64_t K) {
+    return panel_linear_any(x, panels, NULL, bias, y, M, N, K, 0);
+}
+
+/* int8 codes [P, K, 32] and scale [N]: y = (x @ code.T) * scale (+ bias) */
+int panel_linear_int8(const float *x, const int8_t *panels, const float *scale,
+                      const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
+    return panel_linear_any(x, panels, scale, bias, y, M, N, K, 1);
 }
