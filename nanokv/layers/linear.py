@@ -41,6 +41,7 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None  # oneDNN-blocked copy of the weight
         self.panels: torch.Tensor | None = None  # column panels of the weight (native_linear)
         self.scale: torch.Tensor | None = None  # int8 panels: the scale per output row
+        self.keep_float = False  # left float by the model's int8 quantization (a MoE router)
 
     def pack(self) -> None:
         """Reorder the weight for oneDNN (CPU, float32/bfloat16 only)."""

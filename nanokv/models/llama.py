@@ -237,8 +237,7 @@ class LlamaForCausalLM(nn.Module):
         router: its top-k choices follow small differences): int8 codes in column panels with
         a scale per output row (`Linear.quantize_int8`). Returns how many layers. A tied LM head
         gets codes of its own; the embedding keeps the float matrix for its lookups."""
-        layers = [m for m in self.modules()
-                  if isinstance(m, Linear) and not getattr(m, "keep_float", False)]
+        layers = [m for m in self.modules() if isinstance(m, Linear) and not m.keep_float]
         for module in layers:
             module.quantize_int8()
         return len(layers)
