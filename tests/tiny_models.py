@@ -110,6 +110,19 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> tuple[list[in
     return tokens, torch.stack([step[0] for step in out.logits]).float()
 
 
+def check_teacher_forced(hf_model, prompt: list[int], out, atol: float = 1e-4) -> None:
+    """An engine's output against HF's forward over the prompt and the output's tokens: its
+    prompt logits (when it returned them) within atol, and each greedy token the argmax of HF's
+    logits at its position with the tokens before it as input (HF's own generate can disagree
+    with its forward, e.g. on sliding windows)."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + out.token_ids])).logits[0].float()
+    if out.prompt_logits is not None:
+        torch.testing.assert_close(out.prompt_logits.cpu(), logits[:len(prompt)], atol=atol,
+                                   rtol=atol)
+    assert out.token_ids == logits[len(prompt) - 1:-1].argmax(-1).tolist()
+
+
 def build_noisy_copy(src: str, out_dir: str, scale: float, seed: int = 7) -> str:
     """A copy of the checkpoint at `src` with Gaussian noise of std `scale` added to every
     matrix: a draft model that agrees with it often, not always (config and tokenizer

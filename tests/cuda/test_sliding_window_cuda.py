@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from tiny_models import build_tiny_model, load_hf
+from tiny_models import build_tiny_model, check_teacher_forced, load_hf
 
 from nanokv import LLM, SamplingParams
 
@@ -33,11 +33,7 @@ def test_sliding_window_matches_hf_on_cuda(tmp_path, backend, chosen):
                             return_prompt_logits=True)
     hf = load_hf(model)
     for prompt, out in zip(batch, llm.generate(batch, params, use_tqdm=False)):
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + out.token_ids])).logits[0].float()
-        torch.testing.assert_close(out.prompt_logits.cpu(), logits[:len(prompt)], atol=1e-3,
-                                   rtol=1e-3)
-        assert out.token_ids == logits[len(prompt) - 1:-1].argmax(-1).tolist()
+        check_teacher_forced(hf, prompt, out, atol=1e-3)
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     llm.engine.check_invariants()

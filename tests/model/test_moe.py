@@ -12,8 +12,14 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
-from tiny_models import build_lora_adapter, build_tiny_model, hf_greedy, load_hf, load_hf_lora
+from tiny_models import (
+    build_lora_adapter,
+    build_tiny_model,
+    check_teacher_forced,
+    hf_greedy,
+    load_hf,
+    load_hf_lora,
+)
 
 from nanokv import LLM, SamplingParams
 from nanokv.lora import LoRARequest
@@ -40,21 +46,6 @@ def prompts(seed: int, n: int, shared: int = 0) -> list[list[int]]:
     prefix = [rng.randrange(1, 255) for _ in range(shared)]
     return [prefix + [rng.randrange(1, 255) for _ in range(rng.randrange(5, 140 - shared))]
             for _ in range(n)]
-
-
-def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([tokens])).logits[0].float()  # [len, vocab]
-
-
-def check_teacher_forced(hf, prompt: list[int], out) -> None:
-    """Prompt logits equal HF's, and every greedy token is the argmax of HF's forward over the
-    prompt and nanokv's tokens before it."""
-    logits = hf_logits(hf, prompt + out.token_ids)
-    if out.prompt_logits is not None:
-        torch.testing.assert_close(out.prompt_logits, logits[:len(prompt)], atol=1e-4,
-                                   rtol=1e-4)
-    assert out.token_ids == logits[len(prompt) - 1:-1].argmax(-1).tolist()
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 from beam_reference import reference_beam_search
-from tiny_models import build_tiny_model, load_hf
+from tiny_models import build_tiny_model, check_teacher_forced, load_hf
 
 from nanokv import LLM, BeamSearchParams, SamplingParams
 from nanokv.utils import cdiv
@@ -43,16 +43,6 @@ def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
     """Hugging Face's forward over the whole sequence: [len, vocab]."""
     with torch.no_grad():
         return hf(torch.tensor([tokens])).logits[0].float()
-
-
-def check_against_hf(hf, prompt: list[int], out) -> None:
-    """The prompt's logits, and each greedy token the argmax of HF's logits at its position
-    with the tokens before it (prompt and nanokv's own outputs) as input."""
-    logits = hf_logits(hf, prompt + out.token_ids)
-    if out.prompt_logits is not None:  # asked for (no prefix hits then)
-        torch.testing.assert_close(out.prompt_logits, logits[:len(prompt)], atol=1e-4,
-                                   rtol=1e-4)
-    assert out.token_ids == logits[len(prompt) - 1:-1].argmax(-1).tolist()
 
 
 def run_by_steps(engine, batch, params, after_step) -> dict:
@@ -97,7 +87,7 @@ def test_sliding_window_matches_hf(models, name, backend, chunk):
     batch = prompts(len(name))
     hf = load_hf(models[name])
     for prompt, out in zip(batch, llm.generate(batch, GREEDY, use_tqdm=False)):
-        check_against_hf(hf, prompt, out)
+        check_teacher_forced(hf, prompt, out)
     # the window matters here: the same weights with a window past the prompt differ
     hf.config.sliding_window = 10**6
     for layer in hf.model.layers:
@@ -133,7 +123,7 @@ def test_blocks_behind_the_window_are_freed_after_every_step(models):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     hf = load_hf(models["mistral"])
     for i, prompt in enumerate(batch):
-        check_against_hf(hf, prompt, outputs[str(i)])
+        check_teacher_forced(hf, prompt, outputs[str(i)])
 
 
 def test_prefix_hits_after_the_window_freed_blocks(models):
@@ -150,7 +140,7 @@ def test_prefix_hits_after_the_window_freed_blocks(models):
     assert first.num_cached_tokens == 0
     assert again.num_cached_tokens == (len(prompt) - 1) // 16 * 16
     assert again.token_ids == first.token_ids
-    check_against_hf(load_hf(models["mistral"]), prompt, again)
+    check_teacher_forced(load_hf(models["mistral"]), prompt, again)
 
 
 def test_ngram_speculation_with_a_window(models):
@@ -222,7 +212,7 @@ def test_tensor_parallel_ranks_apply_the_window(models):
         params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
         hf = load_hf(models["qwen3"])
         for prompt, out in zip(batch, llm.generate(batch, params, use_tqdm=False)):
-            check_against_hf(hf, prompt, out)
+            check_teacher_forced(hf, prompt, out)
         llm.engine.check_invariants()
     finally:
         llm.engine.close()
@@ -254,7 +244,7 @@ def test_a_pool_smaller_than_one_request_runs_with_a_window(models):
     assert engine.stats().num_preemptions > 0  # recomputed requests start their window anew
     hf = load_hf(models["mistral"])
     for i, prompt in enumerate(batch):
-        check_against_hf(hf, prompt, outputs[str(i)])
+        check_teacher_forced(hf, prompt, outputs[str(i)])
     # the other models keep every block: the pool must hold a whole request
     with pytest.raises(ValueError, match=r"cannot hold one request of max_model_len 256"):
         LLM(models["qwen2_hybrid"], **options)
@@ -285,7 +275,7 @@ def test_a_prefix_hit_takes_only_the_blocks_in_its_window(models):
         for out in engine.step():
             again = out
     assert again.token_ids == first.token_ids
-    check_against_hf(load_hf(models["mistral"]), prompt, again)
+    check_teacher_forced(load_hf(models["mistral"]), prompt, again)
 
 
 def test_auto_block_size_follows_a_window_on_every_layer(tmp_path):

@@ -40,6 +40,15 @@ def run(llm: LLM, prompts, policies) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate_requests(requests, use_tqdm=False)]
 
 
+def prefill(llm: LLM, prompt: list[int]):
+    """Add the prompt and step until it is computed; its request."""
+    rid = llm.engine.add_request(prompt, GREEDY)
+    request = llm.engine.scheduler.requests[rid]
+    while request.num_computed_tokens < len(prompt):
+        llm.engine.step()
+    return request
+
+
 def compare(path: str, policies: list, min_same: int | None = None, **options):
     """Run the workload on 1 and 2 ranks; the 2-rank engine's policy stats. min_same: at least
     that many of the 14 requests' tokens the same, every first token the same (None: all; a
@@ -114,18 +123,11 @@ def test_calibrated_kvquant_on_two_ranks(tiny_qwen3, tmp_path):
     kv = dict(kv_cache_dtype="kvquant", kv_quant_config=path, kv_quant_bits=4)
     prompt = workload(2, 1)[0]
 
-    def prefill(llm):
-        rid = llm.engine.add_request(prompt, GREEDY)
-        request = llm.engine.scheduler.requests[rid]
-        while request.num_computed_tokens < len(prompt):
-            llm.engine.step()
-        return request
-
     one = LLM(tiny_qwen3, **OPTIONS, **kv)
-    view_one = one.engine.kv_cache.policy_view(prefill(one))
+    view_one = one.engine.kv_cache.policy_view(prefill(one, prompt))
     two = LLM(tiny_qwen3, tensor_parallel_size=2, **OPTIONS, **kv)
     try:
-        view_two = two.engine.policies.kv_cache.policy_view(prefill(two))
+        view_two = two.engine.policies.kv_cache.policy_view(prefill(two, prompt))
         n = len(prompt)
         for layer in range(2):
             for got, ref in zip(view_two.layers[layer], view_one.layers[layer]):
@@ -216,19 +218,12 @@ def test_policy_views_gather_a_layer_when_read(tiny_qwen3, monkeypatch):
     read only until the next one is taken."""
     prompt = workload(1, 1)[0]
 
-    def prefill(llm):
-        rid = llm.engine.add_request(prompt, GREEDY)
-        request = llm.engine.scheduler.requests[rid]
-        while request.num_computed_tokens < len(prompt):
-            llm.engine.step()
-        return request
-
     one = LLM(tiny_qwen3, **OPTIONS)
-    expected = prefill(one)
+    expected = prefill(one, prompt)
     k_one, v_one = one.engine.kv_cache.layer(1)  # [num_blocks, B, Hkv, D]
     two = LLM(tiny_qwen3, tensor_parallel_size=2, **OPTIONS)
     try:
-        request = prefill(two)
+        request = prefill(two, prompt)
         kv = two.engine.policies.kv_cache
         sent = []
         send = kv.executor.send
