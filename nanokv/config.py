@@ -121,8 +121,8 @@ class EngineConfig:
         choices=LINEAR_BACKENDS)
     quantization: str | None = _opt(
         None, "weight quantization: int8 (weight-only, one scale per output row, every linear "
-              "layer but a MoE router; CPU, float32 activations, one process) or unset: the "
-              "checkpoint's weights in dtype", choices=QUANTIZATIONS)
+              "layer but a MoE router; CPU, float32 activations) or unset: the checkpoint's "
+              "weights in dtype", choices=QUANTIZATIONS)
     attention_backend: str = _opt(
         "auto", "attention implementation, chosen once at start-up. auto: the fastest that "
                 "applies (on CPU with a float32 pool the C decode kernel, built on first use "

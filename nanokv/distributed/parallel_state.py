@@ -34,6 +34,11 @@ class TensorParallel:
         dist.all_reduce(x)
         return x
 
+    def max_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Maximum over ranks, in place (a row-parallel weight's row ranges: int8 scales)."""
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return x
+
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor | None:
         """Every rank's `x` (same shape) concatenated along `dim` in rank order, on rank 0;
         None on the other ranks."""

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanokv.distributed.parallel_state import TensorParallel
+from nanokv.layers import native_linear
 from nanokv.layers.linear import Linear
 from nanokv.utils import cdiv
 
@@ -76,9 +77,17 @@ class RowParallelLinear(Linear):
         self.tp = tp
         self.reduce = reduce
 
+    def row_amax(self) -> torch.Tensor:
+        """The whole rows' ranges, over every rank's columns (int8 scales equal on all ranks:
+        one process's codes)."""
+        return self.tp.max_reduce(super().row_amax())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Linear.forward without the bias: it is added once, after the sum
-        if self.packed is not None:
+        if self.panels is not None:  # int8 codes (Linear.quantize_int8)
+            y = native_linear.panel_linear(x, self.panels, self.out_features, None,
+                                           trusted=True, scale=self.scale)
+        elif self.packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         else:
             y = F.linear(x, self.weight)

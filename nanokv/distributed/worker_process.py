@@ -32,7 +32,8 @@ class RankWorker:
             request_huge_pages()
         loaded = load_model(config.model, config.dtype, config.device,
                             skip_tokenizer_init=True, max_positions=config.max_model_len,
-                            linear_backend=config.linear_backend, tp=tp)
+                            linear_backend=config.linear_backend, tp=tp,
+                            quantization=config.quantization)
         self.model, self.device, self.dtype = loaded.model, loaded.device, loaded.dtype
         if self.device.type == "cpu":
             tune_glibc_malloc()

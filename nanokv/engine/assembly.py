@@ -78,10 +78,6 @@ def resolve_parts(config: EngineConfig, hf_config, architecture: str) -> EngineP
     if auto_block and window is not None:  # a request holds about its window's blocks
         config.block_size = auto_block_size(config.max_model_len, window)
     check_tensor_parallel(config, hf_config)
-    if config.quantization is not None and config.tensor_parallel_size != 1:
-        raise ValueError(f"quantization {config.quantization!r} runs with tensor_parallel_size "
-                         f"1 only (a rank's shard would take scales of its own), got "
-                         f"{config.tensor_parallel_size}")
     if config.enable_lora and config.tensor_parallel_size != 1:
         raise ValueError(f"enable_lora runs with tensor_parallel_size 1 only (the adapters are "
                          f"not sharded), got {config.tensor_parallel_size}")

@@ -77,10 +77,14 @@ class Linear(nn.Module):
             raise ValueError(f"int8 weights run on CPU with float32 activations; this layer is "
                              f"{self.weight.dtype} on {self.weight.device.type}")
         native_linear.load_panel_linear()  # raises NativeKernelUnavailable with the reason
-        codes, self.scale = int8_weights.quantize_rows(self.weight)
+        codes, self.scale = int8_weights.quantize_rows(self.weight, self.row_amax())
         self.panels = native_linear.panels_of(codes)  # [P, K, 32] int8
         self.packed = None
         self.free_plain()
+
+    def row_amax(self) -> torch.Tensor:
+        """Each output row's largest weight magnitude [out] (its int8 scale x 127)."""
+        return self.weight.detach().float().abs().amax(dim=1)
 
     def keep_faster_path(self, rows: Sequence[int] = native_linear.HEAD_ROWS,
                          repeats: int = 3) -> bool:

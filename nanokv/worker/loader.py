@@ -194,9 +194,9 @@ def _packed_sizes(model, dst: str, param: torch.nn.Parameter) -> list[int]:
     raise ValueError(f"unknown packed module {dst}")
 
 
-def check_quantization(quantization: str, dtype: str, device: torch.device, tp) -> None:
+def check_quantization(quantization: str, dtype: str, device: torch.device) -> None:
     """Where weight-only int8 runs: CPU (the panel kernel), float32 activations (dtype auto or
-    float32), one process (a rank's shard would take scales of its own). ValueError otherwise."""
+    float32). ValueError otherwise."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or None, got "
                          f"{quantization!r}")
@@ -206,8 +206,6 @@ def check_quantization(quantization: str, dtype: str, device: torch.device, tp) 
     if dtype not in ("auto", "float32"):
         raise ValueError(f"quantization {quantization!r} computes in float32 (int8 weights, "
                          f"float32 activations); dtype must be auto or float32, got {dtype!r}")
-    if tp is not None:
-        raise ValueError(f"quantization {quantization!r} runs with tensor_parallel_size 1")
 
 
 def load_eos_token_ids(path: str, cfg, tokenizer) -> tuple[int, ...]:
@@ -248,12 +246,13 @@ def load_model(model_path: str, dtype: str = "auto", device: str = "auto",
                tp=None, quantization: str | None = None) -> LoadedModel:
     """tp: this rank's `nanokv.distributed.parallel_state.TensorParallel` (None: the whole
     model in this process). quantization "int8": the linear layers' weights become int8 codes
-    with a scale per output row (`LlamaForCausalLM.quantize_int8`; CPU, float32 activations)."""
+    with a scale per output row (`LlamaForCausalLM.quantize_int8`; CPU, float32 activations;
+    every rank quantizes its shard with the whole rows' scales)."""
     cfg, arch = load_hf_config(model_path)
     cls = model_class(arch)
     dev = resolve_device(device)
     if quantization is not None:
-        check_quantization(quantization, dtype, dev, tp)
+        check_quantization(quantization, dtype, dev)
         dtype = "float32"  # int8 weights take float32 activations
     torch_dtype, note = resolve_dtype(dtype, checkpoint_dtype(cfg), dev)
     n_pos = max_positions or cfg.max_position_embeddings

@@ -123,8 +123,6 @@ def test_a_quantized_draft_model_is_the_quantized_model(models):
     (dict(quantization="int4"), r"quantization must be one of \['int8'\], got 'int4'"),
     (dict(quantization="int8", dtype="bfloat16"),
      r"computes in float32 .* dtype must be auto or float32, got 'bfloat16'"),
-    (dict(quantization="int8", tensor_parallel_size=2),
-     r"quantization 'int8' runs with tensor_parallel_size 1 only"),
 ])
 def test_what_int8_weights_do_not_run_with_is_refused(models, options, match):
     with pytest.raises(ValueError, match=match):
@@ -133,4 +131,4 @@ def test_what_int8_weights_do_not_run_with_is_refused(models, options, match):
 
 def test_int8_weights_run_on_cpu_only():
     with pytest.raises(ValueError, match=r"runs on CPU .* device is cuda"):
-        check_quantization("int8", "auto", torch.device("cuda"), None)
+        check_quantization("int8", "auto", torch.device("cuda"))

@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU (gloo, 2 ranks): the same greedy tokens as one process through
 prefix hits, chunked prefill, preemption, KV policies (per request, pool pressure included),
-biases, quantized KV (KVQuant with a calibration cut by head) and speculative drafts;
+biases, quantized KV (KVQuant with a calibration cut by head), int8 weights and speculative
+drafts;
 unsupported models rejected before any process starts; a killed rank ends the run with an error
 naming it, within a time limit."""
 
@@ -140,6 +141,26 @@ def test_calibrated_kvquant_on_two_ranks(tiny_qwen3, tmp_path):
     policies = [PolicyConfig("snapkv", budget=40, options={"window": 8}),
                 PolicyConfig("paged_eviction", budget=48), None]
     compare(tiny_qwen3, policies, min_same=10, **kv)
+
+
+def test_int8_weights_on_two_ranks(tmp_path):
+    """Each rank quantizes its shard with the whole rows' scales (a row-parallel shard's row
+    ranges max-reduced over the ranks): one process's codes, so its tokens and schedule, with
+    biases (o and down's added once, after the sum), policies, prefix hits and preemption."""
+    path = build_tiny_model(str(tmp_path / "biased"), "llama", attention_bias=True,
+                            mlp_bias=True)
+    one = LLM(path, **OPTIONS, quantization="int8").engine.model
+    two = LLM(path, tensor_parallel_size=2, **OPTIONS, quantization="int8")
+    try:  # rank 0's shards of the row-parallel o and down: one process's scales and codes
+        for layer, mine in zip(one.layers, two.engine.model.layers):
+            for whole, shard in ((layer.self_attn.o_proj, mine.self_attn.o_proj),
+                                 (layer.mlp.down_proj, mine.mlp.down_proj)):
+                assert torch.equal(shard.scale, whole.scale)
+                assert torch.equal(shard.panels, whole.panels[:, :shard.in_features])
+    finally:
+        two.engine.close()
+    policies = [PolicyConfig("paged_eviction", budget=48), PolicyConfig("h2o", budget=40), None]
+    compare(path, policies, quantization="int8")
 
 
 def test_speculative_drafts_on_two_ranks_beside_per_request_policies(tiny_llama):
