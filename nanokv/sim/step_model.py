@@ -180,6 +180,14 @@ DEVICES = {
 }
 
 
+# the config fields a ModelShape reads (its own and the experts' of `moe_shape`)
+CONFIG_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "intermediate_size", "vocab_size", "tie_word_embeddings",
+                 "max_position_embeddings", "model_type", "num_experts", "num_local_experts",
+                 "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                 "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
+
+
 @dataclass(frozen=True)
 class ModelShape:
     num_layers: int
@@ -218,12 +226,24 @@ class ModelShape:
 
     @classmethod
     def load(cls, model_dir: str) -> ModelShape:
+        """The shape of a config directory, with the fields its file leaves at their defaults
+        filled in as transformers fills them (transformers 5 saves only what differs from
+        them: a Qwen3-MoE config.json may hold no num_experts); the file alone where
+        transformers cannot read it (an architecture it does not know)."""
         path = f"{model_dir}/config.json"
         try:
             with open(path, encoding="utf-8") as f:
-                return cls.from_hf_config(json.load(f))
+                raw = json.load(f)
         except OSError as e:
             raise ValueError(f"cannot read {path}: {e}") from e
+        try:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(model_dir)
+        except Exception:  # noqa: BLE001 - transformers raises many types for configs it lacks
+            return cls.from_hf_config(raw)
+        full = {key: getattr(config, key) for key in CONFIG_FIELDS if hasattr(config, key)}
+        return cls.from_hf_config({**full, **raw})
 
     @property
     def num_params(self) -> int:

@@ -139,3 +139,16 @@ def test_activation_estimate_counts_a_tokens_experts():
     for tokens in (1, 512):
         assert (estimate_activation_bytes(moe, tokens, 4, torch.float32)
                 == estimate_activation_bytes(dense, tokens, 4, torch.float32))
+
+
+def test_a_saved_config_without_its_defaults_keeps_its_experts(tmp_path):
+    """transformers 5 writes only the fields that differ from the config class's defaults: the
+    simulator fills them in as transformers does (Qwen3-MoE's 128 experts, 8 a token)."""
+    import json
+
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(num_hidden_layers=2).save_pretrained(tmp_path)
+    assert "num_experts" not in json.loads((tmp_path / "config.json").read_text())
+    shape = ModelShape.load(str(tmp_path))
+    assert (shape.num_experts, shape.top_k, shape.sparse_layers) == (128, 8, 2)
