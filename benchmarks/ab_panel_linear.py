@@ -24,6 +24,7 @@ of panels at 4 layers).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import statistics
 import sys
@@ -100,6 +101,15 @@ def ab_decode_step(libs: dict, layers: int, rows: int, rounds: int,
             "max_abs_diff": diff}
 
 
+def setup_float(lib) -> None:
+    """The float32 entry points only (what this A/B calls): checkouts from before the int8
+    panels (`panel_linear_int8`) load too."""
+    lib.pack_panels.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+    lib.pack_panels.restype = None
+    lib.panel_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    lib.panel_linear.restype = ctypes.c_int
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--before", required=True, help="checkout whose csrc/ is the baseline")
@@ -127,7 +137,7 @@ def main(argv=None) -> None:
         if not src.is_file():
             p.error(f"--{side}: {src} not found (give a checkout of this repository)")
     torch.set_num_threads(args.threads)
-    libs = {side: LazyLibrary(src, native_linear._setup).get() for side, src in sources.items()}
+    libs = {side: LazyLibrary(src, setup_float).get() for side, src in sources.items()}
     gen = torch.Generator().manual_seed(0)
     results = []
     if args.decode_step:

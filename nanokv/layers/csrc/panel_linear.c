@@ -390,16 +390,11 @@ static inline __attribute__((always_inline)) void panel_rows(
     }
 }
 
-/* y = x @ w.T (+ bias) from w's panels (float32, or int8 codes with a scale per column: I8, a
- * constant in each caller); returns 0, or -1 when a scratch buffer cannot be allocated */
-static inline __attribute__((always_inline)) int panel_linear_any(
-        const float *x, const void *panels, const float *scale, const float *bias, float *y,
-        int64_t M, int64_t N, int64_t K, const int I8) {
-    if (M < 1 || N < 1 || K < 1) return 0;
-    const int64_t gr = group_rows(M), m_tile = M_TILE_ROWS / gr * gr;
-    /* x group-major: group g (rows g gr .. g gr + mc) at xg + g gr K, as [K][mc] */
+/* x [M, K] group-major for groups of gr rows: group g (rows g gr .. g gr + mc) at xg + g gr K,
+ * as [K][mc]; NULL when it cannot be allocated */
+static float *group_major(const float *x, int64_t M, int64_t K, int64_t gr) {
     float *xg = malloc(sizeof(float) * M * K);
-    if (!xg) return -1;
+    if (!xg) return NULL;
     #pragma omp parallel for schedule(static) if (M > 4 * gr)
     for (int64_t m0 = 0; m0 < M; m0 += gr) {
         const int64_t mc = M - m0 < gr ? M - m0 : gr;
@@ -407,55 +402,84 @@ static inline __attribute__((always_inline)) int panel_linear_any(
         for (int64_t k = 0; k < K; k++)
             for (int64_t m = 0; m < mc; m++) dst[k * mc + m] = x[(m0 + m) * K + k];
     }
+    return xg;
+}
+
+/* One thread's share of y = x @ w.T (+ bias) from w's panels (float32, or int8 codes with a
+ * scale per column: I8), called inside a parallel region: every thread walks the tiles of rows
+ * in step, the panels split among them. I8 must be a literal at the call, inside the region:
+ * GCC outlines a parallel region before it inlines, so a region in an inlined function would
+ * test I8 at run time in the hot loops (the float kernel ran 1.05-1.09x slower that way). Sets
+ * *failed where an int8 thread cannot allocate its widened panel. */
+static inline __attribute__((always_inline)) void panel_tiles(
+        const float *xg, const void *panels, const float *scale, const float *bias, float *y,
+        int64_t M, int64_t N, int64_t K, _Atomic int *failed, const int I8) {
+    const int64_t gr = group_rows(M), m_tile = M_TILE_ROWS / gr * gr;
     const int64_t P = (N + PANEL - 1) / PANEL;
 #if !defined(__AVX512F__)
     const long l2 = prefetch_l2_bytes();
 #endif
-    _Atomic int failed = 0;
-    #pragma omp parallel
-    {
-        /* this thread's widened int8 panel, where several groups pass over one */
-        float *wide = I8 && M > gr ? malloc(sizeof(float) * K * PANEL) : NULL;
-        if (I8 && M > gr && !wide) atomic_store(&failed, 1);
+    /* this thread's widened int8 panel, where several groups pass over one */
+    float *wide = NULL;
+    if (I8 && M > gr) {
+        wide = malloc(sizeof(float) * K * PANEL);
+        if (!wide) atomic_store(failed, 1);
         #pragma omp barrier  /* every thread sees any failure before the loops' barriers */
-        for (int64_t mt = 0; mt < M && !atomic_load(&failed); mt += m_tile) {
-            /* every thread walks the tiles in step */
-            const int64_t m_end = mt + m_tile < M ? mt + m_tile : M;
-            const int widen = I8 && m_end - mt > gr;
+        if (atomic_load(failed)) {
+            free(wide);
+            return;
+        }
+    }
+    for (int64_t mt = 0; mt < M; mt += m_tile) {  /* every thread walks the tiles in step */
+        const int64_t m_end = mt + m_tile < M ? mt + m_tile : M;
+        const int widen = I8 && m_end - mt > gr;
 #if defined(__AVX512F__)
-            const int64_t share = PANEL * weight_bytes(I8), halves = 1;  /* a panel row a step */
+        const int64_t share = PANEL * weight_bytes(I8), halves = 1;  /* a panel row a step */
 #else
-            /* passes over a panel: groups of rows, each one pass (gr 2) or two halves (gr 6) */
-            const int64_t halves = gr == 2 ? 1 : 2;
-            const int64_t passes = (m_end - mt + gr - 1) / gr * halves;
-            const int64_t share = next_panel_share(M, passes, K, l2, weight_bytes(I8));
+        /* passes over a panel: groups of rows, each one pass (gr 2) or two halves (gr 6) */
+        const int64_t halves = gr == 2 ? 1 : 2;
+        const int64_t passes = (m_end - mt + gr - 1) / gr * halves;
+        const int64_t share = next_panel_share(M, passes, K, l2, weight_bytes(I8));
 #endif
-            #pragma omp for schedule(static)
-            for (int64_t p = 0; p < P; p++) {
-                const char *pw = (const char *)panels + p * K * PANEL * weight_bytes(I8);
-                if (widen) {
-                    widen_panel((const int8_t *)pw, scale + p * PANEL, N - p * PANEL, K, wide);
-                    panel_rows(xg, (const char *)wide, NULL, y, bias, p, P, N, K, M, mt, m_end,
-                               gr, share, halves, 0, 0);
-                } else {
-                    panel_rows(xg, pw, scale, y, bias, p, P, N, K, M, mt, m_end, gr, share,
-                               halves, 1, I8);
-                }
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < P; p++) {
+            const char *pw = (const char *)panels + p * K * PANEL * weight_bytes(I8);
+            if (widen) {
+                widen_panel((const int8_t *)pw, scale + p * PANEL, N - p * PANEL, K, wide);
+                panel_rows(xg, (const char *)wide, NULL, y, bias, p, P, N, K, M, mt, m_end, gr,
+                           share, halves, 0, 0);
+            } else {
+                panel_rows(xg, pw, scale, y, bias, p, P, N, K, M, mt, m_end, gr, share, halves,
+                           1, I8);
             }
         }
-        free(wide);
     }
-    free(xg);
-    return atomic_load(&failed) ? -1 : 0;
+    free(wide);
 }
 
+/* y = x @ w.T (+ bias) from w's float32 panels; returns 0, or -1 when the scratch copy of x
+ * cannot be allocated */
 int panel_linear(const float *x, const float *panels, const float *bias, float *y, int64_t M,
                  int64_t N, int64_t K) {
-    return panel_linear_any(x, panels, NULL, bias, y, M, N, K, 0);
+    if (M < 1 || N < 1 || K < 1) return 0;
+    float *xg = group_major(x, M, K, group_rows(M));
+    if (!xg) return -1;
+    #pragma omp parallel
+    panel_tiles(xg, panels, NULL, bias, y, M, N, K, NULL, 0);
+    free(xg);
+    return 0;
 }
 
-/* int8 codes [P, K, 32] and scale [N]: y = (x @ code.T) * scale (+ bias) */
+/* int8 codes [P, K, 32] and scale [N]: y = (x @ code.T) * scale (+ bias); returns 0, or -1
+ * when a scratch buffer (x's copy, a thread's widened panel) cannot be allocated */
 int panel_linear_int8(const float *x, const int8_t *panels, const float *scale,
                       const float *bias, float *y, int64_t M, int64_t N, int64_t K) {
-    return panel_linear_any(x, panels, scale, bias, y, M, N, K, 1);
+    if (M < 1 || N < 1 || K < 1) return 0;
+    float *xg = group_major(x, M, K, group_rows(M));
+    if (!xg) return -1;
+    _Atomic int failed = 0;
+    #pragma omp parallel
+    panel_tiles(xg, panels, scale, bias, y, M, N, K, &failed, 1);
+    free(xg);
+    return atomic_load(&failed) ? -1 : 0;
 }
