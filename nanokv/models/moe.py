@@ -142,7 +142,8 @@ class MixtralForCausalLM(_MoEMixin, MistralForCausalLM):
     `block_sparse_moe` and an expert's gate / down / up projections w1 / w2 / w3."""
 
     packed_modules = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        **{name: part for name, part in MistralForCausalLM.packed_modules.items()
+           if part[0] == "qkv_proj"},
         "w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1),
     }
 

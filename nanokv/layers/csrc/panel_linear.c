@@ -77,8 +77,9 @@ void pack_panels(const float *w, float *panels, int64_t N, int64_t K) {
     }
 }
 
-/* one output row segment: y_row[n0 + j] = acc[j] (x scale, int8 weights) (+ bias), j < 32,
- * only columns below N */
+/* one output row segment: y_row[n0 + j] = acc[j] (x scale: int8 weights; NULL for float32
+ * panels and widened int8 ones, which carry their scale) (+ bias), j < 32, only columns below
+ * N */
 static inline void store_row(float *y_row, const float *acc, const float *scale,
                              const float *bias, int64_t n0, int64_t N) {
     const int64_t n_end = n0 + PANEL < N ? n0 + PANEL : N;
@@ -147,7 +148,7 @@ static inline __attribute__((always_inline)) void panel_group_pass(
             float tail[PANEL];
             _mm512_storeu_ps(tail, acc[m][0]);
             _mm512_storeu_ps(tail + 16, acc[m][1]);
-            store_row(y_row, tail, I8 ? scale : NULL, bias, n0, N);
+            store_row(y_row, tail, scale, bias, n0, N);
         }
     }
 }
@@ -264,7 +265,7 @@ static inline __attribute__((always_inline)) void panel_group(
     }
     if (!whole)
         for (int m = 0; m < MC; m++)
-            store_row(y + (m0 + m) * N, tail[m], I8 ? scale : NULL, bias, n0, N);
+            store_row(y + (m0 + m) * N, tail[m], scale, bias, n0, N);
 }
 #else
 static inline __attribute__((always_inline)) void panel_group(
@@ -287,7 +288,7 @@ static inline __attribute__((always_inline)) void panel_group(
             }
         }
     for (int m = 0; m < MC; m++)
-        store_row(y + (m0 + m) * N, acc[m], I8 ? scale : NULL, bias, n0, N);
+        store_row(y + (m0 + m) * N, acc[m], scale, bias, n0, N);
 }
 #endif
 
