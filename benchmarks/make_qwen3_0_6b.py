@@ -22,6 +22,10 @@ max_window_layers 0); the same seed gives the same weights with or without it:
 (docs/results/moe/):
 
     python benchmarks/make_qwen3_0_6b.py --shape qwen3-30b-a3b --layers 2 --out /tmp/qwen3-moe-2l
+
+--shape qwen3-1.7b builds the published Qwen3-1.7B (hidden 2048, MLP 6144, 28 layers, tied
+embedding: 1.72B parameters, 6.9 GB in float32), for the int8 load-memory run
+(docs/results/int8_weights/load_memory.md).
 """
 
 from __future__ import annotations
@@ -72,7 +76,9 @@ QWEN3_30B_A3B = {
     "tie_word_embeddings": False,
     "max_window_layers": 48,
 }
-SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-30b-a3b": QWEN3_30B_A3B}
+# Published Qwen3-1.7B config (Qwen/Qwen3-1.7B config.json), its fields that differ.
+QWEN3_1_7B = {**QWEN3_0_6B, "hidden_size": 2048, "intermediate_size": 6144}
+SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-1.7b": QWEN3_1_7B, "qwen3-30b-a3b": QWEN3_30B_A3B}
 
 GENERATION_CONFIG = {
     "bos_token_id": 151643,
@@ -158,8 +164,8 @@ def main() -> None:
         "--shape",
         choices=sorted(SHAPES),
         default="qwen3-0.6b",
-        help="the published config to copy (default qwen3-0.6b; qwen3-30b-a3b: the mixture "
-        "of experts)",
+        help="the published config to copy (default qwen3-0.6b; qwen3-1.7b: the next dense "
+        "size, 1.7B parameters; qwen3-30b-a3b: the mixture of experts)",
     )
     ap.add_argument(
         "--layers",

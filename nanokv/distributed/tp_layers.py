@@ -104,11 +104,19 @@ class VocabParallelEmbedding(nn.Module):
         self.rows = cdiv(vocab_size, tp.size)  # this rank's rows (the last one padded)
         self.start = tp.rank * self.rows
         self.weight = nn.Parameter(torch.empty(self.rows, hidden_size))
+        self.int8: nn.Module | None = None  # int8 weights: this rank's rows (`use_int8`)
+
+    def use_int8(self, table: nn.Module) -> None:
+        """Look this rank's rows up in `table` (an `Int8Embedding` of them) from now on; the
+        float rows are freed."""
+        self.int8 = table
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.start  # [T]
         mine = (local >= 0) & (local < self.rows)
-        x = F.embedding(local.clamp(0, self.rows - 1), self.weight)  # [T, hidden]
+        rows = local.clamp(0, self.rows - 1)
+        x = F.embedding(rows, self.weight) if self.int8 is None else self.int8(rows)  # [T, hidden]
         x = x * mine.unsqueeze(1).to(x.dtype)
         return self.tp.all_reduce(x)
 

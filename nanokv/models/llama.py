@@ -29,6 +29,7 @@ from nanokv.distributed.tp_layers import (
     row_linear,
 )
 from nanokv.layers import native_elementwise, native_linear
+from nanokv.layers.int8_weights import Int8Embedding
 from nanokv.layers.linear import Linear
 from nanokv.layers.norm import RMSNorm
 from nanokv.layers.rotary import RotaryEmbedding
@@ -199,8 +200,9 @@ class LlamaForCausalLM(nn.Module):
         return x, (captured if step.capture_rows is not None else None)
 
     def tie_weights(self) -> None:
-        """Tied embeddings: the LM head shares the embedding matrix (after loading)."""
-        if self.tie_word_embeddings:
+        """Tied embeddings: the LM head shares the embedding matrix (after loading; an int8
+        embedding already reads the LM head's codes)."""
+        if self.tie_word_embeddings and not self.int8_embedding():
             self.lm_head.weight = self.embed_tokens.weight
 
     def pack_linear_weights(self) -> None:
@@ -232,15 +234,47 @@ class LlamaForCausalLM(nn.Module):
                                   f"{'column panels' if panels else 'oneDNN'}"
                                   for (head, n, k), panels in chosen.items()))
 
+    def int8_layers(self) -> list[Linear]:
+        """The linear layers weight-only int8 quantizes: all but those marked `keep_float` (a
+        MoE router: its top-k choices follow small differences)."""
+        return [m for m in self.modules() if isinstance(m, Linear) and not m.keep_float]
+
     def quantize_int8(self) -> int:
-        """Weight-only int8 for every linear layer but those marked `keep_float` (a MoE
-        router: its top-k choices follow small differences): int8 codes in column panels with
-        a scale per output row (`Linear.quantize_int8`). Returns how many layers. A tied LM head
-        gets codes of its own; the embedding keeps the float matrix for its lookups."""
-        layers = [m for m in self.modules() if isinstance(m, Linear) and not m.keep_float]
+        """Weight-only int8 for each of `int8_layers` not quantized yet (`load_model` quantizes
+        each as it is loaded): int8 codes in column panels with a scale per output row
+        (`Linear.quantize_int8`); then the input embedding, a scale per token's row
+        (`Int8Embedding`: a tied one reads the LM head's codes). Returns how many linear
+        layers hold int8 weights."""
+        layers = self.int8_layers()
         for module in layers:
-            module.quantize_int8()
+            if module.scale is None:
+                module.quantize_int8()
+        self.quantize_embedding_int8()
         return len(layers)
+
+    def int8_embedding(self) -> bool:
+        """Whether the input embedding reads int8 codes (`quantize_embedding_int8`)."""
+        embed = self.embed_tokens
+        return isinstance(embed, Int8Embedding) or getattr(embed, "int8", None) is not None
+
+    def quantize_embedding_int8(self) -> None:
+        """The input embedding as int8 codes, a scale per token's row (`Int8Embedding`); a tied
+        one is the LM head's, quantized now from the embedding matrix. The float matrix is
+        freed. `load_model` calls it as soon as the embedding is loaded (idempotent)."""
+        if self.int8_embedding():
+            return
+        head = self.lm_head
+        if self.tie_word_embeddings:
+            head.weight = self.embed_tokens.weight  # the tie, made here
+            if head.scale is None:
+                head.quantize_int8()
+            table = Int8Embedding(head.panels, head.scale)
+        else:
+            table = Int8Embedding.of(self.embed_tokens.weight)
+        if isinstance(self.embed_tokens, VocabParallelEmbedding):
+            self.embed_tokens.use_int8(table)  # this rank's rows (the LM head's, if tied)
+        else:
+            self.embed_tokens = table
 
     def use_native_elementwise(self) -> bool:
         """Route the norms, RoPE and SiLU-and-multiply through the fused C kernels

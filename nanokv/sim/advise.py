@@ -37,6 +37,7 @@ from nanokv.cache.kv_cache import KVCacheOptions
 from nanokv.cache.layout import KVLayout
 from nanokv.cache.registry import KV_CACHE_DTYPES, kv_cache_settings
 from nanokv.config import check_block_size
+from nanokv.layers.int8_weights import QUANTIZATIONS
 from nanokv.sim.server_overhead import ServerOverhead
 from nanokv.sim.simulator import SimConfig, SimResult, Simulator
 from nanokv.sim.step_model import DeviceSpec, LinearStepModel, ModelShape, RooflineStepModel
@@ -101,6 +102,10 @@ class AdviseSettings:
     fitted: LinearStepModel | None = None  # ... or one measured here (nanokv bench)
     overhead: ServerOverhead | None = None  # the server's time outside steps (a step log)
     compute_dtype: torch.dtype = torch.bfloat16
+    # the engine's `quantization`: "int8" weights are read at one byte a parameter (their
+    # float32 scales, one per output row, left out: under 0.4% at hidden sizes from 1024);
+    # they compute in float32
+    quantization: str | None = None
     max_model_len: int = 8192
     max_num_batched_tokens: int = 8192
     block_sizes: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
@@ -116,6 +121,14 @@ class AdviseSettings:
     sliding_window: int | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization is not None:
+            if self.quantization not in QUANTIZATIONS:
+                raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or None, "
+                                 f"got {self.quantization!r}")
+            if self.compute_dtype != torch.float32:
+                raise ValueError(f"quantization {self.quantization!r} computes in float32 (as "
+                                 f"the engine runs it); the compute dtype must be float32, got "
+                                 f"{str(self.compute_dtype).removeprefix('torch.')}")
         check_int("max_model_len", self.max_model_len, 2)
         if self.sliding_window is not None:
             check_int("sliding_window", self.sliding_window, 1)
@@ -129,6 +142,13 @@ class AdviseSettings:
                            meaning=" (fraction removed)")
         for e in self.eviction_ratios:
             check_fraction("eviction ratio", e)
+
+    @property
+    def weight_bytes_per_param(self) -> float:
+        """Bytes a step reads per weight: the compute dtype's, one with int8 weights."""
+        if self.quantization == "int8":
+            return 1.0
+        return torch.empty(0, dtype=self.compute_dtype).element_size()
 
 
 def model_window(model_dir: str, max_model_len: int) -> int | None:
@@ -183,7 +203,7 @@ def evaluate(records: list[TraceRecord], s: AdviseSettings, c: Candidate,
     per_token = per_block / c.block_size
     step = s.fitted if s.fitted is not None else RooflineStepModel(
         s.device, s.model, per_token,
-        weight_bytes_per_param=torch.empty(0, dtype=s.compute_dtype).element_size())
+        weight_bytes_per_param=s.weight_bytes_per_param)
     cfg = SimConfig(block_size=c.block_size, num_blocks=int(num_blocks),
                     max_num_seqs=c.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                     max_model_len=s.max_model_len, bytes_per_block=per_block,

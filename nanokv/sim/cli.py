@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from nanokv.layers.int8_weights import QUANTIZATIONS
 from nanokv.sim.synthetic import WORKLOADS
 
 
@@ -95,10 +96,14 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="default: min(the model's, 8192)")
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192,
                    help="token budget of a step (default 8192)")
-    p.add_argument("--compute-dtype", default="bfloat16", choices=("bfloat16", "float16",
-                                                                   "float32"),
+    p.add_argument("--compute-dtype", default=None, choices=("bfloat16", "float16",
+                                                             "float32"),
                    help="the model's weight and activation dtype in the step model (default "
-                        "bfloat16)")
+                        "bfloat16; float32 with --quantization int8, the only one it takes)")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="the engine's --quantization: int8 weights, read at one byte a "
+                        "parameter by the roofline step model (default: none, the compute "
+                        "dtype's bytes)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -193,7 +198,9 @@ def _load(args):
             write_trace(args.save_trace, records)
     settings = AdviseSettings(model=model, kv_memory=parse_memory(args.kv_memory),
                               device=device, fitted=fitted, overhead=overhead,
-                              compute_dtype=getattr(torch, args.compute_dtype),
+                              compute_dtype=getattr(torch, args.compute_dtype or (
+                                  "float32" if args.quantization else "bfloat16")),
+                              quantization=args.quantization,
                               max_model_len=max_len,
                               max_num_batched_tokens=args.max_num_batched_tokens,
                               sliding_window=model_window(args.model_config, max_len))

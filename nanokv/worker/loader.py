@@ -3,9 +3,11 @@ generation config."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -117,17 +119,20 @@ def safetensors_files(path: str) -> list[str]:
     return full
 
 
-def load_weights(model: torch.nn.Module, path: str) -> None:
+def load_weights(model: torch.nn.Module, path: str, on_loaded=None) -> None:
     """Copy checkpoint tensors into the model; raise on missing, unexpected or mis-shaped ones.
     A tensor-parallel model (`model.tp`) takes its rank's shard of each (the full tensor's shape
-    is what is checked)."""
+    is what is checked). A parameter still on the meta device (`load_model` defers int8
+    quantization's linear weights so) is allocated when its first tensor arrives;
+    `on_loaded(name)`, where given, is called as soon as a parameter holds every tensor it
+    takes (all parts of a packed one), in the checkpoint's order."""
     params = dict(model.named_parameters())
     ranks = 1 if getattr(model, "tp", None) is None else model.tp.size
     if ranks > 1:
         from nanokv.distributed.tp_layers import param_shard
-    # checkpoint tensor name -> (parameter, dim-0 offset, rows, tensor-parallel shard or None)
-    # for every slot to fill
-    targets: dict[str, tuple[torch.nn.Parameter, int, int, object]] = {}
+    # checkpoint tensor name -> (parameter name, dim-0 offset, rows, tensor-parallel shard or
+    # None) for every slot to fill
+    targets: dict[str, tuple[str, int, int, object]] = {}
     for name, param in params.items():
         if name.startswith("lm_head") and model.tie_word_embeddings:
             continue
@@ -136,7 +141,7 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
         packed = next(((src, dst, idx) for src, (dst, idx) in model.packed_modules.items()
                        if f".{dst}." in ckpt_name), None)
         if packed is None:
-            targets[ckpt_name] = (param, 0, param.shape[0], shard)
+            targets[ckpt_name] = (name, 0, param.shape[0], shard)
             continue
         src, dst, _ = packed
         sizes = [n // ranks for n in _packed_sizes(model, dst, param)]  # this rank's rows
@@ -144,9 +149,21 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
         for s in siblings:
             idx = model.packed_modules[s][1]
             offset = sum(sizes[:idx])
-            targets[ckpt_name.replace(f".{dst}.", f".{s}.")] = (param, offset, sizes[idx], shard)
+            targets[ckpt_name.replace(f".{dst}.", f".{s}.")] = (name, offset, sizes[idx], shard)
+    slots_left = Counter(name for name, *_ in targets.values())  # parameter -> tensors to come
+    device = next((p.device for p in params.values() if not p.is_meta), torch.device("cpu"))
 
-    loaded: set[str] = set()
+    def materialized(name: str) -> torch.nn.Parameter:
+        param = params[name]
+        if param.is_meta:  # deferred: allocated now, filled by this and its packed siblings
+            owner, _, attr = name.rpartition(".")
+            param = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype,
+                                                   device=device), requires_grad=False)
+            setattr(model.get_submodule(owner), attr, param)
+            params[name] = param
+        return param
+
+    loaded: dict[str, str] = {}  # tensor -> the file it came from
     skip_suffixes = ("rotary_emb.inv_freq",)
     for file in safetensors_files(path):
         try:
@@ -161,12 +178,15 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
                     continue  # tied embeddings: the checkpoint may carry a copy
                 if key not in targets:
                     raise ValueError(f"unexpected tensor {key!r} in {file}")
+                if key in loaded:
+                    raise ValueError(f"tensor {key!r} appears twice in the checkpoint: in "
+                                     f"{loaded[key]} and in {file}")
                 try:
                     tensor = handle.get_tensor(key)
                 except Exception as e:
                     raise ValueError(f"tensor {key!r} in {file} is unreadable: {e}") from None
-                param, offset, rows, shard = targets[key]
-                local = (rows,) + tuple(param.shape[1:])
+                name, offset, rows, shard = targets[key]
+                local = (rows,) + tuple(params[name].shape[1:])
                 expected = local if shard is None else shard.full_shape(local)
                 if tuple(tensor.shape) != expected:
                     raise ValueError(f"tensor {key!r} has shape {tuple(tensor.shape)}, "
@@ -174,9 +194,15 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
                 if shard is not None:
                     tensor = shard.take(tensor, local)
                 with torch.no_grad():
-                    param.data[offset:offset + rows].copy_(tensor)
-                loaded.add(key)
-    missing = sorted(set(targets) - loaded)
+                    materialized(name).data[offset:offset + rows].copy_(tensor)
+                del tensor
+                loaded[key] = file
+                slots_left[name] -= 1
+                if slots_left[name] == 0:
+                    del params[name]  # not held here past its load (int8 frees the float copy)
+                    if on_loaded is not None:
+                        on_loaded(name)
+    missing = sorted(set(targets) - set(loaded))
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} tensor(s), e.g. {missing[:5]}")
 
@@ -240,6 +266,31 @@ def load_tokenizer(path: str):
                          f"directory, or skip_tokenizer_init=True for token-id prompts") from None
 
 
+def release_free_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim; a no-op
+    elsewhere): memory freed between live allocations stays resident otherwise."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                deferred=()) -> torch.nn.Module:
+    """A model built on the meta device, allocated on `device` in `dtype` (uninitialized),
+    except the weights of the `deferred` linear layers: they stay on the meta device, in
+    `dtype`, for `load_weights` to allocate as their tensors arrive."""
+    shapes = {}
+    for module in deferred:
+        shapes[module] = module.weight.shape
+        module.weight = None  # skipped by to_empty
+    model = model.to_empty(device=device).to(dtype)
+    for module, shape in shapes.items():
+        module.weight = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"),
+                                           requires_grad=False)
+    return model
+
+
 def load_model(model_path: str, dtype: str = "auto", device: str = "auto",
                max_positions: int | None = None, tokenizer_path: str | None = None,
                skip_tokenizer_init: bool = False, linear_backend: str = "auto",
@@ -259,14 +310,29 @@ def load_model(model_path: str, dtype: str = "auto", device: str = "auto",
     cls.layer_windows(cfg, n_pos)  # refuses a sliding window nanokv cannot apply as HF does
     with torch.device("meta"):
         model = cls(cfg, n_pos) if tp is None else cls(cfg, n_pos, tp=tp)
-    model = model.to_empty(device=dev).to(torch_dtype)
+    # int8: each linear weight is allocated when its first tensor is read and quantized once
+    # it holds all of them, so at most about one layer's float weights are held at a time
+    int8 = set(model.int8_layers()) if quantization is not None else set()
+    quantized = {f"{name}.weight": m for name, m in model.named_modules() if m in int8}
+    model = materialize(model, dev, torch_dtype, deferred=quantized.values())
     model.rotary.build_tables(dev)
-    load_weights(model, model_path)
+
+    def on_loaded(name: str) -> None:
+        if name in quantized:
+            quantized[name].quantize_int8()
+        elif name == "embed_tokens.weight" and quantization is not None:
+            model.quantize_embedding_int8()  # (with a tied LM head's codes)
+        else:
+            return
+        release_free_heap()  # the float weight's pages, before the next is allocated
+
+    load_weights(model, model_path, on_loaded=on_loaded)
     model.tie_weights()
     model.eval()
     if quantization is not None:
-        layers = model.quantize_int8()
+        layers = model.quantize_int8()  # any left (none where the checkpoint held them all)
         note += f", int8 weights ({layers} linear layers, a scale per output row)"
+        release_free_heap()  # the float weights' memory, freed between the codes
     backend = linear_backend
     if backend == "auto":
         backend = "onednn" if dev.type == "cpu" and onednn_available() else "torch"

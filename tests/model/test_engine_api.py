@@ -138,6 +138,16 @@ def test_broken_model_directories(tiny_llama, tmp_path):
             LLM(str(d))
         if name == "lacks":
             assert "up_proj" in str(err.value)
+            # int8 weights: the layer whose tensor never came is left unallocated, refused alike
+            with pytest.raises(ValueError, match="lacks .*up_proj"):
+                LLM(str(d), quantization="int8")
+    # a tensor in two files of one checkpoint (no index to say which holds it)
+    twice = _copy(tiny_llama, tmp_path / "twice")
+    save_file({"model.norm.weight": weights["model.norm.weight"]},
+              str(twice / "model-extra.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="'model.norm.weight' appears twice in the checkpoint: in "
+                                         ".*model-extra.safetensors and in .*/model.safetensors"):
+        LLM(str(twice))
 
 
 def test_stop_rules(llm):

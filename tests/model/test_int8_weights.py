@@ -1,10 +1,11 @@
 """Weight-only int8 (`quantization="int8"`): the engine against Hugging Face transformers with
-every linear weight replaced by its dequantized int8 copy (code * scale, the same rule computed
-here: `int8_weights.quantize_rows`), prompt logits and greedy tokens, for an untied Llama with
-biases, a tied Qwen3 (its embedding lookups stay float) and a Qwen3-MoE (its router stays
-float), through batching, chunked prefill and prefix hits; a draft model quantized the same way
-(the model as its own draft: every draft accepted); what it holds (int8 codes, no float
-weight); the refusals."""
+every linear weight and the input embedding replaced by their dequantized int8 copies (code *
+scale, the same rule computed here: `int8_weights.quantize_rows`), prompt logits and greedy
+tokens, for an untied Llama with biases, a tied Qwen3 (its embedding read from the LM head's
+codes) and a Qwen3-MoE (its router stays float), through batching, chunked prefill and prefix
+hits; a draft model quantized the same way (the model as its own draft: every draft accepted);
+what it holds (int8 codes, no float weight, the embedding's lookups from codes); loading a
+layer at a time; the refusals."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import torch
 from tiny_models import build_tiny_model, hf_greedy, load_hf
 
 from nanokv import LLM, SamplingParams
-from nanokv.layers import int8_weights
+from nanokv.layers import int8_weights, native_linear
 from nanokv.layers.linear import Linear
+from nanokv.worker import loader
 from nanokv.worker.loader import check_quantization
 
 ARCHS = {  # name: (architecture, config flags)
@@ -38,12 +40,14 @@ def dequantized(weight: torch.Tensor) -> torch.Tensor:
 
 
 def hf_dequantized(path: str):
-    """HF's model with each linear weight (the LM head's too, untied from the embedding) set to
-    its int8 codes times their scales, row by row: nn.Linear weights and each expert's slice of
-    a MoE's stacked [experts, out, in] projections; its router (not an nn.Linear) left as it
-    is."""
+    """HF's model with each linear weight (the LM head's too, untied from the embedding) and the
+    input embedding set to its int8 codes times their scales, row by row: nn.Linear weights and
+    each expert's slice of a MoE's stacked [experts, out, in] projections; its router (not an
+    nn.Linear) left as it is."""
     hf = load_hf(path)
     with torch.no_grad():
+        embedding = hf.get_input_embeddings()
+        embedding.weight = torch.nn.Parameter(dequantized(embedding.weight))
         for module in hf.modules():
             if isinstance(module, torch.nn.Linear):
                 module.weight = torch.nn.Parameter(dequantized(module.weight))
@@ -98,9 +102,22 @@ def test_the_layers_hold_int8_codes_only(models):
             continue
         assert module.panels.dtype == torch.int8 and module.scale.shape == (module.out_features,)
         assert module.weight.numel() == 0 and module.packed is None
-    # the tied embedding's lookups keep the float matrix
-    assert model.embed_tokens.weight.dtype == torch.float32
-    assert model.embed_tokens.weight.shape == (model.config.vocab_size, model.config.hidden_size)
+    # the tied embedding's lookups read the LM head's codes: no float [vocab, hidden] matrix
+    assert isinstance(model.embed_tokens, int8_weights.Int8Embedding)
+    assert model.embed_tokens.panels is model.lm_head.panels
+    vocab_matrix = model.config.vocab_size * model.config.hidden_size
+    assert sum(p.numel() for p in model.parameters() if p.is_floating_point()) < vocab_matrix
+
+
+def test_an_untied_embedding_gets_codes_of_its_own(models):
+    model = LLM(models["llama_biases"], skip_tokenizer_init=True, max_model_len=64,
+                block_size=16, quantization="int8").engine.model
+    table, head = model.embed_tokens, model.lm_head
+    assert isinstance(table, int8_weights.Int8Embedding) and table.panels is not head.panels
+    embedding = load_hf(models["llama_biases"]).get_input_embeddings().weight.detach()
+    ids = torch.tensor([0, 1, 31, 32, 33, embedding.shape[0] - 1, 5, 5])
+    assert torch.equal(table(ids), dequantized(embedding)[ids])
+    assert not torch.equal(table(ids), embedding[ids])  # quantized, not the float rows
 
 
 def test_a_quantized_draft_model_is_the_quantized_model(models):
@@ -117,6 +134,50 @@ def test_a_quantized_draft_model_is_the_quantized_model(models):
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 12)[0] for p in batch]
     stats = llm.engine.scheduler.spec_stats
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("name", ["llama_4_layers", "qwen3_moe"])
+def test_each_weight_is_quantized_as_soon_as_it_is_loaded(models, tmp_path, monkeypatch, name):
+    """Loading holds about one layer's float weights at a time, not the model's: each linear
+    weight is allocated as its first tensor is read and quantized once its last one (of a
+    packed q/k/v or gate/up) is in; the codes and scales are those of the whole float model."""
+    path = (build_tiny_model(str(tmp_path / name), "llama", seed=7, tokenizer=False,
+                             num_hidden_layers=4) if name == "llama_4_layers" else models[name])
+    built, held = [], []  # the model being loaded; float bytes held at each quantization
+
+    def materialize(*args, **kwargs):
+        built.append(loader.materialize_unpatched(*args, **kwargs))
+        return built[-1]
+
+    def quantize_int8(self):
+        held.append(sum(m.weight.numel() * 4 for m in built[0].modules()
+                        if isinstance(m, Linear) and not m.keep_float and m.scale is None
+                        and not m.weight.is_meta
+                        and m.weight is not getattr(built[0].embed_tokens, "weight", None)))
+        Linear.quantize_int8_unpatched(self)
+
+    monkeypatch.setattr(loader, "materialize_unpatched", loader.materialize, raising=False)
+    monkeypatch.setattr(loader, "materialize", materialize)
+    monkeypatch.setattr(Linear, "quantize_int8_unpatched", Linear.quantize_int8, raising=False)
+    monkeypatch.setattr(Linear, "quantize_int8", quantize_int8)
+    model = loader.load_model(path, skip_tokenizer_init=True, linear_backend="torch",
+                              quantization="int8").model
+    monkeypatch.undo()
+    reference = loader.load_model(path, skip_tokenizer_init=True, linear_backend="torch").model
+
+    def float_bytes(module) -> int:
+        return sum(m.weight.numel() * 4 for m in module.modules()
+                   if isinstance(m, Linear) and not m.keep_float)
+
+    largest = max(float_bytes(unit) for unit in [*reference.layers, reference.lm_head])
+    assert len(held) == len(model.int8_layers()) and max(held) <= largest
+    assert max(held) < float_bytes(reference) / 2  # the old way: every layer at once
+    float_layers = dict(reference.named_modules())
+    for layer_name, layer in model.named_modules():
+        if isinstance(layer, Linear) and not layer.keep_float:
+            codes, scale = int8_weights.quantize_rows(float_layers[layer_name].weight)
+            assert torch.equal(layer.panels, native_linear.panels_of(codes)), layer_name
+            assert torch.equal(layer.scale, scale), layer_name
 
 
 @pytest.mark.parametrize("options,match", [

@@ -143,20 +143,28 @@ def test_calibrated_kvquant_on_two_ranks(tiny_qwen3, tmp_path):
     compare(tiny_qwen3, policies, min_same=10, **kv)
 
 
-def test_int8_weights_on_two_ranks(tmp_path):
+@pytest.mark.parametrize("tied", [False, True])
+def test_int8_weights_on_two_ranks(tmp_path, tiny_qwen3, tied):
     """Each rank quantizes its shard with the whole rows' scales (a row-parallel shard's row
     ranges max-reduced over the ranks): one process's codes, so its tokens and schedule, with
-    biases (o and down's added once, after the sum), policies, prefix hits and preemption."""
-    path = build_tiny_model(str(tmp_path / "biased"), "llama", attention_bias=True,
-                            mlp_bias=True)
+    biases (o and down's added once, after the sum), policies, prefix hits and preemption; each
+    rank looks its vocabulary rows up in int8 codes of its own (untied) or its LM head's."""
+    path = tiny_qwen3 if tied else build_tiny_model(str(tmp_path / "biased"), "llama",
+                                                    attention_bias=True, mlp_bias=True)
     one = LLM(path, **OPTIONS, quantization="int8").engine.model
     two = LLM(path, tensor_parallel_size=2, **OPTIONS, quantization="int8")
     try:  # rank 0's shards of the row-parallel o and down: one process's scales and codes
-        for layer, mine in zip(one.layers, two.engine.model.layers):
+        rank0 = two.engine.model
+        for layer, mine in zip(one.layers, rank0.layers):
             for whole, shard in ((layer.self_attn.o_proj, mine.self_attn.o_proj),
                                  (layer.mlp.down_proj, mine.mlp.down_proj)):
                 assert torch.equal(shard.scale, whole.scale)
                 assert torch.equal(shard.panels, whole.panels[:, :shard.in_features])
+        table = rank0.embed_tokens.int8
+        assert (table.panels is rank0.lm_head.panels) == tied
+        ids = torch.arange(rank0.embed_tokens.rows)  # rank 0's rows, the first of the vocabulary
+        assert torch.equal(table(ids), one.embed_tokens(ids))
+        assert rank0.embed_tokens.weight.numel() == 0
     finally:
         two.engine.close()
     policies = [PolicyConfig("paged_eviction", budget=48), PolicyConfig("h2o", budget=40), None]

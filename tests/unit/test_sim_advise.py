@@ -67,6 +67,52 @@ def test_roofline_llama3_8b_on_h200():
     assert fp8 < per_block * 0.6
 
 
+def test_int8_weights_are_read_at_a_byte_a_parameter():
+    """`quantization="int8"` (the engine's option): the roofline reads a quarter of float32's
+    weight bytes, so a lone decode on the CPU roofline (weights-bound) takes about a quarter
+    of the time less the step overhead; int8 computes in float32 only."""
+    import torch
+
+    model = ModelShape.from_hf_config(LLAMA3_8B)
+    recs = generate("chat", 10, rate=0.001, seed=0,  # one request at a time
+                    shape=WorkloadShape(output_len=(32, 64), max_model_len=2048))
+    common = dict(model=model, kv_memory=2 * 2**30, device=DEVICES["cpu"], max_model_len=2048,
+                  compute_dtype=torch.float32)
+    tpot = {}
+    for quantization in (None, "int8"):
+        s = AdviseSettings(quantization=quantization, **common)
+        assert s.weight_bytes_per_param == (1.0 if quantization else 4)
+        tpot[quantization] = evaluate(recs, s, Candidate(16, "auto", 64)).result.tpot_s["p50"]
+    cpu = DEVICES["cpu"]
+    weights_s = model.num_params * 4 / cpu.memory_bandwidth  # a float32 step's weight reads
+    assert tpot[None] == pytest.approx(weights_s, rel=0.05)
+    assert tpot["int8"] == pytest.approx(weights_s / 4, rel=0.1)
+    with pytest.raises(ValueError, match=r"computes in float32 .* must be float32, got "
+                                         r"bfloat16"):
+        AdviseSettings(model=model, kv_memory=2**30, quantization="int8")
+    with pytest.raises(ValueError, match=r"quantization must be one of \['int8'\] or None, "
+                                         r"got 'int4'"):
+        AdviseSettings(quantization="int4", **common)
+
+
+def test_simulate_cli_takes_int8_weights(tmp_path, capsys):
+    cfg = tmp_path / "model"
+    cfg.mkdir()
+    (cfg / "config.json").write_text(json.dumps(LLAMA3_8B))
+    args = ["simulate", "--workload", "chat", "--num-requests", "10", "--rate", "0.001",
+            "--model-config", str(cfg), "--kv-memory", "2GiB", "--device", "cpu",
+            "--max-model-len", "2048"]
+    tpot = {}
+    for extra in ([], ["--quantization", "int8"], ["--compute-dtype", "float32"]):
+        assert main(args + extra) == 0
+        tpot[tuple(extra)] = json.loads(capsys.readouterr().out)["tpot_s"]["p50"]
+    # int8 (float32 compute) against bfloat16 and float32 weights: half and a quarter
+    assert tpot[("--quantization", "int8")] < 0.6 * tpot[()]
+    assert tpot[("--quantization", "int8")] < 0.3 * tpot[("--compute-dtype", "float32")]
+    assert main(args + ["--quantization", "int8", "--compute-dtype", "bfloat16"]) != 0
+    assert "compute dtype must be float32, got bfloat16" in capsys.readouterr().err
+
+
 def test_sweep_ranks_and_prefers_small_blocks_for_shared_prefixes():
     shape = WorkloadShape(system_prompts=4, system_len=(200, 600), user_len=(20, 100),
                           output_len=(20, 80), max_model_len=4096)
