@@ -23,6 +23,10 @@ max_window_layers 0); the same seed gives the same weights with or without it:
 
     python benchmarks/make_qwen3_0_6b.py --shape qwen3-30b-a3b --layers 2 --out /tmp/qwen3-moe-2l
 
+--shape gemma3-1b builds Gemma 3 1B's published text decoder (Gemma3ForCausalLM: 26 layers,
+every sixth full attention and the others a 512-token window, 1.0B parameters) for the Gemma 3
+peer run (docs/results/gemma3/); --sliding-window sets its window.
+
 --shape qwen3-1.7b builds the published Qwen3-1.7B (hidden 2048, MLP 6144, 28 layers, tied
 embedding: 1.72B parameters, 6.9 GB in float32), for the int8 load-memory run
 (docs/results/int8_weights/load_memory.md).
@@ -78,7 +82,31 @@ QWEN3_30B_A3B = {
 }
 # Published Qwen3-1.7B config (Qwen/Qwen3-1.7B config.json), its fields that differ.
 QWEN3_1_7B = {**QWEN3_0_6B, "hidden_size": 2048, "intermediate_size": 6144}
-SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-1.7b": QWEN3_1_7B, "qwen3-30b-a3b": QWEN3_30B_A3B}
+# Published Gemma 3 1B config (google/gemma-3-1b-it config.json): its text decoder, every sixth
+# layer full attention, the others a 512-token window, each kind with its RoPE base
+GEMMA3_1B = {
+    "vocab_size": 262144,
+    "hidden_size": 1152,
+    "intermediate_size": 6912,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 512,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "bos_token_id": 2,
+    "eos_token_id": [1, 106],
+    "pad_token_id": 0,
+}
+GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+               "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
+SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-1.7b": QWEN3_1_7B, "qwen3-30b-a3b": QWEN3_30B_A3B,
+          "gemma3-1b": GEMMA3_1B}
 
 GENERATION_CONFIG = {
     "bos_token_id": 151643,
@@ -113,17 +141,29 @@ def build(
     bad_window = isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
     if sliding_window is not None and (bad_window or sliding_window < 1):
         raise ValueError(f"sliding_window must be an integer >= 1, got {sliding_window!r}")
-    shape = {**published, "num_hidden_layers": layers, "max_window_layers": layers}
-    if sliding_window is not None:  # every layer: Qwen's sliding layers start at max_window_layers
-        shape.update(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=0)
-    moe = "num_experts" in shape
-    config_cls, model_cls = ((Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe
-                             else (Qwen3Config, Qwen3ForCausalLM))
-    config = config_cls(
-        **shape,
-        initializer_range=init_std,
-        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
-    )
+    if shape_name.startswith("gemma3"):  # every sixth layer full, as the published pattern
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                 for i in range(layers)]
+        window = published["sliding_window"] if sliding_window is None else sliding_window
+        config_cls, model_cls = Gemma3TextConfig, Gemma3ForCausalLM
+        config = Gemma3TextConfig(**{**published, "num_hidden_layers": layers,
+                                     "sliding_window": window}, layer_types=types,
+                                  initializer_range=init_std, rope_parameters=GEMMA3_ROPE)
+    else:
+        shape = {**published, "num_hidden_layers": layers, "max_window_layers": layers}
+        if sliding_window is not None:  # every layer (from max_window_layers on: all)
+            shape.update(use_sliding_window=True, sliding_window=sliding_window,
+                         max_window_layers=0)
+        moe = "num_experts" in shape
+        config_cls, model_cls = ((Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe
+                                 else (Qwen3Config, Qwen3ForCausalLM))
+        config = config_cls(
+            **shape,
+            initializer_range=init_std,
+            rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
+        )
     t0 = time.perf_counter()
     model = model_cls(config).to(torch.float32).eval()
     n_params = sum(p.numel() for p in model.parameters())
@@ -133,11 +173,14 @@ def build(
     # Readers written for transformers 4.x (and vLLM) look for a top-level rope_theta.
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg.setdefault("rope_theta", ROPE_THETA)
-    cfg.setdefault("rope_scaling", None)
+    if not shape_name.startswith("gemma3"):
+        cfg.setdefault("rope_theta", ROPE_THETA)
+        cfg.setdefault("rope_scaling", None)
     cfg["torch_dtype"] = "float32"
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
+    generation = GENERATION_CONFIG if not shape_name.startswith("gemma3") else {
+        "bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
     # Sanity: logits of a short random prompt should be finite and moderate.
     with torch.inference_mode():
@@ -165,7 +208,8 @@ def main() -> None:
         choices=sorted(SHAPES),
         default="qwen3-0.6b",
         help="the published config to copy (default qwen3-0.6b; qwen3-1.7b: the next dense "
-        "size, 1.7B parameters; qwen3-30b-a3b: the mixture of experts)",
+        "size, 1.7B parameters; qwen3-30b-a3b: the mixture of experts; gemma3-1b: Gemma 3 1B's "
+        "text decoder, every sixth layer full, the others a 512-token window)",
     )
     ap.add_argument(
         "--layers",
@@ -178,8 +222,8 @@ def main() -> None:
         "--sliding-window",
         type=int,
         default=None,
-        help="every layer attends over its newest N tokens, N >= 1 (default: the whole context, "
-        "as the published model)",
+        help="every layer (gemma3: every sliding layer) attends over its newest N tokens, N >= 1 "
+        "(default as the published model: the whole context; gemma3 512)",
     )
     args = ap.parse_args()
     if args.layers is not None and args.layers < 1:

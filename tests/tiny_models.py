@@ -67,6 +67,14 @@ def build_tiny_model(out_dir: str, arch: str = "llama", seed: int = 0, tokenizer
     elif arch == "mixtral":  # 4 experts of intermediate_size, top 2
         moe = dict(num_local_experts=4, num_experts_per_tok=2)
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**{**moe, **common}))
+    elif arch == "gemma3":  # sliding layers (window 24) and full ones in turn, gelu-tanh MLP
+        layers = common["num_hidden_layers"]
+        gemma = dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=24,
+                     hidden_activation="gelu_pytorch_tanh",
+                     layer_types=["full_attention" if i % 2 else "sliding_attention"
+                                  for i in range(layers)])
+        model = transformers.Gemma3ForCausalLM(
+            transformers.Gemma3TextConfig(**{**gemma, **common}))
     else:
         raise ValueError(arch)
     # a larger init than HF's default makes the logits peaked, so greedy ties are rare
@@ -75,6 +83,8 @@ def build_tiny_model(out_dir: str, arch: str = "llama", seed: int = 0, tokenizer
             if p.dim() >= 2:  # matrices, and the [experts, out, in] stacks of a MoE
                 p.normal_(0, 0.08)
             elif name.endswith("bias"):  # only with attention_bias / mlp_bias: not left zero
+                p.normal_(0, 0.3)
+            elif arch == "gemma3" and name.endswith("norm.weight"):  # 1 + w: w starts at 0
                 p.normal_(0, 0.3)
     model = model.to(torch.float32).eval()
     model.save_pretrained(out_dir, safe_serialization=True)

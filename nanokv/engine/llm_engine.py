@@ -139,6 +139,12 @@ class LLMEngine:
         self.kv_cache_plan, self.kv_cache, backend_class, backend_why = build_kv_cache(
             config, plan_spec, self.layout, budget, parts.max_model_len_given, create, self.device)
         config.max_model_len = self.kv_cache_plan.max_model_len
+        if self.kv_cache.pre_rope_keys and len(self.model.rotaries()) > 1:
+            raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype!r} keeps keys before RoPE "
+                             f"and rotates them with one RoPE; {type(self.model).__name__}'s "
+                             f"layers have {len(self.model.rotaries())} (one per kind of "
+                             f"layer). Keep keys after RoPE (kvquant: pre_rope_keys false in "
+                             f"its calibration) or use another kv_cache_dtype")
         self.attention_backend = backend_class(self.kv_cache, self.device)
         kv_cache = self.kv_cache  # what the block manager and the policies act on
         if self.executor is not None:  # every rank's, through rank 0's

@@ -10,9 +10,17 @@ from nanokv.layers import native_elementwise
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def rope_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scaling for the config's RoPE type."""
+def rope_inv_freq(hf_config, head_dim: int,
+                  layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling for the config's RoPE type. layer_type: the
+    layers' kind whose RoPE this is, where the config keeps one per kind (Gemma 3's
+    `rope_parameters` = {"sliding_attention": ..., "full_attention": ...})."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if layer_type is not None:
+        if layer_type not in params:
+            raise ValueError(f"rope_parameters has no entry for {layer_type!r} layers; it has "
+                             f"{sorted(params)}")
+        params = dict(params[layer_type])
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"RoPE type {rope_type!r} is not supported; supported: "
@@ -31,16 +39,22 @@ def rope_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
     # the scaled variants follow transformers' reference formulas exactly
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    init = ROPE_INIT_FUNCTIONS[rope_type]
+    inv_freq, attention_scaling = (init(hf_config, torch.device("cpu")) if layer_type is None
+                                   else init(hf_config, torch.device("cpu"),
+                                             layer_type=layer_type))
     return inv_freq.float(), float(attention_scaling)
 
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for positions [0, max_positions); applied to q and k in place of copies."""
 
-    def __init__(self, hf_config, head_dim: int, max_positions: int) -> None:
+    def __init__(self, hf_config, head_dim: int, max_positions: int,
+                 layer_type: str | None = None) -> None:
+        """layer_type: this RoPE's layers, where the config keeps one per kind (`rope_inv_freq`)."""
         super().__init__()
         self.hf_config, self.head_dim, self.max_positions = hf_config, head_dim, max_positions
+        self.layer_type = layer_type
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         # the last step's positions and their cos/sin rows: every layer of a forward pass
@@ -54,7 +68,7 @@ class RotaryEmbedding(nn.Module):
     def build_tables(self, device: torch.device) -> None:
         """(Re)compute the tables on `device` (after the model was materialised there)."""
         self._rows = self._checked = None
-        inv_freq, scaling = rope_inv_freq(self.hf_config, self.head_dim)
+        inv_freq, scaling = rope_inv_freq(self.hf_config, self.head_dim, self.layer_type)
         t = torch.arange(self.max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_positions, rot_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, rot_dim]

@@ -84,6 +84,12 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o.reshape(num_tokens, self.q_size)), captured  # [T, hidden]
 
 
+# a gate's activation by its Hugging Face name (transformers' ACT2FN: gelu_pytorch_tanh is
+# PyTorch's tanh approximation)
+ACTIVATIONS = {"silu": F.silu,
+               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, cfg, bias: bool, tp: TensorParallel | None = None,
                  intermediate_size: int | None = None, reduce: bool = True) -> None:
@@ -91,21 +97,28 @@ class LlamaMLP(nn.Module):
         expert's); reduce False: under tensor parallelism the output stays this rank's partial
         sum (a mixture of experts sums its experts first, then reduces once)."""
         super().__init__()
-        act = getattr(cfg, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported; supported: ['silu']")
+        self.act = self.activation(cfg)
         width = cfg.intermediate_size if intermediate_size is None else intermediate_size
         self.intermediate = width // (1 if tp is None else tp.size)
         self.gate_up_proj = column_linear(cfg.hidden_size, 2 * self.intermediate, bias, tp)
         self.down_proj = row_linear(self.intermediate, cfg.hidden_size, bias, tp, reduce)
         self.native = False  # SiLU-and-multiply in C on float32 CPU (use_native_elementwise)
 
+    @staticmethod
+    def activation(cfg) -> str:
+        """The gate's activation: `hidden_act` (Gemma's configs name it `hidden_activation`)."""
+        act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"hidden activation {act!r} is not supported; supported: "
+                             f"{sorted(ACTIVATIONS)}")
+        return act
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-        if self.native and native_elementwise.fits_gate_up(gate_up):
+        if self.native and self.act == "silu" and native_elementwise.fits_gate_up(gate_up):
             return self.down_proj(native_elementwise.silu_mul(gate_up))  # one pass, in C
         gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ACTIVATIONS[self.act](gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -147,19 +160,27 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.tp = tp
         biases = self.biases(cfg)
-        self.rotary = RotaryEmbedding(cfg, head_dim_of(cfg), max_positions)
+        self.rotary = self.make_rotary(cfg, max_positions)
         self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None
                              else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp))
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, self.rotary, self.qk_norm, biases,
-                              self.make_mlp(cfg, index, biases, tp), tp)
-            for index in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg, index, biases, tp)
+                                    for index in range(cfg.num_hidden_layers))
         for index, layer in enumerate(self.layers):
             layer.self_attn.layer_index = index
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = (Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if tp is None
                         else ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp))
+
+    def make_rotary(self, cfg, max_positions: int) -> RotaryEmbedding:
+        """The model's RoPE (`rotary`: what a store of pre-RoPE keys rotates them with)."""
+        return RotaryEmbedding(cfg, head_dim_of(cfg), max_positions)
+
+    def make_layer(self, cfg, layer: int, biases: LinearBiases,
+                   tp: TensorParallel | None) -> nn.Module:
+        """Decoder layer `layer` (Gemma 3: its own kind, with its kind's RoPE)."""
+        return LlamaDecoderLayer(cfg, self.rotary, self.qk_norm, biases,
+                                 self.make_mlp(cfg, layer, biases, tp), tp)
 
     @classmethod
     def make_mlp(cls, cfg, layer: int, biases: LinearBiases,
@@ -191,13 +212,25 @@ class LlamaForCausalLM(nn.Module):
                 ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """input_ids, positions: [T] -> hidden states [T, hidden], and per layer the queries
         KV policies asked for (`step.capture_rows`; None when none were asked)."""
-        x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        x, residual = self.embed(input_ids), None  # [T, hidden]
         captured = []
         for layer in self.layers:
             x, residual, q_rows = layer(x, residual, positions, step)
             captured.append(q_rows)
         x, _ = self.norm(x, residual)
         return x, (captured if step.capture_rows is not None else None)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> the first layer's input [T, hidden]."""
+        return self.embed_tokens(input_ids)
+
+    def rotaries(self) -> list[RotaryEmbedding]:
+        """The model's RoPE tables: one here (Gemma 3: one per kind of layer)."""
+        return [m for m in self.modules() if isinstance(m, RotaryEmbedding)]
+
+    def loaded(self) -> None:
+        """Called once the checkpoint's tensors are in, before the weights are tied: what an
+        architecture makes of them (Gemma 3 folds its norms' 1 + w); nothing here."""
 
     def tie_weights(self) -> None:
         """Tied embeddings: the LM head shares the embedding matrix (after loading; an int8

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from nanokv.models.gemma3 import Gemma3ForCausalLM
 from nanokv.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -11,6 +12,7 @@ from nanokv.models.llama import (
 from nanokv.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,

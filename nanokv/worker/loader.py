@@ -315,7 +315,8 @@ def load_model(model_path: str, dtype: str = "auto", device: str = "auto",
     int8 = set(model.int8_layers()) if quantization is not None else set()
     quantized = {f"{name}.weight": m for name, m in model.named_modules() if m in int8}
     model = materialize(model, dev, torch_dtype, deferred=quantized.values())
-    model.rotary.build_tables(dev)
+    for rotary in model.rotaries():
+        rotary.build_tables(dev)
 
     def on_loaded(name: str) -> None:
         if name in quantized:
@@ -327,6 +328,7 @@ def load_model(model_path: str, dtype: str = "auto", device: str = "auto",
         release_free_heap()  # the float weight's pages, before the next is allocated
 
     load_weights(model, model_path, on_loaded=on_loaded)
+    model.loaded()
     model.tie_weights()
     model.eval()
     if quantization is not None:
@@ -341,7 +343,8 @@ def load_model(model_path: str, dtype: str = "auto", device: str = "auto",
             raise ValueError("linear_backend 'onednn' needs a CPU build of PyTorch with oneDNN")
         model.pack_linear_weights()
         if model.use_native_elementwise():  # the fused C norm / RoPE / SiLU kernels
-            note += ", fused C norm / RoPE / SiLU-and-multiply"
+            silu = any(getattr(m, "act", None) == "silu" for m in model.modules())
+            note += ", fused C norm / RoPE" + (" / SiLU-and-multiply" if silu else "")
     tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer_path or model_path)
     eos = load_eos_token_ids(model_path, cfg, tokenizer)
     note += f", {backend} linear layers"

@@ -132,10 +132,10 @@ class ModelRunner:
         adapter, the pass runs under it. Returns per layer the chunk's
         post-RoPE queries [T, Hq, D] and its keys as written [T, Hkv, D]. Float pool only."""
         n = len(token_ids)
-        rotary = self.model.rotary
-        if start_position + n > rotary.max_positions:  # the pass may run past max_model_len
-            rotary.max_positions = start_position + n
-            rotary.build_tables(self.device)
+        for rotary in self.model.rotaries():
+            if start_position + n > rotary.max_positions:  # the pass may run past max_model_len
+                rotary.max_positions = start_position + n
+                rotary.build_tables(self.device)
         s = ScheduledRequest("#scoring", list(token_ids), start_position, start_slot, block_table,
                              sample=False, params=_SCORING_PARAMS, output_index=0,
                              capture_from=start_position, lora_int_id=lora_int_id)

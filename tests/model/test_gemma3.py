@@ -1,0 +1,156 @@
+"""Gemma 3's text decoder (`Gemma3ForCausalLM`) against Hugging Face transformers' own forward
+(float32): four norms a layer with 1 + w weights, the embedding scaled by sqrt(hidden), the
+query_pre_attn_scalar softmax scale, the gelu-tanh MLP, and sliding layers (window 24) beside
+full ones, each kind with its own RoPE (10k / 1M bases; linear scaling on the full layers, as
+Gemma 3 4B+), with batching, chunked prefill, preemption and prefix hits; a final logit
+soft-cap; int8 weights and an int8 KV cache; what is refused (an attention soft-cap,
+bidirectional attention, a KV store that keeps keys before RoPE)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from tiny_models import build_tiny_model, check_teacher_forced, edit_json, load_hf
+
+from nanokv import LLM, SamplingParams
+
+WINDOW = 24
+LINEAR_FULL = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+               "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                  "rope_theta": 1000000.0}}
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    return build_tiny_model(str(tmp_path_factory.mktemp("gemma3") / "m"), "gemma3", seed=3,
+                            tokenizer=False, num_hidden_layers=4)
+
+
+def prompts(seed: int, n: int, shared: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(1, 250) for _ in range(shared)]
+    return [prefix + [rng.randrange(1, 250) for _ in range(rng.choice((7, 40, 110)))]
+            for _ in range(n)]
+
+
+def run(path: str, batch, max_tokens: int = 12, logits: bool = True, **options):
+    llm = LLM(path, skip_tokenizer_init=True, max_model_len=256, block_size=16,
+              max_num_batched_tokens=48, **options)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                            return_prompt_logits=logits)
+    return llm, llm.generate(batch, params, use_tqdm=False)
+
+
+def test_the_layers_are_what_hf_builds(gemma):
+    """Sliding and full layers alternate, each with its kind's RoPE; the windows reach the KV
+    layout; the norms hold 1 + w."""
+    model = LLM(gemma, skip_tokenizer_init=True, max_model_len=256, block_size=16).engine.model
+    hf = load_hf(gemma)
+    kinds = [layer.self_attn.rotary.layer_type for layer in model.layers]
+    assert kinds == hf.config.layer_types == ["sliding_attention", "full_attention"] * 2
+    assert model.sliding_rotary is not model.rotary and model.rotary.layer_type == "full_attention"
+    assert not torch.equal(model.sliding_rotary.cos, model.rotary.cos)
+    assert type(model).layer_windows(hf.config, 256) == (WINDOW, None, WINDOW, None)
+    torch.testing.assert_close(model.layers[1].pre_feedforward_layernorm.weight,
+                               1 + hf.model.layers[1].pre_feedforward_layernorm.weight)
+    assert model.layers[0].self_attn.scale == 24 ** -0.5
+
+
+@pytest.mark.parametrize("rope", ["default", "linear_on_full_layers"])
+def test_logits_and_tokens_equal_hf(gemma, tmp_path, rope):
+    path = gemma
+    if rope != "default":
+        path = build_tiny_model(str(tmp_path / rope), "gemma3", seed=4, tokenizer=False,
+                                num_hidden_layers=4, rope_parameters=LINEAR_FULL)
+    hf = load_hf(path)
+    batch = prompts(1, 5)
+    assert max(map(len, batch)) > WINDOW * 4  # the sliding layers drop most of the context
+    _, outs = run(path, batch, max_tokens=16)
+    for prompt, out in zip(batch, outs):
+        check_teacher_forced(hf, prompt, out)
+
+
+def test_preemption_and_prefix_hits_keep_hf_tokens(gemma):
+    """8 requests over a pool that cannot hold them all at once (recompute preemption), then the
+    same prompts again over the prefix cache."""
+    hf = load_hf(gemma)
+    batch = prompts(2, 8, shared=40)
+    llm, outs = run(gemma, batch, max_tokens=24, logits=False, num_kv_blocks=24)
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0
+    for prompt, out in zip(batch, outs):
+        check_teacher_forced(hf, prompt, out)
+    again = llm.generate(batch, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                         use_tqdm=False)
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+    assert llm.engine.stats().prefix_cache_hits > stats.prefix_cache_hits
+    llm.engine.check_invariants()
+
+
+def test_final_logit_softcap(gemma, tmp_path):
+    """Gemma 2's final soft-cap, tanh(logits / c) * c, where a config sets it."""
+    path = tmp_path / "softcap"
+    os.system(f"cp -r {gemma} {path}")
+    edit_json(str(path / "config.json"), final_logit_softcapping=3.0)
+    hf = load_hf(str(path))
+    batch = prompts(3, 2)
+    _, outs = run(str(path), batch)
+    for prompt, out in zip(batch, outs):
+        check_teacher_forced(hf, prompt, out)
+        assert out.prompt_logits.abs().max() < 3.0
+
+
+def test_int8_weights_and_int8_kv(gemma):
+    """Int8 weights (the embedding's scale applied to its dequantized rows) against HF over
+    the dequantized weights; an int8 KV cache (keys after RoPE) runs beside two RoPEs."""
+    from test_int8_weights import hf_dequantized
+
+    hf = hf_dequantized(gemma)
+    batch = prompts(5, 3)
+    _, outs = run(gemma, batch, quantization="int8")
+    for prompt, out in zip(batch, outs):
+        check_teacher_forced(hf, prompt, out)
+    _, outs = run(gemma, batch, kv_cache_dtype="int8", logits=False)
+    assert all(len(o.token_ids) == 12 for o in outs)
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(attn_logit_softcapping=50.0), r"attn_logit_softcapping 50.0 is not supported"),
+    (dict(use_bidirectional_attention=True), r"use_bidirectional_attention is not supported"),
+    (dict(layer_types=["sliding_attention", "chunked_attention"] * 2),
+     r"layer_types must name each of the 4 layers 'sliding_attention' or 'full_attention'"),
+])
+def test_what_nanokv_does_not_run_is_refused(gemma, tmp_path, fields, match):
+    path = tmp_path / "bad"
+    os.system(f"cp -r {gemma} {path}")
+    edit_json(str(path / "config.json"), **fields)
+    with pytest.raises(ValueError, match=match):
+        LLM(str(path), skip_tokenizer_init=True, max_model_len=64)
+
+
+def test_a_store_of_pre_rope_keys_is_refused(gemma):
+    """KVQuant rotates its pre-RoPE keys with the model's one RoPE: Gemma 3's layers have two."""
+    with pytest.raises(ValueError, match=r"keeps keys before RoPE .* Gemma3ForCausalLM's layers "
+                                         r"have 2"):
+        LLM(gemma, skip_tokenizer_init=True, max_model_len=64, kv_cache_dtype="kvquant")
+
+
+def test_two_tensor_parallel_ranks_give_one_process_tokens(gemma):
+    """Heads and MLP split over 2 ranks, the extra norms and both RoPEs replicated: one
+    process's tokens and schedule, with chunks, preemption and prefix hits."""
+    options = dict(skip_tokenizer_init=True, max_model_len=256, block_size=16,
+                   num_kv_blocks=24, max_num_batched_tokens=48)
+    batch = prompts(6, 8, shared=20)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    one = LLM(gemma, **options)
+    want = [o.token_ids for o in one.generate(batch, params, use_tqdm=False)]
+    two = LLM(gemma, tensor_parallel_size=2, **options)
+    try:
+        assert [o.token_ids for o in two.generate(batch, params, use_tqdm=False)] == want
+        assert two.engine.stats() == one.engine.stats()
+        assert two.engine.stats().num_preemptions > 0
+    finally:
+        two.engine.close()
