@@ -40,7 +40,7 @@ from ab_timing import ratio_summary, time_in_turn  # noqa: E402
 import nanokv.layers.native_quant_attention as nqa  # noqa: E402
 from nanokv.attention.common import CommonAttentionMetadata  # noqa: E402
 from nanokv.attention.native_quantized import NativeQuantizedBackend  # noqa: E402
-from nanokv.layers.native_attention import LazyLibrary  # noqa: E402
+from nanokv.layers.native_build import LazyLibrary  # noqa: E402
 from nanokv.layers.rotary import RotaryEmbedding  # noqa: E402
 
 KERNEL = Path("nanokv/layers/csrc/quant_decode_attention.c")

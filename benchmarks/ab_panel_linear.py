@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from ab_timing import ratio_summary, time_in_turn  # noqa: E402
 from nanokv.layers import native_linear  # noqa: E402
-from nanokv.layers.native_attention import LazyLibrary  # noqa: E402
+from nanokv.layers.native_build import LazyLibrary  # noqa: E402
 
 KERNEL = Path("nanokv/layers/csrc/panel_linear.c")
 LAYER_WEIGHTS = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024),

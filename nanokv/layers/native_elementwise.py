@@ -8,7 +8,7 @@ its input once and writes its output once. The references are the PyTorch paths 
 call (`RMSNorm.reference`, `rotary.apply_rotary`, `F.silu(gate) * up`); the model takes these
 kernels with its oneDNN linear layers (`linear_backend` auto / onednn on CPU,
 `LlamaForCausalLM.use_native_elementwise`). Built on first use like the decode kernels
-(`native_attention.build_library`).
+(`native_build.build_library`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from nanokv.layers.native_attention import LazyLibrary
+from nanokv.layers.native_build import LazyLibrary
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_elementwise.c"
 MAX_HEAD_DIM = 1024  # the kernel's per-head scratch

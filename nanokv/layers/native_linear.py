@@ -9,7 +9,7 @@ shape at load (`Linear.keep_faster_path`, `panels_win`), so the memory is what i
 and AVX2 vector paths, plain C elsewhere. `F.linear` on the unpacked (or dequantized) weight is
 the reference (tests/unit/test_panel_linear.py); `benchmarks/bench_lm_head.py` times it against
 F.linear and oneDNN. Built on first use like the decode kernels
-(`native_attention.build_library`)."""
+(`native_build.build_library`)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from nanokv.layers.native_attention import LazyLibrary
+from nanokv.layers.native_build import LazyLibrary
 
 SOURCE = Path(__file__).with_name("csrc") / "panel_linear.c"
 PANEL = 32  # output columns per panel (csrc/panel_linear.c's PANEL)

@@ -1,6 +1,6 @@
 """The quantized CPU decode kernels (`csrc/quant_decode_attention.c`), loaded with ctypes.
 
-Built like the float kernel (`native_attention.build_library`: `$CC -O3 -march=native -fopenmp`,
+Built like the float kernel (`native_build.build_library`: `$CC -O3 -march=native -fopenmp`,
 cached in `$NANOKV_CACHE_DIR`), once per process. Two entry points, each reading a store's
 buffers in place:
 
@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from nanokv.layers.native_attention import DecodeRuns, LazyLibrary
+from nanokv.layers.native_attention import DecodeRuns
+from nanokv.layers.native_build import LazyLibrary
 
 SOURCE = Path(__file__).with_name("csrc") / "quant_decode_attention.c"
 PERTOKEN_FORMATS = {"int8": 0, "fp8_e4m3": 1, "fp8_e5m2": 2}

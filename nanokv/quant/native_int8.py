@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from nanokv.layers.native_attention import LazyLibrary
+from nanokv.layers.native_build import LazyLibrary
 
 SOURCE = Path(__file__).resolve().parent.parent / "layers" / "csrc" / "int8_quantize.c"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from nanokv.layers.native_attention import LazyLibrary
+from nanokv.layers.native_build import LazyLibrary
 
 SOURCE = Path(__file__).resolve().parent.parent / "layers" / "csrc" / "kvquant_quantize.c"
 SPARSE_KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
