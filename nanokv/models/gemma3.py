@@ -1,5 +1,6 @@
-"""Gemma 3's text decoder (`Gemma3ForCausalLM`: Gemma 3 1B, and the text model of the larger
-ones saved on its own), as Hugging Face's Gemma3 computes it, on the Llama decoder's parts:
+"""Gemma 3's text decoder (`Gemma3ForCausalLM`: Gemma 3 1B; and the text part of the multimodal
+4B / 12B / 27B checkpoints, `Gemma3ForConditionalGeneration`), as Hugging Face's Gemma3
+computes it, on the Llama decoder's parts:
 
 - every layer normalizes four times: before and after attention, before and after the MLP
   (`Gemma3DecoderLayer`: the residual adds stay fused into the norm that follows them);
@@ -120,3 +121,19 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if logits is None or self.final_softcap is None:
             return logits
         return torch.tanh(logits / self.final_softcap) * self.final_softcap
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The text decoder of a multimodal Gemma 3 checkpoint (4B, 12B, 27B): built from its
+    `text_config`, its weights under `language_model.`; the vision tower and the projector are
+    not read (prompts are text or token ids; no image input)."""
+
+    ignored_tensors = ("vision_tower.", "multi_modal_projector.")
+
+    @staticmethod
+    def text_config(cfg):
+        return cfg.text_config
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        return "language_model." + Gemma3ForCausalLM.checkpoint_name(name)

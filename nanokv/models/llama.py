@@ -148,6 +148,8 @@ class LlamaForCausalLM(nn.Module):
     """Llama; the subclasses differ in their biases, q/k norms and sliding windows."""
 
     qk_norm = False
+    # checkpoint tensors the loader skips by prefix (a multimodal checkpoint's vision tower)
+    ignored_tensors: tuple[str, ...] = ()
     # checkpoint name -> (our name, shard index) for the packed projections
     packed_modules = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -330,6 +332,12 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[LlamaAttention]:
         return [layer.self_attn for layer in self.layers]
+
+    @staticmethod
+    def text_config(cfg):
+        """The config the decoder is built from: the checkpoint's (a multimodal one's text part:
+        Gemma 3's `text_config`)."""
+        return cfg
 
     @staticmethod
     def checkpoint_name(name: str) -> str:

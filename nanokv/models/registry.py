@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nanokv.models.gemma3 import Gemma3ForCausalLM
+from nanokv.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from nanokv.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -13,6 +13,7 @@ from nanokv.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeF
 
 MODEL_REGISTRY = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,

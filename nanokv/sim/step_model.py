@@ -226,8 +226,9 @@ class ModelShape:
 
     @classmethod
     def load(cls, model_dir: str) -> ModelShape:
-        """The shape of a config directory, with the fields its file leaves at their defaults
-        filled in as transformers fills them (transformers 5 saves only what differs from
+        """The shape of a config directory (a multimodal one's `text_config`: the decoder the
+        engine runs), with the fields its file leaves at their defaults filled in as
+        transformers fills them (transformers 5 saves only what differs from
         them: a Qwen3-MoE config.json may hold no num_experts); the file alone where
         transformers cannot read it (an architecture it does not know)."""
         path = f"{model_dir}/config.json"
@@ -241,7 +242,9 @@ class ModelShape:
 
             config = AutoConfig.from_pretrained(model_dir)
         except Exception:  # noqa: BLE001 - transformers raises many types for configs it lacks
-            return cls.from_hf_config(raw)
+            return cls.from_hf_config(raw.get("text_config", raw))
+        if "text_config" in raw:  # a multimodal checkpoint (Gemma 3): its text decoder
+            config, raw = config.text_config, raw["text_config"]
         full = {key: getattr(config, key) for key in CONFIG_FIELDS if hasattr(config, key)}
         return cls.from_hf_config({**full, **raw})
 

@@ -89,6 +89,10 @@ def load_hf_config(path: str):
         cfg = AutoConfig.from_pretrained(path)
     except Exception as e:  # transformers raises many types for a bad config
         raise ValueError(f"could not parse {cfg_file}: {e}") from None
+    try:  # a multimodal checkpoint's text part (Gemma 3): what the engine builds and reads
+        cfg = model_class(archs[0]).text_config(cfg)
+    except ValueError:
+        pass  # an architecture nanokv does not run: refused where the model is built
     return cfg, archs[0]
 
 
@@ -172,7 +176,7 @@ def load_weights(model: torch.nn.Module, path: str, on_loaded=None) -> None:
             raise ValueError(f"weight file {file} is unreadable or corrupt: {e}") from None
         with handle:
             for key in handle.keys():
-                if key.endswith(skip_suffixes):
+                if key.endswith(skip_suffixes) or key.startswith(model.ignored_tensors):
                     continue
                 if key == "lm_head.weight" and model.tie_word_embeddings:
                     continue  # tied embeddings: the checkpoint may carry a copy

@@ -3,7 +3,8 @@
 query_pre_attn_scalar softmax scale, the gelu-tanh MLP, and sliding layers (window 24) beside
 full ones, each kind with its own RoPE (10k / 1M bases; linear scaling on the full layers, as
 Gemma 3 4B+), with batching, chunked prefill, preemption and prefix hits; a final logit
-soft-cap; int8 weights and an int8 KV cache; what is refused (an attention soft-cap,
+soft-cap; int8 weights and an int8 KV cache; 2 ranks; the text decoder of a multimodal
+checkpoint (Gemma3ForConditionalGeneration); what is refused (an attention soft-cap,
 bidirectional attention, a KV store that keeps keys before RoPE)."""
 
 from __future__ import annotations
@@ -154,3 +155,36 @@ def test_two_tensor_parallel_ranks_give_one_process_tokens(gemma):
         assert two.engine.stats().num_preemptions > 0
     finally:
         two.engine.close()
+
+
+def test_the_text_decoder_of_a_multimodal_checkpoint(tmp_path):
+    """Gemma 3 4B+ ship as Gemma3ForConditionalGeneration: the decoder is built from its
+    text_config and read from `language_model.`, the vision tower and projector skipped; its
+    tokens are HF's multimodal model's on text prompts; the simulator sizes the decoder."""
+    import transformers
+
+    from nanokv.sim.step_model import ModelShape
+
+    text = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                query_pre_attn_scalar=24, sliding_window=WINDOW, max_position_embeddings=256,
+                layer_types=["sliding_attention", "full_attention"] * 2)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    torch.manual_seed(8)
+    hf = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=255,
+        boi_token_index=253, eoi_token_index=254))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(0, 0.3 if name.endswith("norm.weight") else 0.08)
+    path = str(tmp_path / "mm")
+    hf.float().eval().save_pretrained(path)
+    batch = [[random.Random(i).randrange(1, 250) for _ in range(n)] for i, n in enumerate((9, 80))]
+    llm, outs = run(path, batch)
+    assert type(llm.engine.model).__name__ == "Gemma3ForConditionalGeneration"
+    assert llm.engine.hf_config.num_hidden_layers == 4  # the text_config
+    for prompt, out in zip(batch, outs):
+        check_teacher_forced(hf, prompt, out)
+    shape = ModelShape.load(path)
+    assert (shape.num_layers, shape.hidden_size, shape.head_dim) == (4, 64, 32)
