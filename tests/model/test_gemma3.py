@@ -91,6 +91,20 @@ def test_preemption_and_prefix_hits_keep_hf_tokens(gemma):
     llm.engine.check_invariants()
 
 
+def test_the_triton_backend_equals_hf(gemma):
+    """The GPU's attention kernels (under Triton's interpreter on CPU): each layer's window and
+    the query_pre_attn_scalar scale reach them."""
+    from triton_device import triton_ready
+
+    if not triton_ready():
+        pytest.skip("the Triton backend runs on CPU only under TRITON_INTERPRET=1 with triton")
+    hf = load_hf(gemma)
+    batch = prompts(7, 3)
+    _, outs = run(gemma, batch, max_tokens=8, attention_backend="triton")
+    for prompt, out in zip(batch, outs):
+        check_teacher_forced(hf, prompt, out, atol=1e-3)
+
+
 def test_final_logit_softcap(gemma, tmp_path):
     """Gemma 2's final soft-cap, tanh(logits / c) * c, where a config sets it."""
     path = tmp_path / "softcap"
