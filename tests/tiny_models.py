@@ -133,6 +133,44 @@ def check_teacher_forced(hf_model, prompt: list[int], out, atol: float = 1e-4) -
     assert out.token_ids == logits[len(prompt) - 1:-1].argmax(-1).tolist()
 
 
+def check_two_ranks(path: str, batch: list[list[int]], **options) -> None:
+    """Greedy tokens of `batch` (12 each) on 2 tensor-parallel ranks equal one process's, with
+    the same schedule (stats), preemptions among them (options: a pool too small for all)."""
+    from nanokv import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    one = LLM(path, **options)
+    want = [o.token_ids for o in one.generate(batch, params, use_tqdm=False)]
+    two = LLM(path, tensor_parallel_size=2, **options)
+    try:
+        assert [o.token_ids for o in two.generate(batch, params, use_tqdm=False)] == want
+        assert two.engine.stats() == one.engine.stats()
+        assert two.engine.stats().num_preemptions > 0
+    finally:
+        two.engine.close()
+
+
+def check_cuda_engine(model: str, seed: int, vocab: int, **options):
+    """A CUDA float32 engine's prompt logits and teacher-forced greedy tokens against HF's
+    (1e-3: the GPU's kernels round differently) on 4 prompts of 5-120 tokens, 16 tokens each,
+    and its block accounting after them; returns the `LLM`."""
+    import random
+
+    from nanokv import LLM, SamplingParams
+
+    llm = LLM(model, skip_tokenizer_init=True, max_model_len=256, block_size=16, device="cuda",
+              dtype="float32", max_num_batched_tokens=64, **options)
+    rng = random.Random(seed)
+    batch = [[rng.randrange(1, vocab) for _ in range(n)] for n in (5, 33, 120, 70)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                            return_prompt_logits=True)
+    hf = load_hf(model)
+    for prompt, out in zip(batch, llm.generate(batch, params, use_tqdm=False)):
+        check_teacher_forced(hf, prompt, out, atol=1e-3)
+    llm.engine.check_invariants()
+    return llm
+
+
 def build_noisy_copy(src: str, out_dir: str, scale: float, seed: int = 7) -> str:
     """A copy of the checkpoint at `src` with Gaussian noise of std `scale` added to every
     matrix: a draft model that agrees with it often, not always (config and tokenizer

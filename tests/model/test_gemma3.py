@@ -14,7 +14,8 @@ import random
 
 import pytest
 import torch
-from tiny_models import build_tiny_model, check_teacher_forced, edit_json, load_hf
+from tiny_models import (build_tiny_model, check_teacher_forced, check_two_ranks, edit_json,
+                         load_hf)
 
 from nanokv import LLM, SamplingParams
 
@@ -156,19 +157,8 @@ def test_a_store_of_pre_rope_keys_is_refused(gemma):
 def test_two_tensor_parallel_ranks_give_one_process_tokens(gemma):
     """Heads and MLP split over 2 ranks, the extra norms and both RoPEs replicated: one
     process's tokens and schedule, with chunks, preemption and prefix hits."""
-    options = dict(skip_tokenizer_init=True, max_model_len=256, block_size=16,
-                   num_kv_blocks=24, max_num_batched_tokens=48)
-    batch = prompts(6, 8, shared=20)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    one = LLM(gemma, **options)
-    want = [o.token_ids for o in one.generate(batch, params, use_tqdm=False)]
-    two = LLM(gemma, tensor_parallel_size=2, **options)
-    try:
-        assert [o.token_ids for o in two.generate(batch, params, use_tqdm=False)] == want
-        assert two.engine.stats() == one.engine.stats()
-        assert two.engine.stats().num_preemptions > 0
-    finally:
-        two.engine.close()
+    check_two_ranks(gemma, prompts(6, 8, shared=20), skip_tokenizer_init=True, max_model_len=256,
+                    block_size=16, num_kv_blocks=24, max_num_batched_tokens=48)
 
 
 def test_the_text_decoder_of_a_multimodal_checkpoint(tmp_path):

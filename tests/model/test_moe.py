@@ -16,6 +16,7 @@ from tiny_models import (
     build_lora_adapter,
     build_tiny_model,
     check_teacher_forced,
+    check_two_ranks,
     hf_greedy,
     load_hf,
     load_hf_lora,
@@ -116,19 +117,9 @@ def test_two_tensor_parallel_ranks_give_one_process_tokens(models, arch):
     """Every expert's width split over 2 ranks (the shared expert's too), the router
     replicated, one all-reduce per block: one process's tokens and schedule, with prefix hits,
     chunks and preemption."""
-    options = dict(skip_tokenizer_init=True, max_model_len=256, block_size=16,
-                   num_kv_blocks=16, max_num_batched_tokens=64)
-    batch = prompts(11, 8, shared=20)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    one = LLM(models[arch], **options)
-    want = [o.token_ids for o in one.generate(batch, params, use_tqdm=False)]
-    two = LLM(models[arch], tensor_parallel_size=2, **options)
-    try:
-        assert [o.token_ids for o in two.generate(batch, params, use_tqdm=False)] == want
-        assert two.engine.stats() == one.engine.stats()
-        assert two.engine.stats().num_preemptions > 0
-    finally:
-        two.engine.close()
+    check_two_ranks(models[arch], prompts(11, 8, shared=20), skip_tokenizer_init=True,
+                    max_model_len=256, block_size=16, num_kv_blocks=16,
+                    max_num_batched_tokens=64)
 
 
 def test_a_width_two_ranks_cannot_split_is_refused(tmp_path):
