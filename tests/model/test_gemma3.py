@@ -2,10 +2,10 @@
 (float32): four norms a layer with 1 + w weights, the embedding scaled by sqrt(hidden), the
 query_pre_attn_scalar softmax scale, the gelu-tanh MLP, and sliding layers (window 24) beside
 full ones, each kind with its own RoPE (10k / 1M bases; linear scaling on the full layers, as
-Gemma 3 4B+), with batching, chunked prefill, preemption and prefix hits; a final logit
-soft-cap; int8 weights and an int8 KV cache; 2 ranks; the text decoder of a multimodal
-checkpoint (Gemma3ForConditionalGeneration); what is refused (an attention soft-cap,
-bidirectional attention, a KV store that keeps keys before RoPE)."""
+Gemma 3 4B+), with batching, chunked prefill, preemption and prefix hits; the Triton backend;
+a final logit soft-cap; int8 weights and an int8 KV cache; 2 ranks; LoRA against PEFT; the text
+decoder of a multimodal checkpoint (Gemma3ForConditionalGeneration); what is refused (an
+attention soft-cap, bidirectional attention, a KV store that keeps keys before RoPE)."""
 
 from __future__ import annotations
 
@@ -104,6 +104,24 @@ def test_the_triton_backend_equals_hf(gemma):
     _, outs = run(gemma, batch, max_tokens=8, attention_backend="triton")
     for prompt, out in zip(batch, outs):
         check_teacher_forced(hf, prompt, out, atol=1e-3)
+
+
+def test_a_lora_adapter_matches_peft(gemma, tmp_path):
+    """An adapter of every projection (q/k/v/o, gate/up/down) applies as PEFT applies it."""
+    pytest.importorskip("peft")
+    from tiny_models import build_lora_adapter, load_hf_lora
+
+    from nanokv.lora import LoRARequest
+
+    adapter = build_lora_adapter(gemma, str(tmp_path / "adapter"))
+    peft = load_hf_lora(gemma, adapter)
+    batch = prompts(9, 2)
+    llm = LLM(gemma, skip_tokenizer_init=True, max_model_len=256, block_size=16,
+              enable_lora=True, max_lora_rank=8)
+    outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        lora_request=LoRARequest("a", 1, adapter), use_tqdm=False)
+    for prompt, out in zip(batch, outs):
+        check_teacher_forced(peft, prompt, out)
 
 
 def test_final_logit_softcap(gemma, tmp_path):
