@@ -34,6 +34,8 @@ PROMPT, NEW_TOKENS = list(range(100, 116)), 8
 
 
 def status_kib(field: str) -> int:
+    """nanokv.worker.cpu_memory.proc_status_kib, kept here: the nanokv this measures may be
+    another checkout's (PYTHONPATH), one from before that function."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):

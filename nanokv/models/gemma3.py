@@ -65,6 +65,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.check_config(cfg)
         super().__init__(cfg, max_positions, tp)
         self.embed_scale = float(cfg.hidden_size) ** 0.5
+        self._embed_scales: dict[torch.dtype, torch.Tensor] = {}  # by dtype (`embed`)
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
 
     def make_rotary(self, cfg, max_positions: int) -> RotaryEmbedding:
@@ -107,7 +108,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        return x * torch.tensor(self.embed_scale).to(x.dtype)  # float32, then x's dtype: as HF
+        scale = self._embed_scales.get(x.dtype)
+        if scale is None:  # float32, then x's dtype, as HF rounds it; made once, not per step
+            scale = self._embed_scales[x.dtype] = torch.tensor(self.embed_scale).to(x.dtype)
+        return x * scale
 
     def loaded(self) -> None:
         """Gemma's norms scale by 1 + w: w becomes 1 + w once (computed in float32, as HF)."""

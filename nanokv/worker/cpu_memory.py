@@ -54,6 +54,26 @@ def glibc_tunables() -> str:
             f"glibc.malloc.trim_threshold={TRIM_THRESHOLD}")
 
 
+def proc_status_kib(field: str) -> int:
+    """A field of /proc/self/status in KiB (VmRSS, VmHWM, RssAnon); RuntimeError where the
+    file has no such field."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def release_free_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim; a no-op
+    elsewhere): memory freed between live allocations stays resident otherwise (the loader
+    calls it as each weight's float copy is replaced by its int8 codes)."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def tune_glibc_malloc() -> bool:
     """Set the thresholds (once per process). True when they are in effect."""
     global _applied

@@ -3,7 +3,6 @@ generation config."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -17,6 +16,7 @@ from nanokv.layers.int8_weights import QUANTIZATIONS
 from nanokv.layers.linear import onednn_available
 from nanokv.models.registry import model_class
 from nanokv.utils import head_dim_of
+from nanokv.worker.cpu_memory import release_free_heap
 
 logger = logging.getLogger("nanokv")
 
@@ -268,15 +268,6 @@ def load_tokenizer(path: str):
     except Exception as e:
         raise ValueError(f"could not load a tokenizer from {path}: {e}. Pass a tokenizer "
                          f"directory, or skip_tokenizer_init=True for token-id prompts") from None
-
-
-def release_free_heap() -> None:
-    """Hand the C heap's free pages back to the system (glibc's malloc_trim; a no-op
-    elsewhere): memory freed between live allocations stays resident otherwise."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,

@@ -12,14 +12,7 @@ import torch
 
 from nanokv.attention.common import StepAttention
 from nanokv.attention.no_cache import NoCacheBackend
-
-
-def _proc_status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+from nanokv.worker.cpu_memory import proc_status_kib
 
 
 @torch.inference_mode()
@@ -46,9 +39,9 @@ def measure_activation_bytes(model, num_tokens: int, device: torch.device,
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset the peak RSS to the current RSS
-        base = _proc_status_kib("VmRSS")
+        base = proc_status_kib("VmRSS")
         _forward(model, n, device)
-        peak = (_proc_status_kib("VmHWM") - base) * 1024
+        peak = (proc_status_kib("VmHWM") - base) * 1024
     except (OSError, RuntimeError):
         return None
     return int(peak * num_tokens / n), f"measured on {n} tokens, scaled to {num_tokens}"

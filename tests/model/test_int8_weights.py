@@ -144,9 +144,10 @@ def test_each_weight_is_quantized_as_soon_as_it_is_loaded(models, tmp_path, monk
     path = (build_tiny_model(str(tmp_path / name), "llama", seed=7, tokenizer=False,
                              num_hidden_layers=4) if name == "llama_4_layers" else models[name])
     built, held = [], []  # the model being loaded; float bytes held at each quantization
+    original_materialize, original_quantize = loader.materialize, Linear.quantize_int8
 
     def materialize(*args, **kwargs):
-        built.append(loader.materialize_unpatched(*args, **kwargs))
+        built.append(original_materialize(*args, **kwargs))
         return built[-1]
 
     def quantize_int8(self):
@@ -154,11 +155,9 @@ def test_each_weight_is_quantized_as_soon_as_it_is_loaded(models, tmp_path, monk
                         if isinstance(m, Linear) and not m.keep_float and m.scale is None
                         and not m.weight.is_meta
                         and m.weight is not getattr(built[0].embed_tokens, "weight", None)))
-        Linear.quantize_int8_unpatched(self)
+        original_quantize(self)
 
-    monkeypatch.setattr(loader, "materialize_unpatched", loader.materialize, raising=False)
     monkeypatch.setattr(loader, "materialize", materialize)
-    monkeypatch.setattr(Linear, "quantize_int8_unpatched", Linear.quantize_int8, raising=False)
     monkeypatch.setattr(Linear, "quantize_int8", quantize_int8)
     model = loader.load_model(path, skip_tokenizer_init=True, linear_backend="torch",
                               quantization="int8").model
