@@ -110,6 +110,13 @@ class EngineConfig:
     enable_chunked_prefill: bool = _opt(
         True, "split long prompts over steps (without it a prompt must fit one step)",
         false_flag="--no-chunked-prefill")
+    disable_hybrid_kv_cache_manager: bool = _opt(
+        False, "a model whose layers mix sliding-window and full attention (Gemma 3): every "
+               "layer keeps every block of a request. By default (as vLLM's hybrid KV cache "
+               "manager), on the float KV pool, a request that runs short of blocks hands its "
+               "windowed layers' slices behind their windows to its full layers' new tokens "
+               "(per-layer block tables): it holds about a window per windowed layer instead "
+               "of its whole context, and its blocks from then on are not prefix-cached")
     seed: int = _opt(0, "engine seed (unseeded sampling)")
     num_threads: int | None = _opt(None, "torch CPU threads (default: torch's choice)",
                                    type=int)
@@ -223,7 +230,7 @@ class EngineConfig:
         check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "skip_tokenizer_init",
-                     "enforce_eager", "enable_lora"):
+                     "enforce_eager", "enable_lora", "disable_hybrid_kv_cache_manager"):
             check_bool(name, getattr(self, name))
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) \
                 or not -2**63 <= self.seed < 2**64:

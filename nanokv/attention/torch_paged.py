@@ -47,7 +47,9 @@ class TorchPagedBackend(AttentionBackend):
     # ---- metadata ------------------------------------------------------------------------------
     def build(self, common: CommonAttentionMetadata) -> PoolStep:
         if common.per_layer is not None:  # each layer writes its own slices: its own slots
-            return PoolStep(None, [self._kernel_metadata(c) for c in common.per_layer],
+            layout = self.kv_cache.layout
+            return PoolStep(None, [self._kernel_metadata(c, layout.window(layer))
+                                   for layer, c in enumerate(common.per_layer)],
                             common.write_plan)
         # the pool's write plan is the step's slot mapping as a tensor: not made twice
         base = kernel_metadata(common, self.device, common.write_plan)
@@ -57,8 +59,9 @@ class TorchPagedBackend(AttentionBackend):
                 self._decode_metadata(meta, common)
         return PoolStep(by_window, None, common.write_plan)
 
-    def _kernel_metadata(self, c: CommonAttentionMetadata) -> AttentionMetadata:
-        meta = kernel_metadata(c, self.device)
+    def _kernel_metadata(self, c: CommonAttentionMetadata, window: int | None
+                         ) -> AttentionMetadata:
+        meta = replace(kernel_metadata(c, self.device), window=window)
         if c.num_decodes:
             self._decode_metadata(meta, c)
         return meta

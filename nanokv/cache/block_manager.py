@@ -122,9 +122,13 @@ class BlockManager:
     # ---- allocation ----------------------------------------------------------------------------
     def num_new_blocks_needed(self, request: Request, num_new_tokens: int,
                               num_hit_blocks: int = 0) -> int:
-        if request.layer_slices is not None:  # per-layer tables (layers hold different lengths)
-            lengths = request.layer_slices.lengths(request.num_computed_tokens + num_new_tokens)
-            return max(0, request.layer_slices.blocks_needed(lengths) - len(request.block_table))
+        ls = request.layer_slices
+        if ls is not None:  # per-layer tables (layers hold different lengths)
+            wanted = ls.slices_wanted(ls.lengths(request.num_computed_tokens + num_new_tokens))
+            if wanted == 0:  # most steps: every layer's last slice has room
+                return 0
+            free = len(ls.free_slices(request.block_table, self._pinned(request)))
+            return cdiv(max(0, wanted - free), ls.num_layers)
         slots = request.num_cached_slots + num_hit_blocks * self.block_size + num_new_tokens
         return max(0, self.blocks_for(slots) - len(request.block_table) - num_hit_blocks)
 
@@ -170,8 +174,15 @@ class BlockManager:
             request.block_table.append(block.block_id)
         request.peak_blocks = max(request.peak_blocks, len(request.block_table))
         if request.layer_slices is not None:
-            request.layer_slices.reserve(request.block_table, request.layer_slices.lengths(
-                request.num_computed_tokens + num_new_tokens))
+            taken = request.layer_slices.reserve(
+                request.block_table,
+                request.layer_slices.lengths(request.num_computed_tokens + num_new_tokens),
+                self._pinned(request))
+            # a cached block whose free slice now takes other tokens serves no hit any more
+            for block_id in {request.layer_slices.slice_block(s) for s in taken}:
+                self._content_changed(self.blocks[block_id], now)
+            if taken and request.layer_slices.windows is not None:
+                self._release_idle(request)  # a new block the others' free slices spared
 
         hit_tokens = (len(behind) + len(computed_blocks)) * self.block_size
         # known tokens only: speculative draft tokens past them are hashed once accepted
@@ -441,6 +452,55 @@ class BlockManager:
             self.free_blocks_at(request, list(range(keep, len(table))))
         return moves
 
+    # ---- windows of some layers (nanokv.cache.layer_slices) -------------------------------------
+    def slice_for_windows(self, request: Request, windows: Sequence[int | None]) -> None:
+        """Give each layer of the request its own table of layer slices (every layer its own
+        row of the blocks it holds), so that its windowed layers (`windows[l]` not None) drop
+        the slices their windows have passed and its full-attention layers' new tokens take
+        them (`recycle_window_slices`, now and after each step). Its blocks stay registered for
+        prefix caching until one of their slices takes other tokens; those it fills from now
+        on are not registered (their slices no longer follow the token blocks)."""
+        if request.layer_slices is not None:
+            raise RuntimeError(f"{request} already has per-layer tables")
+        n, bs, n_pool = request.num_cached_slots, self.block_size, self.num_blocks
+        held = request.block_table[:cdiv(n, bs)]
+        tables = [[layer * n_pool + b for b in held] for layer in range(len(windows))]
+        request.layer_slices = LayerSlices(tables, [n] * len(windows),
+                                           request.num_computed_tokens, bs, n_pool, windows)
+        request.prefix_cacheable = False
+        self.recycle_window_slices(request)
+
+    def recycle_window_slices(self, request: Request) -> None:
+        """Drop the slices the request's windowed layers no longer read (before its next
+        token's window) from their tables, and free its blocks no layer uses any more (not an
+        eviction: no query needs what they hold; a cached one stays a hit until reused)."""
+        if request.layer_slices.drop_passed(request.num_cached_slots):
+            self._release_idle(request)
+
+    def _release_idle(self, request: Request) -> None:
+        """Free the blocks of a request with per-layer tables that no layer uses."""
+        used = request.layer_slices.used_blocks()
+        idle = [b for b in request.block_table if b not in used]
+        if not idle:
+            return
+        now = time.monotonic()
+        self._notify_freed([b for b in idle if self._release(self.blocks[b], now, False)])
+        request.block_table = [b for b in request.block_table if b in used]
+
+    def _pinned(self, request: Request) -> set[int]:
+        """The request's blocks another request holds too (their slices are not its to
+        overwrite)."""
+        return {b for b in request.block_table if self.blocks[b].ref_cnt > 1}
+
+    def _content_changed(self, block: KVCacheBlock, now: float) -> None:
+        """The request holding `block` alone rewrites it: unregister it (or drop it from its
+        hash's copies)."""
+        if block.block_hash is not None:
+            self._uncache(block, now, reason=None)
+        elif block.copy_of is not None:
+            self._drop_copy(block)
+            block.reset_hash()
+
     def mark_content_changed(self, request: Request, from_block: int = 0) -> None:
         """A policy rewrote the request's blocks from `from_block` on: never serve them as a
         plain prefix again."""
@@ -449,11 +509,7 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.ref_cnt != 1:  # shared: copied before it is rewritten (make_private)
                 continue
-            if block.block_hash is not None:
-                self._uncache(block, now, reason=None)
-            elif block.copy_of is not None:
-                self._drop_copy(block)
-                block.reset_hash()
+            self._content_changed(block, now)
         # its block hashes count token blocks from the first (free_leading_blocks)
         first = from_block + (request.num_evicted_tokens // self.block_size
                               if request.prefix_cacheable else 0)

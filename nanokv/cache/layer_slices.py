@@ -15,26 +15,41 @@ here: this is bookkeeping the scheduler and block manager use; the runner turns 
 slot mappings and block tables.
 
 Lengths grow together: every layer gets each new token, so layer l holds
-`base_lengths[l] + (num_computed_tokens - base_computed)` slots.
+`base_lengths[l] + (num_computed_tokens - base_computed) - offsets[l]` slots.
+
+Sliding windows (a model whose layers mix windowed and full attention, Gemma 3): `windows`
+gives each layer's window (None: the whole context). A windowed layer drops the slices its
+window has passed from the front of its table (`drop_passed`; `offsets[l]` counts the slots
+dropped, a multiple of B), and those slices, now free, take the other layers' new tokens: the
+request then holds about ceil((F * ceil(n / B) + W * (window / B + 1)) / L) blocks for F full
+and W windowed layers, instead of ceil(n / B). A layer's table then starts at slot
+`offsets[l]`; its lengths and slot indices count from there (a window's start, length - W, is
+the same counted from either end).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 
 from nanokv.utils import cdiv
 
 
 class LayerSlices:
     def __init__(self, tables: list[list[int]], base_lengths: list[int], base_computed: int,
-                 block_size: int, num_pool_blocks: int) -> None:
+                 block_size: int, num_pool_blocks: int,
+                 windows: Sequence[int | None] | None = None) -> None:
         if len(tables) != len(base_lengths) or not tables:
             raise ValueError("need one table and one length per layer")
+        if windows is not None and len(windows) != len(tables):
+            raise ValueError(f"need one window per layer ({len(tables)}), got {len(windows)}")
         self.tables = [list(t) for t in tables]  # per layer: flat slice ids, in slot order
         self.base_lengths = list(base_lengths)
         self.base_computed = base_computed
         self.block_size = block_size
         self.num_pool_blocks = num_pool_blocks
+        # per layer: its sliding window (None: whole context); None: no layer drops slices
+        self.windows = None if windows is None else list(windows)
+        self.offsets = [0] * len(tables)  # per layer: slots dropped from its table's front
 
     @property
     def num_layers(self) -> int:
@@ -46,7 +61,24 @@ class LayerSlices:
         if grown < 0:
             raise ValueError(f"num_computed_tokens {num_computed_tokens} is below the "
                              f"{self.base_computed} computed at compression")
-        return [n + grown for n in self.base_lengths]
+        return [n + grown - o for n, o in zip(self.base_lengths, self.offsets)]
+
+    def drop_passed(self, next_slot: int) -> int:
+        """Drop, from each windowed layer's table, the slices wholly before the window of the
+        token at (request) slot `next_slot`, which sees slots [next_slot + 1 - W, next_slot]:
+        no query of it or after it reads them. Returns the number of slices dropped."""
+        if self.windows is None:
+            return 0
+        bs, dropped = self.block_size, 0
+        for layer, window in enumerate(self.windows):
+            if window is None:
+                continue
+            passed = max(0, next_slot + 1 - window) // bs - self.offsets[layer] // bs
+            if passed > 0:
+                del self.tables[layer][:passed]
+                self.offsets[layer] += passed * bs
+                dropped += passed
+        return dropped
 
     def slices_needed(self, num_slots_per_layer: Sequence[int]) -> int:
         return sum(cdiv(n, self.block_size) for n in num_slots_per_layer)
@@ -58,22 +90,36 @@ class LayerSlices:
     def slice_block(self, slice_id: int) -> int:
         return slice_id % self.num_pool_blocks
 
-    def free_slices(self, block_table: Sequence[int]) -> list[int]:
+    def free_slices(self, block_table: Sequence[int], pinned: Set[int] = frozenset()
+                    ) -> list[int]:
         """Slices of the request's blocks no layer uses, in block-table order (own layer first
-        is the caller's choice)."""
+        is the caller's choice); none of the blocks in `pinned` (shared with another request:
+        their content is not the request's to overwrite)."""
         used = {s for t in self.tables for s in t}
-        return [layer * self.num_pool_blocks + b for b in block_table
+        return [layer * self.num_pool_blocks + b for b in block_table if b not in pinned
                 for layer in range(self.num_layers)
                 if layer * self.num_pool_blocks + b not in used]
 
-    def reserve(self, block_table: Sequence[int], num_slots_per_layer: Sequence[int]) -> None:
-        """Extend each layer's table to cover its slots, taking free slices of `block_table`.
-        The block manager grew the table by `blocks_needed` first; raises if it did not."""
+    def slices_wanted(self, num_slots_per_layer: Sequence[int]) -> int:
+        """Slices the layers' tables must grow by to cover these lengths."""
+        return sum(max(0, cdiv(n, self.block_size) - len(table))
+                   for n, table in zip(num_slots_per_layer, self.tables))
+
+    def used_blocks(self) -> set[int]:
+        """The pool blocks some layer holds a slice of."""
+        return {self.slice_block(s) for t in self.tables for s in t}
+
+    def reserve(self, block_table: Sequence[int], num_slots_per_layer: Sequence[int],
+                pinned: Set[int] = frozenset()) -> list[int]:
+        """Extend each layer's table to cover its slots, taking free slices of `block_table`
+        (none of a `pinned` block's). The block manager grew the table first; raises if it did
+        not. Returns the slices taken."""
         needs = [cdiv(n, self.block_size) - len(table)
                  for n, table in zip(num_slots_per_layer, self.tables)]
         if max(needs) <= 0:  # most decode steps: every layer's last slice has room
-            return
-        free = self.free_slices(block_table)
+            return []
+        free = self.free_slices(block_table, pinned)
+        taken = []
         for layer, need in enumerate(needs):
             for _ in range(max(0, need)):
                 if not free:
@@ -84,6 +130,8 @@ class LayerSlices:
                 pick = own[0] if own else free[0]
                 free.remove(pick)
                 self.tables[layer].append(pick)
+                taken.append(pick)
+        return taken
 
     def slot(self, layer: int, index: int) -> int:
         """Flat slot (in `num_layers * num_blocks * B`) of layer's slot `index`."""
@@ -106,6 +154,10 @@ class LayerSlices:
                 if s in seen:
                     raise RuntimeError(f"slice {s} used twice")
                 seen.add(s)
-        if len(block_table) > self.blocks_needed(self.lengths(num_computed_tokens)):
+        if self.windows is not None:  # the slices a window dropped wait for new tokens
+            idle = set(block_table) - self.used_blocks()
+            if idle:
+                raise RuntimeError(f"blocks {sorted(idle)} are held but no layer uses them")
+        elif len(block_table) > self.blocks_needed(self.lengths(num_computed_tokens)):
             raise RuntimeError(f"{len(block_table)} blocks held for per-layer lengths "
                                  f"{self.lengths(num_computed_tokens)}")

@@ -33,10 +33,24 @@ class KVLayout:
         context."""
         return common_window(self.sliding_windows, self.num_layers)
 
-    def max_request_blocks(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+    @property
+    def mixed_windows(self) -> tuple[int | None, ...] | None:
+        """Each layer's window when some layers have one and others see the whole context
+        (Gemma 3, Qwen's `max_window_layers`), else None."""
+        windows = tuple(self.window(layer) for layer in range(self.num_layers))
+        if self.common_window is not None or all(w is None for w in windows):
+            return None
+        return windows
+
+    def max_request_blocks(self, max_model_len: int, max_num_batched_tokens: int,
+                           layer_windows: tuple[int | None, ...] | None = None) -> int:
         """The most blocks one request holds at once: its whole context, or fewer with a
-        window on every layer (`window_request_blocks`)."""
+        window on every layer (`window_request_blocks`) or, given `layer_windows`, with
+        windowed layers that give back what their windows pass (`sliced_request_blocks`)."""
         whole = cdiv(max_model_len, self.block_size)
+        if layer_windows is not None:
+            return min(whole, sliced_request_blocks(max_model_len, layer_windows,
+                                                    self.block_size, max_num_batched_tokens))
         window = self.common_window
         if window is None:
             return whole
@@ -75,3 +89,16 @@ def window_request_blocks(window: int, block_size: int, max_num_batched_tokens: 
     and those tokens, from a block start: cdiv(W - 1 + T, B) + 1, as vLLM's sliding-window
     spec."""
     return cdiv(window - 1 + max_num_batched_tokens, block_size) + 1
+
+
+def sliced_request_blocks(num_slots: int, layer_windows: tuple[int | None, ...],
+                          block_size: int, max_num_batched_tokens: int) -> int:
+    """The most blocks a request of `num_slots` slots holds when its windowed layers give back
+    the slices their windows pass (`nanokv.cache.layer_slices`): each full layer's slices of
+    them all, each windowed layer's of its window before a step's tokens and those tokens
+    (`window_request_blocks`), packed into blocks of one slice a layer."""
+    whole = cdiv(num_slots, block_size)
+    slices = sum(whole if w is None else
+                 min(whole, window_request_blocks(w, block_size, max_num_batched_tokens))
+                 for w in layer_windows)
+    return cdiv(slices, len(layer_windows))

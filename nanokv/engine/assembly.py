@@ -23,7 +23,7 @@ import torch
 from nanokv.attention.backend import AttentionBackend
 from nanokv.attention.selector import backend_names, select_backend
 from nanokv.cache.kv_cache import KVCache, KVCacheOptions, KVCacheSpec, check_policy_support
-from nanokv.cache.layout import KVLayout, common_window
+from nanokv.cache.layout import KVLayout, common_window, sliced_request_blocks
 from nanokv.cache.registry import KV_CACHE_DTYPES, kv_cache_class, kv_cache_settings
 from nanokv.config import EngineConfig, auto_block_size
 from nanokv.distributed.support import check_tensor_parallel
@@ -39,7 +39,7 @@ from nanokv.worker.loader import load_hf_config
 from nanokv.worker.profiler import measure_activation_bytes
 from nanokv.policies.base import PolicyConfig, policy_class
 from nanokv.spec.config import SpeculativeConfig
-from nanokv.utils import cdiv, head_dim_of
+from nanokv.utils import head_dim_of
 
 logger = logging.getLogger("nanokv")
 
@@ -208,14 +208,16 @@ def measure_kv_budget(config: EngineConfig, model, hf_config, device: torch.devi
 
 def plan_kv_cache(config: EngineConfig, spec: KVCacheSpec, layout: KVLayout,
                   budget: KVBudget | None, max_model_len_given: bool,
-                  reserve_scratch: bool) -> KVCachePlan:
+                  reserve_scratch: bool,
+                  layer_windows: tuple[int | None, ...] | None = None) -> KVCachePlan:
     """Blocks from num_kv_blocks or the budget (decode scratch reserved per block when
     `reserve_scratch`: see `budget_blocks`); max_model_len lowered to the pool when it was not
     given (a ValueError when it was and one request cannot fit: with a sliding window on every
-    layer, the window and a step's tokens, `KVLayout.max_request_blocks`)."""
+    layer, the window and a step's tokens; with `layer_windows` (`hybrid_layer_windows`), the
+    full layers' context and the windowed layers' windows: `KVLayout.max_request_blocks`)."""
     bs = config.block_size
     blocks_per_seq = layout.max_request_blocks(config.max_model_len,
-                                               config.max_num_batched_tokens)
+                                               config.max_num_batched_tokens, layer_windows)
     if budget is None:
         num_blocks, source = config.num_kv_blocks, "num_kv_blocks"
     else:
@@ -224,6 +226,10 @@ def plan_kv_cache(config: EngineConfig, spec: KVCacheSpec, layout: KVLayout,
     max_model_len = config.max_model_len
     if num_blocks < blocks_per_seq:
         fit = num_blocks * bs
+        if layer_windows is not None:  # the longest context whose slices the pool holds
+            fit = bs * _most_blocks(lambda x: sliced_request_blocks(
+                x * bs, layer_windows, bs, config.max_num_batched_tokens) <= num_blocks,
+                num_blocks * layout.num_layers)
         if max_model_len_given:
             raise ValueError(f"the KV pool ({num_blocks} blocks = {fit} tokens) cannot hold "
                              f"one request of max_model_len {max_model_len} ({blocks_per_seq} "
@@ -231,14 +237,35 @@ def plan_kv_cache(config: EngineConfig, spec: KVCacheSpec, layout: KVLayout,
         logger.warning("max_model_len lowered from %d to %d to fit the KV pool", max_model_len,
                        fit)
         max_model_len = fit
-        blocks_per_seq = min(blocks_per_seq, cdiv(fit, bs))
+        blocks_per_seq = min(blocks_per_seq, layout.max_request_blocks(
+            fit, config.max_num_batched_tokens, layer_windows))
     return KVCachePlan(spec, num_blocks, bs, max_model_len, source, blocks_per_seq)
+
+
+def _most_blocks(fits: Callable[[int], bool], high: int) -> int:
+    """The largest x in [1, high] with fits(x), fits monotonic (true up to some x, fits(1))."""
+    low = 1
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+def hybrid_layer_windows(config: EngineConfig, layout: KVLayout, kv_cache
+                         ) -> tuple[int | None, ...] | None:
+    """Each layer's window when windowed layers give back what their windows pass (the
+    scheduler's `layer_windows`): a model whose layers mix windows and full attention, on a KV
+    cache with per-layer tables (the float pool), unless disable_hybrid_kv_cache_manager; else
+    None (every layer keeps every block)."""
+    if config.disable_hybrid_kv_cache_manager or not kv_cache.supports_layer_slices:
+        return None
+    return layout.mixed_windows
 
 
 def build_kv_cache(config: EngineConfig, spec: KVCacheSpec, layout: KVLayout,
                    budget: KVBudget | None,
                    max_model_len_given: bool, create: Callable[[int], KVCache],
-                   device: torch.device
+                   device: torch.device, layer_windows: tuple[int | None, ...] | None = None
                    ) -> tuple[KVCachePlan, KVCache, type[AttentionBackend], str]:
     """Plan the pool, allocate it (`create(num_blocks)`) and choose the attention backend: the
     one place it is chosen. The plan first gives the decode scratch's bytes to blocks (a backend
@@ -246,12 +273,12 @@ def build_kv_cache(config: EngineConfig, spec: KVCacheSpec, layout: KVLayout,
     reads and that changes the block count, the cache is planned and allocated again, with the
     scratch reserved (the choice stays: same kind, same settings, same device)."""
     plan = plan_kv_cache(config, spec, layout, budget, max_model_len_given,
-                         reserve_scratch=False)
+                         reserve_scratch=False, layer_windows=layer_windows)
     kv_cache = create(plan.num_blocks)
     backend_class, why = select_backend(config.attention_backend, kv_cache, device)
     if backend_class.dequantizes_blocks:
         reserved = plan_kv_cache(config, spec, layout, budget, max_model_len_given,
-                                 reserve_scratch=True)
+                                 reserve_scratch=True, layer_windows=layer_windows)
         if reserved.num_blocks != plan.num_blocks:
             del kv_cache  # freed before the smaller one is allocated
             plan, kv_cache = reserved, create(reserved.num_blocks)
@@ -286,6 +313,10 @@ def startup_report(config: EngineConfig, model, device: torch.device, dtype_note
         sizes = sorted({w for w in windows if w is not None})
         freed = ("a request's blocks behind it are freed after each step"
                  if kv_cache.layout.common_window is not None
+                 else "the other layers attend over the whole context; a request short of "
+                      "blocks gives the windowed layers' passed slices to their new tokens "
+                      "(hybrid KV cache manager)"
+                 if hybrid_layer_windows(config, kv_cache.layout, kv_cache) is not None
                  else "the other layers attend over the whole context: every block is kept")
         lines.append(f"sliding-window attention: {'/'.join(map(str, sizes))} tokens on "
                      f"{sum(w is not None for w in windows)} of {len(windows)} layers; {freed}")

@@ -18,6 +18,7 @@ from nanokv.cache.layout import KVLayout
 from nanokv.config import EngineConfig
 from nanokv.engine.assembly import (
     build_kv_cache,
+    hybrid_layer_windows,
     measure_kv_budget,
     resolve_parts,
     scaled_spec,
@@ -136,8 +137,10 @@ class LLMEngine:
             return parts.kv_cache_class.create(self.layout, num_blocks, self.device, settings,
                                                rotary=self.model.rotary)
 
+        layer_windows = hybrid_layer_windows(config, self.layout, parts.kv_cache_class)
         self.kv_cache_plan, self.kv_cache, backend_class, backend_why = build_kv_cache(
-            config, plan_spec, self.layout, budget, parts.max_model_len_given, create, self.device)
+            config, plan_spec, self.layout, budget, parts.max_model_len_given, create, self.device,
+            layer_windows)
         config.max_model_len = self.kv_cache_plan.max_model_len
         if self.kv_cache.pre_rope_keys and len(self.model.rotaries()) > 1:
             raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype!r} keeps keys before RoPE "
@@ -159,7 +162,8 @@ class LLMEngine:
                                    config.enable_chunked_prefill, config.scheduling_policy,
                                    config.speculative, self.kv_cache.quantizes_full_blocks,
                                    max_loras=config.max_loras if config.enable_lora else 0,
-                                   sliding_window=self.layout.common_window)
+                                   sliding_window=self.layout.common_window,
+                                   layer_windows=layer_windows)
         self.runner = ModelRunner(self.model, self.kv_cache, self.attention_backend, self.device,
                                   config.seed, tp=None if self.executor is None
                                   else self.executor.tp, enforce_eager=config.enforce_eager,

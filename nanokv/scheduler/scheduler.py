@@ -22,7 +22,7 @@ import numpy as np
 
 from nanokv.bad_words import completing_tokens
 from nanokv.cache.block_manager import BlockManager
-from nanokv.cache.layout import window_request_blocks, window_start
+from nanokv.cache.layout import sliced_request_blocks, window_request_blocks, window_start
 from nanokv.config import SCHEDULING_POLICIES
 from nanokv.request import Request, RequestStatus
 from nanokv.scheduler.output import (PENDING_DRAFT, RowConstraints, RunnerOutput,
@@ -45,7 +45,8 @@ class Scheduler:
                  enable_chunked_prefill: bool = True, scheduling_policy: str = "fcfs",
                  speculative: SpeculativeConfig | None = None,
                  drafts_before_block_end: bool = False, max_loras: int = 0,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None,
+                 layer_windows: tuple[int | None, ...] | None = None) -> None:
         """drafts_before_block_end: speculative drafts never take a block's last slot (a KV
         cache that quantizes a block when that slot is written: `KVCache.quantizes_full_blocks`);
         only a known token fills a block; and a chunk that writes one goes by the prefill path,
@@ -53,7 +54,12 @@ class Scheduler:
         running at once (a waiting request of another adapter waits, those behind it may go
         first, as in vLLM). sliding_window: the window every layer attends over
         (`KVLayout.common_window`): after each step a request's blocks wholly behind its next
-        token's window are freed (vLLM's sliding-window manager)."""
+        token's window are freed (vLLM's sliding-window manager). layer_windows: each layer's
+        window (None: the whole context) of a model whose layers mix the two, on a KV cache with
+        per-layer tables: a request that runs short of blocks gives its windowed layers'
+        passed slices to its other layers' new tokens (`BlockManager.slice_for_windows`), as
+        vLLM's hybrid KV cache manager keeps only a window's blocks for such layers; None:
+        every layer keeps every block."""
         if scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, "
                              f"got {scheduling_policy!r}")
@@ -76,6 +82,7 @@ class Scheduler:
         # the most blocks a request holds at once under the window (None: its whole context)
         self.window_blocks = None if sliding_window is None else window_request_blocks(
             sliding_window, block_manager.block_size, max_num_batched_tokens)
+        self.layer_windows = layer_windows
         self.spec_stats = SpecDecodeStats(speculative.num_speculative_tokens) \
             if speculative is not None else None
 
@@ -94,6 +101,8 @@ class Scheduler:
         blocks = self.block_manager.blocks_for(longest - 1)
         if self.window_blocks is not None:
             blocks = min(blocks, self.window_blocks)
+        if self._may_slice(request):
+            blocks = min(blocks, self._sliced_blocks(longest - 1))
         if blocks > self.block_manager.num_blocks:
             raise ValueError(f"request needs up to {blocks} KV blocks (prompt + max_tokens, "
                              f"capped at max_model_len) but the pool has only "
@@ -151,6 +160,8 @@ class Scheduler:
             num_new = self._chunk(request, request.num_computed_tokens, budget)
             drafts, bitmasks = self._drafts(request, num_new, budget, reserved, k)
             while not drafts and not bm.allocate_slots(request, num_new, keep_free=reserved):
+                if self._slice(request):  # its windowed layers' passed slices take the tokens
+                    continue
                 v = self._victim_index()
                 victim = self.running.pop(v)
                 self._preempt(victim)
@@ -334,7 +345,35 @@ class Scheduler:
         need = bm.num_new_blocks_needed(request, new_tokens, len(held))
         if self.window_blocks is not None:  # the window frees what it leaves as it goes
             need = min(need, max(0, self.window_blocks - len(held)))
+        if self._may_slice(request):  # its windowed layers give back what they pass
+            need = min(need, max(0, self._sliced_blocks(request.num_tokens + extra_tokens)
+                                 - len(held)))
         return need + in_free_queue
+
+    def _may_slice(self, request: Request) -> bool:
+        """Whether the request's windowed layers may give back their passed slices (a model
+        whose layers mix windows and full attention, on a cache with per-layer tables, and no
+        KV policy of its own)."""
+        return (self.layer_windows is not None and request.kv_policy is None
+                and request.layer_slices is None)
+
+    def _sliced_blocks(self, num_slots: int) -> int:
+        """The most blocks a request of `num_slots` slots holds once sliced."""
+        return sliced_request_blocks(num_slots, self.layer_windows,
+                                     self.block_manager.block_size, self.max_num_batched_tokens)
+
+    def _slice(self, request: Request) -> bool:
+        """Slice a request that ran short of blocks when its windowed layers have passed a
+        block of its slots (their slices then take its next tokens); False when it cannot."""
+        if not self._may_slice(request) or request.num_cached_slots == 0:
+            return False
+        bs = self.block_manager.block_size
+        passed = min(window_start(request.num_cached_slots + 1, w)
+                     for w in self.layer_windows if w is not None)
+        if passed < bs:
+            return False
+        self.block_manager.slice_for_windows(request, self.layer_windows)
+        return True
 
     def policy_order(self, out: SchedulerOutput) -> list[Request]:
         """The step's running requests in the order their KV-policy steps run: those waiting
@@ -551,6 +590,12 @@ class Scheduler:
                 request = self.requests.get(s.request_id)
                 if request is not None:  # running on (a finished one left `requests`)
                     self._free_behind_window(request)
+        if self.layer_windows is not None:
+            for s in output.scheduled:
+                request = self.requests.get(s.request_id)
+                if (request is not None and request.layer_slices is not None
+                        and request.layer_slices.windows is not None):
+                    self.block_manager.recycle_window_slices(request)
         return progressed
 
     def _blocks_behind(self, slot: int) -> int:

@@ -55,3 +55,119 @@ def test_reserve_without_blocks_raises():
     ls = LayerSlices([[5], [69]], [4, 4], 0, 4, 64)
     with pytest.raises(RuntimeError, match="exhausted"):
         ls.reserve([5], [8, 8])
+
+
+# ---- windowed layers that give back what their windows pass (the hybrid KV manager) ---------
+
+def _slot(req, layer: int, pos: int, bs: int, pool: int) -> int:
+    """Flat slot (in num_layers * pool * bs) holding layer `layer`'s token at position pos."""
+    ls = req.layer_slices
+    if ls is None:
+        return (layer * pool + req.block_table[pos // bs]) * bs + pos % bs
+    return ls.slot(layer, pos - ls.offsets[layer])
+
+
+def _grow(bm, req, windows, memory, n_new, bs, pool):
+    """One step of n_new tokens: allocate, write each layer's tokens into `memory` (flat slot
+    -> (request, layer, position)), then give back what the windows passed."""
+    assert bm.allocate_slots(req, n_new)
+    start = req.num_computed_tokens
+    for layer in range(len(windows)):
+        for pos in range(start, start + n_new):
+            memory[_slot(req, layer, pos, bs, pool)] = (req.request_id, layer, pos)
+    req.num_computed_tokens += n_new
+    if req.layer_slices is not None:
+        bm.recycle_window_slices(req)
+
+
+def _readable(req, windows, memory, bs, pool):
+    """Every slot a later query can read holds what was written there (brute force over the
+    layers and positions the windows still cover)."""
+    n = req.num_computed_tokens
+    for layer, window in enumerate(windows):
+        first = 0 if window is None else max(0, n + 1 - window)
+        for pos in range(first, n):
+            assert memory[_slot(req, layer, pos, bs, pool)] == (req.request_id, layer, pos), \
+                (layer, pos)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_windowed_layers_give_their_passed_slices_to_the_others(seed):
+    """Random windows, block sizes and step sizes: after slicing, no slot a query still reads is
+    overwritten, no slice is used twice, no held block is idle, and the request holds at most
+    what `sliced_request_blocks` counts (or what it held when sliced)."""
+    from nanokv.cache.layout import sliced_request_blocks
+
+    rng = random.Random(seed)
+    bs = rng.choice([1, 4, 16])
+    num_layers = rng.randint(2, 7)
+    windows = [rng.choice([None, rng.randint(1, 40)]) for _ in range(num_layers)]
+    windows[rng.randrange(num_layers)] = None
+    windows[rng.randrange(num_layers)] = windows[rng.randrange(num_layers)] or 9
+    if all(w is None for w in windows):
+        windows[0] = 5
+    pool, max_step = 4096, rng.choice([1, 3, 8])
+    bm = BlockManager(pool, bs, enable_prefix_caching=False)
+    req = Request("r", list(range(400)), SamplingParams(max_tokens=1))
+    memory: dict = {}
+    slice_at = rng.randint(1, 120)
+    held_at_slicing = 0
+    while req.num_computed_tokens < 300:
+        if req.layer_slices is None and req.num_computed_tokens >= slice_at:
+            held_at_slicing = len(req.block_table)
+            bm.slice_for_windows(req, windows)
+            assert not req.prefix_cacheable
+        _grow(bm, req, windows, memory, rng.randint(1, max_step), bs, pool)
+        bm.check_invariants([req])  # coverage, ownership, no slice twice, no idle block
+        _readable(req, windows, memory, bs, pool)
+        if req.layer_slices is not None:
+            n = req.num_computed_tokens
+            assert len(req.block_table) <= max(held_at_slicing, sliced_request_blocks(
+                n + max_step, tuple(windows), bs, max_step))
+    assert req.layer_slices is not None
+    bm.free(req)
+    assert bm.num_free_blocks == pool
+
+
+def test_shared_and_cached_blocks_keep_their_content():
+    """A sliced request never writes into a block another request holds (a prefix hit of both),
+    and a cached block stops being a hit once one of its slices takes other tokens; the cached
+    blocks still registered after it finishes hold exactly their prefix."""
+    bs, pool, windows = 4, 256, [4, None, 4, 4]
+    bm = BlockManager(pool, bs, enable_prefix_caching=True)
+    memory: dict = {}
+    prompt = list(range(1, 41))
+    first = Request("a", prompt + [99], SamplingParams(max_tokens=50))
+    _grow(bm, first, windows, memory, 40, bs, pool)  # 10 full blocks, registered
+    second = Request("b", prompt + [98], SamplingParams(max_tokens=50))
+    hits, hit_tokens = bm.get_computed_blocks(second)
+    assert hit_tokens == 40
+    assert bm.allocate_slots(second, 1, hits)  # shares the 10 blocks
+    second.num_computed_tokens = 40
+    shared = set(second.block_table[:10])
+    before = {s: v for s, v in memory.items()}
+    bm.slice_for_windows(first, windows)
+    for _ in range(60):
+        _grow(bm, first, windows, memory, 1, bs, pool)
+        bm.check_invariants([first, second])
+        _readable(first, windows, memory, bs, pool)
+    for block in shared:  # nothing of first's went into them
+        for layer in range(len(windows)):
+            for j in range(bs):
+                s = (layer * pool + block) * bs + j
+                assert memory[s] == before[s]
+    bm.free(second)  # first now holds them alone: their free slices take its tokens
+    for _ in range(40):
+        _grow(bm, first, windows, memory, 1, bs, pool)
+        bm.check_invariants([first])
+        _readable(first, windows, memory, bs, pool)
+    reused = {first.layer_slices.slice_block(s) for t in first.layer_slices.tables for s in t}
+    assert reused & shared  # some of them took its new tokens ...
+    bm.free(first)
+    third = Request("c", prompt + [97], SamplingParams(max_tokens=1))
+    hits, _ = bm.get_computed_blocks(third)
+    for i, block in enumerate(hits):  # ... and every block still a hit holds its prefix
+        for layer in range(len(windows)):
+            for j in range(bs):
+                assert memory[(layer * pool + block.block_id) * bs + j][1:] == (layer, i * bs + j)
+    assert len(hits) < 10  # those rewritten are no hit
