@@ -22,6 +22,8 @@
 #     peak running requests and preemptions per engine and each engine's ratio to vllm.
 #     Any engine name of the long preset also works with -p short (its budget flags included).
 #     nanokv-w8 (either preset): nanokv with int8 weights (--quantization int8), float32 KV.
+#     nanokv-nohybrid (either preset): nanokv with --disable-hybrid-kv-cache-manager (a model
+#     whose layers mix windows and full attention keeps every layer's blocks).
 #
 # Env: VLLM_VENV (default /work/.vllm-venv), VLLM_ARGS (extra bench_vllm.py args, e.g.
 # "--compile"), NANOKV_ARGS (extra `nanokv bench` args), NICE (default 0), WORKLOAD (replaces
@@ -125,6 +127,7 @@ engine_cmd() {
         *:nanokv) echo "$nanokv $NANOKV_LONG" ;;
         *:nanokv-int8) echo "$nanokv $NANOKV_LONG --kv-cache-dtype int8" ;;
         *:nanokv-w8) echo "$nanokv $NANOKV_LONG --quantization int8" ;;
+        *:nanokv-nohybrid) echo "$nanokv $NANOKV_LONG --disable-hybrid-kv-cache-manager" ;;
         *:nanokv-kvquant4) echo "$nanokv $NANOKV_LONG --kv-cache-dtype kvquant --kv-quant-bits 4" ;;
         *:nanokv-kvquant4-pe2) echo "$nanokv $NANOKV_LONG --kv-cache-dtype kvquant --kv-quant-bits 4 --kv-policy paged_eviction --kv-compression-ratio 0.5" ;;
         *) return 1 ;;
@@ -166,7 +169,7 @@ wait_idle() {
 ACTIVE=""
 for e in $ENGINES; do
     if ! engine_cmd "$e" >/dev/null; then
-        echo "[run_peers] unknown engine '$e' (nanokv hf vllm nanokv-int8 nanokv-kvquant4 nanokv-kvquant4-pe2 nanokv-w8)" >&2
+        echo "[run_peers] unknown engine '$e' (nanokv hf vllm nanokv-int8 nanokv-kvquant4 nanokv-kvquant4-pe2 nanokv-w8 nanokv-nohybrid)" >&2
         exit 2
     fi
     if engine_available "$e"; then ACTIVE="$ACTIVE $e"; else echo "[run_peers] skipping $e: not available" >&2; fi

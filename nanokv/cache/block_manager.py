@@ -50,10 +50,14 @@ class BlockManagerStats:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  extra_keys: tuple = (),
-                 on_block_freed: Callable[[list[int]], None] | None = None) -> None:
+                 on_block_freed: Callable[[list[int]], None] | None = None,
+                 on_slices_moved: Callable[[list[tuple[int, int]]], None] | None = None
+                 ) -> None:
         """on_block_freed(block_ids): called when blocks' ref counts reach 0 (the KV cache's
         `release`: a quantized store drops what their partial content holds; full cached blocks
-        stay readable)."""
+        stay readable). on_slices_moved(pairs): copy layer slices (source, destination flat
+        slice ids) now, before the next forward pass (the KV cache's `copy_slices`): a sliced
+        request's packing (`recycle_window_slices`)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -63,6 +67,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.extra_keys = tuple(extra_keys)  # engine-wide (KV dtype, policy ...)
         self.on_block_freed = on_block_freed
+        self.on_slices_moved = on_slices_moved
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[int, KVCacheBlock] = {}  # block hash -> block
@@ -468,14 +473,31 @@ class BlockManager:
         request.layer_slices = LayerSlices(tables, [n] * len(windows),
                                            request.num_computed_tokens, bs, n_pool, windows)
         request.prefix_cacheable = False
-        self.recycle_window_slices(request)
+        request.layer_slices.drop_passed(n)
+        self._pack(request)
 
     def recycle_window_slices(self, request: Request) -> None:
         """Drop the slices the request's windowed layers no longer read (before its next
-        token's window) from their tables, and free its blocks no layer uses any more (not an
-        eviction: no query needs what they hold; a cached one stays a hit until reused)."""
+        token's window) from their tables, pack the rest into as few blocks as hold them when
+        that frees a block (`_pack`: the moved slices copied through `on_slices_moved`), and
+        free its blocks no layer uses any more (not an eviction: no query needs what they
+        hold; a cached one stays a hit until reused)."""
         if request.layer_slices.drop_passed(request.num_cached_slots):
-            self._release_idle(request)
+            self._pack(request)
+
+    def _pack(self, request: Request) -> None:
+        """Move the request's slices out of its emptiest blocks (`LayerSlices.pack`), copy
+        them, and free the blocks no layer uses."""
+        moves = request.layer_slices.pack(request.block_table, self._pinned(request))
+        if moves:
+            now = time.monotonic()
+            for block_id in {request.layer_slices.slice_block(d) for _, d in moves}:
+                self._content_changed(self.blocks[block_id], now)  # its free slices rewritten
+            if self.on_slices_moved is None:
+                raise RuntimeError("slices moved without on_slices_moved: their data would "
+                                   "stay behind")
+            self.on_slices_moved(moves)
+        self._release_idle(request)
 
     def _release_idle(self, request: Request) -> None:
         """Free the blocks of a request with per-layer tables that no layer uses."""

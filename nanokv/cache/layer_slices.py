@@ -29,6 +29,7 @@ the same counted from either end).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence, Set
 
 from nanokv.utils import cdiv
@@ -108,6 +109,38 @@ class LayerSlices:
     def used_blocks(self) -> set[int]:
         """The pool blocks some layer holds a slice of."""
         return {self.slice_block(s) for t in self.tables for s in t}
+
+    def pack(self, block_table: Sequence[int], pinned: Set[int] = frozenset()
+             ) -> list[tuple[int, int]]:
+        """Move slices out of the request's emptiest blocks into the free slices of its fullest
+        (none into a `pinned` block) until the kept blocks hold every used slice, when that
+        frees at least one block; returns the (source, destination) moves, the tables already
+        pointing at the destinations (the caller copies the data and frees the emptied blocks).
+        A windowed layer's dropped slices leave each block with a few used ones (the full
+        layers' older tokens): packing turns them back into whole free blocks."""
+        used = Counter(self.slice_block(s) for t in self.tables for s in t)
+        if len(block_table) <= cdiv(sum(used.values()), self.num_layers):
+            return []
+        outside, room, kept = sum(used.values()), 0, set()
+        for b in sorted(block_table, key=lambda b: (-used[b], b in pinned)):  # fullest first
+            if room >= outside:
+                break
+            kept.add(b)
+            outside -= used[b]
+            room += 0 if b in pinned else self.num_layers - used[b]
+        if len(kept) == len(block_table):
+            return []
+        taken = {s for t in self.tables for s in t}
+        free = [layer * self.num_pool_blocks + b for b in block_table
+                if b in kept and b not in pinned for layer in range(self.num_layers)
+                if layer * self.num_pool_blocks + b not in taken]
+        moves = []
+        for table in self.tables:
+            for i, s in enumerate(table):
+                if self.slice_block(s) not in kept:
+                    table[i] = free.pop()
+                    moves.append((s, table[i]))
+        return moves
 
     def reserve(self, block_table: Sequence[int], num_slots_per_layer: Sequence[int],
                 pinned: Set[int] = frozenset()) -> list[int]:

@@ -156,7 +156,8 @@ class LLMEngine:
         extra_keys = (("kv_dtype", str(self.dtype)),) + self.kv_cache.extra_keys()
         self.block_manager = BlockManager(
             self.kv_cache_plan.num_blocks, config.block_size, config.enable_prefix_caching,
-            extra_keys=extra_keys, on_block_freed=kv_cache.release)
+            extra_keys=extra_keys, on_block_freed=kv_cache.release,
+            on_slices_moved=kv_cache.copy_slices)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_model_len,
                                    config.enable_chunked_prefill, config.scheduling_policy,

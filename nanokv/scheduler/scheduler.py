@@ -154,13 +154,17 @@ class Scheduler:
         to_copy: set[int] = set()  # the blocks those steps will copy if still shared then
         # speculative decoding: draft tokens per request at this batch size (running requests)
         k = self.speculative.tokens_for_batch(len(self.running)) if self.speculative else 0
+        if self.layer_windows is not None:
+            self._slice_to_admit()
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._chunk(request, request.num_computed_tokens, budget)
             drafts, bitmasks = self._drafts(request, num_new, budget, reserved, k)
             while not drafts and not bm.allocate_slots(request, num_new, keep_free=reserved):
-                if self._slice(request):  # its windowed layers' passed slices take the tokens
+                # windowed layers' passed slices: its own take the tokens, or a later
+                # request's (not scheduled yet this step) free blocks for it
+                if self._slice(request) or self._slice_newest(first=i + 1):
                     continue
                 v = self._victim_index()
                 victim = self.running.pop(v)
@@ -361,6 +365,28 @@ class Scheduler:
         """The most blocks a request of `num_slots` slots holds once sliced."""
         return sliced_request_blocks(num_slots, self.layer_windows,
                                      self.block_manager.block_size, self.max_num_batched_tokens)
+
+    def _slice_newest(self, first: int) -> bool:
+        """Slice the newest running request from running[first:] that can be (its packing
+        frees blocks); False when none can."""
+        return any(self._slice(r) for r in reversed(self.running[first:]))
+
+    def _slice_to_admit(self) -> None:
+        """Before a step: when the first waiting request cannot be admitted for lack of free
+        blocks and slicing running requests (newest first) would free enough, slice them (as
+        vLLM's hybrid manager keeps only the windows of windowed layers, more requests run)."""
+        wanted = self.blocks_to_admit() - self.block_manager.num_free_blocks
+        if wanted <= 0:
+            return
+        gains = [(r, len(r.block_table) - self._sliced_blocks(r.num_cached_slots + 1))
+                 for r in reversed(self.running) if self._may_slice(r)]
+        if sum(max(0, g) for _, g in gains) < wanted:
+            return
+        for r, gain in gains:
+            if gain > 0 and self._slice(r):
+                wanted -= gain
+                if wanted <= 0:
+                    return
 
     def _slice(self, request: Request) -> bool:
         """Slice a request that ran short of blocks when its windowed layers have passed a

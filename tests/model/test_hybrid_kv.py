@@ -141,3 +141,32 @@ def test_two_tensor_parallel_ranks_slice_as_one_process(gemma, sliced):
     check_two_ranks(gemma, long_prompts(6, (30, 45, 60, 35, 50, 40, 55, 44), shared=20),
                     max_model_len=256, num_kv_blocks=9, **OPTIONS)
     assert sliced
+
+
+def test_sliced_requests_make_room_for_more(gemma):
+    """Six requests of 210-260 tokens over 30 blocks (14-17 each unsliced): every layer
+    keeping every block runs 2 at once (and preempts); slicing running requests to admit
+    waiting ones runs all 6 at once, in under half the steps, with the same tokens."""
+    rng = random.Random(3)
+    batch = [[rng.randrange(1, 250) for _ in range(rng.randint(150, 200))] for _ in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    runs = {}
+    for disable in (False, True):
+        llm = LLM(gemma, max_model_len=288, num_kv_blocks=30, **{**OPTIONS,
+                  "max_num_batched_tokens": 64, "disable_hybrid_kv_cache_manager": disable})
+        engine = llm.engine
+        for i, prompt in enumerate(batch):
+            engine.add_request(prompt, params, request_id=str(i))
+        peak = steps = 0
+        tokens = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    tokens[out.request_id] = out.token_ids
+            steps += 1
+            peak = max(peak, len(engine.scheduler.running))
+            engine.check_invariants()
+        runs[disable] = (peak, steps, tokens)
+    (peak, steps, tokens), (peak_kept, steps_kept, tokens_kept) = runs[False], runs[True]
+    assert (peak, peak_kept) == (6, 2) and steps < steps_kept / 2
+    assert tokens == tokens_kept

@@ -67,6 +67,17 @@ def _slot(req, layer: int, pos: int, bs: int, pool: int) -> int:
     return ls.slot(layer, pos - ls.offsets[layer])
 
 
+def _copier(memory: dict, bs: int):
+    """The KV cache's copy_slices over `memory` (flat slot -> what was written): every move
+    reads before any writes, as `KVPool.copy_slices` does."""
+    def copy_slices(pairs):
+        staged = [(dst, [memory.get(src * bs + j) for j in range(bs)]) for src, dst in pairs]
+        for dst, values in staged:
+            for j, value in enumerate(values):
+                memory[dst * bs + j] = value
+    return copy_slices
+
+
 def _grow(bm, req, windows, memory, n_new, bs, pool):
     """One step of n_new tokens: allocate, write each layer's tokens into `memory` (flat slot
     -> (request, layer, position)), then give back what the windows passed."""
@@ -95,7 +106,8 @@ def _readable(req, windows, memory, bs, pool):
 def test_windowed_layers_give_their_passed_slices_to_the_others(seed):
     """Random windows, block sizes and step sizes: after slicing, no slot a query still reads is
     overwritten, no slice is used twice, no held block is idle, and the request holds at most
-    what `sliced_request_blocks` counts (or what it held when sliced)."""
+    what `sliced_request_blocks` counts: its slices packed into as few blocks as hold them
+    (the moved ones copied)."""
     from nanokv.cache.layout import sliced_request_blocks
 
     rng = random.Random(seed)
@@ -107,23 +119,23 @@ def test_windowed_layers_give_their_passed_slices_to_the_others(seed):
     if all(w is None for w in windows):
         windows[0] = 5
     pool, max_step = 4096, rng.choice([1, 3, 8])
-    bm = BlockManager(pool, bs, enable_prefix_caching=False)
-    req = Request("r", list(range(400)), SamplingParams(max_tokens=1))
     memory: dict = {}
+    bm = BlockManager(pool, bs, enable_prefix_caching=False,
+                      on_slices_moved=_copier(memory, bs))
+    req = Request("r", list(range(400)), SamplingParams(max_tokens=1))
     slice_at = rng.randint(1, 120)
-    held_at_slicing = 0
     while req.num_computed_tokens < 300:
         if req.layer_slices is None and req.num_computed_tokens >= slice_at:
-            held_at_slicing = len(req.block_table)
             bm.slice_for_windows(req, windows)
             assert not req.prefix_cacheable
         _grow(bm, req, windows, memory, rng.randint(1, max_step), bs, pool)
         bm.check_invariants([req])  # coverage, ownership, no slice twice, no idle block
         _readable(req, windows, memory, bs, pool)
-        if req.layer_slices is not None:
-            n = req.num_computed_tokens
-            assert len(req.block_table) <= max(held_at_slicing, sliced_request_blocks(
-                n + max_step, tuple(windows), bs, max_step))
+        if req.layer_slices is not None:  # packed: as few blocks as its slices need
+            used = sum(map(len, req.layer_slices.tables))
+            assert len(req.block_table) == -(-used // num_layers)
+            assert len(req.block_table) <= sliced_request_blocks(
+                req.num_computed_tokens + max_step, tuple(windows), bs, max_step)
     assert req.layer_slices is not None
     bm.free(req)
     assert bm.num_free_blocks == pool
@@ -134,8 +146,8 @@ def test_shared_and_cached_blocks_keep_their_content():
     and a cached block stops being a hit once one of its slices takes other tokens; the cached
     blocks still registered after it finishes hold exactly their prefix."""
     bs, pool, windows = 4, 256, [4, None, 4, 4]
-    bm = BlockManager(pool, bs, enable_prefix_caching=True)
     memory: dict = {}
+    bm = BlockManager(pool, bs, enable_prefix_caching=True, on_slices_moved=_copier(memory, bs))
     prompt = list(range(1, 41))
     first = Request("a", prompt + [99], SamplingParams(max_tokens=50))
     _grow(bm, first, windows, memory, 40, bs, pool)  # 10 full blocks, registered
@@ -144,7 +156,8 @@ def test_shared_and_cached_blocks_keep_their_content():
     assert hit_tokens == 40
     assert bm.allocate_slots(second, 1, hits)  # shares the 10 blocks
     second.num_computed_tokens = 40
-    shared = set(second.block_table[:10])
+    shared_table = list(second.block_table[:10])
+    shared = set(shared_table)
     before = {s: v for s, v in memory.items()}
     bm.slice_for_windows(first, windows)
     for _ in range(60):
@@ -156,18 +169,56 @@ def test_shared_and_cached_blocks_keep_their_content():
             for j in range(bs):
                 s = (layer * pool + block) * bs + j
                 assert memory[s] == before[s]
-    bm.free(second)  # first now holds them alone: their free slices take its tokens
+    bm.free(second)  # first now holds them alone: it may move out of them or write into them
     for _ in range(40):
         _grow(bm, first, windows, memory, 1, bs, pool)
         bm.check_invariants([first])
         _readable(first, windows, memory, bs, pool)
-    reused = {first.layer_slices.slice_block(s) for t in first.layer_slices.tables for s in t}
-    assert reused & shared  # some of them took its new tokens ...
     bm.free(first)
     third = Request("c", prompt + [97], SamplingParams(max_tokens=1))
     hits, _ = bm.get_computed_blocks(third)
-    for i, block in enumerate(hits):  # ... and every block still a hit holds its prefix
-        for layer in range(len(windows)):
-            for j in range(bs):
-                assert memory[(layer * pool + block.block_id) * bs + j][1:] == (layer, i * bs + j)
-    assert len(hits) < 10  # those rewritten are no hit
+
+    def intact(i: int, block: int) -> bool:  # every layer's slots of token block i
+        return all(memory[(layer * pool + block) * bs + j][1:] == (layer, i * bs + j)
+                   for layer in range(len(windows)) for j in range(bs))
+
+    assert all(intact(i, b.block_id) for i, b in enumerate(hits))  # a hit holds its prefix
+    rewritten = [i for i, b in enumerate(shared_table) if not intact(i, b)]
+    assert len(hits) <= (rewritten + [10])[0]  # a rewritten one ends the hits
+
+
+@pytest.mark.parametrize("windows", [[4, None, 4, 4], [8, 8, None, 16, 4]])
+def test_a_cached_block_rewritten_is_no_hit(windows):
+    """A request alone registers its prompt's blocks, is sliced, and its tokens then go into
+    their free slices (moved there when packing, or taken as they come): those blocks stop
+    being hits; every block still a hit after it finishes holds exactly its prefix."""
+    bs, pool = 4, 256
+    memory: dict = {}
+    bm = BlockManager(pool, bs, enable_prefix_caching=True, on_slices_moved=_copier(memory, bs))
+    prompt = list(range(1, 41))
+    first = Request("a", prompt + [99], SamplingParams(max_tokens=100))
+    _grow(bm, first, windows, memory, 40, bs, pool)  # 10 full blocks, registered
+    table = list(first.block_table)
+
+    def check_hits() -> list[bool]:
+        """Every prefix hit's block holds its tokens' K/V (all layers); returns which of the
+        prompt's blocks do."""
+        intact = [all(memory[(layer * pool + b) * bs + j][1:] == (layer, i * bs + j)
+                      for layer in range(len(windows)) for j in range(bs))
+                  for i, b in enumerate(table)]
+        hits, _ = bm.get_computed_blocks(Request("c", prompt + [97], SamplingParams()))
+        assert [b.block_id for b in hits] == table[:len(hits)]
+        assert all(intact[:len(hits)])
+        return intact
+
+    bm.slice_for_windows(first, windows)  # packs: slices moved into the prompt's blocks
+    assert not all(check_hits())
+    for _ in range(60):
+        _grow(bm, first, windows, memory, 1, bs, pool)
+        bm.check_invariants([first])
+        _readable(first, windows, memory, bs, pool)
+        check_hits()
+    bm.free(first)
+    intact = check_hits()
+    hits, _ = bm.get_computed_blocks(Request("c", prompt + [97], SamplingParams()))
+    assert len(hits) == intact.index(False)  # the rest of the intact prefix still hits
