@@ -361,15 +361,25 @@ class Scheduler:
         return (self.layer_windows is not None and request.kv_policy is None
                 and request.layer_slices is None)
 
-    def _sliced_blocks(self, num_slots: int) -> int:
-        """The most blocks a request of `num_slots` slots holds once sliced."""
+    def _sliced_blocks(self, num_slots: int, step_tokens: int | None = None) -> int:
+        """The most blocks a request of `num_slots` slots holds once sliced, with steps of up
+        to `step_tokens` tokens (default: the step's budget)."""
         return sliced_request_blocks(num_slots, self.layer_windows,
-                                     self.block_manager.block_size, self.max_num_batched_tokens)
+                                     self.block_manager.block_size,
+                                     step_tokens or self.max_num_batched_tokens)
+
+    def _slice_gain(self, request: Request) -> int:
+        """About how many blocks slicing a running request frees now: what it holds less what
+        it holds sliced for its next chunk (a token, or the rest of its prompt)."""
+        step = min(request.num_tokens - request.num_computed_tokens, self.max_num_batched_tokens)
+        return len(request.block_table) - self._sliced_blocks(request.num_cached_slots + step,
+                                                               step)
 
     def _slice_newest(self, first: int) -> bool:
-        """Slice the newest running request from running[first:] that can be (its packing
-        frees blocks); False when none can."""
-        return any(self._slice(r) for r in reversed(self.running[first:]))
+        """Slice the newest request of running[first:] (not scheduled yet this step) whose
+        slicing frees blocks; False when none does."""
+        return any(self._may_slice(r) and self._slice_gain(r) > 0 and self._slice(r)
+                   for r in reversed(self.running[first:]))
 
     def _slice_to_admit(self) -> None:
         """Before a step: when the first waiting request cannot be admitted for lack of free
@@ -378,8 +388,7 @@ class Scheduler:
         wanted = self.blocks_to_admit() - self.block_manager.num_free_blocks
         if wanted <= 0:
             return
-        gains = [(r, len(r.block_table) - self._sliced_blocks(r.num_cached_slots + 1))
-                 for r in reversed(self.running) if self._may_slice(r)]
+        gains = [(r, self._slice_gain(r)) for r in reversed(self.running) if self._may_slice(r)]
         if sum(max(0, g) for _, g in gains) < wanted:
             return
         for r, gain in gains:
@@ -389,8 +398,8 @@ class Scheduler:
                     return
 
     def _slice(self, request: Request) -> bool:
-        """Slice a request that ran short of blocks when its windowed layers have passed a
-        block of its slots (their slices then take its next tokens); False when it cannot."""
+        """Slice a running request (`BlockManager.slice_for_windows`) once its windowed layers
+        have passed a block of its slots; False when it cannot be."""
         if not self._may_slice(request) or request.num_cached_slots == 0:
             return False
         bs = self.block_manager.block_size

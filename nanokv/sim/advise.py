@@ -35,7 +35,7 @@ import torch
 
 from nanokv.cache.kv_cache import KVCacheOptions
 from nanokv.cache.layout import KVLayout
-from nanokv.cache.registry import KV_CACHE_DTYPES, kv_cache_settings
+from nanokv.cache.registry import KV_CACHE_DTYPES, kv_cache_class, kv_cache_settings
 from nanokv.config import check_block_size
 from nanokv.layers.int8_weights import QUANTIZATIONS
 from nanokv.sim.server_overhead import ServerOverhead
@@ -119,6 +119,10 @@ class AdviseSettings:
     # the window every layer of the model attends over (`model_window`): the blocks behind a
     # request's window are freed after each step and no KV policy is swept; None: none
     sliding_window: int | None = None
+    # each layer's window of a model whose layers mix windows and full attention
+    # (`model_layer_windows`): the float pool's candidates replay the engine's hybrid KV cache
+    # manager, and no KV policy is swept; None: none
+    layer_windows: tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.quantization is not None:
@@ -169,6 +173,28 @@ def model_window(model_dir: str, max_model_len: int) -> int | None:
                          cfg.num_hidden_layers)
 
 
+def model_layer_windows(model_dir: str, max_model_len: int) -> tuple[int | None, ...] | None:
+    """Each layer's window at max_model_len when the checkpoint's layers mix windows and full
+    attention (Gemma 3, Qwen's max_window_layers), as the engine reads them
+    (`KVLayout.mixed_windows`); None otherwise."""
+    import json
+
+    from nanokv.models.registry import model_class
+    from nanokv.worker.loader import load_hf_config
+
+    with open(f"{model_dir}/config.json", encoding="utf-8") as f:
+        raw = json.load(f)
+    if raw.get("sliding_window") is None and raw.get("text_config", {}).get(
+            "sliding_window") is None:
+        return None
+    cfg, arch = load_hf_config(model_dir)
+    windows = tuple(model_class(arch).layer_windows(cfg, max_model_len))
+    windows += (None,) * (cfg.num_hidden_layers - len(windows))
+    if all(w is None for w in windows) or None not in windows:
+        return None
+    return windows
+
+
 def kv_cost(model: ModelShape, kv_dtype: str, block_size: int, max_num_seqs: int,
             compute_dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
     """(bytes per block, fixed bytes) of a KV cache kind for this model, from its spec."""
@@ -208,7 +234,9 @@ def evaluate(records: list[TraceRecord], s: AdviseSettings, c: Candidate,
                     max_num_seqs=c.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                     max_model_len=s.max_model_len, bytes_per_block=per_block,
                     compression_ratio=c.compression_ratio, eviction_ratio=c.eviction_ratio,
-                    admission=s.admission, sliding_window=s.sliding_window)
+                    admission=s.admission, sliding_window=s.sliding_window,
+                    layer_windows=s.layer_windows if kv_cache_class(
+                        c.kv_dtype).supports_layer_slices else None)
     out = Outcome(c, int(num_blocks), per_token, per_block,
                   Simulator(records, cfg, step, overhead=s.overhead).run())
     if capacity:
@@ -262,7 +290,7 @@ def sweep(records: list[TraceRecord], s: AdviseSettings, progress=None) -> list[
     for m in s.max_num_seqs:
         run(replace(best, max_num_seqs=m))
     best = min(done.values(), key=_key).candidate
-    if s.sliding_window is None:  # a windowed model runs without a KV policy
+    if s.sliding_window is None and s.layer_windows is None:  # (windows: no KV policy)
         for r in s.compressions:
             run(replace(best, compression_ratio=r))
         for e in s.eviction_ratios:

@@ -155,7 +155,7 @@ def _load(args):
     import torch
 
     from nanokv.config import parse_memory
-    from nanokv.sim.advise import AdviseSettings, model_window
+    from nanokv.sim.advise import AdviseSettings, model_layer_windows, model_window
     from nanokv.sim.step_model import DEVICES, LinearStepModel, ModelShape
     from nanokv.sim.synthetic import WorkloadShape, generate
     from nanokv.sim.trace import read_trace, write_trace
@@ -203,7 +203,8 @@ def _load(args):
                               quantization=args.quantization,
                               max_model_len=max_len,
                               max_num_batched_tokens=args.max_num_batched_tokens,
-                              sliding_window=model_window(args.model_config, max_len))
+                              sliding_window=model_window(args.model_config, max_len),
+                              layer_windows=model_layer_windows(args.model_config, max_len))
     return records, settings, make
 
 

@@ -39,7 +39,7 @@ def fast_forward(sched: Scheduler, clock: StepClock, tokens: dict[str, list[int]
     bs = bm.block_size
     running = sched.running
     if not running or (sched.waiting and len(running) < sched.max_num_seqs) \
-            or sched.sliding_window is not None:
+            or sched.sliding_window is not None or sched.layer_windows is not None:
         return 0, 0.0
     k = min(min(r.params.max_tokens - r.num_output_tokens - 1,
                 sched.max_model_len - r.num_tokens - 1) for r in running)

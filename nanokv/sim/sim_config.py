@@ -29,6 +29,10 @@ class SimConfig:
     # the window every layer attends over (`KVLayout.common_window`): a request's blocks behind
     # its next token's window are freed after each step, as the engine does; None: none
     sliding_window: int | None = None
+    # each layer's window of a model whose layers mix windows and full attention
+    # (`KVLayout.mixed_windows`): replayed with the engine's hybrid KV cache manager (its
+    # requests sliced as the engine slices them); None: every layer keeps every block
+    layer_windows: tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.admission not in ADMISSIONS:
@@ -39,6 +43,19 @@ class SimConfig:
                            high_open=True, meaning=" (fraction removed)")
         if self.eviction_ratio is not None:  # as `advise` and PagedEviction's pool pressure
             check_fraction("eviction ratio", self.eviction_ratio)
+        if self.layer_windows is not None:
+            if self.sliding_window is not None:
+                raise ValueError("give sliding_window (every layer's window) or layer_windows "
+                                 "(windows beside full layers), not both")
+            for w in self.layer_windows:
+                if w is not None:
+                    check_int("a layer window", w, 1)
+            if all(w is None for w in self.layer_windows) or None not in self.layer_windows:
+                raise ValueError(f"layer_windows must mix windowed (an int) and full (None) "
+                                 f"layers, got {self.layer_windows!r}")
+            if self.compression_ratio is not None or self.eviction_ratio is not None:
+                raise ValueError("a model with sliding windows runs without a KV policy (as "
+                                 "the engine): leave compression_ratio and eviction_ratio unset")
         if self.sliding_window is not None:
             check_int("sliding_window", self.sliding_window, 1)
             if self.compression_ratio is not None or self.eviction_ratio is not None:

@@ -82,11 +82,14 @@ class Simulator:
                               else (lambda r: r.t))
         self.config = config
         self.step_model = step_model
-        self.bm = BlockManager(config.num_blocks, bs, config.enable_prefix_caching)
+        # (a sliced request's packing moves slices: no data here to copy)
+        self.bm = BlockManager(config.num_blocks, bs, config.enable_prefix_caching,
+                               on_slices_moved=lambda pairs: None)
         self.scheduler = SimScheduler(self.bm, config.max_num_seqs,
                                       config.max_num_batched_tokens, config.max_model_len,
                                       config.enable_chunked_prefill,
-                                      sliding_window=config.sliding_window)
+                                      sliding_window=config.sliding_window,
+                                      layer_windows=config.layer_windows)
         # per step: ([(request id, tokens)], [preempted ids]) for tests against the engine
         self.decisions: list[tuple[list[tuple[str, int]], list[str]]] | None = (
             [] if record_decisions else None)

@@ -138,8 +138,8 @@ def test_every_block_is_kept_without_it(gemma, sliced):
 def test_two_tensor_parallel_ranks_slice_as_one_process(gemma, sliced):
     """Two ranks (each its half of the KV heads) follow one process's schedule, sliced
     requests and preemptions included, with its tokens."""
-    check_two_ranks(gemma, long_prompts(6, (30, 45, 60, 35, 50, 40, 55, 44), shared=20),
-                    max_model_len=256, num_kv_blocks=9, **OPTIONS)
+    check_two_ranks(gemma, long_prompts(6, (10, 45, 60, 15, 50, 20, 55, 44), shared=20),
+                    max_model_len=128, num_kv_blocks=8, **OPTIONS)
     assert sliced
 
 

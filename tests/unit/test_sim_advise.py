@@ -249,3 +249,40 @@ def test_a_window_on_every_layer_is_replayed_as_the_engine_runs_it(tmp_path):
         SimConfig(block_size=16, num_blocks=8, sliding_window=64, compression_ratio=0.5)
     with pytest.raises(ValueError, match="sliding_window must be an integer >= 1"):
         replace(base, sliding_window=0)
+
+
+def test_windows_beside_full_layers_are_replayed_with_the_hybrid_manager(tmp_path):
+    """A Gemma 3 checkpoint's windowed layers beside full ones read as the engine reads them;
+    the float pool's replay slices requests (fewer blocks each, more served than keeping every
+    block), the
+    quantized candidates keep every block, and no KV policy is swept."""
+    from tiny_models import build_tiny_model
+
+    from nanokv.sim.advise import model_layer_windows
+
+    gemma = build_tiny_model(str(tmp_path / "gemma3"), "gemma3", tokenizer=False,
+                             num_hidden_layers=4, sliding_window=64,
+                             max_position_embeddings=2048)
+    assert model_layer_windows(gemma, 1024) == (64, None, 64, None)
+    assert model_layer_windows(gemma, 64) is None  # the window covers max_model_len
+    mistral = build_tiny_model(str(tmp_path / "mistral"), "mistral", tokenizer=False,
+                               sliding_window=64, max_position_embeddings=2048)
+    assert model_layer_windows(mistral, 1024) is None  # a window on every layer
+    shape = WorkloadShape(system_prompts=2, system_len=(400, 600), user_len=(50, 200),
+                          output_len=(100, 200), max_model_len=1024)
+    recs = generate("chat", 40, rate=50.0, seed=1, shape=shape)
+    base = AdviseSettings(model=ModelShape.from_hf_config(LLAMA3_8B), kv_memory=0,
+                          num_blocks=160, fitted=LinearStepModel(step=0.01), max_model_len=1024,
+                          max_num_batched_tokens=256, block_sizes=(16,), kv_dtypes=("auto",),
+                          max_num_seqs=(), compressions=(0.5,), eviction_ratios=(0.2,),
+                          default_max_num_seqs=32)
+    windows = (64, 64, 64, None) * 8  # Llama 3 8B's 32 layers, one in four full
+    hybrid = replace(base, layer_windows=windows)
+    full = evaluate(recs, base, Candidate(16, "auto", 32)).result
+    sliced = evaluate(recs, hybrid, Candidate(16, "auto", 32)).result
+    assert max(r.peak_blocks for r in sliced.requests) < max(r.peak_blocks for r in full.requests)
+    assert sliced.capacity_req_s > 1.2 * full.capacity_req_s
+    quantized = evaluate(recs, replace(hybrid, kv_dtypes=("int8",)), Candidate(16, "int8", 32))
+    plain = evaluate(recs, replace(base, kv_dtypes=("int8",)), Candidate(16, "int8", 32))
+    assert quantized.result.peak_running == plain.result.peak_running
+    assert {o.candidate.policy for o in sweep(recs, hybrid)} == {"full"}

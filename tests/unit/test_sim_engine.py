@@ -140,6 +140,51 @@ def test_a_sliding_window_is_replayed_as_the_engine_runs_it(tmp_path):
     assert plain.decisions != want
 
 
+def test_a_hybrid_model_is_replayed_as_the_engine_runs_it(tmp_path):
+    """A Gemma 3 model whose windowed layers sit beside a full one: the engine slices requests
+    (the hybrid KV cache manager, `layer_windows`); the replay with the same layer windows
+    makes the same decisions, step shapes and hits; with every layer keeping every block it
+    makes others."""
+    from tiny_models import build_tiny_model
+
+    model = build_tiny_model(str(tmp_path / "gemma3"), "gemma3", tokenizer=False, seed=3,
+                             num_hidden_layers=3, sliding_window=20, max_position_embeddings=256,
+                             layer_types=["sliding_attention", "full_attention",
+                                          "sliding_attention"])
+    engine = LLM(model, skip_tokenizer_init=True, **{**ENGINE, "num_kv_blocks": 12}).engine
+    windows = engine.scheduler.layer_windows
+    assert windows == (20, None, 20)
+    sliced = []
+    original = engine.block_manager.slice_for_windows
+    engine.block_manager.slice_for_windows = lambda r, w: (sliced.append(r.request_id),
+                                                           original(r, w))
+    trace, steps = str(tmp_path / "t.jsonl"), str(tmp_path / "s.jsonl")
+    writer = TraceWriter(trace, steps_path=steps)
+    decisions, requests = _serve(engine, _workload(engine.hf_config.vocab_size, 2), writer)
+    writer.close()
+    assert sliced
+    records, log = read_trace(trace), read_step_log(steps)
+    order = {rid: str(i) for i, rid in enumerate(requests)}
+    want = [([(order[rid], n) for rid, n in sched], [order[p] for p in pre])
+            for sched, pre in decisions]
+    cfg = dict(block_size=16, num_blocks=12, max_num_seqs=4, max_num_batched_tokens=48,
+               max_model_len=256, admission="recorded")
+    sim = Simulator(records, SimConfig(**cfg, layer_windows=windows, check_invariants=True),
+                    LinearStepModel(step=1e-3), record_decisions=True)
+    res = sim.run()
+    assert sim.decisions == want
+    assert sim.features == [e.features for e in log]
+    assert res.preemptions == engine.scheduler.num_preemptions
+    assert sorted((r.arrival, r.cached) for r in res.requests) == sorted(
+        (r.t, r.cached) for r in records)
+    plain = Simulator(records, SimConfig(**cfg), LinearStepModel(step=1e-3),
+                      record_decisions=True)
+    plain.run()
+    assert plain.decisions != want
+    with pytest.raises(ValueError, match="layer_windows must mix"):
+        SimConfig(**cfg, layer_windows=(20, 20, 20))
+
+
 def test_recorded_admission_needs_the_step_fields():
     from nanokv.sim.trace import TraceRecord
 
