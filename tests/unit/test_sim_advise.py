@@ -226,14 +226,7 @@ def test_a_window_on_every_layer_is_replayed_as_the_engine_runs_it(tmp_path):
     plain.mkdir()
     (plain / "config.json").write_text(json.dumps(LLAMA3_8B))
     assert model_window(str(plain), 1024) is None
-    shape = WorkloadShape(system_prompts=2, system_len=(400, 600), user_len=(50, 200),
-                          output_len=(100, 200), max_model_len=1024)
-    recs = generate("chat", 40, rate=50.0, seed=1, shape=shape)
-    base = AdviseSettings(model=ModelShape.from_hf_config(LLAMA3_8B), kv_memory=0,
-                          num_blocks=160, fitted=LinearStepModel(step=0.01), max_model_len=1024,
-                          max_num_batched_tokens=256, block_sizes=(16,), kv_dtypes=("auto",),
-                          max_num_seqs=(), compressions=(0.5,), eviction_ratios=(0.2,),
-                          default_max_num_seqs=32)
+    recs, base = _chat_on_160_blocks()
     windowed = replace(base, sliding_window=64)
     full = evaluate(recs, base, Candidate(16, "auto", 32)).result
     slid = evaluate(recs, windowed, Candidate(16, "auto", 32)).result
@@ -268,14 +261,7 @@ def test_windows_beside_full_layers_are_replayed_with_the_hybrid_manager(tmp_pat
     mistral = build_tiny_model(str(tmp_path / "mistral"), "mistral", tokenizer=False,
                                sliding_window=64, max_position_embeddings=2048)
     assert model_layer_windows(mistral, 1024) is None  # a window on every layer
-    shape = WorkloadShape(system_prompts=2, system_len=(400, 600), user_len=(50, 200),
-                          output_len=(100, 200), max_model_len=1024)
-    recs = generate("chat", 40, rate=50.0, seed=1, shape=shape)
-    base = AdviseSettings(model=ModelShape.from_hf_config(LLAMA3_8B), kv_memory=0,
-                          num_blocks=160, fitted=LinearStepModel(step=0.01), max_model_len=1024,
-                          max_num_batched_tokens=256, block_sizes=(16,), kv_dtypes=("auto",),
-                          max_num_seqs=(), compressions=(0.5,), eviction_ratios=(0.2,),
-                          default_max_num_seqs=32)
+    recs, base = _chat_on_160_blocks()
     windows = (64, 64, 64, None) * 8  # Llama 3 8B's 32 layers, one in four full
     hybrid = replace(base, layer_windows=windows)
     full = evaluate(recs, base, Candidate(16, "auto", 32)).result
@@ -286,3 +272,17 @@ def test_windows_beside_full_layers_are_replayed_with_the_hybrid_manager(tmp_pat
     plain = evaluate(recs, replace(base, kv_dtypes=("int8",)), Candidate(16, "int8", 32))
     assert quantized.result.peak_running == plain.result.peak_running
     assert {o.candidate.policy for o in sweep(recs, hybrid)} == {"full"}
+
+
+def _chat_on_160_blocks():
+    """A chat trace (two system prompts, 1k max_model_len) and settings that replay it on 160
+    blocks of 16 with Llama 3 8B's shape."""
+    shape = WorkloadShape(system_prompts=2, system_len=(400, 600), user_len=(50, 200),
+                          output_len=(100, 200), max_model_len=1024)
+    recs = generate("chat", 40, rate=50.0, seed=1, shape=shape)
+    base = AdviseSettings(model=ModelShape.from_hf_config(LLAMA3_8B), kv_memory=0,
+                          num_blocks=160, fitted=LinearStepModel(step=0.01), max_model_len=1024,
+                          max_num_batched_tokens=256, block_sizes=(16,), kv_dtypes=("auto",),
+                          max_num_seqs=(), compressions=(0.5,), eviction_ratios=(0.2,),
+                          default_max_num_seqs=32)
+    return recs, base

@@ -118,12 +118,22 @@ def test_a_sliding_window_is_replayed_as_the_engine_runs_it(tmp_path):
     writer.close()
     records, log = read_trace(trace), read_step_log(steps)
     assert any(r.num_evicted_tokens for r in requests.values())  # blocks freed behind windows
+    cfg = dict(block_size=16, num_blocks=ENGINE["num_kv_blocks"], max_num_seqs=4,
+               max_num_batched_tokens=48, max_model_len=256, admission="recorded")
+    res = _replays_as_served(engine, decisions, requests, records, log, cfg,
+                             dict(sliding_window=20))
+    peak = max(r.peak_blocks for r in res.requests)
+    assert peak == max(r.peak_blocks for r in requests.values())
+
+
+def _replays_as_served(engine, decisions, requests, records, log, cfg: dict, windows: dict):
+    """The replay of a served run (recorded admission) with the model's `windows` (SimConfig
+    fields) makes the engine's decisions, step shapes, preemptions and hits; without them,
+    others (whole requests held). Returns the replay's result."""
     order = {rid: str(i) for i, rid in enumerate(requests)}
     want = [([(order[rid], n) for rid, n in sched], [order[p] for p in pre])
             for sched, pre in decisions]
-    cfg = dict(block_size=16, num_blocks=ENGINE["num_kv_blocks"], max_num_seqs=4,
-               max_num_batched_tokens=48, max_model_len=256, admission="recorded")
-    sim = Simulator(records, SimConfig(**cfg, sliding_window=20, check_invariants=True),
+    sim = Simulator(records, SimConfig(**cfg, **windows, check_invariants=True),
                     LinearStepModel(step=1e-3), record_decisions=True)
     res = sim.run()
     assert sim.decisions == want
@@ -131,13 +141,11 @@ def test_a_sliding_window_is_replayed_as_the_engine_runs_it(tmp_path):
     assert res.preemptions == engine.scheduler.num_preemptions
     assert sorted((r.arrival, r.cached) for r in res.requests) == sorted(
         (r.t, r.cached) for r in records)
-    peak = max(r.peak_blocks for r in res.requests)
-    assert peak == max(r.peak_blocks for r in requests.values())
-    # without the window the replay holds whole requests: other decisions
     plain = Simulator(records, SimConfig(**cfg), LinearStepModel(step=1e-3),
                       record_decisions=True)
     plain.run()
     assert plain.decisions != want
+    return res
 
 
 def test_a_hybrid_model_is_replayed_as_the_engine_runs_it(tmp_path):
@@ -164,23 +172,10 @@ def test_a_hybrid_model_is_replayed_as_the_engine_runs_it(tmp_path):
     writer.close()
     assert sliced
     records, log = read_trace(trace), read_step_log(steps)
-    order = {rid: str(i) for i, rid in enumerate(requests)}
-    want = [([(order[rid], n) for rid, n in sched], [order[p] for p in pre])
-            for sched, pre in decisions]
     cfg = dict(block_size=16, num_blocks=12, max_num_seqs=4, max_num_batched_tokens=48,
                max_model_len=256, admission="recorded")
-    sim = Simulator(records, SimConfig(**cfg, layer_windows=windows, check_invariants=True),
-                    LinearStepModel(step=1e-3), record_decisions=True)
-    res = sim.run()
-    assert sim.decisions == want
-    assert sim.features == [e.features for e in log]
-    assert res.preemptions == engine.scheduler.num_preemptions
-    assert sorted((r.arrival, r.cached) for r in res.requests) == sorted(
-        (r.t, r.cached) for r in records)
-    plain = Simulator(records, SimConfig(**cfg), LinearStepModel(step=1e-3),
-                      record_decisions=True)
-    plain.run()
-    assert plain.decisions != want
+    _replays_as_served(engine, decisions, requests, records, log, cfg,
+                       dict(layer_windows=windows))
     with pytest.raises(ValueError, match="layer_windows must mix"):
         SimConfig(**cfg, layer_windows=(20, 20, 20))
 
