@@ -1,7 +1,8 @@
 """On a CUDA GPU (skipped elsewhere): Gemma 3 (sliding and full layers, each kind with its
 RoPE, four norms a layer, the gelu-tanh MLP) on the GPU's attention backend, with and without
 CUDA graphs, against Hugging Face's prompt logits and teacher-forced greedy tokens. The same
-checks run on CPU in tests/model/test_gemma3.py."""
+checks run on CPU in tests/model/test_gemma3.py; the hybrid KV cache manager's in
+tests/model/test_hybrid_kv.py."""
 
 from __future__ import annotations
 
@@ -18,3 +19,25 @@ def test_gemma3_matches_hf_on_cuda(tmp_path, enforce_eager):
                              num_hidden_layers=4, max_position_embeddings=256)
     llm = check_cuda_engine(model, seed=2, vocab=250, enforce_eager=enforce_eager)
     assert (llm.engine.runner.graphs is None) == enforce_eager
+
+
+def test_gemma3_sliced_requests_on_cuda(tmp_path, monkeypatch):
+    """The hybrid KV cache manager on the GPU: ten blocks hold the four requests only with a
+    request sliced (per-layer flat block tables through the Triton kernels, its slices packed
+    by copies on the GPU); the same checks against HF. On CPU: tests/model/test_hybrid_kv.py."""
+    from nanokv.cache.block_manager import BlockManager
+
+    sliced = []
+    original = BlockManager.slice_for_windows
+
+    def slice_for_windows(self, request, windows):
+        sliced.append(request.request_id)
+        return original(self, request, windows)
+
+    monkeypatch.setattr(BlockManager, "slice_for_windows", slice_for_windows)
+    model = build_tiny_model(str(tmp_path / "gemma3"), "gemma3", tokenizer=False,
+                             num_hidden_layers=6, max_position_embeddings=256,
+                             layer_types=["sliding_attention"] * 2 + ["full_attention"]
+                             + ["sliding_attention"] * 3)
+    check_cuda_engine(model, seed=2, vocab=250, num_kv_blocks=10)
+    assert sliced
