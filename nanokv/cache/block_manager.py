@@ -178,15 +178,14 @@ class BlockManager:
             self.birth[block.block_id] = now
             request.block_table.append(block.block_id)
         request.peak_blocks = max(request.peak_blocks, len(request.block_table))
-        if request.layer_slices is not None:
-            taken = request.layer_slices.reserve(
-                request.block_table,
-                request.layer_slices.lengths(request.num_computed_tokens + num_new_tokens),
-                self._pinned(request))
+        ls = request.layer_slices
+        lengths = None if ls is None else ls.lengths(request.num_computed_tokens + num_new_tokens)
+        if ls is not None and ls.slices_wanted(lengths):  # (most decode steps: none wanted)
+            taken = ls.reserve(request.block_table, lengths, self._pinned(request))
             # a cached block whose free slice now takes other tokens serves no hit any more
-            for block_id in {request.layer_slices.slice_block(s) for s in taken}:
+            for block_id in {ls.slice_block(s) for s in taken}:
                 self._content_changed(self.blocks[block_id], now)
-            if taken and request.layer_slices.windows is not None:
+            if ls.windows is not None:
                 self._release_idle(request)  # a new block the others' free slices spared
 
         hit_tokens = (len(behind) + len(computed_blocks)) * self.block_size
@@ -488,14 +487,14 @@ class BlockManager:
     def _pack(self, request: Request) -> None:
         """Move the request's slices out of its emptiest blocks (`LayerSlices.pack`), copy
         them, and free the blocks no layer uses."""
+        if self.on_slices_moved is None:
+            raise RuntimeError("packing moves slices: the block manager needs on_slices_moved "
+                               "(the KV cache's copy_slices), or their data would stay behind")
         moves = request.layer_slices.pack(request.block_table, self._pinned(request))
         if moves:
             now = time.monotonic()
             for block_id in {request.layer_slices.slice_block(d) for _, d in moves}:
                 self._content_changed(self.blocks[block_id], now)  # its free slices rewritten
-            if self.on_slices_moved is None:
-                raise RuntimeError("slices moved without on_slices_moved: their data would "
-                                   "stay behind")
             self.on_slices_moved(moves)
         self._release_idle(request)
 
