@@ -9,6 +9,11 @@ model (e.g. a sliding-window model: nanokv, vLLM and Hugging Face's forward must
 
 --engine hf checks given tokens instead of generating: each must be the argmax of Hugging Face's
 forward over the prompt and the tokens before it (teacher-forced, one forward per prompt).
+--engine logits compares nanokv's prompt logits of each prompt with Hugging Face's forward
+(the largest absolute difference): the stronger check where random weights make every greedy
+token of a prompt the same.
+
+    .venv/bin/python benchmarks/greedy_tokens.py --engine logits --model M --prompt-lens 700
 """
 
 from __future__ import annotations
@@ -58,9 +63,29 @@ def check_hf(model: str, prompts, tokens: list[list[int]]) -> list[int]:
     return agree
 
 
+def prompt_logits_vs_hf(model: str, prompts, max_model_len: int) -> list[float]:
+    """The largest |nanokv - HF| of each prompt's logits (both float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nanokv import LLM, SamplingParams
+
+    llm = LLM(model, skip_tokenizer_init=True, max_model_len=max_model_len, dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=1, return_prompt_logits=True)
+    ours = [o.prompt_logits.float() for o in llm.generate(prompts, params, use_tqdm=False)]
+    del llm
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    worst = []
+    for prompt, mine in zip(prompts, ours):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0].float()  # [len, vocab]
+        worst.append(float((mine - ref).abs().max()))
+    return worst
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engine", choices=["nanokv", "vllm", "hf"])
+    ap.add_argument("--engine", choices=["nanokv", "vllm", "hf", "logits"])
     ap.add_argument("--model")
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[1500, 900])
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -82,6 +107,10 @@ def main() -> None:
     if min(args.prompt_lens) < 1 or args.max_tokens < 1:
         ap.error("--prompt-lens and --max-tokens must be >= 1")
     prompts = make_prompts(args.prompt_lens, args.seed, args.vocab)
+    if args.engine == "logits":
+        print(json.dumps({"max_abs_diff_vs_hf": prompt_logits_vs_hf(
+            args.model, prompts, args.max_model_len), "prompt_lens": args.prompt_lens}))
+        return
     if args.engine == "hf":
         if not args.tokens:
             ap.error("--engine hf checks --tokens FILE")

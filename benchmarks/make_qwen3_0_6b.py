@@ -27,6 +27,10 @@ max_window_layers 0); the same seed gives the same weights with or without it:
 every sixth full attention and the others a 512-token window, 1.0B parameters) for the Gemma 3
 peer run (docs/results/gemma3/); --sliding-window sets its window.
 
+--shape gemma2-2b builds Gemma 2 2B's published decoder (Gemma2ForCausalLM: 26 layers, a
+4096-token window on every other one, attention and final logit soft-caps 50 and 30, 2.6B
+parameters) for the Gemma 2 peer run (docs/results/gemma2/); --sliding-window sets its window.
+
 --shape qwen3-1.7b builds the published Qwen3-1.7B (hidden 2048, MLP 6144, 28 layers, tied
 embedding: 1.72B parameters, 6.9 GB in float32), for the int8 load-memory run
 (docs/results/int8_weights/load_memory.md).
@@ -105,8 +109,31 @@ GEMMA3_1B = {
 }
 GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
+# Published Gemma 2 2B config (google/gemma-2-2b config.json): a 4096-token window on every
+# other layer (the first sliding), one RoPE, soft-capped attention scores and logits
+GEMMA2_2B = {
+    "vocab_size": 256000,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "bos_token_id": 2,
+    "eos_token_id": [1, 107],
+    "pad_token_id": 0,
+}
 SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-1.7b": QWEN3_1_7B, "qwen3-30b-a3b": QWEN3_30B_A3B,
-          "gemma3-1b": GEMMA3_1B}
+          "gemma3-1b": GEMMA3_1B, "gemma2-2b": GEMMA2_2B}
 
 GENERATION_CONFIG = {
     "bos_token_id": 151643,
@@ -151,6 +178,16 @@ def build(
         config = Gemma3TextConfig(**{**published, "num_hidden_layers": layers,
                                      "sliding_window": window}, layer_types=types,
                                   initializer_range=init_std, rope_parameters=GEMMA3_ROPE)
+    elif shape_name.startswith("gemma2"):  # every other layer sliding, the first among them
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        types = ["full_attention" if i % 2 else "sliding_attention" for i in range(layers)]
+        window = published["sliding_window"] if sliding_window is None else sliding_window
+        config_cls, model_cls = Gemma2Config, Gemma2ForCausalLM
+        config = Gemma2Config(**{**published, "num_hidden_layers": layers,
+                                 "sliding_window": window}, layer_types=types,
+                              initializer_range=init_std,
+                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     else:
         shape = {**published, "num_hidden_layers": layers, "max_window_layers": layers}
         if sliding_window is not None:  # every layer (from max_window_layers on: all)
@@ -173,13 +210,16 @@ def build(
     # Readers written for transformers 4.x (and vLLM) look for a top-level rope_theta.
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
-    if not shape_name.startswith("gemma3"):
+    gemma = shape_name.startswith("gemma")
+    if not gemma:
         cfg.setdefault("rope_theta", ROPE_THETA)
         cfg.setdefault("rope_scaling", None)
+    elif shape_name.startswith("gemma2"):
+        cfg.setdefault("rope_theta", 10000.0)
     cfg["torch_dtype"] = "float32"
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    generation = GENERATION_CONFIG if not shape_name.startswith("gemma3") else {
-        "bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0}
+    generation = GENERATION_CONFIG if not gemma else {
+        "bos_token_id": 2, "eos_token_id": published["eos_token_id"], "pad_token_id": 0}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
     # Sanity: logits of a short random prompt should be finite and moderate.
@@ -209,7 +249,8 @@ def main() -> None:
         default="qwen3-0.6b",
         help="the published config to copy (default qwen3-0.6b; qwen3-1.7b: the next dense "
         "size, 1.7B parameters; qwen3-30b-a3b: the mixture of experts; gemma3-1b: Gemma 3 1B's "
-        "text decoder, every sixth layer full, the others a 512-token window)",
+        "text decoder, every sixth layer full, the others a 512-token window; gemma2-2b: Gemma "
+        "2 2B, a 4096-token window on every other layer, soft-capped attention)",
     )
     ap.add_argument(
         "--layers",

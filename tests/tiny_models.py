@@ -75,6 +75,15 @@ def build_tiny_model(out_dir: str, arch: str = "llama", seed: int = 0, tokenizer
                                   for i in range(layers)])
         model = transformers.Gemma3ForCausalLM(
             transformers.Gemma3TextConfig(**{**gemma, **common}))
+    elif arch == "gemma2":  # as gemma3, no q/k norms, one RoPE, attention soft-cap 2 (active)
+        layers = common["num_hidden_layers"]
+        gemma = dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=24,
+                     hidden_activation="gelu_pytorch_tanh", attn_logit_softcapping=2.0,
+                     final_logit_softcapping=30.0,
+                     layer_types=["full_attention" if i % 2 else "sliding_attention"
+                                  for i in range(layers)])
+        model = transformers.Gemma2ForCausalLM(
+            transformers.Gemma2Config(**{**gemma, **common}))
     else:
         raise ValueError(arch)
     # a larger init than HF's default makes the logits peaked, so greedy ties are rare
@@ -84,7 +93,7 @@ def build_tiny_model(out_dir: str, arch: str = "llama", seed: int = 0, tokenizer
                 p.normal_(0, 0.08)
             elif name.endswith("bias"):  # only with attention_bias / mlp_bias: not left zero
                 p.normal_(0, 0.3)
-            elif arch == "gemma3" and name.endswith("norm.weight"):  # 1 + w: w starts at 0
+            elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # 1 + w: w at 0
                 p.normal_(0, 0.3)
     model = model.to(torch.float32).eval()
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -103,10 +112,12 @@ def edit_json(path: str, **fields) -> None:
         json.dump(data, f)
 
 
-def load_hf(path: str):
+def load_hf(path: str, attn_implementation: str | None = None):
+    """attn_implementation: HF's ("eager": the one that applies an attention soft-cap)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                attn_implementation=attn_implementation).eval()
 
 
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:

@@ -10,6 +10,9 @@ start-up (`selector.select_backend`), and then every step goes
 own in-place write) and returns the attention output. q: [T, Hq, D] and k: [T, Hkv, D] after
 RoPE, k_pre: the keys before RoPE (a store may keep those), v: [T, Hkv, D]; out: [T, Hq, D].
 
+A model with an attention logit soft-cap (Gemma 2: scores c * tanh(scores / c) before the
+softmax) gets a backend that applies it (`supports_soft_cap`), constructed with `soft_cap=c`.
+
 Each backend says why it cannot serve a KV cache on a device (`why_not`): None when it can,
 else (reason, structural) where structural means "not made for this cache or device" (no
 warning when auto passes it over) rather than "made for it but not usable here" (a failed build,
@@ -62,10 +65,16 @@ class AttentionBackend(ABC):
     # device types on which "auto" may choose it (None: any); a name still selects it elsewhere
     # when why_not allows (the Triton backend on CPU under the interpreter, for tests)
     auto_devices: ClassVar[tuple[str, ...] | None] = None
+    # True: it applies a model's attention logit soft-cap (`soft_cap`, module doc)
+    supports_soft_cap: ClassVar[bool] = False
 
-    def __init__(self, kv_cache, device: torch.device) -> None:
+    def __init__(self, kv_cache, device: torch.device, soft_cap: float | None = None) -> None:
+        if soft_cap is not None and not self.supports_soft_cap:
+            raise ValueError(f"attention backend {self.name!r} applies no attention logit "
+                             f"soft-cap (the model's is {soft_cap})")
         self.kv_cache = kv_cache
         self.device = device
+        self.soft_cap = soft_cap
 
     @classmethod
     @abstractmethod

@@ -91,8 +91,8 @@ class NativeQuantizedBackend(AttentionBackend):
     name = "native"
     description = "C decode kernels over the quantized codes, PyTorch prefill"
 
-    def __init__(self, kv_cache, device: torch.device) -> None:
-        super().__init__(kv_cache, device)
+    def __init__(self, kv_cache, device: torch.device, soft_cap: float | None = None) -> None:
+        super().__init__(kv_cache, device, soft_cap)
         self.block_size = kv_cache.block_size
         # (layer, query heads) -> (C struct, tensors kept alive); reading takes query heads = KV
         # heads (the read path has no queries)

@@ -4,17 +4,18 @@ that runs before the pool exists (one prefill chunk, nothing written)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from nanokv.attention.backend import AttentionBackend
+from nanokv.layers.attention import attend
 
 
 class NoCacheBackend(AttentionBackend):
     name = "no_cache"
     description = "causal attention over the step's own tokens (profiling)"
+    supports_soft_cap = True
 
-    def __init__(self, device: torch.device) -> None:
-        super().__init__(None, device)
+    def __init__(self, device: torch.device, soft_cap: float | None = None) -> None:
+        super().__init__(None, device, soft_cap)
 
     @classmethod
     def why_not(cls, kv_cache, device):
@@ -27,6 +28,5 @@ class NoCacheBackend(AttentionBackend):
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
         kh = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, T, D]
         vh = v.transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
-                                           enable_gqa=True)
+        o = attend(qh, kh, vh, scale, self.soft_cap, causal=True)
         return o.squeeze(0).transpose(0, 1)  # [T, Hq, D]

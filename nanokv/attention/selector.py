@@ -1,8 +1,9 @@
 """The attention backends, in order of preference, and the one choice made at start-up.
 
-`select_backend(requested, kv_cache, device)`: with "auto" the first backend that can serve the
-cache on the device (a backend made for it but unusable here, e.g. the C kernel without a
-compiler, is logged with the reason); with a name, that backend or a ValueError saying why not.
+`select_backend(requested, kv_cache, device, soft_cap)`: with "auto" the first backend that can
+serve the cache on the device and apply the model's attention logit soft-cap if it has one (a
+backend made for it but unusable here, e.g. the C kernel without a compiler, is logged with the
+reason); with a name, that backend or a ValueError saying why not.
 Adding a backend is one file with its class plus one line in `_BACKENDS`.
 """
 
@@ -39,9 +40,10 @@ def backend_names() -> list[str]:
     return ["auto"] + sorted({cls.name for cls in backend_classes()})
 
 
-def select_backend(requested: str, kv_cache, device: torch.device
-                   ) -> tuple[type[AttentionBackend], str]:
-    """The backend class and why it was chosen (for the start-up log)."""
+def select_backend(requested: str, kv_cache, device: torch.device,
+                   soft_cap: float | None = None) -> tuple[type[AttentionBackend], str]:
+    """The backend class and why it was chosen (for the start-up log). soft_cap: the model's
+    attention logit soft-cap (None: none); only a backend that applies it is chosen."""
     skipped: list[str] = []
     reasons: list[str] = []
     for cls in backend_classes():
@@ -51,6 +53,8 @@ def select_backend(requested: str, kv_cache, device: torch.device
                 and device.type not in cls.auto_devices:
             continue
         why = cls.why_not(kv_cache, device)
+        if why is None and soft_cap is not None and not cls.supports_soft_cap:
+            why = (f"it applies no attention logit soft-cap (the model's is {soft_cap})", True)
         if why is None:
             if requested != "auto":
                 return cls, f"attention_backend {requested!r}"

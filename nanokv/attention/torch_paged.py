@@ -32,9 +32,11 @@ class PoolStep:
 class TorchPagedBackend(AttentionBackend):
     name = "torch"
     description = "PyTorch paged attention over the float pool"
+    supports_soft_cap = True
 
-    def __init__(self, kv_cache: KVPool, device: torch.device) -> None:
-        super().__init__(kv_cache, device)
+    def __init__(self, kv_cache: KVPool, device: torch.device,
+                 soft_cap: float | None = None) -> None:
+        super().__init__(kv_cache, device, soft_cap)
         self.block_size = kv_cache.layout.block_size
         self.per_request_decode = device.type == "cpu"
 
@@ -52,7 +54,8 @@ class TorchPagedBackend(AttentionBackend):
                                    for layer, c in enumerate(common.per_layer)],
                             common.write_plan)
         # the pool's write plan is the step's slot mapping as a tensor: not made twice
-        base = kernel_metadata(common, self.device, common.write_plan)
+        base = replace(kernel_metadata(common, self.device, common.write_plan),
+                       soft_cap=self.soft_cap)
         by_window = by_layer_window(base, self.kv_cache.layout.sliding_windows)
         if common.num_decodes:  # the prefill chunks shared; each window its own decode addressing
             for meta in by_window.values():
@@ -61,7 +64,7 @@ class TorchPagedBackend(AttentionBackend):
 
     def _kernel_metadata(self, c: CommonAttentionMetadata, window: int | None
                          ) -> AttentionMetadata:
-        meta = replace(kernel_metadata(c, self.device), window=window)
+        meta = replace(kernel_metadata(c, self.device), window=window, soft_cap=self.soft_cap)
         if c.num_decodes:
             self._decode_metadata(meta, c)
         return meta

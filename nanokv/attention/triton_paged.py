@@ -70,17 +70,22 @@ class TritonPagedBackend(AttentionBackend):
     name = "triton"
     description = "Triton paged attention (decode, prefill and KV write kernels, in place)"
     supports_cuda_graphs = True
+    supports_soft_cap = True
     auto_devices = ("cuda",)
     num_warps = 4
     num_stages = None  # decode's pipelining depth (None: Triton's default)
 
-    def __init__(self, kv_cache, device: torch.device) -> None:
-        super().__init__(kv_cache, device)
+    def __init__(self, kv_cache, device: torch.device, soft_cap: float | None = None) -> None:
+        super().__init__(kv_cache, device, soft_cap)
         # import here: the kernels read TRITON_INTERPRET when they are defined
         from nanokv.kernels.triton import decode, kv_write, prefill
 
         self._decode, self._write, self._prefill = decode, kv_write, prefill
         self.kv_format = kv_format_of(kv_cache)
+        if soft_cap is not None and self.kv_format != FLOAT:
+            raise ValueError(f"attention backend 'triton' applies an attention logit soft-cap "
+                             f"over the float pool only (the cache is "
+                             f"{kv_cache.kv_cache_dtype})")
         self.block_size = kv_cache.layout.block_size
         self.num_kv_heads = kv_cache.layout.num_kv_heads
         # keys per tile, and rows of a prefill tile (query tokens x the GQA group's heads)
@@ -192,11 +197,11 @@ class TritonPagedBackend(AttentionBackend):
             self._decode.decode_attention(
                 q[:nd], k[:nd], v[:nd], kv, step.block_tables[:nd], step.context_lens[:nd],
                 out[:nd], scale, step.num_splits, self.decode_tile_n, self.num_warps,
-                self.num_stages, window)
+                self.num_stages, window, self.soft_cap)
         chunks = step.prefill
         if chunks is not None:
             self._prefill.prefill_attention(
                 q, k, v, kv, chunks.query_start, chunks.query_len, chunks.context_lens,
                 chunks.block_tables, chunks.max_query_len, out, scale, self.block_rows,
-                self.tile_n, self.num_warps, window=window)
+                self.tile_n, self.num_warps, window=window, soft_cap=self.soft_cap)
         return out

@@ -132,11 +132,11 @@ class TritonQuantizedBackend(AttentionBackend):
     # are read and attended in groups
     prefill_scratch_slots = 1 << 16
 
-    def __init__(self, kv_cache, device: torch.device) -> None:
+    def __init__(self, kv_cache, device: torch.device, soft_cap: float | None = None) -> None:
         why = kernel_unfit(kv_cache)  # the selector asks why_not first; built directly, too
         if why is not None:
             raise ValueError(f"attention backend 'triton' cannot serve this cache: {why}")
-        super().__init__(kv_cache, device)
+        super().__init__(kv_cache, device, soft_cap)
         # these read TRITON_INTERPRET when defined
         from nanokv.kernels.triton import kvquant_decode, kvquant_read, prefill
         from nanokv.kernels.triton.paged_kv import PagedKV

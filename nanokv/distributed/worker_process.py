@@ -80,8 +80,10 @@ class RankWorker:
         settings = kind.shard_settings(command.settings, self.tp.rank, self.tp.size)
         self.kv_cache = kind.create(layout, command.num_blocks, self.device, settings,
                                     rotary=self.model.rotary)
-        backend_class, _ = select_backend(command.attention_backend, self.kv_cache, self.device)
-        backend = backend_class(self.kv_cache, self.device)
+        soft_cap = self.model.logits_soft_cap
+        backend_class, _ = select_backend(command.attention_backend, self.kv_cache, self.device,
+                                          soft_cap)
+        backend = backend_class(self.kv_cache, self.device, soft_cap)
         self.runner = ModelRunner(self.model, self.kv_cache, backend, self.device,
                                   self.config.seed, tp=self.tp)
 

@@ -74,6 +74,7 @@ def resolve_parts(config: EngineConfig, hf_config, architecture: str) -> EngineP
     auto_block = config.block_size == "auto"
     config.resolve(int(hf_config.max_position_embeddings))
     windows = model_class(architecture).layer_windows(hf_config, config.max_model_len)
+    soft_cap = model_class(architecture).attention_soft_cap(hf_config)
     window = common_window(windows, hf_config.num_hidden_layers)
     if auto_block and window is not None:  # a request holds about its window's blocks
         config.block_size = auto_block_size(config.max_model_len, window)
@@ -88,7 +89,7 @@ def resolve_parts(config: EngineConfig, hf_config, architecture: str) -> EngineP
     spec = config.speculative
     draft_layers = 0
     if spec is not None and spec.method == "draft_model":
-        draft_layers = check_draft_model(config, hf_config, spec.model)
+        draft_layers = check_draft_model(config, hf_config, spec.model, soft_cap)
     # dtype is not known before loading; the settings do not depend on it
     layout = KVLayout(hf_config.num_hidden_layers + draft_layers, hf_config.num_key_value_heads,
                       head_dim_of(hf_config), config.block_size, torch.float32)
@@ -97,6 +98,8 @@ def resolve_parts(config: EngineConfig, hf_config, architecture: str) -> EngineP
                        config.kv_quant_config), layout)
     if windows:
         check_sliding_windows(config, windows)
+    if soft_cap is not None:
+        check_soft_cap(config, soft_cap)
     policy = engine_policy(config)
     if policy is not None:
         built = policy.build(block_size=config.block_size)  # validates the option values
@@ -124,11 +127,24 @@ def check_sliding_windows(config: EngineConfig, windows: tuple[int | None, ...])
                          f"with it; use method \"ngram\"")
 
 
-def check_draft_model(config: EngineConfig, hf_config, path: str) -> int:
+def check_soft_cap(config: EngineConfig, soft_cap: float) -> None:
+    """A model whose attention soft-caps its scores (Gemma 2) runs on the float pool
+    (kv_cache_dtype "auto"), whose backends apply the cap (torch, native, triton:
+    `AttentionBackend.supports_soft_cap`); the quantized stores' kernels take none."""
+    if config.kv_cache_dtype != "auto":
+        raise ValueError(f"this model soft-caps its attention scores (attn_logit_softcapping "
+                         f"{soft_cap}), which the attention kernels of kv_cache_dtype "
+                         f"{config.kv_cache_dtype!r} do not apply: it runs with kv_cache_dtype "
+                         f"'auto' (the float KV pool)")
+
+
+def check_draft_model(config: EngineConfig, hf_config, path: str,
+                      soft_cap: float | None = None) -> int:
     """A draft model's checkpoint against the model's, before either is loaded: its layers
-    share the model's KV pool (the same KV heads and head size), its token ids are the model's
-    (the same vocabulary size), it covers max_model_len, it runs in this process. Returns its
-    layer count."""
+    share the model's KV pool (the same KV heads and head size) and attention backend (the same
+    attention soft-cap, `soft_cap` the model's), its token ids are the model's (the same
+    vocabulary size), it covers max_model_len, it runs in this process. Returns its layer
+    count."""
     name = "speculative_config model"
     if config.tensor_parallel_size != 1:
         raise ValueError(f"a draft model ({name}) runs with tensor_parallel_size 1 only, got "
@@ -149,6 +165,12 @@ def check_draft_model(config: EngineConfig, hf_config, path: str) -> int:
         raise ValueError(f"{name} {path!r} has a vocabulary of {draft.vocab_size} tokens, the "
                          f"model {hf_config.vocab_size}: a draft model must share the model's "
                          f"token ids")
+    draft_cap = model_class(arch).attention_soft_cap(draft)
+    if draft_cap != soft_cap:
+        raise ValueError(f"{name} {path!r} soft-caps its attention scores at {draft_cap}, the "
+                         f"model at {soft_cap} (attn_logit_softcapping; None: none): a draft "
+                         f"model's layers run through the model's attention backend, so both "
+                         f"must match")
     if model_class(arch).layer_windows(draft, config.max_model_len):
         raise ValueError(f"{name} {path!r} attends over a sliding window within max_model_len "
                          f"{config.max_model_len}: a draft model must attend over the whole "
@@ -265,7 +287,8 @@ def hybrid_layer_windows(config: EngineConfig, layout: KVLayout, kv_cache
 def build_kv_cache(config: EngineConfig, spec: KVCacheSpec, layout: KVLayout,
                    budget: KVBudget | None,
                    max_model_len_given: bool, create: Callable[[int], KVCache],
-                   device: torch.device, layer_windows: tuple[int | None, ...] | None = None
+                   device: torch.device, layer_windows: tuple[int | None, ...] | None = None,
+                   soft_cap: float | None = None
                    ) -> tuple[KVCachePlan, KVCache, type[AttentionBackend], str]:
     """Plan the pool, allocate it (`create(num_blocks)`) and choose the attention backend: the
     one place it is chosen. The plan first gives the decode scratch's bytes to blocks (a backend
@@ -275,7 +298,7 @@ def build_kv_cache(config: EngineConfig, spec: KVCacheSpec, layout: KVLayout,
     plan = plan_kv_cache(config, spec, layout, budget, max_model_len_given,
                          reserve_scratch=False, layer_windows=layer_windows)
     kv_cache = create(plan.num_blocks)
-    backend_class, why = select_backend(config.attention_backend, kv_cache, device)
+    backend_class, why = select_backend(config.attention_backend, kv_cache, device, soft_cap)
     if backend_class.dequantizes_blocks:
         reserved = plan_kv_cache(config, spec, layout, budget, max_model_len_given,
                                  reserve_scratch=True, layer_windows=layer_windows)
@@ -307,7 +330,10 @@ def startup_report(config: EngineConfig, model, device: torch.device, dtype_note
                      f"{str(layout.dtype).removeprefix('torch.')} pool's {float_per_token:.0f}")
     lines.append(f"max concurrency at max_model_len {plan.max_model_len}: "
                  f"{plan.max_concurrency:.2f} requests")
-    lines.append(f"attention backend: {backend.name} ({backend.description}; {backend_why})")
+    cap = ("" if backend.soft_cap is None
+           else f"; scores soft-capped at {backend.soft_cap:g} (attn_logit_softcapping)")
+    lines.append(f"attention backend: {backend.name} ({backend.description}; {backend_why})"
+                 f"{cap}")
     windows = kv_cache.layout.sliding_windows
     if windows:
         sizes = sorted({w for w in windows if w is not None})

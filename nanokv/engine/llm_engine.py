@@ -140,7 +140,7 @@ class LLMEngine:
         layer_windows = hybrid_layer_windows(config, self.layout, parts.kv_cache_class)
         self.kv_cache_plan, self.kv_cache, backend_class, backend_why = build_kv_cache(
             config, plan_spec, self.layout, budget, parts.max_model_len_given, create, self.device,
-            layer_windows)
+            layer_windows, self.model.logits_soft_cap)
         config.max_model_len = self.kv_cache_plan.max_model_len
         if self.kv_cache.pre_rope_keys and len(self.model.rotaries()) > 1:
             raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype!r} keeps keys before RoPE "
@@ -148,7 +148,8 @@ class LLMEngine:
                              f"layers have {len(self.model.rotaries())} (one per kind of "
                              f"layer). Keep keys after RoPE (kvquant: pre_rope_keys false in "
                              f"its calibration) or use another kv_cache_dtype")
-        self.attention_backend = backend_class(self.kv_cache, self.device)
+        self.attention_backend = backend_class(self.kv_cache, self.device,
+                                               self.model.logits_soft_cap)
         kv_cache = self.kv_cache  # what the block manager and the policies act on
         if self.executor is not None:  # every rank's, through rank 0's
             kv_cache = self.executor.build_caches(self.kv_cache, config.kv_cache_dtype,
@@ -183,7 +184,8 @@ class LLMEngine:
             scoring = ScoringPass(self.runner.score_forward, self._encode_plain,
                                   config.max_num_batched_tokens)
         self.policies = PolicyRunner(parts.default_policy, self.block_manager, kv_cache,
-                                     self.model.attention_layers()[0].scale, scoring)
+                                     self.model.attention_layers()[0].scale, scoring,
+                                     self.model.logits_soft_cap)
         self._ids = itertools.count()
         self._grammars = None  # the structured-output backend, made on first use
         self._grammars_lock = threading.Lock()

@@ -73,12 +73,15 @@ class ScoringPass:
 class PolicyRunner:
     def __init__(self, default: PolicyConfig | None, block_manager: BlockManager,
                  kv_cache: KVCache, attention_scale: float,
-                 scoring: ScoringPass | None = None) -> None:
+                 scoring: ScoringPass | None = None, soft_cap: float | None = None) -> None:
+        """attention_scale, soft_cap: the model's (its scores as its attention computes them:
+        what the policies' attention probabilities are made with)."""
         self.block_manager = block_manager
         self.scoring = scoring
         self.kv_cache = kv_cache
         self.block_size = kv_cache.layout.block_size
         self.scale = attention_scale
+        self.soft_cap = soft_cap
         self.num_layers = kv_cache.layout.num_layers
         self.default_config = default
         self.default = self.build(default) if default is not None else None
@@ -184,7 +187,8 @@ class PolicyRunner:
         view = kv.policy_view(request)
         plan = plan_compression(policy, view.layers, view.block_table, num_slots,
                                 budget=None if ragged else budget, q_windows=q_windows,
-                                scale=self.scale, layer_scores=layer_scores,
+                                scale=self.scale, soft_cap=self.soft_cap,
+                                layer_scores=layer_scores,
                                 allow_ragged_layers=ragged)
         if plan.num_evicted == 0:
             return True
@@ -262,7 +266,7 @@ class PolicyRunner:
             for layer in range(self.num_layers):
                 scores[layer][:, chunk.start:chunk.end] = chunk_scores(
                     q[layer], keys[layer], chunk_keys[layer], chunk.start, chunk.end,
-                    policy.n_sink, self.scale)
+                    policy.n_sink, self.scale, soft_cap=self.soft_cap)
             self.stats.reconstruction_tokens += len(chunk.token_ids)
         self.stats.reconstruction_seconds += time.perf_counter() - t0
         return scores

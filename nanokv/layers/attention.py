@@ -52,6 +52,9 @@ class AttentionMetadata:
     # the layers' sliding window: each query attends over its newest `window` slots (its own
     # included); None: over all of them. The decode addressing above is built for it.
     window: int | None = None
+    # the model's attention logit soft-cap (Gemma 2): scores become c * tanh(scores / c) before
+    # the softmax; None: none
+    soft_cap: float | None = None
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -69,13 +72,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, scale)
     for seq in meta.prefills:
         sl = slice(seq.query_start, seq.query_start + seq.query_len)
-        out[sl] = _prefill(q[sl], k[sl], v[sl], k_cache, v_cache, seq, scale, meta.window)
+        out[sl] = _prefill(q[sl], k[sl], v[sl], k_cache, v_cache, seq, scale, meta.window,
+                           meta.soft_cap)
     return out
 
 
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     if meta.decode_runs is not None:
-        return native_decode_attention(q, k_cache, v_cache, meta.decode_runs, scale)
+        return native_decode_attention(q, k_cache, v_cache, meta.decode_runs, scale,
+                                       meta.soft_cap)
     if meta.decode_context_lens is not None:
         return _decode_per_request(q, k_cache, v_cache, meta, scale)
     bsz = q.shape[0]
@@ -85,9 +90,55 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch
     k = k.view(bsz, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, S, D]
     v = v.view(bsz, -1, num_kv_heads, head_dim).transpose(1, 2)
     qh = q.unsqueeze(2)  # [B, Hq, 1, D]
-    o = F.scaled_dot_product_attention(qh, k, v, attn_mask=meta.decode_mask, scale=scale,
-                                       enable_gqa=True)
+    o = attend(qh, k, v, scale, meta.soft_cap, mask=meta.decode_mask)
     return o.squeeze(2)  # [B, Hq, D]
+
+
+def soft_cap_scores(scores: torch.Tensor, soft_cap: float | None) -> torch.Tensor:
+    """Gemma 2's attention logit soft-cap, c * tanh(scores / c), in place (scores already
+    scaled); unchanged without one."""
+    if soft_cap is None:
+        return scores
+    return scores.div_(soft_cap).tanh_().mul_(soft_cap)
+
+
+SOFT_CAP_SCORE_BYTES = 64 << 20  # a soft-capped call's scores per tile of query rows, at most
+
+
+def attend(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, scale: float,
+           soft_cap: float | None = None, mask: torch.Tensor | None = None,
+           causal: bool = False) -> torch.Tensor:
+    """SDPA (GQA), or with a logit soft-cap, which SDPA does not take, the same in explicit
+    steps. qh: [B, Hq, L, D]; kh, vh: [B, Hkv, S, D]; mask: bool, broadcast to [B, Hq, L, S];
+    causal: query i sees slots <= S - L + i (L == S wherever SDPA's is_causal is used).
+    Returns [B, Hq, L, D]."""
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal,
+                                              scale=scale, enable_gqa=True)
+    bsz, num_q_heads, length, head_dim = qh.shape
+    num_kv_heads, total = kh.shape[1], kh.shape[2]
+    group = num_q_heads // num_kv_heads
+    rows = max(1, SOFT_CAP_SCORE_BYTES // (4 * bsz * num_q_heads * total))
+    keys = kh.float().transpose(2, 3)  # [B, Hkv, D, S]
+    out = torch.empty_like(qh)
+    for a in range(0, length, rows):
+        b = min(length, a + rows)
+        qg = qh[:, :, a:b].float().reshape(bsz, num_kv_heads, group * (b - a), head_dim)
+        scores = torch.matmul(qg, keys).mul_(scale)  # [B, Hkv, g * t, S]
+        scores = soft_cap_scores(scores, soft_cap).view(bsz, num_q_heads, b - a, total)
+        seen = None
+        if causal:  # query row r at slot S - L + r
+            slots = torch.arange(a, b, device=qh.device)[:, None] + (total - length)  # [t, 1]
+            seen = torch.arange(total, device=qh.device)[None, :] <= slots  # [t, S]
+        if mask is not None:
+            part = mask if mask.shape[-2] == 1 else mask[..., a:b, :]
+            seen = part if seen is None else seen & part
+        if seen is not None:
+            scores.masked_fill_(~seen, float("-inf"))
+        probs = scores.softmax(-1).to(vh.dtype)  # [B, Hq, t, S]
+        o = torch.matmul(probs.view(bsz, num_kv_heads, group * (b - a), total), vh)
+        out[:, :, a:b] = o.view(bsz, num_q_heads, b - a, head_dim)  # [B, Hkv, g*t, D] -> heads
+    return out
 
 
 def _decode_per_request(q, k_cache, v_cache, meta: AttentionMetadata,
@@ -110,7 +161,7 @@ def _decode_per_request(q, k_cache, v_cache, meta: AttentionMetadata,
         scores = [torch.matmul(qg, k_slots[s:s + n].permute(1, 2, 0))  # [Hkv, D, n] view
                   for s, n in runs]  # each [Hkv, g, n]
         probs = (scores[0] if len(scores) == 1 else torch.cat(scores, dim=-1))
-        probs = probs.mul_(scale).softmax(dim=-1)  # [Hkv, g, S]
+        probs = soft_cap_scores(probs.mul_(scale), meta.soft_cap).softmax(dim=-1)  # [Hkv, g, S]
         o, offset = None, 0
         for s, n in runs:
             part = torch.matmul(probs[..., offset:offset + n],
@@ -122,7 +173,7 @@ def _decode_per_request(q, k_cache, v_cache, meta: AttentionMetadata,
 
 
 def _prefill(q, k, v, k_cache, v_cache, seq: PrefillSeq, scale: float,
-             window: int | None = None) -> torch.Tensor:
+             window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
     past = seq.context_len - seq.query_len
     # the first query's window starts here: slots before it are seen by none of the chunk
@@ -131,10 +182,9 @@ def _prefill(q, k, v, k_cache, v_cache, seq: PrefillSeq, scale: float,
         kh = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
         vh = v.transpose(0, 1).unsqueeze(0)
         if window is None or window >= seq.query_len:
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
-                                               enable_gqa=True)
+            o = attend(qh, kh, vh, scale, soft_cap, causal=True)
         else:
-            o = window_attention(qh, kh, vh, 0, window, scale)
+            o = window_attention(qh, kh, vh, 0, window, scale, soft_cap=soft_cap)
     else:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         block_size = k_cache.shape[1]
@@ -145,11 +195,11 @@ def _prefill(q, k, v, k_cache, v_cache, seq: PrefillSeq, scale: float,
         kc = k_cache[table].view(-1, num_kv_heads, head_dim)[in_view]  # [P, Hkv, D]
         vc = v_cache[table].view(-1, num_kv_heads, head_dim)[in_view]
         if window is None:
-            o = chunk_over_prefix(qh, kc, vc, k, v, scale)
+            o = chunk_over_prefix(qh, kc, vc, k, v, scale, soft_cap)
         else:
             kh = torch.cat([kc, k]).transpose(0, 1).unsqueeze(0)  # [1, Hkv, P + L, D]
             vh = torch.cat([vc, v]).transpose(0, 1).unsqueeze(0)
-            o = window_attention(qh, kh, vh, past - first, window, scale)
+            o = window_attention(qh, kh, vh, past - first, window, scale, soft_cap=soft_cap)
     return o.squeeze(0).transpose(0, 1)  # [L, Hq, D]
 
 
@@ -157,7 +207,8 @@ WINDOW_TILE = 256  # with a sliding window, at least this many query rows per ma
 
 
 def window_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, num_past: int,
-                     window: int, scale: float, tile: int = WINDOW_TILE) -> torch.Tensor:
+                     window: int, scale: float, tile: int = WINDOW_TILE,
+                     soft_cap: float | None = None) -> torch.Tensor:
     """Queries over a sliding window: query i (slot P + i of kh's P + L) sees slots
     [P + i + 1 - window, P + i]. The queries go in tiles of max(window, tile), each over the
     slots its queries' windows cover (at most tile + window - 1), so the work is O(L (tile +
@@ -170,9 +221,8 @@ def window_attention(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, num_p
         b = min(length, a + step)
         first = window_start(num_past + a + 1, window)  # the tile's first query's first slot
         mask = causal_mask(b - a, num_past + a - first, window, qh.device)  # [b - a, keys]
-        out[:, :, a:b] = F.scaled_dot_product_attention(
-            qh[:, :, a:b], kh[:, :, first:num_past + b], vh[:, :, first:num_past + b],
-            attn_mask=mask, scale=scale, enable_gqa=True)
+        out[:, :, a:b] = attend(qh[:, :, a:b], kh[:, :, first:num_past + b],
+                                vh[:, :, first:num_past + b], scale, soft_cap, mask=mask)
     return out
 
 
@@ -192,44 +242,48 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 
 def chunk_over_prefix(qh: torch.Tensor, k_past: torch.Tensor, v_past: torch.Tensor,
-                      k_new: torch.Tensor, v_new: torch.Tensor, scale: float) -> torch.Tensor:
+                      k_new: torch.Tensor, v_new: torch.Tensor, scale: float,
+                      soft_cap: float | None = None) -> torch.Tensor:
     """A prefill chunk's attention over its cached prefix and itself, causal by position.
 
     qh: [1, Hq, L, D]; k_past, v_past: [P, Hkv, D] (P >= 1); k_new, v_new: [L, Hkv, D].
     Returns [1, Hq, L, D]. On CPU the two parts go through the flash kernel separately (the
     prefix without a mask, the chunk causal, which skips its upper triangle) and are merged by
     their log-sum-exp: o = o_past + (o_new - o_past) * sigmoid(lse_new - lse_past). One call with
-    an explicit [L, P + L] mask (the reference, and the path elsewhere) computes every block.
+    an explicit [L, P + L] mask (the reference, and the path elsewhere, and with a soft-cap)
+    computes every block.
     """
     past = k_past.transpose(0, 1).unsqueeze(0)  # [1, Hkv, P, D]
     past_v = v_past.transpose(0, 1).unsqueeze(0)
     new = k_new.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
     new_v = v_new.transpose(0, 1).unsqueeze(0)
-    if _FLASH_CPU is not None and qh.device.type == "cpu" and qh.dtype == k_past.dtype \
-            == k_new.dtype == torch.float32:
+    if soft_cap is None and _FLASH_CPU is not None and qh.device.type == "cpu" \
+            and qh.dtype == k_past.dtype == k_new.dtype == torch.float32:
         o_past, lse_past = _FLASH_CPU(qh, past, past_v, 0.0, False, scale=scale)[:2]
         o_new, lse_new = _FLASH_CPU(qh, new, new_v, 0.0, True, scale=scale)[:2]
         w_new = torch.sigmoid(lse_new - lse_past).unsqueeze(-1)  # [1, Hq, L, 1]
         return o_past.add_(o_new.sub_(o_past).mul_(w_new))
-    return chunk_over_prefix_masked(qh, past, past_v, new, new_v, scale)
+    return chunk_over_prefix_masked(qh, past, past_v, new, new_v, scale, soft_cap)
 
 
-def chunk_over_prefix_masked(qh, past, past_v, new, new_v, scale: float) -> torch.Tensor:
+def chunk_over_prefix_masked(qh, past, past_v, new, new_v, scale: float,
+                             soft_cap: float | None = None) -> torch.Tensor:
     """`chunk_over_prefix`'s reference: one call over [prefix + chunk] with a causal mask.
     past / new: [1, Hkv, P or L, D]."""
     kh = torch.cat([past, new], dim=2)  # [1, Hkv, S, D] (the caller matches the dtypes)
     vh = torch.cat([past_v, new_v], dim=2)
     mask = causal_mask(qh.shape[2], past.shape[2], None, qh.device)  # [L, S]
-    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
-                                          enable_gqa=True)
+    return attend(qh, kh, vh, scale, soft_cap, mask=mask)
 
 
 def dense_reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              scale: float, window: int | None = None) -> torch.Tensor:
+                              scale: float, window: int | None = None,
+                              soft_cap: float | None = None) -> torch.Tensor:
     """Obviously-correct causal attention for one sequence, in float64.
 
     q: [L, Hq, D] are the LAST L of the S tokens whose keys/values are k, v: [S, Hkv, D].
-    `window`: each query sees only the newest `window` tokens (its own included).
+    `window`: each query sees only the newest `window` tokens (its own included); `soft_cap`:
+    scores c * tanh(scores / c) before the softmax (Gemma 2).
     """
     num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
     group = num_q_heads // num_kv_heads
@@ -238,6 +292,8 @@ def dense_reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kd = kd.repeat_interleave(group, dim=1)  # [S, Hq, D]
     vd = vd.repeat_interleave(group, dim=1)
     scores = torch.einsum("lhd,shd->hls", qd, kd) * scale  # [Hq, L, S]
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
     past = total - length
     cols = torch.arange(total, device=q.device)
     position = torch.arange(length, device=q.device)[:, None] + past  # [L, 1] each query's

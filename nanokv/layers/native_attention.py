@@ -81,7 +81,7 @@ def load_decode_kernel():
             _error = f"loading the built kernel failed: {e}"
         else:
             p, i64 = ctypes.c_void_p, ctypes.c_int64
-            fn.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64]
+            fn.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, ctypes.c_float]
             fn.restype = ctypes.c_int
             _kernel = fn
     if _kernel is None:
@@ -90,9 +90,10 @@ def load_decode_kernel():
 
 
 def native_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            runs: DecodeRuns, scale: float) -> torch.Tensor:
+                            runs: DecodeRuns, scale: float,
+                            soft_cap: float | None = None) -> torch.Tensor:
     """q: [B, Hq, D] float32; caches: [num_blocks, block_size, Hkv, D] contiguous float32.
-    Returns [B, Hq, D]."""
+    soft_cap: scores c * tanh(scores / c) before the softmax (None: none). Returns [B, Hq, D]."""
     num_requests, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
@@ -107,7 +108,7 @@ def native_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     status = load_decode_kernel()(
         qs.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         runs.run_ptr.data_ptr(), runs.run_start.data_ptr(), runs.run_len.data_ptr(),
-        num_requests, num_q_heads, num_kv_heads, head_dim)
+        num_requests, num_q_heads, num_kv_heads, head_dim, soft_cap or 0.0)
     if status != 0:
         raise MemoryError("native decode attention could not allocate its scratch buffers")
     return out

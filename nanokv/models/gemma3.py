@@ -14,7 +14,11 @@ computes it, on the Llama decoder's parts:
   model's `rotary` is the full layers' (what a KV store would rotate pre-RoPE keys with: such
   stores are refused for it, `LLMEngine`);
 - a final logit soft-cap where the config sets one (tanh(x / c) * c, Gemma 2's; Gemma 3 sets
-  none). An attention soft-cap and bidirectional attention are refused.
+  none). An attention logit soft-cap (which Hugging Face's Gemma 3 keeps in its config but does
+  not apply) and bidirectional attention are refused.
+
+Gemma 2 (`nanokv/models/gemma2.py`) is this decoder without q / k norms, with one RoPE and the
+attention logit soft-cap applied.
 """
 
 from __future__ import annotations
@@ -38,9 +42,9 @@ from nanokv.utils import head_dim_of
 class Gemma3DecoderLayer(LlamaDecoderLayer):
     """Llama's layer with a norm after attention and a norm on each side of the MLP."""
 
-    def __init__(self, cfg, rotary: RotaryEmbedding, biases: LinearBiases, mlp: nn.Module,
-                 tp: TensorParallel | None) -> None:
-        super().__init__(cfg, rotary, True, biases, mlp, tp)
+    def __init__(self, cfg, rotary: RotaryEmbedding, qk_norm: bool, biases: LinearBiases,
+                 mlp: nn.Module, tp: TensorParallel | None) -> None:
+        super().__init__(cfg, rotary, qk_norm, biases, mlp, tp)
         self.self_attn.scale = float(cfg.query_pre_attn_scalar) ** -0.5
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -80,15 +84,22 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
                    tp: TensorParallel | None) -> nn.Module:
         """Each layer with its kind's RoPE."""
         rotary = self.rotary if cfg.layer_types[layer] == "full_attention" else self.sliding_rotary
-        return Gemma3DecoderLayer(cfg, rotary, biases, self.make_mlp(cfg, layer, biases, tp), tp)
+        return Gemma3DecoderLayer(cfg, rotary, self.qk_norm, biases,
+                                  self.make_mlp(cfg, layer, biases, tp), tp)
+
+    @staticmethod
+    def attention_soft_cap(cfg) -> float | None:
+        """None; a config that sets attn_logit_softcapping is refused (Hugging Face's Gemma 3
+        attention does not apply it: no one computation to match)."""
+        if getattr(cfg, "attn_logit_softcapping", None) is not None:
+            raise ValueError(f"attn_logit_softcapping {cfg.attn_logit_softcapping} is not "
+                             f"supported for Gemma 3 (Hugging Face's Gemma 3 attention does not "
+                             f"apply it); supported: null")
+        return None
 
     @staticmethod
     def check_config(cfg) -> None:
         """What nanokv does not run as Hugging Face does: refused, naming the field."""
-        if getattr(cfg, "attn_logit_softcapping", None) is not None:
-            raise ValueError(f"attn_logit_softcapping {cfg.attn_logit_softcapping} is not "
-                             f"supported (the attention kernels take no soft-cap); supported: "
-                             f"null")
         if getattr(cfg, "use_bidirectional_attention", False):
             raise ValueError("use_bidirectional_attention is not supported (a causal decoder "
                              "only); supported: false")

@@ -161,6 +161,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp
+        # the attention backend applies it (`AttentionBackend.soft_cap`); None: none
+        self.logits_soft_cap = self.attention_soft_cap(cfg)
         biases = self.biases(cfg)
         self.rotary = self.make_rotary(cfg, max_positions)
         self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp is None
@@ -196,6 +198,12 @@ class LlamaForCausalLM(nn.Module):
         """Hugging Face's Llama: `attention_bias` on q/k/v and o, `mlp_bias` on the MLP."""
         attention = bool(getattr(cfg, "attention_bias", False))
         return LinearBiases(attention, attention, bool(getattr(cfg, "mlp_bias", False)))
+
+    @staticmethod
+    def attention_soft_cap(cfg) -> float | None:
+        """The attention logit soft-cap c (scores c * tanh(scores / c) before the softmax:
+        Gemma 2's attn_logit_softcapping); None here."""
+        return None
 
     @classmethod
     def layer_windows(cls, cfg, max_positions: int) -> tuple[int | None, ...]:

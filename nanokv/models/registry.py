@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from nanokv.models.gemma2 import Gemma2ForCausalLM
 from nanokv.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from nanokv.models.llama import (
     LlamaForCausalLM,
@@ -12,6 +13,7 @@ from nanokv.models.llama import (
 from nanokv.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "LlamaForCausalLM": LlamaForCausalLM,

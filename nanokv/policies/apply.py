@@ -54,7 +54,7 @@ class CompressionPlan:
 def plan_compression(policy: KVPolicy, layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
                      block_table: list[int], num_slots: int, *, budget: int | None = None,
                      q_windows: Sequence[torch.Tensor] | None = None, scale: float = 1.0,
-                     positions: torch.Tensor | None = None,
+                     soft_cap: float | None = None, positions: torch.Tensor | None = None,
                      layer_scores: Sequence[torch.Tensor] | None = None,
                      allow_ragged_layers: bool = False) -> CompressionPlan:
     """Select the kept slots of one request in every layer; nothing is written.
@@ -63,7 +63,8 @@ def plan_compression(policy: KVPolicy, layers: Sequence[tuple[torch.Tensor, torc
     budget: None = `policy.layer_budgets(num_slots, L)` (after prefill), or the request's fixed C
     (decode reselect); q_windows: per layer the last W queries `[W, Hq, D]` after RoPE, W =
     min(policy.observation_window or num_slots, num_slots), required when policy.needs_attention;
-    scale: the attention scale; positions: `[num_slots]` RoPE positions (optional);
+    scale, soft_cap: the attention scale and logit soft-cap (None: none); positions:
+    `[num_slots]` RoPE positions (optional);
     layer_scores: per layer `[Hkv, num_slots]`, required when policy.needs_reconstruction
     (such a policy may then set the layers' budgets from them: `scored_layer_budgets`).
     Per-layer budgets (PyramidKV) leave layers with different lengths: layer l then holds only
@@ -92,7 +93,7 @@ def plan_compression(policy: KVPolicy, layers: Sequence[tuple[torch.Tensor, torc
     for layer, (k_cache, v_cache) in enumerate(layers):  # one layer at a time (see LayerReads)
         # [n, Hkv, D]; only read, before anything is written
         keys, values = gather_request_kv(k_cache, v_cache, block_table, num_slots, copy=False)
-        attn = (window_attention(q_windows[layer], keys, scale)  # [Hq, W, n]
+        attn = (window_attention(q_windows[layer], keys, scale, soft_cap)  # [Hq, W, n]
                 if policy.needs_attention else None)
         scores = layer_scores[layer] if policy.needs_reconstruction else None
         kept = policy.select(LayerKV(keys, values, positions, attn, scores), budgets[layer])

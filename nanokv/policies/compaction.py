@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from nanokv.layers.attention import soft_cap_scores
 from nanokv.utils import cdiv
 
 
@@ -105,8 +106,10 @@ def compact_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table, nu
     return used
 
 
-def window_attention(q_window: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal softmax probabilities of the last W queries over a request's n cached keys.
+def window_attention(q_window: torch.Tensor, keys: torch.Tensor, scale: float,
+                     soft_cap: float | None = None) -> torch.Tensor:
+    """Causal softmax probabilities of the last W queries over a request's n cached keys (the
+    scores soft-capped, c * tanh(scores / c), with a `soft_cap`).
 
     q_window: `[W, Hq, D]` the queries (after RoPE) of slots n-W .. n-1; keys: `[n, Hkv, D]`
     (after RoPE). Query w sees slots <= n - W + w. GQA: query head h reads KV head h // (Hq/Hkv).
@@ -120,7 +123,8 @@ def window_attention(q_window: torch.Tensor, keys: torch.Tensor, scale: float) -
     group = num_q_heads // num_kv_heads
     q = q_window.float().transpose(0, 1)  # [Hq, W, D]
     k = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
-    logits = torch.matmul(q, k.transpose(1, 2)) * scale  # [Hq, W, n]
+    logits = torch.matmul(q, k.transpose(1, 2)).mul_(scale)  # [Hq, W, n]
+    logits = soft_cap_scores(logits, soft_cap)
     visible = (torch.arange(n, device=keys.device)[None, :]
                <= torch.arange(n - w, n, device=keys.device)[:, None])  # [W, n]
     return logits.masked_fill(~visible, float("-inf")).softmax(-1)  # [Hq, W, n]

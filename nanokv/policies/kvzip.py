@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanokv.layers.attention import soft_cap_scores
 from nanokv.policies.base import LayerKV, register_policy
 from nanokv.policies.scoring import ScoredPolicy, edge_mask
 from nanokv.validation import check_choice, check_int
@@ -75,7 +76,7 @@ def reconstruction_chunks(context_ids: list[int], chunk_size: int, first_prompt:
 
 def chunk_scores(queries: torch.Tensor, keys: torch.Tensor, chunk_keys: torch.Tensor,
                  start: int, end: int, n_sink: int, scale: float,
-                 rows_per_block: int = 1024) -> torch.Tensor:
+                 rows_per_block: int = 1024, soft_cap: float | None = None) -> torch.Tensor:
     """KVzip scores of context slots [start, end) from one chunk's queries.
 
     queries [T, Hq, D] (post-RoPE, the chunk's tokens), keys [n, Hkv, D] (the cache), chunk_keys
@@ -97,6 +98,7 @@ def chunk_scores(queries: torch.Tensor, keys: torch.Tensor, chunk_keys: torch.Te
         r1 = min(t, r0 + rows_per_block)
         rows = q[:, :, r0:r1].reshape(hkv, group * (r1 - r0), d)  # [Hkv, g * rb, D]
         logits = torch.bmm(rows, subset_t).view(hkv, group, r1 - r0, -1)  # [Hkv, g, rb, S]
+        logits = soft_cap_scores(logits, soft_cap)  # the model's scores (Gemma 2)
         # query r sees the chunk's own keys 0..r: mask the later ones
         own = torch.arange(t, device=q.device) > torch.arange(r0, r1, device=q.device)[:, None]
         logits[..., prefix:].masked_fill_(own, float("-inf"))  # own: [rb, T]

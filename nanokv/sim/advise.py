@@ -195,6 +195,37 @@ def model_layer_windows(model_dir: str, max_model_len: int) -> tuple[int | None,
     return windows
 
 
+def engine_kv_dtypes(model_dir: str, kv_dtypes: tuple[str, ...]
+                     ) -> tuple[tuple[str, ...], str | None]:
+    """The candidates' KV cache dtypes the engine runs for the checkpoint's model, and why any
+    were left out: a model whose attention soft-caps its scores (Gemma 2) runs on the float
+    pool ("auto") only, as the engine refuses the others (`check_soft_cap`); a ValueError when
+    none of `kv_dtypes` is left. A config without `architectures` (a shape only) is taken as
+    given."""
+    import json
+
+    from nanokv.models.registry import model_class
+    from nanokv.worker.loader import load_hf_config
+
+    with open(f"{model_dir}/config.json", encoding="utf-8") as f:
+        raw = json.load(f)
+    if not raw.get("architectures") or (raw.get("attn_logit_softcapping") is None and raw.get(
+            "text_config", {}).get("attn_logit_softcapping") is None):
+        return kv_dtypes, None
+    cfg, arch = load_hf_config(model_dir)
+    cap = model_class(arch).attention_soft_cap(cfg)
+    if cap is None or all(d == "auto" for d in kv_dtypes):
+        return kv_dtypes, None
+    if "auto" not in kv_dtypes:
+        raise ValueError(f"the model soft-caps its attention scores (attn_logit_softcapping "
+                         f"{cap}) and runs on the float KV pool only: --kv-dtypes must include "
+                         f"auto, got {','.join(kv_dtypes)}")
+    left = tuple(d for d in kv_dtypes if d != "auto")
+    return ("auto",), (f"kv dtypes {','.join(left)} left out: the model soft-caps its attention "
+                       f"scores (attn_logit_softcapping {cap}), which only the float pool's "
+                       f"attention applies")
+
+
 def kv_cost(model: ModelShape, kv_dtype: str, block_size: int, max_num_seqs: int,
             compute_dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
     """(bytes per block, fixed bytes) of a KV cache kind for this model, from its spec."""

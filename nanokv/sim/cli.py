@@ -231,8 +231,11 @@ def cmd_advise(args: argparse.Namespace) -> int:
     if args.rates and args.trace:  # before any work
         raise ValueError("--rates needs --workload (a trace has its own arrival times)")
     records, settings, make = _load(args)
+    kv_dtypes, left_out = adv.engine_kv_dtypes(args.model_config, args.kv_dtypes)
+    if left_out:
+        print(f"[advise] {left_out}", file=sys.stderr)
     settings = replace(settings, block_sizes=args.block_sizes,
-                       kv_dtypes=args.kv_dtypes,
+                       kv_dtypes=kv_dtypes,
                        max_num_seqs=args.max_num_seqs, compressions=args.compressions,
                        eviction_ratios=args.eviction_ratios)
     if args.out:

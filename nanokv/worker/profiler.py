@@ -20,7 +20,7 @@ def _forward(model, num_tokens: int, device: torch.device) -> None:
     ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     # positions only index the RoPE tables here: wrap them into the table's range
     pos = torch.arange(num_tokens, device=device) % model.rotary.max_positions
-    hidden, _ = model(ids, pos, StepAttention(NoCacheBackend(device), None))
+    hidden, _ = model(ids, pos, StepAttention(NoCacheBackend(device, model.logits_soft_cap), None))
     model.compute_logits(hidden[-1:])
 
 

@@ -5,7 +5,8 @@ full ones, each kind with its own RoPE (10k / 1M bases; linear scaling on the fu
 Gemma 3 4B+), with batching, chunked prefill, preemption and prefix hits; the Triton backend;
 a final logit soft-cap; int8 weights and an int8 KV cache; 2 ranks; LoRA against PEFT; the text
 decoder of a multimodal checkpoint (Gemma3ForConditionalGeneration); what is refused (an
-attention soft-cap, bidirectional attention, a KV store that keeps keys before RoPE)."""
+attention soft-cap, which HF's Gemma 3 does not apply; bidirectional attention; a KV store that
+keeps keys before RoPE)."""
 
 from __future__ import annotations
 
@@ -152,7 +153,8 @@ def test_int8_weights_and_int8_kv(gemma):
 
 
 @pytest.mark.parametrize("fields,match", [
-    (dict(attn_logit_softcapping=50.0), r"attn_logit_softcapping 50.0 is not supported"),
+    (dict(attn_logit_softcapping=50.0), r"attn_logit_softcapping 50.0 is not supported for "
+                                        r"Gemma 3"),
     (dict(use_bidirectional_attention=True), r"use_bidirectional_attention is not supported"),
     (dict(layer_types=["sliding_attention", "chunked_attention"] * 2),
      r"layer_types must name each of the 4 layers 'sliding_attention' or 'full_attention'"),

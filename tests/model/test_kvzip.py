@@ -183,6 +183,12 @@ def test_pure_scores_and_chunks():
     q, own = torch.randn(7, 4, 4), torch.randn(7, 2, 4)
     whole = chunk_scores(q, keys, own, 1, 6, n_sink=2, scale=0.5)
     torch.testing.assert_close(chunk_scores(q, keys, own, 1, 6, 2, 0.5, rows_per_block=3), whole)
+    # with the model's attention logit soft-cap (Gemma 2): the softmax of the capped scores
+    q, own = torch.randn(1, 2, 4) * 4, torch.randn(1, 2, 4)
+    got = chunk_scores(q, keys, own, 2, 5, n_sink=1, scale=0.5, soft_cap=1.0)
+    subset = torch.cat([keys[:1], keys[2:5], own])  # [5, 2, 4]
+    raw = (q[0, :, None, :] * subset.transpose(0, 1)).sum(-1) * 0.5  # [2, 5]
+    torch.testing.assert_close(got, torch.tanh(raw).softmax(-1)[:, 1:4])
 
 
 def test_options_and_where_it_runs(tiny_qwen3):

@@ -1,5 +1,5 @@
 """Paged attention against the dense reference on random tensors and random block layouts, with
-and without a sliding window."""
+and without a sliding window, with and without an attention logit soft-cap."""
 
 import random
 
@@ -31,10 +31,17 @@ def scatter_into_pool(k_all, v_all, num_blocks, block_size, rng):
     return k_cache, v_cache, tables
 
 
+@pytest.mark.parametrize("soft_cap", [None, 0.7])
 @pytest.mark.parametrize("window", [None, 1, 6, 13])
 @pytest.mark.parametrize("decode_path", ["padded", "per_request", "native"])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_decode_and_prefill_with_past_match_dense(block_size, decode_path, window):
+def test_decode_and_prefill_with_past_match_dense(block_size, decode_path, window, soft_cap,
+                                                  monkeypatch):
+    """soft_cap: Gemma 2's (0.7 caps most of these scores), its explicit path taking a few
+    query rows at a time (SOFT_CAP_SCORE_BYTES: the 12-row chunk in tiles of 5 rows)."""
+    import nanokv.layers.attention as attention
+
+    monkeypatch.setattr(attention, "SOFT_CAP_SCORE_BYTES", 4 * HQ * 12 * 5)
     per_request = decode_path != "padded"
     rng = random.Random(0)
     torch.manual_seed(0)
@@ -69,7 +76,7 @@ def test_decode_and_prefill_with_past_match_dense(block_size, decode_path, windo
         start += new
     meta = AttentionMetadata(torch.tensor(slots), nd, dec_tables, mask, prefills,
                              decode_context_lens=decode_lens if per_request else None,
-                             window=window)
+                             window=window, soft_cap=soft_cap)
     if decode_path == "native":  # the C kernel (tests/unit/test_native_attention.py)
         meta.decode_runs = build_decode_runs(tables[:nd], decode_lens, block_size, window)
     q = torch.cat(q_all)
@@ -79,7 +86,7 @@ def test_decode_and_prefill_with_past_match_dense(block_size, decode_path, windo
 
     offset = 0
     for qs, k, v in zip(q_all, k_all, v_all):
-        ref = dense_reference_attention(qs, k, v, D ** -0.5, window)
+        ref = dense_reference_attention(qs, k, v, D ** -0.5, window, soft_cap)
         torch.testing.assert_close(out[offset:offset + qs.shape[0]], ref, atol=1e-5, rtol=1e-5)
         offset += qs.shape[0]
 

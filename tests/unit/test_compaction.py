@@ -107,19 +107,22 @@ def test_attention_over_the_compacted_cache_equals_dense_attention_over_the_kept
                           dense_reference_attention(q, keys[kept], values[kept], 0.5))
 
 
+@pytest.mark.parametrize("soft_cap", [None, 1.0])
 @pytest.mark.parametrize("w, n, hq", [(1, 1, 2), (3, 9, 4), (9, 9, 2), (5, 17, 6)])
-def test_window_attention_matches_a_per_query_softmax(w, n, hq):
+def test_window_attention_matches_a_per_query_softmax(w, n, hq, soft_cap):
+    """soft_cap: the model's attention logit soft-cap (Gemma 2), c * tanh(score / c)."""
     g = torch.Generator().manual_seed(w * n)
     q = torch.randn(w, hq, D, generator=g)
     keys = torch.randn(n, HKV, D, generator=g)
-    probs = window_attention(q, keys, 0.7)
+    probs = window_attention(q, keys, 0.7, soft_cap)
+    cap = (lambda s: s) if soft_cap is None else (lambda s: soft_cap * math.tanh(s / soft_cap))
     assert probs.shape == (hq, w, n)
     group = hq // HKV
     for h in range(hq):
         for j in range(w):
             visible = n - w + j + 1
-            logits = torch.tensor([float(q[j, h].double() @ keys[i, h // group].double()) * 0.7
-                                   for i in range(visible)])
+            logits = torch.tensor([cap(float(q[j, h].double() @ keys[i, h // group].double())
+                                       * 0.7) for i in range(visible)])
             want = torch.cat([logits.softmax(0), torch.zeros(n - visible, dtype=torch.float64)])
             assert torch.allclose(probs[h, j].double(), want, atol=1e-6)
     with pytest.raises(ValueError):

@@ -40,8 +40,10 @@ def random_pool(lens, block_size, hkv, d, rng, consecutive=False):
 
 
 @pytest.mark.parametrize("hq,hkv,d", [(4, 4, 32), (8, 2, 64), (16, 8, 128), (6, 1, 16)])
-@pytest.mark.parametrize("block_size,consecutive", [(16, False), (16, True), (32, True)])
-def test_kernel_matches_dense_reference(hq, hkv, d, block_size, consecutive):
+@pytest.mark.parametrize("block_size,consecutive,soft_cap", [
+    (16, False, None), (16, True, None), (32, True, None), (16, False, 2.0)])
+def test_kernel_matches_dense_reference(hq, hkv, d, block_size, consecutive, soft_cap):
+    """soft_cap: Gemma 2's attention logit soft-cap (2 caps most of these peaked scores)."""
     rng = random.Random(hq * 100 + d + block_size)
     torch.manual_seed(hq + d)
     # 1 slot, around the kernel's 16-slot tile, around block boundaries, long
@@ -51,13 +53,14 @@ def test_kernel_matches_dense_reference(hq, hkv, d, block_size, consecutive):
     q = torch.randn(len(lens), hq, d) * 3  # peaked softmax: exercises the running max
     scale = d ** -0.5
     out = native_decode_attention(q, k_cache, v_cache,
-                                  build_decode_runs(tables, lens, block_size), scale)
+                                  build_decode_runs(tables, lens, block_size), scale, soft_cap)
     for i, (k, v) in enumerate(zip(k_all, v_all)):
-        ref = dense_reference_attention(q[i:i + 1], k, v, scale)[0]
+        ref = dense_reference_attention(q[i:i + 1], k, v, scale, soft_cap=soft_cap)[0]
         torch.testing.assert_close(out[i], ref, atol=2e-5, rtol=2e-5)
     # and the PyTorch per-request path (the reference fast path) agrees
     meta = AttentionMetadata(torch.empty(0, dtype=torch.long), len(lens), None, None, [],
-                             decode_context_lens=lens, decode_block_lists=tables)
+                             decode_context_lens=lens, decode_block_lists=tables,
+                             soft_cap=soft_cap)
     torch.testing.assert_close(out, _decode_per_request(q, k_cache, v_cache, meta, scale),
                                atol=2e-5, rtol=2e-5)
 

@@ -274,6 +274,22 @@ def test_windows_beside_full_layers_are_replayed_with_the_hybrid_manager(tmp_pat
     assert {o.candidate.policy for o in sweep(recs, hybrid)} == {"full"}
 
 
+def test_a_soft_capped_model_is_advised_the_float_pool_only(tmp_path):
+    """Gemma 2 soft-caps its attention scores, which only the float pool's attention applies
+    (the engine refuses the quantized caches for it): the advisor sweeps "auto" only."""
+    from tiny_models import build_tiny_model
+
+    from nanokv.sim.advise import engine_kv_dtypes
+
+    gemma2 = build_tiny_model(str(tmp_path / "gemma2"), "gemma2", tokenizer=False)
+    kept, why = engine_kv_dtypes(gemma2, ("auto", "fp8", "kvquant"))
+    assert kept == ("auto",) and "fp8,kvquant left out" in why
+    with pytest.raises(ValueError, match="--kv-dtypes must include auto, got int8"):
+        engine_kv_dtypes(gemma2, ("int8",))
+    llama = build_tiny_model(str(tmp_path / "llama"), "llama", tokenizer=False)
+    assert engine_kv_dtypes(llama, ("auto", "fp8")) == (("auto", "fp8"), None)
+
+
 def _chat_on_160_blocks():
     """A chat trace (two system prompts, 1k max_model_len) and settings that replay it on 160
     blocks of 16 with Llama 3 8B's shape."""

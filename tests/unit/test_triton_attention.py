@@ -137,8 +137,8 @@ def test_write_equals_the_stores_write_and_skips_padded_slots(kind):
 
 
 # ---- attention through the backend ---------------------------------------------------------------
-def new_backend(cache, tile_n=32, block_rows=32, target_programs=64):
-    backend = TritonPagedBackend(cache, DEVICE)
+def new_backend(cache, tile_n=32, block_rows=32, target_programs=64, soft_cap=None):
+    backend = TritonPagedBackend(cache, DEVICE, soft_cap)
     backend.tile_n, backend.block_rows = tile_n, block_rows  # small tiles: several per context
     backend.decode_tile_n = tile_n
     backend.target_programs = target_programs  # several decode splits
@@ -153,11 +153,13 @@ def run_step(cache, backend, q, k, v, slots, decode_tables, decode_lens, prefill
     return backend.forward(0, q, k, v, k, meta, q.shape[-1] ** -0.5), meta
 
 
-def reference(cache, q, k_new, v_new, table, past, window=None):
+def reference(cache, q, k_new, v_new, table, past, window=None, soft_cap=None):
     """Dense attention over the first `past` slots the cache holds, then the fresh K/V (with a
-    sliding window: each query over its last `window` of them)."""
+    sliding window: each query over its last `window` of them; with a soft-cap, the scores
+    capped)."""
     scale = q.shape[-1] ** -0.5
     if not isinstance(cache, KVPool):
+        assert soft_cap is None  # the backend refuses a soft-cap over codes
         return reference_quantized_attention(q, k_new, v_new, cache, 0, table, past, scale,
                                              window=window)
     heads, dim = k_new.shape[1:]
@@ -166,7 +168,7 @@ def reference(cache, q, k_new, v_new, table, past, window=None):
     k_past = k_cache[ids].reshape(-1, heads, dim)[:past]  # [past, Hkv, D]
     v_past = v_cache[ids].reshape(-1, heads, dim)[:past]
     return dense_reference_attention(q, torch.cat([k_past, k_new]), torch.cat([v_past, v_new]),
-                                     scale, window)
+                                     scale, window, soft_cap)
 
 
 def slots_of(table, first, count, bs):
@@ -183,14 +185,18 @@ CASES = [  # (cache, block size, query heads over 2 KV heads: GQA 1, 2, 8, head 
     ("float32", 16, 4, 32, 5), ("float32", 64, 2, 32, 70), ("bfloat16", 16, 8, 32, 20),
     ("int8", 16, 4, 32, 7), ("fp8_e4m3", 64, 16, 32, 70), ("fp8_e5m2", 16, 2, 32, 1),
 ]
+# with an attention logit soft-cap (Gemma 2's; 1.5 caps most of these scores): float pools
+SOFT_CAP_CASES = [("float32", 16, 4, 32, None), ("float32", 64, 2, 32, 70),
+                  ("bfloat16", 16, 8, 32, 20)]
 
 
-@pytest.mark.parametrize("kind,bs,hq,dim,window", CASES)
-def test_prefill_and_decode_equal_dense_reference(kind, bs, hq, dim, window):
+@pytest.mark.parametrize("kind,bs,hq,dim,window,soft_cap",
+                         [c + (None,) for c in CASES] + [c + (1.5,) for c in SOFT_CAP_CASES])
+def test_prefill_and_decode_equal_dense_reference(kind, bs, hq, dim, window, soft_cap):
     """Step 1: every request's prompt as prefill chunks of one launch. Step 2: each request
     decodes its next token (contexts ending mid-block, several splits), one request continues
     its prompt over its cached prefix, a new request starts. With a window, each query over
-    its last `window` slots."""
+    its last `window` slots; with a soft-cap, the scores capped."""
     rng, gen = random.Random(bs + hq), torch.Generator().manual_seed(bs * hq)
     lens = DECODE_LENS[bs]
     cont_past, cont_new, fresh = 30, 15, 19
@@ -200,7 +206,7 @@ def test_prefill_and_decode_equal_dense_reference(kind, bs, hq, dim, window):
     rng.shuffle(blocks)
     tables = [[blocks.pop() for _ in range(cdiv(n, bs))] for n in all_lens]
     dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
-    backend = new_backend(cache)
+    backend = new_backend(cache, soft_cap=soft_cap)
 
     def tokens(n, heads):
         x = torch.randn(n, heads, dim, generator=gen)
@@ -224,7 +230,8 @@ def test_prefill_and_decode_equal_dense_reference(kind, bs, hq, dim, window):
     out, _ = run_step(cache, backend, q, k, v, slots, [], [], chunks)
     for c in chunks:
         rows = slice(c.query_start, c.query_start + c.query_len)
-        check(out[rows], reference(cache, q[rows], k[rows], v[rows], c.block_table, 0, window))
+        check(out[rows], reference(cache, q[rows], k[rows], v[rows], c.block_table, 0, window,
+                                   soft_cap))
 
     # step 2: decodes first, then the continued request, then a new one
     nd, cont = len(lens), len(lens)
@@ -238,11 +245,11 @@ def test_prefill_and_decode_equal_dense_reference(kind, bs, hq, dim, window):
     assert meta.num_splits > 1
     for i, n in enumerate(lens):
         check(out[i:i + 1], reference(cache, q[i:i + 1], k[i:i + 1], v[i:i + 1], tables[i],
-                                      n - 1, window))
+                                      n - 1, window, soft_cap))
     for c, past in zip(chunks, (cont_past, 0)):
         rows = slice(c.query_start, c.query_start + c.query_len)
         check(out[rows], reference(cache, q[rows], k[rows], v[rows], c.block_table, past,
-                                   window))
+                                   window, soft_cap))
 
     # the same decodes launched with more splits than the backend chooses (most of them empty
     # at these lengths) and another pipelining depth, as the GPU sweep tries
@@ -250,10 +257,10 @@ def test_prefill_and_decode_equal_dense_reference(kind, bs, hq, dim, window):
     backend._decode.decode_attention(
         q[:nd], k[:nd], v[:nd], backend.paged_kv(0), meta.block_tables[:nd],
         meta.context_lens[:nd], wide, q.shape[-1] ** -0.5, num_splits=24, tile_n=16,
-        num_stages=2, window=window)
+        num_stages=2, window=window, soft_cap=soft_cap)
     for i, n in enumerate(lens):
         check(wide[i:i + 1], reference(cache, q[i:i + 1], k[i:i + 1], v[i:i + 1], tables[i],
-                                       n - 1, window))
+                                       n - 1, window, soft_cap))
 
 
 @pytest.mark.parametrize("kind", ["float32", "int8"])

@@ -23,7 +23,13 @@ import triton
 import triton.language as tl
 
 from nanokv.kernels.triton.paged_kv import PagedKV
-from nanokv.kernels.triton.paged_tile import LOG2E, attend_paged_span, dot_dtype
+from nanokv.kernels.triton.paged_tile import (
+    LOG2E,
+    attend_paged_span,
+    capped,
+    dot_dtype,
+    soft_cap_constant,
+)
 
 MAX_SPLITS = 64  # the most splits the kernels take (triton_paged.SPLIT_CAP: all of them)
 _PER_STEP = ["table_ptr", "stride_table", "context_ptr", "stride_context", "num_splits",
@@ -33,7 +39,7 @@ _PER_STEP = ["table_ptr", "stride_table", "context_ptr", "stride_context", "num_
 @triton.jit
 def own_token_state(q, k_ptr, v_ptr, stride_kt, stride_kh, stride_vt, stride_vh, b, kv_head,
                     split, context, d, d_mask, qk_scale, G_PAD: tl.constexpr,
-                    D_PAD: tl.constexpr):
+                    D_PAD: tl.constexpr, SOFT_CAP: tl.constexpr):
     """The online softmax state a split starts from: split 0 of a live row starts with the
     step's own token (m = its score, l = 1, acc = its value), every other empty."""
     own = (split == 0) & (context > 0)
@@ -41,7 +47,7 @@ def own_token_state(q, k_ptr, v_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                     other=0.0).to(tl.float32)
     v_own = tl.load(v_ptr + b * stride_vt + kv_head * stride_vh + d, mask=d_mask & own,
                     other=0.0).to(tl.float32)
-    s_own = tl.sum(q.to(tl.float32) * k_own[None, :], 1) * qk_scale  # [G_PAD]
+    s_own = capped(tl.sum(q.to(tl.float32) * k_own[None, :], 1) * qk_scale, SOFT_CAP)  # [G_PAD]
     m_i = tl.where(own, s_own, float("-inf"))
     l_i = tl.where(own, 1.0, 0.0) + tl.zeros([G_PAD], tl.float32)
     acc = tl.where(own, 1.0, 0.0) * v_own[None, :] + tl.zeros([G_PAD, D_PAD], tl.float32)
@@ -74,7 +80,8 @@ def _decode_split_kernel(
         out_ptr, stride_ot, stride_oh, part_m_ptr, part_l_ptr, part_acc_ptr, qk_scale,
         num_splits, window, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr,
         D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-        DIRECT_OUT: tl.constexpr, KV_FORMAT: tl.constexpr, DOT_DTYPE: tl.constexpr):
+        DIRECT_OUT: tl.constexpr, KV_FORMAT: tl.constexpr, DOT_DTYPE: tl.constexpr,
+        SOFT_CAP: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -96,13 +103,13 @@ def _decode_split_kernel(
 
     m_i, l_i, acc = own_token_state(q, k_ptr, v_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                                     b, kv_head, split, context, d, d_mask, qk_scale, G_PAD,
-                                    D_PAD)
+                                    D_PAD, SOFT_CAP)
 
     table = table_ptr + b * stride_table
     m_i, l_i, acc = attend_paged_span(
         q, m_i, l_i, acc, lo, hi, hi, table, kv_head, k_cache_ptr, v_cache_ptr, stride_cb,
         stride_cs, stride_ch, k_scale_ptr, v_scale_ptr, stride_sb, stride_ss, d, d_mask,
-        qk_scale, BLOCK_SIZE, TILE_N, KV_FORMAT, DOT_DTYPE, False, 0, False)
+        qk_scale, BLOCK_SIZE, TILE_N, KV_FORMAT, DOT_DTYPE, False, 0, False, SOFT_CAP)
 
     store_split(out_ptr, stride_ot, stride_oh, part_m_ptr, part_l_ptr, part_acc_ptr, b, q_head,
                 g_mask, d, d_mask, split, num_splits, m_i, l_i, acc, GROUP, D_PAD, DIRECT_OUT)
@@ -134,13 +141,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Page
                      block_tables: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor,
                      scale: float, num_splits: int = 1, tile_n: int = 64,
                      num_warps: int = 4, num_stages: int | None = None,
-                     window: int | None = None) -> None:
+                     window: int | None = None, soft_cap: float | None = None) -> None:
     """q, out: [B, Hq, D]; k, v: [B, Hkv, D] the step's own (fresh) K/V; block_tables:
     [B, max_blocks] int32 (any row stride); context_lens: [B] int32 cached slots after this
     step, the own token included (0: a padded row, output zeros). num_stages: the compiler's
     software-pipelining depth of the key-tile loop (None: Triton's default, 3 on NVIDIA GPUs;
     1 none). window: a sliding window, each row over its last `window` slots (None: all).
-    Writes out."""
+    soft_cap: the scores c * tanh(scores / c) before the softmax (None: none). Writes out."""
     rows, num_q_heads, dim = q.shape
     heads = kv.num_kv_heads
     _check(q, k, v, out, kv, block_tables, context_lens, num_splits, tile_n, num_stages)
@@ -161,7 +168,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Page
         D_PAD=d_pad,
         BLOCK_SIZE=kv.block_size, TILE_N=tile_n, DIRECT_OUT=num_splits == 1,
         KV_FORMAT=kv.kv_format, DOT_DTYPE=dot_dtype(_decode_split_kernel, q.dtype),
-        num_warps=num_warps, **stages(num_stages))
+        SOFT_CAP=soft_cap_constant(soft_cap), num_warps=num_warps, **stages(num_stages))
     merge_splits(part_m, part_l, parts, out, num_splits, d_pad)
 
 

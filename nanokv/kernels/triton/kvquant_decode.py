@@ -301,7 +301,7 @@ def _kvquant_decode_kernel(
 
     m_i, l_i, acc = own_token_state(q, k_ptr, v_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                                     b, kv_head, split, context, d, d_mask, qk_scale, G_PAD,
-                                    D_PAD)
+                                    D_PAD, 0.0)  # no soft-cap (TritonQuantizedBackend)
 
     q_row = q_ptr + b * stride_qt + q_head[:, None] * stride_qh  # [G_PAD, 1]
     if ROPE:  # rotate-half: channel c < HALF pairs with c + HALF
@@ -359,7 +359,7 @@ def _kvquant_decode_kernel(
                             V_CAP, NUM_SINKS, STAGED_V, V_TABLE, V_STEP, V_BASE)
             v = tl.where(m, v, 0.0)
             m_i, l_i, acc = attend_scores(scores, v, 1.0, live[None, :], m_i, l_i, acc, qk_scale,
-                                          False, DOT_DTYPE)
+                                          False, DOT_DTYPE, 0.0)
 
     store_split(out_ptr, stride_ot, stride_oh, part_m_ptr, part_l_ptr, part_acc_ptr, b, q_head,
                 g_mask, d, d_mask, split, num_splits, m_i, l_i, acc, GROUP, D_PAD, DIRECT_OUT)

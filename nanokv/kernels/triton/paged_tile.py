@@ -22,6 +22,29 @@ interpreter_compat.apply()  # the kernels' runtime loop bounds under TRITON_INTE
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E): the kernels' softmax runs in base 2
 
 
+def soft_cap_constant(soft_cap: float | None) -> float:
+    """A model's attention logit soft-cap c as the kernels' SOFT_CAP constexpr: c * log2(e), the
+    cap in the softmax's base-2 units (c tanh(x / c) scales with them); 0.0 for none."""
+    if soft_cap is None:
+        return 0.0
+    if not soft_cap > 0:
+        raise ValueError(f"an attention logit soft-cap must be > 0, got {soft_cap}")
+    return float(soft_cap) * LOG2E
+
+
+@triton.jit
+def capped(s, SOFT_CAP: tl.constexpr):
+    """Scores s (scaled, base-2 units) soft-capped: SOFT_CAP * tanh(s / SOFT_CAP), tanh from
+    e = exp(-2|x|) in (0, 1] (sign(x) (1 - e) / (1 + e): no overflow at any score); s itself
+    when SOFT_CAP is 0 (Gemma 2's attention logit soft-cap, `soft_cap_constant`)."""
+    if SOFT_CAP > 0:
+        x = s / SOFT_CAP
+        e = tl.exp(-2.0 * tl.abs(x))
+        t = (1.0 - e) / (1.0 + e)
+        s = SOFT_CAP * tl.where(x < 0, -t, t)
+    return s
+
+
 @triton.jit
 def paged_slots(table_ptr, t, t_mask, kv_head, stride_cb, stride_cs, stride_ch, stride_sb,
                 stride_ss, BLOCK_SIZE: tl.constexpr):
@@ -48,17 +71,18 @@ def load_paged_rows(cache_ptr, row, t_mask, d, d_mask, KV_FORMAT: tl.constexpr):
 
 @triton.jit
 def attend_tile(q, k, v, k_scale, v_scale, col_mask, m_i, l_i, acc, qk_scale,
-                SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr, SOFT_CAP: tl.constexpr):
     """Fold one tile into the online softmax of rows q [R, D_PAD] (in DOT_DTYPE).
 
     k, v: [N, D_PAD] (values before their scale when SCALED: k_scale, v_scale [N]);
     col_mask: [R, N] or [1, N], the keys each row may see; m_i, l_i: [R] running max (log2
-    units) and sum; acc: [R, D_PAD] float32. qk_scale = softmax scale * log2(e).
-    Returns (m_i, l_i, acc)."""
+    units) and sum; acc: [R, D_PAD] float32. qk_scale = softmax scale * log2(e); SOFT_CAP:
+    `capped`'s. Returns (m_i, l_i, acc)."""
     s = dot(q, tl.trans(k.to(DOT_DTYPE)), DOT_DTYPE)
     if SCALED:
         s = s * k_scale[None, :]
-    return attend_scores(s, v, v_scale, col_mask, m_i, l_i, acc, qk_scale, SCALED, DOT_DTYPE)
+    return attend_scores(s, v, v_scale, col_mask, m_i, l_i, acc, qk_scale, SCALED, DOT_DTYPE,
+                         SOFT_CAP)
 
 
 @triton.jit
@@ -71,11 +95,11 @@ def dot(a, b, DOT_DTYPE: tl.constexpr):
 
 @triton.jit
 def attend_scores(s, v, v_scale, col_mask, m_i, l_i, acc, qk_scale, SCALED: tl.constexpr,
-                  DOT_DTYPE: tl.constexpr):
+                  DOT_DTYPE: tl.constexpr, SOFT_CAP: tl.constexpr):
     """Fold a tile's raw scores s [R, N] (q . k, float32) and its values v [N, D_PAD] into the
     online softmax state (attend_tile's second half, for kernels that make their scores
     themselves)."""
-    s = tl.where(col_mask, s * qk_scale, float("-inf"))  # [R, N]
+    s = tl.where(col_mask, capped(s * qk_scale, SOFT_CAP), float("-inf"))  # [R, N]
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing yet
     alpha = tl.exp2(m_i - m_safe)
@@ -92,7 +116,8 @@ def attend_paged_span(q, m_i, l_i, acc, lo, hi, row_end, table_ptr, kv_head, k_c
                       v_cache_ptr, stride_cb, stride_cs, stride_ch, k_scale_ptr, v_scale_ptr,
                       stride_sb, stride_ss, d, d_mask, qk_scale, BLOCK_SIZE: tl.constexpr,
                       TILE_N: tl.constexpr, KV_FORMAT: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                      ROW_END: tl.constexpr, row_start, ROW_START: tl.constexpr):
+                      ROW_END: tl.constexpr, row_start, ROW_START: tl.constexpr,
+                      SOFT_CAP: tl.constexpr):
     """Fold a request's cached tokens [lo, hi) (block-table row at table_ptr, one KV head), read
     in place tile by tile, into the online softmax of rows q [R, D_PAD]: every row sees every
     one of them (decode's split, prefill's cached prefix), or with ROW_END row r only those
@@ -117,7 +142,7 @@ def attend_paged_span(q, m_i, l_i, acc, lo, hi, row_end, table_ptr, kv_head, k_c
         if ROW_START:
             seen = seen & (t[None, :] >= row_start[:, None])
         m_i, l_i, acc = attend_tile(q, k, v, k_scale, v_scale, seen, m_i, l_i, acc, qk_scale,
-                                    KV_FORMAT != 0, DOT_DTYPE)
+                                    KV_FORMAT != 0, DOT_DTYPE, SOFT_CAP)
     return m_i, l_i, acc
 
 

@@ -33,9 +33,11 @@ from nanokv.kernels.triton.paged_tile import (
     LOG2E,
     attend_paged_span,
     attend_tile,
+    capped,
     dot_dtype,
     load_paged_rows,
     paged_slots,
+    soft_cap_constant,
 )
 
 # per-step values (where the packed step tensors sit, the tables' width) and the layer's window:
@@ -56,7 +58,8 @@ def _prefill_kernel(
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, G_PAD: tl.constexpr,
         D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
         TILE_N: tl.constexpr, KV_FORMAT: tl.constexpr, DOT_DTYPE: tl.constexpr,
-        VIEW: tl.constexpr, STAGED_V: tl.constexpr, WINDOWED: tl.constexpr):
+        VIEW: tl.constexpr, STAGED_V: tl.constexpr, WINDOWED: tl.constexpr,
+        SOFT_CAP: tl.constexpr):
     row0 = tl.program_id(0) * BLOCK_M
     chunk = tl.program_id(1).to(tl.int64)
     kv_head = tl.program_id(2)
@@ -94,7 +97,7 @@ def _prefill_kernel(
             q, m_i, l_i, acc, tl.minimum(lo, past), past, past, table, kv_head, k_cache_ptr,
             v_cache_ptr, stride_cb, stride_cs, stride_ch, k_scale_ptr, v_scale_ptr, stride_sb,
             stride_ss, d, d_mask, qk_scale, BLOCK_SIZE, TILE_N, KV_FORMAT, DOT_DTYPE, False,
-            row_start, WINDOWED)
+            row_start, WINDOWED, SOFT_CAP)
 
         # the chunk's own tokens, causal: token i sees own tokens j <= i (and j >= i + 1 - W)
         for start in range(tl.maximum(lo - past, 0), own_end, TILE_N):
@@ -110,7 +113,7 @@ def _prefill_kernel(
             if WINDOWED:
                 causal = causal & (past + j[None, :] >= row_start[:, None])
             m_i, l_i, acc = attend_tile(q, k, v, 1.0, 1.0, causal, m_i, l_i, acc, qk_scale,
-                                        False, DOT_DTYPE)
+                                        False, DOT_DTYPE, SOFT_CAP)
     else:  # decode's view
         n = past + tok  # [R] each row's slot in its sequence
         hi = past + own_end  # the tile's last row's slot + 1
@@ -121,7 +124,7 @@ def _prefill_kernel(
             q, m_i, l_i, acc, lo, hi, final_end, table, kv_head, k_cache_ptr, v_cache_ptr,
             stride_cb, stride_cs, stride_ch, k_scale_ptr, v_scale_ptr, stride_sb, stride_ss, d,
             d_mask, qk_scale, BLOCK_SIZE, TILE_N, KV_FORMAT, DOT_DTYPE, True, row_start,
-            WINDOWED)
+            WINDOWED, SOFT_CAP)
         if VIEW == 2:  # slots [final_end, n) of row n's block, still filling: as staged
             # the chunk's staged blocks, from the one holding its slot `past` (float)
             stage = stage_table_ptr + chunk * stride_stage - past // BLOCK_SIZE
@@ -142,7 +145,7 @@ def _prefill_kernel(
                 if WINDOWED:
                     seen = seen & (t[None, :] >= row_start[:, None])
                 m_i, l_i, acc = attend_tile(q, k, v, 1.0, 1.0, seen, m_i, l_i, acc, qk_scale,
-                                            False, DOT_DTYPE)
+                                            False, DOT_DTYPE, SOFT_CAP)
         # the row's own token, fresh (rows of k, v)
         rd_mask = row_mask[:, None] & d_mask[None, :]
         own = (query_start + tok).to(tl.int64)[:, None]  # [R, 1]
@@ -150,7 +153,7 @@ def _prefill_kernel(
                     other=0.0).to(tl.float32)  # [R, D_PAD]
         v = tl.load(v_ptr + own * stride_vt + kv_head * stride_vh + d[None, :], mask=rd_mask,
                     other=0.0).to(tl.float32)
-        s = tl.sum(q.to(tl.float32) * k, 1) * qk_scale  # [R]
+        s = capped(tl.sum(q.to(tl.float32) * k, 1) * qk_scale, SOFT_CAP)  # [R]
         m_new = tl.maximum(m_i, s)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new)
@@ -169,7 +172,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Pag
                       tile_n: int = 64, num_warps: int = 4,
                       stage_tables: torch.Tensor | None = None,
                       k_stage: torch.Tensor | None = None,
-                      v_stage: torch.Tensor | None = None, window: int | None = None) -> None:
+                      v_stage: torch.Tensor | None = None, window: int | None = None,
+                      soft_cap: float | None = None) -> None:
     """q, out: [T, Hq, D]; k, v: [T, Hkv, D] (after RoPE, the step's fresh K/V); per chunk
     (int32 [C]): query_start, query_len, context_lens (cached slots after this step) and
     block_tables [C, max_blocks]; max_query_len: the longest chunk's (a host int). A program
@@ -179,7 +183,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Pag
     stage_tables [C, w] int32, the rows of k_stage (and v_stage, or None: values from kv)
     [n, B, Hkv, D] holding each chunk's blocks from the one of its slot `past` on, as
     staged. window: a sliding window (any view), each token over its last `window` slots, its
-    own included (None: all)."""
+    own included (None: all). soft_cap: the scores c * tanh(scores / c) before the softmax
+    (None: none)."""
     num_q_heads, dim = q.shape[1], q.shape[2]
     heads = kv.num_kv_heads
     if dim != kv.head_dim or num_q_heads % heads or k.shape != (q.shape[0], heads, dim) \
@@ -225,4 +230,5 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Pag
         GROUP=group, HEAD_DIM=dim, G_PAD=g_pad, D_PAD=max(16, triton.next_power_of_2(dim)),
         BLOCK_SIZE=kv.block_size, BLOCK_M=block_m, TILE_N=tile_n, KV_FORMAT=kv.kv_format,
         DOT_DTYPE=dot_dtype(_prefill_kernel, q.dtype), VIEW=view,
-        STAGED_V=v_stage is not None, WINDOWED=window is not None, num_warps=num_warps)
+        STAGED_V=v_stage is not None, WINDOWED=window is not None,
+        SOFT_CAP=soft_cap_constant(soft_cap), num_warps=num_warps)

@@ -14,6 +14,8 @@
  * floats, a page apart for 8 x 128, which defeats the hardware prefetchers (2x slower here).
  * Even so the prefetchers stop at each 4 KiB page (a slot's row at 8 x 128 floats): each slot's
  * K and V rows are prefetched about AHEAD_BYTES before they are read (`prefetch_row`).
+ * soft_cap > 0: each score s becomes soft_cap * tanh(s / soft_cap) before the softmax (Gemma 2's
+ * attention logit soft-cap); 0: none.
  * The reference is `nanokv.layers.attention._decode_per_request` (PyTorch). */
 #include <float.h>
 #include <math.h>
@@ -37,7 +39,7 @@ static inline void prefetch_row(const float *row, int64_t n) {
 int decode_attention(const float *q, const float *k, const float *v, float *out,
                      const int64_t *run_ptr, const int64_t *run_start, const int64_t *run_len,
                      int64_t num_requests, int64_t num_q_heads, int64_t num_kv_heads,
-                     int64_t head_dim) {
+                     int64_t head_dim, float soft_cap) {
     const int64_t Hq = num_q_heads, Hkv = num_kv_heads, D = head_dim;
     const int64_t group = Hq / Hkv;
     const int64_t row = Hkv * D, row_bytes = row * (int64_t)sizeof(float);
@@ -73,6 +75,7 @@ int decode_attention(const float *q, const float *k, const float *v, float *out,
                             float s = 0.f;
                             #pragma omp simd reduction(+:s)
                             for (int64_t d = 0; d < D; d++) s += qh[d] * kr[d];
+                            if (soft_cap > 0.f) s = soft_cap * tanhf(s / soft_cap);
                             scores[h * TILE + t] = s;
                         }
                     }
