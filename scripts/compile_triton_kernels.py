@@ -16,7 +16,8 @@ a prefill's scratch cache (and of partial blocks from given staging rows) and th
 in decode's view, KVQuant's
 quantize-on-write (4-bit; else also 2-, 3- and 8-bit) and KIVI's (2-bit keys and values; else
 also 4-bit), plus a
-float32 pool with GQA 8 and head dim 64 (the dot in IEEE float32).
+float32 pool with GQA 8 and head dim 64 (the dot in IEEE float32); the float pool's decode and
+prefill also with an attention logit soft-cap (Gemma 2's).
 Exits non-zero on the first failure, naming the variant.
 """
 
@@ -147,6 +148,15 @@ def record(dtype, hq, hkv, dim, block_size, quick: bool) -> None:
         # a sliding window's prefill variant (the decode kernel takes the window at run time)
         prefill.prefill_attention(q, k, k, kv, i32[:2], i32[:2], i32[:2], tables[:2], 20, out,
                                   0.1, block_rows, tile_n, B.num_warps, window=4096)
+        if name == "float":  # an attention logit soft-cap (Gemma 2's 50): a constexpr variant
+            for splits in (1, 4):
+                decode.decode_attention(q[:rows], k[:rows], k[:rows], kv, tables, i32[:rows],
+                                        out[:rows], 0.1, splits, decode_tile_n, B.num_warps,
+                                        B.num_stages, soft_cap=50.0)
+            for window in (None, 4096):
+                prefill.prefill_attention(q, k, k, kv, i32[:2], i32[:2], i32[:2], tables[:2], 20,
+                                          out, 0.1, block_rows, tile_n, B.num_warps,
+                                          window=window, soft_cap=50.0)
 
 
 def record_quant(dtype, hq, hkv, dim, block_size, quick: bool) -> None:

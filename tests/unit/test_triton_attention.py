@@ -390,7 +390,8 @@ def test_decode_launch_by_cache_format():
 def test_kernels_compile_for_a_gpu(tmp_path):
     """What the interpreter cannot check (types through loops and branches, dot shapes and
     operand types, constexpr use, registers): every kernel the backend launches for a bfloat16
-    model over the float pool and int8 codes (each prefill view also with a sliding window), the
+    model over the float pool (also with an attention logit soft-cap) and int8 codes (each
+    prefill view also with a sliding window), the
     KVQuant decode kernel over a 4-bit store and
     that store's quantize-on-write kernels (per token, per channel, and the staging and sink
     rows' copy for a bfloat16 staging and fp16 sinks), KIVI's quantize-on-write (keys per
@@ -409,14 +410,16 @@ def test_kernels_compile_for_a_gpu(tmp_path):
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = [line for line in done.stdout.splitlines() if line.startswith("ok")]
-    assert len(compiled) == 22, done.stdout
+    assert len(compiled) == 26, done.stdout
     assert sum(" _quantize_" in line for line in compiled) == 2, done.stdout  # KVQuant
     assert sum("kivi_quantize_blocks" in line for line in compiled) == 2, done.stdout
     assert sum("_scatter_rows_" in line for line in compiled) == 2, done.stdout
     assert sum("_kvquant_read_" in line for line in compiled) == 2, done.stdout
     # the float pool's, the codes' and the staged view's, each also with a sliding window
-    assert sum("_prefill_kernel" in line for line in compiled) == 6, done.stdout
-    assert sum("WINDOWED=True" in line for line in compiled) == 3, done.stdout
+    assert sum("_prefill_kernel" in line for line in compiled) == 8, done.stdout
+    assert sum("WINDOWED=True" in line for line in compiled) == 4, done.stdout
+    capped = [line for line in compiled if "SOFT_CAP=0.0" not in line and "SOFT_CAP" in line]
+    assert len(capped) == 4, done.stdout  # decode (1 split, 4) and prefill (window or not)
     spilled = [line for line in compiled if " stack 0 local 0 " not in line]
     assert not spilled, spilled  # registers spilled to local memory
 
