@@ -144,6 +144,39 @@ def check_teacher_forced(hf_model, prompt: list[int], out, atol: float = 1e-4) -
     assert out.token_ids == logits[len(prompt) - 1:-1].argmax(-1).tolist()
 
 
+def record_slicing(monkeypatch) -> list[tuple[str, int]]:
+    """The requests the hybrid KV cache manager slices (`BlockManager.slice_for_windows`), as
+    (request id, its cached slots then), appended as they are sliced."""
+    from nanokv.cache.block_manager import BlockManager
+
+    calls = []
+    original = BlockManager.slice_for_windows
+
+    def slice_for_windows(self, request, windows):
+        calls.append((request.request_id, request.num_cached_slots))
+        return original(self, request, windows)
+
+    monkeypatch.setattr(BlockManager, "slice_for_windows", slice_for_windows)
+    return calls
+
+
+def check_preemption_then_prefix_hits(llm, hf_model, batch: list[list[int]], outs,
+                                      max_tokens: int) -> None:
+    """A run that preempted: each output equal to HF's (teacher-forced); the same prompts again
+    give the same tokens with more prefix-cache hits; block accounting holds."""
+    from nanokv import SamplingParams
+
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0
+    for prompt, out in zip(batch, outs):
+        check_teacher_forced(hf_model, prompt, out)
+    again = llm.generate(batch, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                               ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+    assert llm.engine.stats().prefix_cache_hits > stats.prefix_cache_hits
+    llm.engine.check_invariants()
+
+
 def check_two_ranks(path: str, batch: list[list[int]], **options) -> None:
     """Greedy tokens of `batch` (12 each) on 2 tensor-parallel ranks equal one process's, with
     the same schedule (stats), preemptions among them (options: a pool too small for all)."""

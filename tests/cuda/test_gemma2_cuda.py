@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import build_tiny_model, check_cuda_engine
+from tiny_models import build_tiny_model, check_cuda_engine, record_slicing
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -24,16 +24,7 @@ def test_gemma2_matches_hf_on_cuda(tmp_path, enforce_eager):
 def test_gemma2_sliced_requests_on_cuda(tmp_path, monkeypatch):
     """Ten blocks hold the four requests only with a request sliced (per-layer tables through
     the soft-capping Triton kernels)."""
-    from nanokv.cache.block_manager import BlockManager
-
-    sliced = []
-    original = BlockManager.slice_for_windows
-
-    def slice_for_windows(self, request, windows):
-        sliced.append(request.request_id)
-        return original(self, request, windows)
-
-    monkeypatch.setattr(BlockManager, "slice_for_windows", slice_for_windows)
+    sliced = record_slicing(monkeypatch)
     model = build_tiny_model(str(tmp_path / "gemma2"), "gemma2", tokenizer=False,
                              num_hidden_layers=6, max_position_embeddings=256,
                              layer_types=["sliding_attention"] * 2 + ["full_attention"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import build_tiny_model, check_cuda_engine
+from tiny_models import build_tiny_model, check_cuda_engine, record_slicing
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -25,16 +25,7 @@ def test_gemma3_sliced_requests_on_cuda(tmp_path, monkeypatch):
     """The hybrid KV cache manager on the GPU: ten blocks hold the four requests only with a
     request sliced (per-layer flat block tables through the Triton kernels, its slices packed
     by copies on the GPU); the same checks against HF. On CPU: tests/model/test_hybrid_kv.py."""
-    from nanokv.cache.block_manager import BlockManager
-
-    sliced = []
-    original = BlockManager.slice_for_windows
-
-    def slice_for_windows(self, request, windows):
-        sliced.append(request.request_id)
-        return original(self, request, windows)
-
-    monkeypatch.setattr(BlockManager, "slice_for_windows", slice_for_windows)
+    sliced = record_slicing(monkeypatch)
     model = build_tiny_model(str(tmp_path / "gemma3"), "gemma3", tokenizer=False,
                              num_hidden_layers=6, max_position_embeddings=256,
                              layer_types=["sliding_attention"] * 2 + ["full_attention"]

@@ -9,14 +9,15 @@ is refused (a quantized KV cache, a draft model with another soft-cap, a bad cap
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
-from tiny_models import build_tiny_model, check_teacher_forced, check_two_ranks, edit_json, load_hf
+from test_gemma3 import prompts  # the same prompt mix (7, 40, 110 tokens)
+from tiny_models import (build_tiny_model, check_preemption_then_prefix_hits,
+                         check_teacher_forced, check_two_ranks, edit_json, load_hf,
+                         record_slicing)
 
 from nanokv import LLM, SamplingParams
-from nanokv.cache.block_manager import BlockManager
 from nanokv.models.gemma2 import Gemma2ForCausalLM
 
 WINDOW = 24
@@ -35,13 +36,6 @@ def hf(gemma2):
     model = load_hf(gemma2, attn_implementation="eager")
     assert model.config.attn_logit_softcapping == SOFT_CAP
     return model
-
-
-def prompts(seed: int, n: int, shared: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    prefix = [rng.randrange(1, 250) for _ in range(shared)]
-    return [prefix + [rng.randrange(1, 250) for _ in range(rng.choice((7, 40, 110)))]
-            for _ in range(n)]
 
 
 def run(path: str, batch, max_tokens: int = 12, logits: bool = True, **options):
@@ -99,34 +93,15 @@ def test_without_the_soft_cap_the_logits_are_not_hf(gemma2, hf, monkeypatch):
     assert worst > 0.05
 
 
-@pytest.fixture
-def sliced(monkeypatch):
-    calls = []
-    original = BlockManager.slice_for_windows
-
-    def slice_for_windows(self, request, windows):
-        calls.append(request.request_id)
-        return original(self, request, windows)
-
-    monkeypatch.setattr(BlockManager, "slice_for_windows", slice_for_windows)
-    return calls
-
-
-def test_sliced_requests_preemption_and_prefix_hits_keep_hf_tokens(gemma2, hf, sliced):
+def test_sliced_requests_preemption_and_prefix_hits_keep_hf_tokens(gemma2, hf, monkeypatch):
     """Eight requests sharing a 40-token prefix over a pool that holds them only with their
     sliding layers' blocks given back (the hybrid KV cache manager's per-layer tables) and
     preemption; then the same prompts over the prefix cache."""
+    sliced = record_slicing(monkeypatch)
     batch = prompts(2, 8, shared=40)
     llm, outs = run(gemma2, batch, max_tokens=24, logits=False, num_kv_blocks=16)
-    stats = llm.engine.stats()
-    assert sliced and stats.num_preemptions > 0
-    for prompt, out in zip(batch, outs):
-        check_teacher_forced(hf, prompt, out)
-    again = llm.generate(batch, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                         use_tqdm=False)
-    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
-    assert llm.engine.stats().prefix_cache_hits > stats.prefix_cache_hits
-    llm.engine.check_invariants()
+    assert sliced
+    check_preemption_then_prefix_hits(llm, hf, batch, outs, 24)
 
 
 def test_two_tensor_parallel_ranks_give_one_process_tokens(gemma2):

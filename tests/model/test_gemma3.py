@@ -15,8 +15,8 @@ import random
 
 import pytest
 import torch
-from tiny_models import (build_tiny_model, check_teacher_forced, check_two_ranks, edit_json,
-                         load_hf)
+from tiny_models import (build_tiny_model, check_preemption_then_prefix_hits,
+                         check_teacher_forced, check_two_ranks, edit_json, load_hf)
 
 from nanokv import LLM, SamplingParams
 
@@ -79,18 +79,9 @@ def test_logits_and_tokens_equal_hf(gemma, tmp_path, rope):
 def test_preemption_and_prefix_hits_keep_hf_tokens(gemma):
     """8 requests over a pool that cannot hold them all at once (recompute preemption), then the
     same prompts again over the prefix cache."""
-    hf = load_hf(gemma)
     batch = prompts(2, 8, shared=40)
     llm, outs = run(gemma, batch, max_tokens=24, logits=False, num_kv_blocks=24)
-    stats = llm.engine.stats()
-    assert stats.num_preemptions > 0
-    for prompt, out in zip(batch, outs):
-        check_teacher_forced(hf, prompt, out)
-    again = llm.generate(batch, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-                         use_tqdm=False)
-    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
-    assert llm.engine.stats().prefix_cache_hits > stats.prefix_cache_hits
-    llm.engine.check_invariants()
+    check_preemption_then_prefix_hits(llm, load_hf(gemma), batch, outs, 24)
 
 
 def test_the_triton_backend_equals_hf(gemma):

@@ -10,10 +10,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from tiny_models import build_tiny_model, check_teacher_forced, check_two_ranks, load_hf
+from tiny_models import (build_tiny_model, check_teacher_forced, check_two_ranks, load_hf,
+                         record_slicing)
 
 from nanokv import LLM, SamplingParams
-from nanokv.cache.block_manager import BlockManager
 
 WINDOW = 24
 LAYER_TYPES = ["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 3
@@ -29,15 +29,7 @@ def gemma(tmp_path_factory):
 @pytest.fixture
 def sliced(monkeypatch):
     """The requests sliced (`BlockManager.slice_for_windows`), with their cached slots then."""
-    calls = []
-    original = BlockManager.slice_for_windows
-
-    def slice_for_windows(self, request, windows):
-        calls.append((request.request_id, request.num_cached_slots))
-        return original(self, request, windows)
-
-    monkeypatch.setattr(BlockManager, "slice_for_windows", slice_for_windows)
-    return calls
+    return record_slicing(monkeypatch)
 
 
 def long_prompts(seed: int, lengths, shared: int = 0) -> list[list[int]]:
