@@ -54,8 +54,7 @@ class TorchPagedBackend(AttentionBackend):
                                    for layer, c in enumerate(common.per_layer)],
                             common.write_plan)
         # the pool's write plan is the step's slot mapping as a tensor: not made twice
-        base = replace(kernel_metadata(common, self.device, common.write_plan),
-                       soft_cap=self.soft_cap)
+        base = kernel_metadata(common, self.device, common.write_plan, self.soft_cap)
         by_window = by_layer_window(base, self.kv_cache.layout.sliding_windows)
         if common.num_decodes:  # the prefill chunks shared; each window its own decode addressing
             for meta in by_window.values():
@@ -64,7 +63,7 @@ class TorchPagedBackend(AttentionBackend):
 
     def _kernel_metadata(self, c: CommonAttentionMetadata, window: int | None
                          ) -> AttentionMetadata:
-        meta = replace(kernel_metadata(c, self.device), window=window, soft_cap=self.soft_cap)
+        meta = replace(kernel_metadata(c, self.device, soft_cap=self.soft_cap), window=window)
         if c.num_decodes:
             self._decode_metadata(meta, c)
         return meta
@@ -100,10 +99,12 @@ def by_layer_window(meta: AttentionMetadata, windows: tuple[int | None, ...]
 
 
 def kernel_metadata(c: CommonAttentionMetadata, device: torch.device,
-                    slot_mapping: torch.Tensor | None = None) -> AttentionMetadata:
+                    slot_mapping: torch.Tensor | None = None,
+                    soft_cap: float | None = None) -> AttentionMetadata:
     """The PyTorch kernels' metadata of a step's prefill chunks (decodes: the backend's choice),
     the step's K/V written by the caller. slot_mapping: the step's slots as a tensor when the
-    caller has one (a write plan's), else made here."""
+    caller has one (a write plan's), else made here; soft_cap: the model's attention logit
+    soft-cap (None: none)."""
     if slot_mapping is None:
         slot_mapping = torch.tensor(c.slot_mapping, dtype=torch.long, device=device)
     prefills = [PrefillSeq(p.query_start, p.query_len, p.context_len,
@@ -111,7 +112,7 @@ def kernel_metadata(c: CommonAttentionMetadata, device: torch.device,
                 for p in c.prefills]
     return AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=c.num_decode_tokens,
                              decode_block_tables=None, decode_mask=None, prefills=prefills,
-                             write_cache=False)
+                             write_cache=False, soft_cap=soft_cap)
 
 
 def padded_decode_tables(tables: list[list[int]], context_lens: list[int], block_size: int,
